@@ -1,0 +1,171 @@
+"""The public call: argument checks, then dispatch to the planned kernel.
+
+``flash_attn_func`` follows flash-attn's signature and layout: q is
+``[batch, seqlen_q, nheads, headdim]``, k and v ``[batch, seqlen_k, nheads_kv,
+headdim]``. Every unsupported input is answered with a ``ValueError`` (or
+``TypeError``) that names the argument and says what is expected, before
+anything touches the GPU.
+"""
+from __future__ import annotations
+
+import math
+from typing import overload, Literal
+
+import torch
+
+from . import plan
+
+# TMA addresses global memory in 16-byte units: the base and every stride
+# but the last must be multiples of 16 bytes; the last stride must be 1.
+_TMA_ALIGN_BYTES = 16
+# TMA strides are encoded in 40 bits (bytes).
+_TMA_MAX_STRIDE_BYTES = 1 << 40
+# TMA box coordinates and extents are 32-bit per axis.
+_TMA_MAX_DIM = (1 << 31) - 1
+# CUDA grid limits for the head (y) and batch (z) axes.
+_GRID_YZ_MAX = 65535
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must have 4 dimensions [batch, seqlen, nheads, headdim], "
+                         f"got shape {tuple(t.shape)}")
+
+
+def _check_tma_addressable(name: str, t: torch.Tensor) -> None:
+    elem = t.element_size()
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last (headdim) dimension, got strides {t.stride()}; "
+                         f"call .contiguous() first")
+    if t.data_ptr() % _TMA_ALIGN_BYTES:
+        raise ValueError(f"{name}'s data pointer must be {_TMA_ALIGN_BYTES}-byte aligned for TMA, "
+                         f"got address {t.data_ptr():#x} (storage offset {t.storage_offset()})")
+    for dim in range(3):
+        stride_bytes = t.stride(dim) * elem
+        if t.size(dim) > 1 and (stride_bytes % _TMA_ALIGN_BYTES or stride_bytes >= _TMA_MAX_STRIDE_BYTES):
+            raise ValueError(f"{name}.stride({dim}) = {t.stride(dim)} elements ({stride_bytes} bytes) cannot be "
+                             f"addressed by TMA: strides must be multiples of {_TMA_ALIGN_BYTES} bytes and below "
+                             f"2**40 bytes; call .contiguous() first")
+        if t.size(dim) > _TMA_MAX_DIM:
+            raise ValueError(f"{name}.shape[{dim}] = {t.size(dim)} exceeds TMA's 2**31 - 1 limit per axis")
+
+
+def check_device(t: torch.Tensor, name: str = "q") -> None:
+    """Raise unless ``t`` lives on a Hopper (sm_90) CUDA device."""
+    if t.device.type != "cuda":
+        raise ValueError(f"{name} must be a CUDA tensor on a Hopper GPU (sm_90), got device '{t.device}'")
+    major, minor = torch.cuda.get_device_capability(t.device)
+    if major != 9:
+        raise ValueError(f"hopper_flash needs a Hopper GPU (compute capability 9.x); {name} is on "
+                         f"'{torch.cuda.get_device_name(t.device)}' with compute capability {major}.{minor}")
+
+
+def validate(q, k, v, softmax_scale, causal) -> float:
+    """Check the arguments of ``flash_attn_func``; return the softmax scale to use."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, "
+                         f"v on {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must have the same dtype, got q {_dtype_name(q.dtype)}, "
+                         f"k {_dtype_name(k.dtype)}, v {_dtype_name(v.dtype)}")
+    if q.dtype not in plan.SUPPORTED_DTYPES:
+        supported = ", ".join(_dtype_name(d) for d in plan.SUPPORTED_DTYPES)
+        raise ValueError(f"q.dtype must be one of ({supported}), got {_dtype_name(q.dtype)}")
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[0] != batch:
+        raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[3]}")
+    if head_dim not in plan.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim (q.shape[3]) must be one of {plan.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    nheads_kv = k.shape[2]
+    if nheads_kv == 0 or nheads % nheads_kv:
+        raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k/v's number of heads "
+                         f"({nheads_kv})")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    else:
+        try:
+            softmax_scale = float(softmax_scale)
+        except (TypeError, ValueError):
+            raise TypeError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}") from None
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
+    check_device(q)
+    if nheads > _GRID_YZ_MAX or batch > _GRID_YZ_MAX:
+        raise ValueError(f"batch ({batch}) and nheads ({nheads}) must each be at most {_GRID_YZ_MAX}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.numel():
+            _check_tma_addressable(name, t)
+    return softmax_scale
+
+
+def forward(q, k, v, softmax_scale, causal, return_lse, out=None):
+    """Validated forward; ``out`` lets tests hand in a poisoned buffer."""
+    softmax_scale = validate(q, k, v, softmax_scale, causal)
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    if out.numel() == 0:
+        pass  # nothing to compute: no launch
+    elif seqlen_k == 0:
+        out.zero_()  # no key at all: zero output, -inf LSE, no launch
+        if lse is not None:
+            lse.fill_(-math.inf)
+    else:
+        if q.device.index != torch.cuda.current_device():
+            with torch.cuda.device(q.device):
+                plan.launch_forward(q, k, v, out, lse, softmax_scale, causal)
+        else:
+            plan.launch_forward(q, k, v, out, lse, softmax_scale, causal)
+    return (out, lse) if return_lse else out
+
+
+@overload
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = ...,
+                    causal: bool = ..., return_lse: Literal[False] = ...) -> torch.Tensor: ...
+
+
+@overload
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = ...,
+                    causal: bool = ..., return_lse: Literal[True] = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+    """Exact attention forward on Hopper, flash-attn compatible.
+
+    Args:
+        q: ``[batch, seqlen_q, nheads, headdim]``.
+        k, v: ``[batch, seqlen_k, nheads_kv, headdim]``; ``nheads`` must be a
+            multiple of ``nheads_kv`` (GQA/MQA, read without a copy).
+        softmax_scale: scale of ``q @ k^T`` before the softmax; default
+            ``1 / sqrt(headdim)``.
+        causal: mask aligned to the bottom-right corner, as flash-attn >= 2.1:
+            query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``.
+            Rows that see no key return zeros.
+        return_lse: also return the log-sum-exp of the scaled scores,
+            ``[batch, nheads, seqlen_q]`` float32, natural log (-inf for rows
+            that see no key).
+
+    Returns:
+        ``out`` shaped like q (contiguous), or ``(out, lse)``.
+
+    Views work without a copy as long as the head dim is contiguous and the
+    other strides are multiples of 16 bytes (for example q, k, v sliced out of
+    one packed ``[batch, seqlen, 3, nheads, headdim]`` tensor).
+    """
+    return forward(q, k, v, softmax_scale, causal, return_lse)

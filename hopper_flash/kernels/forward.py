@@ -1,0 +1,206 @@
+"""The attention forward kernel: the seed's non-persistent pipeline in Gluon.
+
+Read beside ``shared/seed/flash_atten_v4_nonpersistent.co``; names follow it.
+
+One CTA owns one 128-row query tile of one (batch, head). It runs three
+partitions (``gl.warp_specialize``):
+
+* the **producer** (1 warp, few registers) only issues TMA loads: Q once, then
+  K and V tiles into two separate rings of ``K_STAGES`` / ``V_STAGES`` slots,
+  each slot guarded by a *full* barrier (the load landed) and an *empty*
+  barrier (both consumers are done with it);
+* two **consumers** (one warpgroup each, most of the registers) own 64 query
+  rows each. They are the same function with ``CID`` 0 and 1; neither waits
+  for the other, so their softmax phases drift apart and overlap the other's
+  tensor-core work, as the seed's two ``p > 0`` groups do.
+
+KV tiles are visited from the diagonal tile down to tile 0, so only the first
+tile (and, for an unaligned diagonal, the second) needs a mask. In the steady
+state a consumer issues QK of tile ``it`` and PV of tile ``it - 1`` as two
+async wgmma groups, waits for the QK group alone, releases the K slot at once,
+and runs the softmax while PV is still on the tensor cores.
+
+Tensors are addressed through rank-4 TMA descriptors over ``[B, S, H, D]``
+with boxes ``[1, rows, 1, D]``: the sequence axis is bounded per batch, so a
+tail tile reads zeros past ``seqlen`` and its stores are clipped there, and
+any 16-byte-aligned batch/sequence/head strides work without a copy.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .mask import apply_mask, kv_tile_count, tile_needs_mask
+from .pipeline import release, ring_slot, wait_empty, wait_full
+from .softmax import softmax_finish, softmax_first, softmax_step
+
+# Rows of the query tile owned by one consumer warpgroup (wgmma's M).
+WG_M = gl.constexpr(64)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
+              b, h, hk, bm, n_kv, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    # Q is read once per CTA; it lands on q_full.
+    mbarrier.expect(q_full, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, bm * BLOCK_M, h, 0], q_full, q_smem)
+
+    # K and V in separate rings: QK of tile `it` may start while V of tile
+    # `it` is still in flight, since PV of `it` only runs one step later.
+    for it in range(n_kv):
+        bn = n_kv - 1 - it  # diagonal first
+        wait_empty(k_empty, it, K_STAGES)
+        k_slot = ring_slot(it, K_STAGES)
+        mbarrier.expect(k_full.index(k_slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, bn * BLOCK_N, hk, 0], k_full.index(k_slot), k_bufs.index(k_slot))
+
+        wait_empty(v_empty, it, V_STAGES)
+        v_slot = ring_slot(it, V_STAGES)
+        mbarrier.expect(v_full.index(v_slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, bn * BLOCK_N, hk, 0], v_full.index(v_slot), v_bufs.index(v_slot))
+
+
+@gluon.jit
+def _consumer(q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v_empty, o_desc, lse_ptr,
+              b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale, softmax_scale,
+              CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr):
+    dtype: gl.constexpr = o_desc.dtype
+    # wgmma accumulator layouts for one warpgroup: S is [64, BLOCK_N], O is [64, HEAD_DIM].
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    # P feeds PV straight from registers (the seed's acc_s_cast).
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    q = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(CID * WG_M, WG_M)
+    row0 = bm * BLOCK_M + CID * WG_M
+    s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
+
+    mbarrier.wait(q_full, 0)
+
+    # ---- QK prologue: the diagonal tile, always masked. ----
+    bn = n_kv - 1
+    wait_full(k_full, 0, K_STAGES)
+    k = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+    s = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s])
+    release(k_empty, 0, K_STAGES)
+    s = apply_mask(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL)
+    p, scores_max, logsum = softmax_first(s, qk_scale)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    # The output accumulator is born after the prologue so it does not share
+    # the prologue's live range with S.
+    acc_o = gl.zeros([WG_M, HEAD_DIM], gl.float32, o_layout)
+
+    # ---- Steady state: QK[it] and PV[it - 1] as two async groups. ----
+    for it in range(1, n_kv):
+        bn = n_kv - 1 - it
+        wait_full(k_full, it, K_STAGES)
+        k = k_bufs.index(ring_slot(it, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
+        qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
+        wait_full(v_full, it - 1, V_STAGES)
+        v = v_bufs.index(ring_slot(it - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
+        pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
+
+        # One group may stay in flight: the older one, QK, is complete here.
+        s = warpgroup_mma_wait(1, deps=[qk])
+        # QK no longer reads K: release the slot while softmax and PV run.
+        release(k_empty, it, K_STAGES)
+
+        if tile_needs_mask(bn, bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL):
+            s = apply_mask(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL)
+        p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, qk_scale)
+
+        # p_op is a register operand of the PV in flight: keep it alive until
+        # the group completes, then overwrite it with this tile's P.
+        acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
+        release(v_empty, it - 1, V_STAGES)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
+
+    # ---- Final PV, overlapped with the row-sum finalisation. ----
+    wait_full(v_full, n_kv - 1, V_STAGES)
+    v = v_bufs.index(ring_slot(n_kv - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
+    pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
+    inv_logsum, lse = softmax_finish(scores_max, logsum, softmax_scale)
+    acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
+    release(v_empty, n_kv - 1, V_STAGES)
+    acc_o = acc_o * gl.convert_layout(inv_logsum, o_row_layout)[:, None]
+
+    # ---- Epilogue: registers -> shared memory -> TMA store (clipped at seqlen_q). ----
+    o_half = o_smem.index(CID)
+    o_half.reshape([WG_M, HEAD_DIM]).store(acc_o.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], o_half)
+
+    if WRITE_LSE:
+        rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+        lse_row0 = (b * num_heads + h).to(gl.int64) * seqlen_q
+        gl.store(lse_ptr + lse_row0 + rows, lse, mask=rows < seqlen_q)
+
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
+                             seqlen_q, seqlen_k, num_heads, kv_group, qk_scale, softmax_scale,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                             K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                             IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
+    dtype: gl.constexpr = q_desc.dtype
+
+    # Grid: (query tile, head, batch). CTA `tile` takes query tile
+    # n_tiles - 1 - tile so the longest causal rows are launched first and the
+    # non-persistent grid drains with short CTAs.
+    bm = gl.num_programs(0) - 1 - gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    hk = h // kv_group  # GQA/MQA: q heads share kv heads without a copy
+    n_kv = kv_tile_count(bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+
+    q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_full, count=1)
+    for i in gl.static_range(K_STAGES):
+        mbarrier.init(k_full.index(i), count=1)  # the producer's expect-tx arrive
+        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+    for i in gl.static_range(V_STAGES):
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+
+    # Tuples are spelled out per partition: tuple arithmetic inside a jit
+    # function would turn the constexpr entries into run-time values.
+    gl.warp_specialize(
+        [
+            (_consumer, (q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v_empty,
+                         o_desc, lse_ptr, b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale, softmax_scale,
+                         0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE)),
+            (_consumer, (q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v_empty,
+                         o_desc, lse_ptr, b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale, softmax_scale,
+                         1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
+                         b, h, hk, bm, n_kv, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES)),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, PRODUCER_REGS],
+    )

@@ -1,0 +1,54 @@
+"""Which key columns a query row may see, and which KV tiles need a mask.
+
+Causal attention is aligned to the bottom-right corner, as in flash-attn >= 2.1:
+query row ``r`` sees key ``c`` iff ``c <= r + (seqlen_k - seqlen_q)``. Keys at or
+past ``seqlen_k`` (the zero-filled tail of the last TMA tile) are never seen.
+
+The kernel walks KV tiles from the highest index (the diagonal) down to 0, so
+the tiles that need a mask come first: the diagonal tile, a second one when the
+diagonal is not aligned to the tile grid, and (non-causal) the tail tile, which
+is also the highest tile. Every later tile is fully visible and skips the mask.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+@gluon.jit
+def kv_tile_count(bm, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr):
+    """Number of KV tiles query tile ``bm`` reads: tiles ``0 .. n_kv - 1``.
+
+    Never less than 1: a query tile whose rows see no key at all still runs one
+    fully-masked tile, which the softmax turns into zero output and -inf LSE.
+    """
+    if IS_CAUSAL:
+        last_key = gl.minimum((bm + 1) * BLOCK_M + (seqlen_k - seqlen_q), seqlen_k)
+        n_kv = gl.maximum(gl.cdiv(last_key, BLOCK_N), 1)
+    else:
+        n_kv = gl.cdiv(seqlen_k, BLOCK_N)
+    return n_kv
+
+
+@gluon.jit
+def tile_needs_mask(n, bm, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    IS_CAUSAL: gl.constexpr):
+    """True when some (row, column) pair in KV tile ``n`` of query tile ``bm`` is hidden."""
+    crosses_tail = (n + 1) * BLOCK_N > seqlen_k
+    if IS_CAUSAL:
+        # The tile's last column is past the first row's last visible key.
+        crosses_diagonal = (n + 1) * BLOCK_N - 1 > bm * BLOCK_M + (seqlen_k - seqlen_q)
+        needs = crosses_diagonal | crosses_tail
+    else:
+        needs = crosses_tail
+    return needs
+
+
+@gluon.jit
+def apply_mask(s, row0, col0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr):
+    """Set hidden scores of the tile ``s`` (rows from ``row0``, columns from ``col0``) to -inf."""
+    rows = row0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))
+    cols = col0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+    hidden = cols[None, :] >= seqlen_k
+    if IS_CAUSAL:
+        hidden = hidden | (cols[None, :] > rows[:, None] + (seqlen_k - seqlen_q))
+    return gl.where(hidden, -float("inf"), s)

@@ -1,0 +1,45 @@
+"""Barrier rings: slot and phase bookkeeping for the K and V pipelines.
+
+The seed keeps one monotonically increasing ``pipe_order`` counter per ring;
+``event.at(order)`` means slot ``order % STAGES`` waited at parity
+``(order // STAGES) & 1``. The producer waits on the *empty* barrier of a slot
+with the opposite parity, because a freshly initialised mbarrier counts as
+having completed the phase before phase 0: the first pass through the ring
+finds every slot empty without anyone having arrived.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+
+@gluon.jit
+def ring_slot(order, STAGES: gl.constexpr):
+    return order % STAGES
+
+
+@gluon.jit
+def ring_phase(order, STAGES: gl.constexpr):
+    return (order // STAGES) & 1
+
+
+@gluon.jit
+def wait_full(full_bars, order, STAGES: gl.constexpr):
+    """Consumer side: block until the TMA load into this slot has landed."""
+    mbarrier.wait(full_bars.index(ring_slot(order, STAGES)), ring_phase(order, STAGES))
+
+
+@gluon.jit
+def wait_empty(empty_bars, order, STAGES: gl.constexpr):
+    """Producer side: block until every consumer released this slot."""
+    mbarrier.wait(empty_bars.index(ring_slot(order, STAGES)), ring_phase(order, STAGES) ^ 1)
+
+
+@gluon.jit
+def release(empty_bars, order, STAGES: gl.constexpr):
+    """Consumer side: this warpgroup no longer reads the slot.
+
+    The arrive is issued by one thread of the warpgroup. That is enough: a
+    wgmma is warpgroup-collective, so once ``warpgroup_mma_wait`` returned in
+    this thread the whole group's reads of the slot are complete.
+    """
+    mbarrier.arrive(empty_bars.index(ring_slot(order, STAGES)), count=1)

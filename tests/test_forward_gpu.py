@@ -1,0 +1,203 @@
+"""The forward kernel on a Hopper GPU against the float32 reference.
+
+Every check draws fresh random inputs, writes into an output poisoned with NaN
+and framed by guard memory, and holds the kernel to the error of PyTorch SDPA's
+cuDNN backend on the same inputs (1.5x, with a 1e-3 relative floor and a hard
+1e-2 relative ceiling). Where cuDNN cannot express the problem (bottom-right
+causal with unequal lengths, GQA) the baseline is SDPA's efficient backend with
+the same mask.
+"""
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import hopper_flash
+from hopper_flash import interface
+from hopper_flash.reference import attention_reference
+
+pytestmark = pytest.mark.gpu
+
+GUARD = 4096  # elements of sentinel before and after the output
+SENTINEL = 12345.0
+
+
+@dataclass
+class Errors:
+    max_abs: float
+    rel_fro: float
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> Errors:
+    diff = out.double() - ref.double()
+    if not torch.isfinite(out).all():
+        return Errors(math.inf, math.inf)
+    return Errors(diff.abs().max().item(), (diff.norm() / ref.double().norm().clamp_min(1e-30)).item())
+
+
+def make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype=torch.bfloat16, seed=0, magnitude=1.0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(s, h):
+        return (torch.randn(batch, s, h, head_dim, generator=gen, device="cuda") * magnitude).to(dtype)
+
+    return rnd(seqlen_q, nheads), rnd(seqlen_k, nheads_kv), rnd(seqlen_k, nheads_kv)
+
+
+def guarded_out(q):
+    """An output view framed by sentinel guard regions, its body poisoned with NaN."""
+    n = q.numel()
+    buf = torch.full((n + 2 * GUARD, ), SENTINEL, dtype=q.dtype, device=q.device)
+    buf[GUARD:GUARD + n] = float("nan")
+    return buf, buf[GUARD:GUARD + n].view(q.shape)
+
+
+def assert_guards_intact(buf, n):
+    assert (buf[:GUARD] == SENTINEL).all(), "kernel wrote before the output"
+    assert (buf[GUARD + n:] == SENTINEL).all(), "kernel wrote past the output"
+
+
+def baseline_out(q, k, v, causal, scale):
+    """SDPA on the same bf16 inputs: cuDNN where it applies, else efficient + mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    sq, sk = q.shape[1], k.shape[1]
+    if group == 1 and (sq == sk or not causal):
+        try:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                        scale=scale).transpose(1, 2)
+        except RuntimeError:
+            pass
+    if group > 1:
+        kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+    mask = None
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        mask = j <= i + (sk - sq)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    out = out.transpose(1, 2)
+    if causal:  # SDPA gives NaN for rows that see nothing; the convention is 0
+        out = torch.nan_to_num(out, nan=0.0)
+    return out
+
+
+def check_forward(batch, seqlen_q, seqlen_k, nheads, nheads_kv=None, head_dim=128, causal=True,
+                  dtype=torch.bfloat16, scale=None, seed=0, check_lse=True):
+    nheads_kv = nheads_kv or nheads
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, seed)
+    buf, out = guarded_out(q)
+    out, lse = interface.forward(q, k, v, scale, causal, True, out=out)
+    assert_guards_intact(buf, q.numel())
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale, dtype=torch.float32)
+    err = errors(out, ref)
+    base = errors(baseline_out(q, k, v, causal, scale), ref)
+    ref_norm = ref.double().norm().item() / math.sqrt(max(ref.numel(), 1))
+    rel_limit = min(max(1.5 * base.rel_fro, 1e-3), 1e-2)
+    abs_limit = max(1.5 * base.max_abs, 1e-3 * max(ref.abs().max().item(), ref_norm, 1e-6))
+    assert not torch.isnan(out).any(), "unwritten (NaN) or NaN-producing output elements"
+    assert err.rel_fro <= rel_limit, f"rel-Frobenius error {err.rel_fro:.3e} > {rel_limit:.3e} (baseline {base})"
+    assert err.max_abs <= abs_limit, f"max-abs error {err.max_abs:.3e} > {abs_limit:.3e} (baseline {base})"
+    if check_lse:
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), finite), "LSE -inf pattern differs from the reference"
+        if finite.any():
+            lse_err = (lse[finite] - ref_lse[finite]).abs().max().item()
+            assert lse_err <= 1e-3 * max(1.0, ref_lse[finite].abs().max().item()), f"LSE error {lse_err:.3e}"
+    return out, lse
+
+
+SEQLENS = [1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 2048, 4099]
+
+
+@pytest.mark.parametrize("seqlen", SEQLENS)
+@pytest.mark.parametrize("nheads", [1, 4, 32])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_causal_bf16_d128(batch, nheads, seqlen):
+    check_forward(batch, seqlen, seqlen, nheads, causal=True, seed=batch * 100003 + nheads * 101 + seqlen)
+
+
+@pytest.mark.parametrize("seqlen", [1, 63, 128, 129, 1000, 4099])
+@pytest.mark.parametrize("batch,nheads", [(1, 1), (3, 4)])
+def test_noncausal_bf16_d128(batch, nheads, seqlen):
+    check_forward(batch, seqlen, seqlen, nheads, causal=False, seed=seqlen + 7)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(100, 300), (300, 100), (129, 1), (1, 129), (128, 1000),
+                                               (1000, 128), (777, 2049), (2049, 777)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_unequal_lengths(seqlen_q, seqlen_k, causal):
+    check_forward(2, seqlen_q, seqlen_k, 4, causal=causal, seed=seqlen_q * 7 + seqlen_k)
+
+
+@pytest.mark.parametrize("nheads,nheads_kv", [(32, 8), (8, 1), (6, 2)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gqa(nheads, nheads_kv, causal):
+    check_forward(2, 513, 513, nheads, nheads_kv, causal=causal, seed=nheads * 31 + nheads_kv)
+
+
+@pytest.mark.parametrize("scale", [0.05, 0.3])
+def test_custom_scale(scale):
+    check_forward(2, 300, 300, 4, causal=True, scale=scale, seed=int(scale * 1000))
+
+
+def test_deterministic():
+    q, k, v = make_qkv(3, 1000, 1000, 8, 8, 128, seed=5)
+    a, lse_a = hopper_flash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    b, lse_b = hopper_flash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(a, b) and torch.equal(lse_a, lse_b)
+
+
+def test_large_magnitude_is_finite():
+    # q.k up to ~1e4 before scaling: the exp2 argument stays <= 0, no overflow.
+    q, k, v = make_qkv(2, 1000, 1000, 4, 4, 128, seed=9, magnitude=30.0)
+    s = torch.einsum("bqhd,bkhd->bhqk", q[:1, :64].float(), k[:1].float())
+    assert s.abs().max() > 1e3
+    out = hopper_flash.flash_attn_func(q, k, v, causal=True)
+    assert torch.isfinite(out).all()
+    ref, _ = attention_reference(q, k, v, causal=True, dtype=torch.float32)
+    assert errors(out, ref).rel_fro < 1e-2
+
+
+def test_packed_qkv_views_need_no_copy():
+    b, s, h, d = 2, 300, 4, 128
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(dim=2)
+    assert not q.is_contiguous()
+    out = hopper_flash.flash_attn_func(q, k, v, causal=True)
+    ref, _ = attention_reference(q, k, v, causal=True, dtype=torch.float32)
+    assert errors(out, ref).rel_fro < 1e-2
+
+
+def test_bhsd_transposed_views():
+    # A [B, H, S, D] tensor viewed as BSHD has head stride S*D: still TMA-addressable.
+    b, s, h, d = 2, 257, 4, 128
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    out = hopper_flash.flash_attn_func(q, k, v, causal=True)
+    ref, _ = attention_reference(q, k, v, causal=True, dtype=torch.float32)
+    assert errors(out, ref).rel_fro < 1e-2
+
+
+def test_zero_length_kv_gives_zeros():
+    q = torch.randn(1, 5, 2, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 0, 2, 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = hopper_flash.flash_attn_func(q, k, k, causal=False, return_lse=True)
+    assert (out == 0).all() and (lse == -math.inf).all()
+
+
+def test_empty_batch():
+    q = torch.randn(0, 5, 2, 128, device="cuda", dtype=torch.bfloat16)
+    out = hopper_flash.flash_attn_func(q, q, q, causal=True)
+    assert out.shape == q.shape
+
+
+def test_misaligned_pointer_is_rejected():
+    base = torch.randn(2 * 64 * 2 * 128 + 1, device="cuda", dtype=torch.bfloat16)
+    q = base[1:].view(2, 64, 2, 128)
+    with pytest.raises(ValueError, match="q's data pointer must be 16-byte aligned"):
+        hopper_flash.flash_attn_func(q, q, q, causal=True)
