@@ -1,0 +1,183 @@
+"""The attention implementations being compared.
+
+A Backend has a name, an availability check (``None`` when usable, else the
+reason) and ``build(cfg, q, k, v, scale)``, which returns a zero-argument
+callable computing the attention output in BSHD layout. The callable is what
+gets timed, so per-config set-up (transposed views, block masks, compilation
+handles) happens in ``build``. A backend that cannot run a config raises
+``Unsupported``, from ``build`` or from the first call; the runner reports
+that cell as unsupported instead of failing the run.
+
+Everything here imports torch/hopper_flash/flash_attn lazily: availability is
+decided on the GPU machine, not at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+from .configs import Config
+
+AttnFn = Callable[[], object]
+
+
+class Unsupported(Exception):
+    """This backend does not implement the requested configuration."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    check: Callable[[], str | None]
+    build: Callable[..., AttnFn]  # (cfg, q, k, v, scale) -> fn returning BSHD output
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            return self.check()
+        except Exception as e:  # a broken install should be reported, not crash the run
+            return f"{type(e).__name__}: {e}"
+
+
+def _import_check(module: str, attr: str) -> Callable[[], str | None]:
+    def check() -> str | None:
+        try:
+            mod = importlib.import_module(module)
+        except Exception as e:
+            return f"cannot import {module}: {type(e).__name__}: {e}"
+        if not hasattr(mod, attr):
+            return f"{module} has no {attr}"
+        return None
+
+    return check
+
+
+# --- hopper_flash -----------------------------------------------------------
+
+
+def _build_hopper_flash(cfg: Config, q, k, v, scale: float) -> AttnFn:
+    from hopper_flash import flash_attn_func
+
+    def fn():
+        try:
+            return flash_attn_func(q, k, v, softmax_scale=scale, causal=cfg.causal)
+        except (ValueError, NotImplementedError) as e:
+            # The interface's documented way of declining a configuration.
+            raise Unsupported(str(e)) from e
+
+    return fn
+
+
+# --- flash-attn 2 / 3 (BSHD, bottom-right causal, native GQA) ----------------
+
+
+def _build_flash_attn(module: str) -> Callable[..., AttnFn]:
+    def build(cfg: Config, q, k, v, scale: float) -> AttnFn:
+        func = importlib.import_module(module).flash_attn_func
+
+        def fn():
+            out = func(q, k, v, softmax_scale=scale, causal=cfg.causal)
+            # Some FA3 releases return (out, lse).
+            return out[0] if isinstance(out, tuple) else out
+
+        return fn
+
+    return build
+
+
+# --- PyTorch SDPA with one forced kernel --------------------------------------
+
+
+def _build_sdpa(backend_name: str) -> Callable[..., AttnFn]:
+    def build(cfg: Config, q, k, v, scale: float) -> AttnFn:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if cfg.causal and cfg.seqlen_q != cfg.seqlen_kv:
+            raise Unsupported(
+                "SDPA is_causal is top-left aligned; the bench uses bottom-right "
+                "(flash-attn) causal, which only agrees for equal q/kv lengths"
+            )
+        backend = getattr(SDPBackend, backend_name)
+        gqa = cfg.nheads_kv != cfg.heads
+        # SDPA wants BHSD; these are views of the BSHD inputs, no copy.
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        kwargs = {"enable_gqa": True} if gqa else {}
+
+        def call():
+            with sdpa_kernel(backend):
+                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=cfg.causal, scale=scale, **kwargs)
+            return out.transpose(1, 2)
+
+        # Probe once: a forced kernel that cannot take these inputs raises
+        # "No available kernel" and explains why only in warnings.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                call()
+            except RuntimeError as e:
+                if "No available kernel" not in str(e):
+                    raise
+                why = "; ".join(str(w.message).strip() for w in caught) or str(e)
+                raise Unsupported(why) from e
+        return call
+
+    return build
+
+
+# --- FlexAttention, compiled -------------------------------------------------
+
+
+def _flex_check() -> str | None:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except Exception as e:
+        return f"cannot import torch.nn.attention.flex_attention: {e}"
+    return None
+
+
+def _build_flex(cfg: Config, q, k, v, scale: float) -> AttnFn:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    sq, sk = cfg.seqlen_q, cfg.seqlen_kv
+    block_mask = None
+    if cfg.causal:
+        offset = sk - sq  # bottom-right alignment, as hopper_flash and flash-attn
+
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx + offset >= kv_idx
+
+        block_mask = create_block_mask(causal, B=None, H=None, Q_LEN=sq, KV_LEN=sk, device=q.device)
+    # A fresh compile per config: dynamo's recompile limit (8 by default)
+    # would otherwise silently fall back to eager flex after a few shapes.
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    gqa = cfg.nheads_kv != cfg.heads
+
+    def fn():
+        return compiled(qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=gqa).transpose(1, 2)
+
+    return fn
+
+
+def all_backends() -> list[Backend]:
+    """Every backend the bench knows, in table order. cuDNN SDPA is the
+    reference point for the speed ratio column."""
+    torch_check = _import_check("torch.nn.attention", "sdpa_kernel")
+    return [
+        Backend("hopper_flash", _import_check("hopper_flash", "flash_attn_func"), _build_hopper_flash),
+        Backend("sdpa-cudnn", torch_check, _build_sdpa("CUDNN_ATTENTION")),
+        Backend("sdpa-flash", torch_check, _build_sdpa("FLASH_ATTENTION")),
+        Backend("sdpa-efficient", torch_check, _build_sdpa("EFFICIENT_ATTENTION")),
+        Backend("flex-compiled", _flex_check, _build_flex),
+        Backend("fa3", _import_check("flash_attn_interface", "flash_attn_func"), _build_flash_attn("flash_attn_interface")),
+        Backend("fa2", _import_check("flash_attn", "flash_attn_func"), _build_flash_attn("flash_attn")),
+    ]
+
+
+BACKEND_NAMES = tuple(b.name for b in all_backends())
+CUDNN = "sdpa-cudnn"

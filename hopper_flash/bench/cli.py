@@ -1,0 +1,181 @@
+"""``hopper-flash bench``: compare attention forward kernels on a Hopper GPU.
+
+Exit status: 0 when every timed result matches the float32 reference,
+1 when any result FAILs the check or errors, 2 for usage errors or when no
+Hopper GPU is present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Sequence
+
+from .backends import BACKEND_NAMES, Backend, all_backends
+from .configs import DTYPES, Config, ConfigError, default_configs, load_config_file
+from .results import Result
+from .timing import Timer
+
+# Options that override fields of every config in the set.
+OVERRIDES = ("batch", "heads", "kv_heads", "headdim", "causal", "dtype")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hopper-flash", description="hopper_flash tools")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser(
+        "bench",
+        help="benchmark attention forward against other implementations",
+        description=(
+            "Time hopper_flash.flash_attn_func next to PyTorch SDPA (cuDNN, flash, efficient), "
+            "compiled FlexAttention and FlashAttention-2/3 when installed, on the same inputs; "
+            "check every output against a float32 reference. Without --seqlen or --config it runs "
+            "the default set (causal bf16 D128: B4 H32 S1024..16384, B16 H16 S512, B1 H32 S32768); "
+            "--batch/--heads/--kv-heads/--headdim/--causal/--dtype override those fields in every config."
+        ),
+    )
+    p.set_defaults(command_parser=p)
+    shape = p.add_argument_group("configurations")
+    shape.add_argument("--seqlen", type=int, nargs="+", metavar="S", help="query sequence lengths, one config each")
+    shape.add_argument("--seqlen-k", type=int, nargs="+", metavar="S",
+                       help="key/value lengths: one, or one per --seqlen (default: equal to seqlen)")
+    shape.add_argument("--batch", type=int, metavar="N", help="batch size (default 4 with --seqlen)")
+    shape.add_argument("--heads", type=int, metavar="N", help="query heads (default 32 with --seqlen)")
+    shape.add_argument("--kv-heads", type=int, metavar="N", help="key/value heads for GQA (default: = heads)")
+    shape.add_argument("--headdim", type=int, metavar="N", help="head dimension (default 128)")
+    shape.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                       help="causal mask, bottom-right aligned (default: causal)")
+    shape.add_argument("--dtype", choices=DTYPES, help="input dtype (default bf16)")
+    shape.add_argument("--config", metavar="FILE.json",
+                       help="JSON list of config objects with fields: " + ", ".join(
+                           ("seqlen", "seqlen_k", "batch", "heads", "kv_heads", "headdim", "causal", "dtype")))
+    run = p.add_argument_group("running")
+    run.add_argument("--backends", nargs="+", choices=BACKEND_NAMES, metavar="NAME",
+                     help=f"subset to run, from: {', '.join(BACKEND_NAMES)} (default: all)")
+    # do_bench takes time budgets, not counts; the number of timed calls made
+    # is recorded in each result ("reps").
+    run.add_argument("--warmup-ms", "--warmup", type=float, default=100, metavar="MS",
+                     help="untimed warm-up time per cell, in ms (default %(default)g)")
+    run.add_argument("--rep-ms", "--reps", type=float, default=500, metavar="MS",
+                     help="timed repetition time per cell, in ms, each rep after an L2 flush (default %(default)g)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="FILE", help="write all results and the header facts as JSON")
+    out.add_argument("--csv", metavar="FILE", help="write all results as CSV, one row per (config, backend)")
+    out.add_argument("--plot", metavar="FILE.png", help="plot TFLOP/s vs sequence length per backend")
+    out.add_argument("--quiet", action="store_true", help="no progress bar (the report is still printed)")
+    return parser
+
+
+def resolve_configs(args: argparse.Namespace) -> list[Config]:
+    """The config set the options describe; ConfigError when inconsistent."""
+    if args.seqlen_k and not args.seqlen:
+        raise ConfigError("--seqlen-k needs --seqlen")
+    if args.config and args.seqlen:
+        raise ConfigError("use either --config or --seqlen, not both")
+    if args.seqlen:
+        seqlens_k = args.seqlen_k or [None]
+        if len(seqlens_k) == 1:
+            seqlens_k = seqlens_k * len(args.seqlen)
+        elif len(seqlens_k) != len(args.seqlen):
+            raise ConfigError(
+                f"--seqlen-k takes one value or one per --seqlen ({len(args.seqlen)}), got {len(seqlens_k)}"
+            )
+        base = [Config(seqlen=s, seqlen_k=sk) for s, sk in zip(args.seqlen, seqlens_k)]
+    elif args.config:
+        base = load_config_file(args.config)
+    else:
+        base = default_configs()
+    overrides = {name: getattr(args, name) for name in OVERRIDES if getattr(args, name) is not None}
+    try:
+        return [Config(**{**_fields(c), **overrides}) for c in base]
+    except ConfigError as e:
+        raise ConfigError(f"options: {e}") from None
+
+
+def _fields(cfg: Config) -> dict:
+    return {name: getattr(cfg, name) for name in Config.__dataclass_fields__}
+
+
+def select_backends(backends: Sequence[Backend], names: Sequence[str] | None) -> list[Backend]:
+    if not names:
+        return list(backends)
+    return [b for b in backends if b.name in names]
+
+
+def execute(
+    configs: Sequence[Config],
+    backends: Sequence[Backend],
+    timer: Timer,
+    args: argparse.Namespace,
+    command: str,
+    *,
+    device: str = "cuda",
+    matmul_tflops: float | None = None,
+) -> int:
+    """Run, report and write files; the exit status. Separate from the GPU
+    set-up so tests can call it with fake backends and timer on the CPU."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import report, results as results_io, runner
+    from .environment import collect_meta
+
+    total = len(configs) * len(backends)
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True), transient=True, disable=args.quiet,
+    )
+    with progress:
+        task = progress.add_task("starting", total=total)
+        done = iter(range(total))
+
+        def on_step(cfg: Config, backend: str) -> None:
+            progress.update(task, completed=next(done), description=f"{cfg.label} · {backend}")
+
+        results: list[Result] = runner.run(
+            configs, backends, timer, device=device, matmul_tflops=matmul_tflops, on_step=on_step
+        )
+        progress.update(task, completed=total)
+
+    meta = collect_meta(command, matmul_tflops)
+    report.print_report(results, meta)
+    if args.json:
+        results_io.write_json(args.json, results, meta)
+    if args.csv:
+        results_io.write_csv(args.csv, results)
+    if args.plot:
+        from .plot import write_plot
+
+        write_plot(args.plot, results, meta)
+    return 1 if any(r.failed for r in results) else 0
+
+
+def bench(args: argparse.Namespace, configs: list[Config], command: str) -> int:
+    from .environment import hopper_problem
+
+    problem = hopper_problem()
+    if problem:
+        print(f"hopper-flash bench: {problem}", file=sys.stderr)
+        return 2
+    from .timing import do_bench_timer, matmul_tflops
+
+    timer = do_bench_timer(args.warmup_ms, args.rep_ms)
+    backends = select_backends(all_backends(), args.backends)
+    return execute(configs, backends, timer, args, command, device="cuda", matmul_tflops=matmul_tflops(timer))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # The command line that reproduces this run, whichever way it was started.
+    command = shlex.join(["hopper-flash", *argv])
+    if args.command == "bench":
+        try:
+            configs = resolve_configs(args)
+        except ConfigError as e:
+            args.command_parser.error(str(e))  # usage line of `bench`, exit status 2
+        return bench(args, configs, command)
+    parser.error(f"unknown command {args.command}")
+    return 2

@@ -1,0 +1,61 @@
+"""GPU timing: triton's do_bench (with the L2 flush it does) and the dense
+bf16 matmul rate that every result is compared against.
+
+What ``triton.testing.do_bench`` does in triton 3.6 (checked in its source):
+it calls ``fn`` once, estimates the time per call from 5 calls, then runs
+``warmup_ms / estimate`` untimed calls and ``rep_ms / estimate`` timed calls.
+Before each timed call it zeroes a 256 MB buffer
+(``driver.get_empty_cache_for_benchmark`` / ``clear_cache``), which evicts
+the inputs from L2 (50 MB on H100/H200), and times each call with its own pair
+of CUDA events. The flush runs before the start event, so it is not timed,
+and the GPU is still busy with it while Python launches ``fn``: small
+kernels are therefore not measured with launch overhead in them.
+``return_mode="all"`` gives every per-call time; we summarize them ourselves.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+MATMUL_N = 8192
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    reps: int  # timed calls behind the numbers
+
+
+Timer = Callable[[Callable[[], object]], Timing]
+
+
+def summarize(times_ms: list[float]) -> Timing:
+    return Timing(statistics.median(times_ms), min(times_ms), max(times_ms), len(times_ms))
+
+
+def do_bench_timer(warmup_ms: float = 100, rep_ms: float = 500) -> Timer:
+    """A Timer built on triton.testing.do_bench; warmup/rep are time budgets
+    in milliseconds, as do_bench takes them."""
+
+    def timer(fn: Callable[[], object]) -> Timing:
+        from triton.testing import do_bench
+
+        return summarize(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all"))
+
+    return timer
+
+
+def matmul_tflops(timer: Timer, device: str = "cuda") -> float:
+    """Rate of a dense N^3 bf16 torch.matmul (cuBLAS), timed with the same
+    timer: the practical ceiling the attention numbers are expressed against."""
+    import torch
+
+    n = MATMUL_N
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    timing = timer(lambda: torch.matmul(a, b))
+    return 2 * n**3 / (timing.median_ms * 1e-3) / 1e12

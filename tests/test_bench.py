@@ -1,0 +1,186 @@
+"""CPU tests of the bench command: options, config files, FLOP counting and
+the no-GPU exit."""
+
+import json
+
+import pytest
+import torch
+
+from hopper_flash.bench.cli import build_parser, main, resolve_configs
+from hopper_flash.bench.configs import (
+    Config,
+    ConfigError,
+    attention_flops,
+    causal_pairs,
+    default_configs,
+    load_config_file,
+)
+
+
+def configs_for(*argv):
+    return resolve_configs(build_parser().parse_args(["bench", *argv]))
+
+
+# --- options -------------------------------------------------------------------
+
+
+def test_defaults_are_the_seven_default_configs():
+    cfgs = configs_for()
+    assert cfgs == default_configs()
+    assert [(c.batch, c.heads, c.seqlen) for c in cfgs] == [
+        (4, 32, 1024), (4, 32, 2048), (4, 32, 4096), (4, 32, 8192), (4, 32, 16384),
+        (16, 16, 512), (1, 32, 32768),
+    ]
+    for c in cfgs:
+        assert (c.causal, c.dtype, c.headdim, c.nheads_kv, c.seqlen_kv) == (True, "bf16", 128, c.heads, c.seqlen)
+
+
+def test_seqlen_list_and_overrides():
+    cfgs = configs_for("--seqlen", "1024", "2048", "--batch", "2", "--heads", "16", "--kv-heads", "4",
+                       "--no-causal", "--dtype", "fp16", "--headdim", "64")
+    assert [c.seqlen for c in cfgs] == [1024, 2048]
+    for c in cfgs:
+        assert (c.batch, c.heads, c.nheads_kv, c.causal, c.dtype, c.headdim) == (2, 16, 4, False, "fp16", 64)
+        assert c.seqlen_kv == c.seqlen
+
+
+def test_overrides_apply_to_the_default_set_and_keep_kv_heads_equal():
+    cfgs = configs_for("--heads", "8", "--dtype", "fp16")
+    assert len(cfgs) == 7
+    assert all(c.heads == 8 and c.nheads_kv == 8 and c.dtype == "fp16" for c in cfgs)
+
+
+def test_seqlen_k_one_or_one_per_seqlen():
+    assert [c.seqlen_kv for c in configs_for("--seqlen", "128", "256", "--seqlen-k", "512")] == [512, 512]
+    assert [c.seqlen_kv for c in configs_for("--seqlen", "128", "256", "--seqlen-k", "64", "32")] == [64, 32]
+    with pytest.raises(ConfigError, match="one per --seqlen"):
+        configs_for("--seqlen", "128", "256", "--seqlen-k", "1", "2", "3")
+    with pytest.raises(ConfigError, match="needs --seqlen"):
+        configs_for("--seqlen-k", "128")
+
+
+def test_bad_option_values_exit_2_with_message(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--seqlen", "128", "--heads", "6", "--kv-heads", "4"])
+    assert e.value.code == 2
+    assert "multiple of kv_heads" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--backends", "nonsense"])
+
+
+# --- config files ----------------------------------------------------------------
+
+
+def test_config_file_list(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps([
+        {"seqlen": 1024},
+        {"seqlen": 512, "seqlen_k": 2048, "batch": 2, "heads": 8, "kv_heads": 2,
+         "headdim": 64, "causal": False, "dtype": "fp16"},
+    ]))
+    a, b = load_config_file(path)
+    assert a == Config(seqlen=1024)
+    assert (b.seqlen_q, b.seqlen_kv, b.batch, b.heads, b.nheads_kv, b.headdim, b.causal, b.dtype) == (
+        512, 2048, 2, 8, 2, 64, False, "fp16")
+    # Options still override the file's fields.
+    assert [c.dtype for c in configs_for("--config", str(path), "--dtype", "bf16")] == ["bf16", "bf16"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[{\"seqlen\": 1024,}]", "invalid JSON"),
+    ("[{\"seqlen\": 1024, \"seq_len\": 5}]", "unknown field(s) 'seq_len'"),
+    ("[{\"batch\": 2}]", "missing required field 'seqlen'"),
+    ("[{\"seqlen\": 1024, \"dtype\": \"fp8\"}]", "dtype must be one of"),
+    ("[{\"seqlen\": -3}]", "seqlen must be a positive integer"),
+    ("[{\"seqlen\": 1024, \"causal\": 1}]", "causal must be true or false"),
+    ("[]", "non-empty JSON list"),
+    ("[3]", "expected an object"),
+])
+def test_bad_config_file_gives_a_clear_error(tmp_path, text, message):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config_file(path)
+    assert message in str(e.value)
+    assert str(path) in str(e.value)
+
+
+def test_bad_config_file_through_main_exits_2(tmp_path, capsys):
+    path = tmp_path / "bad.json"
+    path.write_text("[{\"seqlen\": 1024, \"nheads\": 4}]")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--config", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown field(s) 'nheads'" in err and "Traceback" not in err
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config_file(tmp_path / "nope.json")
+
+
+# --- FLOPs -------------------------------------------------------------------------
+
+
+def brute_force_pairs(sq, sk):
+    return sum(1 for i in range(sq) for j in range(sk) if j <= i + sk - sq)
+
+
+def test_non_causal_flops():
+    c = Config(seqlen=1024, seqlen_k=3000, batch=2, heads=8, kv_heads=2, headdim=64, causal=False)
+    assert attention_flops(c) == 4 * 2 * 8 * 1024 * 3000 * 64  # query heads count, not kv heads
+
+
+def test_causal_equal_lengths_is_exactly_half():
+    c = Config(seqlen=4096, batch=4, heads=32, headdim=128, causal=True)
+    assert attention_flops(c) * 2 == attention_flops(Config(seqlen=4096, causal=False))
+    assert attention_flops(c) == 2 * 4 * 32 * 4096**2 * 128
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (5, 5), (3, 8), (8, 3), (1, 100), (100, 1), (17, 64), (64, 17)])
+def test_causal_pairs_bottom_right(sq, sk):
+    assert causal_pairs(sq, sk) == brute_force_pairs(sq, sk)
+
+
+def test_causal_unequal_lengths_counts_visible_pairs():
+    c = Config(seqlen=128, seqlen_k=512, batch=2, heads=4, headdim=64)
+    # Bottom-right: every query sees the 384 keys before the query block plus its own prefix.
+    pairs = 128 * 384 + 128 * 129 // 2
+    assert causal_pairs(128, 512) == pairs
+    assert attention_flops(c) == 4 * 2 * 4 * 64 * pairs
+    # More queries than keys: the first 384 rows see nothing.
+    assert causal_pairs(512, 128) == 128 * 129 // 2
+
+
+# --- no Hopper GPU --------------------------------------------------------------------
+
+
+def test_no_cuda_prints_plain_message_and_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also when run on a GPU machine
+    assert main(["bench"]) == 2
+    captured = capsys.readouterr()
+    assert "Hopper" in captured.err and "sm_90" in captured.err
+    assert "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_non_hopper_gpu_names_it(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    assert main(["bench", "--seqlen", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert "NVIDIA A100-SXM4-80GB" in err and "8.0" in err and "sm_90" in err
+
+
+def test_module_entry_point_runs_without_traceback():
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: this would run the benchmark")
+    proc = subprocess.run([sys.executable, "-m", "hopper_flash.bench", "--seqlen", "128"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "sm_90" in proc.stderr and "Traceback" not in proc.stderr

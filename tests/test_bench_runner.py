@@ -1,0 +1,185 @@
+"""The runner with fake backends and a fake timer, on the CPU: statuses,
+the correctness check, the exit status and the float32 reference."""
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from hopper_flash.bench import reference as reference_mod
+from hopper_flash.bench.backends import Backend, Unsupported, _build_sdpa
+from hopper_flash.bench.cli import execute
+from hopper_flash.bench.configs import Config, attention_flops
+from hopper_flash.bench.reference import check_rows, compute_reference, max_abs_error
+from hopper_flash.bench.results import ERROR, FAIL, OK, UNAVAILABLE, UNSUPPORTED
+from hopper_flash.bench.runner import make_inputs, run
+from hopper_flash.bench.timing import Timing
+
+SMALL = Config(seqlen=64, batch=2, heads=4, headdim=16)
+
+
+def fake_timer(fn):
+    fn()  # the timed callable must still run
+    return Timing(median_ms=2.0, min_ms=1.9, max_ms=2.5, reps=10)
+
+
+def naive_attention(q, k, v, scale, causal):
+    """Loop-free float32 attention, bottom-right causal, GQA by repeat."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    k = k.float().repeat_interleave(h // hkv, dim=2)
+    v = v.float().repeat_interleave(h // hkv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * scale
+    if causal:
+        visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+        s = s.masked_fill(~visible, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def good_build(cfg, q, k, v, scale):
+    return lambda: naive_attention(q, k, v, scale, cfg.causal).to(q.dtype)
+
+
+def backend(name, build=good_build, reason=None):
+    return Backend(name, lambda: reason, build)
+
+
+def options(**kw):
+    return argparse.Namespace(**{"quiet": True, "json": None, "csv": None, "plot": None, **kw})
+
+
+def test_statuses_for_each_kind_of_backend():
+    def wrong(cfg, q, k, v, scale):
+        return lambda: naive_attention(q, k, v, scale, not cfg.causal).to(q.dtype)  # ignores the mask
+
+    def nan(cfg, q, k, v, scale):
+        return lambda: torch.full_like(q, float("nan"))
+
+    def declines(cfg, q, k, v, scale):
+        raise Unsupported("only headdim 128")
+
+    def crashes(cfg, q, k, v, scale):
+        def fn():
+            raise RuntimeError("CUDA error: an illegal memory access\nmore detail")
+        return fn
+
+    def bad_shape(cfg, q, k, v, scale):
+        return lambda: q.transpose(1, 2)
+
+    backends = [backend("sdpa-cudnn"), backend("good"), backend("wrong", wrong), backend("nan", nan),
+                backend("declines", declines), backend("crashes", crashes), backend("shape", bad_shape),
+                backend("missing", reason="cannot import flash_attn")]
+    results = run([SMALL], backends, fake_timer, device="cpu", matmul_tflops=1.0)
+    by = {r.backend: r for r in results}
+    assert [r.backend for r in results] == [b.name for b in backends]
+    assert by["good"].status == OK and by["good"].max_abs_err < 2e-2
+    assert by["good"].median_ms == 2.0 and by["good"].reps == 10
+    assert by["good"].tflops == pytest.approx(attention_flops(SMALL) / 2e-3 / 1e12)
+    assert by["good"].pct_matmul == pytest.approx(100 * by["good"].tflops)
+    assert by["good"].speedup_vs_cudnn == pytest.approx(1.0)
+    assert by["good"].rows_checked == 64
+    assert by["wrong"].status == FAIL and "max abs error" in by["wrong"].message
+    assert by["nan"].status == FAIL and math.isnan(by["nan"].max_abs_err)
+    assert by["declines"].status == UNSUPPORTED and by["declines"].message == "only headdim 128"
+    assert by["crashes"].status == ERROR and by["crashes"].message == "RuntimeError: CUDA error: an illegal memory access"
+    assert by["shape"].status == FAIL and "shape" in by["shape"].message
+    assert by["missing"].status == UNAVAILABLE and by["missing"].message == "cannot import flash_attn"
+    assert {r.backend for r in results if r.failed} == {"wrong", "nan", "crashes", "shape"}
+
+
+def test_all_backends_get_the_same_random_inputs():
+    seen = []
+
+    def spy(cfg, q, k, v, scale):
+        seen.append((q, k, v))
+        return good_build(cfg, q, k, v, scale)
+
+    run([SMALL], [backend("a", spy), backend("b", spy)], fake_timer, device="cpu")
+    (q1, k1, v1), (q2, k2, v2) = seen
+    assert q1 is q2 and k1 is k2 and v1 is v2
+    assert q1.std() > 0.5 and not torch.equal(q1, k1)  # random, not zeros or copies
+
+
+def test_failure_makes_exit_status_1_and_the_table_says_fail(capsys):
+    def off(cfg, q, k, v, scale):
+        return lambda: (naive_attention(q, k, v, scale, cfg.causal) + 0.1).to(q.dtype)
+
+    status = execute([SMALL], [backend("good"), backend("fast-but-wrong", off)], fake_timer,
+                     options(), "hopper-flash bench", device="cpu", matmul_tflops=1.0)
+    assert status == 1
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "fast-but-wrong" in line and "|" in line)
+    assert "FAIL" in row
+    assert "failed; exit status 1" in out
+
+
+def test_all_passing_exit_status_0(capsys):
+    def declines(cfg, q, k, v, scale):
+        raise Unsupported("not yet")
+
+    status = execute([SMALL, Config(seqlen=32, batch=1, heads=2, headdim=16, causal=False)],
+                     [backend("good"), backend("later", declines), backend("absent", reason="not installed")],
+                     fake_timer, options(), "hopper-flash bench", device="cpu")
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "not yet" in out and "absent: unavailable (not installed)" in out
+    assert "All 2 timed results match" in out
+
+
+# --- the float32 reference ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [
+    SMALL,
+    Config(seqlen=48, seqlen_k=80, batch=1, heads=4, kv_heads=2, headdim=16),   # GQA, more keys
+    Config(seqlen=80, seqlen_k=48, batch=1, heads=2, headdim=16),               # rows with no visible key
+    Config(seqlen=48, seqlen_k=80, batch=2, heads=4, kv_heads=1, headdim=16, causal=False),
+])
+def test_reference_matches_naive_attention(cfg):
+    q, k, v = make_inputs(cfg, "cpu")
+    scale = cfg.headdim ** -0.5
+    ref = compute_reference(cfg, q, k, v, scale)
+    expected = naive_attention(q, k, v, scale, cfg.causal)
+    torch.testing.assert_close(ref.out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_long_sequences_check_sampled_rows_in_every_block(monkeypatch):
+    monkeypatch.setattr(reference_mod, "FULL_CHECK_MAX_SEQLEN", 100)
+    monkeypatch.setattr(reference_mod, "MAX_SCORE_ELEMENTS", 1000)  # forces chunking over heads
+    rows = check_rows(1000, "cpu")
+    assert rows[0] == 0 and rows[-1] == 999
+    assert set((rows // 64).tolist()) == set(range(16))  # every 64-row block
+    cfg = Config(seqlen=1000, batch=1, heads=3, headdim=8)
+    q, k, v = make_inputs(cfg, "cpu")
+    ref = compute_reference(cfg, q, k, v, 8 ** -0.5)
+    assert ref.num_rows == len(rows) < 1000
+    full = naive_attention(q, k, v, 8 ** -0.5, True)
+    torch.testing.assert_close(ref.out, full[:, ref.rows], atol=1e-5, rtol=1e-5)
+    assert max_abs_error(full, ref) < 1e-5
+
+
+def test_nan_anywhere_is_an_error_even_outside_checked_rows(monkeypatch):
+    monkeypatch.setattr(reference_mod, "FULL_CHECK_MAX_SEQLEN", 100)
+    cfg = Config(seqlen=1000, batch=1, heads=1, headdim=8)
+    q, k, v = make_inputs(cfg, "cpu")
+    ref = compute_reference(cfg, q, k, v, 8 ** -0.5)
+    out = naive_attention(q, k, v, 8 ** -0.5, True)
+    unchecked = next(i for i in range(1000) if i not in set(ref.rows.tolist()))
+    out[0, unchecked, 0, 0] = float("nan")
+    assert math.isnan(max_abs_error(out, ref))
+
+
+# --- a real backend builder, on the CPU -------------------------------------------------
+
+
+def test_sdpa_backend_transposes_and_declines_unequal_causal():
+    build = _build_sdpa("MATH")
+    q, k, v = make_inputs(SMALL, "cpu")
+    out = build(SMALL, q, k, v, 0.25)()
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.float(), naive_attention(q, k, v, 0.25, True), atol=2e-2, rtol=0)
+    unequal = Config(seqlen=32, seqlen_k=64, batch=1, heads=2, headdim=16)
+    with pytest.raises(Unsupported, match="top-left"):
+        build(unequal, *make_inputs(unequal, "cpu"), 0.25)
