@@ -1,0 +1,84 @@
+"""Compile-only checks of the shipped forward kernel for sm_90a (no GPU needed).
+
+Each specialisation the public API can launch is compiled once per session
+(a few seconds each) and its PTX, SASS and resource usage are checked:
+no spills, the Hopper instructions the design relies on are present
+(HGMMA/wgmma, TMA loads and stores, setmaxnreg), shared memory fits.
+"""
+import functools
+import re
+
+import pytest
+
+from hopper_flash import compile_check
+
+SPECS = list(compile_check.shipped_specialisations())
+
+
+def spec_id(spec):
+    cfg, dtype, causal, write_lse = spec
+    return f"d{cfg.head_dim}-{dtype}-{'causal' if causal else 'full'}-{'lse' if write_lse else 'nolse'}"
+
+
+@functools.lru_cache(maxsize=None)
+def _census(spec):
+    return compile_check.census(*spec)
+
+
+@pytest.fixture(params=SPECS, ids=spec_id)
+def report(request):
+    return _census(request.param)
+
+
+def test_specialisations_cover_the_api():
+    from hopper_flash import plan
+
+    keys = {(cfg.head_dim, dtype, causal, lse) for cfg, dtype, causal, lse in SPECS}
+    assert len(keys) == len(SPECS)
+    assert keys == {(d, str(t).removeprefix("torch."), c, l) for d in plan.SUPPORTED_HEAD_DIMS
+                    for t in plan.SUPPORTED_DTYPES for c in (False, True) for l in (False, True)}
+
+
+def test_no_spills(report):
+    assert report.stack_bytes == 0, f"stack frame {report.stack_bytes} bytes"
+    assert report.local_bytes == 0, f"local memory {report.local_bytes} bytes"
+    assert report.sass_counts["LDL"] == 0 and report.sass_counts["STL"] == 0, report.sass_counts
+    assert not report.spills
+
+
+def test_hopper_instructions_in_sass(report):
+    counts = report.sass_counts
+    for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG"):
+        assert counts[op] > 0, f"{op} missing from SASS: {counts}"
+
+
+def test_shared_memory_fits(report):
+    assert 0 < report.shared_bytes <= compile_check.SMEM_LIMIT_BYTES
+
+
+def test_ptx_register_reallocation_and_wgmma(report):
+    assert re.search(r"\bsetmaxnreg\.inc\b", report.ptx)
+    assert re.search(r"\bsetmaxnreg\.dec\b", report.ptx)
+    assert "wgmma.mma_async" in report.ptx
+
+
+def test_tma_copies_are_rank_4(report):
+    """The rank-4 [B, S, H, D] descriptor keeps tail tiles inside their batch
+    (TMA clips and zero-fills at the sequence end); a flattened 2-D/3-D
+    descriptor would read the next batch's rows instead."""
+    ranks = set(re.findall(r"cp\.async\.bulk\.tensor\.(\d)d\.", report.ptx))
+    assert ranks == {"4"}, f"bulk tensor copy ranks in PTX: {sorted(ranks)}"
+    assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::cluster\.global", report.ptx), "no 4-D TMA load"
+    assert re.search(r"cp\.async\.bulk\.tensor\.4d\.global\.shared::cta", report.ptx), "no 4-D TMA store"
+
+
+def test_output_written_only_by_tma_unless_lse(report):
+    """O goes out through TMA stores; the only plain global stores are the LSE's."""
+    has_st_global = bool(re.search(r"\bst\.global\b", report.ptx))
+    assert has_st_global == report.write_lse
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s[2]], ids=spec_id)
+def test_causal_specialisation_differs_from_full(spec):
+    cfg, dtype, _, write_lse = spec
+    assert _census(spec).ptx != _census((cfg, dtype, False, write_lse)).ptx
