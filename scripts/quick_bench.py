@@ -6,7 +6,14 @@ import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import dataclasses
+
 import hopper_flash
+from hopper_flash import plan
+
+# --pingpong: time the kernel with the consumers' ping-pong schedule.
+if "--pingpong" in sys.argv:
+    plan.CONFIGS[128] = dataclasses.replace(plan.CONFIGS[128], pingpong=True)
 
 B, H, D = 4, 32, 128
 causal_modes = [True, False] if "--both" in sys.argv else [True]

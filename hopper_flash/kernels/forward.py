@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .mask import apply_mask, kv_tile_count, tile_needs_mask
-from .pipeline import release, ring_slot, wait_empty, wait_full
+from .pipeline import pass_mma_turn, release, ring_slot, take_mma_turn, wait_empty, wait_full
 from .softmax import softmax_finish, softmax_first, softmax_step
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
@@ -67,10 +67,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, k_full, k_
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v_empty, o_desc, lse_ptr,
+def _consumer(q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v_empty, mma_turn, o_desc, lse_ptr,
               b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale, softmax_scale,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr):
+              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+              PINGPONG: gl.constexpr):
     dtype: gl.constexpr = o_desc.dtype
     # wgmma accumulator layouts for one warpgroup: S is [64, BLOCK_N], O is [64, HEAD_DIM].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -91,7 +92,9 @@ def _consumer(q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v
     bn = n_kv - 1
     wait_full(k_full, 0, K_STAGES)
     k = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+    take_mma_turn(mma_turn, 0, CID, PINGPONG)
     s = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
+    pass_mma_turn(mma_turn, CID, PINGPONG)
     s = warpgroup_mma_wait(0, deps=[s])
     release(k_empty, 0, K_STAGES)
     s = apply_mask(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL)
@@ -107,10 +110,12 @@ def _consumer(q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v
         bn = n_kv - 1 - it
         wait_full(k_full, it, K_STAGES)
         k = k_bufs.index(ring_slot(it, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
-        qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
         wait_full(v_full, it - 1, V_STAGES)
         v = v_bufs.index(ring_slot(it - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
+        take_mma_turn(mma_turn, it, CID, PINGPONG)
+        qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
         pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
+        pass_mma_turn(mma_turn, CID, PINGPONG)
 
         # One group may stay in flight: the older one, QK, is complete here.
         s = warpgroup_mma_wait(1, deps=[qk])
@@ -131,7 +136,9 @@ def _consumer(q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v
     # ---- Final PV, overlapped with the row-sum finalisation. ----
     wait_full(v_full, n_kv - 1, V_STAGES)
     v = v_bufs.index(ring_slot(n_kv - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
+    take_mma_turn(mma_turn, n_kv, CID, PINGPONG)
     pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
+    pass_mma_turn(mma_turn, CID, PINGPONG)
     inv_logsum, lse = softmax_finish(scores_max, logsum, softmax_scale)
     acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
     release(v_empty, n_kv - 1, V_STAGES)
@@ -151,13 +158,17 @@ def _consumer(q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v
     tma.store_wait(0)
 
 
-@gluon.jit
+# Lengths and head counts stay run-time values: one compiled kernel per
+# (dtype, head dim, causal, lse) serves every shape, which lets the host cache
+# it and skip Triton's per-call specialisation (see plan.launch_forward).
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_heads", "kv_group"])
 def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              seqlen_q, seqlen_k, num_heads, kv_group, qk_scale, softmax_scale,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                              IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                             PINGPONG: gl.constexpr):
     gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
     dtype: gl.constexpr = q_desc.dtype
 
@@ -180,7 +191,11 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    # mma_turn[c]: consumer c may issue its next wgmma groups (PINGPONG).
+    mma_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_full, count=1)
+    mbarrier.init(mma_turn.index(0), count=1)
+    mbarrier.init(mma_turn.index(1), count=1)
     for i in gl.static_range(K_STAGES):
         mbarrier.init(k_full.index(i), count=1)  # the producer's expect-tx arrive
         mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
@@ -193,11 +208,13 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.warp_specialize(
         [
             (_consumer, (q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v_empty,
-                         o_desc, lse_ptr, b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale, softmax_scale,
-                         0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE)),
+                         mma_turn, o_desc, lse_ptr, b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale,
+                         softmax_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
+                         PINGPONG)),
             (_consumer, (q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v_empty,
-                         o_desc, lse_ptr, b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale, softmax_scale,
-                         1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE)),
+                         mma_turn, o_desc, lse_ptr, b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale,
+                         softmax_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
+                         PINGPONG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
                          b, h, hk, bm, n_kv, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES)),
         ],
