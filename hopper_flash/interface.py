@@ -39,28 +39,42 @@ def _check_tensor(name: str, t) -> None:
 
 
 def _check_tma_addressable(name: str, t: torch.Tensor) -> None:
-    elem = t.element_size()
-    if t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last (headdim) dimension, got strides {t.stride()}; "
+    """TMA rules for a BSHD operand. Axes of extent 1 are never stepped by the
+    kernel, so their strides are free (``plan.tma_strides`` replaces them)."""
+    shape, strides, elem = t.shape, t.stride(), t.element_size()
+    if strides[3] != 1:
+        raise ValueError(f"{name} must be contiguous in its last (headdim) dimension, got strides {strides}; "
                          f"call .contiguous() first")
     if t.data_ptr() % _TMA_ALIGN_BYTES:
         raise ValueError(f"{name}'s data pointer must be {_TMA_ALIGN_BYTES}-byte aligned for TMA, "
                          f"got address {t.data_ptr():#x} (storage offset {t.storage_offset()})")
     for dim in range(3):
-        stride_bytes = t.stride(dim) * elem
-        if t.size(dim) > 1 and (stride_bytes % _TMA_ALIGN_BYTES or stride_bytes >= _TMA_MAX_STRIDE_BYTES):
-            raise ValueError(f"{name}.stride({dim}) = {t.stride(dim)} elements ({stride_bytes} bytes) cannot be "
-                             f"addressed by TMA: strides must be multiples of {_TMA_ALIGN_BYTES} bytes and below "
-                             f"2**40 bytes; call .contiguous() first")
-        if t.size(dim) > _TMA_MAX_DIM:
-            raise ValueError(f"{name}.shape[{dim}] = {t.size(dim)} exceeds TMA's 2**31 - 1 limit per axis")
+        if shape[dim] == 1:
+            continue
+        stride_bytes = strides[dim] * elem
+        if stride_bytes <= 0 or stride_bytes % _TMA_ALIGN_BYTES or stride_bytes >= _TMA_MAX_STRIDE_BYTES:
+            what = ("an expanded (stride 0) axis: pass the unexpanded tensor; k/v with fewer heads than q are "
+                    "read natively (GQA/MQA)") if stride_bytes == 0 else (
+                        f"strides must be positive multiples of {_TMA_ALIGN_BYTES} bytes below 2**40 bytes; "
+                        f"call .contiguous() first")
+            raise ValueError(f"{name}.stride({dim}) = {strides[dim]} elements ({stride_bytes} bytes) cannot be "
+                             f"addressed by TMA: {what}")
+        if shape[dim] > _TMA_MAX_DIM:
+            raise ValueError(f"{name}.shape[{dim}] = {shape[dim]} exceeds TMA's 2**31 - 1 limit per axis")
+
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
 def check_device(t: torch.Tensor, name: str = "q") -> None:
     """Raise unless ``t`` lives on a Hopper (sm_90) CUDA device."""
-    if t.device.type != "cuda":
-        raise ValueError(f"{name} must be a CUDA tensor on a Hopper GPU (sm_90), got device '{t.device}'")
-    major, minor = torch.cuda.get_device_capability(t.device)
+    device = t.device
+    if device.type != "cuda":
+        raise ValueError(f"{name} must be a CUDA tensor on a Hopper GPU (sm_90), got device '{device}'")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    major, minor = _CAPABILITY[index]
     if major != 9:
         raise ValueError(f"hopper_flash needs a Hopper GPU (compute capability 9.x); {name} is on "
                          f"'{torch.cuda.get_device_name(t.device)}' with compute capability {major}.{minor}")

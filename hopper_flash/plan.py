@@ -110,6 +110,20 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def tma_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides with those of extent-1 axes replaced by the contiguous
+    value: the kernel never steps along such an axis, but TMA still wants every
+    stride 16-byte aligned, and torch leaves them arbitrary."""
+    shape, strides = t.shape, t.stride()
+    if 1 not in shape[:-1]:
+        return strides
+    fixed = list(strides)
+    for d in range(len(shape) - 2, -1, -1):
+        if shape[d] == 1:
+            fixed[d] = fixed[d + 1] * shape[d + 1]
+    return tuple(fixed)
+
+
 class _Desc:
     """What Triton's launcher reads from a host TensorDescriptor (base, shape,
     strides, padding), without its per-call validation: the arguments were
@@ -120,14 +134,14 @@ class _Desc:
     def __init__(self, t: torch.Tensor):
         self.base = t
         self.shape = t.shape
-        self.strides = t.stride()
+        self.strides = tma_strides(t)
         self.padding = "zero"
 
 
 def _descriptor(t: torch.Tensor, block_shape: list[int]):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape, smem_layout(block_shape, t.dtype))
+    return TensorDescriptor(t, list(t.shape), list(tma_strides(t)), block_shape, smem_layout(block_shape, t.dtype))
 
 
 def _launch_hooked() -> bool:

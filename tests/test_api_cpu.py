@@ -216,6 +216,12 @@ def _fake_cuda_tensor():
     return types.SimpleNamespace(device=torch.device("cuda", 0))
 
 
+@pytest.fixture(autouse=True)
+def _fresh_capability_cache(monkeypatch):
+    # check_device caches each device's capability; the fakes below differ per test.
+    monkeypatch.setattr(interface, "_CAPABILITY", {})
+
+
 @pytest.mark.parametrize("cap, gpu", [((8, 0), "NVIDIA A100"), ((10, 0), "NVIDIA B200"), ((8, 9), "NVIDIA L4")])
 def test_check_device_rejects_non_hopper_gpu(monkeypatch, cap, gpu):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
@@ -249,7 +255,7 @@ def test_tma_rejects_stride_not_multiple_of_16_bytes(dim):
     assert t.data_ptr() % 16 == 0
     with pytest.raises(ValueError, match=rf"^v\.stride\({dim}\) = {strides[dim]} elements "
                                          rf"\({2 * strides[dim]} bytes\) cannot be addressed by TMA: "
-                                         r"strides must be multiples of 16 bytes"):
+                                         r"strides must be positive multiples of 16 bytes"):
         interface._check_tma_addressable("v", t)
     strides[dim] -= 1  # the aligned version is accepted
     interface._check_tma_addressable("v", buf.as_strided((B, S, H, D), strides))
@@ -312,12 +318,16 @@ def test_validate_accepts_packed_qkv(no_device_check):
     assert interface.validate(q, k, v, None, True) == pytest.approx(1 / math.sqrt(D))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "library bug: _check_tma_addressable skips the 16-byte stride rule for size-1 dims, but triton's "
-    "TensorDescriptor (and cuTensorMapEncodeTiled) require every stride but the last to be a multiple of 16 "
-    "bytes, so plan._descriptor fails with a bare AssertionError after validation passed"))
+# Regression: validation skips size-1 axes, and plan.tma_strides makes their
+# strides aligned, so a descriptor is always buildable after validation.
 def test_whatever_validation_accepts_triton_descriptor_accepts():
     # batch 1 with a batch stride of 4097 elements (8194 bytes): legal for torch, never stepped by the kernel.
     t = torch.zeros(B * S * H * D + 8, dtype=BF16).as_strided((1, S, H, D), (S * H * D + 1, H * D, D, 1))
     interface._check_tma_addressable("q", t)  # accepted
     plan._descriptor(t, plan.block_shapes(plan.CONFIGS[D])["q"])
+
+
+def test_tma_rejects_expanded_heads_with_gqa_hint():
+    k = torch.zeros(B, S, 1, D, dtype=BF16).expand(B, S, H, D)
+    with pytest.raises(ValueError, match=r"k\.stride\(2\) = 0 elements .*expanded.*GQA/MQA"):
+        interface._check_tma_addressable("k", k)
