@@ -48,15 +48,23 @@ class ForwardConfig:
 
     def shared_bytes(self, elem_bytes: int = 2) -> int:
         tile = self.head_dim * elem_bytes
-        return tile * (self.block_m + (self.k_stages + self.v_stages) * self.block_n + self.block_m)
+        # Q, the K and V rings; O is staged in Q's rows.
+        return tile * (self.block_m + (self.k_stages + self.v_stages) * self.block_n)
 
 
 # One entry per supported head dim. D=128 is the seed's configuration.
+# - 64: the seed's tiles; S and P cost as much as for D=128 but the GEMMs half
+#   as much, so this head dim is softmax-bound.
+# - 256: O alone takes 128 registers per consumer thread and a 128x256 K or V
+#   tile 64 KB, so KV tiles are 64 rows: S is 32 registers and two stages of
+#   K and V plus Q fit in 192 KB.
 CONFIGS: dict[int, ForwardConfig] = {
+    64: ForwardConfig(head_dim=64),
     128: ForwardConfig(head_dim=128),
+    256: ForwardConfig(head_dim=256, block_n=64),
 }
 SUPPORTED_HEAD_DIMS = tuple(sorted(CONFIGS))
-SUPPORTED_DTYPES = (torch.bfloat16, )
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @lru_cache(maxsize=None)
@@ -78,9 +86,9 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool) -> dict
 
 def block_shapes(cfg: ForwardConfig) -> dict[str, list[int]]:
     """TMA boxes over the rank-4 ``[B, S, H, D]`` view: one head, ``rows`` of
-    the sequence, the whole head dim. O is stored per consumer warpgroup."""
+    the sequence, the whole head dim. Q and O move per consumer warpgroup."""
     return {
-        "q": [1, cfg.block_m, 1, cfg.head_dim],
+        "q": [1, cfg.block_m // 2, 1, cfg.head_dim],
         "k": [1, cfg.block_n, 1, cfg.head_dim],
         "v": [1, cfg.block_n, 1, cfg.head_dim],
         "o": [1, cfg.block_m // 2, 1, cfg.head_dim],

@@ -201,3 +201,33 @@ def test_misaligned_pointer_is_rejected():
     q = base[1:].view(2, 64, 2, 128)
     with pytest.raises(ValueError, match="q's data pointer must be 16-byte aligned"):
         hopper_flash.flash_attn_func(q, q, q, causal=True)
+
+
+# ---- Head dims 64 and 256, fp16, and their combinations with the other axes.
+
+@pytest.mark.parametrize("seqlen", [1, 65, 129, 1000, 2049])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_head_dims(head_dim, causal, seqlen):
+    check_forward(2, seqlen, seqlen, 4, head_dim=head_dim, causal=causal, seed=head_dim + seqlen)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_fp16(head_dim, causal):
+    check_forward(2, 777, 777, 4, head_dim=head_dim, causal=causal, dtype=torch.float16, seed=head_dim)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(100, 300), (300, 100), (1, 129), (129, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_head_dims_unequal_gqa(head_dim, dtype, seqlen_q, seqlen_k):
+    check_forward(2, seqlen_q, seqlen_k, 8, 2, head_dim=head_dim, causal=True, dtype=dtype,
+                  seed=seqlen_q * 3 + seqlen_k)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_head_dims_deterministic(head_dim):
+    q, k, v = make_qkv(2, 1000, 1000, 4, 4, head_dim, seed=11)
+    a = hopper_flash.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(a, hopper_flash.flash_attn_func(q, k, v, causal=True))

@@ -47,9 +47,10 @@ WG_M = gl.constexpr(64)
 def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
               b, h, hk, bm, n_kv, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
-    # Q is read once per CTA; it lands on q_full.
-    mbarrier.expect(q_full, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, bm * BLOCK_M, h, 0], q_full, q_smem)
+    # Q is read once per CTA, as one box per consumer half; both land on q_full.
+    mbarrier.expect(q_full, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, bm * BLOCK_M, h, 0], q_full, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [b, bm * BLOCK_M + BLOCK_M // 2, h, 0], q_full, q_smem.index(1))
 
     # K and V in separate rings: QK of tile `it` may start while V of tile
     # `it` is still in flight, since PV of `it` only runs one step later.
@@ -67,7 +68,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, k_full, k_
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v_empty, mma_turn, o_desc, lse_ptr,
+def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, mma_turn, o_desc, lse_ptr,
               b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale, softmax_scale,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
@@ -82,7 +83,7 @@ def _consumer(q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q = q_smem.reshape([BLOCK_M, HEAD_DIM]).slice(CID * WG_M, WG_M)
+    q = q_smem.index(CID).reshape([WG_M, HEAD_DIM])
     row0 = bm * BLOCK_M + CID * WG_M
     s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
 
@@ -145,7 +146,10 @@ def _consumer(q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v
     acc_o = acc_o * gl.convert_layout(inv_logsum, o_row_layout)[:, None]
 
     # ---- Epilogue: registers -> shared memory -> TMA store (clipped at seqlen_q). ----
-    o_half = o_smem.index(CID)
+    # O is staged in this warpgroup's own Q rows: its last QK completed above,
+    # and the other warpgroup never reads them. This is what lets head dim 256
+    # fit in shared memory.
+    o_half = q_smem.index(CID)
     o_half.reshape([WG_M, HEAD_DIM]).store(acc_o.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], o_half)
@@ -181,10 +185,10 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     hk = h // kv_group  # GQA/MQA: q heads share kv heads without a copy
     n_kv = kv_tile_count(bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
-    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    # Q as two [1, 64, 1, D] halves, one per consumer warpgroup.
+    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
 
     q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
@@ -207,11 +211,11 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # function would turn the constexpr entries into run-time values.
     gl.warp_specialize(
         [
-            (_consumer, (q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v_empty,
+            (_consumer, (q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
                          mma_turn, o_desc, lse_ptr, b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale,
                          softmax_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
                          PINGPONG)),
-            (_consumer, (q_smem, k_bufs, v_bufs, o_smem, q_full, k_full, k_empty, v_full, v_empty,
+            (_consumer, (q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
                          mma_turn, o_desc, lse_ptr, b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale,
                          softmax_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
                          PINGPONG)),
