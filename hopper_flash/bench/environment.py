@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import platform
+import os
 import subprocess
 from pathlib import Path
 
@@ -29,7 +30,11 @@ def hopper_problem() -> str | None:
 
 
 def _git_commit() -> str | None:
-    # '-dirty' flags numbers measured with uncommitted kernel changes.
+    # '-dirty' flags numbers measured with uncommitted kernel changes. A copy
+    # of the tree without .git (a remote GPU machine) can name its commit in
+    # HOPPER_FLASH_COMMIT.
+    if os.environ.get("HOPPER_FLASH_COMMIT"):
+        return os.environ["HOPPER_FLASH_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--dirty", "--abbrev=10"],
