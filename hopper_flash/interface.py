@@ -180,6 +180,55 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
 
     Views work without a copy as long as the head dim is contiguous and the
     other strides are multiples of 16 bytes (for example q, k, v sliced out of
-    one packed ``[batch, seqlen, 3, nheads, headdim]`` tensor).
+    one packed ``[batch, seqlen, 3, nheads, headdim]`` tensor). Forward only:
+    if autograd would need a backward, it raises instead of returning wrong
+    gradients.
     """
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() and (
+            getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
+            or getattr(v, "requires_grad", False)):
+        # Through the registered op: traceable, and autograd sees it.
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+        out, lse = ops.fwd(q, k, v, float(softmax_scale), bool(causal))
+        return (out, lse) if return_lse else out
     return forward(q, k, v, softmax_scale, causal, return_lse)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """``torch.nn.functional.scaled_dot_product_attention`` on Hopper, for
+    ``[batch, heads, seqlen, headdim]`` inputs.
+
+    The inputs are read through BSHD views (no copy when the head dim is
+    contiguous) and the result is a ``[batch, heads, seqlen_q, headdim]`` view
+    of a BSHD buffer. As in SDPA, ``is_causal`` is aligned to the top-left
+    corner, so with unequal lengths it differs from ``flash_attn_func``'s
+    bottom-right mask: that case, an explicit ``attn_mask`` and
+    ``dropout_p > 0`` raise ``NotImplementedError``. Query heads different from
+    key/value heads need ``enable_gqa=True``, as in SDPA.
+    """
+    if attn_mask is not None:
+        raise NotImplementedError("hopper_flash.scaled_dot_product_attention: attn_mask is not supported; "
+                                  "use is_causal=True for causal masking")
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"hopper_flash.scaled_dot_product_attention: dropout_p must be 0.0 "
+                                  f"(dropout is not supported), got {dropout_p}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-D tensor [batch, heads, seqlen, headdim], got {shape}")
+    if is_causal and query.shape[2] != key.shape[2]:
+        raise NotImplementedError(
+            f"hopper_flash.scaled_dot_product_attention: is_causal with seqlen_q ({query.shape[2]}) != "
+            f"seqlen_k ({key.shape[2]}) means SDPA's top-left mask, which is not supported; "
+            f"flash_attn_func(causal=True) gives the bottom-right mask")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
+                         f"for grouped-query attention, as with torch's SDPA")
+    out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                          softmax_scale=scale, causal=bool(is_causal))
+    return out.transpose(1, 2)
+
+
+from . import ops  # noqa: E402  (registers the custom op; it calls forward above)

@@ -1,0 +1,94 @@
+"""The custom op's fake implementation, the autograd refusal and the
+SDPA-style call's argument checks, on meta tensors (no GPU needed)."""
+import pytest
+import torch
+
+import hopper_flash
+from hopper_flash import plan
+
+
+def meta(*shape, dtype=torch.bfloat16, requires_grad=False):
+    return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=requires_grad)
+
+
+@pytest.mark.parametrize("head_dim", plan.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", plan.SUPPORTED_DTYPES, ids=str)
+@pytest.mark.parametrize("sq,sk,h,hkv", [(300, 300, 8, 8), (300, 200, 8, 2), (1, 4099, 4, 1)])
+def test_fake_impl_shapes(head_dim, dtype, sq, sk, h, hkv):
+    q, k = meta(3, sq, h, head_dim, dtype=dtype), meta(3, sk, hkv, head_dim, dtype=dtype)
+    out, lse = torch.ops.hopper_flash.fwd(q, k, k, 0.125, True)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    assert lse.shape == (3, h, sq) and lse.dtype == torch.float32
+
+
+def test_backward_raises_clear_error_through_op():
+    q = meta(2, 64, 4, 128, requires_grad=True)
+    out, lse = torch.ops.hopper_flash.fwd(q, q, q, 0.1, True)
+    with pytest.raises(NotImplementedError, match="backward is not implemented yet"):
+        out.sum().backward()
+
+
+def test_flash_attn_func_routes_grad_inputs_through_op():
+    q = meta(2, 64, 4, 128, requires_grad=True)
+    out = hopper_flash.flash_attn_func(q, q, q, causal=True)
+    assert out.grad_fn is not None, "autograd must see the op, or gradients would silently be missing"
+    with pytest.raises(NotImplementedError, match="forward pass only"):
+        out.float().sum().backward()
+
+
+def test_no_grad_fn_under_no_grad_needs_device():
+    # Without autograd or tracing the eager path runs and validates the device.
+    q = meta(2, 64, 4, 128)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        hopper_flash.flash_attn_func(q, q, q, causal=True)
+
+
+# ---- scaled_dot_product_attention: SDPA's signature, BHSD inputs.
+
+def bhsd(b=2, h=4, s=64, d=128):
+    return meta(b, h, s, d)
+
+
+def test_sdpa_rejects_attn_mask():
+    q = bhsd()
+    with pytest.raises(NotImplementedError, match="attn_mask is not supported"):
+        hopper_flash.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(64, 64, dtype=torch.bool))
+
+
+def test_sdpa_rejects_dropout():
+    q = bhsd()
+    with pytest.raises(NotImplementedError, match="dropout_p must be 0.0"):
+        hopper_flash.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+
+def test_sdpa_rejects_top_left_causal_with_unequal_lengths():
+    q, k = bhsd(s=64), bhsd(s=128)
+    with pytest.raises(NotImplementedError, match="top-left"):
+        hopper_flash.scaled_dot_product_attention(q, k, k, is_causal=True)
+
+
+def test_sdpa_needs_enable_gqa_for_fewer_kv_heads():
+    q, k = bhsd(h=8), bhsd(h=2)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        hopper_flash.scaled_dot_product_attention(q, k, k)
+
+
+def test_sdpa_rejects_wrong_rank():
+    with pytest.raises(ValueError, match=r"query must be a 4-D tensor \[batch, heads, seqlen, headdim\]"):
+        hopper_flash.scaled_dot_product_attention(meta(4, 64, 128), bhsd(), bhsd())
+
+
+def test_sdpa_passes_bshd_views_to_the_kernel(monkeypatch):
+    seen = {}
+
+    def fake_forward(q, k, v, softmax_scale, causal, return_lse, out=None):
+        seen.update(q=q, k=k, scale=softmax_scale, causal=causal)
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+    monkeypatch.setattr(hopper_flash.interface, "forward", fake_forward)
+    q, k = bhsd(h=8, s=100), bhsd(h=2, s=100)
+    out = hopper_flash.scaled_dot_product_attention(q, k, k, is_causal=True, scale=0.3, enable_gqa=True)
+    assert seen["q"].shape == (2, 100, 8, 128) and seen["k"].shape == (2, 100, 2, 128)
+    assert seen["q"].stride() == q.transpose(1, 2).stride(), "no copy: a transposed view"
+    assert seen["scale"] == 0.3 and seen["causal"] is True
+    assert out.shape == (2, 8, 100, 128)

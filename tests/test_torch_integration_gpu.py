@@ -1,0 +1,108 @@
+"""hopper_flash inside PyTorch's machinery on the GPU: torch.compile with
+fullgraph, CUDA graph capture and replay, autograd's refusal, the SDPA-style
+call against torch's SDPA."""
+import pytest
+import torch
+
+import hopper_flash
+from hopper_flash.reference import attention_reference, rel_fro_err
+
+pytestmark = pytest.mark.gpu
+
+
+def rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device="cuda", dtype=dtype)
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, dim=512, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, -1).unbind(2)
+        o = hopper_flash.flash_attn_func(q, k, v, causal=True)
+        return self.proj(o.reshape(b, s, -1))
+
+
+@torch.no_grad()
+def test_torch_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    model = TinyAttention().cuda().to(torch.bfloat16)
+    x = rand(2, 333, 512)
+    eager = model(x)
+    from torch._dynamo.utils import counters
+    counters.clear()
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert torch.equal(out, eager) or rel_fro_err(out, eager) < 1e-3
+    x2 = rand(2, 333, 512)  # new values, same shapes: no recompile needed, still right
+    assert rel_fro_err(compiled(x2), model(x2)) < 1e-3
+
+
+@torch.no_grad()
+def test_torch_compile_with_lse_and_dynamic_lengths():
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        out, lse = hopper_flash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        return out * 2, lse.exp()
+
+    cf = torch.compile(f, fullgraph=True, dynamic=True)
+    for s in (200, 517):
+        q, k, v = rand(2, s, 4, 128), rand(2, s, 2, 128), rand(2, s, 2, 128)
+        (o1, l1), (o2, l2) = cf(q, k, v), f(q, k, v)
+        assert rel_fro_err(o1, o2) < 1e-3 and rel_fro_err(l1, l2) < 1e-5
+
+
+@torch.no_grad()
+def test_cuda_graph_replay_on_fresh_inputs():
+    q, k, v = rand(2, 1000, 8, 128), rand(2, 1000, 8, 128), rand(2, 1000, 8, 128)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (compiles) outside the capture
+        hopper_flash.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = hopper_flash.flash_attn_func(q, k, v, causal=True)
+    for _ in range(3):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = hopper_flash.flash_attn_func(q, k, v, causal=True)
+        assert torch.equal(static_out, eager)
+
+
+def test_backward_raises_instead_of_wrong_gradients():
+    q = rand(1, 128, 2, 128).requires_grad_()
+    k, v = rand(1, 128, 2, 128), rand(1, 128, 2, 128)
+    out = hopper_flash.flash_attn_func(q, k, v, causal=True)
+    ref, _ = attention_reference(q.detach(), k, v, causal=True, dtype=torch.float32)
+    assert rel_fro_err(out.detach(), ref) < 1e-2  # the forward is still right
+    with pytest.raises(NotImplementedError, match="backward is not implemented yet"):
+        out.float().sum().backward()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2)])
+def test_sdpa_style_call_matches_torch_sdpa(causal, hq, hkv):
+    q, k, v = rand(2, hq, 700, 128), rand(2, hkv, 700, 128), rand(2, hkv, 700, 128)
+    ours = hopper_flash.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != hq)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != hq)
+    assert ours.shape == theirs.shape
+    assert rel_fro_err(ours, theirs) < 1e-2
+
+
+@torch.no_grad()
+def test_sdpa_style_call_with_unequal_lengths_non_causal():
+    q, k, v = rand(2, 4, 300, 64), rand(2, 4, 1000, 64), rand(2, 4, 1000, 64)
+    ours = hopper_flash.scaled_dot_product_attention(q, k, v, scale=0.2)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.2)
+    assert rel_fro_err(ours, theirs) < 1e-2
