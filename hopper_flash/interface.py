@@ -9,6 +9,7 @@ anything touches the GPU.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import overload, Literal
 
 import torch
@@ -22,8 +23,6 @@ _TMA_ALIGN_BYTES = 16
 _TMA_MAX_STRIDE_BYTES = 1 << 40
 # TMA box coordinates and extents are 32-bit per axis.
 _TMA_MAX_DIM = (1 << 31) - 1
-# CUDA grid limits for the head (y) and batch (z) axes.
-_GRID_YZ_MAX = 65535
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -80,6 +79,10 @@ def check_device(t: torch.Tensor, name: str = "q") -> None:
                          f"'{torch.cuda.get_device_name(t.device)}' with compute capability {major}.{minor}")
 
 
+def _is_numpy_bool(x) -> bool:
+    return type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_")
+
+
 def validate(q, k, v, softmax_scale, causal) -> float:
     """Check the arguments of ``flash_attn_func``; return the softmax scale to use."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -103,23 +106,26 @@ def validate(q, k, v, softmax_scale, causal) -> float:
     if head_dim not in plan.SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[3]) must be one of {plan.SUPPORTED_HEAD_DIMS}, got {head_dim}")
     nheads_kv = k.shape[2]
-    if nheads_kv == 0 or nheads % nheads_kv:
+    if nheads_kv == 0:
+        raise ValueError("k and v must have at least one head (k.shape[2] >= 1), got 0")
+    if nheads % nheads_kv:
         raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k/v's number of heads "
                          f"({nheads_kv})")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(causal, bool) and not _is_numpy_bool(causal):
+        raise TypeError(f"causal must be a bool, got {type(causal).__module__}.{type(causal).__qualname__}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
     else:
-        try:
-            softmax_scale = float(softmax_scale)
-        except (TypeError, ValueError):
-            raise TypeError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}") from None
+        # A real number: not a bool (True would silently mean 1.0), a string or a tensor (a sync).
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
+        softmax_scale = float(softmax_scale)
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
     check_device(q)
-    if nheads > _GRID_YZ_MAX or batch > _GRID_YZ_MAX:
-        raise ValueError(f"batch ({batch}) and nheads ({nheads}) must each be at most {_GRID_YZ_MAX}")
+    if plan.triton_cdiv(seqlen_q, plan.CONFIGS[head_dim].block_m) * nheads * batch > plan.MAX_GRID_X:
+        raise ValueError(f"batch ({batch}) x nheads ({nheads}) x query tiles of seqlen_q ({seqlen_q}) exceeds "
+                         f"the CUDA grid limit of {plan.MAX_GRID_X} CTAs")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.numel():
             _check_tma_addressable(name, t)
@@ -131,8 +137,14 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None):
     softmax_scale = validate(q, k, v, softmax_scale, causal)
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
+    causal = bool(causal)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must match q's shape, dtype and device, got {tuple(out.shape)} {out.dtype} "
+                         f"on {out.device}")
+    elif out.numel():
+        _check_tma_addressable("out", out)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() == 0:
         pass  # nothing to compute: no launch

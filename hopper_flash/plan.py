@@ -109,9 +109,14 @@ def smem_layout(block_shape, torch_dtype):
     return _smem_layout(tuple(block_shape), _GL_DTYPE[torch_dtype])
 
 
+# CUDA's limit on grid axis x.
+MAX_GRID_X = 2**31 - 1
+
+
 def grid(batch: int, nheads: int, seqlen_q: int, cfg: ForwardConfig) -> tuple[int, int, int]:
-    """One CTA per (query tile, head, batch); the kernel reverses the tile axis."""
-    return (triton_cdiv(seqlen_q, cfg.block_m), nheads, batch)
+    """One CTA per (query tile, head, batch), flattened into grid axis x with
+    the tile fastest; the kernel unflattens it and reverses the tile order."""
+    return (triton_cdiv(seqlen_q, cfg.block_m) * nheads * batch, 1, 1)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -176,12 +176,17 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
     dtype: gl.constexpr = q_desc.dtype
 
-    # Grid: (query tile, head, batch). CTA `tile` takes query tile
-    # n_tiles - 1 - tile so the longest causal rows are launched first and the
-    # non-persistent grid drains with short CTAs.
-    bm = gl.num_programs(0) - 1 - gl.program_id(0)
-    h = gl.program_id(1)
-    b = gl.program_id(2)
+    # One grid axis enumerates (query tile, head, batch), tile fastest: the
+    # seed's 3-D grid order without the 65535 limit of grid axes y and z.
+    # CTA `tile` takes query tile n_tiles - 1 - tile so the longest causal
+    # rows of each head launch first and the non-persistent grid drains with
+    # short CTAs.
+    n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+    pid = gl.program_id(0)
+    bm = n_tiles - 1 - pid % n_tiles
+    head_batch = pid // n_tiles
+    h = head_batch % num_heads
+    b = head_batch // num_heads
     hk = h // kv_group  # GQA/MQA: q heads share kv heads without a copy
     n_kv = kv_tile_count(bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
