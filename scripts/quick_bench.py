@@ -16,13 +16,22 @@ parser.add_argument("--headdim", type=int, nargs="+", default=[128])
 parser.add_argument("--seqlen", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
 parser.add_argument("--causal", choices=["yes", "no", "both"], default="yes")
 parser.add_argument("--pingpong", action="store_true", help="also time the ping-pong variant")
+parser.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                    help="also time plan.ForwardConfig with these fields replaced, e.g. k_stages=3,v_stages=3")
 args = parser.parse_args()
+
+
+def parse_variant(text):
+    fields = dict(item.split("=") for item in text.split(","))
+    return {k: (v == "True") if v in ("True", "False") else int(v) for k, v in fields.items()}
 
 B, H = 4, 32
 causal_modes = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
-variants = ["default"] + (["pingpong"] if args.pingpong else [])
-print(f"{'D':>4} {'causal':>6} {'S':>6} " + " ".join(f"{v + ' TF':>12}" for v in variants)
-      + f" {'cudnn TF':>9} " + " ".join(f"{v + '/cudnn':>15}" for v in variants))
+variants = ["default"] + (["pingpong"] if args.pingpong else []) + args.variant
+for i, v in enumerate(variants):
+    print(f"variant {i}: {v}")
+print(f"{'D':>4} {'causal':>6} {'S':>6} " + " ".join(f"{'v%d TF' % i:>8}" for i in range(len(variants)))
+      + f" {'cudnn TF':>9} " + " ".join(f"{'v%d/cudnn' % i:>9}" for i in range(len(variants))))
 for d in args.headdim:
     base = plan.CONFIGS[d]
     for causal in causal_modes:
@@ -32,7 +41,12 @@ for d in args.headdim:
             flops = 4 * B * H * S * S * d / (2 if causal else 1)
             tf = {}
             for name in variants:
-                plan.CONFIGS[d] = dataclasses.replace(base, pingpong=(name == "pingpong") or base.pingpong)
+                if name == "default":
+                    plan.CONFIGS[d] = base
+                elif name == "pingpong":
+                    plan.CONFIGS[d] = dataclasses.replace(base, pingpong=True)
+                else:
+                    plan.CONFIGS[d] = dataclasses.replace(base, **parse_variant(name))
                 ms = triton.testing.do_bench(lambda: hopper_flash.flash_attn_func(q, k, v, causal=causal),
                                              warmup=100, rep=400, return_mode="median")
                 tf[name] = flops / ms / 1e9
@@ -43,5 +57,5 @@ for d in args.headdim:
                     return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
 
             ref = flops / triton.testing.do_bench(cudnn, warmup=100, rep=400, return_mode="median") / 1e9
-            print(f"{d:>4} {str(causal):>6} {S:>6} " + " ".join(f"{tf[v]:>12.1f}" for v in variants)
-                  + f" {ref:>9.1f} " + " ".join(f"{tf[v] / ref:>15.3f}" for v in variants), flush=True)
+            print(f"{d:>4} {str(causal):>6} {S:>6} " + " ".join(f"{tf[v]:>8.1f}" for v in variants)
+                  + f" {ref:>9.1f} " + " ".join(f"{tf[v] / ref:>9.3f}" for v in variants), flush=True)
