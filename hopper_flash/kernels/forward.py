@@ -89,8 +89,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, 
 
     mbarrier.wait(q_full, 0)
 
-    # ---- QK prologue: the first tile visited (the diagonal; non-causal: the
-    # tail tile), always masked. ----
+    # ---- QK prologue: the diagonal tile, always masked. ----
     bn = n_kv - 1
     wait_full(k_full, 0, K_STAGES)
     k = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
@@ -112,11 +111,10 @@ def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, 
         bn = n_kv - 1 - it
         wait_full(k_full, it, K_STAGES)
         k = k_bufs.index(ring_slot(it, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
-        take_mma_turn(mma_turn, it, CID, PINGPONG)
-        qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
-        # V of the previous tile may still be landing while QK runs.
         wait_full(v_full, it - 1, V_STAGES)
         v = v_bufs.index(ring_slot(it - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
+        take_mma_turn(mma_turn, it, CID, PINGPONG)
+        qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
         pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
         pass_mma_turn(mma_turn, CID, PINGPONG)
 
