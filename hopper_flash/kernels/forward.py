@@ -89,7 +89,8 @@ def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, 
 
     mbarrier.wait(q_full, 0)
 
-    # ---- QK prologue: the diagonal tile, always masked. ----
+    # ---- QK prologue: the first tile visited (the diagonal; non-causal: the
+    # tail tile), always masked. ----
     bn = n_kv - 1
     wait_full(k_full, 0, K_STAGES)
     k = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
@@ -109,6 +110,10 @@ def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, 
     # ---- Steady state: QK[it] and PV[it - 1] as two async groups. ----
     for it in range(1, n_kv):
         bn = n_kv - 1 - it
+        # Unlike the seed, which waits for V between issuing QK and PV, both
+        # groups are issued back to back once K and V have landed: on the H200
+        # the seed's order measured 0.99-1.00x cuDNN at S=8192/16384 against
+        # 1.02-1.04x for this one (BENCHMARKS.md, development runs).
         wait_full(k_full, it, K_STAGES)
         k = k_bufs.index(ring_slot(it, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
         wait_full(v_full, it - 1, V_STAGES)
