@@ -44,6 +44,9 @@ class ForwardConfig:
     # 1.005, 1.009x cuDNN at S=4096/8192/16384 against 1.002, 1.034, 1.021x
     # without it; the two warpgroups already drift apart on their own.
     pingpong: bool = False
+    # Measurement only: 1 drops the steady-state softmax, 2 the steady-state
+    # PV (kernels/forward.py, ABLATE_*). Results are wrong; never ship it.
+    ablate: int = 0
     maxnreg: int = _LAUNCH_MAXNREG
 
     def shared_bytes(self, elem_bytes: int = 2) -> int:
@@ -81,6 +84,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool) -> dict
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
         PINGPONG=cfg.pingpong,
+        ABLATE=cfg.ablate,
     )
 
 

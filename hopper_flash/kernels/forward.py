@@ -42,6 +42,13 @@ from .softmax import softmax_finish, softmax_first, softmax_step
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
 WG_M = gl.constexpr(64)
 
+# Measurement only (ForwardConfig.ablate; never in plan.CONFIGS, results are
+# wrong): drop the steady-state softmax (P = S) or the steady-state PV, to see
+# where a kernel's time goes (BENCHMARKS.md).
+ABLATE_NONE = gl.constexpr(0)
+ABLATE_SOFTMAX = gl.constexpr(1)
+ABLATE_PV = gl.constexpr(2)
+
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
@@ -72,7 +79,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, 
               b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale, softmax_scale,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-              PINGPONG: gl.constexpr):
+              PINGPONG: gl.constexpr, ABLATE: gl.constexpr):
     dtype: gl.constexpr = o_desc.dtype
     # wgmma accumulator layouts for one warpgroup: S is [64, BLOCK_N], O is [64, HEAD_DIM].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -120,7 +127,8 @@ def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, 
         v = v_bufs.index(ring_slot(it - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
         take_mma_turn(mma_turn, it, CID, PINGPONG)
         qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
-        pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
+        if ABLATE != ABLATE_PV:
+            pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
         pass_mma_turn(mma_turn, CID, PINGPONG)
 
         # One group may stay in flight: the older one, QK, is complete here.
@@ -128,16 +136,21 @@ def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, 
         # QK no longer reads K: release the slot while softmax and PV run.
         release(k_empty, it, K_STAGES)
 
-        if tile_needs_mask(bn, bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL):
-            s = apply_mask(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL)
-        p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, qk_scale)
+        if ABLATE == ABLATE_SOFTMAX:
+            p = s
+        else:
+            if tile_needs_mask(bn, bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL):
+                s = apply_mask(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL)
+            p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, qk_scale)
 
         # p_op is a register operand of the PV in flight: keep it alive until
         # the group completes, then overwrite it with this tile's P.
-        acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
+        if ABLATE != ABLATE_PV:
+            acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
         release(v_empty, it - 1, V_STAGES)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
+        if ABLATE != ABLATE_SOFTMAX:
+            acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
 
     # ---- Final PV, overlapped with the row-sum finalisation. ----
     wait_full(v_full, n_kv - 1, V_STAGES)
@@ -177,7 +190,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                              IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                             PINGPONG: gl.constexpr):
+                             PINGPONG: gl.constexpr, ABLATE: gl.constexpr):
     gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
     dtype: gl.constexpr = q_desc.dtype
 
@@ -224,11 +237,11 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
             (_consumer, (q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
                          mma_turn, o_desc, lse_ptr, b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale,
                          softmax_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
-                         PINGPONG)),
+                         PINGPONG, ABLATE)),
             (_consumer, (q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
                          mma_turn, o_desc, lse_ptr, b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale,
                          softmax_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
-                         PINGPONG)),
+                         PINGPONG, ABLATE)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
                          b, h, hk, bm, n_kv, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES)),
         ],
