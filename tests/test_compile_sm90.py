@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from hopper_flash import compile_check
+from hopper_flash import compile_check, plan
 
 SPECS = list(compile_check.shipped_specialisations())
 
@@ -82,3 +82,9 @@ def test_output_written_only_by_tma_unless_lse(report):
 def test_causal_specialisation_differs_from_full(spec):
     cfg, dtype, _, write_lse = spec
     assert _census(spec).ptx != _census((cfg, dtype, False, write_lse)).ptx
+
+
+def test_no_shipped_config_ablates():
+    # ForwardConfig.ablate drops half the algorithm for timing experiments:
+    # a shipped config with it set would return wrong results.
+    assert all(cfg.ablate == 0 for cfg in plan.CONFIGS.values())
