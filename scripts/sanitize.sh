@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer over scripts/sanitize.py: memcheck on its 24 cases, then
-# racecheck on the 6-case --quick subset. One process, no children that touch
+# racecheck and synccheck on the 6-case --quick subset. One process, no
+# children that touch
 # the GPU, so --target-processes is not needed.
 #
 #   scripts/sanitize.sh            # logs in $OUT (default ./out)
@@ -11,15 +12,17 @@
 #      runs under the tools load kernels instead of compiling them;
 #   2. memcheck  -> $OUT/sanitize-memcheck.txt  (full output of the tool and the script)
 #   3. racecheck -> $OUT/sanitize-racecheck.txt
+#   4. synccheck -> $OUT/sanitize-synccheck.txt (barrier usage: every
+#      bar.sync reached by the threads it counts, no divergent barrier)
 # Only kernels named attention_forward_kernel are instrumented (PyTorch's own
 # kernels, e.g. the reference's, run as usual). PyTorch's caching allocator is
 # off under the tools, so each tensor is its own allocation and memcheck sees
 # its true bounds. The tools' summary lines are printed last; the exit status
-# is 0 only if both tools ran clean and every case matched the reference.
+# is 0 only if every tool ran clean and every case matched the reference.
 #
-# Environment: OUT; PYTHON; COMPUTE_SANITIZER (the binary); MEMCHECK_TIMEOUT and
-# RACECHECK_TIMEOUT (seconds, default 240 each); SANITIZER_ARGS (extra
-# arguments for both tools, e.g. "--report-api-errors no").
+# Environment: OUT; PYTHON; COMPUTE_SANITIZER (the binary); MEMCHECK_TIMEOUT,
+# RACECHECK_TIMEOUT and SYNCCHECK_TIMEOUT (seconds, default 240 each); SANITIZER_ARGS (extra
+# arguments for every tool, e.g. "--report-api-errors no").
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -62,6 +65,8 @@ run_tool memcheck "${MEMCHECK_TIMEOUT:-240}"
 rc_mem=$?
 run_tool racecheck "${RACECHECK_TIMEOUT:-240}" --quick
 rc_race=$?
+run_tool synccheck "${SYNCCHECK_TIMEOUT:-240}" --quick
+rc_sync=$?
 
 summarize() {  # tool
   local log="$OUT/sanitize-$1.txt"
@@ -86,4 +91,5 @@ summarize() {  # tool
 echo "== summaries"
 summarize memcheck
 summarize racecheck
-[ "$rc_mem" -eq 0 ] && [ "$rc_race" -eq 0 ]
+summarize synccheck
+[ "$rc_mem" -eq 0 ] && [ "$rc_race" -eq 0 ] && [ "$rc_sync" -eq 0 ]
