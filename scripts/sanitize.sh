@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer over scripts/sanitize.py: memcheck on its 24 cases, then
 # racecheck and synccheck on the 6-case --quick subset. One process, no
-# children that touch
-# the GPU, so --target-processes is not needed.
+# children that touch the GPU, so --target-processes is not needed.
 #
 #   scripts/sanitize.sh            # logs in $OUT (default ./out)
 #
