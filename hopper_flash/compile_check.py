@@ -79,6 +79,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "seqlen_k": "i32",
         "num_heads": "i32",
         "kv_group": "i32",
+        "batch": "i32",
         "qk_scale": "fp32",
         "softmax_scale": "fp32",
     }

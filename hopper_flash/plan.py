@@ -22,6 +22,9 @@ _LAUNCH_THREADS = 3 * 128
 # The SM's register file is 64K 32-bit registers; `maxnreg` is the per-thread
 # cap at launch, before setmaxnreg moves registers between partitions.
 _LAUNCH_MAXNREG = 65536 // _LAUNCH_THREADS // 8 * 8  # 168
+# Hopper's opt-in shared memory per block (227 KB), less room for the
+# mbarriers and Triton's own slots.
+SMEM_BUDGET_BYTES = 227 * 1024 - 1024
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,31 @@ class ForwardConfig:
     # Measurement only: 1 drops the steady-state softmax, 2 the steady-state
     # PV (kernels/forward.py, ABLATE_*). Results are wrong; never ship it.
     ablate: int = 0
+    # A grid of at most one CTA per SM that loops over work items
+    # (kernels/scheduler.py) instead of the seed's one CTA per item. On the
+    # H200 (2026-11-30, B=4 H=32 bf16, quick_bench) it took D=128 causal
+    # S=1024 from 0.86x to 1.02x cuDNN and D=64 S=1024 from 0.79x to 0.94x,
+    # and was never more than noise slower (BENCHMARKS.md).
+    persistent: bool = True
     maxnreg: int = _LAUNCH_MAXNREG
 
+    @property
+    def o_in_q(self) -> bool:
+        """Stage O in the consumers' Q rows rather than a buffer of its own.
+
+        A non-persistent CTA loads Q once, so its rows are free for O. A
+        persistent one wants them back for the next item's Q while the
+        epilogue runs, which takes a separate buffer where it fits (not
+        for head dim 256)."""
+        return not self.persistent or self._tile_bytes(with_o=True) > SMEM_BUDGET_BYTES
+
+    def _tile_bytes(self, with_o: bool, elem_bytes: int = 2) -> int:
+        q_rows = self.block_m * (2 if with_o else 1)
+        return self.head_dim * elem_bytes * (q_rows + (self.k_stages + self.v_stages) * self.block_n)
+
     def shared_bytes(self, elem_bytes: int = 2) -> int:
-        tile = self.head_dim * elem_bytes
-        # Q, the K and V rings; O is staged in Q's rows.
-        return tile * (self.block_m + (self.k_stages + self.v_stages) * self.block_n)
+        """Q, the K and V rings, and O unless it is staged in Q's rows."""
+        return self._tile_bytes(with_o=not self.o_in_q, elem_bytes=elem_bytes)
 
 
 # One entry per supported head dim. D=128 is the seed's configuration.
@@ -85,6 +107,8 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool) -> dict
         PRODUCER_REGS=cfg.producer_regs,
         PINGPONG=cfg.pingpong,
         ABLATE=cfg.ablate,
+        PERSISTENT=cfg.persistent,
+        O_IN_Q=cfg.o_in_q,
     )
 
 
@@ -117,10 +141,25 @@ def smem_layout(block_shape, torch_dtype):
 MAX_GRID_X = 2**31 - 1
 
 
-def grid(batch: int, nheads: int, seqlen_q: int, cfg: ForwardConfig) -> tuple[int, int, int]:
-    """One CTA per (query tile, head, batch), flattened into grid axis x with
-    the tile fastest; the kernel unflattens it and reverses the tile order."""
-    return (triton_cdiv(seqlen_q, cfg.block_m) * nheads * batch, 1, 1)
+def grid(batch: int, nheads: int, seqlen_q: int, cfg: ForwardConfig, device: int | None = None) -> tuple[int, int, int]:
+    """Grid axis x only (kernels/scheduler.py maps CTAs to work items).
+
+    Non-persistent: one CTA per (query tile, head, batch). Persistent: one per
+    SM of ``device`` (default: the current one), at most one per pair of work
+    items, since items are dealt out in pairs."""
+    items = triton_cdiv(seqlen_q, cfg.block_m) * nheads * batch
+    if not cfg.persistent:
+        return (items, 1, 1)
+    return (min(sm_count(device), triton_cdiv(items, 2)), 1, 1)
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def sm_count(device: int | None = None) -> int:
+    return _sm_count(torch.cuda.current_device() if device is None else device)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -190,8 +229,8 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     cfg = cfg or CONFIGS[head_dim]
     write_lse = lse is not None
     key = (q.device.index, q.dtype, causal, write_lse, cfg)
-    g = grid(batch, nheads, seqlen_q, cfg)
-    scalars = (seqlen_q, seqlen_k, nheads, nheads // nheads_kv, softmax_scale * LOG2E, softmax_scale)
+    g = grid(batch, nheads, seqlen_q, cfg, q.device.index)
+    scalars = (seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, softmax_scale * LOG2E, softmax_scale)
     lse_arg = lse if write_lse else out
     kernel = _COMPILED.get(key)
     if kernel is None or _launch_hooked():

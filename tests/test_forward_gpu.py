@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hopper_flash
-from hopper_flash import interface
+from hopper_flash import interface, plan
 from hopper_flash.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
@@ -120,6 +120,16 @@ SEQLENS = [1, 2, 63, 64, 65, 127, 128, 129, 255, 256, 1000, 2048, 4099]
 @pytest.mark.parametrize("batch", [1, 3])
 def test_causal_bf16_d128(batch, nheads, seqlen):
     check_forward(batch, seqlen, seqlen, nheads, causal=True, seed=batch * 100003 + nheads * 101 + seqlen)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_persistent_odd_item_count(head_dim, causal):
+    # 61 query tiles x 5 heads = 305 work items: more than two per SM, so
+    # persistent CTAs loop, and odd, so one CTA's last pair is a single item.
+    seqlen = 60 * 128 + 1
+    assert (plan.triton_cdiv(seqlen, 128) * 5) % 2 == 1
+    check_forward(1, seqlen, seqlen, 5, head_dim=head_dim, causal=causal, seed=head_dim + causal)
 
 
 @pytest.mark.parametrize("seqlen", [1, 63, 128, 129, 1000, 4099])

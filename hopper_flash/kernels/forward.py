@@ -1,14 +1,19 @@
-"""The attention forward kernel: the seed's non-persistent pipeline in Gluon.
+"""The attention forward kernel: the seed's pipeline in Gluon.
 
 Read beside ``shared/seed/flash_atten_v4_nonpersistent.co``; names follow it.
 
-One CTA owns one 128-row query tile of one (batch, head). It runs three
-partitions (``gl.warp_specialize``):
+A work item is one 128-row query tile of one (batch, head). The seed runs one
+CTA per item; here, by default (``PERSISTENT``), a grid of one CTA per SM
+loops over items (``scheduler.py``), so one item's epilogue and the next
+item's Q and first K/V loads overlap instead of paying a CTA start each time.
+A CTA runs three partitions (``gl.warp_specialize``), each walking the same
+items:
 
-* the **producer** (1 warp, few registers) only issues TMA loads: Q once, then
-  K and V tiles into two separate rings of ``K_STAGES`` / ``V_STAGES`` slots,
-  each slot guarded by a *full* barrier (the load landed) and an *empty*
-  barrier (both consumers are done with it);
+* the **producer** (1 warp, few registers) only issues TMA loads: each item's
+  Q, then its K and V tiles into two separate rings of ``K_STAGES`` /
+  ``V_STAGES`` slots, each slot guarded by a *full* barrier (the load landed)
+  and an *empty* barrier (both consumers are done with it). The rings' slot
+  order runs on across items;
 * two **consumers** (one warpgroup each, most of the registers) own 64 query
   rows each. They are the same function with ``CID`` 0 and 1; neither waits
   for the other, so their softmax phases drift apart and overlap the other's
@@ -37,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .mask import apply_mask, kv_tile_count, tile_needs_mask
 from .pipeline import pass_mma_turn, release, ring_slot, take_mma_turn, wait_empty, wait_full
+from .scheduler import local_tile_count, tile_coords
 from .softmax import softmax_finish, softmax_first, softmax_step
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
@@ -51,35 +57,54 @@ ABLATE_PV = gl.constexpr(2)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
-              b, h, hk, bm, n_kv, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
-    # Q is read once per CTA, as one box per consumer half; both land on q_full.
-    mbarrier.expect(q_full, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, bm * BLOCK_M, h, 0], q_full, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [b, bm * BLOCK_M + BLOCK_M // 2, h, 0], q_full, q_smem.index(1))
+def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+              seqlen_q, seqlen_k, num_heads, kv_group, total_tiles,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+    kv0 = 0  # K/V loads issued for earlier work items: the rings' running order
+    for i in range(local_tile_count(total_tiles, PERSISTENT)):
+        bm, h, b = tile_coords(i, n_tiles, num_heads, PERSISTENT)
+        hk = h // kv_group  # GQA/MQA: q heads share kv heads without a copy
+        n_kv = kv_tile_count(bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
-    # K and V in separate rings: QK of tile `it` may start while V of tile
-    # `it` is still in flight, since PV of `it` only runs one step later.
-    for it in range(n_kv):
-        bn = n_kv - 1 - it  # diagonal first
-        wait_empty(k_empty, it, K_STAGES)
-        k_slot = ring_slot(it, K_STAGES)
-        mbarrier.expect(k_full.index(k_slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, bn * BLOCK_N, hk, 0], k_full.index(k_slot), k_bufs.index(k_slot))
+        # Q as one box per consumer half, each on its own barrier pair: a
+        # consumer that finished with its half of the previous item's Q gets
+        # the next one without waiting for the other consumer.
+        for c in gl.static_range(2):
+            mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # passes on the fresh barrier for i = 0
+            mbarrier.expect(q_full.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, bm * BLOCK_M + c * WG_M, h, 0], q_full.index(c),
+                                            q_smem.index(c))
 
-        wait_empty(v_empty, it, V_STAGES)
-        v_slot = ring_slot(it, V_STAGES)
-        mbarrier.expect(v_full.index(v_slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, bn * BLOCK_N, hk, 0], v_full.index(v_slot), v_bufs.index(v_slot))
+        # K and V in separate rings: QK of tile `it` may start while V of tile
+        # `it` is still in flight, since PV of `it` only runs one step later.
+        for it in range(n_kv):
+            bn = n_kv - 1 - it  # diagonal first
+            order = kv0 + it
+            wait_empty(k_empty, order, K_STAGES)
+            k_slot = ring_slot(order, K_STAGES)
+            mbarrier.expect(k_full.index(k_slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, bn * BLOCK_N, hk, 0], k_full.index(k_slot),
+                                            k_bufs.index(k_slot))
+
+            wait_empty(v_empty, order, V_STAGES)
+            v_slot = ring_slot(order, V_STAGES)
+            mbarrier.expect(v_full.index(v_slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, bn * BLOCK_N, hk, 0], v_full.index(v_slot),
+                                            v_bufs.index(v_slot))
+        kv0 += n_kv
 
 
 @gluon.jit
-def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, mma_turn, o_desc, lse_ptr,
-              b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale, softmax_scale,
-              CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-              PINGPONG: gl.constexpr, ABLATE: gl.constexpr):
+def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty, mma_turn,
+                   o_desc, lse_ptr, b, h, bm, i, kv0, seqlen_q, seqlen_k, num_heads, qk_scale, softmax_scale,
+                   CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                   WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, ABLATE: gl.constexpr, O_IN_Q: gl.constexpr):
+    """One work item for one consumer warpgroup: its 64 query rows of tile
+    ``bm``. ``i`` counts this CTA's earlier items (the Q barriers' phase) and
+    ``kv0`` the K/V tiles they used (the rings' running order)."""
     dtype: gl.constexpr = o_desc.dtype
     # wgmma accumulator layouts for one warpgroup: S is [64, BLOCK_N], O is [64, HEAD_DIM].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -90,22 +115,24 @@ def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, 
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+    n_kv = kv_tile_count(bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     q = q_smem.index(CID).reshape([WG_M, HEAD_DIM])
     row0 = bm * BLOCK_M + CID * WG_M
     s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
+    turn0 = kv0 + i  # ping-pong rounds so far: n_kv + 1 per earlier item
 
-    mbarrier.wait(q_full, 0)
+    mbarrier.wait(q_full.index(CID), i & 1)
 
     # ---- QK prologue: the first tile visited (the diagonal; non-causal: the
     # tail tile), always masked. ----
     bn = n_kv - 1
-    wait_full(k_full, 0, K_STAGES)
-    k = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
-    take_mma_turn(mma_turn, 0, CID, PINGPONG)
+    wait_full(k_full, kv0, K_STAGES)
+    k = k_bufs.index(ring_slot(kv0, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
+    take_mma_turn(mma_turn, turn0, CID, PINGPONG)
     s = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
     pass_mma_turn(mma_turn, CID, PINGPONG)
     s = warpgroup_mma_wait(0, deps=[s])
-    release(k_empty, 0, K_STAGES)
+    release(k_empty, kv0, K_STAGES)
     s = apply_mask(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL)
     p, scores_max, logsum = softmax_first(s, qk_scale)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -121,11 +148,11 @@ def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, 
         # groups are issued back to back once K and V have landed: on the H200
         # the seed's order measured 0.99-1.00x cuDNN at S=8192/16384 against
         # 1.02-1.04x for this one (BENCHMARKS.md, development runs).
-        wait_full(k_full, it, K_STAGES)
-        k = k_bufs.index(ring_slot(it, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
-        wait_full(v_full, it - 1, V_STAGES)
-        v = v_bufs.index(ring_slot(it - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
-        take_mma_turn(mma_turn, it, CID, PINGPONG)
+        wait_full(k_full, kv0 + it, K_STAGES)
+        k = k_bufs.index(ring_slot(kv0 + it, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
+        wait_full(v_full, kv0 + it - 1, V_STAGES)
+        v = v_bufs.index(ring_slot(kv0 + it - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
+        take_mma_turn(mma_turn, turn0 + it, CID, PINGPONG)
         qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
         if ABLATE != ABLATE_PV:
             pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
@@ -134,7 +161,7 @@ def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, 
         # One group may stay in flight: the older one, QK, is complete here.
         s = warpgroup_mma_wait(1, deps=[qk])
         # QK no longer reads K: release the slot while softmax and PV run.
-        release(k_empty, it, K_STAGES)
+        release(k_empty, kv0 + it, K_STAGES)
 
         if ABLATE == ABLATE_SOFTMAX:
             p = s
@@ -147,27 +174,38 @@ def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, 
         # the group completes, then overwrite it with this tile's P.
         if ABLATE != ABLATE_PV:
             acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
-        release(v_empty, it - 1, V_STAGES)
+        release(v_empty, kv0 + it - 1, V_STAGES)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         if ABLATE != ABLATE_SOFTMAX:
             acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
 
+    if not O_IN_Q:
+        # Every QK of this item is complete: the producer may load the next
+        # item's Q into this half while the last PV and the epilogue run.
+        mbarrier.arrive(q_empty.index(CID), count=1)
+
     # ---- Final PV, overlapped with the row-sum finalisation. ----
-    wait_full(v_full, n_kv - 1, V_STAGES)
-    v = v_bufs.index(ring_slot(n_kv - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
-    take_mma_turn(mma_turn, n_kv, CID, PINGPONG)
+    wait_full(v_full, kv0 + n_kv - 1, V_STAGES)
+    v = v_bufs.index(ring_slot(kv0 + n_kv - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
+    take_mma_turn(mma_turn, turn0 + n_kv, CID, PINGPONG)
     pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
     pass_mma_turn(mma_turn, CID, PINGPONG)
     inv_logsum, lse = softmax_finish(scores_max, logsum, softmax_scale)
     acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
-    release(v_empty, n_kv - 1, V_STAGES)
+    release(v_empty, kv0 + n_kv - 1, V_STAGES)
     acc_o = acc_o * gl.convert_layout(inv_logsum, o_row_layout)[:, None]
 
     # ---- Epilogue: registers -> shared memory -> TMA store (clipped at seqlen_q). ----
-    # O is staged in this warpgroup's own Q rows: its last QK completed above,
-    # and the other warpgroup never reads them. This is what lets head dim 256
-    # fit in shared memory.
-    o_half = q_smem.index(CID)
+    if O_IN_Q:
+        # O is staged in this warpgroup's own Q rows: its last QK completed
+        # above, and the other warpgroup never reads them. This is what lets
+        # head dim 256 fit in shared memory. The rows hold Q again only after
+        # the store has read them.
+        o_half = q_smem.index(CID)
+    else:
+        # A buffer of its own; the previous item's store from it must be done.
+        o_half = o_smem.index(CID)
+        tma.store_wait(0)
     o_half.reshape([WG_M, HEAD_DIM]).store(acc_o.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], o_half)
@@ -177,54 +215,74 @@ def _consumer(q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty, 
         lse_row0 = (b * num_heads + h).to(gl.int64) * seqlen_q
         gl.store(lse_ptr + lse_row0 + rows, lse, mask=rows < seqlen_q)
 
+    if O_IN_Q:
+        tma.store_wait(0)
+        mbarrier.arrive(q_empty.index(CID), count=1)
+    return n_kv
+
+
+@gluon.jit
+def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty, mma_turn,
+              o_desc, lse_ptr, seqlen_q, seqlen_k, num_heads, total_tiles, qk_scale, softmax_scale,
+              CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+              PINGPONG: gl.constexpr, ABLATE: gl.constexpr, PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr):
+    n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+    kv0 = 0
+    for i in range(local_tile_count(total_tiles, PERSISTENT)):
+        bm, h, b = tile_coords(i, n_tiles, num_heads, PERSISTENT)
+        kv0 += _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                              mma_turn, o_desc, lse_ptr, b, h, bm, i, kv0, seqlen_q, seqlen_k, num_heads, qk_scale,
+                              softmax_scale, CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
+                              WRITE_LSE, PINGPONG, ABLATE, O_IN_Q)
     tma.store_wait(0)
 
 
 # Lengths and head counts stay run-time values: one compiled kernel per
 # (dtype, head dim, causal, lse) serves every shape, which lets the host cache
 # it and skip Triton's per-call specialisation (see plan.launch_forward).
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_heads", "kv_group"])
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_heads", "kv_group", "batch"])
 def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
-                             seqlen_q, seqlen_k, num_heads, kv_group, qk_scale, softmax_scale,
+                             seqlen_q, seqlen_k, num_heads, kv_group, batch, qk_scale, softmax_scale,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                              IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                             PINGPONG: gl.constexpr, ABLATE: gl.constexpr):
+                             PINGPONG: gl.constexpr, ABLATE: gl.constexpr,
+                             PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr):
     gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
     dtype: gl.constexpr = q_desc.dtype
 
-    # One grid axis enumerates (query tile, head, batch), tile fastest: the
-    # seed's 3-D grid order without the 65535 limit of grid axes y and z.
-    # CTA `tile` takes query tile n_tiles - 1 - tile so the longest causal
-    # rows of each head launch first and the non-persistent grid drains with
-    # short CTAs.
-    n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
-    pid = gl.program_id(0)
-    bm = n_tiles - 1 - pid % n_tiles
-    head_batch = pid // n_tiles
-    h = head_batch % num_heads
-    b = head_batch // num_heads
-    hk = h // kv_group  # GQA/MQA: q heads share kv heads without a copy
-    n_kv = kv_tile_count(bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    # Work items are (query tile, head, batch), flattened with the tile
+    # fastest: the seed's 3-D grid order without the 65535 limit of grid axes
+    # y and z. Which CTA runs which item is scheduler.py's business; every
+    # partition walks the same items in the same order.
+    total_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_heads * batch
 
     # Q as two [1, 64, 1, D] halves, one per consumer warpgroup.
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    if O_IN_Q:
+        o_smem = q_smem  # O is staged in its own Q rows (see _consumer_tile)
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
 
-    q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # q_full[c] / q_empty[c]: Q half c landed / consumer c is done with it.
+    q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     # mma_turn[c]: consumer c may issue its next wgmma groups (PINGPONG).
     mma_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_full, count=1)
-    mbarrier.init(mma_turn.index(0), count=1)
-    mbarrier.init(mma_turn.index(1), count=1)
+    for c in gl.static_range(2):
+        mbarrier.init(q_full.index(c), count=1)  # the producer's expect-tx arrive
+        mbarrier.init(q_empty.index(c), count=1)  # consumer c's arrive
+        mbarrier.init(mma_turn.index(c), count=1)
     for i in gl.static_range(K_STAGES):
-        mbarrier.init(k_full.index(i), count=1)  # the producer's expect-tx arrive
+        mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
     for i in gl.static_range(V_STAGES):
         mbarrier.init(v_full.index(i), count=1)
@@ -234,16 +292,17 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # function would turn the constexpr entries into run-time values.
     gl.warp_specialize(
         [
-            (_consumer, (q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
-                         mma_turn, o_desc, lse_ptr, b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale,
+            (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                         mma_turn, o_desc, lse_ptr, seqlen_q, seqlen_k, num_heads, total_tiles, qk_scale,
                          softmax_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
-                         PINGPONG, ABLATE)),
-            (_consumer, (q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
-                         mma_turn, o_desc, lse_ptr, b, h, bm, n_kv, seqlen_q, seqlen_k, num_heads, qk_scale,
+                         PINGPONG, ABLATE, PERSISTENT, O_IN_Q)),
+            (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                         mma_turn, o_desc, lse_ptr, seqlen_q, seqlen_k, num_heads, total_tiles, qk_scale,
                          softmax_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
-                         PINGPONG, ABLATE)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, k_full, k_empty, v_full, v_empty,
-                         b, h, hk, bm, n_kv, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES)),
+                         PINGPONG, ABLATE, PERSISTENT, O_IN_Q)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty,
+                         v_full, v_empty, seqlen_q, seqlen_k, num_heads, kv_group, total_tiles,
+                         BLOCK_M, BLOCK_N, K_STAGES, V_STAGES, IS_CAUSAL, PERSISTENT)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],
