@@ -123,9 +123,9 @@ def validate(q, k, v, softmax_scale, causal) -> float:
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
     check_device(q)
-    if plan.triton_cdiv(seqlen_q, plan.CONFIGS[head_dim].block_m) * nheads * batch > plan.MAX_GRID_X:
+    if plan.triton_cdiv(seqlen_q, plan.CONFIGS[head_dim].block_m) * nheads * batch > plan.MAX_WORK_ITEMS:
         raise ValueError(f"batch ({batch}) x nheads ({nheads}) x query tiles of seqlen_q ({seqlen_q}) exceeds "
-                         f"the CUDA grid limit of {plan.MAX_GRID_X} CTAs")
+                         f"the limit of {plan.MAX_WORK_ITEMS} work items (the kernel numbers them in int32)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.numel():
             _check_tma_addressable(name, t)

@@ -137,8 +137,10 @@ def smem_layout(block_shape, torch_dtype):
     return _smem_layout(tuple(block_shape), _GL_DTYPE[torch_dtype])
 
 
-# CUDA's limit on grid axis x.
-MAX_GRID_X = 2**31 - 1
+# Work items (query tiles x heads x batch) are numbered in int32 inside the
+# kernel, and the non-persistent grid has one CTA per item on grid axis x,
+# whose CUDA limit is the same number.
+MAX_WORK_ITEMS = 2**31 - 1
 
 
 def grid(batch: int, nheads: int, seqlen_q: int, cfg: ForwardConfig, device: int | None = None) -> tuple[int, int, int]:

@@ -427,9 +427,12 @@ def _check_dense_against_reference(q, k, v, causal, ref, ref_lse, batches):
 
 
 def plan_grid_fits(batch, nheads, seqlen_q, head_dim):
-    """Whether the plan's launch grid for this problem is within CUDA's limits."""
-    grid = plan.grid(batch, nheads, seqlen_q, plan.CONFIGS[head_dim])
-    return all(n <= limit for n, limit in zip(grid, CUDA_GRID_MAX))
+    """Whether the plan's launch grid for this problem is within CUDA's limits
+    and its work items within the kernel's int32 numbering."""
+    cfg = plan.CONFIGS[head_dim]
+    grid = plan.grid(batch, nheads, seqlen_q, cfg)
+    items = plan.triton_cdiv(seqlen_q, cfg.block_m) * nheads * batch
+    return all(n <= limit for n, limit in zip(grid, CUDA_GRID_MAX)) and items <= plan.MAX_WORK_ITEMS
 
 
 @timeout(120)
@@ -484,14 +487,14 @@ def test_batch_or_heads_past_65535(monkeypatch, batch, nheads):
 
 
 def test_grid_past_cuda_limit_is_a_clear_error(no_launch):
-    # 65536 batches x 32768 heads x 1 query tile = 2**31 CTAs: past grid axis
-    # x's 2**31 - 1 for a one-axis grid, past 65535 on z for a 3-D one. The
+    # 65536 batches x 32768 heads x 1 query tile = 2**31 work items: past the
+    # kernel's int32 item numbering and the one-CTA-per-item grid's 2**31 - 1. The
     # inputs are stride-0 expansions of one row, so nothing big is allocated;
     # the grid check must come before the stride checks.
     row = torch.zeros(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16)
     q, k = row.expand(65536, 1, 32768, 64), row.expand(65536, 1, 1, 64)
     assert not plan_grid_fits(65536, 32768, 1, 64)
-    with pytest.raises(ValueError, match=r"batch \(65536\).*(grid limit|at most)"):
+    with pytest.raises(ValueError, match=r"batch \(65536\).*limit of 2147483647 work items"):
         hopper_flash.flash_attn_func(q, k, k, causal=True)
 
 
