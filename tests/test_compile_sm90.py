@@ -88,3 +88,18 @@ def test_no_shipped_config_ablates():
     # ForwardConfig.ablate drops half the algorithm for timing experiments:
     # a shipped config with it set would return wrong results.
     assert all(cfg.ablate == 0 for cfg in plan.CONFIGS.values())
+
+
+def test_planned_shared_memory_matches_the_compiler(report):
+    """plan.ForwardConfig.shared_bytes (tiles only) decides where O is staged;
+    the compiler adds only mbarriers and warp-specialize slots on top."""
+    cfg = plan.CONFIGS[report.head_dim]
+    assert 0 <= report.shared_bytes - cfg.shared_bytes() <= 1024
+
+
+def test_o_gets_its_own_buffer_where_it_fits():
+    # A persistent CTA reloads Q while the epilogue runs, so O moves out of the
+    # Q rows when shared memory allows: for head dims 64 and 128, not 256.
+    assert {d: cfg.o_in_q for d, cfg in plan.CONFIGS.items()} == {64: False, 128: False, 256: True}
+    assert all(cfg.persistent for cfg in plan.CONFIGS.values())
+    assert all(cfg.shared_bytes() <= plan.SMEM_BUDGET_BYTES for cfg in plan.CONFIGS.values())
