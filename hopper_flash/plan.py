@@ -45,7 +45,9 @@ class ForwardConfig:
     # Alternate the two consumers' wgmma issue (FA3's ping-pong schedule).
     # Off: on the H200 (2026-11-30, D=128 causal, B=4 H=32) it measured 0.994,
     # 1.005, 1.009x cuDNN at S=4096/8192/16384 against 1.002, 1.034, 1.021x
-    # without it; the two warpgroups already drift apart on their own.
+    # without it; the two warpgroups already drift apart on their own. Measured
+    # with the seed's grid only: under the persistent grid its turn counter
+    # carries across work items (kernels/forward.py) but has not been run.
     pingpong: bool = False
     # Measurement only: 1 drops the steady-state softmax, 2 the steady-state
     # PV (kernels/forward.py, ABLATE_*). Results are wrong; never ship it.
