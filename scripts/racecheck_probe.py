@@ -90,42 +90,41 @@ PTX_HEAD = """
 .shared .align 4 .b32 slot;
 """
 
-# Thread 0 writes `slot`; every thread meets at one bar.sync; warps 1-3 read.
-PTX_SAME_PC = """
-.visible .entry same_pc(.param .u64 out_ptr)
-{
+def _entry(name: str, body: str) -> str:
+    """A kernel over one int32 output per thread. Around ``body``: %r1 is the
+    thread id, %r2 its warp; the body leaves the thread's result in %r3."""
+    return f"""
+.visible .entry {name}(.param .u64 out_ptr)
+{{
   .reg .pred %p<3>;
-  .reg .b32 %r<5>;
+  .reg .b32 %r<6>;
   .reg .b64 %rd<4>;
   ld.param.u64 %rd1, [out_ptr];
   cvta.to.global.u64 %rd1, %rd1;
   mov.u32 %r1, %tid.x;
   shr.u32 %r2, %r1, 5;
+{body}
+DONE:
+  mul.wide.u32 %rd2, %r1, 4;
+  add.s64 %rd3, %rd1, %rd2;
+  st.global.u32 [%rd3], %r3;
+  ret;
+}}
+"""
+
+
+# Thread 0 writes `slot`; every thread meets at one bar.sync; warps 1-3 read.
+PTX_SAME_PC = _entry("same_pc", """
   setp.eq.u32 %p1, %r1, 0;
   setp.ne.u32 %p2, %r2, 0;
   mov.u32 %r3, 42;
   @%p1 st.shared.u32 [slot], %r3;
   bar.sync 1;
-  @%p2 ld.shared.u32 %r3, [slot];
-  mul.wide.u32 %rd2, %r1, 4;
-  add.s64 %rd3, %rd1, %rd2;
-  st.global.u32 [%rd3], %r3;
-  ret;
-}
-"""
+  @%p2 ld.shared.u32 %r3, [slot];""")
 
 # The same, but warp 0 and warps 1-3 reach bar.sync 1 at different
 # instructions.
-PTX_SPLIT_PC = """
-.visible .entry split_pc(.param .u64 out_ptr)
-{
-  .reg .pred %p<3>;
-  .reg .b32 %r<5>;
-  .reg .b64 %rd<4>;
-  ld.param.u64 %rd1, [out_ptr];
-  cvta.to.global.u64 %rd1, %rd1;
-  mov.u32 %r1, %tid.x;
-  shr.u32 %r2, %r1, 5;
+PTX_SPLIT_PC = _entry("split_pc", """
   mov.u32 %r3, 42;
   setp.eq.u32 %p2, %r2, 0;
   @%p2 bra WRITER;
@@ -135,31 +134,15 @@ PTX_SPLIT_PC = """
 WRITER:
   setp.eq.u32 %p1, %r1, 0;
   @%p1 st.shared.u32 [slot], %r3;
-  bar.sync 1;
-DONE:
-  mul.wide.u32 %rd2, %r1, 4;
-  add.s64 %rd3, %rd1, %rd2;
-  st.global.u32 [%rd3], %r3;
-  ret;
-}
-"""
+  bar.sync 1;""")
 
 # Triton's start-up and shut-down in miniature, 256 threads: warps 0-3 (the
 # "default partition") write the slot, four CTA-wide bar.sync 1 (A, B, C, D)
 # separate the phases, warps 4-7 (the "worker") read it after A and after D.
 # Between B and C each group may sync among itself on a 128-thread named
-# barrier, as the real partitions do; {DEFAULT_BAR} and {WORKER_BAR} pick its
-# id (or none). Every thread ends with 42 + 43.
+# barrier, as the real partitions do ({DEFAULT_BODY}, {WORKER_BODY}). Every
+# thread ends with 42 + 43.
 PTX_HANDSHAKE = """
-.visible .entry handshake_{NAME}(.param .u64 out_ptr)
-{
-  .reg .pred %p<3>;
-  .reg .b32 %r<6>;
-  .reg .b64 %rd<4>;
-  ld.param.u64 %rd1, [out_ptr];
-  cvta.to.global.u64 %rd1, %rd1;
-  mov.u32 %r1, %tid.x;
-  shr.u32 %r2, %r1, 5;
   setp.eq.u32 %p2, %r1, 0;
   setp.lt.u32 %p1, %r2, 4;
   @%p1 bra DEFAULT;
@@ -182,14 +165,7 @@ DEFAULT:
   mov.u32 %r5, 43;
   @%p2 st.shared.u32 [slot], %r5;
   bar.sync 1;
-  mov.u32 %r3, 85;
-DONE:
-  mul.wide.u32 %rd2, %r1, 4;
-  add.s64 %rd3, %rd1, %rd2;
-  st.global.u32 [%rd3], %r3;
-  ret;
-}
-"""
+  mov.u32 %r3, 85;"""
 
 
 def _group_sync(bar_id, times):
@@ -209,8 +185,8 @@ HANDSHAKES = {
     "d0x1_w2x3": (0, 1, 2, 3),
 }
 PTX = PTX_HEAD + PTX_SAME_PC + PTX_SPLIT_PC + "".join(
-    PTX_HANDSHAKE.replace("{NAME}", name).replace("{DEFAULT_BODY}", _group_sync(d, dn))
-    .replace("{WORKER_BODY}", _group_sync(w, wn)) for name, (d, dn, w, wn) in HANDSHAKES.items())
+    _entry(f"handshake_{name}", PTX_HANDSHAKE.replace("{DEFAULT_BODY}", _group_sync(d, dn))
+           .replace("{WORKER_BODY}", _group_sync(w, wn))) for name, (d, dn, w, wn) in HANDSHAKES.items())
 EXPECTED = {"same_pc": 42, "split_pc": 42, **{f"handshake_{n}": 85 for n in HANDSHAKES}}
 
 
@@ -283,9 +259,13 @@ PROBES = {
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("probes", nargs="*", default=[], choices=list(PROBES), help="default: all")
+    # No `choices=`: argparse checks an empty list against them and refuses it.
+    ap.add_argument("probes", nargs="*", metavar="PROBE", help=f"default: all of {', '.join(PROBES)}")
     ap.add_argument("--repeat", type=int, default=1, help="launches per probe (the tool's reports vary run to run)")
     args = ap.parse_args()
+    unknown = sorted(set(args.probes) - set(PROBES))
+    if unknown:
+        ap.error(f"unknown probe(s) {', '.join(unknown)}; choose from {', '.join(PROBES)}")
     failed = 0
     for name in args.probes or list(PROBES):
         ok = all([PROBES[name]() for _ in range(args.repeat)])

@@ -6,14 +6,7 @@
 #
 # The last column adds up racecheck's "[N hazards]" counts: the number of
 # conflicting access pairs behind the reports.
-set -u -o pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-PY=${PYTHON:-$(command -v python || command -v python3)}
-SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
-echo "== $("$SAN" --version | tail -n 1)"
+source "$(dirname "${BASH_SOURCE[0]}")/sanitizer_env.sh"
 "$PY" scripts/racecheck_probe.py "$@" >/dev/null || echo "probes failed without the sanitizer"  # fills Triton's cache
 probes=("$@")
 [ ${#probes[@]} -eq 0 ] && mapfile -t probes < <("$PY" -c "
