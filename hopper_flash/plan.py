@@ -7,7 +7,7 @@ Kept apart from ``hopper_flash.kernels`` (device code) and from
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -92,6 +92,22 @@ CONFIGS: dict[int, ForwardConfig] = {
 }
 SUPPORTED_HEAD_DIMS = tuple(sorted(CONFIGS))
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def config_variant(spec: str) -> dict:
+    """Parse ``"field=value,..."`` (ints, ``True``/``False``) into ForwardConfig
+    fields: how the test suite, the sanitizer cases and ``quick_bench`` name a
+    kernel variant to run instead of the shipped one."""
+    fields = dict(item.split("=", 1) for item in spec.split(",") if item)
+    return {k: (v == "True") if v in ("True", "False") else int(v) for k, v in fields.items()}
+
+
+def use_variant(spec: str) -> dict:
+    """Replace every head dim's config by its ``spec`` variant; returns the fields."""
+    fields = config_variant(spec)
+    for head_dim, cfg in CONFIGS.items():
+        CONFIGS[head_dim] = replace(cfg, **fields)
+    return fields
 
 
 @lru_cache(maxsize=None)

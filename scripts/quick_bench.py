@@ -20,11 +20,6 @@ parser.add_argument("--variant", action="append", default=[], metavar="FIELD=VAL
                     help="also time plan.ForwardConfig with these fields replaced, e.g. k_stages=3,v_stages=3")
 args = parser.parse_args()
 
-
-def parse_variant(text):
-    fields = dict(item.split("=") for item in text.split(","))
-    return {k: (v == "True") if v in ("True", "False") else int(v) for k, v in fields.items()}
-
 B, H = 4, 32
 causal_modes = {"yes": [True], "no": [False], "both": [True, False]}[args.causal]
 variants = ["default"] + (["pingpong"] if args.pingpong else []) + args.variant
@@ -46,7 +41,7 @@ for d in args.headdim:
                 elif name == "pingpong":
                     plan.CONFIGS[d] = dataclasses.replace(base, pingpong=True)
                 else:
-                    plan.CONFIGS[d] = dataclasses.replace(base, **parse_variant(name))
+                    plan.CONFIGS[d] = dataclasses.replace(base, **plan.config_variant(name))
                 ms = triton.testing.do_bench(lambda: hopper_flash.flash_attn_func(q, k, v, causal=causal),
                                              warmup=100, rep=400, return_mode="median")
                 tf[name] = flops / ms / 1e9

@@ -19,7 +19,6 @@ cache) every kernel the cases use. Prints one line per case and a final
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 import time
@@ -120,13 +119,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-warmup", action="store_true", help="skip the compile launches")
     parser.add_argument("--variant", default="", metavar="FIELD=VALUE[,FIELD=VALUE]",
                         help="run with plan.ForwardConfig fields replaced for every head dim, "
-                             "e.g. producer_warps=4")
+                             "e.g. persistent=False")
     args = parser.parse_args(argv)
     if args.variant:
-        fields = {k: int(v) for k, v in (item.split("=") for item in args.variant.split(","))}
-        for head_dim, cfg in plan.CONFIGS.items():
-            plan.CONFIGS[head_dim] = dataclasses.replace(cfg, **fields)
-        print(f"sanitize.py: variant {fields}", flush=True)
+        print(f"sanitize.py: variant {plan.use_variant(args.variant)}", flush=True)
     if not torch.cuda.is_available():
         print("sanitize.py: no CUDA device", flush=True)
         return 2

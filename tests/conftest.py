@@ -29,17 +29,13 @@ def pytest_configure(config):
     """``HOPPER_FLASH_TEST_CONFIG="field=value,..."`` runs the whole suite on a
     variant of every head dim's ForwardConfig (e.g. ``persistent=1``), so a
     kernel variant is tested before it is shipped."""
-    import dataclasses
     import os
 
     spec = os.environ.get("HOPPER_FLASH_TEST_CONFIG", "")
-    if not spec:
-        return
-    from hopper_flash import plan
+    if spec:
+        from hopper_flash import plan
 
-    fields = {k: int(v) for k, v in (item.split("=") for item in spec.split(","))}
-    for head_dim, cfg in plan.CONFIGS.items():
-        plan.CONFIGS[head_dim] = dataclasses.replace(cfg, **fields)
+        plan.use_variant(spec)
 
 
 def pytest_report_header(config):

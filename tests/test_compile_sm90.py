@@ -6,6 +6,7 @@ no spills, the Hopper instructions the design relies on are present
 (HGMMA/wgmma, TMA loads and stores, setmaxnreg), shared memory fits.
 """
 import functools
+import os
 import re
 
 import pytest
@@ -97,6 +98,8 @@ def test_planned_shared_memory_matches_the_compiler(report):
     assert 0 <= report.shared_bytes - cfg.shared_bytes() <= 1024
 
 
+@pytest.mark.skipif(bool(os.environ.get("HOPPER_FLASH_TEST_CONFIG")),
+                    reason="checks the shipped configs; HOPPER_FLASH_TEST_CONFIG replaced them")
 def test_o_gets_its_own_buffer_where_it_fits():
     # A persistent CTA reloads Q while the epilogue runs, so O moves out of the
     # Q rows when shared memory allows: for head dims 64 and 128, not 256.
