@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .compat import tma_load, tma_store
 from .mask import apply_mask, kv_tile_count, tile_needs_mask
 from .pipeline import pass_mma_turn, release, ring_slot, take_mma_turn, wait_empty, wait_full
 from .scheduler import local_tile_count, tile_coords
@@ -74,7 +75,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k
         for c in gl.static_range(2):
             mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # passes on the fresh barrier for i = 0
             mbarrier.expect(q_full.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, bm * BLOCK_M + c * WG_M, h, 0], q_full.index(c),
+            tma_load(q_desc, [b, bm * BLOCK_M + c * WG_M, h, 0], q_full.index(c),
                                             q_smem.index(c))
 
         # K and V in separate rings: QK of tile `it` may start while V of tile
@@ -85,13 +86,13 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k
             wait_empty(k_empty, order, K_STAGES)
             k_slot = ring_slot(order, K_STAGES)
             mbarrier.expect(k_full.index(k_slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, bn * BLOCK_N, hk, 0], k_full.index(k_slot),
+            tma_load(k_desc, [b, bn * BLOCK_N, hk, 0], k_full.index(k_slot),
                                             k_bufs.index(k_slot))
 
             wait_empty(v_empty, order, V_STAGES)
             v_slot = ring_slot(order, V_STAGES)
             mbarrier.expect(v_full.index(v_slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, bn * BLOCK_N, hk, 0], v_full.index(v_slot),
+            tma_load(v_desc, [b, bn * BLOCK_N, hk, 0], v_full.index(v_slot),
                                             v_bufs.index(v_slot))
         kv0 += n_kv
 
@@ -208,7 +209,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
         tma.store_wait(0)
     o_half.reshape([WG_M, HEAD_DIM]).store(acc_o.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], o_half)
+    tma_store(o_desc, [b, row0, h, 0], o_half)
 
     if WRITE_LSE:
         rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
