@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hopper_flash import interface, plan
+from hopper_flash import dispatch, plan
 from hopper_flash.reference import attention_reference
 
 REL_TOL = 1e-2
@@ -77,7 +77,7 @@ def run_case(case: Case, seed: int) -> tuple[bool, str]:
     out = torch.full(q.shape, math.nan, dtype=q.dtype, device="cuda")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out, lse = interface.forward(q, k, v, None, case.causal, True, out=out)
+    out, lse = dispatch.forward(q, k, v, None, case.causal, True, out=out)
     torch.cuda.synchronize()  # errors are attributed to this case
     ms = (time.perf_counter() - t0) * 1e3
     ref, ref_lse = attention_reference(q, k, v, causal=case.causal, dtype=torch.float32)
@@ -108,7 +108,7 @@ def warm_up(selected: list[Case]) -> None:
     specs = sorted({(c.head_dim, c.causal) for c in selected})
     for head_dim, causal in specs:
         q, k, v = make_inputs(Case(1, 1, 1, 1, 1, head_dim, causal), seed=0)
-        interface.forward(q, k, v, None, causal, True)
+        dispatch.forward(q, k, v, None, causal, True)
     torch.cuda.synchronize()
     print(f"warm-up: {len(specs)} specialisations ready in {time.perf_counter() - t0:.1f} s", flush=True)
 

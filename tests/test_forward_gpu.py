@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hopper_flash
-from hopper_flash import interface, plan
+from hopper_flash import dispatch, plan
 from hopper_flash.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
@@ -92,7 +92,7 @@ def check_forward(batch, seqlen_q, seqlen_k, nheads, nheads_kv=None, head_dim=12
     nheads_kv = nheads_kv or nheads
     q, k, v = make_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, seed)
     buf, out = guarded_out(q)
-    out, lse = interface.forward(q, k, v, scale, causal, True, out=out)
+    out, lse = dispatch.forward(q, k, v, scale, causal, True, out=out)
     assert_guards_intact(buf, q.numel())
     ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale, dtype=torch.float32)
     err = errors(out, ref)

@@ -4,7 +4,7 @@ whole supported domain against the float32 reference.
 Drawn: batch 1-3; seqlen_q and seqlen_k 1-700 (tile edges over-weighted,
 sometimes equal); nheads_kv 1-4 and a GQA group 1-4; head dim 64/128/256;
 bf16/fp16; causal; an optional softmax_scale in [0.02, 1]; return_lse; the
-public call or ``interface.forward`` into a NaN-poisoned, guarded buffer; and
+public call or ``dispatch.forward`` into a NaN-poisoned, guarded buffer; and
 the seed of the inputs. Examples are derandomized: every run tests the same 60,
 after 24 explicit ones, one per compiled specialisation (dtype, head dim,
 causal, lse), which the 60 drawn ones do not all reach.
@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import hopper_flash
-from hopper_flash import interface, plan
+from hopper_flash import dispatch, plan
 from hopper_flash.reference import attention_reference, max_abs_err, rel_fro_err
 
 try:  # pytest's default import mode puts tests/ on sys.path
@@ -120,7 +120,7 @@ def test_forward_matches_reference(p):
                                            return_lse=p.return_lse)
     else:
         buf, out = guarded_out(q)
-        res = interface.forward(q, k, v, p.softmax_scale, p.causal, p.return_lse, out=out)
+        res = dispatch.forward(q, k, v, p.softmax_scale, p.causal, p.return_lse, out=out)
         assert_guards_intact(buf, q.numel())
     out, lse = res if p.return_lse else (res, None)
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import hopper_flash
-from hopper_flash import interface, plan
+from hopper_flash import dispatch, plan
 from hopper_flash.reference import attention_reference, max_abs_err, rel_fro_err
 
 try:  # pytest's default import mode puts tests/ on sys.path
@@ -136,7 +136,7 @@ def test_zero_length_kv_gives_zeros_without_launch(no_launch, shape, head_dim, c
     assert lse.shape == (batch, nheads, seqlen_q) and torch.isneginf(lse).all()
     # A caller's (poisoned) buffer is zeroed, and nothing around it is touched.
     buf, out = guarded_out(q)
-    out = interface.forward(q, k, v, None, causal, False, out=out)
+    out = dispatch.forward(q, k, v, None, causal, False, out=out)
     assert_guards_intact(buf, q.numel())
     assert (out == 0).all()
 
@@ -338,7 +338,7 @@ def _run_huge_causal(batch, seqlen, nheads, head_dim, samples, seed, capsys):
     base = torch.cuda.memory_allocated()
     q, k, v = make_qkv(batch, seqlen, seqlen, nheads, nheads, head_dim, seed=seed)
     buf, out = guarded_out(q)
-    out, lse = interface.forward(q, k, v, None, True, True, out=out)
+    out, lse = dispatch.forward(q, k, v, None, True, True, out=out)
     torch.cuda.synchronize()
     failures = []
     try:
@@ -560,7 +560,7 @@ def test_work_is_enqueued_on_the_current_stream(monkeypatch, path):
     with torch.cuda.stream(side):
         before, after = torch.cuda.Event(), torch.cuda.Event()
         before.record()
-        out, lse = interface.forward(q, k, v, None, True, True, out=out)
+        out, lse = dispatch.forward(q, k, v, None, True, True, out=out)
         after.record()
         after.synchronize()
         host_out.copy_(out, non_blocking=True)
