@@ -34,6 +34,7 @@ import torch
 __all__ = [
     "LSE_REL_TOL",
     "JUDGE_FACTOR",
+    "Problem",
     "Verdict",
     "assert_judged",
     "attention_baseline",
@@ -445,6 +446,32 @@ def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv:
         return (torch.randn(batch, seqlen, heads, head_dim, generator=gen, device=device) * magnitude).to(dtype)
 
     return rnd(seqlen_q, nheads), rnd(seqlen_k, nheads_kv), rnd(seqlen_k, nheads_kv)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention problem: what a test, a fuzz example or a sanitizer case
+    draws inputs for and checks."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    causal: bool = False
+    dtype: torch.dtype = torch.bfloat16
+    softmax_scale: float | None = None
+
+    def inputs(self, seed: int = 0, device="cuda", magnitude: float = 1.0):
+        """Fresh random q, k, v (:func:`random_qkv`)."""
+        return random_qkv(self.batch, self.seqlen_q, self.seqlen_k, self.nheads, self.nheads_kv, self.head_dim,
+                          dtype=self.dtype, seed=seed, device=device, magnitude=magnitude)
+
+    def check(self, out, q, k, v, lse=None, name: str = "out") -> list[Verdict]:
+        """:func:`check_attention` of this problem's output."""
+        return check_attention(out, q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, lse=lse,
+                               name=name)
 
 
 # --------------------------------------------------------------------------

@@ -23,27 +23,17 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
 from hopper_flash import dispatch, plan
-from hopper_flash.reference import check_attention, random_qkv
+from hopper_flash.reference import Problem
 
 # (seqlen_q, seqlen_k) for the full (memcheck) set.
 FULL_PAIRS = ((1, 200), (65, 129), (129, 65), (200, 400))
 
 
-@dataclass(frozen=True)
-class Case:
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    nheads: int
-    nheads_kv: int
-    head_dim: int
-    causal: bool
-
+class Case(Problem):
     def __str__(self):
         return (f"d={self.head_dim:<3} {'causal' if self.causal else 'full  '} b={self.batch} "
                 f"sq={self.seqlen_q:<3} sk={self.seqlen_k:<3} h={self.nheads}/{self.nheads_kv}")
@@ -60,20 +50,15 @@ def cases(quick: bool) -> list[Case]:
     return [Case(2, sq, sk, 4, 2, d, causal) for d in dims for causal in (False, True) for sq, sk in FULL_PAIRS]
 
 
-def make_inputs(case: Case, seed: int):
-    return random_qkv(case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_kv, case.head_dim,
-                      seed=seed)
-
-
 def run_case(case: Case, seed: int) -> tuple[bool, str]:
-    q, k, v = make_inputs(case, seed)
+    q, k, v = case.inputs(seed)
     out = torch.full(q.shape, math.nan, dtype=q.dtype, device="cuda")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    out, lse = dispatch.forward(q, k, v, None, case.causal, True, out=out)
+    out, lse = dispatch.forward(q, k, v, case.softmax_scale, case.causal, True, out=out)
     torch.cuda.synchronize()  # errors are attributed to this case
     ms = (time.perf_counter() - t0) * 1e3
-    verdicts = check_attention(out, q, k, v, causal=case.causal, lse=lse)
+    verdicts = case.check(out, q, k, v, lse)
     ok = all(verdicts)
     numbers = f"rel={verdicts[0].rel_fro:.2e} max_abs={verdicts[0].max_abs:.2e} lse_rel={verdicts[1].rel_fro:.2e}"
     status = "ok" if ok else "FAIL: " + "; ".join(v.message for v in verdicts if not v)
@@ -85,7 +70,7 @@ def warm_up(selected: list[Case]) -> None:
     t0 = time.perf_counter()
     specs = sorted({(c.head_dim, c.causal) for c in selected})
     for head_dim, causal in specs:
-        q, k, v = make_inputs(Case(1, 1, 1, 1, 1, head_dim, causal), seed=0)
+        q, k, v = Case(1, 1, 1, 1, 1, head_dim, causal).inputs(seed=0)
         dispatch.forward(q, k, v, None, causal, True)
     torch.cuda.synchronize()
     print(f"warm-up: {len(specs)} specialisations ready in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -25,11 +25,12 @@ from hypothesis import strategies as st
 
 import hopper_flash
 from hopper_flash import dispatch
+from hopper_flash.reference import Problem
 
 try:  # pytest's default import mode puts tests/ on sys.path
-    from test_forward_gpu import assert_attention_correct, assert_guards_intact, guarded_out, make_qkv
+    from test_forward_gpu import assert_guards_intact, guarded_out
 except ImportError:  # --import-mode=importlib, run from the repository root
-    from tests.test_forward_gpu import assert_attention_correct, assert_guards_intact, guarded_out, make_qkv
+    from tests.test_forward_gpu import assert_guards_intact, guarded_out
 
 pytestmark = pytest.mark.gpu
 
@@ -51,19 +52,12 @@ def timeout(seconds, **kwargs):
 
 
 @dataclass(frozen=True)
-class Problem:
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    nheads: int
-    nheads_kv: int
-    head_dim: int
-    dtype: torch.dtype
-    causal: bool
-    softmax_scale: float | None
-    return_lse: bool
-    public_api: bool
-    seed: int
+class Example(Problem):
+    """A problem and how it is called."""
+
+    return_lse: bool = False
+    public_api: bool = False
+    seed: int = 0
 
 
 seqlens = st.one_of(st.sampled_from(EDGE_SEQLENS), st.integers(1, 700))
@@ -75,7 +69,7 @@ def problems(draw):
     seqlen_k = seqlen_q if draw(st.booleans()) else draw(seqlens)
     nheads_kv = draw(st.integers(1, 4))
     group = draw(st.integers(1, 4))
-    return Problem(
+    return Example(
         batch=draw(st.integers(1, 3)),
         seqlen_q=seqlen_q,
         seqlen_k=seqlen_k,
@@ -99,7 +93,7 @@ def coverage_examples():
     combos = itertools.product(DTYPES, HEAD_DIMS, (False, True), (False, True))
     for i, (dtype, head_dim, causal, return_lse) in enumerate(combos):
         batch, seqlen_q, seqlen_k, nheads, nheads_kv = shapes[i % len(shapes)]
-        yield Problem(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, dtype, causal, scales[i % 3],
+        yield Example(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, causal, dtype, scales[i % 3],
                       return_lse, public_api=bool(i // 3 % 2), seed=1000 + i)
 
 
@@ -115,7 +109,7 @@ def with_coverage_examples(test):
 @with_coverage_examples
 @given(p=problems())
 def test_forward_matches_reference(p):
-    q, k, v = make_qkv(p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.nheads_kv, p.head_dim, p.dtype, p.seed)
+    q, k, v = p.inputs(p.seed)
     if p.public_api:
         res = hopper_flash.flash_attn_func(q, k, v, softmax_scale=p.softmax_scale, causal=p.causal,
                                            return_lse=p.return_lse)
@@ -125,7 +119,7 @@ def test_forward_matches_reference(p):
         assert_guards_intact(buf, q.numel())
     out, lse = res if p.return_lse else (res, None)
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
-
     if p.return_lse:
         assert lse.shape == (p.batch, p.nheads, p.seqlen_q) and lse.dtype == torch.float32
-    assert_attention_correct(q, k, v, out, lse, causal=p.causal, scale=p.softmax_scale)
+    failed = [v.message for v in p.check(out, q, k, v, lse) if not v]
+    assert not failed, "\n".join(failed)

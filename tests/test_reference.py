@@ -330,3 +330,14 @@ def test_error_helpers_refuse_broadcasting():
         max_abs_err(torch.zeros(3, 1), torch.zeros(3))
     with pytest.raises(ValueError):
         rel_fro_err(torch.zeros(3), torch.zeros(1))
+
+
+def test_problem_draws_inputs_and_checks_an_output():
+    p = reference.Problem(2, 70, 90, 4, 2, 32, causal=True, softmax_scale=0.2)
+    q, k, v = p.inputs(seed=3, device="cpu")
+    assert q.shape == (2, 70, 4, 32) and k.shape == v.shape == (2, 90, 2, 32) and q.dtype == BF16
+    assert torch.equal(q, p.inputs(seed=3, device="cpu")[0]) and not torch.equal(q, p.inputs(seed=4, device="cpu")[0])
+    out, lse = attention_reference(q, k, v, causal=True, softmax_scale=0.2)
+    assert all(p.check(out.to(BF16), q, k, v, lse.float()))
+    bad = p.check(out.to(BF16), q, k, v, lse.float() + 1e-2)
+    assert bad[0] and not bad[1] and bad[1].name == "out lse"
