@@ -1,11 +1,14 @@
-"""The one reference and the one judge of every correctness check (tests and
-bench), for outputs, log-sum-exps, gradients and decode outputs alike.
+"""The one reference and the one judge of every correctness check (tests,
+sanitizer cases and bench), for outputs, log-sum-exps, gradients and decode
+outputs alike.
 
 * :func:`attention_reference`: exact softmax attention computed directly in
   float64 (no online softmax), on the inputs' device.
 * :func:`attention_baseline`: what a good bf16/fp16 attention kernel gets on
   the same inputs: PyTorch SDPA's cuDNN backend where it can express the
   problem, else SDPA's efficient/math backends with an explicit mask.
+* :func:`attention_reference_grads` / :func:`attention_baseline_grads`: the
+  same two for a backward's ``(dq, dk, dv)``.
 * :func:`judge`: a value against the reference, relative to the error the
   baseline makes on the same inputs. Fixed tolerances are either loose where
   errors are small (an absolute 2e-2 passes a 3% error on S=4096 outputs of
@@ -38,7 +41,9 @@ __all__ = [
     "Verdict",
     "assert_judged",
     "attention_baseline",
+    "attention_baseline_grads",
     "attention_reference",
+    "attention_reference_grads",
     "check_attention",
     "judge",
     "judge_lse",
@@ -93,6 +98,15 @@ def _row_index(rows, seqlen_q: int, device) -> torch.Tensor:
     return rows
 
 
+def _chunking(pairs: int, n_rows: int, seqlen_k: int, headdim: int) -> tuple[int, int]:
+    """(batch, head) pairs per chunk and query rows per chunk: at most
+    ``_CHUNK_ELEMS`` scores per chunk and float64 keys per pair chunk."""
+    keys = max(seqlen_k, 1)
+    pairs_per_chunk = max(1, min(_CHUNK_ELEMS // max(n_rows * keys, 1), _CHUNK_ELEMS // (keys * max(headdim, 1))))
+    rows_per_chunk = max(1, _CHUNK_ELEMS // (keys * min(pairs_per_chunk, max(pairs, 1))))
+    return pairs_per_chunk, rows_per_chunk
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -135,9 +149,7 @@ def attention_reference(
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # BHSD views
     cols = torch.arange(seqlen_k, device=device)
     pairs = batch * nheads
-    keys = max(seqlen_k, 1)
-    pairs_per_chunk = max(1, min(_CHUNK_ELEMS // max(n_rows * keys, 1), _CHUNK_ELEMS // (keys * max(headdim, 1))))
-    rows_per_chunk = max(1, _CHUNK_ELEMS // (keys * min(pairs_per_chunk, max(pairs, 1))))
+    pairs_per_chunk, rows_per_chunk = _chunking(pairs, n_rows, seqlen_k, headdim)
 
     for p0 in range(0, pairs, pairs_per_chunk):
         pair = torch.arange(p0, min(p0 + pairs_per_chunk, pairs), device=device)
@@ -209,6 +221,86 @@ def attention_baseline(
     if causal:
         out = torch.where(mask.any(dim=1)[None, :, None, None], out, 0.0)
     return out
+
+
+def _grads(fn, q, k, v, dout):
+    """``(dq, dk, dv)`` of ``sum(fn(q, k, v) * dout)`` by autograd, on copies
+    of the inputs; in the inputs' dtype."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with torch.enable_grad():
+        out = fn(*leaves)
+        if not out.requires_grad:  # nothing to differentiate (e.g. no key at all: zeros)
+            return tuple(torch.zeros_like(x) for x in leaves)
+        grads = torch.autograd.grad(out, leaves, dout.to(out.dtype), allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves))
+
+
+def attention_reference_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact float64 ``(dq, dk, dv)`` (BSHD, shaped like q, k, v) of
+    :func:`attention_reference`'s output for the output gradient ``dout``.
+
+    The textbook backward from the reference's own output and LSE:
+    ``P = exp(S - lse)``, ``dV = P^T dO``, ``dP = dO V^T``,
+    ``dS = P * (dP - rowsum(dO * O))``, ``dQ = scale * dS K``,
+    ``dK = scale * dS^T Q``; with GQA, dK and dV sum over the query heads
+    that share a kv head. Rows that see no key contribute nothing. Chunked
+    like the forward, so memory stays bounded (no autograd graph is kept).
+    """
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    f64 = torch.float64
+    scale = _scale(softmax_scale, headdim)
+    group = nheads // nheads_kv
+    device = q.device
+    out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    qh, kh, vh, doh = (x.transpose(1, 2) for x in (q, k, v, dout))
+    delta = (doh.to(f64) * out.transpose(1, 2)).sum(-1)  # [B, H, Sq]
+    dq = torch.zeros(batch, nheads, seqlen_q, headdim, dtype=f64, device=device)
+    dk = torch.zeros(batch, nheads_kv, seqlen_k, headdim, dtype=f64, device=device)
+    dv = torch.zeros_like(dk)
+    cols = torch.arange(seqlen_k, device=device)
+    pairs = batch * nheads
+    pairs_per_chunk, rows_per_chunk = _chunking(pairs, seqlen_q, seqlen_k, headdim)
+
+    for p0 in range(0, pairs, pairs_per_chunk):
+        pair = torch.arange(p0, min(p0 + pairs_per_chunk, pairs), device=device)
+        b, h = pair // nheads, pair % nheads
+        kc, vc = kh[b, h // group].to(f64), vh[b, h // group].to(f64)  # [pairs, Sk, D]
+        dkc, dvc = torch.zeros_like(kc), torch.zeros_like(vc)
+        for r0 in range(0, seqlen_q, rows_per_chunk):
+            r = torch.arange(r0, min(r0 + rows_per_chunk, seqlen_q), device=device)
+            idx = (b[:, None], h[:, None], r[None, :])
+            qc, doc, row_lse = qh[idx].to(f64), doh[idx].to(f64), lse[idx]
+            s = (qc @ kc.transpose(-1, -2)) * scale
+            if causal:
+                s.masked_fill_(cols[None, None, :] > r[None, :, None] + (seqlen_k - seqlen_q), -math.inf)
+            p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
+            dvc += p.transpose(-1, -2) @ doc
+            ds = p * (doc @ vc.transpose(-1, -2) - delta[idx][..., None])
+            dq[idx] = (ds @ kc) * scale
+            dkc += (ds.transpose(-1, -2) @ qc) * scale
+        dk.index_put_((b, h // group), dkc, accumulate=True)
+        dv.index_put_((b, h // group), dvc, accumulate=True)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_scale: float | None = None):
+    """``(dq, dk, dv)`` of :func:`attention_baseline` (SDPA's backward on the
+    same bf16/fp16 inputs), in the inputs' dtype: the baseline for judging a
+    backward kernel's gradients."""
+    def fn(q, k, v):
+        return attention_baseline(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+    return _grads(fn, q, k, v, dout)
 
 
 # --------------------------------------------------------------------------
