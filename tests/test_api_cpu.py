@@ -467,12 +467,12 @@ def test_checks_before_the_op_trace_without_graph_breaks(dynamic, scale):
     """The checks the public call runs before the op (all of them but the
     device's capability) must trace with fullgraph=True, also with dynamic
     shapes, where a float argument becomes a symbol."""
-    def f(q, k, v):
+    def f(q, k, v, scale):  # scale an argument: a symbol under dynamic=True
         interface.check_flash_attn_options(dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                            deterministic=False, return_attn_probs=False)
         return q * checks.check_arguments(q, k, v, scale, True)
 
     torch._dynamo.reset()
     q, k, v = qkv(q_shape=(B, 300, 8, 128), kv_shape=(B, 200, 2, 128))
-    out = torch.compile(f, fullgraph=True, dynamic=dynamic, backend="eager")(q, k, v)
+    out = torch.compile(f, fullgraph=True, dynamic=dynamic, backend="eager")(q, k, v, scale)
     assert torch.equal(out, q * (scale or 1 / math.sqrt(128)))

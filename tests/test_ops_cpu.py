@@ -93,3 +93,22 @@ def test_sdpa_passes_bshd_views_to_the_kernel(monkeypatch):
     assert seen["q"].stride() == q.transpose(1, 2).stride(), "no copy: a transposed view"
     assert seen["scale"] == 0.3 and seen["causal"] is True
     assert out.shape == (2, 8, 100, 128)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fake_impl_traces_with_dynamic_shapes_and_a_symbolic_scale(dynamic):
+    """Under torch.compile(dynamic=True) the fake implementation sees SymInt
+    shapes and a SymFloat scale; its argument checks must accept them (and
+    still refuse a bad scale)."""
+    torch._dynamo.reset()
+
+    def f(q, k, v, scale):
+        return torch.ops.hopper_flash.fwd(q, k, v, scale, True)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for s, scale in ((300, 0.3), (517, 0.4)):
+        q, k = meta(2, s, 4, 128), meta(2, s, 2, 128)
+        out, lse = compiled(q, k, k, scale)
+        assert out.shape == q.shape and lse.shape == (2, 4, s)
+    with pytest.raises(Exception, match="softmax_scale must be a finite positive number"):
+        compiled(q, k, k, -0.5)
