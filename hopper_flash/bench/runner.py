@@ -24,17 +24,13 @@ StepHook = Callable[[Config, str], None]
 
 
 def make_inputs(cfg: Config, device: str, seed: int = 0):
-    """Fresh standard-normal q, k, v in BSHD. Never zeros or ones: a kernel
-    that ignores the mask or the softmax can still match on those."""
+    """Fresh standard-normal q, k, v in BSHD (``hopper_flash.reference.random_qkv``)."""
     import torch
 
-    dtype = getattr(torch, TORCH_DTYPES[cfg.dtype])
-    gen = torch.Generator(device=device).manual_seed(seed)
+    from hopper_flash.reference import random_qkv
 
-    def randn(seqlen: int, heads: int):
-        return torch.randn(cfg.batch, seqlen, heads, cfg.headdim, dtype=dtype, device=device, generator=gen)
-
-    return randn(cfg.seqlen_q, cfg.heads), randn(cfg.seqlen_kv, cfg.nheads_kv), randn(cfg.seqlen_kv, cfg.nheads_kv)
+    return random_qkv(cfg.batch, cfg.seqlen_q, cfg.seqlen_kv, cfg.heads, cfg.nheads_kv, cfg.headdim,
+                      dtype=getattr(torch, TORCH_DTYPES[cfg.dtype]), seed=seed, device=device)
 
 
 def _short(e: BaseException) -> str:
