@@ -50,7 +50,8 @@ def check_flash_attn_options(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0
         raise NotImplementedError("alibi_slopes must be None (ALiBi is not supported)")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    # deterministic=True needs nothing: the forward has no atomics and gives the same bits every run.
+    # deterministic=True needs nothing from the forward (no atomics: the same bits every run). A backward
+    # that accumulates dq with atomics must honour it or refuse it here.
     if return_attn_probs is not False:
         raise NotImplementedError(f"return_attn_probs must be False (attention probabilities are not returned); "
                                   f"use return_lse=True for the log-sum-exp, got {return_attn_probs!r}")
