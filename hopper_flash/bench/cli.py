@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         missing = missing_extras(args)
         if missing:
             print(f"hopper-flash bench needs {' and '.join(missing)}, which the base install does not include: "
-                  f"pip install 'hopper_flash[bench]'", file=sys.stderr)
+                  f"pip install 'hopper_flash[bench]' (from a checkout: pip install -e '.[bench]')", file=sys.stderr)
             return 2
         try:
             configs = resolve_configs(args)
