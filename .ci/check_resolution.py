@@ -36,11 +36,14 @@ def resolve(torch_version: str) -> dict[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         # A machine-wide pip constraint (some CI images cap torch) would hide
-        # the newest releases from this check; users have none.
+        # the newest releases from this check; users have none. "===" asks
+        # for exactly that release: a local CPU build such as 2.13.0+cpu
+        # (found through find-links) requires no triton and is not what a
+        # CUDA user installs.
         env = {**os.environ, "PIP_CONSTRAINT": os.devnull}
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-             "--disable-pip-version-check", "--report", str(report), "-e", str(ROOT), f"torch=={torch_version}"],
+             "--disable-pip-version-check", "--report", str(report), "-e", str(ROOT), f"torch==={torch_version}"],
             capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             # pip's own verdict (ResolutionImpossible and the conflict), not
