@@ -56,9 +56,10 @@ class ForwardConfig:
     ablate: int = 0
     # A grid of at most one CTA per SM that loops over work items
     # (kernels/scheduler.py) instead of the seed's one CTA per item. On the
-    # H200 (2026-11-30, B=4 H=32 bf16, quick_bench, now `hopper-flash bench --variant`) it took D=128 causal
-    # S=1024 from 0.86x to 1.02x cuDNN and D=64 S=1024 from 0.79x to 0.94x,
-    # and was never more than noise slower (BENCHMARKS.md).
+    # H200 (2026-11-30, B=4 H=32 bf16, quick_bench, now `hopper-flash bench
+    # --variant`) it took D=128 causal S=1024 from 0.86x to 1.02x cuDNN and
+    # D=64 S=1024 from 0.79x to 0.94x, and was never more than noise slower
+    # (BENCHMARKS.md).
     persistent: bool = True
     maxnreg: int = _LAUNCH_MAXNREG
 
@@ -98,8 +99,8 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 def config_variant(spec: str) -> dict:
     """Parse ``"field=value,..."`` (ints, ``True``/``False``) into ForwardConfig
-    fields: how the test suite, the sanitizer cases and ``hopper-flash bench --variant`` name a
-    kernel variant to run instead of the shipped one."""
+    fields: how the test suite, the sanitizer cases and ``hopper-flash bench
+    --variant`` name a kernel variant to run instead of the shipped one."""
     fields = dict(item.split("=", 1) for item in spec.split(",") if item)
     return {k: (v == "True") if v in ("True", "False") else int(v) for k, v in fields.items()}
 

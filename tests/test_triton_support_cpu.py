@@ -125,3 +125,17 @@ def test_launch_forward_follows_the_guard(monkeypatch, fast):
     for _ in range(3):
         plan.launch_forward(q, q, q, out, None, 0.1, True)
     assert log == (["jit", "fast", "fast"] if fast else ["jit", "jit", "jit"])
+
+
+def test_fast_path_descriptor_has_what_the_launcher_reads():
+    # The nvidia launcher reads a host descriptor's fields by name
+    # (make_tensordesc_arg); plan._Desc must carry every field of this
+    # triton's Gluon TensorDescriptor except the compile-time ones.
+    import dataclasses
+
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    runtime_fields = {f.name for f in dataclasses.fields(TensorDescriptor)} - {"block_shape", "layout"}
+    assert runtime_fields <= set(plan._Desc.__slots__)
+    desc = plan._Desc(torch.empty(2, 3, 4, 64, dtype=torch.bfloat16))
+    assert all(hasattr(desc, name) for name in runtime_fields)
