@@ -14,7 +14,6 @@ Time on the H200: about 5 s for the examples, plus one compile for each of the
 24 (dtype, head dim, causal, lse) specialisations that an earlier test in the
 same process has not compiled yet (about 1-2 s each).
 """
-import importlib.util
 import itertools
 from dataclasses import dataclass
 
@@ -42,13 +41,6 @@ DTYPES = (torch.bfloat16, torch.float16)
 # Lengths at and around the 64- and 128-row tile edges.
 EDGE_SEQLENS = [1, 2, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 383, 384, 385, 511, 512, 513,
                 639, 640, 641, 700]
-
-
-def timeout(seconds, **kwargs):
-    """pytest-timeout's marker where the plugin is installed (the GPU machine); a no-op elsewhere."""
-    if importlib.util.find_spec("pytest_timeout") is None:
-        return lambda f: f
-    return pytest.mark.timeout(seconds, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -103,7 +95,7 @@ def with_coverage_examples(test):
     return test
 
 
-@timeout(300)
+@pytest.mark.timeout(300)
 @settings(max_examples=60, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow], report_multiple_bugs=False)
 @with_coverage_examples

@@ -22,7 +22,6 @@ elements they cannot reach are judged.
 Peak memory of the huge tests is printed (also without ``-s``).
 """
 import gc
-import importlib.util
 
 import pytest
 import torch
@@ -44,13 +43,6 @@ pytestmark = pytest.mark.gpu
 HEAD_DIMS = (64, 128, 256)  # the supported head dims, written out
 # CUDA's limit on grid axes y and z.
 GRID_YZ_MAX = 65535
-
-
-def timeout(seconds, **kwargs):
-    """pytest-timeout's marker where the plugin is installed (the GPU machine); a no-op elsewhere."""
-    if importlib.util.find_spec("pytest_timeout") is None:
-        return lambda f: f
-    return pytest.mark.timeout(seconds, **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -183,7 +175,7 @@ def _assert_close_where(out, ref, base, mask, what):
     assert_judged(what, out[mask], ref[mask], base[mask])
 
 
-@timeout(60, method="thread")
+@pytest.mark.timeout(60, method="thread")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_nan_in_query_row(head_dim, causal):
@@ -201,7 +193,7 @@ def test_nan_in_query_row(head_dim, causal):
     assert_lse_matches(lse, ref_lse, q, k)
 
 
-@timeout(60, method="thread")
+@pytest.mark.timeout(60, method="thread")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_nan_in_query_row_that_sees_no_key(head_dim):
     # Causal, seqlen_q > seqlen_k: rows 0..99 see no key, so row 50 stays 0 / -inf.
@@ -214,7 +206,7 @@ def test_nan_in_query_row_that_sees_no_key(head_dim):
     assert_lse_matches(lse, ref_lse, q, k)
 
 
-@timeout(60, method="thread")
+@pytest.mark.timeout(60, method="thread")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_nan_in_key(head_dim, causal):
@@ -235,7 +227,7 @@ def test_nan_in_key(head_dim, causal):
     assert_lse_matches(lse, ref_lse, q, k)
 
 
-@timeout(60, method="thread")
+@pytest.mark.timeout(60, method="thread")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_inf_in_value_full(head_dim):
     # Every row sees every key with a positive weight: column 5 of the rows
@@ -251,7 +243,7 @@ def test_inf_in_value_full(head_dim):
     assert_lse_matches(lse, ref_lse, q, k)
 
 
-@timeout(60, method="thread")
+@pytest.mark.timeout(60, method="thread")
 @pytest.mark.parametrize("seqlen_q,seqlen_k,row_sees_inf", [(100, 100, 60), (300, 400, 100)],
                          ids=["one-tile", "multi-tile"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -360,7 +352,7 @@ def _run_huge_causal(batch, seqlen, nheads, head_dim, samples, seed, capsys):
     assert not failures, "\n".join(failures)
 
 
-@timeout(300)
+@pytest.mark.timeout(300)
 def test_more_than_2_31_elements_per_tensor(capsys):
     # 8 * 131072 * 32 * 128 = 2**32 elements = 8 GiB per bf16 tensor; batches
     # 4..7 start past element 2**31. Peak ~40 GiB: q, k, v, out and one
@@ -371,7 +363,7 @@ def test_more_than_2_31_elements_per_tensor(capsys):
     _run_huge_causal(batch, seqlen, nheads, head_dim, samples, seed=101, capsys=capsys)
 
 
-@timeout(300)
+@pytest.mark.timeout(300)
 def test_seqlen_262144(capsys):
     # 2048 query tiles, up to 2048 KV tiles per CTA (many trips around the rings).
     batch, seqlen, nheads, head_dim = 1, 262144, 8, 128
@@ -380,7 +372,7 @@ def test_seqlen_262144(capsys):
     _run_huge_causal(batch, seqlen, nheads, head_dim, samples, seed=102, capsys=capsys)
 
 
-@timeout(120)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_grid_many_batches_and_heads(causal):
     # 1024 x 64 = 65536 (batch, head) pairs, one query tile each; 512 MiB per tensor.
@@ -389,7 +381,7 @@ def test_grid_many_batches_and_heads(causal):
     assert_attention_correct(q, k, v, out, lse, causal=causal, what="B=1024 H=64")
 
 
-@timeout(120)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_grid_65535_batches(causal):
     # One key per row: softmax weight exactly 1, out == v bit for bit, lse == the one score.
@@ -400,7 +392,7 @@ def test_grid_65535_batches(causal):
     assert_lse_matches(lse, ref_lse, q, k, "B=65535 LSE")
 
 
-@timeout(120)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_grid_65535_heads(causal):
     # 65535 q heads over 5 kv heads (groups of 13107).
@@ -409,7 +401,7 @@ def test_grid_65535_heads(causal):
     assert_attention_correct(q, k, v, out, lse, causal=causal, what="H=65535")
 
 
-@timeout(120)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("batch,nheads", [(GRID_YZ_MAX + 1, 1), (1, GRID_YZ_MAX + 1)], ids=["batch", "nheads"])
 def test_batch_or_heads_past_65535(batch, nheads):
     """65536 batches or heads of one query tile each are 65536 work items,
@@ -435,7 +427,7 @@ def test_too_many_work_items_is_a_clear_error(no_launch):
 # Streams and devices
 # --------------------------------------------------------------------------
 
-@timeout(120)
+@pytest.mark.timeout(120)
 def test_two_streams_side_by_side():
     p1 = make_qkv(2, 1000, 1000, 8, 8, 128, seed=106)
     p2 = make_qkv(1, 777, 1500, 4, 2, 64, dtype=torch.float16, seed=107)
@@ -460,7 +452,7 @@ def test_two_streams_side_by_side():
 SLEEP_CYCLES = 2**31  # about 1.1 s at the H200's 1.98 GHz
 
 
-@timeout(120)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("path", ["cached", "jit"])
 def test_work_is_enqueued_on_the_current_stream(monkeypatch, path):
     """The default stream is kept busy by a long sleep kernel; the call is made
@@ -506,7 +498,7 @@ def test_work_is_enqueued_on_the_current_stream(monkeypatch, path):
     assert_attention_correct(q, k, v, host_out.cuda(), host_lse.cuda(), causal=True, what="side stream")
 
 
-@timeout(120)
+@pytest.mark.timeout(120)
 # Without any GPU the conftest's reason shows; with one Hopper GPU, this one.
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_inputs_on_second_device():

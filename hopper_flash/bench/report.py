@@ -38,7 +38,8 @@ def header_lines(meta: dict) -> list[str]:
         f"- GPU: {meta.get('gpu', '?')}",
         f"- torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, CUDA {meta.get('cuda', '?')}"
         + (f", cuDNN {meta['cudnn']}" if meta.get("cudnn") else ""),
-        f"- hopper_flash commit: {meta.get('hopper_flash_commit') or 'unknown'}",
+        f"- hopper_flash{' ' + meta['hopper_flash_version'] if meta.get('hopper_flash_version') else ''} "
+        f"commit: {meta.get('hopper_flash_commit') or 'unknown (not run from a hopper_flash checkout)'}",
         f"- bf16 matmul 8192³: {rate:.0f} TFLOP/s" if rate else "- bf16 matmul: not measured",
         f"- command: `{meta.get('command', '?')}`",
     ]
