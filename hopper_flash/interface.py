@@ -171,7 +171,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                     causal: bool = ..., return_lse: Literal[True] = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, deterministic=False):
     """Exact attention forward on Hopper, flash-attn compatible.
 
     Args:
@@ -185,16 +185,18 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
             Rows that see no key return zeros.
         return_lse: also return the log-sum-exp of the scaled scores,
             ``[batch, nheads, seqlen_q]`` float32, natural log (-inf for rows
-            that see no key).
+            that see no key). It carries no gradient.
+        deterministic: make the backward's gradients bitwise reproducible
+            (dQ summed in a fixed order; slower backward).
 
     Returns:
         ``out`` shaped like q (contiguous), or ``(out, lse)``.
 
     Views work without a copy as long as the head dim is contiguous and the
     other strides are multiples of 16 bytes (for example q, k, v sliced out of
-    one packed ``[batch, seqlen, 3, nheads, headdim]`` tensor). Forward only:
-    if autograd would need a backward, it raises instead of returning wrong
-    gradients.
+    one packed ``[batch, seqlen, 3, nheads, headdim]`` tensor). Differentiable
+    in q, k and v (head dims 64 and 128) through the ``hopper_flash::fwd`` /
+    ``hopper_flash::bwd`` custom ops.
     """
     if torch.compiler.is_compiling() or torch.is_grad_enabled() and (
             getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
@@ -202,7 +204,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
         # Through the registered op: traceable, and autograd sees it.
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-        out, lse = ops.fwd(q, k, v, float(softmax_scale), bool(causal))
+        out, lse = ops.fwd(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
         return (out, lse) if return_lse else out
     return forward(q, k, v, softmax_scale, causal, return_lse)
 
