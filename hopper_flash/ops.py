@@ -45,6 +45,7 @@ def bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 @bwd.register_fake
 def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic):
+    plan_backward.check_head_dim(q.shape[3])
     plan_backward.check_grad_out_meta(grad_out, out)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),

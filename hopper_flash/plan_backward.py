@@ -155,6 +155,12 @@ __all__ = ["BackwardConfig", "BACKWARD_CONFIGS", "BACKWARD_HEAD_DIMS", "block_sh
            "kernel_constexprs", "launch_backward", "workspace_bytes"]
 
 
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in BACKWARD_CONFIGS:
+        raise NotImplementedError(f"hopper_flash's backward supports head dims {BACKWARD_HEAD_DIMS}, got {head_dim} "
+                                  f"(the forward supports it; run it under torch.no_grad())")
+
+
 def _tma_addressable(t: torch.Tensor) -> bool:
     """The rules ``interface`` applies to q/k/v: unit last stride, 16-byte
     aligned base and strides (axes of extent 1 excepted)."""
@@ -190,10 +196,7 @@ def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, de
     """dq, dk, dv (contiguous BSHD, like q, k, v) of the attention that
     produced ``out`` and ``lse`` from ``q, k, v`` (already validated by the
     forward). ``grad_out`` is checked here (see ``check_grad_out``)."""
-    head_dim = q.shape[3]
-    if head_dim not in BACKWARD_CONFIGS:
-        raise NotImplementedError(f"hopper_flash's backward supports head dims {BACKWARD_HEAD_DIMS}, got {head_dim} "
-                                  f"(the forward supports it; run it under torch.no_grad())")
+    check_head_dim(q.shape[3])
     grad_out = check_grad_out(grad_out, out)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
