@@ -216,14 +216,19 @@ def determinism(reps):
           flush=True)
 
 
-def bench():
+ANCHORS = ((4, 32, 32, 2048, 128, True), (4, 32, 32, 8192, 128, True), (4, 32, 32, 8192, 128, False),
+           (16, 16, 16, 1024, 128, True))
+EXTRA = ((4, 32, 32, 8192, 64, True), (4, 32, 32, 8192, 64, False), (4, 32, 8, 8192, 128, True))
+
+
+def bench(shapes):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
     rows = []
-    for b, h, s, causal in ((4, 32, 2048, True), (4, 32, 8192, True), (4, 32, 8192, False), (16, 16, 1024, True)):
-        d = 128
-        q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    for b, h, hkv, s, d, causal in shapes:
+        q, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
         out, lse = interface.forward(q, k, v, None, causal, True)
         scale = 1 / math.sqrt(d)
@@ -234,19 +239,21 @@ def bench():
             qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
             try:
                 with sdpa_kernel(backend):
-                    o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                         enable_gqa=hkv != h)
                 dot = do.transpose(1, 2)
                 res[name] = do_bench(lambda: torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True), rep=300)
             except RuntimeError as exc:
                 print(name, exc)
                 res[name] = math.nan
         tf = lambda t: flops / t / 1e9  # noqa: E731
-        rows.append((b, h, s, causal, tf(t_ours), tf(t_det), tf(res["cudnn"]), tf(res["fa2"])))
+        rows.append((b, f"{h}/{hkv}", s, d, causal, tf(t_ours), tf(t_det), tf(res["cudnn"]), tf(res["fa2"])))
         print(rows[-1], flush=True)
-    print("\n| B | H | S | causal | ours | ours det | cuDNN | FA2 | ours/cuDNN |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for b, h, s, c, o, od, cu, fa in rows:
-        print(f"| {b} | {h} | {s} | {c} | {o:.0f} | {od:.0f} | {cu:.0f} | {fa:.0f} | {o / cu:.2f} |")
+    print("\nbackward TFLOP/s (2.5x forward FLOPs, causal halved), bf16, do_bench medians")
+    print("| B | H/Hkv | S | D | causal | ours | ours det | cuDNN | FA2 | ours/cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for b, h, s, d, c, o, od, cu, fa in rows:
+        print(f"| {b} | {h} | {s} | {d} | {c} | {o:.0f} | {od:.0f} | {cu:.0f} | {fa:.0f} | {o / cu:.2f} |")
 
 
 def main():
@@ -254,17 +261,21 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--det-reps", type=int, default=100)
+    ap.add_argument("--bench-only", action="store_true")
+    ap.add_argument("--extra", action="store_true", help="also D=64 and GQA 32/8 rows")
     args = ap.parse_args()
     t0 = time.time()
-    matrix(args.quick)
-    safe(determinism, args.det_reps)
-    safe(autograd_paths)
-    print(f"correctness: {sum(ok for _, ok in RESULTS)}/{len(RESULTS)} passed in {time.time() - t0:.0f}s", flush=True)
-    for name, ok in RESULTS:
-        if not ok:
-            print("  FAILED:", name)
+    if not args.bench_only:
+        matrix(args.quick)
+        safe(determinism, args.det_reps)
+        safe(autograd_paths)
+        print(f"correctness: {sum(ok for _, ok in RESULTS)}/{len(RESULTS)} passed in {time.time() - t0:.0f}s",
+              flush=True)
+        for name, ok in RESULTS:
+            if not ok:
+                print("  FAILED:", name)
     if not args.no_bench:
-        safe(bench)
+        safe(bench, ANCHORS + (EXTRA if args.extra else ()))
 
 
 if __name__ == "__main__":
