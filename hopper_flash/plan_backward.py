@@ -8,7 +8,7 @@ up to the query tile):
 * ``dq_accum``: fp32 ``[B, H, Sq_r, D]``, where the KV-tile CTAs sum dQ
   (twice the size of a bf16 dQ);
 * ``lse2`` and ``delta``: fp32 ``[B, H, Sq_r]`` each;
-* deterministic mode only: int32 semaphores ``[B, H, Sq_r / BLOCK_M]``.
+* deterministic mode only: int32 semaphores ``[B, H, Sq_r / BLOCK_M, chunks]``.
 
 dK and dV need no workspace, also under GQA/MQA: a CTA loops over the query
 heads that share its KV head and keeps their sums in registers.
@@ -22,33 +22,60 @@ import torch
 
 from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, triton_cdiv
 
-# Threads: two consumer warpgroups + the producer warp (rounded up to a
-# warpgroup); 65536 registers / 384 threads, rounded down to 8.
-_LAUNCH_MAXNREG = 168
-
-
 @dataclass(frozen=True)
 class BackwardConfig:
     """Compile-time shape of one backward specialisation."""
 
     head_dim: int
     block_m: int = 64  # queries per step (wgmma N of Sᵀ and dPᵀ)
-    block_n: int = 128  # keys per CTA: 64 per consumer warpgroup
+    num_wg: int = 2  # consumer warpgroups, 64 keys each
     stages: int = 2  # Q and dO ring depth
+    dq_parts: int = 1  # dQ GEMM in this many column slices (saves registers)
     producer_regs: int = 24
-    num_warps: int = 8  # the default partition: both consumer warpgroups
-    maxnreg: int = _LAUNCH_MAXNREG
+
+    @property
+    def block_n(self) -> int:
+        """Keys per CTA."""
+        return 64 * self.num_wg
+
+    @property
+    def chunk(self) -> int:
+        """Head-dim columns per TMA box and per CTA of output: head dims
+        above 128 are split, each CTA writing one chunk's dK/dV/dQ columns."""
+        return min(self.head_dim, 128)
+
+    @property
+    def chunks(self) -> int:
+        return self.head_dim // self.chunk
+
+    @property
+    def num_warps(self) -> int:
+        return 4 * self.num_wg
+
+    @property
+    def maxnreg(self) -> int:
+        # 65536 registers over the consumer warps plus the producer warp's
+        # warpgroup, rounded down to 8; setmaxnreg then moves them.
+        return min(65536 // (128 * (self.num_wg + 1)) // 8 * 8, 240)
 
     def shared_bytes(self, elem_bytes: int = 2) -> int:
-        """K, V, the Q and dO rings and the two dSᵀ stages."""
-        d = self.head_dim
-        return elem_bytes * (2 * self.block_n * d + 2 * self.stages * self.block_m * d
-                             + 2 * self.block_n * self.block_m)
+        """K, V, the Q and dO rings, two dSᵀ stages, the fp32 dQ staging and
+        the L2/Δ rings."""
+        d, bm, bn = self.head_dim, self.block_m, self.block_n
+        return (elem_bytes * (2 * bn * d + 2 * self.stages * bm * d + 2 * bn * bm)
+                + 4 * bm * self.chunk + 2 * 4 * self.stages * bm)
 
 
+# - 64, 128: FA3's D=128 causal shape, 128 keys x 64 queries, two warpgroups.
+# - 256: dK + dV of 128 keys x 256 columns would take 256 registers per
+#   thread, and K + V + Q + dO alone 192 KB. So one warpgroup owns 64 keys,
+#   Q/dO have one stage, and each CTA writes half the head dim's gradients
+#   while recomputing the full-width Sᵀ and dPᵀ: 1.4x the GEMM work, and no
+#   prefetch of the next Q/dO (slower, correct).
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
     64: BackwardConfig(head_dim=64),
     128: BackwardConfig(head_dim=128),
+    256: BackwardConfig(head_dim=256, num_wg=1, stages=1, dq_parts=2),
 }
 BACKWARD_HEAD_DIMS = tuple(sorted(BACKWARD_CONFIGS))
 
@@ -66,15 +93,17 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool) ->
         STAGES=cfg.stages,
         IS_CAUSAL=bool(causal),
         DETERMINISTIC=bool(deterministic),
+        NUM_WG=cfg.num_wg,
+        DQ_PARTS=cfg.dq_parts,
         PRODUCER_REGS=cfg.producer_regs,
     )
 
 
 def block_shapes(cfg: BackwardConfig) -> dict[str, list[int]]:
     """TMA boxes over the rank-4 ``[B, S, H, D]`` views (see plan.block_shapes)."""
-    q = [1, cfg.block_m, 1, cfg.head_dim]
-    kv = [1, cfg.block_n, 1, cfg.head_dim]
-    return {"q": q, "k": kv, "v": kv, "do": q, "dk": kv, "dv": kv, "dq_accum": [cfg.block_m, cfg.head_dim],
+    q = [1, cfg.block_m, 1, cfg.chunk]
+    kv = [1, cfg.block_n, 1, cfg.chunk]
+    return {"q": q, "k": kv, "v": kv, "do": q, "dk": kv, "dv": kv, "dq_accum": [cfg.block_m, cfg.chunk],
             "lse2": [cfg.block_m], "delta": [cfg.block_m]}
 
 
@@ -92,8 +121,8 @@ def _fp32_descriptor(t: torch.Tensor, block_shape: list[int]):
 
 
 def grid(batch: int, nheads_kv: int, seqlen_k: int, cfg: BackwardConfig) -> tuple[int, int, int]:
-    """One CTA per (KV tile, KV head, batch), KV tile fastest."""
-    return (triton_cdiv(seqlen_k, cfg.block_n), nheads_kv, batch)
+    """One CTA per (KV tile x head-dim chunk, KV head, batch), axis 0 fastest."""
+    return (triton_cdiv(seqlen_k, cfg.block_n) * cfg.chunks, nheads_kv, batch)
 
 
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
@@ -122,7 +151,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     lse2 = torch.empty_like(delta)
     dq_accum = torch.zeros((batch, nheads, seqlen_q_rounded, head_dim), dtype=torch.float32, device=dev)
     if deterministic:
-        sem = torch.zeros((batch, nheads, m_tiles), dtype=torch.int32, device=dev)
+        sem = torch.zeros((batch, nheads, m_tiles, cfg.chunks), dtype=torch.int32, device=dev)
     else:
         sem = delta  # never read
     bwd_preprocess(out, dout, lse, delta, lse2, cfg.block_m)
@@ -148,7 +177,7 @@ def workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int, deter
     cfg = BACKWARD_CONFIGS[head_dim]
     m_tiles = triton_cdiv(seqlen_q, cfg.block_m)
     rows = batch * nheads * m_tiles * cfg.block_m
-    return 4 * rows * (head_dim + 2) + (4 * batch * nheads * m_tiles if deterministic else 0)
+    return 4 * rows * (head_dim + 2) + (4 * batch * nheads * m_tiles * cfg.chunks if deterministic else 0)
 
 
 __all__ = ["BackwardConfig", "BACKWARD_CONFIGS", "BACKWARD_HEAD_DIMS", "block_shapes", "grid",

@@ -84,16 +84,34 @@ def test_unequal_lengths(sq, sk, causal):
     check(2, sq, sk, 2, 2, 128, causal)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [True, False])
 def test_head_dims_and_dtypes(d, dtype, causal):
     check(3, 1000, 1000, 4, 4, d, causal, dtype)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (129, 127), (17, 3001), (3001, 129)])
+def test_head_dim_256_lengths(sq, sk, causal):
+    check(2, sq, sk, 2, 2, 256, causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_head_dim_256_gqa_deterministic(causal):
+    check(2, 300, 257, 8, 2, 256, causal)
+    q, k, v, do = make(1, 700, 700, 4, 2, 256, torch.bfloat16, 5)
+    out, lse = interface.forward(q, k, v, None, causal, True)
+    first = plan_backward.backward(do, q, k, v, out, lse, 256 ** -0.5, causal, True)
+    for _ in range(20):
+        again = plan_backward.backward(do, q, k, v, out, lse, 256 ** -0.5, causal, True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    check(1, 700, 700, 4, 2, 256, causal, deterministic=True)
+
+
 @pytest.mark.parametrize("h,hkv", [(32, 8), (8, 1)])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_gqa_mqa(h, hkv, causal, d):
     check(2, 257, 300, h, hkv, d, causal)
 

@@ -1,4 +1,4 @@
-"""The custom ops' fake implementations, the backward's shapes and refusals, and the
+"""The custom ops' fake implementations, the backward's shapes and grad_out checks, and the
 SDPA-style call's argument checks, on meta tensors (no GPU needed)."""
 import pytest
 import torch
@@ -21,7 +21,7 @@ def test_fake_impl_shapes(head_dim, dtype, sq, sk, h, hkv):
     assert lse.shape == (3, h, sq) and lse.dtype == torch.float32
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_backward_through_op_gives_gradient_shapes(head_dim):
     q = meta(2, 64, 8, head_dim, requires_grad=True)
     k = meta(2, 33, 2, head_dim, requires_grad=True)
@@ -30,13 +30,6 @@ def test_backward_through_op_gives_gradient_shapes(head_dim):
     dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
-
-
-def test_backward_refuses_head_dim_256_clearly():
-    q = meta(2, 64, 4, 256, requires_grad=True)
-    out, lse = torch.ops.hopper_flash.fwd(q, q, q, 0.1, True)
-    with pytest.raises(NotImplementedError, match="backward supports head dims"):
-        out.sum().backward()
 
 
 @pytest.mark.parametrize("bad,match", [

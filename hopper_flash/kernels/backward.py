@@ -77,14 +77,14 @@ def bwd_query_tile_range(n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
-def _dq_add_in_order(dq_desc, dq_row, dq_smem, sem, n):
+def _dq_add_in_order(dq_desc, dq_row, dq_col, dq_smem, sem, n):
     """Deterministic mode: add this CTA's dQ share after KV tiles 0 .. n-1.
 
     The reduce must be complete in global memory, not merely have read its
     shared-memory source, before the semaphore lets the next tile add."""
     while gl.atomic_add(sem, 0, sem="acquire", scope="gpu") != n:
         pass
-    tma_atomic_add(dq_desc, [dq_row, 0], dq_smem)
+    tma_atomic_add(dq_desc, [dq_row, dq_col], dq_smem)
     tma_store_wait_complete()
     thread_barrier()
     gl.atomic_add(sem, 1, sem="release", scope="gpu")
@@ -92,12 +92,14 @@ def _dq_add_in_order(dq_desc, dq_row, dq_smem, sem, n):
 
 @gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs, do_bufs, lse2_bufs, delta_bufs,
-                  k_smem, v_smem, kv_bar, q_full, q_empty, do_full, do_empty,
+                  k_bufs, v_bufs, kv_bar, q_full, q_empty, do_full, do_empty,
                   b, hk, n, m_lo, m_hi, num_heads, kv_group, seqlen_q_rounded,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma_load(k_desc, [b, n * BLOCK_N, hk, 0], kv_bar, k_smem)
-    tma_load(v_desc, [b, n * BLOCK_N, hk, 0], kv_bar, v_smem)
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr):
+    CHUNK: gl.constexpr = k_desc.block_type.shape[3]
+    mbarrier.expect(kv_bar, CHUNKS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for c in gl.static_range(CHUNKS):
+        tma_load(k_desc, [b, n * BLOCK_N, hk, c * CHUNK], kv_bar, k_bufs.index(c))
+        tma_load(v_desc, [b, n * BLOCK_N, hk, c * CHUNK], kv_bar, v_bufs.index(c))
     step = 0
     for g in range(kv_group):
         h = hk * kv_group + g
@@ -106,45 +108,54 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs
             slot = ring_slot(step, STAGES)
             # L2 travels with Q (S needs both), Δ with dO (dS needs both).
             wait_empty(q_empty, step, STAGES)
-            mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + lse2_desc.block_type.nbytes)
-            tma_load(q_desc, [b, m * BLOCK_M, h, 0], q_full.index(slot), q_bufs.index(slot))
+            mbarrier.expect(q_full.index(slot), CHUNKS * q_desc.block_type.nbytes + lse2_desc.block_type.nbytes)
+            for c in gl.static_range(CHUNKS):
+                tma_load(q_desc, [b, m * BLOCK_M, h, c * CHUNK], q_full.index(slot), q_bufs.index(slot * CHUNKS + c))
             tma_load(lse2_desc, [stat_row + m * BLOCK_M], q_full.index(slot), lse2_bufs.index(slot))
             wait_empty(do_empty, step, STAGES)
-            mbarrier.expect(do_full.index(slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-            tma_load(do_desc, [b, m * BLOCK_M, h, 0], do_full.index(slot), do_bufs.index(slot))
+            mbarrier.expect(do_full.index(slot), CHUNKS * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            for c in gl.static_range(CHUNKS):
+                tma_load(do_desc, [b, m * BLOCK_M, h, c * CHUNK], do_full.index(slot),
+                         do_bufs.index(slot * CHUNKS + c))
             tma_load(delta_desc, [stat_row + m * BLOCK_M], do_full.index(slot), delta_bufs.index(slot))
             step += 1
 
 
 @gluon.jit
-def _bwd_consumer(k_smem, v_smem, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full, q_empty,
+def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full, q_empty,
                   do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr,
-                  b, hk, n, m_lo, m_hi, seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
+                  b, hk, n, part, m_lo, m_hi, seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
                   qk_scale, softmax_scale,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr,
+                  NUM_WG: gl.constexpr, DQ_PARTS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  DETERMINISTIC: gl.constexpr):
+    """``part`` is the head-dim chunk whose dK, dV and dQ columns this CTA
+    writes (always 0 unless the head dim is split, ``CHUNKS > 1``)."""
     dtype: gl.constexpr = dk_desc.dtype
+    CHUNK: gl.constexpr = dk_desc.block_type.shape[3]
     # Sᵀ, dPᵀ: [BLOCK_N keys, BLOCK_M queries], 64 keys per warpgroup.
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * NUM_WG, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
-    # dK, dV: [BLOCK_N keys, HEAD_DIM], the same 64 keys per warpgroup.
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
+    # dK, dV: [BLOCK_N keys, CHUNK], the same 64 keys per warpgroup.
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * NUM_WG, 1],
+                                                        instr_shape=[16, CHUNK, 16])
     # Pᵀ and dSᵀ as register A operands of dV and dK: same thread mapping as
-    # st_layout (both are wgmma accumulators with warps [8, 1]), so the
+    # st_layout (both are wgmma accumulators with the same warps), so the
     # conversion moves no data.
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    # dQ: [BLOCK_M, HEAD_DIM], warpgroup w computes columns w·HEAD_DIM/2 ...
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                        instr_shape=[16, HEAD_DIM // 2, 16])
+    # dQ: [BLOCK_M, CHUNK]; with two warpgroups, warpgroup w computes
+    # columns w·CHUNK/2 ... (w+1)·CHUNK/2 - 1 over all BLOCK_N keys.
+    # With DQ_PARTS > 1, dQ is computed in slices of DQ_W columns.
+    DQ_W: gl.constexpr = CHUNK // DQ_PARTS
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WG],
+                                                        instr_shape=[16, DQ_W // NUM_WG, 16])
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query
 
-    k = k_smem.reshape([BLOCK_N, HEAD_DIM])
-    v = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    k_part = k_bufs.index(part).reshape([BLOCK_N, CHUNK])
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_W], gl.float32, dq_layout)
+    dk = gl.zeros([BLOCK_N, CHUNK], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, CHUNK], gl.float32, kv_layout)
     m_tiles = seqlen_q_rounded // BLOCK_M
 
     mbarrier.wait(kv_bar, 0)
@@ -155,15 +166,26 @@ def _bwd_consumer(k_smem, v_smem, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
         stat_base = bh * seqlen_q_rounded
         for m in range(m_lo, m_hi):
             slot = ring_slot(step, STAGES)
-            q = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-            do = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
 
+            # Sᵀ and dPᵀ contract the whole head dim, chunk by chunk.
             wait_full(q_full, step, STAGES)
-            st = warpgroup_mma(k, q.permute((1, 0)), st_zero, is_async=True)
+            st = warpgroup_mma(k_bufs.index(0).reshape([BLOCK_N, CHUNK]),
+                               q_bufs.index(slot * CHUNKS).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
+                               st_zero, is_async=True)
+            for c in gl.static_range(1, CHUNKS):
+                st = warpgroup_mma(k_bufs.index(c).reshape([BLOCK_N, CHUNK]),
+                                   q_bufs.index(slot * CHUNKS + c).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
+                                   st, is_async=True)
             wait_full(do_full, step, STAGES)
-            dpt = warpgroup_mma(v, do.permute((1, 0)), st_zero, is_async=True)
+            dpt = warpgroup_mma(v_bufs.index(0).reshape([BLOCK_N, CHUNK]),
+                                do_bufs.index(slot * CHUNKS).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
+                                st_zero, is_async=True)
+            for c in gl.static_range(1, CHUNKS):
+                dpt = warpgroup_mma(v_bufs.index(c).reshape([BLOCK_N, CHUNK]),
+                                    do_bufs.index(slot * CHUNKS + c).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
+                                    dpt, is_async=True)
             lse2 = lse2_bufs.index(slot).load(col_layout)
-            st = warpgroup_mma_wait(1, deps=[st])
+            st = warpgroup_mma_wait(CHUNKS, deps=[st])
             if kq_tile_needs_mask(n, m, seqlen_q, seqlen_k, BLOCK_N, BLOCK_M, IS_CAUSAL):
                 st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL)
             pt = gl.exp2(st * qk_scale - lse2[None, :])
@@ -172,8 +194,10 @@ def _bwd_consumer(k_smem, v_smem, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
             # dS from fp32 P before any rounding.
             dst = pt * (dpt - delta[None, :])
 
+            q_part = q_bufs.index(slot * CHUNKS + part).reshape([BLOCK_M, CHUNK])
+            do_part = do_bufs.index(slot * CHUNKS + part).reshape([BLOCK_M, CHUNK])
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-            dv = warpgroup_mma(pt_op, do, dv, is_async=True)
+            dv = warpgroup_mma(pt_op, do_part, dv, is_async=True)
 
             dst16 = dst.to(dtype)
             ds_smem = ds_bufs.index(step % 2)
@@ -181,41 +205,59 @@ def _bwd_consumer(k_smem, v_smem, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
             fence_async_shared()
             # The previous step's dQ reduce has finished reading dq_smem.
             tma.store_wait(0)
-            # Both warpgroups' halves of dSᵀ are in shared memory. Passing this
-            # barrier also means both finished the previous step (each waits
-            # for all its wgmmas by the end of a step), so that step's Q and dO
-            # slots are free, and the dS stage written next step is unread.
+            # Every warp's part of dSᵀ is in shared memory. With two
+            # warpgroups, passing this barrier also means both finished the
+            # previous step (each waits for all its wgmmas by the end of a
+            # step), so that step's Q and dO slots are free, and the dS stage
+            # written next step is unread.
             thread_barrier()
-            if step > 0:
-                release(q_empty, step - 1, STAGES)
-                release(do_empty, step - 1, STAGES)
+            if NUM_WG == 2:
+                if step > 0:
+                    release(q_empty, step - 1, STAGES)
+                    release(do_empty, step - 1, STAGES)
 
-            dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, is_async=True)
             dst_op = gl.convert_layout(dst16, op_layout)
-            dk = warpgroup_mma(dst_op, q, dk, is_async=True)
-            # dV and dQ are done, dK may still run while dQ goes out.
-            dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
-            dq_smem.store(dq)
+            if DQ_PARTS == 1:
+                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_part, dq_zero, is_async=True)
+                dk = warpgroup_mma(dst_op, q_part, dk, is_async=True)
+                # dV and dQ are done, dK may still run while dQ goes out.
+                dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
+                dq_smem.store(dq)
+            else:
+                # Registers are short (one warpgroup holds 64 keys x 128
+                # columns of both dK and dV): dQ in column slices, after dK.
+                dk = warpgroup_mma(dst_op, q_part, dk, is_async=True)
+                dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
+                for j in gl.static_range(DQ_PARTS):
+                    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_part.slice(j * DQ_W, DQ_W, dim=1), dq_zero,
+                                       is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=[dq])
+                    dq_smem.slice(j * DQ_W, DQ_W, dim=1).store(dq)
             fence_async_shared()
             thread_barrier()
             dq_row = (stat_base + m * BLOCK_M).to(gl.int32)
             if DETERMINISTIC:
-                _dq_add_in_order(dq_desc, dq_row, dq_smem, sem_ptr + bh * m_tiles + m, n)
+                _dq_add_in_order(dq_desc, dq_row, part * CHUNK, dq_smem,
+                                 sem_ptr + (bh * m_tiles + m) * CHUNKS + part, n)
             else:
-                tma_atomic_add(dq_desc, [dq_row, 0], dq_smem)
+                tma_atomic_add(dq_desc, [dq_row, part * CHUNK], dq_smem)
             dk, dst_op = warpgroup_mma_wait(0, deps=[dk, dst_op])
+            if NUM_WG == 1:
+                # One warpgroup: its wgmmas are done, nobody else reads the slot.
+                release(q_empty, step, STAGES)
+                release(do_empty, step, STAGES)
             step += 1
 
     # ---- Epilogue: dK (scaled once, here) and dV through K's and V's shared
-    # memory, which no wgmma reads any more, then TMA stores clipped at
-    # seqlen_k. A KV tile that no query sees stores zeros.
+    # memory (this CTA's chunk), which no wgmma reads any more, then TMA
+    # stores clipped at seqlen_k. A KV tile that no query sees stores zeros.
     thread_barrier()
-    k_smem.reshape([BLOCK_N, HEAD_DIM]).store((dk * softmax_scale).to(dtype))
-    v_smem.reshape([BLOCK_N, HEAD_DIM]).store(dv.to(dtype))
+    k_bufs.index(part).reshape([BLOCK_N, CHUNK]).store((dk * softmax_scale).to(dtype))
+    v_bufs.index(part).reshape([BLOCK_N, CHUNK]).store(dv.to(dtype))
     fence_async_shared()
     thread_barrier()
-    tma_store(dk_desc, [b, n * BLOCK_N, hk, 0], k_smem)
-    tma_store(dv_desc, [b, n * BLOCK_N, hk, 0], v_smem)
+    tma_store(dk_desc, [b, n * BLOCK_N, hk, part * CHUNK], k_bufs.index(part))
+    tma_store(dv_desc, [b, n * BLOCK_N, hk, part * CHUNK], v_bufs.index(part))
     tma.store_wait(0)
 
 
@@ -228,20 +270,26 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                               qk_scale, softmax_scale,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                               STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                              PRODUCER_REGS: gl.constexpr):
-    gl.static_assert(BLOCK_N == 128, "two consumer warpgroups of 64 keys each")
+                              NUM_WG: gl.constexpr, DQ_PARTS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    gl.static_assert(BLOCK_N == 64 * NUM_WG, "64 keys per consumer warpgroup")
     dtype: gl.constexpr = q_desc.dtype
-    # Grid: (KV tile, KV head, batch), KV tile fastest (deterministic mode
-    # relies on lower tiles starting first).
-    n = gl.program_id(0)
+    # Every head-dim operand lives in chunks of CHUNK columns (the TMA box);
+    # with more than one chunk, each CTA writes the gradients of one chunk.
+    CHUNK: gl.constexpr = q_desc.block_type.shape[3]
+    CHUNKS: gl.constexpr = HEAD_DIM // CHUNK
+    # Grid: (KV tile x head-dim chunk, KV head, batch), KV tile slowest on
+    # axis 0 but before any other tile: deterministic mode relies on lower
+    # tiles starting first.
+    n = gl.program_id(0) // CHUNKS
+    part = gl.program_id(0) % CHUNKS
     hk = gl.program_id(1)
     b = gl.program_id(2)
     m_lo, m_hi = bwd_query_tile_range(n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
-    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [CHUNKS] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [CHUNKS] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS] + do_desc.block_type.shape, do_desc.layout)
     lse2_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse2_desc.block_type.shape, lse2_desc.layout)
     delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -263,14 +311,15 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
 
     gl.warp_specialize(
         [
-            (_bwd_consumer, (k_smem, v_smem, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full,
+            (_bwd_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full,
                              q_empty, do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr,
-                             b, hk, n, m_lo, m_hi, seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
-                             qk_scale, softmax_scale, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, IS_CAUSAL,
-                             DETERMINISTIC)),
+                             b, hk, n, part, m_lo, m_hi, seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
+                             qk_scale, softmax_scale, BLOCK_M, BLOCK_N, STAGES, CHUNKS, NUM_WG, DQ_PARTS,
+                             IS_CAUSAL, DETERMINISTIC)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs, do_bufs, lse2_bufs,
-                             delta_bufs, k_smem, v_smem, kv_bar, q_full, q_empty, do_full, do_empty,
-                             b, hk, n, m_lo, m_hi, num_heads, kv_group, seqlen_q_rounded, BLOCK_M, BLOCK_N, STAGES)),
+                             delta_bufs, k_bufs, v_bufs, kv_bar, q_full, q_empty, do_full, do_empty,
+                             b, hk, n, m_lo, m_hi, num_heads, kv_group, seqlen_q_rounded, BLOCK_M, BLOCK_N, STAGES,
+                             CHUNKS)),
         ],
         [1],
         [PRODUCER_REGS],
