@@ -263,7 +263,8 @@ def main():
     ap.add_argument("--no-bench", action="store_true")
     ap.add_argument("--det-reps", type=int, default=100)
     ap.add_argument("--bench-only", action="store_true")
-    ap.add_argument("--extra", action="store_true", help="also D=64 and GQA 32/8 rows")
+    ap.add_argument("--extra", action="store_true", help="also D=64, D=256 and GQA 32/8 rows")
+    ap.add_argument("--only-extra", action="store_true", help="the extra rows without the D=128 anchors")
     args = ap.parse_args()
     t0 = time.time()
     if not args.bench_only:
@@ -276,7 +277,7 @@ def main():
             if not ok:
                 print("  FAILED:", name)
     if not args.no_bench:
-        safe(bench, ANCHORS + (EXTRA if args.extra else ()))
+        safe(bench, (() if args.only_extra else ANCHORS) + (EXTRA if args.extra or args.only_extra else ()))
 
 
 if __name__ == "__main__":
