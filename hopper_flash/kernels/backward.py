@@ -30,13 +30,21 @@ workspace and no atomics for them). Three partitions:
   columns (warps ``[4, 2]``).
 
 dQ of one query tile gets contributions from every KV tile, i.e. from many
-CTAs: each adds its fp32 share into ``dq_accum`` with atomics. In
+CTAs: each stages its fp32 share in shared memory and adds it into
+``dq_accum`` with a TMA reduce-add (``compat.tma_atomic_add``). In
 ``DETERMINISTIC`` mode the adds to one (head, query tile) happen in KV-tile
 order: a per-tile semaphore counts the KV tiles that have added, and CTA
 ``n`` waits for it to read ``n``. The KV tiles that see a query tile are
 always a prefix ``0 .. k`` (causal masks only keys after the diagonal), and
 CTAs with a lower ``n`` are launched first (``n`` is the fastest grid axis),
 so the wait ends.
+
+Head dims above 128 (256): every head-dim operand lives in 128-column chunks
+(the TMA box), one warpgroup owns 64 keys, and the head dim of the outputs is
+split across CTAs: a CTA computes the full-width Sᵀ and dPᵀ (summing over
+chunks) but writes the dK, dV and dQ columns of one chunk only. That keeps
+dK + dV at 128 registers per thread and K + V at 64 KB, for 1.4x the GEMM work
+(see ``plan_backward.BACKWARD_CONFIGS``).
 
 Masking (bottom-right causal, ``off = seqlen_k − seqlen_q``): key j is
 visible to query i iff ``j <= i + off`` and ``j < seqlen_k``. Query rows past
