@@ -143,6 +143,10 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     seqlen_q_rounded = m_tiles * cfg.block_m
     dev = q.device
     # The dQ reduce addresses dq_accum as 2-D rows in int32 TMA coordinates.
+    # Grid axes y and z (KV heads, batch) are limited to 65535 by CUDA.
+    if nheads_kv > 65535 or batch > 65535:
+        raise ValueError(f"the backward launches one CTA row per KV head and batch: nheads_kv ({nheads_kv}) and "
+                         f"batch ({batch}) must be at most 65535")
     if batch * nheads * seqlen_q_rounded >= 2**31:
         raise ValueError(f"batch ({batch}) x nheads ({nheads}) x seqlen_q ({seqlen_q}) is too large for the "
                          f"backward's dQ accumulator (2**31 rows)")
