@@ -2,11 +2,14 @@
 training steps through them.
 
 ``hopper_flash::fwd`` always returns ``(out, lse)``: one schema, and the LSE
-store costs the kernel next to nothing. Its autograd formula saves q, k, v,
-out and lse and calls ``hopper_flash::bwd``, a custom op of its own with its
-own fake implementation, so a compiled backward graph contains it as one
-opaque node. The gradient of ``lse`` itself is not propagated (as in
-flash-attn): only ``out`` is differentiable.
+store costs the kernel next to nothing. Its fake implementation runs the same
+argument checks as the eager path (``checks.check_arguments``) and gives the
+output shapes for tracing; its real implementation is the validated eager
+forward (``dispatch.forward``). Its autograd formula saves q, k, v, out and
+lse and calls ``hopper_flash::bwd``, a custom op of its own with its own fake
+implementation, so a compiled backward graph contains it as one opaque node.
+The gradient of ``lse`` itself is not propagated (as in flash-attn): only
+``out`` is differentiable.
 
 Eager calls that need neither tracing nor autograd skip the dispatcher (see
 ``interface.flash_attn_func``): the op's dispatch costs more host time than a
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import interface, plan_backward
+from . import checks, dispatch, plan_backward
 
 
 @torch.library.custom_op("hopper_flash::fwd", mutates_args=(), device_types="cuda")
@@ -24,11 +27,17 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
         causal: bool, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on BSHD tensors; returns ``(out, lse)``.
     ``deterministic`` only selects the backward's dQ summation order."""
-    return interface.forward(q, k, v, softmax_scale, causal, True)
+    return dispatch.forward(q, k, v, softmax_scale, causal, True)
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
+    # The same checks as the eager path, so a traced call fails at trace time
+    # with the same message. Meta tensors ask for shapes only (no device to
+    # check); the TMA rules need data pointers: the real implementation has them.
+    checks.check_arguments(q, k, v, softmax_scale, causal)
+    if q.device.type != "meta":
+        checks.check_device(q)
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)

@@ -1,6 +1,6 @@
 """``hopper-flash bench``: compare attention forward kernels on a Hopper GPU.
 
-Exit status: 0 when every timed result matches the float32 reference,
+Exit status: 0 when every timed result matches the float64 reference (judged against SDPA's error),
 1 when any result FAILs the check or errors, 2 for usage errors or when no
 Hopper GPU is present.
 """
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Time hopper_flash.flash_attn_func next to PyTorch SDPA (cuDNN, flash, efficient), "
             "compiled FlexAttention and FlashAttention-2/3 when installed, on the same inputs; "
-            "check every output against a float32 reference. Without --seqlen or --config it runs "
+            "check every output against a float64 reference. Without --seqlen or --config it runs "
             "the default set (causal bf16 D128: B4 H32 S1024..16384, B16 H16 S512, B1 H32 S32768); "
             "--batch/--heads/--kv-heads/--headdim/--causal/--dtype override those fields in every config."
         ),

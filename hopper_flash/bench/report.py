@@ -105,7 +105,7 @@ def summary(results: Sequence[Result]) -> Text:
     bad = [r for r in results if r.failed]
     if not bad:
         ok = sum(r.status == OK for r in results)
-        return Text(f"All {ok} timed results match the float32 reference.", style="green")
+        return Text(f"All {ok} timed results match the float64 reference.", style="green")
     lines = [f"{len(bad)} result(s) failed; exit status 1:"]
     lines += [f"  {r.status}: {r.backend} on {r.label}: {r.message}" for r in bad]
     return Text("\n".join(lines), style="bold red")
