@@ -50,8 +50,8 @@ def check_flash_attn_options(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0
         raise NotImplementedError("alibi_slopes must be None (ALiBi is not supported)")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    # deterministic=True needs nothing from the forward (no atomics: the same bits every run). A backward
-    # that accumulates dq with atomics must honour it or refuse it here.
+    # deterministic=True needs nothing from the forward (no atomics: the same bits every run); it reaches
+    # the backward through the op (ops.fwd's last argument), which then sums dq in a fixed order.
     if return_attn_probs is not False:
         raise NotImplementedError(f"return_attn_probs must be False (attention probabilities are not returned); "
                                   f"use return_lse=True for the log-sum-exp, got {return_attn_probs!r}")
@@ -106,9 +106,11 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
 
     Views work without a copy as long as the head dim is contiguous and the
     other strides are multiples of 16 bytes (for example q, k, v sliced out of
-    one packed ``[batch, seqlen, 3, nheads, headdim]`` tensor). Forward only:
-    if autograd would need a backward, it raises instead of returning wrong
-    gradients.
+    one packed ``[batch, seqlen, 3, nheads, headdim]`` tensor). Differentiable
+    in q, k and v through the ``hopper_flash::fwd`` / ``hopper_flash::bwd``
+    custom ops; ``deterministic=True`` makes the backward's gradients bitwise
+    reproducible (dQ summed in a fixed order; a slower backward). The returned
+    LSE carries no gradient.
     """
     if (dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) != _FLASH_ATTN_DEFAULTS:
         check_flash_attn_options(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
@@ -124,7 +126,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
             checks.check_cuda(q)
         else:
             checks.check_device(q)
-        out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal))
+        out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
         return (out, lse) if return_lse else out
     return dispatch.forward(q, k, v, softmax_scale, causal, return_lse)
 

@@ -1,4 +1,4 @@
-"""The custom op's fake implementation, the autograd refusal and the
+"""The custom ops' fake implementations, the backward's shapes and grad_out checks, and the
 SDPA-style call's argument checks, on meta tensors (no GPU needed)."""
 import pytest
 import torch
@@ -21,11 +21,26 @@ def test_fake_impl_shapes(head_dim, dtype, sq, sk, h, hkv):
     assert lse.shape == (3, h, sq) and lse.dtype == torch.float32
 
 
-def test_backward_raises_clear_error_through_op():
-    q = meta(2, 64, 4, 128, requires_grad=True)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_backward_through_op_gives_gradient_shapes(head_dim):
+    q = meta(2, 64, 8, head_dim, requires_grad=True)
+    k = meta(2, 33, 2, head_dim, requires_grad=True)
+    v = meta(2, 33, 2, head_dim, requires_grad=True)
+    out, lse = torch.ops.hopper_flash.fwd(q, k, v, 0.1, True)
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda o: o.float(), "grad_out must have the output's dtype"),
+    (lambda o: o[:, :10], "grad_out must have the output's shape"),
+])
+def test_backward_op_checks_grad_out(bad, match):
+    q = meta(2, 64, 4, 128)
     out, lse = torch.ops.hopper_flash.fwd(q, q, q, 0.1, True)
-    with pytest.raises(NotImplementedError, match="backward is not implemented yet"):
-        out.sum().backward()
+    with pytest.raises(ValueError, match=match):
+        torch.ops.hopper_flash.bwd(bad(out), q, q, q, out, lse, 0.1, True, False)
 
 
 def test_flash_attn_func_routes_grad_inputs_through_op(monkeypatch):
@@ -33,8 +48,8 @@ def test_flash_attn_func_routes_grad_inputs_through_op(monkeypatch):
     q = meta(2, 64, 4, 128, requires_grad=True)
     out = hopper_flash.flash_attn_func(q, q, q, causal=True)
     assert out.grad_fn is not None, "autograd must see the op, or gradients would silently be missing"
-    with pytest.raises(NotImplementedError, match="forward pass only"):
-        out.float().sum().backward()
+    (dq,) = torch.autograd.grad(out.float().sum(), (q,))
+    assert dq.shape == q.shape
 
 
 def test_no_grad_fn_under_no_grad_needs_device():
