@@ -318,3 +318,31 @@ def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, de
     with torch.cuda.device(q.device):
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic)
     return dq, dk, dv
+
+
+def check_grad_out_thd(grad_out, out: torch.Tensor) -> torch.Tensor:
+    """``check_grad_out`` for THD tensors."""
+    check_grad_out_meta(grad_out, out)
+    if grad_out.numel() and not _tma_addressable(grad_out.unsqueeze(0)):
+        grad_out = grad_out.contiguous()
+    return grad_out
+
+
+def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_scale: float, causal: bool,
+                    deterministic: bool = False):
+    """dq, dk, dv (contiguous THD, like q, k, v) of a varlen forward; rows
+    outside every sequence's live part get zero gradients."""
+    check_head_dim(q.shape[2])
+    grad_out = check_grad_out_thd(grad_out, out)
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq, dk, dv
+    if not _tma_addressable(out.unsqueeze(0)):
+        out = out.contiguous()
+    lse = lse.contiguous()
+    with torch.cuda.device(q.device):
+        launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
+                        varlen=varlen)
+    return dq, dk, dv
