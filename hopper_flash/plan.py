@@ -385,15 +385,30 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         launch_combine(o_part, lse_part, out, lse)
 
 
+_COMBINE: dict[tuple, object] = {}
+
+
 def launch_combine(o_part, lse_part, out, lse) -> None:
     """Merge split partials ``o_part`` [splits, B, Sq, H, D] fp32 and
     ``lse_part`` [splits, B, H, Sq] into ``out`` (BSHD, head dim contiguous)
-    and ``lse`` [B, H, Sq] (or None)."""
-    from .kernels.combine import combine_kernel
-
+    and ``lse`` [B, H, Sq] (or None). Like the forward, later launches skip
+    the JIT (the key holds what Triton specialises on: pointer alignment)."""
     num_splits, batch, seqlen_q, nheads, head_dim = o_part.shape
+    lse_arg = lse if lse is not None else lse_part
+    args = (o_part, lse_part, out, lse_arg, num_splits, batch, seqlen_q, nheads,
+            out.stride(0), out.stride(1), out.stride(2))
+    constexprs = dict(HEAD_DIM=head_dim, S_MAX=max(16, triton.next_power_of_2(num_splits)),
+                      WRITE_LSE=lse is not None)
+    num_warps = 1 if head_dim <= 128 else 2
+    key = (out.device.index, out.dtype, tuple(constexprs.values()),
+           tuple(t.data_ptr() % 16 == 0 for t in args[:4]))
     rows = batch * seqlen_q * nheads
-    combine_kernel[(rows,)](o_part, lse_part, out, lse if lse is not None else lse_part, num_splits, batch,
-                            seqlen_q, nheads, out.stride(0), out.stride(1), out.stride(2),
-                            HEAD_DIM=head_dim, S_MAX=max(16, triton.next_power_of_2(num_splits)),
-                            WRITE_LSE=lse is not None, num_warps=1 if head_dim <= 128 else 2)
+    kernel = _COMBINE.get(key)
+    if kernel is None or _launch_hooked():
+        from .kernels.combine import combine_kernel
+
+        _COMBINE[key] = combine_kernel[(rows,)](*args, **constexprs, num_warps=num_warps)
+        return
+    stream = driver.active.get_current_stream(out.device.index)
+    kernel.run(rows, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
+               *constexprs.values())

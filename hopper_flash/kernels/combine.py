@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["n_splits", "batch", "seqlen_q", "num_heads"])
+@triton.jit(do_not_specialize=["n_splits", "batch", "seqlen_q", "num_heads", "stride_ob", "stride_oq", "stride_oh"])
 def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_splits, batch, seqlen_q, num_heads,
                    stride_ob, stride_oq, stride_oh,
                    HEAD_DIM: tl.constexpr, S_MAX: tl.constexpr, WRITE_LSE: tl.constexpr):

@@ -9,10 +9,12 @@ resolved here, once, so kernel code never tests a version.
 | --- | --- | --- |
 | TMA load global -> shared | ``tma.async_copy_global_to_shared`` | ``tma.async_load`` (the old name raises) |
 | TMA store shared -> global | ``tma.async_copy_shared_to_global`` | ``tma.async_store`` (the old name raises) |
+| barrier over the partition's threads | ``gl.thread_barrier`` | ``gl.barrier`` (the old name is gone) |
 
 The names below are Gluon builtins, re-bound: a ``@gluon.jit`` function calls
 ``tma_load(desc, coord, bar, buf)`` exactly as it would call the original.
 """
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 # 3.8 added async_load/async_store; 3.9 turned the old names into errors.
@@ -25,4 +27,6 @@ else:  # triton 3.6, 3.7
     tma_load = tma.async_copy_global_to_shared
     tma_store = tma.async_copy_shared_to_global
 
-__all__ = ["HAS_ASYNC_LOAD", "tma_load", "tma_store"]
+thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+__all__ = ["HAS_ASYNC_LOAD", "thread_barrier", "tma_load", "tma_store"]

@@ -61,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .compat import tma_load, tma_store
+from .compat import thread_barrier, tma_load, tma_store
 from .mask import apply_mask_packed, kv_split_range, tile_needs_mask_packed
 from .pipeline import pass_mma_turn, release, ring_slot, take_mma_turn, wait_empty, wait_full
 from .scheduler import local_tile_count, work_coords
@@ -137,7 +137,7 @@ def _zero_v_tail(v, col0, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexp
             x = gl.where((rows < seqlen_k)[:, None], x, gl.zeros_like(x))
             chunk.store(x)
     fence_async_shared()
-    gl.thread_barrier()
+    thread_barrier()
 
 
 @gluon.jit
@@ -241,6 +241,13 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     s = apply_mask_packed(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
     p, scores_max, logsum = softmax_first(s, qk_scale)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
+    if SEQUSED:
+        # The first tile visited is the only one that can reach past the live
+        # length. Zeroed here, before the O accumulator is live, so the few
+        # registers it takes do not compete with the steady state's.
+        wait_full(v_full, kv0, V_STAGES)
+        _zero_v_tail(v_bufs.index(ring_slot(kv0, V_STAGES)).reshape([BLOCK_N, HEAD_DIM]), bn * BLOCK_N, seqlen_k,
+                     BLOCK_N, HEAD_DIM)
 
     # The output accumulator is born after the prologue so it does not share
     # the prologue's live range with S.
@@ -257,9 +264,6 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
         k = k_bufs.index(ring_slot(kv0 + it, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
         wait_full(v_full, kv0 + it - 1, V_STAGES)
         v = v_bufs.index(ring_slot(kv0 + it - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
-        if SEQUSED:
-            if it == 1:  # the first tile visited is the only one that can hold the tail
-                _zero_v_tail(v, (n_hi - 1) * BLOCK_N, seqlen_k, BLOCK_N, HEAD_DIM)
         take_mma_turn(mma_turn, turn0 + it, CID, PINGPONG)
         qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
         if ABLATE != ABLATE_PV:
@@ -295,9 +299,6 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     # ---- Final PV, overlapped with the row-sum finalisation. ----
     wait_full(v_full, kv0 + n_kv - 1, V_STAGES)
     v = v_bufs.index(ring_slot(kv0 + n_kv - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
-    if SEQUSED:
-        if n_kv == 1:
-            _zero_v_tail(v, n_lo * BLOCK_N, seqlen_k, BLOCK_N, HEAD_DIM)
     take_mma_turn(mma_turn, turn0 + n_kv, CID, PINGPONG)
     pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
     pass_mma_turn(mma_turn, CID, PINGPONG)
