@@ -29,6 +29,7 @@ import os
 import torch
 
 from . import plan
+from .interface import _check_tma_addressable, check_device
 
 # Page sizes served by TMA straight from the pages (the page is the TMA batch
 # coordinate): multiples of a config's block_n. 64 uses a block_n = 64 config.
@@ -76,8 +77,6 @@ def _page_plan(page_size: int, head_dim: int):
 def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                      causal, num_splits, pack_gqa):
     """Check everything that can be checked without reading device memory."""
-    from .interface import _check_tma_addressable, check_device
-
     _check_4d("q", q, "[batch, seqlen_q, nheads, headdim]")
     paged = page_table is not None
     layout = "[num_pages, page_size, nheads_kv, headdim]" if paged else "[batch_cache, seqlen_cache, nheads_kv, headdim]"
@@ -245,10 +244,14 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
             kc = k_cache[idx].reshape(batch, -1, nkv, head_dim)
             vc = v_cache[idx].reshape(batch, -1, nkv, head_dim)
             pt = None
-    with torch.cuda.device(q.device):
-        plan.launch_forward(q, kc, vc, out, lse, softmax_scale, causal, cfg, seqused_k=seqused,
-                            kv_batch=cache_batch_idx if pt is None else None, page_table=pt,
-                            num_splits=num_splits, pack_gqa=pack_gqa)
+    args = (q, kc, vc, out, lse, softmax_scale, causal, cfg)
+    kwargs = dict(seqused_k=seqused, kv_batch=cache_batch_idx if pt is None else None, page_table=pt,
+                  num_splits=num_splits, pack_gqa=pack_gqa)
+    if q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            plan.launch_forward(*args, **kwargs)
+    else:
+        plan.launch_forward(*args, **kwargs)
     return out, lse
 
 

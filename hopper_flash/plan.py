@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
-import triton
 from triton import knobs
 from triton.runtime.driver import driver
 
@@ -309,6 +308,42 @@ def _launch_hooked() -> bool:
 _COMPILED: dict[tuple, object] = {}
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything about a launch that depends only on shapes and flags."""
+
+    cfg: ForwardConfig
+    mode: Mode
+    num_splits: int
+    n_ctas: int
+    pair: int
+    key: tuple
+    constexprs: dict
+    constexpr_values: tuple
+
+
+@lru_cache(maxsize=4096)
+def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, seqlen_k, cfg, page_size, seqused, kv_batch,
+                 num_splits, pack_gqa, causal, write_lse) -> LaunchPlan:
+    """Mode, split count and grid for a launch (cached: decode steps repeat
+    the same shapes, and this is host time on every step)."""
+    group = nheads // nheads_kv
+    if pack_gqa is None:
+        pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m)
+    pack_g = group if pack_gqa else 1
+    tiles = work_items(batch, nheads, seqlen_q, cfg, Mode(pack_g=pack_g))
+    n_blocks = triton_cdiv(seqlen_k, cfg.block_n)
+    if num_splits == 0:
+        num_splits = choose_num_splits(tiles, n_blocks, sm_count(device))
+    num_splits = max(1, min(num_splits, n_blocks))
+    mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size)
+    n_ctas, pair = deal(tiles * num_splits, cfg, device)
+    kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
+    constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
+    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, (device, dtype, causal, kernel_lse, cfg, mode), constexprs,
+                      tuple(constexprs.values()))
+
+
 def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: ForwardConfig | None = None,
                    *, seqused_k=None, kv_batch=None, page_table=None, num_splits: int = 1,
                    pack_gqa: bool | None = False) -> None:
@@ -330,57 +365,43 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     host time than a short attention call takes on the GPU.
     """
     batch, seqlen_q, nheads, head_dim = q.shape
-    nheads_kv = k.shape[2]
-    group = nheads // nheads_kv
-    cfg = cfg or CONFIGS[head_dim]
     device = q.device.index
     paged = page_table is not None
-    if paged:
-        page_size = k.shape[1]
-        seqlen_k = page_table.shape[1] * page_size  # an upper bound; seqused_k holds the lengths
-    else:
-        page_size = 0
-        seqlen_k = k.shape[1]
-    if pack_gqa is None:
-        pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m)
-    pack_g = group if pack_gqa else 1
-    tiles = work_items(batch, nheads, seqlen_q, cfg, Mode(pack_g=pack_g))
-    n_blocks = triton_cdiv(seqlen_k, cfg.block_n)
-    if num_splits == 0:
-        num_splits = choose_num_splits(tiles, n_blocks, sm_count(device))
-    num_splits = max(1, min(num_splits, n_blocks))
-    mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused_k is not None,
-                kv_batch=kv_batch is not None, page_size=page_size)
+    # Paged: the page table's extent bounds the key length; seqused_k holds the lengths.
+    seqlen_k = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
     write_lse = lse is not None
-    n_ctas, pair = deal(tiles * num_splits, cfg, device)
+    lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], seqlen_k, cfg or CONFIGS[head_dim],
+                      k.shape[1] if paged else 0, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
+                      bool(causal), write_lse)
+    cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
     if mode.split:
-        o_part = torch.empty((num_splits, batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((num_splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+        # One allocation for both partials: fp32 O [splits, B, Sq, H, D], then LSE [splits, B, H, Sq].
+        n_o = num_splits * batch * seqlen_q * nheads * head_dim
+        part = torch.empty(n_o + num_splits * batch * nheads * seqlen_q, dtype=torch.float32, device=q.device)
+        o_part = part[:n_o].view(num_splits, batch, seqlen_q, nheads, head_dim)
+        lse_part = part[n_o:].view(num_splits, batch, nheads, seqlen_q)
     else:
         o_part = lse_part = out
     ptrs = (lse if write_lse else out, seqused_k if seqused_k is not None else out,
             kv_batch if kv_batch is not None else out, page_table if paged else out, o_part, lse_part)
     page_stride = page_table.stride(0) if paged else 0
-    scalars = (seqlen_q, seqlen_k, nheads, group, batch, softmax_scale * LOG2E, softmax_scale,
-               num_splits, pair, page_stride)
-    kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
-    key = (device, q.dtype, causal, kernel_lse, cfg, mode)
-    constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
-    kernel = _COMPILED.get(key)
+    scalars = (seqlen_q, seqlen_k, nheads, nheads // k.shape[2], batch, softmax_scale * LOG2E, softmax_scale,
+               num_splits, lp.pair, page_stride)
+    kernel = _COMPILED.get(lp.key)
     if kernel is None or _launch_hooked():
         # First launch, or a profiler hook is installed (it wants the JIT's
         # launch metadata): take Triton's regular path.
         from .kernels.forward import attention_forward_kernel
 
-        blocks = block_shapes(cfg, pack_g)
+        blocks = block_shapes(cfg, mode.pack_g)
         descs = (_descriptor(q, blocks["q"]), _descriptor(k, blocks["k"]), _descriptor(v, blocks["v"]),
                  _descriptor(out, blocks["o"]))
-        _COMPILED[key] = attention_forward_kernel[(n_ctas, 1, 1)](
-            *descs, *ptrs, *scalars, **constexprs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+        _COMPILED[lp.key] = attention_forward_kernel[(lp.n_ctas, 1, 1)](
+            *descs, *ptrs, *scalars, **lp.constexprs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
     else:
         stream = driver.active.get_current_stream(device)
-        kernel.run(n_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   _Desc(q), _Desc(k), _Desc(v), _Desc(out), *ptrs, *scalars, *constexprs.values())
+        kernel.run(lp.n_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                   _Desc(q), _Desc(k), _Desc(v), _Desc(out), *ptrs, *scalars, *lp.constexpr_values)
     if mode.split:
         launch_combine(o_part, lse_part, out, lse)
 
@@ -397,7 +418,7 @@ def launch_combine(o_part, lse_part, out, lse) -> None:
     lse_arg = lse if lse is not None else lse_part
     args = (o_part, lse_part, out, lse_arg, num_splits, batch, seqlen_q, nheads,
             out.stride(0), out.stride(1), out.stride(2))
-    constexprs = dict(HEAD_DIM=head_dim, S_MAX=max(16, triton.next_power_of_2(num_splits)),
+    constexprs = dict(HEAD_DIM=head_dim, S_MAX=max(16, 1 << (num_splits - 1).bit_length()),
                       WRITE_LSE=lse is not None)
     num_warps = 1 if head_dim <= 128 else 2
     key = (out.device.index, out.dtype, tuple(constexprs.values()),
