@@ -90,8 +90,6 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
             raise ValueError(f"{name} must have q's dtype {_dtype_name(q.dtype)}, got {_dtype_name(t.dtype)}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    if not q.is_cuda:
-        raise ValueError(f"q must be a CUDA tensor, got device {q.device}")
     batch, seqlen_q, nheads, head_dim = q.shape
     if head_dim not in plan.SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head dim (q.shape[3]) must be one of {plan.SUPPORTED_HEAD_DIMS}, got {head_dim}")
@@ -104,8 +102,9 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
     if nheads_kv == 0 or nheads % nheads_kv:
         raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k_cache's ({nheads_kv})")
     if paged:
-        _check_index("page_table", page_table, "[batch, max_pages]", (batch, page_table.shape[1])
-                     if page_table.dim() == 2 else (batch, -1), q.device)
+        pt_shape = (batch, page_table.shape[1]) if isinstance(page_table, torch.Tensor) and page_table.dim() == 2 \
+            and page_table.shape[1] > 0 else (batch, "max_pages >= 1")
+        _check_index("page_table", page_table, "[batch, max_pages]", pt_shape, q.device)
         page_size = k_cache.shape[1]
         if page_size < 1 or page_size & (page_size - 1) or page_size > 1024:
             raise ValueError(f"page size (k_cache.shape[1]) must be a power of two from 1 to 1024 "
@@ -153,6 +152,8 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
         softmax_scale = float(softmax_scale)
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
+    if not q.is_cuda:
+        raise ValueError(f"q must be a CUDA tensor, got device {q.device}")
     check_device(q)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.numel():
