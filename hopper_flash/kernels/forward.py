@@ -397,6 +397,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr):
     gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle the two warpgroups")
+    gl.static_assert(not (PINGPONG and (PACK_G > 1 or SPLIT or SEQUSED)),
+                     "an idle decode warpgroup takes no ping-pong turns")
     dtype: gl.constexpr = q_desc.dtype
 
     # Work items are (query tile, split, head, batch), flattened with the tile
