@@ -203,13 +203,15 @@ def deal(items: int, cfg: ForwardConfig, device: int | None = None) -> tuple[int
 
     Non-persistent: one CTA per item. Persistent: one per SM of ``device``
     (default: the current one), at most one per group of items dealt
-    together: in zig-zag pairs when there are at least two items per SM,
-    singly otherwise, so that fewer items than 2 x SMs still reach every SM
-    (pairs would leave half of them idle)."""
+    together. Items are dealt singly when there are no more than SMs: each
+    SM gets one item, where pairs would have left half of them idle (128
+    items on 64 of 132 SMs). With more items than SMs they go in zig-zag
+    pairs even below two per SM: a CTA with two single items could get the
+    two longest causal tiles (2n tile-steps), a pair costs n + 1."""
     if not cfg.persistent:
         return items, 1
     sms = sm_count(device)
-    pair = 2 if items >= 2 * sms else 1
+    pair = 2 if items > sms else 1
     return min(sms, triton_cdiv(items, pair)), pair
 
 

@@ -79,5 +79,7 @@ def test_grid_deals_singly_below_two_items_per_sm(monkeypatch):
     monkeypatch.setattr(plan, "sm_count", lambda device=None: 132)
     cfg = plan.CONFIGS[128]
     assert plan.deal(128, cfg) == (128, 1)  # the 128 items: every SM busy, not 64
+    assert plan.deal(132, cfg) == (132, 1)
+    assert plan.deal(200, cfg) == (100, 2)  # above one per SM: balanced zig-zag pairs
     assert plan.deal(264, cfg) == (132, 2)
     assert plan.deal(1000, cfg) == (132, 2)

@@ -10,12 +10,12 @@ query rows of every head of the group). Without split-KV there is one split.
   item ``j`` is query tile ``n_tiles - 1 - j``, so the longest causal tiles
   launch first and the grid drains with short ones.
 * **Persistent**: a grid of at most one CTA per SM, each looping over items.
-  With at least two items per SM, items are dealt out in pairs
+  With more items than SMs, items are dealt out in pairs
   (``pair == 2``), round-robin, and within a head they are ordered zig-zag
   (longest, shortest, second longest, second shortest, ...): under a causal
   mask the two tiles of a pair then cost the same number of KV tiles
-  together, so a static deal balances without an atomic counter. With fewer
-  items (``pair == 1``) they are dealt singly, longest first, so that every
+  together, so a static deal balances without an atomic counter. With no more
+  items than SMs (``pair == 1``) they are dealt singly, longest first, so every
   SM gets work: dealing 128 items in pairs would idle half of 132 SMs.
 """
 from triton.experimental import gluon
