@@ -66,10 +66,11 @@ def spec(request):
 def test_no_spills(spec):
     import triton
 
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8) and spec[-1].seqused:
+    r = _census(spec)
+    spills = r.stack_bytes or r.local_bytes or r.sass_counts["LDL"] or r.sass_counts["STL"]
+    if spills and spec[-1].seqused and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8):
         pytest.xfail("triton 3.8+ hoists the V-tail zeroing's shared-memory addresses to the kernel entry and "
                      "spills them (~56 B of stack); triton 3.6, which the H200 runs, keeps them in registers")
-    r = _census(spec)
     assert r.stack_bytes == 0 and r.local_bytes == 0, f"stack {r.stack_bytes} B, local {r.local_bytes} B"
     assert r.sass_counts["LDL"] == 0 and r.sass_counts["STL"] == 0, r.sass_counts
 
