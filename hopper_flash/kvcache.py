@@ -233,6 +233,12 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() == 0:
         return out, lse
+    if _capacity(k_cache, page_table) == 0:
+        # A cache with no rows at all (TMA cannot describe it): nothing to see.
+        out.zero_()
+        if lse is not None:
+            lse.fill_(-math.inf)
+        return out, lse
     cfg = plan.CONFIGS[head_dim]
     kc, vc, pt = k_cache, v_cache, page_table
     if page_table is not None:
