@@ -1,6 +1,12 @@
 """hopper_flash: exact attention kernels for NVIDIA Hopper, written in Gluon."""
-from .interface import flash_attn_func, scaled_dot_product_attention
-from .kvcache import flash_attn_with_kvcache
+from . import _triton_support
+
+# Before any Gluon import: an unsupported triton fails here with the version
+# found and the range supported, not with a traceback from a renamed builtin.
+_triton_support.check_supported()
+
+from .interface import flash_attn_func, scaled_dot_product_attention  # noqa: E402
+from .kvcache import flash_attn_with_kvcache  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["flash_attn_func", "flash_attn_with_kvcache", "scaled_dot_product_attention", "__version__"]

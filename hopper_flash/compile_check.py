@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
-from .plan import CONFIGS, PREFILL, ForwardConfig, Mode, block_shapes, kernel_constexprs, smem_layout
+from .plan import CONFIGS, PREFILL, ForwardConfig, Mode, block_shapes, compile_options, kernel_constexprs, smem_layout
 
 # Hopper's per-block shared-memory limit with the opt-in carve-out.
 SMEM_LIMIT_BYTES = 227 * 1024
@@ -94,8 +94,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
     }
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(attention_forward_kernel, signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(cfg))
 
 
 def census(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = True, write_lse: bool = False,

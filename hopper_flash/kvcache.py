@@ -29,7 +29,8 @@ import os
 import torch
 
 from . import plan
-from .interface import _check_tma_addressable, check_device
+from .checks import check_device
+from .checks import check_tma_addressable as _check_tma_addressable
 
 # Page sizes served by TMA straight from the pages (the page is the TMA batch
 # coordinate): multiples of a config's block_n. 64 uses a block_n = 64 config.

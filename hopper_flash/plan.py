@@ -14,6 +14,8 @@ import torch
 from triton import knobs
 from triton.runtime.driver import driver
 
+from . import _triton_support
+
 LOG2E = math.log2(math.e)
 
 # Threads in the launch: two consumer warpgroups + the producer's warp, which
@@ -54,9 +56,10 @@ class ForwardConfig:
     ablate: int = 0
     # A grid of at most one CTA per SM that loops over work items
     # (kernels/scheduler.py) instead of the seed's one CTA per item. On the
-    # H200 (2026-11-30, B=4 H=32 bf16, quick_bench) it took D=128 causal
-    # S=1024 from 0.86x to 1.02x cuDNN and D=64 S=1024 from 0.79x to 0.94x,
-    # and was never more than noise slower (BENCHMARKS.md).
+    # H200 (2026-11-30, B=4 H=32 bf16, quick_bench, now `hopper-flash bench
+    # --variant`) it took D=128 causal S=1024 from 0.86x to 1.02x cuDNN and
+    # D=64 S=1024 from 0.79x to 0.94x, and was never more than noise slower
+    # (BENCHMARKS.md).
     persistent: bool = True
     maxnreg: int = _LAUNCH_MAXNREG
 
@@ -96,8 +99,8 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 def config_variant(spec: str) -> dict:
     """Parse ``"field=value,..."`` (ints, ``True``/``False``) into ForwardConfig
-    fields: how the test suite, the sanitizer cases and ``quick_bench`` name a
-    kernel variant to run instead of the shipped one."""
+    fields: how the test suite, the sanitizer cases and ``hopper-flash bench
+    --variant`` name a kernel variant to run instead of the shipped one."""
     fields = dict(item.split("=", 1) for item in spec.split(",") if item)
     return {k: (v == "True") if v in ("True", "False") else int(v) for k, v in fields.items()}
 
@@ -280,16 +283,18 @@ def tma_strides(t: torch.Tensor) -> tuple[int, ...]:
 
 class _Desc:
     """What Triton's launcher reads from a host TensorDescriptor (base, shape,
-    strides, padding), without its per-call validation: the arguments were
-    validated once already, in ``hopper_flash.interface``."""
+    strides, padding; round_f32_to_tf32 from triton 3.7 on), without its
+    per-call validation: the arguments were validated once already, in
+    ``hopper_flash.interface``."""
 
-    __slots__ = ("base", "shape", "strides", "padding")
+    __slots__ = ("base", "shape", "strides", "padding", "round_f32_to_tf32")
 
     def __init__(self, t: torch.Tensor):
         self.base = t
         self.shape = t.shape
         self.strides = tma_strides(t)
         self.padding = "zero"
+        self.round_f32_to_tf32 = False
 
 
 def _descriptor(t: torch.Tensor, block_shape: list[int]):
@@ -302,6 +307,21 @@ def _launch_hooked() -> bool:
     """True when a profiler put a launch hook on Triton (a HookChain in 3.6)."""
     hook = knobs.runtime.launch_enter_hook
     return bool(getattr(hook, "calls", hook))
+
+
+# Whether later launches may call the compiled kernel's launcher directly
+# (a private triton interface; _triton_support says on which versions its
+# calling convention was checked). Elsewhere every launch goes through the JIT.
+FAST_LAUNCH = _triton_support.fast_launch_supported()
+
+
+def compile_options(cfg: ForwardConfig) -> dict:
+    """Triton compile options of a config, for the launch and compile_check.
+
+    ``enable_fp_fusion`` is spelled out: triton 3.6-3.9 fuse multiply-adds by
+    default (what the kernels were tuned and checked with), 3.9 warns that the
+    default turns to off in 3.10 unless it is given."""
+    return dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, enable_fp_fusion=True)
 
 
 # Compiled kernels by (device, dtype, head dim, causal, lse, config). The
@@ -364,7 +384,9 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     The first launch of a specialisation goes through Triton's JIT (compile,
     cache). Later launches call the compiled kernel's launcher directly: the
     JIT's per-call argument specialisation and descriptor checks cost more
-    host time than a short attention call takes on the GPU.
+    host time than a short attention call takes on the GPU. That launcher is
+    private to triton: on versions where its calling convention was not
+    checked (``FAST_LAUNCH`` false) every launch takes the JIT's.
     """
     batch, seqlen_q, nheads, head_dim = q.shape
     device = q.device.index
@@ -390,16 +412,16 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     scalars = (seqlen_q, seqlen_k, nheads, nheads // k.shape[2], batch, softmax_scale * LOG2E, softmax_scale,
                num_splits, lp.pair, page_stride)
     kernel = _COMPILED.get(lp.key)
-    if kernel is None or _launch_hooked():
-        # First launch, or a profiler hook is installed (it wants the JIT's
-        # launch metadata): take Triton's regular path.
+    if kernel is None or not FAST_LAUNCH or _launch_hooked():
+        # First launch, an unchecked triton, or a profiler hook is installed
+        # (it wants the JIT's launch metadata): take Triton's regular path.
         from .kernels.forward import attention_forward_kernel
 
         blocks = block_shapes(cfg, mode.pack_g)
         descs = (_descriptor(q, blocks["q"]), _descriptor(k, blocks["k"]), _descriptor(v, blocks["v"]),
                  _descriptor(out, blocks["o"]))
         _COMPILED[lp.key] = attention_forward_kernel[(lp.n_ctas, 1, 1)](
-            *descs, *ptrs, *scalars, **lp.constexprs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+            *descs, *ptrs, *scalars, **lp.constexprs, **compile_options(cfg))
     else:
         stream = driver.active.get_current_stream(device)
         kernel.run(lp.n_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
@@ -427,7 +449,7 @@ def launch_combine(o_part, lse_part, out, lse) -> None:
            tuple(t.data_ptr() % 16 == 0 for t in args[:4]))
     rows = batch * seqlen_q * nheads
     kernel = _COMBINE.get(key)
-    if kernel is None or _launch_hooked():
+    if kernel is None or not FAST_LAUNCH or _launch_hooked():
         from .kernels.combine import combine_kernel
 
         _COMBINE[key] = combine_kernel[(rows,)](*args, **constexprs, num_warps=num_warps)

@@ -1,47 +1,71 @@
-"""CPU-side references for the attention kernels (pure PyTorch, no triton).
+"""The one reference and the one judge of every correctness check (tests,
+sanitizer cases and bench), for outputs, log-sum-exps, gradients and decode
+outputs alike.
 
-Two references with different jobs:
+* :func:`attention_reference`: exact softmax attention computed directly in
+  float64 (no online softmax), on the inputs' device.
+* :func:`attention_baseline`: what a good bf16/fp16 attention kernel gets on
+  the same inputs: PyTorch SDPA's cuDNN backend where it can express the
+  problem, else SDPA's efficient/math backends with an explicit mask.
+* :func:`attention_reference_grads` / :func:`attention_baseline_grads`: the
+  same two for a backward's ``(dq, dk, dv)``.
+* :func:`judge`: a value against the reference, relative to the error the
+  baseline makes on the same inputs. Fixed tolerances are either loose where
+  errors are small (an absolute 2e-2 passes a 3% error on S=4096 outputs of
+  magnitude ~0.1) or flaky where they are large; the baseline scales with the
+  problem. :func:`judge_lse` holds the log-sum-exp, an fp32 quantity, to a
+  tight fixed relative bound.
 
-* :func:`attention_reference` is the ground truth: exact softmax attention in
-  float64 (or float32), computed directly, no online softmax.
-* :func:`emulate_forward` replays the kernel's own tiled algorithm (tile
-  order, masking rule, base-2 online softmax, P rounded to the input dtype)
-  in PyTorch. When the GPU kernel disagrees with the ground truth, comparing it
-  with the emulator tells an algorithm bug (emulator also wrong) from a code
-  bug (emulator right, kernel wrong).
+Conventions (shared with the kernels):
 
-Conventions shared by both, and by the kernel:
-
-* Layout BSHD as in flash-attn: q ``[batch, seqlen_q, nheads, headdim]``,
-  k and v ``[batch, seqlen_k, nheads_kv, headdim]``; ``nheads`` is a multiple
-  of ``nheads_kv`` and q head ``h`` reads kv head ``h // (nheads // nheads_kv)``.
-* Causal masking is aligned to the bottom-right (flash-attn >= 2.1): query row
+* BSHD layout as in flash-attn: q ``[batch, seqlen_q, nheads, headdim]``,
+  k and v ``[batch, seqlen_k, nheads_kv, headdim]``; q head ``h`` reads kv
+  head ``h // (nheads // nheads_kv)``.
+* Causal masks are aligned to the bottom-right (flash-attn >= 2.1): query row
   ``i`` sees key ``j`` iff ``j <= i + (seqlen_k - seqlen_q)``.
 * A row that sees no key has output 0 and LSE -inf (never NaN).
-* LSE is float32 ``[batch, nheads, seqlen_q]``, natural log.
+* LSE is ``[batch, nheads, seqlen_q]``, natural log.
 * ``softmax_scale`` defaults to ``1 / sqrt(headdim)``.
-
-All functions are device-agnostic: they run on whatever device the inputs live
-on, so GPU tests can call them on CUDA tensors.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
+    "LSE_REL_TOL",
+    "JUDGE_FACTOR",
+    "Problem",
+    "Verdict",
+    "assert_judged",
+    "attention_baseline",
+    "attention_baseline_grads",
     "attention_reference",
-    "emulate_forward",
+    "attention_reference_grads",
+    "check_attention",
+    "judge",
+    "judge_lse",
     "max_abs_err",
+    "random_qkv",
     "rel_fro_err",
+    "score_scale",
 ]
 
-LOG2E = math.log2(math.e)
+# A value may be this many times as far from the reference as the baseline
+# (in relative Frobenius norm and in max-abs error), plus a floor.
+JUDGE_FACTOR = 2.0
+# LSE: |lse - ref| <= LSE_REL_TOL * max(1, |ref|, score_scale). The LSE is
+# computed in fp32 from the same rounded inputs as the reference, so its error
+# is a few fp32 ulps per step: of the dot products behind the scores (bounded
+# by score_scale), and of the running sum: ~1e-7 relative for short rows,
+# ~3e-6 for a row of 2**18 keys (2048 tiles summed one after the other).
+LSE_REL_TOL = 2e-5
 
-# Upper bound on the elements of one score chunk in attention_reference. 2**24
-# float64 scores are 128 MiB: S=8k fits in 2k-row chunks on CPU or GPU.
-_SCORE_CHUNK_ELEMS = 1 << 24
+# Upper bound on the elements of one chunk of scores (or of one chunk of
+# float64 keys). 2**24 float64 elements are 128 MiB.
+_CHUNK_ELEMS = 1 << 24
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -59,8 +83,28 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[in
     return batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim
 
 
-def _default_scale(softmax_scale: float | None, headdim: int) -> float:
+def _scale(softmax_scale: float | None, headdim: int) -> float:
     return 1.0 / math.sqrt(headdim) if softmax_scale is None else float(softmax_scale)
+
+
+def _row_index(rows, seqlen_q: int, device) -> torch.Tensor:
+    if rows is None:
+        return torch.arange(seqlen_q, device=device)
+    rows = torch.as_tensor(rows, dtype=torch.long).to(device)
+    if rows.dim() != 1:
+        raise ValueError(f"rows must be 1-D query row indices, got shape {tuple(rows.shape)}")
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= seqlen_q):
+        raise ValueError(f"rows must lie in [0, {seqlen_q}), got [{int(rows.min())}, {int(rows.max())}]")
+    return rows
+
+
+def _chunking(pairs: int, n_rows: int, seqlen_k: int, headdim: int) -> tuple[int, int]:
+    """(batch, head) pairs per chunk and query rows per chunk: at most
+    ``_CHUNK_ELEMS`` scores per chunk and float64 keys per pair chunk."""
+    keys = max(seqlen_k, 1)
+    pairs_per_chunk = max(1, min(_CHUNK_ELEMS // max(n_rows * keys, 1), _CHUNK_ELEMS // (keys * max(headdim, 1))))
+    rows_per_chunk = max(1, _CHUNK_ELEMS // (keys * min(pairs_per_chunk, max(pairs, 1))))
+    return pairs_per_chunk, rows_per_chunk
 
 
 def attention_reference(
@@ -71,181 +115,460 @@ def attention_reference(
     causal: bool = False,
     softmax_scale: float | None = None,
     dtype: torch.dtype = torch.float64,
+    rows=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention: ``softmax(scale * q k^T + mask) v`` and its LSE.
+    """Exact attention ``softmax(scale * q k^T + mask) v`` and its LSE.
 
-    Inputs (any float dtype, e.g. bf16) are upcast to ``dtype`` (float64 by
-    default, float32 allowed) and every step is done in that precision.
+    The inputs (any float dtype: pass the kernel's bf16 inputs themselves) are
+    upcast to ``dtype`` (float64; float32 only for a quick look) and every
+    step runs in that precision. ``rows`` (1-D query row indices) restricts
+    the computation to those rows of q, masked by their true positions: how
+    long problems are checked on a sample.
 
-    Returns ``(out, lse)``: ``out`` has q's shape and dtype ``dtype``; ``lse``
-    is float32 ``[batch, nheads, seqlen_q]`` (natural log). Rows with no
-    visible key give 0 output and -inf LSE.
+    Returns ``(out, lse)``: ``out`` ``[batch, len(rows), nheads, headdim]`` in
+    ``dtype``; ``lse`` ``[batch, nheads, len(rows)]`` in ``dtype``. Rows with
+    no visible key give 0 and -inf. NaN and inf inputs propagate as the
+    formula says (NaN where a visible score is NaN, ``0 * inf = NaN`` where a
+    zero weight meets an infinite value).
 
-    Memory: works one (batch, head) pair at a time, and within it on row
-    chunks of at most ``_SCORE_CHUNK_ELEMS`` scores, so seqlen ~8k is fine on
-    CPU; the causal mask is built per chunk from two aranges, never dense over
-    the whole problem.
+    Works on chunks of (batch, head) pairs and of rows, each at most
+    ``_CHUNK_ELEMS`` scores, so many small problems run batched and long
+    ones (S = 2**18 and more) in bounded memory.
     """
     if dtype not in (torch.float64, torch.float32):
         raise ValueError(f"dtype must be float64 or float32, got {dtype}")
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
-    scale = _default_scale(softmax_scale, headdim)
+    scale = _scale(softmax_scale, headdim)
     group = nheads // nheads_kv
-    offset = seqlen_k - seqlen_q
     device = q.device
+    row_idx = _row_index(rows, seqlen_q, device)
+    n_rows = row_idx.numel()
 
-    out = torch.zeros(batch, seqlen_q, nheads, headdim, dtype=dtype, device=device)
-    lse = torch.empty(batch, nheads, seqlen_q, dtype=torch.float32, device=device)
-    rows_per_chunk = max(1, _SCORE_CHUNK_ELEMS // max(seqlen_k, 1))
+    out = torch.zeros(batch, nheads, n_rows, headdim, dtype=dtype, device=device)
+    lse = torch.full((batch, nheads, n_rows), -math.inf, dtype=dtype, device=device)
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # BHSD views
     cols = torch.arange(seqlen_k, device=device)
+    pairs = batch * nheads
+    pairs_per_chunk, rows_per_chunk = _chunking(pairs, n_rows, seqlen_k, headdim)
 
-    for b in range(batch):
-        for h in range(nheads):
-            hk = h // group
-            kt = k[b, :, hk, :].to(dtype)  # [Sk, D]
-            vt = v[b, :, hk, :].to(dtype)
-            for r0 in range(0, seqlen_q, rows_per_chunk):
-                r1 = min(r0 + rows_per_chunk, seqlen_q)
-                s = (q[b, r0:r1, h, :].to(dtype) @ kt.T) * scale  # [rows, Sk]
-                if causal:
-                    rows = torch.arange(r0, r1, device=device)
-                    s.masked_fill_(cols[None, :] > rows[:, None] + offset, -math.inf)
-                row_lse = torch.logsumexp(s, dim=-1)  # -inf for rows with no visible key
-                # exp(-inf - 0) = 0 keeps empty rows at 0 instead of exp(-inf + inf) = NaN.
-                safe_lse = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
-                p = torch.exp(s - safe_lse[:, None])
-                out[b, r0:r1, h, :] = p @ vt
-                lse[b, h, r0:r1] = row_lse.float()
-    return out, lse
+    for p0 in range(0, pairs, pairs_per_chunk):
+        pair = torch.arange(p0, min(p0 + pairs_per_chunk, pairs), device=device)
+        b, h = pair // nheads, pair % nheads
+        kc = kh[b, h // group].to(dtype)  # [pairs, Sk, D]
+        vc = vh[b, h // group].to(dtype)
+        for r0 in range(0, n_rows, rows_per_chunk):
+            r = row_idx[r0:r0 + rows_per_chunk]
+            s = (qh[b[:, None], h[:, None], r[None, :]].to(dtype) @ kc.transpose(-1, -2)) * scale
+            if causal:
+                s.masked_fill_(cols[None, None, :] > r[None, :, None] + (seqlen_k - seqlen_q), -math.inf)
+            row_lse = torch.logsumexp(s, dim=-1)  # -inf for rows with no visible key
+            # exp(-inf - 0) = 0 keeps empty rows at 0 instead of exp(-inf + inf) = NaN.
+            p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
+            out[b, h, r0:r0 + len(r)] = p @ vc
+            lse[b, h, r0:r0 + len(r)] = row_lse
+    return out.transpose(1, 2), lse
 
 
-def emulate_forward(
+def attention_baseline(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
-    block_m: int = 128,
-    block_n: int = 128,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the kernel's forward algorithm tile by tile in PyTorch.
+    rows=None,
+) -> torch.Tensor:
+    """The same attention from PyTorch, in q's dtype: the error a judged value
+    is allowed (a multiple of) is this one's.
 
-    This mirrors the GPU kernel step for step (same tiles, visiting order,
-    masking rule, base-2 online softmax with the scale folded in, P rounded to
-    the input dtype before the PV product, float32 everywhere else), so its
-    output should match the kernel's to within float32 reassociation noise.
-    Keep it in sync with the kernel: if the kernel's algorithm changes, change
-    this first.
+    SDPA's cuDNN backend where it expresses the problem (CUDA, one kv head per
+    q head, causal only with equal lengths); else SDPA restricted to the
+    efficient and math backends with an explicit bottom-right mask, with GQA
+    heads repeated. Rows that see no key are 0 (SDPA gives NaN there).
+    ``rows`` as in :func:`attention_reference`; returns
+    ``[batch, len(rows), nheads, headdim]``.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    Per query tile ``bm`` (rows ``[bm*block_m, (bm+1)*block_m)``, zero-padded
-    past ``seqlen_q`` like a TMA load), with ``offset = seqlen_k - seqlen_q``:
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
+    scale = _scale(softmax_scale, headdim)
+    group = nheads // nheads_kv
+    row_idx = _row_index(rows, seqlen_q, q.device)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    if q.is_cuda and group == 1 and (seqlen_q == seqlen_k or not causal) and min(seqlen_q, seqlen_k) > 0:
+        try:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                out = sdpa(qt, kt, vt, is_causal=causal, scale=scale).transpose(1, 2)
+            return out if rows is None else out[:, row_idx]
+        except RuntimeError:
+            pass  # cuDNN declined (shape, size, version): the fallback below
+    if group > 1:
+        kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+    qt = qt[:, :, row_idx]
+    mask = None
+    if causal:
+        mask = torch.arange(seqlen_k, device=q.device)[None, :] <= row_idx[:, None] + (seqlen_k - seqlen_q)
+    if qt.numel() == 0 or seqlen_k == 0:
+        return torch.zeros(batch, row_idx.numel(), nheads, headdim, dtype=q.dtype, device=q.device)
+    try:
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            out = sdpa(qt, kt, vt, attn_mask=mask, scale=scale)
+    except RuntimeError:  # the efficient kernel accepted the problem but could not launch it (e.g. its grid)
+        with sdpa_kernel(SDPBackend.MATH):
+            out = sdpa(qt, kt, vt, attn_mask=mask, scale=scale)
+    out = out.transpose(1, 2)
+    if causal:
+        out = torch.where(mask.any(dim=1)[None, :, None, None], out, 0.0)
+    return out
 
-    * KV tiles ``0 .. n_kv-1`` are read, ``n_kv = max(1, cdiv(min(seqlen_k,
-      (bm+1)*block_m + offset), block_n))`` if causal, else
-      ``cdiv(seqlen_k, block_n)``; visited from ``n_kv-1`` (the diagonal) down
-      to 0. A tile whose rows see no key still runs one fully-masked tile.
-    * ``s = q_tile @ k_tile^T`` in float32. Column ``c`` is hidden (-inf) if
-      ``c >= seqlen_k`` or, causal, ``c > r + offset``. The mask is applied
-      only to the first visited tile and, causal, to tiles with
-      ``n*block_n + block_n - 1 > bm*block_m + offset``; the emulator checks
-      that every other tile really had nothing to hide.
-    * ``qk_scale = softmax_scale * log2(e)`` (float32). ``m_new = max(m,
-      rowmax(s))``; ``m_scaled = m_new * qk_scale`` (0 where ``m_new`` is
-      -inf); ``alpha = exp2(m * qk_scale - m_scaled)``; ``p = exp2(s *
-      qk_scale - m_scaled)``; ``l = l * alpha + rowsum(p)``; ``acc = acc *
-      alpha + p.to(q.dtype) @ v_tile``.
-    * ``out = acc / l`` (0 where ``l == 0``) rounded to q's dtype; ``lse =
-      (m * qk_scale + log2(l)) / log2(e)`` (-inf where ``l == 0``), float32
-      ``[batch, nheads, seqlen_q]``.
 
-    Assumes ``softmax_scale > 0``, as the kernel does (the running max of the
-    unscaled scores is only the max of the scaled ones for a positive scale).
-    Vectorised over batch and heads; only tiles are looped over.
+def _grads(fn, q, k, v, dout):
+    """``(dq, dk, dv)`` of ``sum(fn(q, k, v) * dout)`` by autograd, on copies
+    of the inputs; in the inputs' dtype."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    with torch.enable_grad():
+        out = fn(*leaves)
+        if not out.requires_grad:  # nothing to differentiate (e.g. no key at all: zeros)
+            return tuple(torch.zeros_like(x) for x in leaves)
+        grads = torch.autograd.grad(out, leaves, dout.to(out.dtype), allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves))
+
+
+def attention_reference_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact float64 ``(dq, dk, dv)`` (BSHD, shaped like q, k, v) of
+    :func:`attention_reference`'s output for the output gradient ``dout``.
+
+    The textbook backward from the reference's own output and LSE:
+    ``P = exp(S - lse)``, ``dV = P^T dO``, ``dP = dO V^T``,
+    ``dS = P * (dP - rowsum(dO * O))``, ``dQ = scale * dS K``,
+    ``dK = scale * dS^T Q``; with GQA, dK and dV sum over the query heads
+    that share a kv head. Rows that see no key contribute nothing. Chunked
+    like the forward, so memory stays bounded (no autograd graph is kept).
     """
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
-    scale = _default_scale(softmax_scale, headdim)
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    f64 = torch.float64
+    scale = _scale(softmax_scale, headdim)
     group = nheads // nheads_kv
-    offset = seqlen_k - seqlen_q
     device = q.device
-    in_dtype = q.dtype
-    # The kernel receives qk_scale as an fp32 argument: round it once, here.
-    qk_scale = float(torch.tensor(scale * LOG2E, dtype=torch.float32))
-    neg_inf = -math.inf
+    out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    qh, kh, vh, doh = (x.transpose(1, 2) for x in (q, k, v, dout))
+    delta = (doh.to(f64) * out.transpose(1, 2)).sum(-1)  # [B, H, Sq]
+    dq = torch.zeros(batch, nheads, seqlen_q, headdim, dtype=f64, device=device)
+    dk = torch.zeros(batch, nheads_kv, seqlen_k, headdim, dtype=f64, device=device)
+    dv = torch.zeros_like(dk)
+    cols = torch.arange(seqlen_k, device=device)
+    pairs = batch * nheads
+    pairs_per_chunk, rows_per_chunk = _chunking(pairs, seqlen_q, seqlen_k, headdim)
 
-    n_m_tiles = -(-seqlen_q // block_m)
-    # At least one KV tile exists even when seqlen_k == 0 (causal runs a
-    # fully-masked tile); its padding is zeros, as TMA fills out-of-bounds.
-    n_n_tiles = max(1, -(-seqlen_k // block_n))
-
-    # [B, H, S, D] float32, padded to whole tiles; GQA heads expanded so the
-    # per-tile work is one batched matmul over (batch, head).
-    qf = torch.zeros(batch, nheads, n_m_tiles * block_m, headdim, dtype=torch.float32, device=device)
-    qf[:, :, :seqlen_q] = q.transpose(1, 2).float()
-    kf = torch.zeros(batch, nheads, n_n_tiles * block_n, headdim, dtype=torch.float32, device=device)
-    vf = torch.zeros_like(kf)
-    kf[:, :, :seqlen_k] = k.transpose(1, 2).float().repeat_interleave(group, dim=1)
-    vf[:, :, :seqlen_k] = v.transpose(1, 2).float().repeat_interleave(group, dim=1)
-
-    out = torch.empty(batch, nheads, n_m_tiles * block_m, headdim, dtype=in_dtype, device=device)
-    lse = torch.empty(batch, nheads, n_m_tiles * block_m, dtype=torch.float32, device=device)
-    col_in_tile = torch.arange(block_n, device=device)
-    row_in_tile = torch.arange(block_m, device=device)
-
-    for bm in range(n_m_tiles):
-        row0 = bm * block_m
-        q_tile = qf[:, :, row0:row0 + block_m]  # [B, H, BM, D]
-        rows = row0 + row_in_tile
-        if causal:
-            last_key = min(seqlen_k, (bm + 1) * block_m + offset)
-            n_kv = max(1, -(-last_key // block_n))
-        else:
-            n_kv = -(-seqlen_k // block_n)
-
-        m = torch.full((batch, nheads, block_m), neg_inf, dtype=torch.float32, device=device)
-        l = torch.zeros((batch, nheads, block_m), dtype=torch.float32, device=device)
-        acc = torch.zeros((batch, nheads, block_m, headdim), dtype=torch.float32, device=device)
-
-        for step, n in enumerate(range(n_kv - 1, -1, -1)):
-            col0 = n * block_n
-            k_tile = kf[:, :, col0:col0 + block_n]
-            v_tile = vf[:, :, col0:col0 + block_n]
-            s = q_tile @ k_tile.transpose(-1, -2)  # [B, H, BM, BN] float32
-
-            cols = col0 + col_in_tile
-            hidden = (cols >= seqlen_k)[None, :].expand(block_m, block_n)
+    for p0 in range(0, pairs, pairs_per_chunk):
+        pair = torch.arange(p0, min(p0 + pairs_per_chunk, pairs), device=device)
+        b, h = pair // nheads, pair % nheads
+        kc, vc = kh[b, h // group].to(f64), vh[b, h // group].to(f64)  # [pairs, Sk, D]
+        dkc, dvc = torch.zeros_like(kc), torch.zeros_like(vc)
+        for r0 in range(0, seqlen_q, rows_per_chunk):
+            r = torch.arange(r0, min(r0 + rows_per_chunk, seqlen_q), device=device)
+            idx = (b[:, None], h[:, None], r[None, :])
+            qc, doc, row_lse = qh[idx].to(f64), doh[idx].to(f64), lse[idx]
+            s = (qc @ kc.transpose(-1, -2)) * scale
             if causal:
-                hidden = hidden | (cols[None, :] > rows[:, None] + offset)
-            masked = step == 0 or (causal and col0 + block_n - 1 > row0 + offset)
-            if masked:
-                s = s.masked_fill(hidden, neg_inf)
-            elif bool(hidden.any()):
-                # The kernel would read hidden scores unmasked here: a bug in
-                # the tile-skipping rule, not a numerical issue.
-                raise AssertionError(
-                    f"unmasked KV tile n={n} of query tile bm={bm} hides some columns "
-                    f"(seqlen_q={seqlen_q}, seqlen_k={seqlen_k}, causal={causal})"
-                )
+                s.masked_fill_(cols[None, None, :] > r[None, :, None] + (seqlen_k - seqlen_q), -math.inf)
+            p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
+            dvc += p.transpose(-1, -2) @ doc
+            ds = p * (doc @ vc.transpose(-1, -2) - delta[idx][..., None])
+            dq[idx] = (ds @ kc) * scale
+            dkc += (ds.transpose(-1, -2) @ qc) * scale
+        dk.index_put_((b, h // group), dkc, accumulate=True)
+        dv.index_put_((b, h // group), dvc, accumulate=True)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
-            m_new = torch.maximum(m, s.amax(dim=-1))
-            # Rows that have seen only -inf use 0 so exp2(-inf - 0) = 0, not NaN.
-            m_scaled = torch.where(m_new == neg_inf, torch.zeros_like(m_new), m_new * qk_scale)
-            alpha = torch.exp2(m * qk_scale - m_scaled)
-            p = torch.exp2(s * qk_scale - m_scaled[..., None])
-            # FA3 order: rescale the carried sum, then add this tile's partial sum.
-            l = l * alpha + p.sum(dim=-1)
-            acc = acc * alpha[..., None] + p.to(in_dtype).float() @ v_tile
-            m = m_new
 
-        empty = l == 0
-        safe_l = torch.where(empty, torch.ones_like(l), l)
-        out_tile = torch.where(empty[..., None], torch.zeros_like(acc), acc / safe_l[..., None])
-        out[:, :, row0:row0 + block_m] = out_tile.to(in_dtype)
-        lse_tile = (m * qk_scale + torch.log2(safe_l)) / LOG2E
-        lse[:, :, row0:row0 + block_m] = torch.where(empty, torch.full_like(lse_tile, neg_inf), lse_tile)
+def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_scale: float | None = None):
+    """``(dq, dk, dv)`` of :func:`attention_baseline` (SDPA's backward on the
+    same bf16/fp16 inputs), in the inputs' dtype: the baseline for judging a
+    backward kernel's gradients."""
+    def fn(q, k, v):
+        return attention_baseline(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
-    return out[:, :, :seqlen_q].transpose(1, 2).contiguous(), lse[:, :, :seqlen_q].contiguous()
+    return _grads(fn, q, k, v, dout)
 
+
+# --------------------------------------------------------------------------
+# The judge
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Verdict:
+    """One judged value. ``bool(verdict)`` is ``verdict.ok``; ``message`` is
+    one line naming the value, its errors, the limits and the baseline's
+    errors (and on failure where the worst element is). A verdict on
+    non-finite positions leaves the numbers NaN. For :func:`judge_lse`,
+    ``rel_fro``/``rel_fro_limit`` hold the worst relative LSE error and its
+    bound, ``max_abs`` the worst absolute one."""
+
+    name: str
+    ok: bool
+    message: str
+    rel_fro: float = math.nan
+    max_abs: float = math.nan
+    row_rel: float = math.nan
+    rel_fro_limit: float = math.nan
+    max_abs_limit: float = math.nan
+    row_rel_limit: float = math.nan
+    baseline_rel_fro: float = math.nan
+    baseline_max_abs: float = math.nan
+    baseline_row_rel: float = math.nan
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2 if dtype.is_floating_point else 0.0
+
+
+def _nonfinite_mismatch(name: str, value: torch.Tensor, reference: torch.Tensor) -> str | None:
+    """A message if value's NaN/+inf/-inf positions differ from the reference's."""
+    for what, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        got, want = test(value), test(reference)
+        if not torch.equal(got, want):
+            wrong = (got != want).nonzero()
+            return (f"{name}: FAIL: {what} at {int((got & ~want).sum())} positions where the reference has none "
+                    f"and missing at {int((want & ~got).sum())} where it has; first at index "
+                    f"{tuple(wrong[0].tolist())}")
+    return None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a matrix of its vectors along the last dimension."""
+    return x.reshape(-1, x.shape[-1]) if x.dim() and x.numel() else x.reshape(-1, 1)
+
+
+def _errors(x: torch.Tensor, ref: torch.Tensor, ref_norm: float, ref_row_norm: torch.Tensor):
+    """(rel_fro, max_abs, row_rel) of float64 ``x`` against ``ref`` (same shape)."""
+    if x.numel() == 0:
+        return 0.0, 0.0, 0.0
+    diff = x - ref
+    err_norm = float(torch.linalg.vector_norm(diff))
+    rel = err_norm / ref_norm if ref_norm else (0.0 if err_norm == 0 else math.inf)
+    rows = ref_row_norm > 0
+    row_err = torch.linalg.vector_norm(_rows(diff), dim=-1)
+    row_rel = float((row_err[rows] / ref_row_norm[rows]).max()) if rows.any() else 0.0
+    return rel, float(diff.abs().max()), row_rel
+
+
+def judge(
+    name: str,
+    value: torch.Tensor,
+    reference: torch.Tensor,
+    baseline: torch.Tensor,
+    *,
+    factor: float = JUDGE_FACTOR,
+    rel_floor: float | None = None,
+    abs_floor: float | None = None,
+) -> Verdict:
+    """Judge ``value`` against ``reference`` relative to ``baseline``'s error.
+
+    All three have the same shape (no broadcasting: a ``ValueError``
+    otherwise); pass the raw outputs (the floors follow their dtypes).
+    Passes iff
+
+    * ``value`` has NaN, +inf and -inf exactly where ``reference`` has them
+      (so an unwritten NaN-poisoned element always fails); the rest is
+      judged where the reference is finite, where ``baseline`` must be finite
+      too (``ValueError`` otherwise: a broken baseline would pass anything);
+    * ``rel_fro(value) <= factor * rel_fro(baseline) + rel_floor``, with
+      ``rel_fro(x) = ||x - ref||_F / ||ref||_F``;
+    * ``max_abs(value) <= factor * max_abs(baseline) + abs_floor``, with
+      ``max_abs(x) = max |x - ref|``;
+    * ``row_rel(value) <= factor * row_rel(baseline) + rel_floor``, with
+      ``row_rel(x)`` the largest ``||x_r - ref_r|| / ||ref_r||`` over the
+      vectors ``r`` along the last dimension (an output row of one head; rows
+      where the reference is 0 count in max_abs only). Outputs of long causal
+      rows are small (~1/sqrt(keys)), so a wrong row there hides in the two
+      global measures but not in this one.
+
+    The floors only matter where the baseline is (nearly) exact, e.g. rows
+    that see a single key: ``rel_floor`` defaults to a quarter of the unit
+    roundoff of the coarser of value's and baseline's dtypes (bf16: 9.8e-4,
+    fp16: 1.2e-4), ``abs_floor`` to ``rel_floor * max |reference|``.
+    Errors are computed in float64 on the value's device.
+    """
+    if not (value.shape == reference.shape == baseline.shape):
+        raise ValueError(f"{name}: shapes differ: value {tuple(value.shape)}, reference {tuple(reference.shape)}, "
+                         f"baseline {tuple(baseline.shape)}")
+    device = value.device
+    reference, baseline = reference.detach().to(device), baseline.detach().to(device)
+    mismatch = _nonfinite_mismatch(name, value, reference)
+    if mismatch:
+        return Verdict(name, False, mismatch)
+    finite = torch.isfinite(reference)
+    # Non-finite reference positions (matched above) are set to 0 in all three: no error there.
+    ref, val, base = (torch.where(finite, x.detach().double(), 0.0) for x in (reference, value, baseline))
+    if not torch.isfinite(base).all():
+        raise ValueError(f"{name}: the baseline is not finite where the reference is "
+                         f"({int((~torch.isfinite(base)).sum())} elements): it cannot set a tolerance")
+    if rel_floor is None:
+        rel_floor = max(_unit_roundoff(value.dtype), _unit_roundoff(baseline.dtype)) / 4
+    ref_max = float(ref.abs().max()) if ref.numel() else 0.0
+    if abs_floor is None:
+        abs_floor = rel_floor * ref_max
+    ref_norm = float(torch.linalg.vector_norm(ref))
+    ref_row_norm = torch.linalg.vector_norm(_rows(ref), dim=-1)
+
+    rel, mab, row = _errors(val, ref, ref_norm, ref_row_norm)
+    base_rel, base_mab, base_row = _errors(base, ref, ref_norm, ref_row_norm)
+    rel_limit = factor * base_rel + rel_floor
+    abs_limit = factor * base_mab + abs_floor
+    row_limit = factor * base_row + rel_floor
+    ok = rel <= rel_limit and mab <= abs_limit and row <= row_limit
+    message = (f"{name}: {'ok' if ok else 'FAIL'}: rel_fro {rel:.3e} (limit {rel_limit:.3e} = {factor:g} x baseline "
+               f"{base_rel:.3e} + {rel_floor:.1e}), max_abs {mab:.3e} (limit {abs_limit:.3e} = {factor:g} x "
+               f"baseline {base_mab:.3e} + {abs_floor:.1e}), row_rel {row:.3e} (limit {row_limit:.3e} = "
+               f"{factor:g} x baseline {base_row:.3e} + {rel_floor:.1e})")
+    if not ok:
+        where = torch.unravel_index((val - ref).abs().argmax(), ref.shape) if ref.dim() else ()
+        where = tuple(int(i) for i in where)
+        message += (f"; largest error at index {where}: {float(value[where]):.6g} vs "
+                    f"reference {float(reference[where]):.6g}")
+        if row > row_limit:
+            row_err = torch.linalg.vector_norm(_rows(val - ref), dim=-1)
+            worst = int(torch.where(ref_row_norm > 0, row_err / ref_row_norm.clamp_min(1e-300), 0.0).argmax())
+            worst_row = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), ref.shape[:-1]))
+            message += f"; worst row (index without the last dim) {worst_row}"
+    return Verdict(name, ok, message, rel, mab, row, rel_limit, abs_limit, row_limit, base_rel, base_mab, base_row)
+
+
+def score_scale(q: torch.Tensor, k: torch.Tensor, *, softmax_scale: float | None = None, rows=None) -> torch.Tensor:
+    """``softmax_scale * ||q_i|| * max_j ||k_j||`` per (batch, head, query row),
+    ``[batch, nheads, len(rows)]`` float64: a bound (Cauchy-Schwarz) on the
+    sum of ``|q_i[d] k_j[d]|`` behind any score of row ``i``. A score that
+    cancels to ~0 still carries fp32 rounding of that size, so it is the
+    scale of the LSE's absolute error where ``|lse|`` itself is small."""
+    batch, seqlen_q, _, nheads, nheads_kv, headdim = _check_inputs(q, k, k)
+    row_idx = _row_index(rows, seqlen_q, q.device)
+    q_norm = torch.linalg.vector_norm(q[:, row_idx].double(), dim=-1).transpose(1, 2)  # [B, H, rows]
+    k_norm = torch.linalg.vector_norm(k.double(), dim=-1).amax(dim=1) if k.shape[1] else k.new_zeros(
+        batch, nheads_kv, dtype=torch.float64)  # [B, Hkv]
+    k_norm = k_norm.repeat_interleave(nheads // nheads_kv, dim=1)
+    return _scale(softmax_scale, headdim) * q_norm * k_norm[:, :, None]
+
+
+def judge_lse(name: str, lse: torch.Tensor, reference: torch.Tensor, *, score_scale: torch.Tensor | None = None,
+              rel_tol: float = LSE_REL_TOL) -> Verdict:
+    """The log-sum-exp against the reference's: the same NaN/±inf positions,
+    and ``|lse - ref| <= rel_tol * max(1, |ref|, score_scale)`` everywhere
+    else. Pass ``score_scale`` (:func:`score_scale` of the inputs, same
+    shape as ``lse``) whenever scores can cancel to near 0 while their terms
+    are large (a row that sees one key, large inputs): without it a small
+    ``|lse|`` gets a bound below fp32 rounding of the dot product."""
+    if lse.shape != reference.shape or (score_scale is not None and score_scale.shape != lse.shape):
+        raise ValueError(f"{name}: shapes differ: {tuple(lse.shape)} vs reference {tuple(reference.shape)}"
+                         + ("" if score_scale is None else f" and score_scale {tuple(score_scale.shape)}"))
+    reference = reference.detach().to(lse.device)
+    mismatch = _nonfinite_mismatch(name, lse, reference)
+    if mismatch:
+        return Verdict(name, False, mismatch)
+    finite = torch.isfinite(reference)
+    err = (lse.detach()[finite].double() - reference[finite].double()).abs()
+    bound = reference[finite].double().abs().clamp_min(1.0)
+    if score_scale is not None:
+        bound = torch.maximum(bound, score_scale.detach().to(lse.device)[finite].double())
+    worst = float((err / bound).max()) if err.numel() else 0.0
+    ok = worst <= rel_tol
+    message = (f"{name}: {'ok' if ok else 'FAIL'}: max |lse - ref| / max(1, |ref|"
+               f"{'' if score_scale is None else ', score_scale'}) = {worst:.3e} (limit {rel_tol:.1e})")
+    if not ok:
+        where = torch.nonzero(finite)[int((err / bound).argmax())]
+        message += (f"; worst at index {tuple(where.tolist())}: {float(lse[tuple(where)]):.8g} vs "
+                    f"reference {float(reference[tuple(where)]):.8g}")
+    return Verdict(name, ok, message, rel_fro=worst, max_abs=float(err.max()) if err.numel() else 0.0,
+                   rel_fro_limit=rel_tol)
+
+
+def assert_judged(name: str, value: torch.Tensor, reference: torch.Tensor, baseline: torch.Tensor | None = None,
+                  **kwargs) -> Verdict:
+    """:func:`judge` (or :func:`judge_lse` when ``baseline`` is None) that
+    raises ``AssertionError(verdict.message)`` on failure."""
+    verdict = judge_lse(name, value, reference, **kwargs) if baseline is None else judge(
+        name, value, reference, baseline, **kwargs)
+    if not verdict:
+        raise AssertionError(verdict.message)
+    return verdict
+
+
+def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                    softmax_scale: float | None = None, lse: torch.Tensor | None = None,
+                    name: str = "out") -> list[Verdict]:
+    """Verdicts on a forward's ``out`` (and ``lse``, when given) for the
+    problem ``(q, k, v, causal, softmax_scale)``: :func:`judge` against the
+    float64 reference and :func:`attention_baseline`, :func:`judge_lse` with
+    :func:`score_scale`. ``all(verdicts)`` is the pass."""
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    baseline = attention_baseline(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    verdicts = [judge(name, out, ref, baseline)]
+    if lse is not None:
+        if lse.dtype != torch.float32 or lse.shape != ref_lse.shape:
+            verdicts.append(Verdict(f"{name} lse", False, f"{name} lse: FAIL: {lse.dtype} {tuple(lse.shape)}, "
+                                    f"expected float32 {tuple(ref_lse.shape)}"))
+        else:
+            verdicts.append(judge_lse(f"{name} lse", lse, ref_lse,
+                                      score_scale=score_scale(q, k, softmax_scale=softmax_scale)))
+    return verdicts
+
+
+def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int, head_dim: int, *,
+               dtype: torch.dtype = torch.bfloat16, seed: int = 0, device="cuda", magnitude: float = 1.0):
+    """Fresh standard-normal q, k, v (BSHD, times ``magnitude``) from a seeded
+    generator on ``device``: never zeros or ones, on which a kernel that
+    ignores the mask or the softmax can still match."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(seqlen, heads):
+        return (torch.randn(batch, seqlen, heads, head_dim, generator=gen, device=device) * magnitude).to(dtype)
+
+    return rnd(seqlen_q, nheads), rnd(seqlen_k, nheads_kv), rnd(seqlen_k, nheads_kv)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention problem: what a test, a fuzz example or a sanitizer case
+    draws inputs for and checks."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    causal: bool = False
+    dtype: torch.dtype = torch.bfloat16
+    softmax_scale: float | None = None
+
+    def inputs(self, seed: int = 0, device="cuda", magnitude: float = 1.0):
+        """Fresh random q, k, v (:func:`random_qkv`)."""
+        return random_qkv(self.batch, self.seqlen_q, self.seqlen_k, self.nheads, self.nheads_kv, self.head_dim,
+                          dtype=self.dtype, seed=seed, device=device, magnitude=magnitude)
+
+    def check(self, out, q, k, v, lse=None, name: str = "out") -> list[Verdict]:
+        """:func:`check_attention` of this problem's output."""
+        return check_attention(out, q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, lse=lse,
+                               name=name)
+
+
+# --------------------------------------------------------------------------
+# Plain error measures
+# --------------------------------------------------------------------------
 
 def _as_f64_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a = torch.as_tensor(a)

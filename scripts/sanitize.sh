@@ -21,8 +21,20 @@
 #
 # Environment: OUT; PYTHON; COMPUTE_SANITIZER (the binary); MEMCHECK_TIMEOUT,
 # RACECHECK_TIMEOUT and SYNCCHECK_TIMEOUT (seconds, default 240 each); SANITIZER_ARGS (extra
-# arguments for every tool, e.g. "--report-api-errors no").
-source "$(dirname "${BASH_SOURCE[0]}")/sanitizer_env.sh"
+# arguments for every tool, e.g. "--report-api-errors no"). Exit status 2
+# when compute-sanitizer is not found.
+set -u -o pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-$(command -v python || command -v python3)}
+SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+if [ ! -x "$SAN" ]; then
+  echo "$(basename "$0"): compute-sanitizer not found (set COMPUTE_SANITIZER)" >&2
+  exit 2
+fi
+echo "== $("$SAN" --version | tail -n 1); kernel $(uname -r)"
 
 echo "== warm-up run without the sanitizer"
 if ! timeout 300 "$PY" scripts/sanitize.py; then

@@ -1,12 +1,15 @@
 """Argument checks of the public call, on a CPU-only machine.
 
-``interface.validate`` checks, in order: tensor type and rank, same device,
+``checks.validate`` checks, in order: tensor type and rank, same device,
 same dtype, supported dtype, k/v shapes against q, supported head dim, GQA
-head ratio, ``causal``, ``softmax_scale``, then the device (CUDA + Hopper),
-then TMA addressability. CPU tensors therefore reach every check up to and
-including the device check; the TMA rules are exercised by calling
-``_check_tma_addressable`` directly (and through ``validate`` with the device
-check stubbed out).
+head ratio, ``causal``, ``softmax_scale``, the work-item limit, then the
+device (CUDA + Hopper), then TMA addressability. CPU tensors therefore reach
+every check up to and including the device check; the TMA rules are
+exercised by calling ``check_tma_addressable`` directly (and through
+``validate`` with the device check stubbed out).
+
+Expectations are written out (the supported dtypes and head dims), never
+read from the code under test.
 """
 import math
 import re
@@ -16,7 +19,7 @@ import pytest
 import torch
 
 import hopper_flash
-from hopper_flash import interface, plan
+from hopper_flash import checks, interface, plan
 from hopper_flash.interface import flash_attn_func
 
 B, S, H, D = 2, 8, 4, 128
@@ -29,10 +32,6 @@ def qkv(q_shape=(B, S, H, D), kv_shape=None, dtype=BF16, k_shape=None, v_shape=N
     k = torch.randn(k_shape or kv_shape).to(dtype)
     v = torch.randn(v_shape or kv_shape).to(dtype)
     return q, k, v
-
-
-def _dtype_name(d):
-    return str(d).removeprefix("torch.")
 
 
 # A well-formed call on CPU gets past every argument check and stops at the
@@ -92,26 +91,17 @@ def test_mixed_dtypes():
         flash_attn_func(q, k, v)
 
 
-def _supported_dtypes_regex():
-    return re.escape("(" + ", ".join(_dtype_name(d) for d in plan.SUPPORTED_DTYPES) + ")")
-
-
 def test_float32_rejected_listing_supported_dtypes():
-    assert torch.float32 not in plan.SUPPORTED_DTYPES
     q, k, v = qkv(dtype=torch.float32)
-    with pytest.raises(ValueError, match=rf"q\.dtype must be one of {_supported_dtypes_regex()}, got float32"):
+    with pytest.raises(ValueError, match=r"q\.dtype must be one of \(bfloat16, float16\), got float32"):
         flash_attn_func(q, k, v)
 
 
-def test_float16_follows_supported_dtypes():
-    """fp16 is not shipped yet; when it is, the same call must get past the dtype check."""
-    q, k, v = qkv(dtype=torch.float16)
-    if torch.float16 in plan.SUPPORTED_DTYPES:
-        with pytest.raises(ValueError, match=DEVICE_ERROR):
-            flash_attn_func(q, k, v)
-    else:
-        with pytest.raises(ValueError, match=rf"q\.dtype must be one of {_supported_dtypes_regex()}, got float16"):
-            flash_attn_func(q, k, v)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_bf16_and_fp16_pass_argument_checks(dtype):
+    q, k, v = qkv(dtype=dtype)
+    with pytest.raises(ValueError, match=DEVICE_ERROR):
+        flash_attn_func(q, k, v)
 
 
 # ------------------------------------------------------------ shapes
@@ -135,15 +125,15 @@ def test_head_dim_mismatch():
         flash_attn_func(q, k, v)
 
 
-def test_unsupported_head_dim_lists_supported():
-    assert 96 not in plan.SUPPORTED_HEAD_DIMS
-    q, k, v = qkv(q_shape=(B, S, H, 96))
-    with pytest.raises(ValueError, match=rf"head dim \(q\.shape\[3\]\) must be one of "
-                                         rf"{re.escape(str(plan.SUPPORTED_HEAD_DIMS))}, got 96"):
+@pytest.mark.parametrize("head_dim", [32, 96, 80, 192, 512])
+def test_unsupported_head_dim_lists_supported(head_dim):
+    q, k, v = qkv(q_shape=(B, S, H, head_dim))
+    with pytest.raises(ValueError, match=rf"head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\), "
+                                         rf"got {head_dim}"):
         flash_attn_func(q, k, v)
 
 
-@pytest.mark.parametrize("head_dim", plan.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_supported_head_dims_pass_argument_checks(head_dim):
     q, k, v = qkv(q_shape=(B, S, H, head_dim))
     with pytest.raises(ValueError, match=DEVICE_ERROR):
@@ -239,7 +229,7 @@ def _fake_cuda_tensor():
 @pytest.fixture(autouse=True)
 def _fresh_capability_cache(monkeypatch):
     # check_device caches each device's capability; the fakes below differ per test.
-    monkeypatch.setattr(interface, "_CAPABILITY", {})
+    monkeypatch.setattr(checks, "_CAPABILITY", {})
 
 
 @pytest.mark.parametrize("cap, gpu", [((8, 0), "NVIDIA A100"), ((10, 0), "NVIDIA B200"), ((8, 9), "NVIDIA L4")])
@@ -248,13 +238,13 @@ def test_check_device_rejects_non_hopper_gpu(monkeypatch, cap, gpu):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
     with pytest.raises(ValueError, match=rf"needs a Hopper GPU \(compute capability 9\.x\); k is on "
                                          rf"'{gpu}' with compute capability {cap[0]}\.{cap[1]}"):
-        interface.check_device(_fake_cuda_tensor(), "k")
+        checks.check_device(_fake_cuda_tensor(), "k")
 
 
 def test_check_device_accepts_hopper(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
-    interface.check_device(_fake_cuda_tensor(), "q")
+    checks.check_device(_fake_cuda_tensor(), "q")
 
 
 # ------------------------------------------------------------ TMA addressability
@@ -263,7 +253,7 @@ def test_tma_rejects_non_contiguous_head_dim():
     t = torch.zeros(B, S, D, H, dtype=BF16).transpose(2, 3)
     assert t.shape == (B, S, H, D) and t.stride(-1) != 1
     with pytest.raises(ValueError, match=r"^k must be contiguous in its last \(headdim\) dimension, got strides"):
-        interface._check_tma_addressable("k", t)
+        checks.check_tma_addressable("k", t)
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2])
@@ -276,9 +266,9 @@ def test_tma_rejects_stride_not_multiple_of_16_bytes(dim):
     with pytest.raises(ValueError, match=rf"^v\.stride\({dim}\) = {strides[dim]} elements "
                                          rf"\({2 * strides[dim]} bytes\) cannot be addressed by TMA: "
                                          r"strides must be positive multiples of 16 bytes"):
-        interface._check_tma_addressable("v", t)
+        checks.check_tma_addressable("v", t)
     strides[dim] -= 1  # the aligned version is accepted
-    interface._check_tma_addressable("v", buf.as_strided((B, S, H, D), strides))
+    checks.check_tma_addressable("v", buf.as_strided((B, S, H, D), strides))
 
 
 @pytest.mark.parametrize("offset", [1, 3, 4])
@@ -289,7 +279,7 @@ def test_tma_rejects_misaligned_data_pointer(offset):
     assert t.data_ptr() % 16 != 0
     with pytest.raises(ValueError, match=rf"^q's data pointer must be 16-byte aligned for TMA, got address "
                                          rf"0x[0-9a-f]+ \(storage offset {offset}\)"):
-        interface._check_tma_addressable("q", t)
+        checks.check_tma_addressable("q", t)
 
 
 def test_tma_accepts_packed_qkv_views():
@@ -297,45 +287,45 @@ def test_tma_accepts_packed_qkv_views():
     q, k, v = packed.unbind(2)
     assert not q.is_contiguous()
     for name, t in (("q", q), ("k", k), ("v", v)):
-        interface._check_tma_addressable(name, t)
+        checks.check_tma_addressable(name, t)
 
 
 def test_tma_accepts_bhsd_transposed_to_bshd():
     t = torch.zeros(B, H, S, D, dtype=BF16).transpose(1, 2)
     assert t.shape == (B, S, H, D) and not t.is_contiguous()
-    interface._check_tma_addressable("q", t)
+    checks.check_tma_addressable("q", t)
 
 
 def test_tma_accepts_aligned_offset_into_buffer():
     n = B * S * H * D
     buf = torch.zeros(n + 8, dtype=BF16)
     t = buf[8:8 + n].view(B, S, H, D)  # 16-byte offset
-    interface._check_tma_addressable("q", t)
+    checks.check_tma_addressable("q", t)
 
 
 # Through validate(), with the device check stubbed so the TMA rules are reached.
 
 @pytest.fixture
 def no_device_check(monkeypatch):
-    monkeypatch.setattr(interface, "check_device", lambda t, name="q": None)
+    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
 
 
 def test_validate_default_scale(no_device_check):
     q, k, v = qkv()
-    assert interface.validate(q, k, v, None, False) == pytest.approx(1 / math.sqrt(D))
-    assert interface.validate(q, k, v, 0.25, True) == 0.25
+    assert checks.validate(q, k, v, None, False) == pytest.approx(1 / math.sqrt(D))
+    assert checks.validate(q, k, v, 0.25, True) == 0.25
 
 
 def test_validate_applies_tma_rules_to_each_input(no_device_check):
     q, k, v = qkv()
     bad_v = torch.zeros(B, S, D, H, dtype=BF16).transpose(2, 3)
     with pytest.raises(ValueError, match=r"^v must be contiguous in its last \(headdim\) dimension"):
-        interface.validate(q, k, bad_v, None, False)
+        checks.validate(q, k, bad_v, None, False)
 
 
 def test_validate_accepts_packed_qkv(no_device_check):
     q, k, v = torch.zeros(B, S, 3, H, D, dtype=BF16).unbind(2)
-    assert interface.validate(q, k, v, None, True) == pytest.approx(1 / math.sqrt(D))
+    assert checks.validate(q, k, v, None, True) == pytest.approx(1 / math.sqrt(D))
 
 
 # Regression: validation skips size-1 axes, and plan.tma_strides makes their
@@ -343,11 +333,146 @@ def test_validate_accepts_packed_qkv(no_device_check):
 def test_whatever_validation_accepts_triton_descriptor_accepts():
     # batch 1 with a batch stride of 4097 elements (8194 bytes): legal for torch, never stepped by the kernel.
     t = torch.zeros(B * S * H * D + 8, dtype=BF16).as_strided((1, S, H, D), (S * H * D + 1, H * D, D, 1))
-    interface._check_tma_addressable("q", t)  # accepted
+    checks.check_tma_addressable("q", t)  # accepted
     plan._descriptor(t, plan.block_shapes(plan.CONFIGS[D])["q"])
 
 
 def test_tma_rejects_expanded_heads_with_gqa_hint():
     k = torch.zeros(B, S, 1, D, dtype=BF16).expand(B, S, H, D)
     with pytest.raises(ValueError, match=r"k\.stride\(2\) = 0 elements .*expanded.*GQA/MQA"):
-        interface._check_tma_addressable("k", k)
+        checks.check_tma_addressable("k", k)
+
+
+# ------------------------------------------------------------ flash-attn's signature
+
+def test_arguments_after_v_are_keyword_only():
+    import inspect
+    params = list(inspect.signature(flash_attn_func).parameters.values())
+    assert [p.name for p in params[:3]] == ["q", "k", "v"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[3:]), params
+    q, k, v = qkv()
+    # flash-attn 2's positional order is (q, k, v, dropout_p, softmax_scale, causal): refused, not misread.
+    with pytest.raises(TypeError, match="positional"):
+        flash_attn_func(q, k, v, 0.0)
+
+
+def test_flash_attn_options_at_their_no_op_values_pass():
+    q, k, v = qkv()
+    for deterministic in (False, True):
+        with pytest.raises(ValueError, match=DEVICE_ERROR):
+            flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=0.1, causal=True, window_size=(-1, -1),
+                            softcap=0.0, alibi_slopes=None, deterministic=deterministic, return_attn_probs=False)
+    with pytest.raises(ValueError, match=DEVICE_ERROR):  # ints and a list, as callers write them
+        flash_attn_func(q, k, v, dropout_p=0, window_size=[-1, -1], softcap=0)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("dropout_p", 0.1, r"dropout_p must be 0\.0 \(hopper_flash has no dropout\), got 0\.1"),
+    ("window_size", (128, 0), r"window_size must be \(-1, -1\) \(sliding-window attention is not supported\), "
+                              r"got \(128, 0\)"),
+    ("window_size", (-1, 0), r"window_size must be \(-1, -1\)"),
+    ("softcap", 30.0, r"softcap must be 0\.0 \(logit soft-capping is not supported\), got 30\.0"),
+    ("alibi_slopes", torch.ones(H), r"alibi_slopes must be None \(ALiBi is not supported\)"),
+    ("return_attn_probs", True, r"return_attn_probs must be False .* use return_lse=True"),
+])
+def test_flash_attn_options_refused_by_name(option, value, message):
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match=message):
+        flash_attn_func(q, k, v, **{option: value})
+
+
+def test_deterministic_must_be_a_bool():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="deterministic must be a bool, got str"):
+        flash_attn_func(q, k, v, deterministic="yes")
+
+
+# ------------------------------------------------------------ one set of checks on every path
+# Eager, through the custom op (autograd records the call) and under
+# torch.compile, a bad argument gets the same exception and message. CPU
+# tensors: every argument check runs before the device check.
+
+def _eager(q, k, v, **kw):
+    return flash_attn_func(q, k, v, **kw)
+
+
+def _autograd(q, k, v, **kw):
+    return flash_attn_func(q.detach().requires_grad_(), k, v, **kw)
+
+
+def _compiled(q, k, v, **kw):
+    torch._dynamo.reset()
+    return torch.compile(lambda q, k, v: flash_attn_func(q, k, v, **kw), backend="eager")(q, k, v)
+
+
+PATHS = {"eager": _eager, "autograd": _autograd, "compiled": _compiled}
+
+BAD_CALLS = {
+    "float32": (dict(dtype=torch.float32), {}, ValueError,
+                r"^q\.dtype must be one of \(bfloat16, float16\), got float32$"),
+    "head_dim_96": (dict(q_shape=(B, S, H, 96)), {}, ValueError,
+                    r"^head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\), got 96$"),
+    "causal_str": ({}, dict(causal="yes"), TypeError, r"^causal must be a bool, got builtins\.str$"),
+    "scale_bool": ({}, dict(softmax_scale=True), TypeError,
+                   r"^softmax_scale must be a positive float or None, got True$"),
+    "scale_negative": ({}, dict(softmax_scale=-0.5), ValueError,
+                       r"^softmax_scale must be a finite positive number, got -0\.5$"),
+    "heads": (dict(q_shape=(B, S, 6, D), kv_shape=(B, S, 4, D)), {}, ValueError,
+              r"^q's number of heads \(6\) must be a multiple of k/v's number of heads \(4\)$"),
+    "dropout": ({}, dict(dropout_p=0.1), NotImplementedError, r"^dropout_p must be 0\.0"),
+    "valid_but_cpu": ({}, dict(causal=True), ValueError, "^" + DEVICE_ERROR + "$"),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_every_path_gives_the_same_named_error(path, case):
+    tensor_kw, call_kw, exc, message = BAD_CALLS[case]
+    q, k, v = qkv(**tensor_kw)
+    with pytest.raises(exc, match=message):
+        PATHS[path](q, k, v, **call_kw)
+
+
+def _meta(*shape, dtype=BF16):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype, head_dim, hkv, scale, exc, message", [
+    (torch.float32, 128, H, 0.1, ValueError, r"^q\.dtype must be one of \(bfloat16, float16\), got float32$"),
+    (BF16, 96, H, 0.1, ValueError, r"^head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\), got 96$"),
+    (BF16, 128, 3, 0.1, ValueError, r"^q's number of heads \(4\) must be a multiple of k/v's number of heads"),
+    (BF16, 128, H, -1.0, ValueError, r"^softmax_scale must be a finite positive number, got -1\.0$"),
+    (BF16, 128, H, math.nan, ValueError, r"^softmax_scale must be a finite positive number, got nan$"),
+])
+def test_op_fake_implementation_checks_arguments(dtype, head_dim, hkv, scale, exc, message):
+    """Calling the op itself (as a traced graph does) runs the same checks in its fake implementation."""
+    q, k = _meta(B, S, H, head_dim, dtype=dtype), _meta(B, S, hkv, head_dim, dtype=dtype)
+    with pytest.raises(exc, match=message):
+        torch.ops.hopper_flash.fwd(q, k, k, scale, False)
+
+
+def test_op_fake_implementation_checks_the_device():
+    """Fake CPU tensors (torch.compile of a CPU call) are refused by name; meta ones only ask for shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(B, S, H, D, dtype=BF16)
+        with pytest.raises(ValueError, match="^" + DEVICE_ERROR + "$"):
+            torch.ops.hopper_flash.fwd(q, q, q, 0.1, False)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_checks_before_the_op_trace_without_graph_breaks(dynamic, scale):
+    """The checks the public call runs before the op (all of them but the
+    device's capability) must trace with fullgraph=True, also with dynamic
+    shapes, where a float argument becomes a symbol."""
+    def f(q, k, v, scale):  # scale an argument: a symbol under dynamic=True
+        interface.check_flash_attn_options(dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                           deterministic=False, return_attn_probs=False)
+        return q * checks.check_arguments(q, k, v, scale, True)
+
+    torch._dynamo.reset()
+    q, k, v = qkv(q_shape=(B, 300, 8, 128), kv_shape=(B, 200, 2, 128))
+    out = torch.compile(f, fullgraph=True, dynamic=dynamic, backend="eager")(q, k, v, scale)
+    assert torch.equal(out, q * (scale or 1 / math.sqrt(128)))

@@ -1,5 +1,6 @@
 """The runner with fake backends and a fake timer, on the CPU: statuses,
-the correctness check, the exit status and the float32 reference."""
+the correctness check (the package's float64 reference and judge on the
+checked rows), the exit status."""
 
 import argparse
 import math
@@ -7,14 +8,16 @@ import math
 import pytest
 import torch
 
+from hopper_flash import reference as package_reference
 from hopper_flash.bench import reference as reference_mod
 from hopper_flash.bench.backends import Backend, Unsupported, _build_sdpa
 from hopper_flash.bench.cli import execute
 from hopper_flash.bench.configs import Config, attention_flops
-from hopper_flash.bench.reference import check_rows, compute_reference, max_abs_error
+from hopper_flash.bench.reference import check_rows, compute_reference, judge_output
 from hopper_flash.bench.results import ERROR, FAIL, OK, UNAVAILABLE, UNSUPPORTED
 from hopper_flash.bench.runner import make_inputs, run
 from hopper_flash.bench.timing import Timing
+from hopper_flash.reference import attention_reference, rel_fro_err
 
 SMALL = Config(seqlen=64, batch=2, heads=4, headdim=16)
 
@@ -24,22 +27,13 @@ def fake_timer(fn):
     return Timing(median_ms=2.0, min_ms=1.9, max_ms=2.5, reps=10)
 
 
-def naive_attention(q, k, v, scale, causal):
-    """Loop-free float32 attention, bottom-right causal, GQA by repeat."""
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    k = k.float().repeat_interleave(h // hkv, dim=2)
-    v = v.float().repeat_interleave(h // hkv, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * scale
-    if causal:
-        visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
-        s = s.masked_fill(~visible, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
-    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+def exact(q, k, v, scale, causal):
+    """A correct backend: the float64 reference, rounded like a kernel's output."""
+    return attention_reference(q, k, v, causal=causal, softmax_scale=scale)[0].to(q.dtype)
 
 
 def good_build(cfg, q, k, v, scale):
-    return lambda: naive_attention(q, k, v, scale, cfg.causal).to(q.dtype)
+    return lambda: exact(q, k, v, scale, cfg.causal)
 
 
 def backend(name, build=good_build, reason=None):
@@ -52,7 +46,7 @@ def options(**kw):
 
 def test_statuses_for_each_kind_of_backend():
     def wrong(cfg, q, k, v, scale):
-        return lambda: naive_attention(q, k, v, scale, not cfg.causal).to(q.dtype)  # ignores the mask
+        return lambda: exact(q, k, v, scale, not cfg.causal)  # ignores the mask
 
     def nan(cfg, q, k, v, scale):
         return lambda: torch.full_like(q, float("nan"))
@@ -74,13 +68,16 @@ def test_statuses_for_each_kind_of_backend():
     results = run([SMALL], backends, fake_timer, device="cpu", matmul_tflops=1.0)
     by = {r.backend: r for r in results}
     assert [r.backend for r in results] == [b.name for b in backends]
-    assert by["good"].status == OK and by["good"].max_abs_err < 2e-2
+    assert by["good"].status == OK and by["good"].message == ""
+    good = by["good"]
+    assert 0 <= good.max_abs_err <= good.tolerance and 0 <= good.rel_fro_err <= good.rel_fro_limit
     assert by["good"].median_ms == 2.0 and by["good"].reps == 10
     assert by["good"].tflops == pytest.approx(attention_flops(SMALL) / 2e-3 / 1e12)
     assert by["good"].pct_matmul == pytest.approx(100 * by["good"].tflops)
     assert by["good"].speedup_vs_cudnn == pytest.approx(1.0)
     assert by["good"].rows_checked == 64
-    assert by["wrong"].status == FAIL and "max abs error" in by["wrong"].message
+    assert by["wrong"].status == FAIL and by["wrong"].message.startswith("output: FAIL: rel_fro ")
+    assert by["wrong"].rel_fro_err > 10 * by["wrong"].rel_fro_limit
     assert by["nan"].status == FAIL and math.isnan(by["nan"].max_abs_err)
     assert by["declines"].status == UNSUPPORTED and by["declines"].message == "only headdim 128"
     assert by["crashes"].status == ERROR and by["crashes"].message == "RuntimeError: CUDA error: an illegal memory access"
@@ -104,7 +101,7 @@ def test_all_backends_get_the_same_random_inputs():
 
 def test_failure_makes_exit_status_1_and_the_table_says_fail(capsys):
     def off(cfg, q, k, v, scale):
-        return lambda: (naive_attention(q, k, v, scale, cfg.causal) + 0.1).to(q.dtype)
+        return lambda: exact(q, k, v, scale, cfg.causal) + 0.1
 
     status = execute([SMALL], [backend("good"), backend("fast-but-wrong", off)], fake_timer,
                      options(), "hopper-flash bench", device="cpu", matmul_tflops=1.0)
@@ -128,7 +125,7 @@ def test_all_passing_exit_status_0(capsys):
     assert "All 2 timed results match" in out
 
 
-# --- the float32 reference ---------------------------------------------------------------
+# --- the checked rows -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("cfg", [
@@ -137,17 +134,20 @@ def test_all_passing_exit_status_0(capsys):
     Config(seqlen=80, seqlen_k=48, batch=1, heads=2, headdim=16),               # rows with no visible key
     Config(seqlen=48, seqlen_k=80, batch=2, heads=4, kv_heads=1, headdim=16, causal=False),
 ])
-def test_reference_matches_naive_attention(cfg):
+def test_reference_is_the_package_reference_and_baseline_is_close(cfg):
     q, k, v = make_inputs(cfg, "cpu")
     scale = cfg.headdim ** -0.5
     ref = compute_reference(cfg, q, k, v, scale)
-    expected = naive_attention(q, k, v, scale, cfg.causal)
-    torch.testing.assert_close(ref.out, expected, atol=1e-5, rtol=1e-5)
+    full, _ = attention_reference(q, k, v, causal=cfg.causal, softmax_scale=scale)
+    assert ref.out.dtype == torch.float64 and ref.baseline.dtype == q.dtype
+    torch.testing.assert_close(ref.out, full[:, ref.rows], atol=1e-12, rtol=0)
+    assert rel_fro_err(ref.baseline, ref.out) < 1e-2  # SDPA, in bf16
+    assert judge_output(exact(q, k, v, scale, cfg.causal), ref)
 
 
 def test_long_sequences_check_sampled_rows_in_every_block(monkeypatch):
     monkeypatch.setattr(reference_mod, "FULL_CHECK_MAX_SEQLEN", 100)
-    monkeypatch.setattr(reference_mod, "MAX_SCORE_ELEMENTS", 1000)  # forces chunking over heads
+    monkeypatch.setattr(package_reference, "_CHUNK_ELEMS", 1000)  # forces chunking over pairs and rows
     rows = check_rows(1000, "cpu")
     assert rows[0] == 0 and rows[-1] == 999
     assert set((rows // 64).tolist()) == set(range(16))  # every 64-row block
@@ -155,9 +155,11 @@ def test_long_sequences_check_sampled_rows_in_every_block(monkeypatch):
     q, k, v = make_inputs(cfg, "cpu")
     ref = compute_reference(cfg, q, k, v, 8 ** -0.5)
     assert ref.num_rows == len(rows) < 1000
-    full = naive_attention(q, k, v, 8 ** -0.5, True)
-    torch.testing.assert_close(ref.out, full[:, ref.rows], atol=1e-5, rtol=1e-5)
-    assert max_abs_error(full, ref) < 1e-5
+    monkeypatch.undo()
+    full, _ = attention_reference(q, k, v, causal=True, softmax_scale=8 ** -0.5)
+    torch.testing.assert_close(ref.out, full[:, ref.rows], atol=1e-12, rtol=0)
+    verdict = judge_output(full.to(q.dtype), ref)
+    assert verdict and verdict.rel_fro > 0
 
 
 def test_nan_anywhere_is_an_error_even_outside_checked_rows(monkeypatch):
@@ -165,10 +167,11 @@ def test_nan_anywhere_is_an_error_even_outside_checked_rows(monkeypatch):
     cfg = Config(seqlen=1000, batch=1, heads=1, headdim=8)
     q, k, v = make_inputs(cfg, "cpu")
     ref = compute_reference(cfg, q, k, v, 8 ** -0.5)
-    out = naive_attention(q, k, v, 8 ** -0.5, True)
+    out = exact(q, k, v, 8 ** -0.5, True)
     unchecked = next(i for i in range(1000) if i not in set(ref.rows.tolist()))
     out[0, unchecked, 0, 0] = float("nan")
-    assert math.isnan(max_abs_error(out, ref))
+    verdict = judge_output(out, ref)
+    assert not verdict and verdict.message == "non-finite values in output" and math.isnan(verdict.max_abs)
 
 
 # --- a real backend builder, on the CPU -------------------------------------------------
@@ -179,7 +182,7 @@ def test_sdpa_backend_transposes_and_declines_unequal_causal():
     q, k, v = make_inputs(SMALL, "cpu")
     out = build(SMALL, q, k, v, 0.25)()
     assert out.shape == q.shape
-    torch.testing.assert_close(out.float(), naive_attention(q, k, v, 0.25, True), atol=2e-2, rtol=0)
+    assert rel_fro_err(out, attention_reference(q, k, v, causal=True, softmax_scale=0.25)[0]) < 1e-2
     unequal = Config(seqlen=32, seqlen_k=64, batch=1, heads=2, headdim=16)
     with pytest.raises(Unsupported, match="top-left"):
         build(unequal, *make_inputs(unequal, "cpu"), 0.25)

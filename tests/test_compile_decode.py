@@ -68,9 +68,10 @@ def test_no_spills(spec):
 
     r = _census(spec)
     spills = r.stack_bytes or r.local_bytes or r.sass_counts["LDL"] or r.sass_counts["STL"]
-    if spills and spec[-1].seqused and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 8):
-        pytest.xfail("triton 3.8+ hoists the V-tail zeroing's shared-memory addresses to the kernel entry and "
-                     "spills them (~56 B of stack); triton 3.6, which the H200 runs, keeps them in registers")
+    if spills and spec[-1].seqused and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7):
+        pytest.xfail("triton 3.7+ (seen on 3.9) hoists the V-tail zeroing's shared-memory addresses to the "
+                     "kernel entry and spills them (~56 B of stack); triton 3.6, which the H200 runs, keeps them "
+                     "in registers")
     assert r.stack_bytes == 0 and r.local_bytes == 0, f"stack {r.stack_bytes} B, local {r.local_bytes} B"
     assert r.sass_counts["LDL"] == 0 and r.sass_counts["STL"] == 0, r.sass_counts
 

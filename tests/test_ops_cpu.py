@@ -1,18 +1,18 @@
-"""The custom op's fake implementation, the autograd refusal and the
+"""The custom ops' fake implementations, the backward's shapes and grad_out checks, and the
 SDPA-style call's argument checks, on meta tensors (no GPU needed)."""
 import pytest
 import torch
 
 import hopper_flash
-from hopper_flash import plan
+from hopper_flash import checks, dispatch
 
 
 def meta(*shape, dtype=torch.bfloat16, requires_grad=False):
     return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=requires_grad)
 
 
-@pytest.mark.parametrize("head_dim", plan.SUPPORTED_HEAD_DIMS)
-@pytest.mark.parametrize("dtype", plan.SUPPORTED_DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("sq,sk,h,hkv", [(300, 300, 8, 8), (300, 200, 8, 2), (1, 4099, 4, 1)])
 def test_fake_impl_shapes(head_dim, dtype, sq, sk, h, hkv):
     q, k = meta(3, sq, h, head_dim, dtype=dtype), meta(3, sk, hkv, head_dim, dtype=dtype)
@@ -21,19 +21,35 @@ def test_fake_impl_shapes(head_dim, dtype, sq, sk, h, hkv):
     assert lse.shape == (3, h, sq) and lse.dtype == torch.float32
 
 
-def test_backward_raises_clear_error_through_op():
-    q = meta(2, 64, 4, 128, requires_grad=True)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_backward_through_op_gives_gradient_shapes(head_dim):
+    q = meta(2, 64, 8, head_dim, requires_grad=True)
+    k = meta(2, 33, 2, head_dim, requires_grad=True)
+    v = meta(2, 33, 2, head_dim, requires_grad=True)
+    out, lse = torch.ops.hopper_flash.fwd(q, k, v, 0.1, True)
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda o: o.float(), "grad_out must have the output's dtype"),
+    (lambda o: o[:, :10], "grad_out must have the output's shape"),
+])
+def test_backward_op_checks_grad_out(bad, match):
+    q = meta(2, 64, 4, 128)
     out, lse = torch.ops.hopper_flash.fwd(q, q, q, 0.1, True)
-    with pytest.raises(NotImplementedError, match="backward is not implemented yet"):
-        out.sum().backward()
+    with pytest.raises(ValueError, match=match):
+        torch.ops.hopper_flash.bwd(bad(out), q, q, q, out, lse, 0.1, True, False)
 
 
-def test_flash_attn_func_routes_grad_inputs_through_op():
+def test_flash_attn_func_routes_grad_inputs_through_op(monkeypatch):
+    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)  # meta tensors stand in for CUDA ones
     q = meta(2, 64, 4, 128, requires_grad=True)
     out = hopper_flash.flash_attn_func(q, q, q, causal=True)
     assert out.grad_fn is not None, "autograd must see the op, or gradients would silently be missing"
-    with pytest.raises(NotImplementedError, match="forward pass only"):
-        out.float().sum().backward()
+    (dq,) = torch.autograd.grad(out.float().sum(), (q,))
+    assert dq.shape == q.shape
 
 
 def test_no_grad_fn_under_no_grad_needs_device():
@@ -85,10 +101,29 @@ def test_sdpa_passes_bshd_views_to_the_kernel(monkeypatch):
         seen.update(q=q, k=k, scale=softmax_scale, causal=causal)
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
-    monkeypatch.setattr(hopper_flash.interface, "forward", fake_forward)
+    monkeypatch.setattr(dispatch, "forward", fake_forward)
     q, k = bhsd(h=8, s=100), bhsd(h=2, s=100)
     out = hopper_flash.scaled_dot_product_attention(q, k, k, is_causal=True, scale=0.3, enable_gqa=True)
     assert seen["q"].shape == (2, 100, 8, 128) and seen["k"].shape == (2, 100, 2, 128)
     assert seen["q"].stride() == q.transpose(1, 2).stride(), "no copy: a transposed view"
     assert seen["scale"] == 0.3 and seen["causal"] is True
     assert out.shape == (2, 8, 100, 128)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fake_impl_traces_with_dynamic_shapes_and_a_symbolic_scale(dynamic):
+    """Under torch.compile(dynamic=True) the fake implementation sees SymInt
+    shapes and a SymFloat scale; its argument checks must accept them (and
+    still refuse a bad scale)."""
+    torch._dynamo.reset()
+
+    def f(q, k, v, scale):
+        return torch.ops.hopper_flash.fwd(q, k, v, scale, True)
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for s, scale in ((300, 0.3), (517, 0.4)):
+        q, k = meta(2, s, 4, 128), meta(2, s, 2, 128)
+        out, lse = compiled(q, k, k, scale)
+        assert out.shape == q.shape and lse.shape == (2, 4, s)
+    with pytest.raises(Exception, match="softmax_scale must be a finite positive number"):
+        compiled(q, k, k, -0.5)

@@ -3,7 +3,7 @@
 CPU tests: registration (no GPU needed), the errors for what the kernel cannot
 compute exactly (raised before the GPU is touched), the mask analysis, and the
 call contract end to end: a small random Llama on CPU whose hopper_flash
-backend calls a stand-in for ``flash_attn_func`` (the float32 reference) must
+backend calls a stand-in for ``flash_attn_func`` (the float64 reference) must
 reproduce transformers' own "sdpa" logits, which checks layouts, GQA, scale,
 causal alignment and the mask handling of cached calls.
 
@@ -56,12 +56,12 @@ def registered():
 
 @pytest.fixture
 def fake_kernel(monkeypatch):
-    """Replace hopper_flash.flash_attn_func by the exact float32 reference; record the calls."""
+    """Replace hopper_flash.flash_attn_func by the float64 reference; record the calls."""
     calls = []
 
-    def fake(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+    def fake(q, k, v, *, softmax_scale=None, causal=False, return_lse=False):
         calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal))
-        out, _ = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=torch.float32)
+        out, _ = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
         return out.to(q.dtype)
 
     monkeypatch.setattr(hopper_flash, "flash_attn_func", fake)

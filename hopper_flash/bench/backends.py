@@ -199,6 +199,61 @@ def _build_flex(cfg: Config, q, k, v, scale: float) -> AttnFn:
     return fn
 
 
+# --- hopper_flash kernel variants (--variant) ---------------------------------
+
+
+def parse_variant(spec: str) -> dict:
+    """``"k_stages=3,v_stages=3"`` -> ForwardConfig fields, or a ValueError
+    naming what is wrong (the CLI reports it as a usage error)."""
+    import dataclasses
+
+    from hopper_flash import plan
+
+    try:
+        fields = plan.config_variant(spec)
+    except ValueError as e:
+        raise ValueError(f"--variant {spec!r}: expected FIELD=VALUE[,FIELD=VALUE] with int or True/False "
+                         f"values ({e})") from None
+    known = {f.name for f in dataclasses.fields(plan.ForwardConfig)} - {"head_dim"}
+    unknown = sorted(set(fields) - known)
+    if not fields or unknown:
+        raise ValueError(f"--variant {spec!r}: unknown ForwardConfig field(s) {unknown or '(none given)'}; "
+                         f"known: {', '.join(sorted(known))}")
+    return fields
+
+
+def variant_backend(spec: str) -> Backend:
+    """hopper_flash with every head dim's ``plan.ForwardConfig`` fields replaced
+    by ``spec`` (e.g. ``persistent=False`` or ``k_stages=3,v_stages=3``), named
+    ``hopper_flash[spec]``: a kernel experiment timed next to the shipped
+    configs, on the same inputs, in one process. The shipped config is put back
+    after every call."""
+    fields = parse_variant(spec)
+
+    def build(cfg: Config, q, k, v, scale: float) -> AttnFn:
+        import dataclasses
+
+        from hopper_flash import flash_attn_func, plan
+
+        shipped = plan.CONFIGS.get(cfg.headdim)
+        if shipped is None:
+            raise Unsupported(f"no kernel config for head dim {cfg.headdim}")
+        variant = dataclasses.replace(shipped, **fields)
+
+        def fn():
+            plan.CONFIGS[cfg.headdim] = variant
+            try:
+                return flash_attn_func(q, k, v, softmax_scale=scale, causal=cfg.causal)
+            except (ValueError, NotImplementedError) as e:
+                raise Unsupported(str(e)) from e
+            finally:
+                plan.CONFIGS[cfg.headdim] = shipped
+
+        return fn
+
+    return Backend(f"hopper_flash[{spec}]", _import_check("hopper_flash", "flash_attn_func"), build)
+
+
 def all_backends() -> list[Backend]:
     """Every backend the bench knows, in table order. cuDNN SDPA is the
     reference point for the speed ratio column."""

@@ -1,6 +1,6 @@
 """``hopper-flash bench``: compare attention forward kernels on a Hopper GPU.
 
-Exit status: 0 when every timed result matches the float32 reference,
+Exit status: 0 when every timed result matches the float64 reference (judged against SDPA's error),
 1 when any result FAILs the check or errors, 2 for usage errors or when no
 Hopper GPU is present.
 """
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Time hopper_flash.flash_attn_func next to PyTorch SDPA (cuDNN, flash, efficient), "
             "compiled FlexAttention and FlashAttention-2/3 when installed, on the same inputs; "
-            "check every output against a float32 reference. Without --seqlen or --config it runs "
+            "check every output against a float64 reference. Without --seqlen or --config it runs "
             "the default set (causal bf16 D128: B4 H32 S1024..16384, B16 H16 S512, B1 H32 S32768); "
             "--batch/--heads/--kv-heads/--headdim/--causal/--dtype override those fields in every config."
         ),
@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "hopper_flash-kvcache and fa3-kvcache)")
     # do_bench takes time budgets, not counts; the number of timed calls made
     # is recorded in each result ("reps").
+    run.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                     help="also time hopper_flash with these plan.ForwardConfig fields replaced in every head "
+                          "dim's config (e.g. k_stages=3,v_stages=3 or persistent=False), as backend "
+                          "'hopper_flash[FIELD=VALUE]'; repeatable")
     run.add_argument("--warmup-ms", "--warmup", type=float, default=100, metavar="MS",
                      help="untimed warm-up time per cell, in ms (default %(default)g)")
     run.add_argument("--rep-ms", "--reps", type=float, default=500, metavar="MS",
@@ -161,9 +165,20 @@ def bench(args: argparse.Namespace, configs: list[Config], command: str) -> int:
         return 2
     from .timing import do_bench_timer, matmul_tflops
 
+    from .backends import variant_backend
+
     timer = do_bench_timer(args.warmup_ms, args.rep_ms)
-    backends = select_backends(all_backends(), args.backends)
+    backends = select_backends(all_backends(), args.backends) + [variant_backend(v) for v in args.variant]
     return execute(configs, backends, timer, args, command, device="cuda", matmul_tflops=matmul_tflops(timer))
+
+
+def missing_extras(args: argparse.Namespace) -> list[str]:
+    """Packages of the ``bench`` extra this run needs but cannot import:
+    rich for the report, matplotlib for ``--plot``."""
+    import importlib.util
+
+    needed = ["rich"] + (["matplotlib"] if args.plot else [])
+    return [name for name in needed if importlib.util.find_spec(name) is None]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,9 +188,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The command line that reproduces this run, whichever way it was started.
     command = shlex.join(["hopper-flash", *argv])
     if args.command == "bench":
+        missing = missing_extras(args)
+        if missing:
+            print(f"hopper-flash bench needs {' and '.join(missing)}, which the base install does not include: "
+                  f"pip install 'hopper_flash[bench]' (from a checkout: pip install -e '.[bench]')", file=sys.stderr)
+            return 2
         try:
             configs = resolve_configs(args)
-        except ConfigError as e:
+            for spec in args.variant:
+                from .backends import parse_variant
+
+                parse_variant(spec)
+        except (ConfigError, ValueError) as e:
             args.command_parser.error(str(e))  # usage line of `bench`, exit status 2
         return bench(args, configs, command)
     parser.error(f"unknown command {args.command}")

@@ -29,22 +29,56 @@ def hopper_problem() -> str | None:
     return None
 
 
-def _git_commit() -> str | None:
-    # '-dirty' flags numbers measured with uncommitted kernel changes. A copy
-    # of the tree without .git (a remote GPU machine) can name its commit in
-    # HOPPER_FLASH_COMMIT.
+def _checkout_top(package_dir: Path) -> Path | None:
+    """The hopper_flash checkout whose top holds ``package_dir``, or None.
+
+    Only a repository whose top level is the package's parent directory and
+    whose pyproject.toml names hopper_flash counts: an installed copy (site-
+    packages) or a copy of the tree inside some other repository has none,
+    and that other repository's commit says nothing about this code."""
+    top = package_dir.parent
+    pyproject = top / "pyproject.toml"
+    try:
+        if 'name = "hopper_flash"' not in pyproject.read_text():
+            return None
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=top, capture_output=True, text=True,
+                             timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0 or Path(out.stdout.strip()).resolve() != top.resolve():
+        return None
+    return top
+
+
+def _git_commit(package_dir: Path | None = None) -> str | None:
+    """The commit of the hopper_flash code being measured: HOPPER_FLASH_COMMIT
+    when set (a copy of the tree without .git, e.g. on a remote GPU machine),
+    else ``git describe`` of the checkout the imported package lives in
+    ('-dirty' flags uncommitted changes), else None (an installed package:
+    the header then shows its version)."""
     if os.environ.get("HOPPER_FLASH_COMMIT"):
         return os.environ["HOPPER_FLASH_COMMIT"]
+    if package_dir is None:
+        import hopper_flash
+
+        package_dir = Path(hopper_flash.__file__).resolve().parent
+    top = _checkout_top(package_dir)
+    if top is None:
+        return None
     try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty", "--abbrev=10"],
-            cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=5,
-        )
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=10"], cwd=top,
+                             capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
         return None
     return out.stdout.strip() or None
+
+
+def _package_version() -> str:
+    import hopper_flash
+
+    return hopper_flash.__version__
 
 
 def collect_meta(command: str, matmul_tflops: float | None = None) -> dict:
@@ -60,6 +94,7 @@ def collect_meta(command: str, matmul_tflops: float | None = None) -> dict:
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
+        "hopper_flash_version": _package_version(),
         "hopper_flash_commit": _git_commit(),
         "matmul_tflops": matmul_tflops,
     }

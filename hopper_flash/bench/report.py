@@ -38,7 +38,8 @@ def header_lines(meta: dict) -> list[str]:
         f"- GPU: {meta.get('gpu', '?')}",
         f"- torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, CUDA {meta.get('cuda', '?')}"
         + (f", cuDNN {meta['cudnn']}" if meta.get("cudnn") else ""),
-        f"- hopper_flash commit: {meta.get('hopper_flash_commit') or 'unknown'}",
+        f"- hopper_flash{' ' + meta['hopper_flash_version'] if meta.get('hopper_flash_version') else ''} "
+        f"commit: {meta.get('hopper_flash_commit') or 'unknown (not run from a hopper_flash checkout)'}",
         f"- bf16 matmul 8192³: {rate:.0f} TFLOP/s" if rate else "- bf16 matmul: not measured",
         f"- command: `{meta.get('command', '?')}`",
         "- K/V TB/s: 2·B·Hkv·S_k·D·2 bytes of K and V per call over the median time; the H200's HBM "
@@ -109,7 +110,7 @@ def summary(results: Sequence[Result]) -> Text:
     bad = [r for r in results if r.failed]
     if not bad:
         ok = sum(r.status == OK for r in results)
-        return Text(f"All {ok} timed results match the float32 reference.", style="green")
+        return Text(f"All {ok} timed results match the float64 reference.", style="green")
     lines = [f"{len(bad)} result(s) failed; exit status 1:"]
     lines += [f"  {r.status}: {r.backend} on {r.label}: {r.message}" for r in bad]
     return Text("\n".join(lines), style="bold red")

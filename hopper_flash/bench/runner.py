@@ -1,6 +1,6 @@
 """Runs every (config, backend) cell: same random inputs for all backends of
-a config, a correctness check of each output against the float32 reference,
-then timing.
+a config, a correctness check of each output against the float64 reference
+(judged relative to SDPA's error, see ``reference.py``), then timing.
 
 The backends and the timer are parameters so that tests can drive the whole
 loop on the CPU with fakes.
@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from .backends import CUDNN, Backend, Unsupported
 from .configs import Config, attention_flops, kv_bytes
-from .reference import TOLERANCE, compute_reference, max_abs_error
+from .reference import compute_reference, judge_output
 from .results import ERROR, FAIL, OK, UNAVAILABLE, UNSUPPORTED, Result
 from .timing import Timer
 
@@ -24,17 +24,13 @@ StepHook = Callable[[Config, str], None]
 
 
 def make_inputs(cfg: Config, device: str, seed: int = 0):
-    """Fresh standard-normal q, k, v in BSHD. Never zeros or ones: a kernel
-    that ignores the mask or the softmax can still match on those."""
+    """Fresh standard-normal q, k, v in BSHD (``hopper_flash.reference.random_qkv``)."""
     import torch
 
-    dtype = getattr(torch, TORCH_DTYPES[cfg.dtype])
-    gen = torch.Generator(device=device).manual_seed(seed)
+    from hopper_flash.reference import random_qkv
 
-    def randn(seqlen: int, heads: int):
-        return torch.randn(cfg.batch, seqlen, heads, cfg.headdim, dtype=dtype, device=device, generator=gen)
-
-    return randn(cfg.seqlen_q, cfg.heads), randn(cfg.seqlen_kv, cfg.nheads_kv), randn(cfg.seqlen_kv, cfg.nheads_kv)
+    return random_qkv(cfg.batch, cfg.seqlen_q, cfg.seqlen_kv, cfg.heads, cfg.nheads_kv, cfg.headdim,
+                      dtype=getattr(torch, TORCH_DTYPES[cfg.dtype]), seed=seed, device=device)
 
 
 def _short(e: BaseException) -> str:
@@ -58,13 +54,12 @@ def run_config(
     flops = attention_flops(cfg)
     q, k, v = make_inputs(cfg, device)
     reference = None  # computed on first need, shared by all backends
-    tol = TOLERANCE[cfg.dtype]
     results = []
     for backend in backends:
         if on_step:
             on_step(cfg, backend.name)
         r = Result(**cfg.to_record(), label=cfg.label, backend=backend.name, status=OK, flops=flops,
-                   matmul_tflops=matmul_tflops, tolerance=tol)
+                   matmul_tflops=matmul_tflops)
         results.append(r)
         reason = (unavailable or {}).get(backend.name)
         if reason is not None:
@@ -80,12 +75,12 @@ def run_config(
             if reference is None:
                 reference = compute_reference(cfg, q, k, v, scale)
             r.rows_checked = reference.num_rows
-            r.max_abs_err = max_abs_error(out, reference)
+            verdict = judge_output(out, reference)
             del out
-            if not r.max_abs_err <= tol:  # also true for NaN
-                r.status = FAIL
-                r.message = ("non-finite values in output" if math.isnan(r.max_abs_err)
-                             else f"max abs error {r.max_abs_err:.3g} > {tol:g}")
+            r.max_abs_err, r.tolerance = verdict.max_abs, verdict.max_abs_limit
+            r.rel_fro_err, r.rel_fro_limit = verdict.rel_fro, verdict.rel_fro_limit
+            if not verdict:
+                r.status, r.message = FAIL, verdict.message
             # A FAIL is still timed (useful while debugging) but never plotted
             # or counted as a pass.
             t = timer(fn)

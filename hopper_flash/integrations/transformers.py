@@ -184,8 +184,8 @@ def hopper_flash_attention_forward(
     """
     if dropout:
         raise NotImplementedError(
-            f"hopper_flash has no attention dropout (got dropout={dropout}): it is a forward-only inference "
-            "kernel; call model.eval() or set the config's attention_dropout to 0"
+            f"hopper_flash has no attention dropout (got dropout={dropout}): set the config's "
+            "attention_dropout to 0 to train with it, or call model.eval()"
         )
     for name, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(name) is not None:

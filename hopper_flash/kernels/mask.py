@@ -54,6 +54,38 @@ def apply_mask(s, row0, col0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr):
     return gl.where(hidden, -float("inf"), s)
 
 
+# ---- The backward's transposed tiles: rows are keys, columns are queries. ----
+
+
+@gluon.jit
+def kq_tile_needs_mask(n, m, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                       IS_CAUSAL: gl.constexpr):
+    """True when some (key, query) pair of KV tile ``n`` x query tile ``m`` is hidden.
+
+    Keys past ``seqlen_k`` are zero-filled by TMA but must still be masked:
+    their score 0 would give P = exp2(-L2) != 0."""
+    crosses_tail = (n + 1) * BLOCK_N > seqlen_k
+    if IS_CAUSAL:
+        # The tile's last key is past the first query's last visible key.
+        crosses_diagonal = (n + 1) * BLOCK_N - 1 > m * BLOCK_M + (seqlen_k - seqlen_q)
+        needs = crosses_diagonal | crosses_tail
+    else:
+        needs = crosses_tail
+    return needs
+
+
+@gluon.jit
+def apply_mask_keys_by_queries(st, key0, query0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr):
+    """Set hidden scores of the transposed tile ``st`` (rows = keys from
+    ``key0``, columns = queries from ``query0``) to -inf."""
+    keys = key0 + gl.arange(0, st.shape[0], layout=gl.SliceLayout(1, st.type.layout))
+    queries = query0 + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, st.type.layout))
+    hidden = keys[:, None] >= seqlen_k
+    if IS_CAUSAL:
+        hidden = hidden | (keys[:, None] > queries[None, :] + (seqlen_k - seqlen_q))
+    return gl.where(hidden, -float("inf"), st)
+
+
 # ---- Decode / KV-cache modes -------------------------------------------------
 # Under PackGQA (``PACK_G`` > 1) tile row ``p`` is query row ``p // PACK_G`` of
 # head ``hk * PACK_G + p % PACK_G``: the causal row is the packed row divided by

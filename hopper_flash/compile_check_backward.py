@@ -1,0 +1,104 @@
+"""Compile the backward's main kernel for sm_90a without a GPU and take its
+census (registers, spills, shared memory, SASS opcodes), as
+``compile_check`` does for the forward.
+
+``python -m hopper_flash.compile_check_backward`` prints a table of every
+shipped backward specialisation.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+from .compile_check import SASS_OPS, CompileReport, _bindir, _TORCH_TO_SIG
+from .plan import smem_layout
+from .plan_backward import BACKWARD_CONFIGS, fp32_smem_layout, BackwardConfig, block_shapes, kernel_constexprs
+
+BWD_SASS_OPS = SASS_OPS + ("RED", "ATOM", "BAR")
+
+
+def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool = True,
+                     deterministic: bool = False):
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .kernels.backward import attention_backward_kernel
+
+    tdtype = getattr(torch, dtype)
+    sig_dtype = _TORCH_TO_SIG[dtype]
+
+    def desc_sig(block):
+        return f"tensordesc<{sig_dtype}[{', '.join(map(str, block))}],{smem_layout(block, tdtype)!r}>"
+
+    blocks = block_shapes(cfg)
+    constexprs = kernel_constexprs(cfg, causal, deterministic)
+    signature = {f"{name}_desc": desc_sig(blocks[name]) for name in ("q", "k", "v", "do", "dk", "dv")}
+    dq_block = blocks["dq_accum"]
+    signature["dq_desc"] = (f"tensordesc<fp32[{', '.join(map(str, dq_block))}],"
+                            f"{fp32_smem_layout(tuple(dq_block))!r}>")
+    for name in ("lse2", "delta"):
+        signature[f"{name}_desc"] = (f"tensordesc<fp32[{blocks[name][0]}],"
+                                     f"{fp32_smem_layout(tuple(blocks[name]))!r}>")
+    signature.update({"sem_ptr": "*i32",
+                      "seqlen_q": "i32", "seqlen_k": "i32", "seqlen_q_rounded": "i32", "num_heads": "i32",
+                      "kv_group": "i32", "qk_scale": "fp32", "softmax_scale": "fp32"})
+    signature.update({name: "constexpr" for name in constexprs})
+    src = GluonASTSource(attention_backward_kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg})
+
+
+def census(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool = True,
+           deterministic: bool = False) -> CompileReport:
+    compiled = compile_backward(cfg, dtype, causal, deterministic)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+        cubin = f.name
+    try:
+        usage = subprocess.run([os.path.join(_bindir(), "cuobjdump"), "--dump-resource-usage", cubin],
+                               capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(_bindir(), "cuobjdump"), "--dump-sass", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(cubin)
+
+    def field_of(name):
+        m = re.search(rf"\b{name}:(\d+)", usage)
+        return int(m.group(1)) if m else 0
+
+    counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", sass)) for op in BWD_SASS_OPS}
+    return CompileReport(
+        head_dim=cfg.head_dim, dtype=dtype, causal=causal, write_lse=deterministic,
+        registers=field_of("REG"), stack_bytes=field_of("STACK"), local_bytes=field_of("LOCAL"),
+        shared_bytes=int(compiled.metadata.shared), sass_counts=counts,
+        ptx=compiled.asm["ptx"], sass=sass,
+    )
+
+
+def shipped_specialisations():
+    """Every (config, dtype, causal, deterministic) the backward can launch."""
+    for cfg in BACKWARD_CONFIGS.values():
+        for dtype in ("bfloat16", "float16"):
+            for causal in (False, True):
+                for deterministic in (False, True):
+                    yield cfg, dtype, causal, deterministic
+
+
+def main() -> None:
+    rows = []
+    for cfg, dtype, causal, det in shipped_specialisations():
+        r = census(cfg, dtype, causal, det)
+        rows.append((r.head_dim, r.dtype, r.causal, det, r.registers, r.stack_bytes, r.shared_bytes,
+                     *(r.sass_counts[op] for op in BWD_SASS_OPS)))
+    header = ("D", "dtype", "causal", "det", "regs", "stack", "smem") + BWD_SASS_OPS
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in (header, *rows):
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

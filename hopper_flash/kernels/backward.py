@@ -1,0 +1,334 @@
+"""The attention backward's main kernel: dK and dV of one KV tile, and its
+share of dQ.
+
+Math (per batch and query head; FA3's formulation, see
+``shared/notes/backward.md``): with S = Q·Kᵀ unscaled, ``c = scale·log2(e)``
+and ``L2 = LSE·log2(e)`` (the forward's natural-log LSE, rescaled by the
+preprocess), P = exp2(S·c − L2) is the forward's softmax, recomputed from the
+saved LSE rather than by rerunning the forward. Then
+
+    dV = Pᵀ·dO,   dP = dO·Vᵀ,   dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O),
+    dK = scale · dSᵀ·Q,   dQ = scale · dS·K.
+
+The scale never multiplies S or dS: it is in ``c``, in dK once after the
+loop, and in dQ in the postprocess (``backward_pre.py``).
+
+One CTA owns one tile of ``BLOCK_N`` (128) keys of one KV head and walks the
+query tiles that see those keys, for every query head that shares the KV
+head (GQA/MQA: the group's dK and dV sums stay in registers, with no fp32
+workspace and no atomics for them). Three partitions:
+
+* the **producer** (1 warp, few registers) loads K and V once and then, per
+  step, Q and dO into ``STAGES``-deep rings;
+* the **consumers** are the default partition, 8 warps = two warpgroups.
+  The scores are computed transposed, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ as
+  ``[BLOCK_N keys, BLOCK_M queries]`` tiles with warps ``[8, 1]``: warpgroup
+  ``w`` owns keys ``64w .. 64w + 63``, so the Pᵀ and dSᵀ it holds are the A
+  operands of its own rows of dV += Pᵀ·dO and dK += dSᵀ·Q, fed from
+  registers. dQ = dS·K sums over all 128 keys, so dSᵀ goes through shared
+  memory (two stages), and dQ is split between the warpgroups by head-dim
+  columns (warps ``[4, 2]``).
+
+dQ of one query tile gets contributions from every KV tile, i.e. from many
+CTAs: each stages its fp32 share in shared memory and adds it into
+``dq_accum`` with a TMA reduce-add (``compat.tma_atomic_add``). In
+``DETERMINISTIC`` mode the adds to one (head, query tile) happen in KV-tile
+order: a per-tile semaphore counts the KV tiles that have added, and CTA
+``n`` waits for it to read ``n``. The KV tiles that see a query tile are
+always a prefix ``0 .. k`` (causal masks only keys after the diagonal), and
+CTAs with a lower ``n`` are launched first (``n`` is the fastest grid axis),
+so the wait ends.
+
+Head dims above 128 (256): every head-dim operand lives in 128-column chunks
+(the TMA box), one warpgroup owns 64 keys, and the head dim of the outputs is
+split across CTAs: a CTA computes the full-width Sᵀ and dPᵀ (summing over
+chunks) but writes the dK, dV and dQ columns of one chunk only. That keeps
+dK + dV at 128 registers per thread and K + V at 64 KB, for 1.4x the GEMM work
+(see ``plan_backward.BACKWARD_CONFIGS``).
+
+Masking (bottom-right causal, ``off = seqlen_k − seqlen_q``): key j is
+visible to query i iff ``j <= i + off`` and ``j < seqlen_k``. Query rows past
+``seqlen_q`` need no mask: TMA zero-fills them and the preprocess gives them
+``L2 = +inf`` (so P = 0) and Δ = 0. Rows that see no key have LSE = −inf,
+which the preprocess maps to 0; all their keys are masked, so P = 0.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .compat import thread_barrier, tma_atomic_add, tma_load, tma_store, tma_store_wait_complete
+from .mask import apply_mask_keys_by_queries, kq_tile_needs_mask
+from .pipeline import release, ring_slot, wait_empty, wait_full
+
+
+@gluon.jit
+def bwd_query_tile_range(n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         IS_CAUSAL: gl.constexpr):
+    """Query tiles ``[m_lo, m_hi)`` that see some key of KV tile ``n``.
+
+    Causal: query i sees key n·BLOCK_N first when i + off >= n·BLOCK_N, so
+    tiles below that row's tile see none of this tile's keys. Empty when the
+    KV tile lies past every query's diagonal (the CTA stores zero dK/dV)."""
+    m_hi = gl.cdiv(seqlen_q, BLOCK_M)
+    if IS_CAUSAL:
+        first_row = gl.maximum(n * BLOCK_N - (seqlen_k - seqlen_q), 0)
+        m_lo = gl.minimum(first_row // BLOCK_M, m_hi)
+    else:
+        m_lo = m_hi * 0
+    return m_lo, m_hi
+
+
+@gluon.jit
+def _dq_add_in_order(dq_desc, dq_row, dq_col, dq_smem, sem, n):
+    """Deterministic mode: add this CTA's dQ share after KV tiles 0 .. n-1.
+
+    The reduce must be complete in global memory, not merely have read its
+    shared-memory source, before the semaphore lets the next tile add."""
+    while gl.atomic_add(sem, 0, sem="acquire", scope="gpu") != n:
+        pass
+    tma_atomic_add(dq_desc, [dq_row, dq_col], dq_smem)
+    tma_store_wait_complete()
+    thread_barrier()
+    gl.atomic_add(sem, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs, do_bufs, lse2_bufs, delta_bufs,
+                  k_bufs, v_bufs, kv_bar, q_full, q_empty, do_full, do_empty,
+                  b, hk, n, m_lo, m_hi, num_heads, kv_group, seqlen_q_rounded,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr):
+    CHUNK: gl.constexpr = k_desc.block_type.shape[3]
+    mbarrier.expect(kv_bar, CHUNKS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for c in gl.static_range(CHUNKS):
+        tma_load(k_desc, [b, n * BLOCK_N, hk, c * CHUNK], kv_bar, k_bufs.index(c))
+        tma_load(v_desc, [b, n * BLOCK_N, hk, c * CHUNK], kv_bar, v_bufs.index(c))
+    step = 0
+    for g in range(kv_group):
+        h = hk * kv_group + g
+        stat_row = (b * num_heads + h) * seqlen_q_rounded
+        for m in range(m_lo, m_hi):
+            slot = ring_slot(step, STAGES)
+            # L2 travels with Q (S needs both), Δ with dO (dS needs both).
+            wait_empty(q_empty, step, STAGES)
+            mbarrier.expect(q_full.index(slot), CHUNKS * q_desc.block_type.nbytes + lse2_desc.block_type.nbytes)
+            for c in gl.static_range(CHUNKS):
+                tma_load(q_desc, [b, m * BLOCK_M, h, c * CHUNK], q_full.index(slot), q_bufs.index(slot * CHUNKS + c))
+            tma_load(lse2_desc, [stat_row + m * BLOCK_M], q_full.index(slot), lse2_bufs.index(slot))
+            wait_empty(do_empty, step, STAGES)
+            mbarrier.expect(do_full.index(slot), CHUNKS * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            for c in gl.static_range(CHUNKS):
+                tma_load(do_desc, [b, m * BLOCK_M, h, c * CHUNK], do_full.index(slot),
+                         do_bufs.index(slot * CHUNKS + c))
+            tma_load(delta_desc, [stat_row + m * BLOCK_M], do_full.index(slot), delta_bufs.index(slot))
+            step += 1
+
+
+@gluon.jit
+def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full, q_empty,
+                  do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr,
+                  b, hk, n, part, m_lo, m_hi, seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
+                  qk_scale, softmax_scale,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr,
+                  NUM_WG: gl.constexpr, DQ_PARTS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  DETERMINISTIC: gl.constexpr):
+    """``part`` is the head-dim chunk whose dK, dV and dQ columns this CTA
+    writes (always 0 unless the head dim is split, ``CHUNKS > 1``)."""
+    dtype: gl.constexpr = dk_desc.dtype
+    CHUNK: gl.constexpr = dk_desc.block_type.shape[3]
+    # Sᵀ, dPᵀ: [BLOCK_N keys, BLOCK_M queries], 64 keys per warpgroup.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * NUM_WG, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    # dK, dV: [BLOCK_N keys, CHUNK], the same 64 keys per warpgroup.
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * NUM_WG, 1],
+                                                        instr_shape=[16, CHUNK, 16])
+    # Pᵀ and dSᵀ as register A operands of dV and dK: same thread mapping as
+    # st_layout (both are wgmma accumulators with the same warps), so the
+    # conversion moves no data.
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    # dQ: [BLOCK_M, CHUNK]; with two warpgroups, warpgroup w computes
+    # columns w·CHUNK/2 ... (w+1)·CHUNK/2 - 1 over all BLOCK_N keys.
+    # With DQ_PARTS > 1, dQ is computed in slices of DQ_W columns.
+    DQ_W: gl.constexpr = CHUNK // DQ_PARTS
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WG],
+                                                        instr_shape=[16, DQ_W // NUM_WG, 16])
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query
+
+    k_part = k_bufs.index(part).reshape([BLOCK_N, CHUNK])
+    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_W], gl.float32, dq_layout)
+    dk = gl.zeros([BLOCK_N, CHUNK], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, CHUNK], gl.float32, kv_layout)
+    m_tiles = seqlen_q_rounded // BLOCK_M
+
+    mbarrier.wait(kv_bar, 0)
+    step = 0
+    for g in range(kv_group):
+        h = hk * kv_group + g
+        bh = (b * num_heads + h).to(gl.int64)
+        stat_base = bh * seqlen_q_rounded
+        for m in range(m_lo, m_hi):
+            slot = ring_slot(step, STAGES)
+
+            # Sᵀ and dPᵀ contract the whole head dim, chunk by chunk.
+            wait_full(q_full, step, STAGES)
+            st = warpgroup_mma(k_bufs.index(0).reshape([BLOCK_N, CHUNK]),
+                               q_bufs.index(slot * CHUNKS).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
+                               st_zero, is_async=True)
+            for c in gl.static_range(1, CHUNKS):
+                st = warpgroup_mma(k_bufs.index(c).reshape([BLOCK_N, CHUNK]),
+                                   q_bufs.index(slot * CHUNKS + c).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
+                                   st, is_async=True)
+            wait_full(do_full, step, STAGES)
+            dpt = warpgroup_mma(v_bufs.index(0).reshape([BLOCK_N, CHUNK]),
+                                do_bufs.index(slot * CHUNKS).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
+                                st_zero, is_async=True)
+            for c in gl.static_range(1, CHUNKS):
+                dpt = warpgroup_mma(v_bufs.index(c).reshape([BLOCK_N, CHUNK]),
+                                    do_bufs.index(slot * CHUNKS + c).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
+                                    dpt, is_async=True)
+            lse2 = lse2_bufs.index(slot).load(col_layout)
+            st = warpgroup_mma_wait(CHUNKS, deps=[st])
+            if kq_tile_needs_mask(n, m, seqlen_q, seqlen_k, BLOCK_N, BLOCK_M, IS_CAUSAL):
+                st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL)
+            pt = gl.exp2(st * qk_scale - lse2[None, :])
+            delta = delta_bufs.index(slot).load(col_layout)
+            dpt = warpgroup_mma_wait(0, deps=[dpt])
+            # dS from fp32 P before any rounding.
+            dst = pt * (dpt - delta[None, :])
+
+            q_part = q_bufs.index(slot * CHUNKS + part).reshape([BLOCK_M, CHUNK])
+            do_part = do_bufs.index(slot * CHUNKS + part).reshape([BLOCK_M, CHUNK])
+            pt_op = gl.convert_layout(pt.to(dtype), op_layout)
+            dv = warpgroup_mma(pt_op, do_part, dv, is_async=True)
+
+            dst16 = dst.to(dtype)
+            ds_smem = ds_bufs.index(step % 2)
+            ds_smem.store(dst16)
+            fence_async_shared()
+            # The previous step's dQ reduce has finished reading dq_smem.
+            tma.store_wait(0)
+            # Every warp's part of dSᵀ is in shared memory. With two
+            # warpgroups, passing this barrier also means both finished the
+            # previous step (each waits for all its wgmmas by the end of a
+            # step), so that step's Q and dO slots are free, and the dS stage
+            # written next step is unread.
+            thread_barrier()
+            if NUM_WG == 2:
+                if step > 0:
+                    release(q_empty, step - 1, STAGES)
+                    release(do_empty, step - 1, STAGES)
+
+            dst_op = gl.convert_layout(dst16, op_layout)
+            if DQ_PARTS == 1:
+                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_part, dq_zero, is_async=True)
+                dk = warpgroup_mma(dst_op, q_part, dk, is_async=True)
+                # dV and dQ are done, dK may still run while dQ goes out.
+                dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
+                dq_smem.store(dq)
+            else:
+                # Registers are short (one warpgroup holds 64 keys x 128
+                # columns of both dK and dV): dQ in column slices, after dK.
+                dk = warpgroup_mma(dst_op, q_part, dk, is_async=True)
+                dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
+                for j in gl.static_range(DQ_PARTS):
+                    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_part.slice(j * DQ_W, DQ_W, dim=1), dq_zero,
+                                       is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=[dq])
+                    dq_smem.slice(j * DQ_W, DQ_W, dim=1).store(dq)
+            fence_async_shared()
+            thread_barrier()
+            dq_row = (stat_base + m * BLOCK_M).to(gl.int32)
+            if DETERMINISTIC:
+                _dq_add_in_order(dq_desc, dq_row, part * CHUNK, dq_smem,
+                                 sem_ptr + (bh * m_tiles + m) * CHUNKS + part, n)
+            else:
+                tma_atomic_add(dq_desc, [dq_row, part * CHUNK], dq_smem)
+            dk, dst_op = warpgroup_mma_wait(0, deps=[dk, dst_op])
+            if NUM_WG == 1:
+                # One warpgroup: its wgmmas are done, nobody else reads the slot.
+                release(q_empty, step, STAGES)
+                release(do_empty, step, STAGES)
+            step += 1
+
+    # ---- Epilogue: dK (scaled once, here) and dV through K's and V's shared
+    # memory (this CTA's chunk), which no wgmma reads any more, then TMA
+    # stores clipped at seqlen_k. A KV tile that no query sees stores zeros.
+    thread_barrier()
+    k_bufs.index(part).reshape([BLOCK_N, CHUNK]).store((dk * softmax_scale).to(dtype))
+    v_bufs.index(part).reshape([BLOCK_N, CHUNK]).store(dv.to(dtype))
+    fence_async_shared()
+    thread_barrier()
+    tma_store(dk_desc, [b, n * BLOCK_N, hk, part * CHUNK], k_bufs.index(part))
+    tma_store(dv_desc, [b, n * BLOCK_N, hk, part * CHUNK], v_bufs.index(part))
+    tma.store_wait(0)
+
+
+# As in the forward, lengths and head counts are run-time values: one compiled
+# kernel per (dtype, head dim, causal, deterministic) serves every shape.
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "seqlen_q_rounded", "num_heads", "kv_group"])
+def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_desc, delta_desc,
+                              sem_ptr,
+                              seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
+                              qk_scale, softmax_scale,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                              NUM_WG: gl.constexpr, DQ_PARTS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    gl.static_assert(BLOCK_N == 64 * NUM_WG, "64 keys per consumer warpgroup")
+    dtype: gl.constexpr = q_desc.dtype
+    # Every head-dim operand lives in chunks of CHUNK columns (the TMA box);
+    # with more than one chunk, each CTA writes the gradients of one chunk.
+    CHUNK: gl.constexpr = q_desc.block_type.shape[3]
+    CHUNKS: gl.constexpr = HEAD_DIM // CHUNK
+    # Grid: (KV tile x head-dim chunk, KV head, batch), KV tile slowest on
+    # axis 0 but before any other tile: deterministic mode relies on lower
+    # tiles starting first.
+    n = gl.program_id(0) // CHUNKS
+    part = gl.program_id(0) % CHUNKS
+    hk = gl.program_id(1)
+    b = gl.program_id(2)
+    m_lo, m_hi = bwd_query_tile_range(n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+
+    k_bufs = gl.allocate_shared_memory(dtype, [CHUNKS] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [CHUNKS] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS] + do_desc.block_type.shape, do_desc.layout)
+    lse2_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse2_desc.block_type.shape, lse2_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    # fp32 staging of one step's dQ share for the TMA reduce-add.
+    dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_full.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)  # one arrive from the consumer partition
+        mbarrier.init(do_full.index(i), count=1)
+        mbarrier.init(do_empty.index(i), count=1)
+
+    gl.warp_specialize(
+        [
+            (_bwd_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full,
+                             q_empty, do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr,
+                             b, hk, n, part, m_lo, m_hi, seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
+                             qk_scale, softmax_scale, BLOCK_M, BLOCK_N, STAGES, CHUNKS, NUM_WG, DQ_PARTS,
+                             IS_CAUSAL, DETERMINISTIC)),
+            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs, do_bufs, lse2_bufs,
+                             delta_bufs, k_bufs, v_bufs, kv_bar, q_full, q_empty, do_full, do_empty,
+                             b, hk, n, m_lo, m_hi, num_heads, kv_group, seqlen_q_rounded, BLOCK_M, BLOCK_N, STAGES,
+                             CHUNKS)),
+        ],
+        [1],
+        [PRODUCER_REGS],
+    )

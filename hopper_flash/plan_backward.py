@@ -1,0 +1,251 @@
+"""Host-side planning for the attention backward: tile shapes per head dim,
+workspaces, TMA descriptors and the three launches (preprocess, main Gluon
+kernel, postprocess).
+
+Workspace per call, besides dQ/dK/dV themselves (``Sq_r`` = seqlen_q rounded
+up to the query tile):
+
+* ``dq_accum``: fp32 ``[B, H, Sq_r, D]``, where the KV-tile CTAs sum dQ
+  (twice the size of a bf16 dQ);
+* ``lse2`` and ``delta``: fp32 ``[B, H, Sq_r]`` each;
+* deterministic mode only: int32 semaphores ``[B, H, Sq_r / BLOCK_M, chunks]``.
+
+dK and dV need no workspace, also under GQA/MQA: a CTA loops over the query
+heads that share its KV head and keeps their sums in registers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, triton_cdiv
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Compile-time shape of one backward specialisation."""
+
+    head_dim: int
+    block_m: int = 64  # queries per step (wgmma N of Sᵀ and dPᵀ)
+    num_wg: int = 2  # consumer warpgroups, 64 keys each
+    stages: int = 2  # Q and dO ring depth
+    dq_parts: int = 1  # dQ GEMM in this many column slices (saves registers)
+    producer_regs: int = 24
+
+    @property
+    def block_n(self) -> int:
+        """Keys per CTA."""
+        return 64 * self.num_wg
+
+    @property
+    def chunk(self) -> int:
+        """Head-dim columns per TMA box and per CTA of output: head dims
+        above 128 are split, each CTA writing one chunk's dK/dV/dQ columns."""
+        return min(self.head_dim, 128)
+
+    @property
+    def chunks(self) -> int:
+        return self.head_dim // self.chunk
+
+    @property
+    def num_warps(self) -> int:
+        return 4 * self.num_wg
+
+    @property
+    def maxnreg(self) -> int:
+        # 65536 registers over the consumer warps plus the producer warp's
+        # warpgroup, rounded down to 8; setmaxnreg then moves them.
+        return min(65536 // (128 * (self.num_wg + 1)) // 8 * 8, 240)
+
+    def shared_bytes(self, elem_bytes: int = 2) -> int:
+        """K, V, the Q and dO rings, two dSᵀ stages, the fp32 dQ staging and
+        the L2/Δ rings."""
+        d, bm, bn = self.head_dim, self.block_m, self.block_n
+        return (elem_bytes * (2 * bn * d + 2 * self.stages * bm * d + 2 * bn * bm)
+                + 4 * bm * self.chunk + 2 * 4 * self.stages * bm)
+
+
+# - 64, 128: FA3's D=128 causal shape, 128 keys x 64 queries, two warpgroups.
+# - 256: dK + dV of 128 keys x 256 columns would take 256 registers per
+#   thread, and K + V + Q + dO alone 192 KB. So one warpgroup owns 64 keys,
+#   Q/dO have one stage, and each CTA writes half the head dim's gradients
+#   while recomputing the full-width Sᵀ and dPᵀ: 1.4x the GEMM work, and no
+#   prefetch of the next Q/dO (slower, correct).
+BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
+    64: BackwardConfig(head_dim=64),
+    128: BackwardConfig(head_dim=128),
+    256: BackwardConfig(head_dim=256, num_wg=1, stages=1, dq_parts=2),
+}
+BACKWARD_HEAD_DIMS = tuple(sorted(BACKWARD_CONFIGS))
+
+for _cfg in BACKWARD_CONFIGS.values():
+    assert _cfg.shared_bytes() <= SMEM_BUDGET_BYTES, _cfg
+
+
+@lru_cache(maxsize=None)
+def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool) -> dict:
+    """The constexpr arguments of ``attention_backward_kernel``."""
+    return dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        HEAD_DIM=cfg.head_dim,
+        STAGES=cfg.stages,
+        IS_CAUSAL=bool(causal),
+        DETERMINISTIC=bool(deterministic),
+        NUM_WG=cfg.num_wg,
+        DQ_PARTS=cfg.dq_parts,
+        PRODUCER_REGS=cfg.producer_regs,
+    )
+
+
+def block_shapes(cfg: BackwardConfig) -> dict[str, list[int]]:
+    """TMA boxes over the rank-4 ``[B, S, H, D]`` views (see plan.block_shapes)."""
+    q = [1, cfg.block_m, 1, cfg.chunk]
+    kv = [1, cfg.block_n, 1, cfg.chunk]
+    return {"q": q, "k": kv, "v": kv, "do": q, "dk": kv, "dv": kv, "dq_accum": [cfg.block_m, cfg.chunk],
+            "lse2": [cfg.block_m], "delta": [cfg.block_m]}
+
+
+@lru_cache(maxsize=None)
+def fp32_smem_layout(block_shape: tuple[int, ...]):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl.float32)
+
+
+def _fp32_descriptor(t: torch.Tensor, block_shape: list[int]):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape, fp32_smem_layout(tuple(block_shape)))
+
+
+def grid(batch: int, nheads_kv: int, seqlen_k: int, cfg: BackwardConfig) -> tuple[int, int, int]:
+    """One CTA per (KV tile x head-dim chunk, KV head, batch), axis 0 fastest."""
+    return (triton_cdiv(seqlen_k, cfg.block_n) * cfg.chunks, nheads_kv, batch)
+
+
+def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
+                    deterministic: bool = False, cfg: BackwardConfig | None = None) -> None:
+    """Compute dq, dk, dv (written in place; any TMA-addressable BSHD views).
+
+    Arguments are assumed validated: BSHD, same dtype, supported head dim,
+    ``lse`` the forward's fp32 ``[B, H, Sq]`` (contiguous), non-empty, and
+    q's device current.
+    """
+    from .kernels.backward import attention_backward_kernel
+    from .kernels.backward_pre import bwd_postprocess, bwd_preprocess
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    cfg = cfg or BACKWARD_CONFIGS[head_dim]
+    m_tiles = triton_cdiv(seqlen_q, cfg.block_m)
+    seqlen_q_rounded = m_tiles * cfg.block_m
+    dev = q.device
+    # The dQ reduce addresses dq_accum as 2-D rows in int32 TMA coordinates.
+    # Grid axes y and z (KV heads, batch) are limited to 65535 by CUDA.
+    if nheads_kv > 65535 or batch > 65535:
+        raise ValueError(f"the backward launches one CTA row per KV head and batch: nheads_kv ({nheads_kv}) and "
+                         f"batch ({batch}) must be at most 65535")
+    if batch * nheads * seqlen_q_rounded >= 2**31:
+        raise ValueError(f"batch ({batch}) x nheads ({nheads}) x seqlen_q ({seqlen_q}) is too large for the "
+                         f"backward's dQ accumulator (2**31 rows)")
+
+    delta = torch.empty((batch, nheads, seqlen_q_rounded), dtype=torch.float32, device=dev)
+    lse2 = torch.empty_like(delta)
+    dq_accum = torch.zeros((batch, nheads, seqlen_q_rounded, head_dim), dtype=torch.float32, device=dev)
+    if deterministic:
+        sem = torch.zeros((batch, nheads, m_tiles, cfg.chunks), dtype=torch.int32, device=dev)
+    else:
+        sem = delta  # never read
+    bwd_preprocess(out, dout, lse, delta, lse2, cfg.block_m)
+
+    blocks = block_shapes(cfg)
+    descs = [_descriptor(t, blocks[name]) for name, t in
+             (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk), ("dv", dv))]
+    descs.append(_fp32_descriptor(dq_accum.view(-1, head_dim), blocks["dq_accum"]))
+    descs.append(_fp32_descriptor(lse2.view(-1), blocks["lse2"]))
+    descs.append(_fp32_descriptor(delta.view(-1), blocks["delta"]))
+    attention_backward_kernel[grid(batch, nheads_kv, seqlen_k, cfg)](
+        *descs, sem,
+        seqlen_q, seqlen_k, seqlen_q_rounded, nheads, nheads // nheads_kv,
+        softmax_scale * LOG2E, softmax_scale,
+        **kernel_constexprs(cfg, causal, deterministic),
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+
+    bwd_postprocess(dq_accum, dq, softmax_scale)
+
+
+def workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int, deterministic: bool = False) -> int:
+    """Bytes of fp32/int32 workspace one backward call allocates."""
+    cfg = BACKWARD_CONFIGS[head_dim]
+    m_tiles = triton_cdiv(seqlen_q, cfg.block_m)
+    rows = batch * nheads * m_tiles * cfg.block_m
+    return 4 * rows * (head_dim + 2) + (4 * batch * nheads * m_tiles * cfg.chunks if deterministic else 0)
+
+
+__all__ = ["BackwardConfig", "BACKWARD_CONFIGS", "BACKWARD_HEAD_DIMS", "block_shapes", "grid",
+           "kernel_constexprs", "launch_backward", "workspace_bytes"]
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in BACKWARD_CONFIGS:
+        raise NotImplementedError(f"hopper_flash's backward supports head dims {BACKWARD_HEAD_DIMS}, got {head_dim} "
+                                  f"(the forward supports it; run it under torch.no_grad())")
+
+
+def _tma_addressable(t: torch.Tensor) -> bool:
+    """The rules ``interface`` applies to q/k/v: unit last stride, 16-byte
+    aligned base and strides (axes of extent 1 excepted)."""
+    if t.stride(3) != 1 or t.data_ptr() % 16:
+        return False
+    return all(t.shape[d] == 1 or (t.stride(d) > 0 and t.stride(d) * t.element_size() % 16 == 0) for d in range(3))
+
+
+def check_grad_out_meta(grad_out, out: torch.Tensor) -> None:
+    """``grad_out`` must have ``out``'s shape, dtype and device (also checked
+    on fake tensors, at trace time)."""
+    if not isinstance(grad_out, torch.Tensor):
+        raise TypeError(f"grad_out must be a torch.Tensor, got {type(grad_out).__name__}")
+    if grad_out.shape != out.shape:
+        raise ValueError(f"grad_out must have the output's shape {tuple(out.shape)}, got {tuple(grad_out.shape)}")
+    if grad_out.dtype != out.dtype:
+        raise ValueError(f"grad_out must have the output's dtype {out.dtype}, got {grad_out.dtype}")
+    if grad_out.device != out.device:
+        raise ValueError(f"grad_out must be on the output's device {out.device}, got {grad_out.device}")
+
+
+def check_grad_out(grad_out, out: torch.Tensor) -> torch.Tensor:
+    """``grad_out`` as the kernel takes it: checked by ``check_grad_out_meta``;
+    strides TMA cannot address (e.g. the stride-0 expansion that
+    ``out.sum().backward()`` produces) are made contiguous with a copy."""
+    check_grad_out_meta(grad_out, out)
+    if grad_out.numel() and not _tma_addressable(grad_out):
+        grad_out = grad_out.contiguous()
+    return grad_out
+
+
+def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, deterministic: bool = False):
+    """dq, dk, dv (contiguous BSHD, like q, k, v) of the attention that
+    produced ``out`` and ``lse`` from ``q, k, v`` (already validated by the
+    forward). ``grad_out`` is checked here (see ``check_grad_out``)."""
+    check_head_dim(q.shape[3])
+    grad_out = check_grad_out(grad_out, out)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    seqlen_k = k.shape[1]
+    if q.numel() == 0 or k.numel() == 0:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return dq, dk, dv
+    if not _tma_addressable(out):
+        out = out.contiguous()
+    lse = lse.contiguous()
+    if seqlen_k == 0:
+        dq.zero_()
+        return dq, dk, dv
+    with torch.cuda.device(q.device):
+        launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic)
+    return dq, dk, dv

@@ -1,0 +1,129 @@
+"""Where the bench header's commit comes from, and what ``hopper-flash bench``
+says when the ``bench`` extra is missing (no GPU needed)."""
+import argparse
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hopper_flash.bench import cli, environment
+
+PACKAGE = Path(environment.__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+
+
+def git(cwd, *args):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main",
+                           *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def make_repo(path: Path, project_name: str | None) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    if project_name:
+        (path / "pyproject.toml").write_text(f'[project]\nname = "{project_name}"\n')
+    (path / "README").write_text("x\n")
+    git(path, "init", "-q")
+    git(path, "add", "-A")
+    git(path, "commit", "-q", "-m", "init")
+    return git(path, "rev-parse", "HEAD")
+
+
+def copy_package(dest: Path) -> Path:
+    shutil.copytree(PACKAGE, dest / "hopper_flash", ignore=shutil.ignore_patterns("__pycache__"))
+    return dest / "hopper_flash"
+
+
+def test_copy_inside_another_repository_names_no_commit(tmp_path, monkeypatch):
+    monkeypatch.delenv("HOPPER_FLASH_COMMIT", raising=False)
+    make_repo(tmp_path / "outer", "someone_elses_project")
+    copy_top = tmp_path / "outer" / "vendor" / "hf"
+    copy_top.mkdir(parents=True)
+    (copy_top / "pyproject.toml").write_text('[project]\nname = "hopper_flash"\n')
+    pkg = copy_package(copy_top)
+    assert environment._git_commit(pkg) is None
+
+
+def test_package_at_the_top_of_another_projects_repository_names_no_commit(tmp_path, monkeypatch):
+    monkeypatch.delenv("HOPPER_FLASH_COMMIT", raising=False)
+    make_repo(tmp_path / "other", "other_project")
+    pkg = copy_package(tmp_path / "other")
+    assert environment._git_commit(pkg) is None
+
+
+def test_hopper_flash_checkout_names_its_commit(tmp_path, monkeypatch):
+    monkeypatch.delenv("HOPPER_FLASH_COMMIT", raising=False)
+    top = tmp_path / "checkout"
+    top.mkdir()
+    copy_package(top)
+    head = make_repo(top, "hopper_flash")
+    commit = environment._git_commit(top / "hopper_flash")
+    assert commit is not None and head.startswith(commit.removesuffix("-dirty"))
+
+
+def test_environment_variable_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOPPER_FLASH_COMMIT", "abc1234")
+    assert environment._git_commit(tmp_path) == "abc1234"
+
+
+def test_missing_bench_extra_names_the_install_command(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "rich" else real(name, *a))
+    assert cli.missing_extras(argparse.Namespace(plot=None)) == ["rich"]
+    assert cli.main(["bench", "--seqlen", "128"]) == 2
+    assert "pip install 'hopper_flash[bench]'" in capsys.readouterr().err
+
+
+def test_plot_needs_matplotlib(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert cli.missing_extras(argparse.Namespace(plot="x.png")) == ["matplotlib"]
+    assert cli.missing_extras(argparse.Namespace(plot=None)) == []
+
+
+# --- --variant: kernel variants timed next to the shipped configs ------------
+
+
+def test_parse_variant():
+    from hopper_flash.bench.backends import parse_variant
+
+    assert parse_variant("k_stages=3,v_stages=3") == {"k_stages": 3, "v_stages": 3}
+    assert parse_variant("persistent=False") == {"persistent": False}
+    for bad in ("bogus=1", "k_stages", "", "k_stages=three", "head_dim=64"):
+        with pytest.raises(ValueError, match="--variant"):
+            parse_variant(bad)
+
+
+def test_variant_backend_runs_the_variant_and_restores_the_shipped_config(monkeypatch):
+    import hopper_flash
+    from hopper_flash import plan
+    from hopper_flash.bench.backends import variant_backend
+    from hopper_flash.bench.configs import Config
+
+    shipped = plan.CONFIGS[128]
+    seen = []
+
+    def spy(q, k, v, softmax_scale=None, causal=False):
+        seen.append(plan.CONFIGS[128])
+        return q
+
+    monkeypatch.setattr(hopper_flash, "flash_attn_func", spy)
+    backend = variant_backend("k_stages=3,pingpong=True")
+    assert backend.name == "hopper_flash[k_stages=3,pingpong=True]"
+    fn = backend.build(Config(seqlen=64, headdim=128), "q", "k", "v", 0.1)
+    assert fn() == "q"
+    assert seen[0].k_stages == 3 and seen[0].pingpong and seen[0].v_stages == shipped.v_stages
+    assert plan.CONFIGS[128] is shipped
+
+
+def test_bad_variant_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--seqlen", "128", "--variant", "bogus=1"])
+    assert e.value.code == 2
+    assert "unknown ForwardConfig field" in capsys.readouterr().err
