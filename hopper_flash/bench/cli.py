@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                            ("seqlen", "seqlen_k", "batch", "heads", "kv_heads", "headdim", "causal", "dtype")))
     run = p.add_argument_group("running")
     run.add_argument("--backends", nargs="+", choices=BACKEND_NAMES, metavar="NAME",
-                     help=f"subset to run, from: {', '.join(BACKEND_NAMES)} (default: all)")
+                     help=f"subset to run, from: {', '.join(BACKEND_NAMES)} (default: all but the KV-cache APIs, "
+                          "hopper_flash-kvcache and fa3-kvcache)")
     # do_bench takes time budgets, not counts; the number of timed calls made
     # is recorded in each result ("reps").
     run.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
@@ -103,7 +104,7 @@ def _fields(cfg: Config) -> dict:
 
 def select_backends(backends: Sequence[Backend], names: Sequence[str] | None) -> list[Backend]:
     if not names:
-        return list(backends)
+        return [b for b in backends if b.default]
     return [b for b in backends if b.name in names]
 
 

@@ -12,7 +12,7 @@ import math
 from typing import Callable, Sequence
 
 from .backends import CUDNN, Backend, Unsupported
-from .configs import Config, attention_flops
+from .configs import Config, attention_flops, kv_bytes
 from .reference import compute_reference, judge_output
 from .results import ERROR, FAIL, OK, UNAVAILABLE, UNSUPPORTED, Result
 from .timing import Timer
@@ -94,6 +94,7 @@ def run_config(
             fn = out = None  # free this backend's memory before the next one
         r.median_ms, r.min_ms, r.max_ms, r.reps = t.median_ms, t.min_ms, t.max_ms, t.reps
         r.tflops = flops / (t.median_ms * 1e-3) / 1e12
+        r.kv_tbs = kv_bytes(cfg) / (t.median_ms * 1e-3) / 1e12
         if matmul_tflops:
             r.pct_matmul = 100.0 * r.tflops / matmul_tflops
     _add_cudnn_ratio(results)
