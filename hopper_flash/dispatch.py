@@ -79,9 +79,9 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     gaps = seqused_q is not None
     if out is None:
         out = (torch.zeros if gaps else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out must match q's shape, dtype and device, got {tuple(out.shape)} {out.dtype} "
-                         f"on {out.device}")
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous and match q's shape, dtype and device, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
     if return_lse:
         lse = (torch.full((nheads, total_q), -math.inf, dtype=torch.float32, device=q.device) if gaps
                else torch.empty((nheads, total_q), dtype=torch.float32, device=q.device))
