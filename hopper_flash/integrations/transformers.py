@@ -12,11 +12,12 @@ What ``register()`` does, for the installed transformers:
 
 * registers :func:`hopper_flash_attention_forward` in transformers'
   ``AttentionInterface`` under ``"hopper_flash"``;
-* registers transformers' FlashAttention mask function under the same name in
-  ``AttentionMaskInterface`` (transformers >= 4.53), as a FlashAttention
-  kernel is integrated: once per model forward it reduces the 2-D padding
-  mask to ``None`` when nothing is padded and otherwise passes the 2-D
-  ``[batch, seqlen_k]`` mask on, which the backend turns into a varlen call;
+* registers :func:`padding_mask` (transformers' FlashAttention mask function,
+  traceable) under the same name in ``AttentionMaskInterface`` (transformers
+  >= 4.53), as a FlashAttention kernel is integrated: once per model forward
+  it reduces the 2-D padding mask to ``None`` when nothing is padded and
+  otherwise passes the 2-D ``[batch, seqlen_k]`` mask on, which the backend
+  turns into a varlen call;
 * transformers 5.x treats every implementation name containing ``"flash"`` as
   a FlashAttention variant and tries to import a FlashAttention kernel for it
   while checking the name (``set_attn_implementation``, ``from_pretrained``),
@@ -68,7 +69,7 @@ import functools
 
 import torch
 
-__all__ = ["NAME", "register", "is_registered", "hopper_flash_attention_forward"]
+__all__ = ["NAME", "register", "is_registered", "hopper_flash_attention_forward", "padding_mask"]
 
 NAME = "hopper_flash"
 
@@ -383,6 +384,28 @@ def _allow_flash_named_backend(transformers) -> None:
     modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
 
 
+def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, **kwargs):
+    """The mask function registered for NAME: FlashAttention's (transformers'
+    ``flash_attention_mask``), i.e. None when nothing is padded, else the 2-D
+    ``[batch, kv_length]`` padding mask, which the backend turns into a varlen
+    call. Built once per model forward, not per layer.
+
+    Unlike transformers' own, it never asks the device whether the mask is
+    all ones while torch.compile traces (a data-dependent branch would break
+    ``fullgraph=True``): traced, a 2-D mask always takes the varlen path,
+    which computes the same for an unpadded batch. Eager, that one check per
+    forward keeps unpadded batches on the copy-free fixed-length path."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if torch.compiler.is_compiling():
+        return attention_mask
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
 def register() -> str:
     """Register ``"hopper_flash"`` with transformers; return that name.
 
@@ -397,8 +420,7 @@ def register() -> str:
     except ImportError:
         pass  # transformers < 4.53: models build their own 4-D masks, which the backend checks
     else:
-        # FlashAttention's: None when nothing is padded, else the 2-D padding mask (varlen path).
-        AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"])
+        AttentionMaskInterface.register(NAME, padding_mask)
     _allow_flash_named_backend(transformers)
     return NAME
 
