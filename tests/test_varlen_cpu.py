@@ -507,3 +507,30 @@ def test_padded_rows_never_overlap_for_random_batches():
             assert stat0 % BM == 0 and stat0 >= end
             end = stat0 + -(-(c[b + 1] - c[b]) // BM) * BM
         assert end <= padded
+
+
+# ---------------------------------------------------------------- bench --varlen (CPU parts)
+
+def test_bench_varlen_config_and_flops():
+    from hopper_flash.bench import varlen as bv
+
+    assert bv.parse_range("512:8192") == (512, 8192)
+    with pytest.raises(ValueError, match="LO:HI"):
+        bv.parse_range("512")
+    with pytest.raises(ValueError, match="0 < LO <= HI"):
+        bv.VarlenConfig(lo=10, hi=5)
+    cfg = bv.VarlenConfig(lo=512, hi=8192)
+    lengths = cfg.lengths()
+    assert len(lengths) == 16 and all(512 <= n <= 8192 for n in lengths) and lengths == cfg.lengths()
+    # causal: half of 4·H·L²·D per sequence
+    assert bv.forward_flops([10, 20], 2, 8, True) == 2 * (100 + 400) * 2 * 8
+    assert bv.pass_flops(100, "fwd+bwd") == 350
+
+
+def test_bench_cli_varlen_option_errors(capsys):
+    from hopper_flash.bench import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--varlen", "8:x"])
+    assert e.value.code == 2
+    assert "--varlen takes LO:HI" in capsys.readouterr().err
