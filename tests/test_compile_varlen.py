@@ -98,3 +98,27 @@ def test_backward_varlen_compiles(spec):
     assert counts["UTMASTG"] == 0, "varlen dK/dV are stored predicated per sequence, not by TMA"
     assert "UTMAREDG" in r.sass, "dQ is still summed with the TMA reduce-add"
     assert 0 < r.shared_bytes <= compile_check.SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("varlen,seqused", [(False, False), (True, False), (True, True)],
+                         ids=["fixed", "varlen", "varlen-seqused"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_backward_pre_and_postprocess_compile(varlen, seqused, head_dim):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hopper_flash.kernels.backward_pre import _bwd_postprocess_kernel, _bwd_preprocess_kernel
+
+    flags = {"BLOCK": 64, "HEAD_DIM": head_dim, "BLOCK_M": 64, "VARLEN": varlen, "SEQUSED": seqused}
+    pre = {"o_ptr": "*bf16", "do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "lse2_ptr": "*fp32",
+           "cu_ptr": "*i32", "used_ptr": "*i32", **{n: "i32" for n in (
+               "so_b", "so_s", "so_h", "sdo_b", "sdo_s", "sdo_h", "slse_b", "slse_h", "seqlen_q",
+               "seqlen_q_rounded", "num_heads")}, **{n: "constexpr" for n in flags}}
+    post = {"acc_ptr": "*fp32", "dq_ptr": "*bf16", "cu_ptr": "*i32", "used_ptr": "*i32",
+            **{n: "i32" for n in ("sdq_b", "sdq_s", "sdq_h", "seqlen_q", "seqlen_q_rounded", "num_heads")},
+            "scale": "fp32", **{n: "constexpr" for n in flags}}
+    for kernel, sig in ((_bwd_preprocess_kernel, pre), (_bwd_postprocess_kernel, post)):
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs=flags), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4})
+        assert compiled.asm["cubin"]
