@@ -227,3 +227,21 @@ def test_backward_equals_each_sequence_alone():
         torch.testing.assert_close(dq[qs:qs + nq], ga[0][0], atol=5e-3, rtol=2e-2)
         torch.testing.assert_close(dk[ks:ks + nk], ga[1][0], atol=5e-3, rtol=2e-2)
         torch.testing.assert_close(dv[ks:ks + nk], ga[2][0], atol=5e-3, rtol=2e-2)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_forward_writes_exactly_the_live_rows(d):
+    """A NaN-poisoned output buffer: every live row is written (finite, judged), every gap row past
+    seqused_q keeps its NaN (no tile writes into rows outside its sequence's live part)."""
+    from hopper_flash import dispatch
+
+    lq, lk = [300, 140, 90, 33, 129], [310, 150, 40, 260, 129]
+    used_q, used_k = [257, 100, 0, 33, 1], [300, 129, 40, 1, 129]
+    q, k, v, cq, ck, uq, uk = make(lq, lk, 8, 2, d, used_q=used_q, used_k=used_k, seed=9)
+    out = torch.full_like(q, math.nan)
+    out, lse = dispatch.forward_varlen(q, k, v, cq, ck, 257, 300, uq, uk, None, True, True, out=out)
+    live = live_mask(q.shape[0], cq, uq)
+    assert out[~live].isnan().all(), "a tile wrote outside its sequence's live rows"
+    ref, _ = varlen_reference(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)
+    base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)
+    assert_judged("out", out[live], ref[live].to(out.device), base[live])
