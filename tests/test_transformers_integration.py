@@ -647,3 +647,44 @@ def test_llama_compiled_forward_with_padding_gpu():
         ref = model(ids, attention_mask=mask).logits.float()
     live = mask.bool()
     assert rel_fro_err(out[live], ref[live]) < 1e-2
+
+
+@pytest.fixture
+def varlen_op_on_cpu(monkeypatch):
+    """A CPU kernel for hopper_flash::varlen_fwd (the float32 stand-in), scoped to the test, and the
+    device checks relaxed: lets torch.compile trace and run the whole varlen path on this machine."""
+    from hopper_flash import checks
+
+    def cpu_impl(q, k, v, cq, ck, uq, uk, mq, mk, scale, causal, deterministic=False):
+        out = _varlen_stand_in(q, k, v, cq, ck, mq, mk, seqused_q=uq, seqused_k=uk, softmax_scale=scale,
+                               causal=causal)
+        return out, torch.zeros(q.shape[1], q.shape[0])
+
+    monkeypatch.setattr(checks, "check_cuda", lambda t, name="q": None)
+    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
+    with torch.library._scoped_library("hopper_flash", "IMPL") as lib:
+        lib.impl("varlen_fwd", cpu_impl, "CPU")
+        yield
+
+
+@pytest.mark.parametrize("how", ["padded", "packed"])
+def test_llama_compiled_fullgraph_varlen_cpu(registered, varlen_op_on_cpu, how):
+    """torch.compile(fullgraph=True) of a model forward traces the padded and the packed varlen paths
+    (no graph break: no host sync, no data-dependent branch) and computes what eager does."""
+    model = _set_attn(_llama(num_hidden_layers=1).to(torch.bfloat16), NAME)
+    gen = torch.Generator().manual_seed(15)
+    seqs = [torch.randint(1, 1000, (n,), generator=gen) for n in (9, 4, 13)]
+    if how == "padded":
+        ids, mask = _pad_batch(seqs, "left")
+        kwargs = dict(attention_mask=mask)
+        live = mask.bool()
+    else:
+        ids, position_ids, cu = _packed(seqs)
+        kwargs = dict(position_ids=position_ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=13,
+                      max_length_k=13)
+        live = torch.ones_like(ids, dtype=torch.bool)
+    ref = model(ids, **kwargs).logits.detach()  # parameters require grad: the custom-op path, as compiled
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, fullgraph=True, backend="eager")(ids, **kwargs).logits
+    torch.testing.assert_close(out[live], ref[live])
