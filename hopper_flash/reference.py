@@ -48,6 +48,7 @@ __all__ = [
     "check_attention",
     "check_attention_grads",
     "grads_abs_tol",
+    "judge_grads",
     "judge",
     "judge_lse",
     "max_abs_err",
@@ -520,6 +521,7 @@ def judge(
         raise ValueError(f"{name}: shapes differ: value {tuple(value.shape)}, reference {tuple(reference.shape)}, "
                          f"baseline {tuple(baseline.shape)}")
     device = value.device
+    value = value.detach()
     reference, baseline = reference.detach().to(device), baseline.detach().to(device)
     mismatch = _nonfinite_mismatch(name, value, reference)
     if mismatch:
@@ -673,12 +675,20 @@ def check_attention_grads(grads, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                     key_rows=key_rows)
     base = attention_baseline_grads(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, rows=rows,
                                     key_rows=key_rows)
-    abs_tol = grads_abs_tol(ref, q.dtype)
-    row_idx = None if rows is None else _row_index(rows, q.shape[1], q.device)
-    key_idx = None if key_rows is None else _row_index(key_rows, k.shape[1], q.device)
+    return judge_grads(grads, ref, base, shapes=(q.shape, k.shape, v.shape), rows=rows, key_rows=key_rows,
+                       abs_tol=grads_abs_tol(ref, q.dtype), names=names)
+
+
+def judge_grads(grads, reference_grads, baseline_grads, *, shapes, rows=None, key_rows=None,
+                abs_tol: float | None = None, names: tuple[str, str, str] = GRAD_NAMES) -> list[Verdict]:
+    """The judging half of :func:`check_attention_grads`, for callers that
+    judge many backends against one reference (the bench): ``grads`` full
+    (shaped ``shapes``: q's, k's, v's), ``reference_grads`` and
+    ``baseline_grads`` on the sampled ``rows`` (dq) / ``key_rows`` (dk, dv)
+    when those are given."""
     verdicts = []
-    for name, g, r, b, shape, idx in zip(names, grads, ref, base, (q.shape, k.shape, v.shape),
-                                         (row_idx, key_idx, key_idx)):
+    for i, (name, g, r, b, shape) in enumerate(zip(names, grads, reference_grads, baseline_grads, shapes)):
+        idx = rows if i == 0 else key_rows
         if tuple(g.shape) != tuple(shape):
             verdicts.append(Verdict(name, False, f"{name}: FAIL: shape {tuple(g.shape)}, expected {tuple(shape)}"))
             continue
@@ -687,7 +697,9 @@ def check_attention_grads(grads, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             verdicts.append(Verdict(name, False, f"{name}: FAIL: {bad} non-finite elements (gradients are "
                                     f"finite everywhere)"))
             continue
-        verdicts.append(judge(name, g if idx is None else g[:, idx], r, b, abs_tol=abs_tol))
+        if idx is not None:
+            g = g[:, _row_index(idx, shape[1], g.device)]
+        verdicts.append(judge(name, g, r, b, abs_tol=abs_tol))
     return verdicts
 
 

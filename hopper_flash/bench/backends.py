@@ -33,6 +33,9 @@ class Backend:
     name: str
     check: Callable[[], str | None]
     build: Callable[..., AttnFn]  # (cfg, q, k, v, scale) -> fn returning BSHD output
+    # Timed in the "bwd"/"fwd+bwd" passes: build gets requires_grad leaves and
+    # the output is differentiated by autograd.
+    grad: bool = True
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -228,7 +231,8 @@ def all_backends() -> list[Backend]:
         Backend("sdpa-cudnn", torch_check, _build_sdpa("CUDNN_ATTENTION")),
         Backend("sdpa-flash", torch_check, _build_sdpa("FLASH_ATTENTION")),
         Backend("sdpa-efficient", torch_check, _build_sdpa("EFFICIENT_ATTENTION")),
-        Backend("flex-compiled", _flex_check, _build_flex),
+        # A compiled flex backward per config is a compile-time benchmark more than a kernel one.
+        Backend("flex-compiled", _flex_check, _build_flex, grad=False),
         Backend("fa3", _import_check("flash_attn_interface", "flash_attn_func"), _build_flash_attn("flash_attn_interface")),
         Backend("fa2", _import_check("flash_attn", "flash_attn_func"), _build_flash_attn("flash_attn")),
     ]
