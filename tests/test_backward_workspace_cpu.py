@@ -35,6 +35,8 @@ def captured(monkeypatch):
     monkeypatch.setattr(backward_kernels, "attention_backward_kernel", FakeKernel())
     monkeypatch.setattr(plan_backward, "_descriptor", lambda t, block: t)
     monkeypatch.setattr(plan_backward, "_fp32_descriptor", lambda t, block: t)
+    monkeypatch.setattr(plan_backward, "_COMPILED", {})
+    monkeypatch.setattr(plan_backward, "FAST_LAUNCH", False)
     return seen
 
 
