@@ -6,6 +6,7 @@ from . import _triton_support
 _triton_support.check_supported()
 
 from .interface import flash_attn_func, scaled_dot_product_attention  # noqa: E402
+from .kvcache import flash_attn_with_kvcache  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["flash_attn_func", "scaled_dot_product_attention", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_with_kvcache", "scaled_dot_product_attention", "__version__"]

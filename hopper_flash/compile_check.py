@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
-from .plan import CONFIGS, ForwardConfig, block_shapes, compile_options, kernel_constexprs, smem_layout
+from .plan import CONFIGS, PREFILL, ForwardConfig, Mode, block_shapes, compile_options, kernel_constexprs, smem_layout
 
 # Hopper's per-block shared-memory limit with the opt-in carve-out.
 SMEM_LIMIT_BYTES = 227 * 1024
@@ -52,7 +52,8 @@ def _bindir() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = True, write_lse: bool = False):
+def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = True, write_lse: bool = False,
+                    mode: Mode = PREFILL):
     """Return the compiled kernel object for sm_90a (no GPU needed)."""
     import torch
     import triton
@@ -67,14 +68,19 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
     def desc_sig(block):
         return f"tensordesc<{sig_dtype}[{', '.join(map(str, block))}],{smem_layout(block, tdtype)!r}>"
 
-    blocks = block_shapes(cfg)
-    constexprs = kernel_constexprs(cfg, causal, write_lse)
+    blocks = block_shapes(cfg, mode.pack_g)
+    constexprs = kernel_constexprs(cfg, causal, write_lse, mode)
     signature = {
         "q_desc": desc_sig(blocks["q"]),
         "k_desc": desc_sig(blocks["k"]),
         "v_desc": desc_sig(blocks["v"]),
         "o_desc": desc_sig(blocks["o"]),
         "lse_ptr": "*fp32",
+        "seqused_ptr": "*i32",
+        "kv_batch_ptr": "*i32",
+        "page_table_ptr": "*i32",
+        "o_part_ptr": "*fp32",
+        "lse_part_ptr": "*fp32",
         "seqlen_q": "i32",
         "seqlen_k": "i32",
         "num_heads": "i32",
@@ -82,15 +88,19 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "batch": "i32",
         "qk_scale": "fp32",
         "softmax_scale": "fp32",
+        "num_splits": "i32",
+        "pair": "i32",
+        "page_stride": "i32",
     }
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(attention_forward_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(cfg))
 
 
-def census(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = True, write_lse: bool = False) -> CompileReport:
+def census(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = True, write_lse: bool = False,
+           mode: Mode = PREFILL) -> CompileReport:
     """Compile and read registers, stack, shared memory and SASS opcode counts."""
-    compiled = compile_forward(cfg, dtype, causal, write_lse)
+    compiled = compile_forward(cfg, dtype, causal, write_lse, mode)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
         cubin = f.name

@@ -38,9 +38,12 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None):
         if lse is not None:
             lse.fill_(-math.inf)
     else:
+        # num_splits=0, pack_gqa=None: the decode heuristics (split-KV,
+        # PackGQA) take over when seqlen_q is small next to seqlen_k; large
+        # problems get the plain prefill kernel.
         if q.device.index != torch.cuda.current_device():
             with torch.cuda.device(q.device):
-                plan.launch_forward(q, k, v, out, lse, softmax_scale, causal)
+                plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None)
         else:
-            plan.launch_forward(q, k, v, out, lse, softmax_scale, causal)
+            plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None)
     return (out, lse) if return_lse else out

@@ -113,8 +113,31 @@ def use_variant(spec: str) -> dict:
     return fields
 
 
+@dataclass(frozen=True)
+class Mode:
+    """The decode / KV-cache switches of the forward kernel (kernels/forward.py).
+
+    ``Mode()`` is plain prefill over exact-length BSHD K and V."""
+
+    # PackGQA: the query rows of the pack_g heads sharing a KV head share one
+    # tile (a power of two dividing 64; 1 = off).
+    pack_g: int = 1
+    # Split-KV: fp32 partials merged by kernels/combine.py.
+    split: bool = False
+    # Per-batch key lengths from an int32 device tensor; K/V a cache whose
+    # tail past the live length is never trusted.
+    seqused: bool = False
+    # cache_batch_idx: batch b reads cache row kv_batch[b].
+    kv_batch: bool = False
+    # Paged K/V [num_pages, page_size, Hkv, D] (page_size a multiple of block_n); 0 = not paged.
+    page_size: int = 0
+
+
+PREFILL = Mode()
+
+
 @lru_cache(maxsize=None)
-def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool) -> dict:
+def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: Mode = PREFILL) -> dict:
     """The constexpr arguments of ``attention_forward_kernel`` for a config."""
     return dict(
         BLOCK_M=cfg.block_m,
@@ -130,17 +153,25 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool) -> dict
         ABLATE=cfg.ablate,
         PERSISTENT=cfg.persistent,
         O_IN_Q=cfg.o_in_q,
+        PACK_G=mode.pack_g,
+        SPLIT=mode.split,
+        SEQUSED=mode.seqused,
+        KV_BATCH=mode.kv_batch,
+        PAGE_SIZE=mode.page_size,
     )
 
 
-def block_shapes(cfg: ForwardConfig) -> dict[str, list[int]]:
+def block_shapes(cfg: ForwardConfig, pack_g: int = 1) -> dict[str, list[int]]:
     """TMA boxes over the rank-4 ``[B, S, H, D]`` view: one head, ``rows`` of
-    the sequence, the whole head dim. Q and O move per consumer warpgroup."""
+    the sequence, the whole head dim. Q and O move per consumer warpgroup;
+    under PackGQA a Q/O box holds ``64 / g`` query rows of ``g`` adjacent heads,
+    which in BSHD is exactly the packed (head-fastest) tile."""
+    half = cfg.block_m // 2
     return {
-        "q": [1, cfg.block_m // 2, 1, cfg.head_dim],
+        "q": [1, half // pack_g, pack_g, cfg.head_dim],
         "k": [1, cfg.block_n, 1, cfg.head_dim],
         "v": [1, cfg.block_n, 1, cfg.head_dim],
-        "o": [1, cfg.block_m // 2, 1, cfg.head_dim],
+        "o": [1, half // pack_g, pack_g, cfg.head_dim],
     }
 
 
@@ -164,16 +195,63 @@ def smem_layout(block_shape, torch_dtype):
 MAX_WORK_ITEMS = 2**31 - 1
 
 
-def grid(batch: int, nheads: int, seqlen_q: int, cfg: ForwardConfig, device: int | None = None) -> tuple[int, int, int]:
-    """Grid axis x only (kernels/scheduler.py maps CTAs to work items).
+def work_items(batch: int, nheads: int, seqlen_q: int, cfg: ForwardConfig, mode: Mode = PREFILL,
+               num_splits: int = 1) -> int:
+    """(query tile, split, head, batch) items; under PackGQA a head is a KV head."""
+    return triton_cdiv(seqlen_q * mode.pack_g, cfg.block_m) * num_splits * (nheads // mode.pack_g) * batch
 
-    Non-persistent: one CTA per (query tile, head, batch). Persistent: one per
-    SM of ``device`` (default: the current one), at most one per pair of work
-    items, since items are dealt out in pairs."""
-    items = triton_cdiv(seqlen_q, cfg.block_m) * nheads * batch
+
+def deal(items: int, cfg: ForwardConfig, device: int | None = None) -> tuple[int, int]:
+    """(grid size, items dealt per turn) for ``items`` work items.
+
+    Non-persistent: one CTA per item. Persistent: one per SM of ``device``
+    (default: the current one), at most one per group of items dealt
+    together. Items are dealt singly when there are no more than SMs: each
+    SM gets one item, where pairs would have left half of them idle (128
+    items on 64 of 132 SMs). With more items than SMs they go in zig-zag
+    pairs even below two per SM: a CTA with two single items could get the
+    two longest causal tiles (2n tile-steps), a pair costs n + 1."""
     if not cfg.persistent:
-        return (items, 1, 1)
-    return (min(sm_count(device), triton_cdiv(items, 2)), 1, 1)
+        return items, 1
+    sms = sm_count(device)
+    pair = 2 if items > sms else 1
+    return min(sms, triton_cdiv(items, pair)), pair
+
+
+def grid(batch: int, nheads: int, seqlen_q: int, cfg: ForwardConfig, device: int | None = None,
+         mode: Mode = PREFILL, num_splits: int = 1) -> tuple[int, int, int]:
+    """Grid axis x only (kernels/scheduler.py maps CTAs to work items)."""
+    return (deal(work_items(batch, nheads, seqlen_q, cfg, mode, num_splits), cfg, device)[0], 1, 1)
+
+
+# ---- Decode heuristics (FA3's rules, shared/notes/varlen-decode.md §5-6) ----
+
+def choose_pack_gqa(seqlen_q: int, group: int, block_m: int = 128) -> bool:
+    """Pack when the query tiles fill better packed: fill(Sq) < 0.9 fill(Sq * g).
+    Only for g a power of two dividing 64 (the TMA box [1, 64/g, g, D])."""
+    if group <= 1 or group > 64 or group & (group - 1):
+        return False
+
+    def fill(rows):
+        return rows / (triton_cdiv(rows, block_m) * block_m)
+
+    return fill(seqlen_q) < 0.9 * fill(seqlen_q * group)
+
+
+def choose_num_splits(tiles: int, n_blocks: int, sms: int) -> int:
+    """Split count for ``tiles`` (query tile, head, batch) items over
+    ``n_blocks`` KV tiles: none when the items (nearly) fill the GPU or the
+    keys are few; else the smallest count whose wave efficiency is within
+    0.85 of the best."""
+    if tiles >= 0.8 * sms or n_blocks <= 4:
+        return 1
+    max_splits = min(128, sms, n_blocks)
+    effs = []
+    for s in range(1, max_splits + 1):
+        waves = tiles * s / sms
+        effs.append(waves / math.ceil(waves))
+    best = max(effs)
+    return next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
 
 
 @lru_cache(maxsize=None)
@@ -252,12 +330,56 @@ def compile_options(cfg: ForwardConfig) -> dict:
 _COMPILED: dict[tuple, object] = {}
 
 
-def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: ForwardConfig | None = None) -> None:
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything about a launch that depends only on shapes and flags."""
+
+    cfg: ForwardConfig
+    mode: Mode
+    num_splits: int
+    n_ctas: int
+    pair: int
+    key: tuple
+    constexprs: dict
+    constexpr_values: tuple
+
+
+@lru_cache(maxsize=4096)
+def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, seqlen_k, cfg, page_size, seqused, kv_batch,
+                 num_splits, pack_gqa, causal, write_lse) -> LaunchPlan:
+    """Mode, split count and grid for a launch (cached: decode steps repeat
+    the same shapes, and this is host time on every step)."""
+    group = nheads // nheads_kv
+    if pack_gqa is None:
+        pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m)
+    pack_g = group if pack_gqa else 1
+    tiles = work_items(batch, nheads, seqlen_q, cfg, Mode(pack_g=pack_g))
+    n_blocks = triton_cdiv(seqlen_k, cfg.block_n)
+    if num_splits == 0:
+        num_splits = choose_num_splits(tiles, n_blocks, sm_count(device))
+    num_splits = max(1, min(num_splits, n_blocks))
+    mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size)
+    n_ctas, pair = deal(tiles * num_splits, cfg, device)
+    kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
+    constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
+    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, (device, dtype, causal, kernel_lse, cfg, mode), constexprs,
+                      tuple(constexprs.values()))
+
+
+def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: ForwardConfig | None = None,
+                   *, seqused_k=None, kv_batch=None, page_table=None, num_splits: int = 1,
+                   pack_gqa: bool | None = False) -> None:
     """Launch the forward kernel on the current stream of q's device.
 
     Arguments are assumed validated (``hopper_flash.interface``): BSHD,
     supported dtype and head dim, TMA-compatible strides, non-empty, and q's
     device current.
+
+    Decode modes: ``seqused_k`` (int32 [B], live keys per batch; k and v are
+    then a cache of any length), ``kv_batch`` (int32 [B], cache row per
+    batch), ``page_table`` (int32 [B, max_pages]; k and v are
+    [num_pages, page_size, Hkv, D] with page_size a multiple of block_n),
+    ``num_splits`` (0: heuristic) and ``pack_gqa`` (None: heuristic).
 
     The first launch of a specialisation goes through Triton's JIT (compile,
     cache). Later launches call the compiled kernel's launcher directly: the
@@ -267,26 +389,71 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     checked (``FAST_LAUNCH`` false) every launch takes the JIT's.
     """
     batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    cfg = cfg or CONFIGS[head_dim]
+    device = q.device.index
+    paged = page_table is not None
+    # Paged: the page table's extent bounds the key length; seqused_k holds the lengths.
+    seqlen_k = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
     write_lse = lse is not None
-    key = (q.device.index, q.dtype, causal, write_lse, cfg)
-    g = grid(batch, nheads, seqlen_q, cfg, q.device.index)
-    scalars = (seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, softmax_scale * LOG2E, softmax_scale)
-    lse_arg = lse if write_lse else out
-    kernel = _COMPILED.get(key)
+    lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], seqlen_k, cfg or CONFIGS[head_dim],
+                      k.shape[1] if paged else 0, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
+                      bool(causal), write_lse)
+    cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
+    if mode.split:
+        # One allocation for both partials: fp32 O [splits, B, Sq, H, D], then LSE [splits, B, H, Sq].
+        n_o = num_splits * batch * seqlen_q * nheads * head_dim
+        part = torch.empty(n_o + num_splits * batch * nheads * seqlen_q, dtype=torch.float32, device=q.device)
+        o_part = part[:n_o].view(num_splits, batch, seqlen_q, nheads, head_dim)
+        lse_part = part[n_o:].view(num_splits, batch, nheads, seqlen_q)
+    else:
+        o_part = lse_part = out
+    ptrs = (lse if write_lse else out, seqused_k if seqused_k is not None else out,
+            kv_batch if kv_batch is not None else out, page_table if paged else out, o_part, lse_part)
+    page_stride = page_table.stride(0) if paged else 0
+    scalars = (seqlen_q, seqlen_k, nheads, nheads // k.shape[2], batch, softmax_scale * LOG2E, softmax_scale,
+               num_splits, lp.pair, page_stride)
+    kernel = _COMPILED.get(lp.key)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
         # First launch, an unchecked triton, or a profiler hook is installed
         # (it wants the JIT's launch metadata): take Triton's regular path.
         from .kernels.forward import attention_forward_kernel
 
-        blocks = block_shapes(cfg)
+        blocks = block_shapes(cfg, mode.pack_g)
         descs = (_descriptor(q, blocks["q"]), _descriptor(k, blocks["k"]), _descriptor(v, blocks["v"]),
                  _descriptor(out, blocks["o"]))
-        _COMPILED[key] = attention_forward_kernel[g](
-            *descs, lse_arg, *scalars, **kernel_constexprs(cfg, causal, write_lse), **compile_options(cfg))
+        _COMPILED[lp.key] = attention_forward_kernel[(lp.n_ctas, 1, 1)](
+            *descs, *ptrs, *scalars, **lp.constexprs, **compile_options(cfg))
+    else:
+        stream = driver.active.get_current_stream(device)
+        kernel.run(lp.n_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                   _Desc(q), _Desc(k), _Desc(v), _Desc(out), *ptrs, *scalars, *lp.constexpr_values)
+    if mode.split:
+        launch_combine(o_part, lse_part, out, lse)
+
+
+_COMBINE: dict[tuple, object] = {}
+
+
+def launch_combine(o_part, lse_part, out, lse) -> None:
+    """Merge split partials ``o_part`` [splits, B, Sq, H, D] fp32 and
+    ``lse_part`` [splits, B, H, Sq] into ``out`` (BSHD, head dim contiguous)
+    and ``lse`` [B, H, Sq] (or None). Like the forward, later launches skip
+    the JIT (the key holds what Triton specialises on: pointer alignment)."""
+    num_splits, batch, seqlen_q, nheads, head_dim = o_part.shape
+    lse_arg = lse if lse is not None else lse_part
+    args = (o_part, lse_part, out, lse_arg, num_splits, batch, seqlen_q, nheads,
+            out.stride(0), out.stride(1), out.stride(2))
+    constexprs = dict(HEAD_DIM=head_dim, S_MAX=max(16, 1 << (num_splits - 1).bit_length()),
+                      WRITE_LSE=lse is not None)
+    num_warps = 1 if head_dim <= 128 else 2
+    key = (out.device.index, out.dtype, tuple(constexprs.values()),
+           tuple(t.data_ptr() % 16 == 0 for t in args[:4]))
+    rows = batch * seqlen_q * nheads
+    kernel = _COMBINE.get(key)
+    if kernel is None or not FAST_LAUNCH or _launch_hooked():
+        from .kernels.combine import combine_kernel
+
+        _COMBINE[key] = combine_kernel[(rows,)](*args, **constexprs, num_warps=num_warps)
         return
-    stream = driver.active.get_current_stream(q.device.index)
-    kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-               _Desc(q), _Desc(k), _Desc(v), _Desc(out), lse_arg, *scalars,
-               *kernel_constexprs(cfg, causal, write_lse).values())
+    stream = driver.active.get_current_stream(out.device.index)
+    kernel.run(rows, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
+               *constexprs.values())

@@ -183,9 +183,10 @@ def test_sdpa_backend_backward_on_cpu_passes():
     assert all(r.status == OK for r in results), [r.message for r in results]
 
 
-def test_flex_is_forward_only_and_the_others_differentiate():
+def test_flex_and_kv_cache_backends_are_forward_only_and_the_others_differentiate():
     grads = {b.name: b.grad for b in all_backends()}
-    assert grads.pop("flex-compiled") is False
+    for name in ("flex-compiled", "hopper_flash-kvcache", "fa3-kvcache"):
+        assert grads.pop(name) is False, name
     assert all(grads.values())
 
 

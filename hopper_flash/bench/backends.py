@@ -33,6 +33,8 @@ class Backend:
     name: str
     check: Callable[[], str | None]
     build: Callable[..., AttnFn]  # (cfg, q, k, v, scale) -> fn returning BSHD output
+    # In the default run; the decode (KV-cache) APIs run on request (--backends).
+    default: bool = True
     # Timed in the "bwd"/"fwd+bwd" passes: build gets requires_grad leaves and
     # the output is differentiated by autograd.
     grad: bool = True
@@ -73,6 +75,37 @@ def _build_hopper_flash(cfg: Config, q, k, v, scale: float) -> AttnFn:
     return fn
 
 
+def _build_hopper_flash_kvcache(cfg: Config, q, k, v, scale: float) -> AttnFn:
+    """The decode API: k and v as a KV cache whose every row is live
+    (``cache_seqlens`` as a device tensor, as a serving loop passes it)."""
+    import torch
+
+    from hopper_flash import flash_attn_with_kvcache
+
+    seqlens = torch.full((cfg.batch,), cfg.seqlen_kv, dtype=torch.int32, device=q.device)
+
+    def fn():
+        try:
+            return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, softmax_scale=scale, causal=cfg.causal)
+        except (ValueError, NotImplementedError) as e:
+            raise Unsupported(str(e)) from e
+
+    return fn
+
+
+def _build_fa3_kvcache(cfg: Config, q, k, v, scale: float) -> AttnFn:
+    import torch
+
+    func = importlib.import_module("flash_attn_interface").flash_attn_with_kvcache
+    seqlens = torch.full((cfg.batch,), cfg.seqlen_kv, dtype=torch.int32, device=q.device)
+
+    def fn():
+        out = func(q, k, v, cache_seqlens=seqlens, softmax_scale=scale, causal=cfg.causal)
+        return out[0] if isinstance(out, tuple) else out
+
+    return fn
+
+
 # --- flash-attn 2 / 3 (BSHD, bottom-right causal, native GQA) ----------------
 
 
@@ -98,7 +131,9 @@ def _build_sdpa(backend_name: str) -> Callable[..., AttnFn]:
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        if cfg.causal and cfg.seqlen_q != cfg.seqlen_kv:
+        # One query row sees every key under the bottom-right mask: not causal.
+        causal = cfg.causal and cfg.seqlen_q > 1
+        if causal and cfg.seqlen_q != cfg.seqlen_kv:
             raise Unsupported(
                 "SDPA is_causal is top-left aligned; the bench uses bottom-right "
                 "(flash-attn) causal, which only agrees for equal q/kv lengths"
@@ -111,7 +146,7 @@ def _build_sdpa(backend_name: str) -> Callable[..., AttnFn]:
 
         def call():
             with sdpa_kernel(backend):
-                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=cfg.causal, scale=scale, **kwargs)
+                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale, **kwargs)
             return out.transpose(1, 2)
 
         # Probe once: a forced kernel that cannot take these inputs raises
@@ -228,12 +263,16 @@ def all_backends() -> list[Backend]:
     torch_check = _import_check("torch.nn.attention", "sdpa_kernel")
     return [
         Backend("hopper_flash", _import_check("hopper_flash", "flash_attn_func"), _build_hopper_flash),
+        Backend("hopper_flash-kvcache", _import_check("hopper_flash", "flash_attn_with_kvcache"),
+                _build_hopper_flash_kvcache, default=False, grad=False),
         Backend("sdpa-cudnn", torch_check, _build_sdpa("CUDNN_ATTENTION")),
         Backend("sdpa-flash", torch_check, _build_sdpa("FLASH_ATTENTION")),
         Backend("sdpa-efficient", torch_check, _build_sdpa("EFFICIENT_ATTENTION")),
         # A compiled flex backward per config is a compile-time benchmark more than a kernel one.
         Backend("flex-compiled", _flex_check, _build_flex, grad=False),
         Backend("fa3", _import_check("flash_attn_interface", "flash_attn_func"), _build_flash_attn("flash_attn_interface")),
+        Backend("fa3-kvcache", _import_check("flash_attn_interface", "flash_attn_with_kvcache"), _build_fa3_kvcache,
+                default=False, grad=False),  # the KV-cache APIs have no backward
         Backend("fa2", _import_check("flash_attn", "flash_attn_func"), _build_flash_attn("flash_attn")),
     ]
 

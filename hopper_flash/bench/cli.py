@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also report the peak GPU memory PyTorch allocates during one call of each cell "
                           "beyond what was allocated before it (torch.cuda.max_memory_allocated)")
     run.add_argument("--backends", nargs="+", choices=BACKEND_NAMES, metavar="NAME",
-                     help=f"subset to run, from: {', '.join(BACKEND_NAMES)} (default: all)")
+                     help=f"subset to run, from: {', '.join(BACKEND_NAMES)} (default: all but the KV-cache APIs, "
+                          "hopper_flash-kvcache and fa3-kvcache)")
     # do_bench takes time budgets, not counts; the number of timed calls made
     # is recorded in each result ("reps").
     run.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
@@ -113,7 +114,7 @@ def _fields(cfg: Config) -> dict:
 
 def select_backends(backends: Sequence[Backend], names: Sequence[str] | None) -> list[Backend]:
     if not names:
-        return list(backends)
+        return [b for b in backends if b.default]
     return [b for b in backends if b.name in names]
 
 

@@ -154,6 +154,14 @@ def causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
     return prefix(b) - prefix(a - 1)
 
 
+def kv_bytes(cfg: Config) -> int:
+    """Bytes of K and V one call must read at least once: 2 * B * Hkv * S_k * D
+    * element size. Decode (small S_q) is bound by reading them, so its speed
+    is this over the time, next to the HBM rate (~4.3 TB/s measured copy rate
+    on the H200)."""
+    return 2 * cfg.batch * cfg.nheads_kv * cfg.seqlen_kv * cfg.headdim * 2
+
+
 def attention_flops(cfg: Config) -> int:
     """Forward FLOPs: two matmuls (QK^T and PV), 2 FLOPs per multiply-add, so
     4 * B * H * S_q * S_k * D without a mask. H is the number of query heads

@@ -42,6 +42,8 @@ def header_lines(meta: dict) -> list[str]:
         f"commit: {meta.get('hopper_flash_commit') or 'unknown (not run from a hopper_flash checkout)'}",
         f"- bf16 matmul 8192³: {rate:.0f} TFLOP/s" if rate else "- bf16 matmul: not measured",
         f"- command: `{meta.get('command', '?')}`",
+        "- K/V TB/s: 2·B·Hkv·S_k·D·2 bytes of K and V per call over the median time; the H200's HBM "
+        "copy rate is ~4.3 TB/s (decode is bound by it)",
     ]
     return lines
 
@@ -65,6 +67,7 @@ def build_table(results: Sequence[Result]) -> tuple[Table, list[str]]:
     table.add_column("TFLOP/s", justify="right")
     table.add_column("% matmul", justify="right")
     table.add_column("vs cuDNN", justify="right")
+    table.add_column("K/V TB/s", justify="right")
     table.add_column("max err", justify="right")
     if with_memory:
         table.add_column("peak MiB", justify="right")
@@ -95,6 +98,7 @@ def build_table(results: Sequence[Result]) -> tuple[Table, list[str]]:
                 _num(r.tflops, ".0f"),
                 _num(r.pct_matmul, ".0f"),
                 "—" if r.speedup_vs_cudnn is None else f"{r.speedup_vs_cudnn:.2f}×",
+                _num(getattr(r, "kv_tbs", None), ".2f"),
             ]
             table.add_row(
                 label if first else "",

@@ -45,6 +45,7 @@ class Result:
     matmul_tflops: float | None = None
     pct_matmul: float | None = None  # tflops / matmul_tflops * 100
     speedup_vs_cudnn: float | None = None  # cuDNN median / this median; > 1 is faster
+    kv_tbs: float | None = None  # K/V bytes (configs.kv_bytes) / median time, TB/s
     max_abs_err: float | None = None
     tolerance: float | None = None  # the judge's max-abs limit for this cell (2x SDPA's error + a floor)
     rel_fro_err: float | None = None

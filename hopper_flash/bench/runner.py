@@ -13,7 +13,7 @@ import math
 from typing import Callable, Sequence
 
 from .backends import CUDNN, Backend, Unsupported
-from .configs import Config, attention_flops
+from .configs import Config, attention_flops, kv_bytes
 from .reference import compute_grad_reference, compute_reference, judge_grads, judge_output, make_grad_out
 from .results import ERROR, FAIL, OK, UNAVAILABLE, UNSUPPORTED, Result
 from .timing import Timer
@@ -201,6 +201,8 @@ def run_config(
             fn = out = grads = None  # free this backend's memory (and its autograd graph) before the next one
         r.median_ms, r.min_ms, r.max_ms, r.reps = t.median_ms, t.min_ms, t.max_ms, t.reps
         r.tflops = flops / (t.median_ms * 1e-3) / 1e12
+        if bench_pass == "fwd":  # the K/V read rate of a forward (decode's measure)
+            r.kv_tbs = kv_bytes(cfg) / (t.median_ms * 1e-3) / 1e12
         if matmul_tflops:
             r.pct_matmul = 100.0 * r.tflops / matmul_tflops
     _add_cudnn_ratio(results)

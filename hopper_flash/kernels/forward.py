@@ -25,6 +25,27 @@ state a consumer issues QK of tile ``it`` and PV of tile ``it - 1`` as two
 async wgmma groups, waits for the QK group alone, releases the K slot at once,
 and runs the softmax while PV is still on the tensor cores.
 
+Decode and chunked prefill run the same kernel in other *modes*
+(constexpr switches; ``plan.py`` picks them):
+
+* ``SEQUSED``: each batch's key length is read from an int32 device tensor
+  (``cache_seqlens`` after the append), K/V may be a larger cache
+  ``[B_cache, S_cache, Hkv, D]`` (``KV_BATCH``: row ``cache_batch_idx[b]``),
+  or pages ``[num_pages, PAGE_SIZE, Hkv, D]`` addressed through a page table
+  (``PAGE_SIZE`` a multiple of ``BLOCK_N``: the page is the TMA batch
+  coordinate). What lies past a row's live length is never trusted: scores
+  there are masked (``where`` also drops NaN) and V rows there are zeroed in
+  shared memory before PV, since 0 * NaN = NaN.
+* ``PACK_G`` > 1 (PackGQA): the query rows of the ``PACK_G`` heads that share
+  a KV head share one tile, head fastest: the TMA box ``[1, 64 / G, G, D]``
+  over BSHD is exactly that tile, so K and V are read once per KV head.
+* ``SPLIT``: the KV tiles of an item are split across ``num_splits`` items;
+  each writes a normalised fp32 partial O and its LSE straight from
+  registers, and ``combine.py`` merges them.
+* In these modes a consumer warpgroup whose 64 rows hold no query row (a
+  decode tile has ``seqlen_q * G`` live rows) only keeps the barrier rings
+  turning, so the tensor cores serve the live warpgroup alone.
+
 Tensors are addressed through rank-4 TMA descriptors over ``[B, S, H, D]``
 with boxes ``[1, rows, 1, D]``: the sequence axis is bounded per batch, so a
 tail tile reads zeros past ``seqlen`` and its stores are clipped there, and
@@ -40,10 +61,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .compat import tma_load, tma_store
-from .mask import apply_mask, kv_tile_count, tile_needs_mask
+from .compat import thread_barrier, tma_load, tma_store
+from .mask import apply_mask_packed, kv_split_range, tile_needs_mask_packed
 from .pipeline import pass_mma_turn, release, ring_slot, take_mma_turn, wait_empty, wait_full
-from .scheduler import local_tile_count, tile_coords
+from .scheduler import local_tile_count, work_coords
 from .softmax import softmax_finish, softmax_first, softmax_step
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
@@ -58,16 +79,81 @@ ABLATE_PV = gl.constexpr(2)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-              seqlen_q, seqlen_k, num_heads, kv_group, total_tiles,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
-    n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
-    kv0 = 0  # K/V loads issued for earlier work items: the rings' running order
-    for i in range(local_tile_count(total_tiles, PERSISTENT)):
-        bm, h, b = tile_coords(i, n_tiles, num_heads, PERSISTENT)
+def _item_kv(b, bm, split, seqlen_q, seqlen_k, seqused_ptr, kv_batch_ptr, num_splits,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr,
+             SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr):
+    """K/V side of a work item: the cache row, the KV tiles ``[n_lo, n_hi)`` it
+    visits and the key length its mask uses (0 for an empty split)."""
+    if SEQUSED:
+        seqlen_k = gl.load(seqused_ptr + b)
+    if KV_BATCH:
+        kb = gl.load(kv_batch_ptr + b)
+    else:
+        kb = b
+    n_lo, n_hi, seqlen_k = kv_split_range(bm, split, num_splits, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                          PACK_G)
+    return kb, n_lo, n_hi, seqlen_k
+
+
+@gluon.jit
+def _item_heads(h, kv_group, PACK_G: gl.constexpr):
+    """(first query head of the item, its KV head)."""
+    if PACK_G > 1:
+        q_head0 = h * PACK_G
+        hk = h
+    else:
+        q_head0 = h
         hk = h // kv_group  # GQA/MQA: q heads share kv heads without a copy
-        n_kv = kv_tile_count(bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    return q_head0, hk
+
+
+@gluon.jit
+def _kv_coords(b, kb, bn, hk, page_table_ptr, page_stride, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """TMA coordinates of KV tile ``bn``: a cache row, or a page of the page table."""
+    row = bn * BLOCK_N
+    if PAGE_SIZE > 0:
+        page = gl.load(page_table_ptr + b.to(gl.int64) * page_stride + row // PAGE_SIZE)
+        coords = [page, row % PAGE_SIZE, hk, 0]
+    else:
+        coords = [kb, row, hk, 0]
+    return coords
+
+
+@gluon.jit
+def _zero_v_tail(v, col0, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Zero the rows of V tile ``v`` (keys ``col0 ..``) at or past ``seqlen_k``.
+
+    Their P is 0, but an uninitialised cache may hold NaN or Inf there and
+    0 * NaN = NaN in PV. Both consumers may do it: they write the same values.
+    The fence orders these generic-proxy writes before the wgmma's reads."""
+    CH: gl.constexpr = 2048 // HEAD_DIM  # 16 elements per thread per chunk
+    TPW_D: gl.constexpr = HEAD_DIM // 8 if HEAD_DIM // 8 < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
+    for c in gl.static_range(BLOCK_N // CH):
+        if col0 + (c + 1) * CH > seqlen_k:
+            chunk = v.slice(c * CH, CH, dim=0)
+            rows = col0 + c * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
+            x = chunk.load(layout)
+            x = gl.where((rows < seqlen_k)[:, None], x, gl.zeros_like(x))
+            chunk.store(x)
+    fence_async_shared()
+    thread_barrier()
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+              seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride,
+              seqlen_q, seqlen_k, num_heads, kv_group, total_tiles, num_splits, pair,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, PACK_G: gl.constexpr, SEQUSED: gl.constexpr,
+              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    n_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M)
+    kv0 = 0  # K/V loads issued for earlier work items: the rings' running order
+    for i in range(local_tile_count(total_tiles, pair, PERSISTENT)):
+        bm, split, h, b = work_coords(i, n_tiles, num_splits, num_heads // PACK_G, pair, PERSISTENT)
+        q_head0, hk = _item_heads(h, kv_group, PACK_G)
+        kb, n_lo, n_hi, lk = _item_kv(b, bm, split, seqlen_q, seqlen_k, seqused_ptr, kv_batch_ptr, num_splits,
+                                      BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH)
 
         # Q as one box per consumer half, each on its own barrier pair: a
         # consumer that finished with its half of the previous item's Q gets
@@ -75,37 +161,55 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k
         for c in gl.static_range(2):
             mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # passes on the fresh barrier for i = 0
             mbarrier.expect(q_full.index(c), q_desc.block_type.nbytes)
-            tma_load(q_desc, [b, bm * BLOCK_M + c * WG_M, h, 0], q_full.index(c),
-                                            q_smem.index(c))
+            tma_load(q_desc, [b, (bm * BLOCK_M + c * WG_M) // PACK_G, q_head0, 0], q_full.index(c),
+                     q_smem.index(c))
 
         # K and V in separate rings: QK of tile `it` may start while V of tile
         # `it` is still in flight, since PV of `it` only runs one step later.
+        n_kv = n_hi - n_lo
         for it in range(n_kv):
-            bn = n_kv - 1 - it  # diagonal first
+            bn = n_hi - 1 - it  # diagonal (or tail) first
+            coords = _kv_coords(b, kb, bn, hk, page_table_ptr, page_stride, BLOCK_N, PAGE_SIZE)
             order = kv0 + it
             wait_empty(k_empty, order, K_STAGES)
             k_slot = ring_slot(order, K_STAGES)
             mbarrier.expect(k_full.index(k_slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, [b, bn * BLOCK_N, hk, 0], k_full.index(k_slot),
-                                            k_bufs.index(k_slot))
+            tma_load(k_desc, coords, k_full.index(k_slot), k_bufs.index(k_slot))
 
             wait_empty(v_empty, order, V_STAGES)
             v_slot = ring_slot(order, V_STAGES)
             mbarrier.expect(v_full.index(v_slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, [b, bn * BLOCK_N, hk, 0], v_full.index(v_slot),
-                                            v_bufs.index(v_slot))
+            tma_load(v_desc, coords, v_full.index(v_slot), v_bufs.index(v_slot))
         kv0 += n_kv
 
 
 @gluon.jit
+def _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, i, kv0, n_kv,
+                   CID: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """A work item whose rows of this warpgroup hold no query row: keep the
+    rings turning. Each slot is released only after its load landed, so the
+    release lands in the phase the producer waits for."""
+    mbarrier.wait(q_full.index(CID), i & 1)
+    for it in range(n_kv):
+        wait_full(k_full, kv0 + it, K_STAGES)
+        release(k_empty, kv0 + it, K_STAGES)
+        wait_full(v_full, kv0 + it, V_STAGES)
+        release(v_empty, kv0 + it, V_STAGES)
+    mbarrier.arrive(q_empty.index(CID), count=1)
+
+
+@gluon.jit
 def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty, mma_turn,
-                   o_desc, lse_ptr, b, h, bm, i, kv0, seqlen_q, seqlen_k, num_heads, qk_scale, softmax_scale,
+                   o_desc, lse_ptr, o_part_ptr, lse_part_ptr, b, q_head0, bm, split, n_lo, n_hi, i, kv0,
+                   seqlen_q, seqlen_k, num_heads, batch, qk_scale, softmax_scale,
                    CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, ABLATE: gl.constexpr, O_IN_Q: gl.constexpr):
-    """One work item for one consumer warpgroup: its 64 query rows of tile
-    ``bm``. ``i`` counts this CTA's earlier items (the Q barriers' phase) and
-    ``kv0`` the K/V tiles they used (the rings' running order)."""
+                   WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, ABLATE: gl.constexpr, O_IN_Q: gl.constexpr,
+                   PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr):
+    """One work item for one consumer warpgroup: its 64 (packed) rows of tile
+    ``bm``, KV tiles ``[n_lo, n_hi)``; ``seqlen_k`` is this item's key length.
+    ``i`` counts this CTA's earlier items (the Q barriers' phase) and ``kv0``
+    the K/V tiles they used (the rings' running order)."""
     dtype: gl.constexpr = o_desc.dtype
     # wgmma accumulator layouts for one warpgroup: S is [64, BLOCK_N], O is [64, HEAD_DIM].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -116,7 +220,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    n_kv = kv_tile_count(bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    n_kv = n_hi - n_lo
     q = q_smem.index(CID).reshape([WG_M, HEAD_DIM])
     row0 = bm * BLOCK_M + CID * WG_M
     s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
@@ -126,7 +230,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
 
     # ---- QK prologue: the first tile visited (the diagonal; non-causal: the
     # tail tile), always masked. ----
-    bn = n_kv - 1
+    bn = n_hi - 1
     wait_full(k_full, kv0, K_STAGES)
     k = k_bufs.index(ring_slot(kv0, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
     take_mma_turn(mma_turn, turn0, CID, PINGPONG)
@@ -134,9 +238,16 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     pass_mma_turn(mma_turn, CID, PINGPONG)
     s = warpgroup_mma_wait(0, deps=[s])
     release(k_empty, kv0, K_STAGES)
-    s = apply_mask(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL)
+    s = apply_mask_packed(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
     p, scores_max, logsum = softmax_first(s, qk_scale)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
+    if SEQUSED:
+        # The first tile visited is the only one that can reach past the live
+        # length. Zeroed here, before the O accumulator is live, so the few
+        # registers it takes do not compete with the steady state's.
+        wait_full(v_full, kv0, V_STAGES)
+        _zero_v_tail(v_bufs.index(ring_slot(kv0, V_STAGES)).reshape([BLOCK_N, HEAD_DIM]), bn * BLOCK_N, seqlen_k,
+                     BLOCK_N, HEAD_DIM)
 
     # The output accumulator is born after the prologue so it does not share
     # the prologue's live range with S.
@@ -144,7 +255,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
 
     # ---- Steady state: QK[it] and PV[it - 1] as two async groups. ----
     for it in range(1, n_kv):
-        bn = n_kv - 1 - it
+        bn = n_hi - 1 - it
         # Unlike the seed, which waits for V between issuing QK and PV, both
         # groups are issued back to back once K and V have landed: on the H200
         # the seed's order measured 0.99-1.00x cuDNN at S=8192/16384 against
@@ -167,8 +278,8 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
         if ABLATE == ABLATE_SOFTMAX:
             p = s
         else:
-            if tile_needs_mask(bn, bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL):
-                s = apply_mask(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL)
+            if tile_needs_mask_packed(bn, bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G):
+                s = apply_mask_packed(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
             p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, qk_scale)
 
         # p_op is a register operand of the PV in flight: keep it alive until
@@ -196,76 +307,112 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     release(v_empty, kv0 + n_kv - 1, V_STAGES)
     acc_o = acc_o * gl.convert_layout(inv_logsum, o_row_layout)[:, None]
 
-    # ---- Epilogue: registers -> shared memory -> TMA store (clipped at seqlen_q). ----
-    if O_IN_Q:
-        # O is staged in this warpgroup's own Q rows: its last QK completed
-        # above, and the other warpgroup never reads them. This is what lets
-        # head dim 256 fit in shared memory. The rows hold Q again only after
-        # the store has read them.
-        o_half = q_smem.index(CID)
+    lse_rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
+    lse_q = lse_rows // PACK_G
+    lse_head = q_head0 + lse_rows % PACK_G
+    if SPLIT:
+        # ---- Partial output: fp32 O [splits, B, Sq, H, D] and LSE [splits, B, H, Sq]
+        # straight from registers; combine.py merges them. ----
+        o_rows = row0 + gl.arange(0, WG_M, layout=o_row_layout)
+        o_q = o_rows // PACK_G
+        o_off = (((split * batch + b) * seqlen_q + o_q).to(gl.int64) * num_heads + q_head0 + o_rows % PACK_G) \
+            * HEAD_DIM
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(o_part_ptr + o_off[:, None] + cols[None, :], acc_o, mask=(o_q < seqlen_q)[:, None])
+        lse_off = ((split * batch + b) * num_heads + lse_head).to(gl.int64) * seqlen_q + lse_q
+        gl.store(lse_part_ptr + lse_off, lse, mask=lse_q < seqlen_q)
+        if O_IN_Q:
+            mbarrier.arrive(q_empty.index(CID), count=1)
     else:
-        # A buffer of its own; the previous item's store from it must be done.
-        o_half = o_smem.index(CID)
-        tma.store_wait(0)
-    o_half.reshape([WG_M, HEAD_DIM]).store(acc_o.to(dtype))
-    fence_async_shared()
-    tma_store(o_desc, [b, row0, h, 0], o_half)
+        # ---- Epilogue: registers -> shared memory -> TMA store (clipped at seqlen_q). ----
+        if O_IN_Q:
+            # O is staged in this warpgroup's own Q rows: its last QK completed
+            # above, and the other warpgroup never reads them. This is what lets
+            # head dim 256 fit in shared memory. The rows hold Q again only after
+            # the store has read them.
+            o_half = q_smem.index(CID)
+        else:
+            # A buffer of its own; the previous item's store from it must be done.
+            o_half = o_smem.index(CID)
+            tma.store_wait(0)
+        o_half.reshape([WG_M, HEAD_DIM]).store(acc_o.to(dtype))
+        fence_async_shared()
+        tma_store(o_desc, [b, row0 // PACK_G, q_head0, 0], o_half)
 
-    if WRITE_LSE:
-        rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
-        lse_row0 = (b * num_heads + h).to(gl.int64) * seqlen_q
-        gl.store(lse_ptr + lse_row0 + rows, lse, mask=rows < seqlen_q)
+        if WRITE_LSE:
+            lse_off = (b * num_heads + lse_head).to(gl.int64) * seqlen_q + lse_q
+            gl.store(lse_ptr + lse_off, lse, mask=lse_q < seqlen_q)
 
-    if O_IN_Q:
-        tma.store_wait(0)
-        mbarrier.arrive(q_empty.index(CID), count=1)
-    return n_kv
+        if O_IN_Q:
+            tma.store_wait(0)
+            mbarrier.arrive(q_empty.index(CID), count=1)
 
 
 @gluon.jit
 def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty, mma_turn,
-              o_desc, lse_ptr, seqlen_q, seqlen_k, num_heads, total_tiles, qk_scale, softmax_scale,
+              o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr,
+              seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, qk_scale, softmax_scale,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-              PINGPONG: gl.constexpr, ABLATE: gl.constexpr, PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr):
-    n_tiles = gl.cdiv(seqlen_q, BLOCK_M)
+              PINGPONG: gl.constexpr, ABLATE: gl.constexpr, PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr,
+              PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr):
+    # Decode modes skip the tensor-core work of a warpgroup without query rows.
+    SKIP_IDLE: gl.constexpr = PACK_G > 1 or SPLIT or SEQUSED
+    n_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M)
     kv0 = 0
-    for i in range(local_tile_count(total_tiles, PERSISTENT)):
-        bm, h, b = tile_coords(i, n_tiles, num_heads, PERSISTENT)
-        kv0 += _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                              mma_turn, o_desc, lse_ptr, b, h, bm, i, kv0, seqlen_q, seqlen_k, num_heads, qk_scale,
-                              softmax_scale, CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
-                              WRITE_LSE, PINGPONG, ABLATE, O_IN_Q)
+    for i in range(local_tile_count(total_tiles, pair, PERSISTENT)):
+        bm, split, h, b = work_coords(i, n_tiles, num_splits, num_heads // PACK_G, pair, PERSISTENT)
+        q_head0, hk = _item_heads(h, kv_group, PACK_G)
+        kb, n_lo, n_hi, lk = _item_kv(b, bm, split, seqlen_q, seqlen_k, seqused_ptr, kv_batch_ptr, num_splits,
+                                      BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH)
+        if SKIP_IDLE and bm * BLOCK_M + CID * WG_M >= seqlen_q * PACK_G:
+            _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, i, kv0, n_hi - n_lo,
+                           CID, K_STAGES, V_STAGES)
+        else:
+            _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                           mma_turn, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, b, q_head0, bm, split, n_lo, n_hi,
+                           i, kv0, seqlen_q, lk, num_heads, batch, qk_scale, softmax_scale,
+                           CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
+                           WRITE_LSE, PINGPONG, ABLATE, O_IN_Q, PACK_G, SPLIT, SEQUSED)
+        kv0 += n_hi - n_lo
     tma.store_wait(0)
 
 
 # Lengths and head counts stay run-time values: one compiled kernel per
-# (dtype, head dim, causal, lse) serves every shape, which lets the host cache
-# it and skip Triton's per-call specialisation (see plan.launch_forward).
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_heads", "kv_group", "batch"])
+# (dtype, head dim, causal, lse, mode) serves every shape, which lets the host
+# cache it and skip Triton's per-call specialisation (see plan.launch_forward).
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_heads", "kv_group", "batch", "num_splits", "pair",
+                              "page_stride"])
 def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
+                             seqused_ptr, kv_batch_ptr, page_table_ptr, o_part_ptr, lse_part_ptr,
                              seqlen_q, seqlen_k, num_heads, kv_group, batch, qk_scale, softmax_scale,
+                             num_splits, pair, page_stride,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                              IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                              PINGPONG: gl.constexpr, ABLATE: gl.constexpr,
-                             PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr):
+                             PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr,
+                             PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr,
+                             KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr):
     gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
+    gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle the two warpgroups")
+    gl.static_assert(not (PINGPONG and (PACK_G > 1 or SPLIT or SEQUSED)),
+                     "an idle decode warpgroup takes no ping-pong turns")
     dtype: gl.constexpr = q_desc.dtype
 
-    # Work items are (query tile, head, batch), flattened with the tile
+    # Work items are (query tile, split, head, batch), flattened with the tile
     # fastest: the seed's 3-D grid order without the 65535 limit of grid axes
     # y and z. Which CTA runs which item is scheduler.py's business; every
     # partition walks the same items in the same order.
-    total_tiles = gl.cdiv(seqlen_q, BLOCK_M) * num_heads * batch
+    total_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M) * num_splits * (num_heads // PACK_G) * batch
 
-    # Q as two [1, 64, 1, D] halves, one per consumer warpgroup.
+    # Q as two [1, 64, 1, D] halves (packed: [1, 64 / G, G, D]), one per consumer warpgroup.
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    if O_IN_Q:
-        o_smem = q_smem  # O is staged in its own Q rows (see _consumer_tile)
+    if O_IN_Q or SPLIT:
+        o_smem = q_smem  # O is staged in its own Q rows (see _consumer_tile), or not at all (SPLIT)
     else:
         o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
 
@@ -294,16 +441,20 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.warp_specialize(
         [
             (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                         mma_turn, o_desc, lse_ptr, seqlen_q, seqlen_k, num_heads, total_tiles, qk_scale,
+                         mma_turn, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr,
+                         seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, qk_scale,
                          softmax_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
-                         PINGPONG, ABLATE, PERSISTENT, O_IN_Q)),
+                         PINGPONG, ABLATE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH)),
             (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                         mma_turn, o_desc, lse_ptr, seqlen_q, seqlen_k, num_heads, total_tiles, qk_scale,
+                         mma_turn, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr,
+                         seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, qk_scale,
                          softmax_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
-                         PINGPONG, ABLATE, PERSISTENT, O_IN_Q)),
+                         PINGPONG, ABLATE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty,
-                         v_full, v_empty, seqlen_q, seqlen_k, num_heads, kv_group, total_tiles,
-                         BLOCK_M, BLOCK_N, K_STAGES, V_STAGES, IS_CAUSAL, PERSISTENT)),
+                         v_full, v_empty, seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride,
+                         seqlen_q, seqlen_k, num_heads, kv_group, total_tiles, num_splits, pair,
+                         BLOCK_M, BLOCK_N, K_STAGES, V_STAGES, IS_CAUSAL, PERSISTENT, PACK_G, SEQUSED,
+                         KV_BATCH, PAGE_SIZE)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],

@@ -84,3 +84,64 @@ def apply_mask_keys_by_queries(st, key0, query0, seqlen_q, seqlen_k, IS_CAUSAL: 
     if IS_CAUSAL:
         hidden = hidden | (keys[:, None] > queries[None, :] + (seqlen_k - seqlen_q))
     return gl.where(hidden, -float("inf"), st)
+
+
+# ---- Decode / KV-cache modes -------------------------------------------------
+# Under PackGQA (``PACK_G`` > 1) tile row ``p`` is query row ``p // PACK_G`` of
+# head ``hk * PACK_G + p % PACK_G``: the causal row is the packed row divided by
+# the group size. ``PACK_G == 1`` gives the functions above.
+
+
+@gluon.jit
+def kv_tile_count_packed(bm, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr):
+    """``kv_tile_count`` for a packed tile (never less than 1)."""
+    if IS_CAUSAL:
+        last_row = ((bm + 1) * BLOCK_M - 1) // PACK_G
+        last_key = gl.minimum(last_row + 1 + (seqlen_k - seqlen_q), seqlen_k)
+        n_kv = gl.maximum(gl.cdiv(gl.maximum(last_key, 0), BLOCK_N), 1)
+    else:
+        n_kv = gl.maximum(gl.cdiv(seqlen_k, BLOCK_N), 1)
+    return n_kv
+
+
+@gluon.jit
+def kv_split_range(bm, split, n_splits, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr):
+    """KV tiles ``[n_lo, n_hi)`` of split ``split`` of query tile ``bm``, and
+    the key length to mask with. Each split takes a contiguous run of
+    ``cdiv(n, n_splits)`` tiles. A split left without tiles still runs one
+    tile (tile 0), masked entirely (returned length 0): it writes O = 0 and
+    LSE = -inf, which the combine gives weight 0."""
+    n_kv = kv_tile_count_packed(bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G)
+    per = gl.cdiv(n_kv, n_splits)
+    n_lo = split * per
+    n_hi = gl.minimum(n_lo + per, n_kv)
+    empty = n_lo >= n_hi
+    n_lo = gl.where(empty, 0, n_lo)
+    n_hi = gl.where(empty, 1, n_hi)
+    seqlen_k = gl.where(empty, 0, seqlen_k)
+    return n_lo, n_hi, seqlen_k
+
+
+@gluon.jit
+def tile_needs_mask_packed(n, bm, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr):
+    crosses_tail = (n + 1) * BLOCK_N > seqlen_k
+    if IS_CAUSAL:
+        crosses_diagonal = (n + 1) * BLOCK_N - 1 > (bm * BLOCK_M) // PACK_G + (seqlen_k - seqlen_q)
+        needs = crosses_diagonal | crosses_tail
+    else:
+        needs = crosses_tail
+    return needs
+
+
+@gluon.jit
+def apply_mask_packed(s, row0, col0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr):
+    """``apply_mask`` with packed rows (``row0`` is the packed row of ``s``'s first row)."""
+    rows = (row0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))) // PACK_G
+    cols = col0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+    hidden = cols[None, :] >= seqlen_k
+    if IS_CAUSAL:
+        hidden = hidden | (cols[None, :] > rows[:, None] + (seqlen_k - seqlen_q))
+    return gl.where(hidden, -float("inf"), s)

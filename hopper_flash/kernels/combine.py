@@ -1,0 +1,49 @@
+"""Split-KV combine: merge the fp32 partial outputs of the KV splits by LSE.
+
+Split ``s`` of a row wrote its normalised output ``O_s`` and natural-log
+``lse_s`` (``kernels/forward.py``, ``SPLIT``). The row's result is
+``sum_s exp(lse_s - lse) * O_s`` with ``lse = log(sum_s exp(lse_s))``. A split
+that saw no key wrote ``O_s = 0`` and ``lse_s = -inf`` (weight 0); a row whose
+splits are all ``-inf`` saw no key at all and gets ``O = 0``, ``LSE = -inf``.
+
+Plain Triton: the traffic is ``splits * rows * D * 4`` bytes, small next to the
+K/V the split kernel reads, so the kernel only has to be simple and correct.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["n_splits", "batch", "seqlen_q", "num_heads", "stride_ob", "stride_oq", "stride_oh"])
+def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_splits, batch, seqlen_q, num_heads,
+                   stride_ob, stride_oq, stride_oh,
+                   HEAD_DIM: tl.constexpr, S_MAX: tl.constexpr, WRITE_LSE: tl.constexpr):
+    # One program per output row (b, q, h), in the partials' [B, Sq, H] order.
+    row = tl.program_id(0)
+    h = row % num_heads
+    bq = row // num_heads
+    q = bq % seqlen_q
+    b = bq // seqlen_q
+    rows_per_split = batch * seqlen_q * num_heads
+
+    # lse_part is [splits, B, H, Sq].
+    s_idx = tl.arange(0, S_MAX)
+    lse_s = tl.load(lse_part_ptr + ((s_idx * batch + b) * num_heads + h).to(tl.int64) * seqlen_q + q,
+                    mask=s_idx < n_splits, other=-float("inf"))
+    m = tl.max(lse_s, axis=0)
+    m = tl.where(m == -float("inf"), 0.0, m)  # all splits empty: every weight is exp(-inf) = 0
+    total = tl.sum(tl.exp(lse_s - m), axis=0)
+    inv = tl.where(total == 0.0, 0.0, 1.0 / total)
+
+    d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s in range(n_splits):
+        l_s = tl.load(lse_part_ptr + ((s * batch + b) * num_heads + h).to(tl.int64) * seqlen_q + q)
+        w = tl.exp(l_s - m) * inv
+        o_s = tl.load(o_part_ptr + (s * rows_per_split + row).to(tl.int64) * HEAD_DIM + d)
+        # An empty split's O_s is 0, so w = 0 never meets a NaN here.
+        acc += w * o_s
+    out_off = b.to(tl.int64) * stride_ob + q.to(tl.int64) * stride_oq + h.to(tl.int64) * stride_oh
+    tl.store(out_ptr + out_off + d, acc.to(out_ptr.dtype.element_ty))
+    if WRITE_LSE:
+        lse = tl.where(total == 0.0, -float("inf"), m + tl.log(total))
+        tl.store(lse_ptr + (b * num_heads + h).to(tl.int64) * seqlen_q + q, lse)

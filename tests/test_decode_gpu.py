@@ -1,0 +1,270 @@
+"""Decode and chunked prefill on a Hopper GPU: ``flash_attn_with_kvcache``
+and the decode path of ``flash_attn_func`` against a float32 reference.
+
+Every cache is filled with NaN past each row's live length (uninitialised
+memory may hold anything; 0 * NaN = NaN in PV), and every result is held to
+twice the error of the same computation done in bf16 (scores and P rounded
+to the input dtype), the bf16 noise floor on the same inputs.
+"""
+import math
+
+import pytest
+import torch
+
+import hopper_flash
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def rnd(*shape, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, device=DEV, generator=gen).to(dtype)
+
+
+def reference(q, kc, vc, lens, causal, scale, rows=None, low=False):
+    """Attention of q [B, Sq, H, D] over the first lens[b] keys of cache row
+    rows[b] (default b), bottom-right causal. float32, or with ``low`` the
+    bf16 baseline: scores and P in q's dtype. Returns (out, lse)."""
+    B, Sq, H, D = q.shape
+    g = H // kc.shape[2]
+    out = torch.zeros(B, Sq, H, D, device=DEV, dtype=torch.float32)
+    lse = torch.full((B, H, Sq), -math.inf, device=DEV)
+    dt = q.dtype if low else torch.float32
+    for b in range(B):
+        L, r = int(lens[b]), b if rows is None else int(rows[b])
+        if L == 0:
+            continue
+        K = kc[r, :L].to(dt).repeat_interleave(g, dim=1)
+        V = vc[r, :L].to(dt).repeat_interleave(g, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[b].to(dt), K).float() * scale
+        if causal:
+            i = torch.arange(Sq, device=DEV)[:, None]
+            j = torch.arange(L, device=DEV)[None, :]
+            s = s.masked_fill(j > i + L - Sq, -math.inf)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m)
+        l = p.sum(-1, keepdim=True)
+        o = torch.einsum("hqk,khd->qhd", p.to(dt), V).float() / l.transpose(0, 1).clamp_min(1e-30)
+        out[b] = torch.where(l.transpose(0, 1) == 0, torch.zeros_like(o), o)
+        lse[b] = torch.where(l[..., 0] == 0, -math.inf, m[..., 0] + torch.log(l[..., 0]))
+    return out, lse
+
+
+def rel(a, b):
+    assert torch.isfinite(a).all(), "non-finite output"
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def assert_close(out, q, kc, vc, lens, causal, rows=None, lse=None):
+    scale = q.shape[-1] ** -0.5
+    ref, ref_lse = reference(q, kc, vc, lens, causal, scale, rows)
+    base, _ = reference(q, kc, vc, lens, causal, scale, rows, low=True)
+    err, base_err = rel(out, ref), rel(base, ref)
+    assert err <= 2 * base_err + 2e-4, f"rel error {err:.2e} > 2 x bf16 baseline {base_err:.2e}"
+    if lse is not None:
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin), "LSE -inf pattern differs"
+        if fin.any():
+            assert (lse[fin] - ref_lse[fin]).abs().max().item() < 1e-2
+
+
+def nan_tailed_cache(B, cap, Hkv, D, lens, dtype=torch.bfloat16, seed=0):
+    kc, vc = rnd(B, cap, Hkv, D, dtype=dtype, seed=seed), rnd(B, cap, Hkv, D, dtype=dtype, seed=seed + 1)
+    for b, L in enumerate(lens):
+        kc[b, L:] = float("nan")
+        vc[b, L:] = float("nan")
+    return kc, vc
+
+
+@pytest.mark.parametrize("lens", [[1, 777, 4099], [0, 5, 129, 65536], [17, 128, 129, 3001]],
+                         ids=["1-777-4099", "0-5-129-65536", "17-128-129-3001"])
+@pytest.mark.parametrize("seqlen_q", [1, 2, 4, 16, 128])
+def test_kvcache_lengths(seqlen_q, lens):
+    B, H, Hkv, D = len(lens), 32, 8, 128
+    kc, vc = nan_tailed_cache(B, max(lens) + 77, Hkv, D, lens, seed=seqlen_q)
+    q = rnd(B, seqlen_q, H, D, seed=seqlen_q + 100)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out, lse = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True, return_softmax_lse=True)
+    assert_close(out, q, kc, vc, lens, True, lse=lse)
+
+
+@pytest.mark.parametrize("nheads,nheads_kv", [(8, 8), (32, 8), (16, 2), (8, 1)], ids=["g1", "g4", "g8", "mqa"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_kvcache_gqa(nheads, nheads_kv, causal, seqlen_q):
+    lens = [3000, 17, 1]
+    kc, vc = nan_tailed_cache(3, 3100, nheads_kv, 128, lens, seed=nheads)
+    q = rnd(3, seqlen_q, nheads, 128, seed=nheads_kv)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=causal)
+    assert_close(out, q, kc, vc, lens, causal)
+
+
+@pytest.mark.parametrize("num_splits,pack_gqa", [(1, False), (1, True), (3, False), (3, True), (7, None), (0, None)])
+def test_kvcache_splits_and_packing_agree(num_splits, pack_gqa):
+    lens = [3000, 1000, 0]
+    kc, vc = nan_tailed_cache(3, 3100, 8, 128, lens, seed=5)
+    q = rnd(3, 4, 32, 128, seed=6)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out, lse = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True, num_splits=num_splits,
+                                                    pack_gqa=pack_gqa, return_softmax_lse=True)
+    assert_close(out, q, kc, vc, lens, True, lse=lse)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_kvcache_head_dims_and_dtypes(head_dim, dtype):
+    lens = [2000, 9]
+    kc, vc = nan_tailed_cache(2, 2100, 8, head_dim, lens, dtype=dtype, seed=head_dim)
+    q = rnd(2, 2, 32, head_dim, dtype=dtype, seed=head_dim + 1)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True)
+    assert_close(out, q, kc, vc, lens, True)
+
+
+def test_kvcache_int_seqlens_and_full_cache():
+    kc, vc = nan_tailed_cache(2, 1000, 8, 128, [600, 600], seed=9)
+    q = rnd(2, 1, 32, 128, seed=10)
+    out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=600, causal=True)
+    assert_close(out, q, kc, vc, [600, 600], True)
+    kc2, vc2 = rnd(2, 1000, 8, 128, seed=11), rnd(2, 1000, 8, 128, seed=12)
+    out = hopper_flash.flash_attn_with_kvcache(q, kc2, vc2)  # no cache_seqlens: the whole cache is live
+    assert_close(out, q, kc2, vc2, [1000, 1000], False)
+
+
+def paged_copy(kc, vc, page_size, lens, seed=0):
+    """The same caches as pages in random order; page-table entries past each
+    row's live pages are garbage."""
+    B, cap, Hkv, D = kc.shape
+    max_pages = -(-cap // page_size)
+    n_pages = B * max_pages + 3
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    perm = torch.randperm(n_pages, device=DEV, generator=gen)[: B * max_pages].view(B, max_pages).to(torch.int32)
+    kp = torch.full((n_pages, page_size, Hkv, D), float("nan"), device=DEV, dtype=kc.dtype)
+    vp = kp.clone()
+    for b in range(B):
+        for p in range(max_pages):
+            lo, hi = p * page_size, min((p + 1) * page_size, cap)
+            kp[perm[b, p], : hi - lo] = kc[b, lo:hi]
+            vp[perm[b, p], : hi - lo] = vc[b, lo:hi]
+    pt = perm.clone()
+    for b, L in enumerate(lens):
+        pt[b, -(-L // page_size) + 1:] = 10 ** 6
+    return kp, vp, pt
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128, 256])
+@pytest.mark.parametrize("seqlen_q", [1, 5])
+def test_paged_equals_contiguous(page_size, seqlen_q):
+    lens = [1, 700, 3001]
+    kc, vc = nan_tailed_cache(3, 3301, 8, 128, lens, seed=page_size)
+    kp, vp, pt = paged_copy(kc, vc, page_size, lens, seed=page_size)
+    q = rnd(3, seqlen_q, 32, 128, seed=3)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = hopper_flash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=cs, page_table=pt, causal=True)
+    contig = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True)
+    assert_close(out, q, kc, vc, lens, True)
+    if page_size >= 128:  # same tiles, same splits: bitwise equal
+        assert torch.equal(out, contig)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("seqlen_new", [1, 3, 200])
+def test_append_matches_appending_by_hand(paged, seqlen_new):
+    lens, cap, B = [0, 500, 1300], 2048, 3
+    kc, vc = nan_tailed_cache(B, cap, 8, 128, lens, seed=seqlen_new)
+    q = rnd(B, seqlen_new, 32, 128, seed=1)
+    kn, vn = rnd(B, seqlen_new, 8, 128, seed=2), rnd(B, seqlen_new, 8, 128, seed=3)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    kh, vh = kc.clone(), vc.clone()
+    for b, L in enumerate(lens):
+        kh[b, L:L + seqlen_new] = kn[b]
+        vh[b, L:L + seqlen_new] = vn[b]
+    if paged:
+        kp, vp, pt = paged_copy(kc, vc, 128, [cap] * B)
+        out = hopper_flash.flash_attn_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=cs, block_table=pt, causal=True)
+        back = torch.stack([kp[pt[b].long()].reshape(cap, 8, 128) for b in range(B)])
+        vback = torch.stack([vp[pt[b].long()].reshape(cap, 8, 128) for b in range(B)])
+        for b, L in enumerate(lens):
+            assert torch.equal(back[b, :L + seqlen_new], kh[b, :L + seqlen_new])
+            assert torch.equal(vback[b, :L + seqlen_new], vh[b, :L + seqlen_new])
+    else:
+        out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=cs, causal=True)
+        for b, L in enumerate(lens):
+            assert torch.equal(kc[b, :L + seqlen_new], kh[b, :L + seqlen_new])
+            assert torch.equal(vc[b, :L + seqlen_new], vh[b, :L + seqlen_new])
+            assert torch.isnan(kc[b, L + seqlen_new:]).all(), "the append wrote past its rows"
+    byhand = hopper_flash.flash_attn_with_kvcache(q, kh, vh, cache_seqlens=cs + seqlen_new, causal=True)
+    assert torch.equal(out, byhand)
+    assert_close(out, q, kh, vh, [L + seqlen_new for L in lens], True)
+
+
+def test_cache_batch_idx():
+    lens, rows = [900, 5, 2000], [4, 0, 2]
+    kc, vc = nan_tailed_cache(5, 2100, 8, 128, [2100] * 5, seed=21)
+    for r, L in zip(rows, lens):
+        kc[r, L:] = float("nan")
+        vc[r, L:] = float("nan")
+    q = rnd(3, 2, 32, 128, seed=22)
+    out = hopper_flash.flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEV),
+        cache_batch_idx=torch.tensor(rows, dtype=torch.int32, device=DEV), causal=True)
+    assert_close(out, q, kc, vc, lens, True, rows=rows)
+
+
+def test_cuda_graph_replay_with_changing_lengths():
+    B, cap = 4, 8192
+    kc, vc = rnd(B, cap, 8, 128, seed=31), rnd(B, cap, 8, 128, seed=32)
+    q = rnd(B, 1, 32, 128, seed=33)
+    cs = torch.tensor([100, 200, 300, 400], dtype=torch.int32, device=DEV)
+
+    def step():
+        return hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for lens in ([1, 8191, 4096, 77], [5000, 3, 129, 8192], [0, 1, 2, 3]):
+        cs.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        assert torch.equal(out, step())
+        assert_close(out, q, kc, vc, lens, True)
+
+
+def test_torch_compile_with_append():
+    B, cap = 2, 1024
+    kc, vc = rnd(B, cap, 8, 128, seed=41), rnd(B, cap, 8, 128, seed=42)
+    q, kn, vn = rnd(B, 1, 32, 128, seed=43), rnd(B, 1, 8, 128, seed=44), rnd(B, 1, 8, 128, seed=45)
+    cs = torch.tensor([10, 600], dtype=torch.int32, device=DEV)
+    k1, v1 = kc.clone(), vc.clone()
+
+    def step(q, kc, vc, kn, vn, cs):
+        return hopper_flash.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=cs, causal=True)
+
+    eager = step(q, k1, v1, kn, vn, cs)
+    compiled = torch.compile(step, fullgraph=True)(q, kc, vc, kn, vn, cs)
+    assert torch.equal(eager, compiled)
+    assert torch.equal(k1, kc) and torch.equal(v1, vc), "the compiled append must mutate the caches"
+
+
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,nheads,nheads_kv,causal", [
+    (1, 1, 4099, 32, 8, True), (2, 3, 1000, 8, 8, False), (3, 128, 8192, 32, 8, True), (1, 1, 65536, 32, 8, True),
+    (4, 16, 2049, 16, 2, True)])
+def test_flash_attn_func_decode_shapes(batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal):
+    q = rnd(batch, seqlen_q, nheads, 128, seed=1)
+    k, v = rnd(batch, seqlen_k, nheads_kv, 128, seed=2), rnd(batch, seqlen_k, nheads_kv, 128, seed=3)
+    out, lse = hopper_flash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert_close(out, q, k, v, [seqlen_k] * batch, causal, lse=lse)
+
+
+def test_contract_check_opt_in():
+    kc, vc = rnd(2, 256, 8, 128, seed=1), rnd(2, 256, 8, 128, seed=2)
+    q = rnd(2, 1, 32, 128, seed=3)
+    cs = torch.tensor([10, 300], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, check_contract=True)

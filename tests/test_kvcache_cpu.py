@@ -1,0 +1,85 @@
+"""flash_attn_with_kvcache's argument checks and the decode heuristics, on CPU:
+every bad argument is a ValueError/TypeError naming it, raised before anything
+touches a GPU."""
+import pytest
+import torch
+
+import hopper_flash
+from hopper_flash import plan
+
+bf16 = torch.bfloat16
+
+
+def args(B=2, Sq=1, H=32, Hkv=8, D=128, S=256):
+    return torch.zeros(B, Sq, H, D, dtype=bf16), torch.zeros(B, S, Hkv, D, dtype=bf16), \
+        torch.zeros(B, S, Hkv, D, dtype=bf16)
+
+
+def call(q, kc, vc, *a, **kw):
+    return hopper_flash.flash_attn_with_kvcache(q, kc, vc, *a, **kw)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q, kc, vc: (q[0], kc, vc, {}), "q must have 4 dimensions"),
+    (lambda q, kc, vc: (q, kc[0], vc, {}), "k_cache must have 4 dimensions"),
+    (lambda q, kc, vc: (q.float(), kc, vc, {}), "q.dtype"),
+    (lambda q, kc, vc: (q, kc.half(), vc, {}), "k_cache must have q's dtype"),
+    (lambda q, kc, vc: (q, kc, vc[:, :100], {}), "k_cache and v_cache must have the same shape"),
+    (lambda q, kc, vc: (q[..., :96], kc[..., :96], vc[..., :96], {}), "head dim"),
+    (lambda q, kc, vc: (q[:, :, :30], kc, vc, {}), "multiple of k_cache"),
+    (lambda q, kc, vc: (q, kc, vc, dict(cache_seqlens=torch.zeros(2, dtype=torch.int64))), "cache_seqlens must have dtype int32"),
+    (lambda q, kc, vc: (q, kc, vc, dict(cache_seqlens=torch.zeros(3, dtype=torch.int32))), "cache_seqlens must have shape"),
+    (lambda q, kc, vc: (q, kc, vc, dict(cache_seqlens=1.5)), "cache_seqlens must be an int"),
+    (lambda q, kc, vc: (q, kc, vc, dict(cache_seqlens=-1)), "cache_seqlens must be >= 0"),
+    (lambda q, kc, vc: (q, kc, vc, dict(page_table=torch.zeros(2, 4, dtype=torch.int64))), "page_table must have dtype int32"),
+    (lambda q, kc, vc: (q, kc, vc, dict(page_table=torch.zeros(3, 4, dtype=torch.int32))), "page_table must have shape"),
+    (lambda q, kc, vc: (q, kc[:, :100], vc[:, :100], dict(page_table=torch.zeros(2, 4, dtype=torch.int32))), "page size"),
+    (lambda q, kc, vc: (q, kc, vc, dict(page_table=torch.zeros(2, 4, dtype=torch.int32),
+                                        block_table=torch.zeros(2, 4, dtype=torch.int32))), "not both"),
+    (lambda q, kc, vc: (q, kc, vc, dict(cache_batch_idx=torch.zeros(2, dtype=torch.int64))), "cache_batch_idx must have dtype int32"),
+    (lambda q, kc, vc: (q, kc, vc, dict(k=torch.zeros(2, 1, 8, 128, dtype=bf16))), "k and v must be given together"),
+    (lambda q, kc, vc: (q, kc, vc, dict(k=torch.zeros(2, 1, 4, 128, dtype=bf16), v=torch.zeros(2, 1, 4, 128, dtype=bf16))), "k must have shape"),
+    (lambda q, kc, vc: (q, kc, vc, dict(num_splits=-1)), "num_splits"),
+    (lambda q, kc, vc: (q, kc, vc, dict(pack_gqa=1)), "pack_gqa"),
+    (lambda q, kc, vc: (q, kc, vc, dict(causal=1)), "causal"),
+    (lambda q, kc, vc: (q, kc, vc, dict(softmax_scale=-1.0)), "softmax_scale"),
+])
+def test_bad_arguments_name_themselves(bad, match):
+    q, kc, vc, kw = bad(*args())
+    k, v = kw.pop("k", None), kw.pop("v", None)
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(q, kc, vc, k, v, **kw)
+
+
+def test_cpu_tensors_are_refused():
+    q, kc, vc = args()
+    with pytest.raises(ValueError, match="CUDA"):
+        call(q, kc, vc, cache_seqlens=10)
+
+
+def test_split_heuristic_follows_wave_efficiency():
+    # FA3's rule: no split once the items nearly fill the GPU or the keys are few.
+    assert plan.choose_num_splits(tiles=128, n_blocks=64, sms=132) == 1
+    assert plan.choose_num_splits(tiles=8, n_blocks=4, sms=132) == 1
+    # B=8, Hkv=8, one packed tile each: 64 items -> 2 splits fill 128 of 132 SMs.
+    assert plan.choose_num_splits(tiles=64, n_blocks=128, sms=132) == 2
+    # B=1: 8 items -> the smallest count within 0.85 of the best wave efficiency.
+    s = plan.choose_num_splits(tiles=8, n_blocks=512, sms=132)
+    assert 8 * s <= 132 and 8 * s / 132 >= 0.85
+
+
+def test_pack_gqa_heuristic():
+    assert plan.choose_pack_gqa(1, 4) and plan.choose_pack_gqa(4, 8)
+    assert not plan.choose_pack_gqa(4096, 4)  # full tiles either way
+    assert not plan.choose_pack_gqa(1, 1) and not plan.choose_pack_gqa(1, 3)  # MHA; g not a power of two
+    assert not plan.choose_pack_gqa(1, 128)  # a group wider than a warpgroup's 64 rows
+
+
+def test_grid_deals_singly_below_two_items_per_sm(monkeypatch):
+    monkeypatch.setattr(plan, "sm_count", lambda device=None: 132)
+    cfg = plan.CONFIGS[128]
+    assert plan.deal(128, cfg) == (128, 1)  # the issue's 128 items: every SM busy, not 64
+    assert plan.deal(132, cfg) == (132, 1)
+    assert plan.deal(200, cfg) == (100, 2)  # above one per SM: balanced zig-zag pairs
+    assert plan.deal(264, cfg) == (132, 2)
+    assert plan.deal(1000, cfg) == (132, 2)
