@@ -393,8 +393,8 @@ def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_sca
     rows see no key (dq = 0, no contribution to dk/dv); SDPA runs on the
     other rows only, which with bottom-right alignment are the equal-length
     causal problem (cuDNN can take it, and no fully masked row can put a NaN
-    into dk/dv through SDPA's backward). Where cuDNN's gradients are not
-    finite the efficient/math backends are used instead.
+    into dk/dv through SDPA's backward). Where cuDNN's backward raises or its
+    gradients are not finite the efficient/math backends are used instead.
     """
     _, seqlen_q, seqlen_k, _, _, _ = _check_inputs(q, k, v)
     if dout.shape != q.shape:
@@ -405,8 +405,11 @@ def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_sca
         return lambda q, k, v: attention_baseline(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                                   cudnn=use_cudnn)
 
-    grads = _grads(fn(True), q[:, blind:], k, v, dout[:, blind:])
-    if not all(bool(torch.isfinite(g).all()) for g in grads):
+    try:
+        grads = _grads(fn(True), q[:, blind:], k, v, dout[:, blind:])
+    except RuntimeError:  # cuDNN ran the forward but declined the backward (head dim, version)
+        grads = None
+    if grads is None or not all(bool(torch.isfinite(g).all()) for g in grads):
         grads = _grads(fn(False), q[:, blind:], k, v, dout[:, blind:])
     dq, dk, dv = grads
     if blind:

@@ -455,3 +455,33 @@ def test_check_attention_grads_passes_rounded_exact_grads_and_fails_slips(sq, sk
         assert "non-finite" in reference.check_attention_grads(nan, q, k, v, dout, causal=causal)[i].message
     wrong_shape = [good[0][:, :, :1], good[1], good[2]]
     assert "shape" in reference.check_attention_grads(wrong_shape, q, k, v, dout, causal=causal)[0].message
+
+
+def test_baseline_grads_fall_back_when_cudnn_declines_the_backward(monkeypatch):
+    """cuDNN can accept a forward and refuse its backward: the baseline then
+    comes from the efficient/math backends, not an exception."""
+    q, k, v = _inputs(23, 1, 20, 20, 2, 2, 16, BF16)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(24)).to(BF16)
+    real = reference.attention_baseline
+    used = []
+
+    class Refuses(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("cuDNN backward: head dim not supported")
+
+    def baseline(q, k, v, *, cudnn=True, **kw):
+        used.append(cudnn)
+        out = real(q, k, v, cudnn=cudnn, **kw)
+        return Refuses.apply(out) if cudnn else out
+
+    monkeypatch.setattr(reference, "attention_baseline", baseline)
+    base = reference.attention_baseline_grads(q, k, v, dout, causal=True)
+    assert used == [True, False]
+    ref = reference.attention_reference_grads(q, k, v, dout, causal=True)
+    for name, b, r in zip(("dq", "dk", "dv"), base, ref):
+        assert judge(name, r.to(BF16), r, b), name
