@@ -20,7 +20,8 @@ from functools import lru_cache
 
 import torch
 
-from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, triton_cdiv
+from . import plan
+from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, _Desc, triton_cdiv
 
 @dataclass(frozen=True)
 class BackwardConfig:
@@ -125,6 +126,17 @@ def grid(batch: int, nheads_kv: int, seqlen_k: int, cfg: BackwardConfig) -> tupl
     return (triton_cdiv(seqlen_k, cfg.block_n) * cfg.chunks, nheads_kv, batch)
 
 
+# The forward's guard (``_triton_support.fast_launch_supported``), as its own
+# attribute so the backward's fast path can be switched off alone.
+FAST_LAUNCH = plan.FAST_LAUNCH
+
+# Compiled main kernels by (device, dtype, causal, deterministic, config). Its
+# lengths and head counts are never value-specialised (do_not_specialize) and
+# every pointer it gets is a fresh or checked 16-byte aligned allocation, so
+# one compiled kernel serves every shape of a key, as in plan._COMPILED.
+_COMPILED: dict[tuple, object] = {}
+
+
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
                     deterministic: bool = False, cfg: BackwardConfig | None = None) -> None:
     """Compute dq, dk, dv (written in place; any TMA-addressable BSHD views).
@@ -132,6 +144,14 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     Arguments are assumed validated: BSHD, same dtype, supported head dim,
     ``lse`` the forward's fp32 ``[B, H, Sq]`` (contiguous), non-empty, and
     q's device current.
+
+    The main kernel launches as the forward's does (``plan.launch_forward``):
+    the first launch of a specialisation through Triton's JIT, later ones
+    through the compiled kernel's launcher with ``plan._Desc`` arguments,
+    where ``FAST_LAUNCH`` (the same triton-version guard) allows and no
+    profiler hook is installed. The pre/postprocess kernels are plain Triton
+    kernels whose integer arguments the JIT specialises: they always take the
+    JIT's path.
     """
     from .kernels.backward import attention_backward_kernel
     from .kernels.backward_pre import bwd_postprocess, bwd_preprocess
@@ -160,18 +180,25 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         sem = delta  # never read
     bwd_preprocess(out, dout, lse, delta, lse2, cfg.block_m)
 
-    blocks = block_shapes(cfg)
-    descs = [_descriptor(t, blocks[name]) for name, t in
-             (("q", q), ("k", k), ("v", v), ("do", dout), ("dk", dk), ("dv", dv))]
-    descs.append(_fp32_descriptor(dq_accum.view(-1, head_dim), blocks["dq_accum"]))
-    descs.append(_fp32_descriptor(lse2.view(-1), blocks["lse2"]))
-    descs.append(_fp32_descriptor(delta.view(-1), blocks["delta"]))
-    attention_backward_kernel[grid(batch, nheads_kv, seqlen_k, cfg)](
-        *descs, sem,
-        seqlen_q, seqlen_k, seqlen_q_rounded, nheads, nheads // nheads_kv,
-        softmax_scale * LOG2E, softmax_scale,
-        **kernel_constexprs(cfg, causal, deterministic),
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+    g = grid(batch, nheads_kv, seqlen_k, cfg)
+    scalars = (seqlen_q, seqlen_k, seqlen_q_rounded, nheads, nheads // nheads_kv, softmax_scale * LOG2E,
+               softmax_scale)
+    constexprs = kernel_constexprs(cfg, causal, deterministic)
+    # The tensors behind the nine descriptors, in the kernel's argument order.
+    tensors = (q, k, v, dout, dk, dv, dq_accum.view(-1, head_dim), lse2.view(-1), delta.view(-1))
+    key = (dev.index, q.dtype, bool(causal), bool(deterministic), cfg)
+    kernel = _COMPILED.get(key)
+    if kernel is None or not FAST_LAUNCH or plan._launch_hooked():
+        blocks = block_shapes(cfg)
+        names = ("q", "k", "v", "do", "dk", "dv", "dq_accum", "lse2", "delta")
+        descs = [_descriptor(t, blocks[name]) for name, t in zip(names[:6], tensors[:6])]
+        descs += [_fp32_descriptor(t, blocks[name]) for name, t in zip(names[6:], tensors[6:])]
+        _COMPILED[key] = attention_backward_kernel[g](
+            *descs, sem, *scalars, **constexprs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+    else:
+        stream = plan.driver.active.get_current_stream(dev.index)
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+                   *(_Desc(t) for t in tensors), sem, *scalars, *constexprs.values())
 
     bwd_postprocess(dq_accum, dq, softmax_scale)
 
