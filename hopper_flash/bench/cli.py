@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="untimed warm-up time per cell, in ms (default %(default)g)")
     run.add_argument("--rep-ms", "--reps", type=float, default=500, metavar="MS",
                      help="timed repetition time per cell, in ms, each rep after an L2 flush (default %(default)g)")
+    run.add_argument("--cuda-graph", action="store_true",
+                     help="time replays of a CUDA graph holding back-to-back calls (no host or launch overhead, "
+                          "no L2 flush between calls), as serving loops run decode steps")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write all results and the header facts as JSON")
     out.add_argument("--csv", metavar="FILE", help="write all results as CSV, one row per (config, backend)")
@@ -179,9 +182,9 @@ def bench(args: argparse.Namespace, configs: list[Config], command: str) -> int:
         return 2
     from . import runner
     from .backends import variant_backend
-    from .timing import do_bench_timer, matmul_tflops
+    from .timing import cuda_graph_timer, do_bench_timer, matmul_tflops
 
-    timer = do_bench_timer(args.warmup_ms, args.rep_ms)
+    timer = cuda_graph_timer(args.rep_ms) if args.cuda_graph else do_bench_timer(args.warmup_ms, args.rep_ms)
     backends = select_backends(all_backends(), args.backends) + [variant_backend(v) for v in args.variant]
     return execute(configs, backends, timer, args, command, device="cuda", matmul_tflops=matmul_tflops(timer),
                    memory=runner.cuda_peak_memory)
