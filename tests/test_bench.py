@@ -191,8 +191,8 @@ def test_cuda_graph_option_selects_graph_replay_timing(monkeypatch):
 
     from hopper_flash.bench import timing
 
-    assert build_parser().parse_args(["--cuda-graph"]).cuda_graph
-    assert not build_parser().parse_args([]).cuda_graph
+    assert build_parser().parse_args(["bench", "--cuda-graph"]).cuda_graph
+    assert not build_parser().parse_args(["bench"]).cuda_graph
     seen = {}
 
     def fake_do_bench_cudagraph(fn, rep, return_mode):
