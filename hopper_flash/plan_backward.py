@@ -20,7 +20,8 @@ from functools import lru_cache
 
 import torch
 
-from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, triton_cdiv
+from . import plan
+from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, _Desc, triton_cdiv
 
 @dataclass(frozen=True)
 class BackwardConfig:
@@ -156,6 +157,17 @@ def varlen_padded_rows(total_q: int, batch: int, block_m: int) -> int:
     return triton_cdiv(total_q + batch * block_m, block_m) * block_m
 
 
+# The forward's guard (``_triton_support.fast_launch_supported``), as its own
+# attribute so the backward's fast path can be switched off alone.
+FAST_LAUNCH = plan.FAST_LAUNCH
+
+# Compiled main kernels by (device, dtype, causal, deterministic, config). Its
+# lengths and head counts are never value-specialised (do_not_specialize) and
+# every pointer it gets is a fresh or checked 16-byte aligned allocation, so
+# one compiled kernel serves every shape of a key, as in plan._COMPILED.
+_COMPILED: dict[tuple, object] = {}
+
+
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
                     deterministic: bool = False, cfg: BackwardConfig | None = None,
                     varlen: VarlenBatch | None = None) -> None:
@@ -168,6 +180,14 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     With ``varlen``: THD ``[total, H, D]`` tensors, ``lse`` ``[H, total_q]``
     (contiguous), and dq/dk/dv zero-initialised by the caller (rows outside
     every sequence's live part are not written); dk/dv contiguous.
+
+    The main kernel launches as the forward's does (``plan.launch_forward``):
+    the first launch of a specialisation through Triton's JIT, later ones
+    through the compiled kernel's launcher with ``plan._Desc`` arguments,
+    where ``FAST_LAUNCH`` (the same triton-version guard) allows and no
+    profiler hook is installed. The pre/postprocess kernels are plain Triton
+    kernels whose integer arguments the JIT specialises: they always take the
+    JIT's path.
     """
     from .kernels.backward import attention_backward_kernel
     from .kernels.backward_pre import bwd_postprocess, bwd_preprocess
@@ -224,19 +244,32 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         assert dk.stride() == dv.stride() and dk.stride(2) == 1
         stride_kv = (dk.stride(0), dk.stride(1))
 
-    blocks = block_shapes(cfg)
-    descs = [_descriptor(views[name], blocks[name]) for name in ("q", "k", "v", "do", "dk", "dv")]
-    descs.append(_fp32_descriptor(dq_accum, blocks["dq_accum"]))
-    descs.append(_fp32_descriptor(lse2, blocks["lse2"]))
-    descs.append(_fp32_descriptor(delta, blocks["delta"]))
-    attention_backward_kernel[grid(batch, nheads_kv, seqlen_k, cfg)](
-        *descs, sem, cu_q, cu_k, used_q, used_k, dk, dv, *stride_kv,
-        seqlen_q, seqlen_k, seqlen_q_rounded, nheads, nheads // nheads_kv,
-        softmax_scale * LOG2E, softmax_scale,
-        **kernel_constexprs(cfg, causal, deterministic, varlen is not None,
-                            varlen is not None and varlen.seqused_q is not None,
-                            varlen is not None and varlen.seqused_k is not None),
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+    g = grid(batch, nheads_kv, seqlen_k, cfg)
+    scalars = (seqlen_q, seqlen_k, seqlen_q_rounded, nheads, nheads // nheads_kv, softmax_scale * LOG2E,
+               softmax_scale)
+    constexprs = kernel_constexprs(cfg, causal, deterministic, varlen is not None,
+                                   varlen is not None and varlen.seqused_q is not None,
+                                   varlen is not None and varlen.seqused_k is not None)
+    # The tensors behind the nine descriptors, in the kernel's argument order.
+    tensors = (views["q"], views["k"], views["v"], views["do"], views["dk"], views["dv"],
+               dq_accum.view(-1, head_dim), lse2.view(-1), delta.view(-1))
+    ptrs = (sem, cu_q, cu_k, used_q, used_k, dk, dv)
+    # Varlen's int32 vectors are the caller's tensors: Triton specialises
+    # pointers on 16-byte alignment, so that is part of the key.
+    key = (dev.index, q.dtype, bool(causal), bool(deterministic), cfg, tuple(constexprs.values()),
+           tuple(t.data_ptr() % 16 == 0 for t in ptrs))
+    kernel = _COMPILED.get(key)
+    if kernel is None or not FAST_LAUNCH or plan._launch_hooked():
+        blocks = block_shapes(cfg)
+        names = ("q", "k", "v", "do", "dk", "dv", "dq_accum", "lse2", "delta")
+        descs = [_descriptor(t, blocks[name]) for name, t in zip(names[:6], tensors[:6])]
+        descs += [_fp32_descriptor(t, blocks[name]) for name, t in zip(names[6:], tensors[6:])]
+        _COMPILED[key] = attention_backward_kernel[g](
+            *descs, *ptrs, *stride_kv, *scalars, **constexprs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+    else:
+        stream = plan.driver.active.get_current_stream(dev.index)
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
+                   *(_Desc(t) for t in tensors), *ptrs, *stride_kv, *scalars, *constexprs.values())
 
     if varlen is None:
         bwd_postprocess(dq_accum, dq, softmax_scale, cfg.block_m)

@@ -8,7 +8,8 @@ outputs alike.
   the same inputs: PyTorch SDPA's cuDNN backend where it can express the
   problem, else SDPA's efficient/math backends with an explicit mask.
 * :func:`attention_reference_grads` / :func:`attention_baseline_grads`: the
-  same two for a backward's ``(dq, dk, dv)``.
+  same two for a backward's ``(dq, dk, dv)``; :func:`check_attention_grads`
+  judges all three (tests, scripts, sanitizer cases and the bench).
 * :func:`judge`: a value against the reference, relative to the error the
   baseline makes on the same inputs. Fixed tolerances are either loose where
   errors are small (an absolute 2e-2 passes a 3% error on S=4096 outputs of
@@ -45,6 +46,9 @@ __all__ = [
     "attention_reference",
     "attention_reference_grads",
     "check_attention",
+    "check_attention_grads",
+    "grads_abs_tol",
+    "judge_grads",
     "judge",
     "judge_lse",
     "max_abs_err",
@@ -177,6 +181,7 @@ def attention_baseline(
     causal: bool = False,
     softmax_scale: float | None = None,
     rows=None,
+    cudnn: bool = True,
 ) -> torch.Tensor:
     """The same attention from PyTorch, in q's dtype: the error a judged value
     is allowed (a multiple of) is this one's.
@@ -186,7 +191,7 @@ def attention_baseline(
     efficient and math backends with an explicit bottom-right mask, with GQA
     heads repeated. Rows that see no key are 0 (SDPA gives NaN there).
     ``rows`` as in :func:`attention_reference`; returns
-    ``[batch, len(rows), nheads, headdim]``.
+    ``[batch, len(rows), nheads, headdim]``. ``cudnn=False`` skips cuDNN.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -196,7 +201,7 @@ def attention_baseline(
     group = nheads // nheads_kv
     row_idx = _row_index(rows, seqlen_q, q.device)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    if q.is_cuda and group == 1 and (seqlen_q == seqlen_k or not causal) and min(seqlen_q, seqlen_k) > 0:
+    if cudnn and q.is_cuda and group == 1 and (seqlen_q == seqlen_k or not causal) and min(seqlen_q, seqlen_k) > 0:
         try:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 out = sdpa(qt, kt, vt, is_causal=causal, scale=scale).transpose(1, 2)
@@ -243,27 +248,38 @@ def attention_reference_grads(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    rows=None,
+    key_rows=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact float64 ``(dq, dk, dv)`` (BSHD, shaped like q, k, v) of
     :func:`attention_reference`'s output for the output gradient ``dout``.
 
-    The textbook backward from the reference's own output and LSE:
+    The textbook backward from the reference's own LSE:
     ``P = exp(S - lse)``, ``dV = P^T dO``, ``dP = dO V^T``,
-    ``dS = P * (dP - rowsum(dO * O))``, ``dQ = scale * dS K``,
+    ``dS = P * (dP - rowsum(dO * O))`` (with ``rowsum(dO * O)`` as
+    ``rowsum(P * dP)``, see ``_ds``), ``dQ = scale * dS K``,
     ``dK = scale * dS^T Q``; with GQA, dK and dV sum over the query heads
     that share a kv head. Rows that see no key contribute nothing. Chunked
     like the forward, so memory stays bounded (no autograd graph is kept).
+
+    ``rows`` (query rows) and ``key_rows`` (key positions), 1-D indices,
+    restrict dq to those query rows (``[batch, len(rows), nheads, headdim]``)
+    and dk, dv to those keys (``[batch, len(key_rows), nheads_kv, headdim]``):
+    how long problems are checked on a sample. Every key's gradient needs the
+    LSE and ``rowsum(dO * O)`` of every query row, so the full forward still
+    runs; the backward's products shrink to the sampled rows and keys.
     """
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    if rows is not None or key_rows is not None:
+        return _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_rows)
     f64 = torch.float64
     scale = _scale(softmax_scale, headdim)
     group = nheads // nheads_kv
     device = q.device
-    out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    _, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
     qh, kh, vh, doh = (x.transpose(1, 2) for x in (q, k, v, dout))
-    delta = (doh.to(f64) * out.transpose(1, 2)).sum(-1)  # [B, H, Sq]
     dq = torch.zeros(batch, nheads, seqlen_q, headdim, dtype=f64, device=device)
     dk = torch.zeros(batch, nheads_kv, seqlen_k, headdim, dtype=f64, device=device)
     dv = torch.zeros_like(dk)
@@ -285,7 +301,7 @@ def attention_reference_grads(
                 s.masked_fill_(cols[None, None, :] > r[None, :, None] + (seqlen_k - seqlen_q), -math.inf)
             p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
             dvc += p.transpose(-1, -2) @ doc
-            ds = p * (doc @ vc.transpose(-1, -2) - delta[idx][..., None])
+            ds = _ds(p, doc @ vc.transpose(-1, -2))
             dq[idx] = (ds @ kc) * scale
             dkc += (ds.transpose(-1, -2) @ qc) * scale
         dk.index_put_((b, h // group), dkc, accumulate=True)
@@ -293,14 +309,117 @@ def attention_reference_grads(
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_scale: float | None = None):
+def _ds(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
+    """``dS = P * (dP - delta)`` for whole rows of scores, with
+    ``delta = rowsum(dO * O) = sum_j P_ij dP_ij`` (``O = P V``) taken from the
+    row's own P and dP: a row that sees a single key (P = 1 there) gets
+    dS = 0 exactly, as in exact arithmetic, instead of the last-bit
+    difference of two differently ordered float64 sums. That zero matters
+    to the judge: a reference row of 1e-16 would turn a kernel's 1e-6
+    rounding there into a huge relative row error."""
+    return p * (dp - (p * dp).sum(-1, keepdim=True))
+
+
+def _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_rows):
+    """:func:`attention_reference_grads` on sampled query rows (dq) and keys
+    (dk, dv): one pass over the sampled rows against every key for dq, one
+    pass over every row against the sampled keys for dk and dv."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
+    f64 = torch.float64
+    scale = _scale(softmax_scale, headdim)
+    group = nheads // nheads_kv
+    device = q.device
+    row_idx = _row_index(rows, seqlen_q, device)
+    key_idx = _row_index(key_rows, seqlen_k, device)
+    out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    qh, kh, vh, doh = (x.transpose(1, 2) for x in (q, k, v, dout))
+    delta = (doh.to(f64) * out.transpose(1, 2)).sum(-1)  # [B, H, Sq]
+    dq = torch.zeros(batch, nheads, row_idx.numel(), headdim, dtype=f64, device=device)
+    dk = torch.zeros(batch, nheads_kv, key_idx.numel(), headdim, dtype=f64, device=device)
+    dv = torch.zeros_like(dk)
+    offset = seqlen_k - seqlen_q
+    pairs = batch * nheads
+
+    def probabilities(b, h, r, keys, kc):
+        """P and the inputs of dS for query rows ``r`` against keys ``keys``."""
+        idx = (b[:, None], h[:, None], r[None, :])
+        qc, doc, row_lse = qh[idx].to(f64), doh[idx].to(f64), lse[idx]
+        s = (qc @ kc.transpose(-1, -2)) * scale
+        if causal:
+            s.masked_fill_(keys[None, None, :] > r[None, :, None] + offset, -math.inf)
+        p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
+        return qc, doc, p, delta[idx][..., None]
+
+    all_keys = torch.arange(seqlen_k, device=device)
+    # dq on the sampled rows, against every key.
+    pairs_per_chunk, rows_per_chunk = _chunking(pairs, row_idx.numel(), seqlen_k, headdim)
+    for p0 in range(0, pairs, pairs_per_chunk):
+        pair = torch.arange(p0, min(p0 + pairs_per_chunk, pairs), device=device)
+        b, h = pair // nheads, pair % nheads
+        kc, vc = kh[b, h // group].to(f64), vh[b, h // group].to(f64)
+        for r0 in range(0, row_idx.numel(), rows_per_chunk):
+            r = row_idx[r0:r0 + rows_per_chunk]
+            _, doc, p, _ = probabilities(b, h, r, all_keys, kc)
+            ds = _ds(p, doc @ vc.transpose(-1, -2))
+            dq[b[:, None], h[:, None], torch.arange(r0, r0 + r.numel(), device=device)[None, :]] = (ds @ kc) * scale
+    # dk, dv on the sampled keys, against every query row.
+    pairs_per_chunk, rows_per_chunk = _chunking(pairs, seqlen_q, max(key_idx.numel(), 1), headdim)
+    for p0 in range(0, pairs, pairs_per_chunk):
+        pair = torch.arange(p0, min(p0 + pairs_per_chunk, pairs), device=device)
+        b, h = pair // nheads, pair % nheads
+        kc = kh[b[:, None], (h // group)[:, None], key_idx[None, :]].to(f64)  # [pairs, keys, D]
+        vc = vh[b[:, None], (h // group)[:, None], key_idx[None, :]].to(f64)
+        dkc, dvc = torch.zeros_like(kc), torch.zeros_like(vc)
+        for r0 in range(0, seqlen_q, rows_per_chunk):
+            r = torch.arange(r0, min(r0 + rows_per_chunk, seqlen_q), device=device)
+            qc, doc, p, dlt = probabilities(b, h, r, key_idx, kc)
+            dvc += p.transpose(-1, -2) @ doc
+            ds = p * (doc @ vc.transpose(-1, -2) - dlt)
+            dkc += (ds.transpose(-1, -2) @ qc) * scale
+        dk.index_put_((b, h // group), dkc, accumulate=True)
+        dv.index_put_((b, h // group), dvc, accumulate=True)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_scale: float | None = None,
+                             rows=None, key_rows=None):
     """``(dq, dk, dv)`` of :func:`attention_baseline` (SDPA's backward on the
     same bf16/fp16 inputs), in the inputs' dtype: the baseline for judging a
-    backward kernel's gradients."""
-    def fn(q, k, v):
-        return attention_baseline(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    backward kernel's gradients. ``rows`` / ``key_rows`` select dq rows and
+    dk/dv keys as in :func:`attention_reference_grads` (SDPA's backward
+    itself always runs in full).
 
-    return _grads(fn, q, k, v, dout)
+    Causal with ``seqlen_q > seqlen_k``: the first ``seqlen_q - seqlen_k``
+    rows see no key (dq = 0, no contribution to dk/dv); SDPA runs on the
+    other rows only, which with bottom-right alignment are the equal-length
+    causal problem (cuDNN can take it, and no fully masked row can put a NaN
+    into dk/dv through SDPA's backward). Where cuDNN's backward raises or its
+    gradients are not finite the efficient/math backends are used instead.
+    """
+    _, seqlen_q, seqlen_k, _, _, _ = _check_inputs(q, k, v)
+    if dout.shape != q.shape:
+        raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    blind = seqlen_q - seqlen_k if causal and seqlen_q > seqlen_k else 0
+
+    def fn(use_cudnn):
+        return lambda q, k, v: attention_baseline(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                  cudnn=use_cudnn)
+
+    try:
+        grads = _grads(fn(True), q[:, blind:], k, v, dout[:, blind:])
+    except RuntimeError:  # cuDNN ran the forward but declined the backward (head dim, version)
+        grads = None
+    if grads is None or not all(bool(torch.isfinite(g).all()) for g in grads):
+        grads = _grads(fn(False), q[:, blind:], k, v, dout[:, blind:])
+    dq, dk, dv = grads
+    if blind:
+        dq = torch.cat([torch.zeros_like(q[:, :blind]), dq], dim=1)
+    if rows is not None:
+        dq = dq[:, _row_index(rows, seqlen_q, q.device)]
+    if key_rows is not None:
+        key_idx = _row_index(key_rows, seqlen_k, q.device)
+        dk, dv = dk[:, key_idx], dv[:, key_idx]
+    return dq, dk, dv
 
 
 # --------------------------------------------------------------------------
@@ -376,6 +495,7 @@ def judge(
     factor: float = JUDGE_FACTOR,
     rel_floor: float | None = None,
     abs_floor: float | None = None,
+    abs_tol: float | None = None,
 ) -> Verdict:
     """Judge ``value`` against ``reference`` relative to ``baseline``'s error.
 
@@ -403,11 +523,19 @@ def judge(
     roundoff of the coarser of value's and baseline's dtypes (bf16: 9.8e-4,
     fp16: 1.2e-4), ``abs_floor`` to ``rel_floor * max |reference|``.
     Errors are computed in float64 on the value's device.
+
+    ``abs_tol`` (off by default): a value with the reference's non-finite
+    pattern whose ``max_abs`` is at most ``abs_tol`` passes whatever its
+    relative errors. For values whose exact result is (nearly) 0 while the
+    terms behind it are not, e.g. dQ and dK of a row that sees a single key
+    (``dS = P * (dP - rowsum(dO * O)) = 0`` exactly, computed as a difference
+    of two rounded dot products): relative errors mean nothing there.
     """
     if not (value.shape == reference.shape == baseline.shape):
         raise ValueError(f"{name}: shapes differ: value {tuple(value.shape)}, reference {tuple(reference.shape)}, "
                          f"baseline {tuple(baseline.shape)}")
     device = value.device
+    value = value.detach()
     reference, baseline = reference.detach().to(device), baseline.detach().to(device)
     mismatch = _nonfinite_mismatch(name, value, reference)
     if mismatch:
@@ -432,10 +560,14 @@ def judge(
     abs_limit = factor * base_mab + abs_floor
     row_limit = factor * base_row + rel_floor
     ok = rel <= rel_limit and mab <= abs_limit and row <= row_limit
+    within_abs_tol = not ok and abs_tol is not None and mab <= abs_tol
+    ok = ok or within_abs_tol
     message = (f"{name}: {'ok' if ok else 'FAIL'}: rel_fro {rel:.3e} (limit {rel_limit:.3e} = {factor:g} x baseline "
                f"{base_rel:.3e} + {rel_floor:.1e}), max_abs {mab:.3e} (limit {abs_limit:.3e} = {factor:g} x "
                f"baseline {base_mab:.3e} + {abs_floor:.1e}), row_rel {row:.3e} (limit {row_limit:.3e} = "
                f"{factor:g} x baseline {base_row:.3e} + {rel_floor:.1e})")
+    if within_abs_tol:
+        message += f"; passes on max_abs <= abs_tol {abs_tol:.1e}"
     if not ok:
         where = torch.unravel_index((val - ref).abs().argmax(), ref.shape) if ref.dim() else ()
         where = tuple(int(i) for i in where)
@@ -446,6 +578,8 @@ def judge(
             worst = int(torch.where(ref_row_norm > 0, row_err / ref_row_norm.clamp_min(1e-300), 0.0).argmax())
             worst_row = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), ref.shape[:-1]))
             message += f"; worst row (index without the last dim) {worst_row}"
+    if within_abs_tol:
+        abs_limit = abs_tol  # the limit that let it pass
     return Verdict(name, ok, message, rel, mab, row, rel_limit, abs_limit, row_limit, base_rel, base_mab, base_row)
 
 
@@ -527,6 +661,62 @@ def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     return verdicts
 
 
+GRAD_NAMES = ("dq", "dk", "dv")
+
+
+def grads_abs_tol(reference_grads, dtype: torch.dtype) -> float:
+    """The absolute tolerance for gradients (``judge``'s ``abs_tol``): a
+    quarter of ``dtype``'s unit roundoff times the largest exact gradient
+    element of dq, dk and dv together (bf16: ~1e-3 x that). dq and dk of a
+    single-key row are exactly 0, so their own size cannot set the scale."""
+    biggest = max((float(g.detach().abs().max()) for g in reference_grads if g.numel()), default=0.0)
+    return _unit_roundoff(dtype) / 4 * biggest
+
+
+def check_attention_grads(grads, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                          causal: bool, softmax_scale: float | None = None, rows=None, key_rows=None,
+                          names: tuple[str, str, str] = GRAD_NAMES) -> list[Verdict]:
+    """Verdicts on a backward's ``grads = (dq, dk, dv)`` (full BSHD tensors,
+    shaped like q, k, v) for the problem and the output gradient ``dout``:
+    each :func:`judge`'d against :func:`attention_reference_grads` relative
+    to :func:`attention_baseline_grads` (SDPA's backward: cuDNN where it
+    expresses the problem) at the default factor 2, with
+    :func:`grads_abs_tol` as the absolute floor. ``rows`` / ``key_rows``
+    restrict the check of dq / of dk and dv to sampled query rows / keys; a
+    non-finite element anywhere (sampled or not) fails. ``all(verdicts)``
+    is the pass."""
+    ref = attention_reference_grads(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, rows=rows,
+                                    key_rows=key_rows)
+    base = attention_baseline_grads(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, rows=rows,
+                                    key_rows=key_rows)
+    return judge_grads(grads, ref, base, shapes=(q.shape, k.shape, v.shape), rows=rows, key_rows=key_rows,
+                       abs_tol=grads_abs_tol(ref, q.dtype), names=names)
+
+
+def judge_grads(grads, reference_grads, baseline_grads, *, shapes, rows=None, key_rows=None,
+                abs_tol: float | None = None, names: tuple[str, str, str] = GRAD_NAMES) -> list[Verdict]:
+    """The judging half of :func:`check_attention_grads`, for callers that
+    judge many backends against one reference (the bench): ``grads`` full
+    (shaped ``shapes``: q's, k's, v's), ``reference_grads`` and
+    ``baseline_grads`` on the sampled ``rows`` (dq) / ``key_rows`` (dk, dv)
+    when those are given."""
+    verdicts = []
+    for i, (name, g, r, b, shape) in enumerate(zip(names, grads, reference_grads, baseline_grads, shapes)):
+        idx = rows if i == 0 else key_rows
+        if tuple(g.shape) != tuple(shape):
+            verdicts.append(Verdict(name, False, f"{name}: FAIL: shape {tuple(g.shape)}, expected {tuple(shape)}"))
+            continue
+        if not bool(torch.isfinite(g).all()):
+            bad = int((~torch.isfinite(g)).sum())
+            verdicts.append(Verdict(name, False, f"{name}: FAIL: {bad} non-finite elements (gradients are "
+                                    f"finite everywhere)"))
+            continue
+        if idx is not None:
+            g = g[:, _row_index(idx, shape[1], g.device)]
+        verdicts.append(judge(name, g, r, b, abs_tol=abs_tol))
+    return verdicts
+
+
 def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv: int, head_dim: int, *,
                dtype: torch.dtype = torch.bfloat16, seed: int = 0, device="cuda", magnitude: float = 1.0):
     """Fresh standard-normal q, k, v (BSHD, times ``magnitude``) from a seeded
@@ -564,6 +754,10 @@ class Problem:
         """:func:`check_attention` of this problem's output."""
         return check_attention(out, q, k, v, causal=self.causal, softmax_scale=self.softmax_scale, lse=lse,
                                name=name)
+
+    def check_grads(self, grads, q, k, v, dout) -> list[Verdict]:
+        """:func:`check_attention_grads` of this problem's ``(dq, dk, dv)``."""
+        return check_attention_grads(grads, q, k, v, dout, causal=self.causal, softmax_scale=self.softmax_scale)
 
 
 # --------------------------------------------------------------------------

@@ -1,6 +1,11 @@
 """Host time per call at a tiny size (B=1, H=1, S=128), hopper_flash next to
 SDPA's cuDNN backend: wall time of N back-to-back calls divided by N, with the
-GPU work far shorter than the host work. Also a cProfile of hopper_flash's call."""
+GPU work far shorter than the host work. Also a cProfile of hopper_flash's call.
+Then the backward alone (``plan_backward.backward`` on the forward's out and
+LSE, and SDPA cuDNN's autograd backward), with the backward's fast launch on
+and off (``plan_backward.FAST_LAUNCH``).
+
+    PYTHONPATH=. python scripts/host_overhead.py"""
 import cProfile
 import pstats
 import time
@@ -9,6 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hopper_flash
+from hopper_flash import plan_backward
 
 N = 2000
 q, k, v = (torch.randn(1, 128, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -22,6 +28,25 @@ def ours():
 def cudnn():
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+
+do = torch.randn_like(q)
+with torch.no_grad():
+    out, lse = hopper_flash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+
+
+def ours_bwd():
+    return plan_backward.backward(do, q, k, v, out, lse, 128 ** -0.5, True)
+
+
+qg, kg, vg = (x.detach().requires_grad_() for x in (qt, kt, vt))
+with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+    out_cudnn = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+do_t = do.transpose(1, 2)
+
+
+def cudnn_bwd():
+    return torch.autograd.grad(out_cudnn, (qg, kg, vg), do_t, retain_graph=True)
 
 
 def host_us(fn):
@@ -48,3 +73,9 @@ if __name__ == "__main__":
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
     print(f"host time per call (B=1, H=1, S=128, causal): hopper_flash {host_us(ours):.1f} us, "
           f"SDPA cuDNN {host_us(cudnn):.1f} us")
+    fast = host_us(ours_bwd)
+    plan_backward.FAST_LAUNCH = False
+    jit = host_us(ours_bwd)
+    plan_backward.FAST_LAUNCH = fast_default = hopper_flash.plan.FAST_LAUNCH
+    print(f"backward host time per call: hopper_flash {fast:.1f} us (fast launch {'on' if fast_default else 'off'}), "
+          f"{jit:.1f} us through the JIT; SDPA cuDNN autograd backward {host_us(cudnn_bwd):.1f} us")

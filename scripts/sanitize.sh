@@ -3,7 +3,9 @@
 # racecheck and synccheck on the 6-case --quick subset. One process, no
 # children that touch the GPU, so --target-processes is not needed.
 #
-#   scripts/sanitize.sh            # logs in $OUT (default ./out)
+#   scripts/sanitize.sh              # forward cases; logs in $OUT (default ./out)
+#   scripts/sanitize.sh --backward   # the backward's cases (sanitize.py --backward: 16 for
+#                                    # memcheck, 7 for racecheck/synccheck); logs sanitize-bwd-*.txt
 #
 # Steps:
 #   1. python scripts/sanitize.py without the sanitizer: checks the cases and
@@ -13,18 +15,27 @@
 #   3. racecheck -> $OUT/sanitize-racecheck.txt
 #   4. synccheck -> $OUT/sanitize-synccheck.txt (barrier usage: every
 #      bar.sync reached by the threads it counts, no divergent barrier)
-# Only kernels named attention_forward_kernel are instrumented (PyTorch's own
-# kernels, e.g. the reference's, run as usual). PyTorch's caching allocator is
+# Only kernels named attention_forward_kernel are instrumented (with --backward:
+# attention_backward_kernel, the Gluon kernel with the TMA reduce-add and the
+# semaphores; SANITIZER_KERNELS=kns=_bwd_p instruments the Triton pre- and
+# postprocess instead); PyTorch's own kernels, e.g. the reference's, run as usual. PyTorch's caching allocator is
 # off under the tools, so each tensor is its own allocation and memcheck sees
 # its true bounds. The tools' summary lines are printed last; the exit status
 # is 0 only if every tool ran clean and every case matched the reference.
 #
-# Environment: OUT; PYTHON; COMPUTE_SANITIZER (the binary); MEMCHECK_TIMEOUT,
+# Environment: OUT; PYTHON; COMPUTE_SANITIZER (the binary); TOOLS (default
+# "memcheck racecheck synccheck": the tools to run, e.g. TOOLS=memcheck to fit
+# a short device slot); WARMUP_TIMEOUT (default 300) for step 1; MEMCHECK_TIMEOUT,
 # RACECHECK_TIMEOUT and SYNCCHECK_TIMEOUT (seconds, default 240 each); SANITIZER_ARGS (extra
 # arguments for every tool, e.g. "--report-api-errors no"). Exit status 2
 # when compute-sanitizer is not found.
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+MODE=() TAG="" KERNELS=${SANITIZER_KERNELS:-kns=attention_forward_kernel}
+if [ "${1:-}" = "--backward" ]; then
+  MODE=(--backward) TAG="bwd-" KERNELS=${SANITIZER_KERNELS:-kns=attention_backward_kernel}
+  shift
+fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -37,7 +48,7 @@ fi
 echo "== $("$SAN" --version | tail -n 1); kernel $(uname -r)"
 
 echo "== warm-up run without the sanitizer"
-if ! timeout 300 "$PY" scripts/sanitize.py; then
+if ! timeout "${WARMUP_TIMEOUT:-300}" "$PY" scripts/sanitize.py ${MODE[@]+"${MODE[@]}"}; then
   echo "sanitize.sh: scripts/sanitize.py failed without the sanitizer; not running the tools" >&2
   exit 1
 fi
@@ -45,10 +56,10 @@ fi
 run_tool() {  # tool, time limit, sanitize.py arguments...
   local tool=$1 limit=$2
   shift 2
-  local log="$OUT/sanitize-$tool.txt"
+  local log="$OUT/sanitize-$TAG$tool.txt"
   echo "== $tool: python scripts/sanitize.py $* (log $log)"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 15 "$limit" \
-    "$SAN" --tool "$tool" --error-exitcode 1 --kernel-name kns=attention_forward_kernel ${SANITIZER_ARGS:-} \
+    "$SAN" --tool "$tool" --error-exitcode 1 --kernel-name "$KERNELS" ${SANITIZER_ARGS:-} \
     "$PY" scripts/sanitize.py "$@" >"$log" 2>&1
   local rc=$?
   grep -E '^(case|warm-up|sanitize\.py)' "$log"
@@ -60,15 +71,24 @@ run_tool() {  # tool, time limit, sanitize.py arguments...
   return $rc
 }
 
-run_tool memcheck "${MEMCHECK_TIMEOUT:-240}"
-rc_mem=$?
-run_tool racecheck "${RACECHECK_TIMEOUT:-240}" --quick
-rc_race=$?
-run_tool synccheck "${SYNCCHECK_TIMEOUT:-240}" --quick
-rc_sync=$?
+TOOLS=${TOOLS:-memcheck racecheck synccheck}
+wanted() { [[ " $TOOLS " == *" $1 "* ]]; }
+rc_mem=0 rc_race=0 rc_sync=0
+if wanted memcheck; then
+  run_tool memcheck "${MEMCHECK_TIMEOUT:-240}" ${MODE[@]+"${MODE[@]}"}
+  rc_mem=$?
+fi
+if wanted racecheck; then
+  run_tool racecheck "${RACECHECK_TIMEOUT:-240}" --quick ${MODE[@]+"${MODE[@]}"}
+  rc_race=$?
+fi
+if wanted synccheck; then
+  run_tool synccheck "${SYNCCHECK_TIMEOUT:-240}" --quick ${MODE[@]+"${MODE[@]}"}
+  rc_sync=$?
+fi
 
 summarize() {  # tool
-  local log="$OUT/sanitize-$1.txt"
+  local log="$OUT/sanitize-$TAG$1.txt"
   if grep -qE 'Device not supported|Target application terminated before first instrumented API call' "$log"; then
     echo "$1: the sanitizer could not attach to this GPU/runtime:"
     grep -m3 -E 'Device not supported|Target application|Error' "$log"
@@ -88,7 +108,7 @@ summarize() {  # tool
 }
 
 echo "== summaries"
-summarize memcheck
-summarize racecheck
-summarize synccheck
+for tool in memcheck racecheck synccheck; do
+  if wanted "$tool"; then summarize "$tool"; fi
+done
 [ "$rc_mem" -eq 0 ] && [ "$rc_race" -eq 0 ] && [ "$rc_sync" -eq 0 ]

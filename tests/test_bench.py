@@ -184,3 +184,24 @@ def test_module_entry_point_runs_without_traceback():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "sm_90" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cuda_graph_option_selects_graph_replay_timing(monkeypatch):
+    import triton.testing
+
+    from hopper_flash.bench import timing
+
+    assert build_parser().parse_args(["bench", "--cuda-graph"]).cuda_graph
+    assert not build_parser().parse_args(["bench"]).cuda_graph
+    seen = {}
+
+    def fake_do_bench_cudagraph(fn, rep, return_mode):
+        seen.update(rep=rep, return_mode=return_mode)
+        fn()
+        return [3.0, 1.0, 2.0]
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", fake_do_bench_cudagraph)
+    calls = []
+    t = timing.cuda_graph_timer(rep_ms=123)(lambda: calls.append(1))
+    assert calls == [1] and seen == {"rep": 123, "return_mode": "all"}
+    assert (t.median_ms, t.min_ms, t.max_ms, t.reps) == (2.0, 1.0, 3.0, 3)

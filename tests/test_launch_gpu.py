@@ -95,3 +95,75 @@ def test_fast_path_matches_public_launch(monkeypatch, jit_launches, head_dim, ca
     if with_lse:
         assert not ref_lse.isnan().any(), f"public launch left NaN in the LSE (seed {seed})"
         assert torch.equal(lse, ref_lse), f"fast path LSE differs (seed {seed})"
+
+
+# --- the backward's main kernel (plan_backward.launch_backward) -----------------------
+
+from hopper_flash import dispatch, plan_backward  # noqa: E402
+from hopper_flash.kernels import backward as backward_kernels  # noqa: E402
+
+# (dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv): odd lengths, GQA/MQA,
+# unequal lengths (causal rows that see no key).
+BWD_CASES = [
+    (torch.bfloat16, 2, 1000, 1000, 8, 2),
+    (torch.float16, 2, 129, 3001, 4, 4),
+    (torch.bfloat16, 1, 300, 17, 2, 1),
+]
+
+
+@pytest.fixture
+def bwd_jit_launches(monkeypatch):
+    """Counts backward launches that go through triton's JIT."""
+    calls = []
+    jit_run = backward_kernels.attention_backward_kernel.run
+
+    def counting_run(*args, **kwargs):
+        calls.append(kwargs.get("grid"))
+        return jit_run(*args, **kwargs)
+
+    monkeypatch.setattr(backward_kernels.attention_backward_kernel, "run", counting_run)
+    monkeypatch.setattr(plan_backward, "_COMPILED", {})
+    return calls
+
+
+def launch_bwd(q, k, v, do, out, lse, causal, deterministic):
+    grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+    plan_backward.launch_backward(do, q, k, v, out, lse, *grads, q.shape[-1] ** -0.5, causal, deterministic)
+    return grads
+
+
+def test_backward_fast_path_follows_the_forwards_guard():
+    assert plan_backward.FAST_LAUNCH == plan.FAST_LAUNCH
+
+
+@pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: f"{str(c[0])[6:]}-b{c[1]}-sq{c[2]}-sk{c[3]}-h{c[4]}x{c[5]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", plan_backward.BACKWARD_HEAD_DIMS)
+def test_backward_fast_path_matches_public_launch(monkeypatch, bwd_jit_launches, head_dim, causal, case):
+    """Deterministic mode: dq, dk, dv bitwise equal between the JIT launch and
+    the fast path. Default mode: dk, dv bitwise (no atomics), dq up to the
+    order of its fp32 reduce-adds."""
+    dtype, batch, seqlen_q, seqlen_k, nheads, nheads_kv = case
+    seed = random.SystemRandom().randrange(2**31)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(s, h):
+        return torch.randn(batch, s, h, head_dim, generator=gen, device="cuda").to(dtype)
+
+    q, k, v, do = rnd(seqlen_q, nheads), rnd(seqlen_k, nheads_kv), rnd(seqlen_k, nheads_kv), rnd(seqlen_q, nheads)
+    out, lse = dispatch.forward(q, k, v, None, causal, True)
+    for deterministic in (True, False):
+        monkeypatch.setattr(plan_backward, "FAST_LAUNCH", False)
+        ref = launch_bwd(q, k, v, do, out, lse, causal, deterministic)
+        jit_count = len(bwd_jit_launches)
+        monkeypatch.setattr(plan_backward, "FAST_LAUNCH", True)
+        got = launch_bwd(q, k, v, do, out, lse, causal, deterministic)
+        assert len(bwd_jit_launches) == jit_count, "the second launch went through the JIT, not the fast path"
+        torch.cuda.synchronize()
+        for name, a, b in zip(("dq", "dk", "dv"), got, ref):
+            assert torch.isfinite(b).all(), f"public launch left NaN/inf in {name} (seed {seed})"
+            if deterministic or name != "dq":
+                assert torch.equal(a, b), (f"fast path {name} differs (deterministic={deterministic}): max |diff| "
+                                           f"{(a.float() - b.float()).abs().max().item()} (seed {seed})")
+            else:
+                assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max(), f"dq (seed {seed})"

@@ -391,3 +391,97 @@ def test_grads_without_keys_are_zero():
                   reference.attention_baseline_grads(q, k, v, dout)):
         assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
         assert all((g == 0).all() for g in grads)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("chunk", [1 << 24, 37 * 5], ids=["one-chunk", "many-chunks"])
+def test_sampled_reference_grads_are_the_full_ones_on_the_samples(monkeypatch, chunk, causal):
+    monkeypatch.setattr(reference, "_CHUNK_ELEMS", chunk)
+    q, k, v = _inputs(17, 2, 70, 45, 4, 2, 16, BF16)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(18)).to(BF16)
+    full = reference.attention_reference_grads(q, k, v, dout, causal=causal)
+    rows, keys = torch.tensor([0, 3, 24, 25, 69]), torch.tensor([1, 2, 44])
+    dq, dk, dv = reference.attention_reference_grads(q, k, v, dout, causal=causal, rows=rows, key_rows=keys)
+    assert dq.shape == (2, 5, 4, 16) and dk.shape == dv.shape == (2, 3, 2, 16)
+    for got, want in ((dq, full[0][:, rows]), (dk, full[1][:, keys]), (dv, full[2][:, keys])):
+        assert max_abs_err(got, want) < 1e-12
+    base = reference.attention_baseline_grads(q, k, v, dout, causal=causal, rows=rows, key_rows=keys)
+    full_base = reference.attention_baseline_grads(q, k, v, dout, causal=causal)
+    assert torch.equal(base[0], full_base[0][:, rows]) and torch.equal(base[1], full_base[1][:, keys])
+
+
+def test_baseline_grads_with_rows_that_see_no_key_are_finite_and_zero_there():
+    q, k, v = _inputs(19, 2, 40, 25, 4, 4, 16, BF16)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(20)).to(BF16)
+    base = reference.attention_baseline_grads(q, k, v, dout, causal=True)
+    ref = reference.attention_reference_grads(q, k, v, dout, causal=True)
+    assert all(torch.isfinite(g).all() for g in base)
+    assert (base[0][:, :15] == 0).all()
+    for name, b, r in zip(("dq", "dk", "dv"), base, ref):
+        assert judge(name, r.to(BF16), r, b), name
+
+
+def test_judge_abs_tol_passes_noise_on_an_exact_zero_only_below_it():
+    ref = torch.zeros(4, 8, dtype=torch.float64)
+    value = torch.full((4, 8), 1e-6).to(BF16)
+    exact_baseline = torch.zeros(4, 8, dtype=BF16)
+    assert not judge("dq", value, ref, exact_baseline)
+    verdict = judge("dq", value, ref, exact_baseline, abs_tol=1e-5)
+    assert verdict and "abs_tol" in verdict.message and verdict.max_abs_limit == 1e-5
+    assert not judge("dq", value * 100, ref, exact_baseline, abs_tol=1e-5)
+    nan = value.clone()
+    nan[0, 0] = float("nan")
+    assert not judge("dq", nan, ref, exact_baseline, abs_tol=1.0)
+
+
+@pytest.mark.parametrize("sq,sk,causal", [(33, 20, True), (20, 33, False), (5, 1, False), (1, 1, True)])
+def test_check_attention_grads_passes_rounded_exact_grads_and_fails_slips(sq, sk, causal):
+    q, k, v = _inputs(21, 2, sq, sk, 4, 2, 16, BF16)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(22)).to(BF16)
+    ref = reference.attention_reference_grads(q, k, v, dout, causal=causal)
+    good = [g.to(BF16) for g in ref]
+    if sk == 1:  # dq, dk exactly 0: kernel-like rounding noise must pass on the absolute floor
+        good[0] = good[0] + 1e-6 * torch.randn(good[0].shape, generator=torch.Generator().manual_seed(2)).to(BF16)
+    verdicts = reference.check_attention_grads(good, q, k, v, dout, causal=causal)
+    assert [v_.name for v_ in verdicts] == ["dq", "dk", "dv"] and all(verdicts), [v_.message for v_ in verdicts]
+    for i in range(3):
+        bad = list(good)
+        bad[i] = bad[i].clone()
+        bad[i][0, -1] += 0.5  # one wrong row
+        assert not reference.check_attention_grads(bad, q, k, v, dout, causal=causal)[i]
+        nan = list(good)
+        nan[i] = nan[i].clone()
+        nan[i][-1, -1, -1, -1] = float("nan")
+        assert "non-finite" in reference.check_attention_grads(nan, q, k, v, dout, causal=causal)[i].message
+    wrong_shape = [good[0][:, :, :1], good[1], good[2]]
+    assert "shape" in reference.check_attention_grads(wrong_shape, q, k, v, dout, causal=causal)[0].message
+
+
+def test_baseline_grads_fall_back_when_cudnn_declines_the_backward(monkeypatch):
+    """cuDNN can accept a forward and refuse its backward: the baseline then
+    comes from the efficient/math backends, not an exception."""
+    q, k, v = _inputs(23, 1, 20, 20, 2, 2, 16, BF16)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(24)).to(BF16)
+    real = reference.attention_baseline
+    used = []
+
+    class Refuses(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("cuDNN backward: head dim not supported")
+
+    def baseline(q, k, v, *, cudnn=True, **kw):
+        used.append(cudnn)
+        out = real(q, k, v, cudnn=cudnn, **kw)
+        return Refuses.apply(out) if cudnn else out
+
+    monkeypatch.setattr(reference, "attention_baseline", baseline)
+    base = reference.attention_baseline_grads(q, k, v, dout, causal=True)
+    assert used == [True, False]
+    ref = reference.attention_reference_grads(q, k, v, dout, causal=True)
+    for name, b, r in zip(("dq", "dk", "dv"), base, ref):
+        assert judge(name, r.to(BF16), r, b), name

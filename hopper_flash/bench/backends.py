@@ -35,6 +35,9 @@ class Backend:
     build: Callable[..., AttnFn]  # (cfg, q, k, v, scale) -> fn returning BSHD output
     # In the default run; the decode (KV-cache) APIs run on request (--backends).
     default: bool = True
+    # Timed in the "bwd"/"fwd+bwd" passes: build gets requires_grad leaves and
+    # the output is differentiated by autograd.
+    grad: bool = True
 
     def unavailable_reason(self) -> str | None:
         try:
@@ -261,14 +264,15 @@ def all_backends() -> list[Backend]:
     return [
         Backend("hopper_flash", _import_check("hopper_flash", "flash_attn_func"), _build_hopper_flash),
         Backend("hopper_flash-kvcache", _import_check("hopper_flash", "flash_attn_with_kvcache"),
-                _build_hopper_flash_kvcache, default=False),
+                _build_hopper_flash_kvcache, default=False, grad=False),
         Backend("sdpa-cudnn", torch_check, _build_sdpa("CUDNN_ATTENTION")),
         Backend("sdpa-flash", torch_check, _build_sdpa("FLASH_ATTENTION")),
         Backend("sdpa-efficient", torch_check, _build_sdpa("EFFICIENT_ATTENTION")),
-        Backend("flex-compiled", _flex_check, _build_flex),
+        # A compiled flex backward per config is a compile-time benchmark more than a kernel one.
+        Backend("flex-compiled", _flex_check, _build_flex, grad=False),
         Backend("fa3", _import_check("flash_attn_interface", "flash_attn_func"), _build_flash_attn("flash_attn_interface")),
         Backend("fa3-kvcache", _import_check("flash_attn_interface", "flash_attn_with_kvcache"), _build_fa3_kvcache,
-                default=False),
+                default=False, grad=False),  # the KV-cache APIs have no backward
         Backend("fa2", _import_check("flash_attn", "flash_attn_func"), _build_flash_attn("flash_attn")),
     ]
 

@@ -1,4 +1,5 @@
-"""``hopper-flash bench``: compare attention forward kernels on a Hopper GPU.
+"""``hopper-flash bench``: compare attention kernels (forward, backward,
+forward+backward) on a Hopper GPU.
 
 Exit status: 0 when every timed result matches the float64 reference (judged against SDPA's error),
 1 when any result FAILs the check or errors, 2 for usage errors or when no
@@ -15,6 +16,7 @@ from typing import Sequence
 from .backends import BACKEND_NAMES, Backend, all_backends
 from .configs import DTYPES, Config, ConfigError, default_configs, load_config_file
 from .results import Result
+from .runner import PASSES
 from .timing import Timer
 
 # Options that override fields of every config in the set.
@@ -26,11 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser(
         "bench",
-        help="benchmark attention forward against other implementations",
+        help="benchmark attention (forward, backward) against other implementations",
         description=(
             "Time hopper_flash.flash_attn_func next to PyTorch SDPA (cuDNN, flash, efficient), "
             "compiled FlexAttention and FlashAttention-2/3 when installed, on the same inputs; "
-            "check every output against a float64 reference. Without --seqlen or --config it runs "
+            "check every output (and with --pass bwd / fwd+bwd every gradient dq, dk, dv) against a "
+            "float64 reference. Without --seqlen or --config it runs "
             "the default set (causal bf16 D128: B4 H32 S1024..16384, B16 H16 S512, B1 H32 S32768); "
             "--batch/--heads/--kv-heads/--headdim/--causal/--dtype override those fields in every config."
         ),
@@ -56,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="JSON list of config objects with fields: " + ", ".join(
                            ("seqlen", "seqlen_k", "batch", "heads", "kv_heads", "headdim", "causal", "dtype")))
     run = p.add_argument_group("running")
+    run.add_argument("--pass", dest="passes", nargs="+", choices=PASSES, default=["fwd"], metavar="PASS",
+                     help="what to time, one table block each: fwd (the output), bwd (dq, dk, dv of a fixed "
+                          "grad_out through autograd; the forward runs once, untimed), fwd+bwd (both); "
+                          "TFLOP/s count the backward as 2.5x the forward's FLOPs (default: fwd)")
+    run.add_argument("--memory", action="store_true",
+                     help="also report the peak GPU memory PyTorch allocates during one call of each cell "
+                          "beyond what was allocated before it (torch.cuda.max_memory_allocated)")
     run.add_argument("--backends", nargs="+", choices=BACKEND_NAMES, metavar="NAME",
                      help=f"subset to run, from: {', '.join(BACKEND_NAMES)} (default: all but the KV-cache APIs, "
                           "hopper_flash-kvcache and fa3-kvcache)")
@@ -69,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="untimed warm-up time per cell, in ms (default %(default)g)")
     run.add_argument("--rep-ms", "--reps", type=float, default=500, metavar="MS",
                      help="timed repetition time per cell, in ms, each rep after an L2 flush (default %(default)g)")
+    run.add_argument("--cuda-graph", action="store_true",
+                     help="time replays of a CUDA graph holding back-to-back calls (no host or launch overhead, "
+                          "no L2 flush between calls), as serving loops run decode steps")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="FILE", help="write all results and the header facts as JSON")
     out.add_argument("--csv", metavar="FILE", help="write all results as CSV, one row per (config, backend)")
@@ -122,6 +135,7 @@ def execute(
     *,
     device: str = "cuda",
     matmul_tflops: float | None = None,
+    memory=None,
 ) -> int:
     """Run, report and write files; the exit status. Separate from the GPU
     set-up so tests can call it with fake backends and timer on the CPU."""
@@ -131,7 +145,9 @@ def execute(
     from . import report, results as results_io, runner
     from .environment import collect_meta
 
-    total = len(configs) * len(backends)
+    passes = list(dict.fromkeys(getattr(args, "passes", None) or ["fwd"]))  # in order, once each
+    memory = memory if getattr(args, "memory", False) else None
+    total = len(configs) * len(passes) * len(backends)
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=Console(stderr=True), transient=True, disable=args.quiet,
@@ -144,7 +160,8 @@ def execute(
             progress.update(task, completed=next(done), description=f"{cfg.label} · {backend}")
 
         results: list[Result] = runner.run(
-            configs, backends, timer, device=device, matmul_tflops=matmul_tflops, on_step=on_step
+            configs, backends, timer, device=device, matmul_tflops=matmul_tflops, on_step=on_step,
+            passes=passes, memory=memory,
         )
         progress.update(task, completed=total)
 
@@ -168,13 +185,14 @@ def bench(args: argparse.Namespace, configs: list[Config], command: str) -> int:
     if problem:
         print(f"hopper-flash bench: {problem}", file=sys.stderr)
         return 2
-    from .timing import do_bench_timer, matmul_tflops
-
+    from . import runner
     from .backends import variant_backend
+    from .timing import cuda_graph_timer, do_bench_timer, matmul_tflops
 
-    timer = do_bench_timer(args.warmup_ms, args.rep_ms)
+    timer = cuda_graph_timer(args.rep_ms) if args.cuda_graph else do_bench_timer(args.warmup_ms, args.rep_ms)
     backends = select_backends(all_backends(), args.backends) + [variant_backend(v) for v in args.variant]
-    return execute(configs, backends, timer, args, command, device="cuda", matmul_tflops=matmul_tflops(timer))
+    return execute(configs, backends, timer, args, command, device="cuda", matmul_tflops=matmul_tflops(timer),
+                   memory=runner.cuda_peak_memory)
 
 
 def missing_extras(args: argparse.Namespace) -> list[str]:

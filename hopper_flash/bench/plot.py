@@ -18,12 +18,15 @@ from .results import OK, Result
 def _family(r: Result) -> tuple:
     # What makes two configs comparable along the seqlen axis; batch and heads
     # vary in the default set to keep the work per call reasonable.
-    return (r.dtype, r.headdim, r.causal, r.heads // r.kv_heads, r.seqlen_k == r.seqlen)
+    # The pass too: a backward's TFLOP/s are not a forward's.
+    return (r.dtype, r.headdim, r.causal, r.heads // r.kv_heads, r.seqlen_k == r.seqlen, r.bench_pass)
 
 
 def _family_label(family: tuple) -> str:
-    dtype, headdim, causal, group, equal = family
+    dtype, headdim, causal, group, equal, bench_pass = family
     parts = [dtype, f"D{headdim}", "causal" if causal else "full"]
+    if bench_pass != "fwd":
+        parts.append(bench_pass)
     if group > 1:
         parts.append(f"GQA {group}:1")
     if not equal:

@@ -1,4 +1,4 @@
-"""How the bench checks every timed output: the package's float64 reference
+"""How the bench checks every timed output and gradient: the package's float64 reference
 and judge (``hopper_flash.reference``) on the checked query rows.
 
 * queries up to FULL_CHECK_MAX_SEQLEN: every row is checked;
@@ -71,3 +71,57 @@ def judge_output(out, ref: Reference):
     if not bool(torch.isfinite(out).all()):
         return Verdict("output", False, "non-finite values in output", max_abs=math.nan, rel_fro=math.nan)
     return judge("output", out[:, ref.rows], ref.out, ref.baseline)
+
+
+@dataclass
+class GradReference:
+    """The float64 reference gradients and SDPA's on the checked query rows
+    (dq) and keys (dk, dv); ``rows`` / ``key_rows`` are None where every row
+    is checked."""
+
+    rows: "object"
+    key_rows: "object"
+    grads: tuple  # float64 (dq, dk, dv) on the checked rows / keys
+    baseline: tuple  # SDPA's backward, input dtype, same rows / keys
+    abs_tol: float
+    shapes: tuple  # q's, k's and v's shapes (what a backend's grads must have)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.grads[0].shape[1])
+
+
+def make_grad_out(cfg: Config, device: str, seed: int = 1):
+    """The fixed output gradient every backend's backward gets: standard
+    normal, q's shape and dtype, from its own seeded generator."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+    return torch.randn(cfg.batch, cfg.seqlen_q, cfg.heads, cfg.headdim, generator=gen, device=device).to(dtype)
+
+
+def compute_grad_reference(cfg: Config, q, k, v, dout, scale: float) -> GradReference:
+    """Reference and baseline gradients (``hopper_flash.reference``) on the
+    checked rows: all of them up to FULL_CHECK_MAX_SEQLEN, else the same
+    stratified sample as the outputs', for query rows (dq) and for keys
+    (dk, dv; every key's gradient still sums over every query row)."""
+    from hopper_flash.reference import attention_baseline_grads, attention_reference_grads, grads_abs_tol
+
+    def sample(n: int, seed: int):
+        return None if n <= FULL_CHECK_MAX_SEQLEN else check_rows(n, q.device, seed)
+
+    rows, key_rows = sample(cfg.seqlen_q, 0), sample(cfg.seqlen_kv, 1)
+    kw = dict(causal=cfg.causal, softmax_scale=scale, rows=rows, key_rows=key_rows)
+    grads = attention_reference_grads(q, k, v, dout, **kw)
+    baseline = attention_baseline_grads(q, k, v, dout, **kw)
+    return GradReference(rows, key_rows, grads, baseline, grads_abs_tol(grads, q.dtype),
+                         (tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+
+
+def judge_grads(grads, ref: GradReference):
+    """The judge's verdicts on a backend's ``(dq, dk, dv)`` (full BSHD)."""
+    from hopper_flash.reference import judge_grads as judge_all
+
+    return judge_all(grads, ref.grads, ref.baseline, shapes=ref.shapes, rows=ref.rows, key_rows=ref.key_rows,
+                     abs_tol=ref.abs_tol)

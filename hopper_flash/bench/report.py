@@ -52,8 +52,12 @@ def build_table(results: Sequence[Result]) -> tuple[Table, list[str]]:
     """The results table and its footnotes (messages, numbered once each).
 
     Unavailable backends get no rows (they would repeat on every config);
-    they are listed once in the footnotes instead.
+    they are listed once in the footnotes instead. With passes other than
+    the forward, the config column names the pass (``... bf16 bwd``); with
+    measured memory a "peak MiB" column is added.
     """
+    only_fwd = all(r.bench_pass == "fwd" for r in results)
+    with_memory = any(r.peak_mib is not None for r in results)
     table = Table(box=box.MARKDOWN, show_edge=True, pad_edge=True)
     table.add_column("config")
     table.add_column("backend")
@@ -65,6 +69,8 @@ def build_table(results: Sequence[Result]) -> tuple[Table, list[str]]:
     table.add_column("vs cuDNN", justify="right")
     table.add_column("K/V TB/s", justify="right")
     table.add_column("max err", justify="right")
+    if with_memory:
+        table.add_column("peak MiB", justify="right")
     table.add_column("note")
 
     notes: list[str] = []
@@ -77,7 +83,9 @@ def build_table(results: Sequence[Result]) -> tuple[Table, list[str]]:
         return f"[{notes.index(text) + 1}]"
 
     unavailable: dict[str, str] = {}
-    for label, group in groupby(results, key=lambda r: r.label):
+    for (label, bench_pass), group in groupby(results, key=lambda r: (r.label, r.bench_pass)):
+        if not only_fwd:
+            label = f"{label} {bench_pass}"
         first = True
         for r in group:
             if r.status == UNAVAILABLE:
@@ -98,6 +106,7 @@ def build_table(results: Sequence[Result]) -> tuple[Table, list[str]]:
                 Text(r.status, style=STATUS_STYLE.get(r.status, "")),
                 *(Text(t, style="dim strike" if dim and t != "—" else "") for t in timing),
                 _err(r.max_abs_err),
+                *([_num(r.peak_mib, ".0f")] if with_memory else []),
                 note(r.message),
             )
             first = False
@@ -119,7 +128,9 @@ def summary(results: Sequence[Result]) -> Text:
 def print_report(results: Sequence[Result], meta: dict, console: Console | None = None) -> None:
     # Wide when piped to a file, so the markdown table is never wrapped.
     console = console or Console(width=None if Console().is_terminal else 200)
-    console.print("## Attention forward benchmark", markup=False)
+    passes = list(dict.fromkeys(r.bench_pass for r in results)) or ["fwd"]
+    title = "forward" if passes == ["fwd"] else ", ".join(passes)
+    console.print(f"## Attention {title} benchmark", markup=False)
     console.print()
     for line in header_lines(meta):
         console.print(line, markup=False, highlight=False)

@@ -51,6 +51,8 @@ class Result:
     rel_fro_err: float | None = None
     rel_fro_limit: float | None = None
     rows_checked: int | None = None
+    bench_pass: str = "fwd"  # "fwd", "bwd" or "fwd+bwd" (runner.PASSES); records before passes existed are "fwd"
+    peak_mib: float | None = None  # --memory: peak MiB allocated during one call beyond what was allocated before
 
     @property
     def failed(self) -> bool:

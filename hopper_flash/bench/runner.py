@@ -1,6 +1,7 @@
-"""Runs every (config, backend) cell: same random inputs for all backends of
-a config, a correctness check of each output against the float64 reference
-(judged relative to SDPA's error, see ``reference.py``), then timing.
+"""Runs every (config, pass, backend) cell: same random inputs (and output
+gradient) for all backends of a config, a correctness check of each output
+and each gradient against the float64 reference (judged relative to SDPA's
+error, see ``reference.py``), then timing.
 
 The backends and the timer are parameters so that tests can drive the whole
 loop on the CPU with fakes.
@@ -13,7 +14,7 @@ from typing import Callable, Sequence
 
 from .backends import CUDNN, Backend, Unsupported
 from .configs import Config, attention_flops, kv_bytes
-from .reference import compute_reference, judge_output
+from .reference import compute_grad_reference, compute_reference, judge_grads, judge_output, make_grad_out
 from .results import ERROR, FAIL, OK, UNAVAILABLE, UNSUPPORTED, Result
 from .timing import Timer
 
@@ -38,6 +39,96 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".strip()
 
 
+# What a cell times. "fwd": the attention output. "bwd": the gradients
+# (dq, dk, dv) of a fixed grad_out through autograd, the forward run once
+# outside the timed region (retain_graph keeps its saved tensors). "fwd+bwd":
+# both, as a training step does.
+PASSES = ("fwd", "bwd", "fwd+bwd")
+
+# Called around one call of a cell's timed callable; returns the peak bytes
+# allocated during it beyond what was allocated before (None: not measured).
+MemoryProbe = Callable[[Callable[[], object]], "int | None"]
+
+
+def pass_flops(cfg: Config, bench_pass: str) -> int:
+    """FLOPs credited to one call: the forward's (``attention_flops``), the
+    backward counted as 2.5x the forward (its five matmuls against the
+    forward's two; causal halved as in the forward), fwd+bwd as 3.5x."""
+    fwd = attention_flops(cfg)  # even: 2 or 4 times an integer
+    return {"fwd": fwd, "bwd": 5 * fwd // 2, "fwd+bwd": 7 * fwd // 2}[bench_pass]
+
+
+def _prepare(backend: Backend, cfg: Config, q, k, v, dout, scale: float, bench_pass: str):
+    """(timed callable, output to check or None, grads to check or None) of
+    one cell; the callable has been called once (compilation, probes)."""
+    import torch
+
+    expected = (cfg.batch, cfg.seqlen_q, cfg.heads, cfg.headdim)
+
+    def shape_ok(out):
+        if tuple(out.shape) != expected:
+            raise _BadShape(f"output shape {tuple(out.shape)}, expected {expected}")
+        return out
+
+    if bench_pass == "fwd":
+        fn = backend.build(cfg, q, k, v, scale)
+        return fn, shape_ok(fn()), None
+    if not backend.grad:
+        raise Unsupported(f"{backend.name}: the backward is not benchmarked for this backend")
+    leaves = tuple(x.detach().requires_grad_() for x in (q, k, v))
+    forward = backend.build(cfg, *leaves, scale)
+    if bench_pass == "bwd":
+        with torch.enable_grad():
+            out = shape_ok(forward())
+
+        def fn():
+            return torch.autograd.grad(out, leaves, dout, retain_graph=True, allow_unused=True)
+
+        return fn, None, _materialized(_first_backward(fn), leaves)
+
+    def fn():
+        with torch.enable_grad():
+            o = forward()
+            return o, torch.autograd.grad(o, leaves, dout, allow_unused=True)
+
+    with torch.enable_grad():
+        shape_ok(forward())  # the shape check before autograd meets a mismatched grad_out
+    out, grads = _first_backward(fn)
+    return fn, out, _materialized(grads, leaves)
+
+
+class _BadShape(Exception):
+    """A backend's output has the wrong shape: a FAIL, not an error."""
+
+
+def _first_backward(fn):
+    """The first call of a callable with a backward in it: a backend whose
+    backward declines the config (NotImplementedError, e.g. an unsupported
+    head dim) is unsupported, not broken."""
+    try:
+        return fn()
+    except NotImplementedError as e:
+        raise Unsupported(str(e)) from e
+
+
+def _materialized(grads, leaves):
+    """An input the output does not depend on has gradient 0 (autograd says
+    None): judged as such, so a backend that drops one is wrong, not broken."""
+    import torch
+
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves))
+
+
+def _worst(verdicts):
+    """The verdict closest to (or furthest past) its max-abs limit."""
+    def ratio(v):
+        if math.isnan(v.max_abs) or not v.max_abs_limit:
+            return math.inf if (math.isnan(v.max_abs) or v.max_abs) else 0.0
+        return v.max_abs / v.max_abs_limit
+
+    return max(verdicts, key=ratio)
+
+
 def run_config(
     cfg: Config,
     backends: Sequence[Backend],
@@ -47,43 +138,59 @@ def run_config(
     matmul_tflops: float | None = None,
     unavailable: dict[str, str] | None = None,
     on_step: StepHook | None = None,
+    bench_pass: str = "fwd",
+    memory: MemoryProbe | None = None,
 ) -> list[Result]:
     import torch
 
+    if bench_pass not in PASSES:
+        raise ValueError(f"bench_pass must be one of {PASSES}, got {bench_pass!r}")
     scale = 1.0 / math.sqrt(cfg.headdim)
-    flops = attention_flops(cfg)
+    flops = pass_flops(cfg, bench_pass)
     q, k, v = make_inputs(cfg, device)
-    reference = None  # computed on first need, shared by all backends
+    dout = make_grad_out(cfg, device) if bench_pass != "fwd" else None
+    reference = grad_reference = None  # computed on first need, shared by all backends
     results = []
     for backend in backends:
         if on_step:
             on_step(cfg, backend.name)
         r = Result(**cfg.to_record(), label=cfg.label, backend=backend.name, status=OK, flops=flops,
-                   matmul_tflops=matmul_tflops)
+                   matmul_tflops=matmul_tflops, bench_pass=bench_pass)
         results.append(r)
         reason = (unavailable or {}).get(backend.name)
         if reason is not None:
             r.status, r.message = UNAVAILABLE, reason
             continue
+        fn = out = grads = None
         try:
-            fn = backend.build(cfg, q, k, v, scale)
-            out = fn()
-            expected = (cfg.batch, cfg.seqlen_q, cfg.heads, cfg.headdim)
-            if tuple(out.shape) != expected:
-                r.status, r.message = FAIL, f"output shape {tuple(out.shape)}, expected {expected}"
+            try:
+                fn, out, grads = _prepare(backend, cfg, q, k, v, dout, scale, bench_pass)
+            except _BadShape as e:
+                r.status, r.message = FAIL, str(e)
                 continue
-            if reference is None:
-                reference = compute_reference(cfg, q, k, v, scale)
-            r.rows_checked = reference.num_rows
-            verdict = judge_output(out, reference)
-            del out
-            r.max_abs_err, r.tolerance = verdict.max_abs, verdict.max_abs_limit
-            r.rel_fro_err, r.rel_fro_limit = verdict.rel_fro, verdict.rel_fro_limit
-            if not verdict:
-                r.status, r.message = FAIL, verdict.message
+            verdicts = []
+            if out is not None:
+                if reference is None:
+                    reference = compute_reference(cfg, q, k, v, scale)
+                r.rows_checked = reference.num_rows
+                verdicts.append(judge_output(out, reference))
+            if grads is not None:
+                if grad_reference is None:
+                    grad_reference = compute_grad_reference(cfg, q, k, v, dout, scale)
+                r.rows_checked = grad_reference.num_rows
+                verdicts += judge_grads(grads, grad_reference)
+            out = grads = None
+            worst = _worst(verdicts)
+            r.max_abs_err, r.tolerance = worst.max_abs, worst.max_abs_limit
+            r.rel_fro_err, r.rel_fro_limit = worst.rel_fro, worst.rel_fro_limit
+            if not all(verdicts):
+                r.status, r.message = FAIL, "; ".join(v.message for v in verdicts if not v)
             # A FAIL is still timed (useful while debugging) but never plotted
             # or counted as a pass.
             t = timer(fn)
+            if memory is not None:
+                peak = memory(fn)
+                r.peak_mib = None if peak is None else peak / 2**20
         except Unsupported as e:
             r.status, r.message = UNSUPPORTED, str(e)
             continue
@@ -91,14 +198,15 @@ def run_config(
             r.status, r.message = ERROR, _short(e)
             continue
         finally:
-            fn = out = None  # free this backend's memory before the next one
+            fn = out = grads = None  # free this backend's memory (and its autograd graph) before the next one
         r.median_ms, r.min_ms, r.max_ms, r.reps = t.median_ms, t.min_ms, t.max_ms, t.reps
         r.tflops = flops / (t.median_ms * 1e-3) / 1e12
-        r.kv_tbs = kv_bytes(cfg) / (t.median_ms * 1e-3) / 1e12
+        if bench_pass == "fwd":  # the K/V read rate of a forward (decode's measure)
+            r.kv_tbs = kv_bytes(cfg) / (t.median_ms * 1e-3) / 1e12
         if matmul_tflops:
             r.pct_matmul = 100.0 * r.tflops / matmul_tflops
     _add_cudnn_ratio(results)
-    del q, k, v, reference
+    del q, k, v, dout, reference, grad_reference
     if device == "cuda" and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return results
@@ -121,11 +229,32 @@ def run(
     device: str = "cuda",
     matmul_tflops: float | None = None,
     on_step: StepHook | None = None,
+    passes: Sequence[str] = ("fwd",),
+    memory: MemoryProbe | None = None,
 ) -> list[Result]:
-    """All cells, configs in order. Availability is checked once per backend."""
+    """All cells: configs in order, each config's passes in the given order.
+    Availability is checked once per backend."""
     unavailable = {b.name: reason for b in backends if (reason := b.unavailable_reason()) is not None}
     results = []
     for cfg in configs:
-        results += run_config(cfg, backends, timer, device=device, matmul_tflops=matmul_tflops,
-                              unavailable=unavailable, on_step=on_step)
+        for bench_pass in passes:
+            results += run_config(cfg, backends, timer, device=device, matmul_tflops=matmul_tflops,
+                                  unavailable=unavailable, on_step=on_step, bench_pass=bench_pass, memory=memory)
     return results
+
+
+def cuda_peak_memory(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated by PyTorch's caching allocator during one call of
+    ``fn`` beyond what was allocated before it (inputs, and for "bwd" the
+    forward's saved tensors, are not counted; outputs, gradients and
+    workspaces are). Synchronizes around the call."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del result
+    return peak

@@ -49,6 +49,22 @@ def do_bench_timer(warmup_ms: float = 100, rep_ms: float = 500) -> Timer:
     return timer
 
 
+def cuda_graph_timer(rep_ms: float = 500) -> Timer:
+    """A Timer that replays ``fn`` from a CUDA graph (triton's
+    ``do_bench_cudagraph``): the calls are captured back to back into one
+    graph, so host and launch overhead drop out, as in a serving loop that
+    replays graphs. There is no L2 flush between replayed calls: use it for
+    problems whose inputs exceed the L2 (50 MB), or read the numbers as
+    L2-warm. Each returned time is one replay divided by the calls in it."""
+
+    def timer(fn: Callable[[], object]) -> Timing:
+        from triton.testing import do_bench_cudagraph
+
+        return summarize(do_bench_cudagraph(fn, rep=rep_ms, return_mode="all"))
+
+    return timer
+
+
 def matmul_tflops(timer: Timer, device: str = "cuda") -> float:
     """Rate of a dense N^3 bf16 torch.matmul (cuBLAS), timed with the same
     timer: the practical ceiling the attention numbers are expressed against."""

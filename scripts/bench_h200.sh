@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The benchmark set behind BENCHMARKS.md's tables, in one run, FA3 beside it.
+# On the H200: build FA3 first (shared/tools/fa3: prepare.sh here, build.sh
+# there), then
+#   PYTHONPATH=/tmp/fa3pkg:. bash scripts/bench_h200.sh OUTDIR [prefill|decode|bwd ...]
+# Each block writes OUTDIR/<block>.json and prints its table.
+set -uo pipefail
+out=${1:?usage: bench_h200.sh OUTDIR [block ...]}; shift
+blocks=${*:-prefill decode bwd}
+mkdir -p "$out"
+bench() { python -m hopper_flash.bench --quiet --rep-ms "${REP_MS:-200}" --warmup-ms 50 "$@"; }
+for block in $blocks; do
+  echo "== $block"
+  case $block in
+    prefill)  # the default causal bf16 D128 set, then the issue-13 rows beyond it
+      bench --backends hopper_flash fa3 sdpa-cudnn sdpa-flash --json "$out/prefill.json"
+      bench --config benchmarks/general.json --backends hopper_flash fa3 sdpa-cudnn --json "$out/general.json" ;;
+    decode)  # issue 10's table: graph replay (serving loops replay decode steps), then plain calls
+      bench --config benchmarks/decode.json --cuda-graph \
+        --backends hopper_flash hopper_flash-kvcache fa3 fa3-kvcache sdpa-cudnn --json "$out/decode-graph.json"
+      bench --config benchmarks/decode.json --backends hopper_flash-kvcache fa3-kvcache --json "$out/decode-plain.json" ;;
+    bwd)  # issue 11's anchors (backward only), then D64/D256/GQA at S=8192
+      bench --pass bwd --seqlen 2048 8192 --backends hopper_flash fa3 sdpa-cudnn sdpa-flash --memory --json "$out/bwd-causal.json"
+      bench --pass bwd --seqlen 8192 --no-causal --backends hopper_flash fa3 sdpa-cudnn sdpa-flash --json "$out/bwd-full.json"
+      bench --pass bwd --seqlen 1024 --batch 16 --heads 16 --backends hopper_flash fa3 sdpa-cudnn sdpa-flash --json "$out/bwd-b16.json"
+      bench --pass bwd --seqlen 8192 --kv-heads 8 --backends hopper_flash fa3 sdpa-cudnn --json "$out/bwd-gqa.json"
+      bench --pass bwd --seqlen 8192 --headdim 64 --backends hopper_flash fa3 sdpa-cudnn --json "$out/bwd-d64.json"
+      bench --pass bwd --seqlen 8192 --headdim 256 --heads 16 --backends hopper_flash fa3 sdpa-cudnn --json "$out/bwd-d256.json" ;;
+    *) echo "unknown block $block" >&2; exit 2 ;;
+  esac
+done

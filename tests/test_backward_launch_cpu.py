@@ -1,0 +1,117 @@
+"""The backward's cached fast launch (``plan_backward.launch_backward``) on
+the CPU, with the kernels faked: it follows the same guard as the forward's
+(first launch and unchecked tritons through the JIT, later ones through the
+compiled kernel's launcher), and the launcher gets, position by position, the
+arguments the JIT launch bound to the kernel's parameters. The GPU half
+(bitwise equal gradients) is tests/test_launch_gpu.py."""
+import pytest
+import torch
+
+from hopper_flash import plan, plan_backward
+from hopper_flash.kernels import backward as backward_kernels
+from hopper_flash.kernels import backward_pre
+
+ARG_NAMES = backward_kernels.attention_backward_kernel.arg_names
+LAUNCH_PARAMS = 9  # grid x/y/z, stream, function, packed metadata, launch metadata, enter and exit hooks
+
+
+class FakeCompiled:
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, object(), object()
+
+    def run(self, *args):
+        self.log.append(("fast", args))
+
+
+class FakeJIT:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return FakeCompiled(self.log)
+        return launch
+
+
+class FakeDriver:
+    class active:
+        @staticmethod
+        def get_current_stream(device):
+            return 7
+
+
+@pytest.fixture
+def log(monkeypatch):
+    entries = []
+    monkeypatch.setattr(backward_kernels, "attention_backward_kernel", FakeJIT(entries))
+    monkeypatch.setattr(backward_pre, "bwd_preprocess", lambda *a: None)
+    monkeypatch.setattr(backward_pre, "bwd_postprocess", lambda *a: None)
+    monkeypatch.setattr(plan, "driver", FakeDriver)
+    monkeypatch.setattr(plan_backward, "_COMPILED", {})
+    return entries
+
+
+def call(batch=2, sq=129, sk=200, h=4, hkv=2, d=128, causal=True, deterministic=False):
+    q = torch.randn(batch, sq, h, d).to(torch.bfloat16)
+    k = torch.randn(batch, sk, hkv, d).to(torch.bfloat16)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+    plan_backward.launch_backward(q, q, k, k, q, torch.zeros(batch, h, sq), dq, dk, dv, 0.125, causal, deterministic)
+    return q, k, dk, dv
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_launch_backward_follows_the_guard(monkeypatch, log, fast):
+    monkeypatch.setattr(plan_backward, "FAST_LAUNCH", fast)
+    for _ in range(3):
+        call()
+    assert [e[0] for e in log] == (["jit", "fast", "fast"] if fast else ["jit", "jit", "jit"])
+    call(deterministic=True)  # another specialisation: compiled (JIT) first
+    call(d=64)
+    assert [e[0] for e in log[3:]] == ["jit", "jit"]
+
+
+def test_the_guard_is_the_forwards():
+    assert plan_backward.FAST_LAUNCH == plan.FAST_LAUNCH
+
+
+def test_profiler_hook_takes_the_jit_path(monkeypatch, log):
+    monkeypatch.setattr(plan_backward, "FAST_LAUNCH", True)
+    monkeypatch.setattr(plan, "_launch_hooked", lambda: True)
+    call()
+    call()
+    assert [e[0] for e in log] == ["jit", "jit"]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fast_arguments_are_the_jit_arguments_in_signature_order(monkeypatch, log, d, deterministic):
+    monkeypatch.setattr(plan_backward, "FAST_LAUNCH", True)
+    call(d=d, deterministic=deterministic)
+    _, _, dk, dv = call(d=d, deterministic=deterministic, sq=300, sk=70, batch=3)
+    jit_first = log[0]
+    # What a JIT launch of the second call's shapes binds: the same call with the fast path off.
+    monkeypatch.setattr(plan_backward, "FAST_LAUNCH", False)
+    call(d=d, deterministic=deterministic, sq=300, sk=70, batch=3)
+    _, grid, args, kwargs = log[2]
+    fast = log[1][1]
+    assert jit_first[0] == "jit" and log[1][0] == "fast" and log[2][0] == "jit"
+    assert fast[:3] == tuple(grid) and fast[3] == 7  # grid, then the current stream
+    bound = dict(zip(ARG_NAMES, args))
+    bound.update({name: value for name, value in kwargs.items() if name in ARG_NAMES})
+    assert set(bound) == set(ARG_NAMES), "the JIT launch binds every kernel parameter"
+    fast_args = fast[LAUNCH_PARAMS:]
+    assert len(fast_args) == len(ARG_NAMES)
+    for name, got in zip(ARG_NAMES, fast_args):
+        want = bound[name]
+        if name.endswith("_desc"):
+            # Same tensor geometry as the JIT's TensorDescriptor (different calls: fresh tensors).
+            assert isinstance(got, plan._Desc), name
+            assert tuple(got.shape) == tuple(want.shape) and tuple(got.strides) == tuple(want.strides), name
+            assert got.base.dtype == want.base.dtype and got.padding == want.padding, name
+        elif name == "sem_ptr":
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+        else:
+            assert got == want, name
+    # The fast launch wrote to the caller's dk/dv (its own call's tensors).
+    assert fast_args[ARG_NAMES.index("dk_desc")].base is dk and fast_args[ARG_NAMES.index("dv_desc")].base is dv
