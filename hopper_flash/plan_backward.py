@@ -88,10 +88,8 @@ for _cfg in BACKWARD_CONFIGS.values():
 def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, varlen: bool = False,
                       seqused_q: bool = False, seqused_k: bool = False) -> dict:
     """The constexpr arguments of ``attention_backward_kernel``."""
+    # In the kernel's parameter order: the fast launch passes them positionally.
     return dict(
-        VARLEN=bool(varlen),
-        SEQUSED_Q=bool(seqused_q),
-        SEQUSED_K=bool(seqused_k),
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         HEAD_DIM=cfg.head_dim,
@@ -101,6 +99,9 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
         NUM_WG=cfg.num_wg,
         DQ_PARTS=cfg.dq_parts,
         PRODUCER_REGS=cfg.producer_regs,
+        VARLEN=bool(varlen),
+        SEQUSED_Q=bool(seqused_q),
+        SEQUSED_K=bool(seqused_k),
     )
 
 
@@ -218,23 +219,24 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         raise ValueError(f"batch ({batch}) x nheads ({nheads}) x seqlen_q ({seqlen_q}) is too large for the "
                          f"backward's dQ accumulator (2**31 rows)")
 
-    delta = torch.empty((stat_rows,), dtype=torch.float32, device=dev)
+    # Per (batch, head) rows of seqlen_q_rounded; varlen: per head, the padded total (one "batch").
+    rows = (batch, nheads, seqlen_q_rounded) if varlen is None else (nheads, seqlen_q_rounded)
+    delta = torch.empty(rows, dtype=torch.float32, device=dev)
     lse2 = torch.empty_like(delta)
-    dq_accum = torch.zeros((stat_rows, head_dim), dtype=torch.float32, device=dev)
+    dq_accum = torch.zeros(rows + (head_dim,), dtype=torch.float32, device=dev)
     if deterministic:
-        sem = torch.zeros((stat_rows // cfg.block_m, cfg.chunks), dtype=torch.int32, device=dev)
+        sem = torch.zeros(rows[:-1] + (seqlen_q_rounded // cfg.block_m, cfg.chunks), dtype=torch.int32,
+                          device=dev)
     else:
         sem = delta  # never read
     if varlen is None:
-        bwd_preprocess(out, dout, lse, delta.view(batch, nheads, seqlen_q_rounded),
-                       lse2.view(batch, nheads, seqlen_q_rounded), cfg.block_m)
+        bwd_preprocess(out, dout, lse, delta, lse2, cfg.block_m)
         views = {"q": q, "k": k, "v": v, "do": dout, "dk": dk, "dv": dv}
         cu_q = cu_k = used_q = used_k = sem  # never read
         stride_kv = (0, 0)
     else:
         pre = (varlen.cu_seqlens_q, varlen.seqused_q, batch, varlen.max_seqlen_q)
-        bwd_preprocess(out, dout, lse, delta.view(nheads, seqlen_q_rounded), lse2.view(nheads, seqlen_q_rounded),
-                       cfg.block_m, varlen=pre)
+        bwd_preprocess(out, dout, lse, delta, lse2, cfg.block_m, varlen=pre)
         # THD as [1, total, H, D]: the sequence start is a row coordinate.
         views = {"q": q, "k": k, "v": v, "do": dout, "dk": dk, "dv": dv}
         views = {name: t.unsqueeze(0) for name, t in views.items()}
@@ -272,7 +274,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
                    *(_Desc(t) for t in tensors), *ptrs, *stride_kv, *scalars, *constexprs.values())
 
     if varlen is None:
-        bwd_postprocess(dq_accum, dq, softmax_scale, cfg.block_m)
+        bwd_postprocess(dq_accum, dq, softmax_scale)
     else:
         bwd_postprocess(dq_accum, dq, softmax_scale, cfg.block_m,
                         varlen=(varlen.cu_seqlens_q, varlen.seqused_q, batch, varlen.max_seqlen_q))
