@@ -535,3 +535,140 @@ def test_bench_cli_varlen_option_errors(capsys):
         cli.main(["bench", "--varlen", "8:x"])
     assert e.value.code == 2
     assert "--varlen takes LO:HI" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- fast launches (kernels faked)
+
+class _FakeCompiled:
+    def __init__(self, log):
+        self.log, self.function, self.packed_metadata = log, object(), object()
+
+    def run(self, *args):
+        self.log.append(("fast", args))
+
+
+class _FakeJIT:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return _FakeCompiled(self.log)
+        return launch
+
+
+class _FakeDriver:
+    class active:
+        @staticmethod
+        def get_current_stream(device):
+            return 7
+
+
+def _same_arg(name, got, want):
+    from hopper_flash import plan
+
+    if name.endswith("_desc"):
+        assert isinstance(got, plan._Desc), name
+        assert tuple(got.shape) == tuple(want.shape) and tuple(got.strides) == tuple(want.strides), name
+        assert got.base.dtype == want.base.dtype, name
+    elif isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape, name
+    else:
+        assert got == want, name
+
+
+def _check_fast_equals_jit(log, arg_names):
+    """log: [jit (first), fast (second call), jit (second call's shapes with the fast path off)]."""
+    assert [e[0] for e in log] == ["jit", "fast", "jit"]
+    _, grid, args, kwargs = log[2]
+    fast = log[1][1]
+    assert fast[:3] == tuple(grid) and fast[3] == 7
+    bound = dict(zip(arg_names, args))
+    bound.update({n: v for n, v in kwargs.items() if n in arg_names})
+    assert set(bound) == set(arg_names)
+    fast_args = fast[9:]
+    assert len(fast_args) == len(arg_names)
+    for name, got in zip(arg_names, fast_args):
+        _same_arg(name, got, bound[name])
+
+
+@pytest.mark.parametrize("seqused", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_forward_varlen_fast_launch_binds_what_the_jit_binds(monkeypatch, d, seqused):
+    from hopper_flash import plan
+    from hopper_flash.kernels import forward as fk
+
+    log = []
+    monkeypatch.setattr(fk, "attention_forward_kernel", _FakeJIT(log))
+    monkeypatch.setattr(plan, "driver", _FakeDriver)
+    monkeypatch.setattr(plan, "_COMPILED", {})
+    monkeypatch.setattr(plan, "FAST_LAUNCH", True)
+    monkeypatch.setattr(plan, "sm_count", lambda device=None: 132)
+    monkeypatch.setattr(plan, "_plan_varlen", plan._plan_varlen.__wrapped__)
+
+    def launch(lq, lk):
+        q, k, v, cq, ck = problem(lq=lq, lk=lk, h=8, hkv=2, d=d)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[1], q.shape[0])
+        uq = torch.tensor([min(n, 3) for n in lq], dtype=torch.int32) if seqused else None
+        uk = torch.tensor([min(n, 2) for n in lk], dtype=torch.int32) if seqused else None
+        plan.launch_forward_varlen(q, k, v, out, lse, cq, ck, uq, uk, max(lq), max(lk), 0.125, True)
+        return q
+
+    launch([5, 9], [7, 3])
+    q = launch([130, 1, 64], [7, 300, 2])
+    monkeypatch.setattr(plan, "FAST_LAUNCH", False)
+    launch([130, 1, 64], [7, 300, 2])
+    _check_fast_equals_jit(log, _REAL_FORWARD_ARG_NAMES)
+    kwargs = log[0][3]
+    assert kwargs["VARLEN"] is True and kwargs["SEQUSED_Q"] is seqused and kwargs["SEQUSED"] is seqused
+    fast = log[1][1][9:]
+    names = list(_REAL_FORWARD_ARG_NAMES)
+    assert fast[names.index("total_q")] == q.shape[0]
+    assert fast[names.index("seqlen_q")] == 130  # max_seqlen_q: the tile count
+
+
+from hopper_flash.kernels import forward as _fk  # noqa: E402
+from hopper_flash.kernels import backward as _bk  # noqa: E402
+
+_REAL_FORWARD_ARG_NAMES = _fk.attention_forward_kernel.arg_names
+_REAL_BACKWARD_ARG_NAMES = _bk.attention_backward_kernel.arg_names
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_backward_varlen_fast_launch_binds_what_the_jit_binds(monkeypatch, d, deterministic):
+    from hopper_flash import plan, plan_backward
+    from hopper_flash.kernels import backward_pre
+
+    log = []
+    monkeypatch.setattr(_bk, "attention_backward_kernel", _FakeJIT(log))
+    monkeypatch.setattr(backward_pre, "bwd_preprocess", lambda *a, **k: None)
+    monkeypatch.setattr(backward_pre, "bwd_postprocess", lambda *a, **k: None)
+    monkeypatch.setattr(plan, "driver", _FakeDriver)
+    monkeypatch.setattr(plan_backward, "_COMPILED", {})
+    monkeypatch.setattr(plan_backward, "FAST_LAUNCH", True)
+
+    def launch(lq, lk):
+        q, k, v, cq, ck = problem(lq=lq, lk=lk, h=8, hkv=2, d=d)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        lse = torch.empty(q.shape[1], q.shape[0])
+        varlen = plan_backward.VarlenBatch(cq, ck, None, None, max(lq), max(lk))
+        plan_backward.launch_backward(q, q, k, v, q, lse, dq, dk, dv, 0.125, True, deterministic, varlen=varlen)
+        return q, k, dk
+
+    launch([5, 9], [7, 3])
+    q, k, dk = launch([130, 1, 64], [7, 300, 2])
+    monkeypatch.setattr(plan_backward, "FAST_LAUNCH", False)
+    launch([130, 1, 64], [7, 300, 2])
+    _check_fast_equals_jit(log, _REAL_BACKWARD_ARG_NAMES)
+    names = list(_REAL_BACKWARD_ARG_NAMES)
+    fast = log[1][1][9:]
+    assert fast[names.index("dk_ptr")] is dk
+    assert fast[names.index("stride_kv_row")] == k.stride(0) and fast[names.index("stride_kv_head")] == k.stride(1)
+    assert fast[names.index("seqlen_q_rounded")] == varlen_padded_rows(q.shape[0], 3, 64)
+    grid = log[2][1]
+    assert tuple(grid) == (-(-300 // plan_backward.BACKWARD_CONFIGS[d].block_n) * (d // min(d, 128)), 2, 3)
+    kwargs = log[0][3]
+    assert kwargs["VARLEN"] is True and kwargs["DETERMINISTIC"] is deterministic
