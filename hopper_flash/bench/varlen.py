@@ -7,7 +7,8 @@ One config: ``--batch`` sequences (default 16) with lengths drawn uniformly
 from ``LO..HI`` (seeded), ``--heads``/``--kv-heads`` (default 32/8),
 ``--headdim`` (128), causal unless ``--no-causal``, bf16 unless ``--dtype``.
 Every backend is timed for the forward, the backward alone (gradients of a
-recorded forward) and both; the forward output is checked against the float64
+recorded forward) and both (``--pass bwd`` or ``--pass fwd+bwd`` select;
+the default runs all three); the forward output is checked against the float64
 reference per sequence, judged against PyTorch's error
 (``hopper_flash.reference.judge``). FLOPs follow flash-attn's convention
 (causal: half the pairs; backward 2.5x the forward), summed over sequences.
@@ -124,7 +125,7 @@ def _backends(cfg: VarlenConfig, lengths):
     return out
 
 
-def run(cfg: VarlenConfig, timer, *, device: str = "cuda") -> VarlenReport:
+def run(cfg: VarlenConfig, timer, *, device: str = "cuda", passes=PASSES) -> VarlenReport:
     import torch
 
     from hopper_flash.reference import judge, varlen_baseline, varlen_reference
@@ -160,7 +161,7 @@ def run(cfg: VarlenConfig, timer, *, device: str = "cuda") -> VarlenReport:
         except Exception as e:  # an unsupported option, out of memory: reported, not fatal
             report.results.append(VarlenResult(name, "fwd", status="error", message=f"{type(e).__name__}: {e}"))
             continue
-        for which in PASSES:
+        for which in passes:
             try:
                 timed = _pass_fn(which, factory, q, k, v, cu)
                 t = timer(timed)
@@ -221,7 +222,11 @@ def main(args, command: str) -> int:
     if args.heads is not None and args.kv_heads is None:
         fields["kv_heads"] = args.heads
     cfg = VarlenConfig(**fields)
-    report = run(cfg, do_bench_timer(args.warmup_ms, args.rep_ms))
+    # --pass as for the fixed-length configs; its default (fwd alone) means all three here.
+    passes = tuple(p for p in PASSES if p in (getattr(args, "passes", None) or ())) or PASSES
+    if passes == ("fwd",):
+        passes = PASSES
+    report = run(cfg, do_bench_timer(args.warmup_ms, args.rep_ms), passes=passes)
     print(command)
     print(format_report(report))
     if args.json:
