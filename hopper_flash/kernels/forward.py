@@ -170,19 +170,14 @@ def _kv_coords(b, kb, bn, hk, page_table_ptr, page_stride, k_start, BLOCK_N: gl.
     return coords
 
 
-@gluon.jit(noinline=True)
+@gluon.jit
 def _zero_v_tail(v, col0, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Zero the rows of V tile ``v`` (keys ``col0 ..``) at or past ``seqlen_k``.
 
     Their P is 0, but an uninitialised cache may hold NaN or Inf there and
     0 * NaN = NaN in PV. Both consumers may do it: they write the same values.
-    The fence orders these generic-proxy writes before the wgmma's reads.
-
-    Not inlined: inlined, triton 3.7+ hoists the chunks' shared-memory
-    addresses out of the persistent loop and the consumer spills 56 B; as a
-    call (once per item, on its first tile) D64/D128 do not spill on any
-    supported triton and D256 spills 8-24 B on 3.7+ (none on 3.6)."""
-    CH: gl.constexpr = 16  # rows per chunk: 16 (D64) to 32 (D256) elements per thread
+    The fence orders these generic-proxy writes before the wgmma's reads."""
+    CH: gl.constexpr = 2048 // HEAD_DIM  # 16 elements per thread per chunk
     TPW_D: gl.constexpr = HEAD_DIM // 8 if HEAD_DIM // 8 < 32 else 32
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
     for c in gl.static_range(BLOCK_N // CH):
