@@ -5,8 +5,9 @@ from . import _triton_support
 # found and the range supported, not with a traceback from a renamed builtin.
 _triton_support.check_supported()
 
-from .interface import flash_attn_func, scaled_dot_product_attention  # noqa: E402
+from .interface import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention  # noqa: E402
 from .kvcache import flash_attn_with_kvcache  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["flash_attn_func", "flash_attn_with_kvcache", "scaled_dot_product_attention", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "scaled_dot_product_attention",
+           "__version__"]

@@ -169,3 +169,137 @@ def validate(q, k, v, softmax_scale, causal) -> float:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tma_addressable(name, t)
     return softmax_scale
+
+
+# ---------------------------------------------------------------- varlen (THD)
+
+def _check_thd(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(f"{name} must have 3 dimensions [total_tokens, nheads, headdim] (packed varlen layout), "
+                         f"got shape {tuple(t.shape)}")
+
+
+def check_max_seqlen(name: str, value) -> int:
+    """A host-side bound: a positive Python int (a SymInt under tracing), never a tensor (reading one is a sync)."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive int (a host-side bound on every sequence's length; "
+                        f"a tensor would need a device sync), got {type(value).__name__}")
+    value = int(value)
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def _check_index_vector(name: str, t, length: int, device: torch.device, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor ({what}), got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must have dtype int32 ({what}), got {dtype_name(t.dtype)}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D ({what}), got shape {tuple(t.shape)}")
+    if t.shape[0] != length:
+        raise ValueError(f"{name} must have {length} entries ({what}), got {t.shape[0]}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
+
+
+def check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                           softmax_scale, causal):
+    """Every check of ``flash_attn_varlen_func``'s arguments that needs no
+    device data; returns ``(softmax_scale, max_seqlen_q, max_seqlen_k)``.
+
+    What only the device knows (monotonic prefix sums starting at 0, ending at
+    the totals; lengths within ``max_seqlen_*``; ``seqused`` within its slot)
+    is the caller's contract, checked on request by ``check_varlen_contract``.
+    Safe on meta and fake tensors."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_thd(name, t)
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, "
+                         f"v on {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must have the same dtype, got q {dtype_name(q.dtype)}, "
+                         f"k {dtype_name(k.dtype)}, v {dtype_name(v.dtype)}")
+    if q.dtype not in plan.SUPPORTED_DTYPES:
+        supported = ", ".join(dtype_name(d) for d in plan.SUPPORTED_DTYPES)
+        raise ValueError(f"q.dtype must be one of ({supported}), got {dtype_name(q.dtype)}")
+    total_q, nheads, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[2] != head_dim:
+        raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[2]}")
+    if head_dim not in plan.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim (q.shape[2]) must be one of {plan.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    nheads_kv = k.shape[1]
+    if nheads_kv == 0:
+        raise ValueError("k and v must have at least one head (k.shape[1] >= 1), got 0")
+    if nheads % nheads_kv:
+        raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k/v's number of heads "
+                         f"({nheads_kv})")
+    what = "int32 prefix sums of the sequence lengths, [batch + 1], starting at 0"
+    if not isinstance(cu_seqlens_q, torch.Tensor):
+        raise TypeError(f"cu_seqlens_q must be a torch.Tensor ({what}), got {type(cu_seqlens_q).__name__}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q must be 1-D with batch + 1 >= 2 entries ({what}), got shape "
+                         f"{tuple(cu_seqlens_q.shape)}")
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_index_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, q.device, what)
+    _check_index_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, q.device,
+                        what + ", as many as cu_seqlens_q")
+    for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if t is not None:
+            _check_index_vector(name, t, batch, q.device, "int32 live length of each sequence, [batch]")
+    max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    # What is knowable without a sync: lengths that sum to the total and are
+    # each at most max_seqlen cannot exceed batch * max_seqlen in all. (With
+    # seqused the slots may be longer than the live part: no such bound.)
+    if seqused_q is None and total_q > batch * max_seqlen_q:
+        raise ValueError(f"q has {total_q} tokens, more than batch ({batch}) x max_seqlen_q ({max_seqlen_q}): "
+                         f"max_seqlen_q must be at least the longest sequence in cu_seqlens_q")
+    total_k = k.shape[0]
+    if seqused_k is None and total_k > batch * max_seqlen_k:
+        raise ValueError(f"k has {total_k} tokens, more than batch ({batch}) x max_seqlen_k ({max_seqlen_k}): "
+                         f"max_seqlen_k must be at least the longest sequence in cu_seqlens_k")
+    check_causal(causal)
+    softmax_scale = check_softmax_scale(softmax_scale, head_dim)
+    if plan.triton_cdiv(max_seqlen_q, plan.CONFIGS[int(head_dim)].block_m) * nheads * batch > plan.MAX_WORK_ITEMS:
+        raise ValueError(f"batch ({batch}) x nheads ({nheads}) x query tiles of max_seqlen_q ({max_seqlen_q}) "
+                         f"exceeds the limit of {plan.MAX_WORK_ITEMS} work items (the kernel numbers them in int32)")
+    return softmax_scale, max_seqlen_q, max_seqlen_k
+
+
+def check_tma_addressable_thd(name: str, t: torch.Tensor) -> None:
+    """TMA rules for a THD operand (read as ``[1, total, H, D]``)."""
+    check_tma_addressable(name, t.unsqueeze(0))
+
+
+def check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                          seqused_k) -> None:
+    """The opt-in check of the device values (one host sync): prefix sums
+    from 0, non-decreasing, ending within the tensors; every live length at
+    most ``max_seqlen_*``; ``seqused`` within its slot. Enabled by
+    ``check_contract=True`` or ``HOPPER_FLASH_CHECK_VARLEN=1``."""
+    bad = []
+    for side, cu, used, total, bound in (("q", cu_seqlens_q, seqused_q, q.shape[0], max_seqlen_q),
+                                          ("k", cu_seqlens_k, seqused_k, k.shape[0], max_seqlen_k)):
+        c = cu.long()
+        slots = c[1:] - c[:-1]
+        lens = used.long() if used is not None else slots
+        if int(c[0]) != 0:
+            bad.append(f"cu_seqlens_{side}[0] must be 0, got {int(c[0])}")
+        if bool((slots < 0).any()):
+            bad.append(f"cu_seqlens_{side} must be non-decreasing, got {c.tolist()}")
+        if int(c[-1]) > total:
+            bad.append(f"cu_seqlens_{side}[-1] ({int(c[-1])}) exceeds the {total} tokens of {side}")
+        if used is not None and bool(((lens < 0) | (lens > slots)).any()):
+            bad.append(f"seqused_{side} must lie in [0, slot length], got {lens.tolist()} for slots "
+                       f"{slots.tolist()}")
+        if lens.numel() and int(lens.max()) > bound:
+            bad.append(f"max_seqlen_{side} ({bound}) is below the longest sequence ({int(lens.max())})")
+    if bad:
+        raise ValueError("flash_attn_varlen_func contract violated: " + "; ".join(bad))

@@ -79,8 +79,11 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "seqused_ptr": "*i32",
         "kv_batch_ptr": "*i32",
         "page_table_ptr": "*i32",
-        "o_part_ptr": "*fp32",
+        "o_part_ptr": f"*{sig_dtype}" if mode.varlen else "*fp32",  # varlen: O itself
         "lse_part_ptr": "*fp32",
+        "cu_q_ptr": "*i32",
+        "cu_k_ptr": "*i32",
+        "used_q_ptr": "*i32",
         "seqlen_q": "i32",
         "seqlen_k": "i32",
         "num_heads": "i32",
@@ -91,6 +94,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "num_splits": "i32",
         "pair": "i32",
         "page_stride": "i32",
+        "total_q": "i32",
     }
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(attention_forward_kernel, signature, constexprs=constexprs)

@@ -20,7 +20,7 @@ BWD_SASS_OPS = SASS_OPS + ("RED", "ATOM", "BAR")
 
 
 def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool = True,
-                     deterministic: bool = False):
+                     deterministic: bool = False, varlen: bool = False, seqused: bool = False):
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -35,7 +35,7 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
         return f"tensordesc<{sig_dtype}[{', '.join(map(str, block))}],{smem_layout(block, tdtype)!r}>"
 
     blocks = block_shapes(cfg)
-    constexprs = kernel_constexprs(cfg, causal, deterministic)
+    constexprs = kernel_constexprs(cfg, causal, deterministic, varlen, seqused, seqused)
     signature = {f"{name}_desc": desc_sig(blocks[name]) for name in ("q", "k", "v", "do", "dk", "dv")}
     dq_block = blocks["dq_accum"]
     signature["dq_desc"] = (f"tensordesc<fp32[{', '.join(map(str, dq_block))}],"
@@ -43,7 +43,9 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
     for name in ("lse2", "delta"):
         signature[f"{name}_desc"] = (f"tensordesc<fp32[{blocks[name][0]}],"
                                      f"{fp32_smem_layout(tuple(blocks[name]))!r}>")
-    signature.update({"sem_ptr": "*i32",
+    signature.update({"sem_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_q_ptr": "*i32",
+                      "used_k_ptr": "*i32", "dk_ptr": f"*{sig_dtype}", "dv_ptr": f"*{sig_dtype}",
+                      "stride_kv_row": "i32", "stride_kv_head": "i32",
                       "seqlen_q": "i32", "seqlen_k": "i32", "seqlen_q_rounded": "i32", "num_heads": "i32",
                       "kv_group": "i32", "qk_scale": "fp32", "softmax_scale": "fp32"})
     signature.update({name: "constexpr" for name in constexprs})
@@ -53,8 +55,8 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
 
 
 def census(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool = True,
-           deterministic: bool = False) -> CompileReport:
-    compiled = compile_backward(cfg, dtype, causal, deterministic)
+           deterministic: bool = False, varlen: bool = False, seqused: bool = False) -> CompileReport:
+    compiled = compile_backward(cfg, dtype, causal, deterministic, varlen, seqused)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
         cubin = f.name

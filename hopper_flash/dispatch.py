@@ -9,6 +9,7 @@ real implementations. Both sit above this module; it imports only
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -47,3 +48,53 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None):
         else:
             plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None)
     return (out, lse) if return_lse else out
+
+
+def _check_contract_requested(check_contract) -> bool:
+    if check_contract is None:
+        return os.environ.get("HOPPER_FLASH_CHECK_VARLEN", "0") not in ("", "0")
+    return bool(check_contract)
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                   softmax_scale, causal, return_lse, check_contract=None, out=None):
+    """Validated varlen forward on THD tensors; returns ``(out, lse)`` with
+    ``lse`` ``[nheads, total_q]`` (None unless ``return_lse``).
+
+    Rows of q outside every sequence's live part (past ``seqused_q``) get a
+    zero output and an LSE of -inf. ``out`` lets tests hand in a poisoned
+    buffer (then those rows are left as they are)."""
+    softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
+        causal)
+    checks.check_device(q)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_tma_addressable_thd(name, t)
+    if _check_contract_requested(check_contract):
+        checks.check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                     seqused_k)
+    total_q, nheads, _ = q.shape
+    # Gaps (rows past seqused_q) are never written by the kernel: zero them up
+    # front. Without seqused_q the sequences tile q (the caller's contract).
+    gaps = seqused_q is not None
+    if out is None:
+        out = (torch.zeros if gaps else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous and match q's shape, dtype and device, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")
+    if return_lse:
+        lse = (torch.full((nheads, total_q), -math.inf, dtype=torch.float32, device=q.device) if gaps
+               else torch.empty((nheads, total_q), dtype=torch.float32, device=q.device))
+    else:
+        lse = None
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[0] == 0:
+        out.zero_()  # no key in any sequence
+        if lse is not None:
+            lse.fill_(-math.inf)
+        return out, lse
+    with torch.cuda.device(q.device):
+        plan.launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                   max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal))
+    return out, lse

@@ -166,3 +166,79 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                           softmax_scale=scale, causal=bool(is_causal))
     return out.transpose(1, 2)
 
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
+                           seqused_k=None, softmax_scale=None, causal=False, deterministic=False, return_lse=False,
+                           check_contract=None, dropout_p=0.0, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, return_attn_probs=False, block_table=None):
+    """Exact attention over a packed batch of sequences of different lengths,
+    flash-attn compatible (``flash_attn_varlen_func``).
+
+    Args:
+        q: ``[total_q, nheads, headdim]``: the batch's query sequences one
+            after the other (THD).
+        k, v: ``[total_k, nheads_kv, headdim]``; ``nheads`` a multiple of
+            ``nheads_kv`` (GQA/MQA).
+        cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` device tensors of
+            prefix sums: sequence ``b`` occupies rows ``cu[b] .. cu[b+1] - 1``.
+        max_seqlen_q, max_seqlen_k: positive Python ints, at least every
+            sequence's (live) length: host-side bounds that size the grid,
+            never read back from the device (a padded length is fine).
+        seqused_q, seqused_k: optional int32 ``[batch]``: only the first
+            ``seqused[b]`` rows of each slot are live (the rest is never
+            read: it may hold anything, NaN included). Rows of q past
+            ``seqused_q`` get a zero output and an LSE of -inf.
+        softmax_scale: default ``1 / sqrt(headdim)``.
+        causal: bottom-right aligned per sequence: query ``i`` of sequence
+            ``b`` sees key ``j`` iff ``j <= i + len_k(b) - len_q(b)``. Rows and
+            sequences that see no key give zeros and an LSE of -inf.
+        deterministic: bitwise reproducible backward (dQ summed in order).
+        return_lse: also return the LSE, float32 ``[nheads, total_q]``
+            (flash-attn's varlen layout), natural log.
+        check_contract: validate the device values below at the cost of one
+            host sync (default: the ``HOPPER_FLASH_CHECK_VARLEN`` environment
+            variable, off).
+        dropout_p, window_size, softcap, alibi_slopes, return_attn_probs,
+            block_table: flash-attn's options, accepted at their no-op values
+            only.
+
+    **Caller's contract** (as in flash-attn, unchecked by default since only
+    the device knows the values): ``cu_seqlens_*`` start at 0, never
+    decrease and end at most at the tensors' first dimension (without
+    ``seqused_q`` they end exactly at ``total_q``); every live length is at
+    most ``max_seqlen_*``; ``seqused[b] <= cu[b+1] - cu[b]``. What can be
+    checked without a sync is checked (dtype int32, rank, length, device,
+    ``total > batch * max_seqlen``, ``max_seqlen`` a positive int).
+
+    No host synchronisation: CUDA-graph capturable (replays may change the
+    values of ``cu_seqlens``/``seqused`` but not ``batch``) and traceable by
+    torch.compile. Differentiable in q, k and v.
+
+    Returns:
+        ``out`` ``[total_q, nheads, headdim]``, or ``(out, lse)``.
+    """
+    if (dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) != _FLASH_ATTN_DEFAULTS:
+        check_flash_attn_options(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+                                 alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                 return_attn_probs=return_attn_probs)
+    if block_table is not None:
+        raise NotImplementedError("block_table must be None (paged K/V is served by flash_attn_with_kvcache)")
+    if _needs_op(q, k, v):
+        softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
+            causal)
+        if torch.compiler.is_compiling():
+            checks.check_cuda(q)
+        else:
+            checks.check_device(q)
+            # The op's real implementation honours HOPPER_FLASH_CHECK_VARLEN itself.
+            if check_contract:
+                checks.check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             seqused_q, seqused_k)
+        out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale, bool(causal), bool(deterministic))
+        return (out, lse) if return_lse else out
+    out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                       seqused_k, softmax_scale, causal, return_lse, check_contract)
+    return (out, lse) if return_lse else out

@@ -78,3 +78,75 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- Variable-length (THD) batches: flash_attn_varlen_func. ----
+# cu_seqlens/seqused are device tensors the kernels read; max_seqlen_* are
+# host ints (tile counts), so nothing is read back from the device.
+
+
+@torch.library.custom_op("hopper_flash::varlen_fwd", mutates_args=(), device_types="cuda")
+def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
+               max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+               deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen attention forward on THD tensors; returns ``(out, lse)`` with
+    ``lse`` ``[nheads, total_q]``. ``deterministic`` only selects the
+    backward's dQ summation order."""
+    out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                       seqused_k, softmax_scale, causal, True)
+    return out, lse
+
+
+@varlen_fwd.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                     softmax_scale, causal, deterministic=False):
+    checks.check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                  seqused_k, softmax_scale, causal)
+    if q.device.type != "meta":
+        checks.check_device(q)
+    total_q, nheads, _ = q.shape
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty((nheads, total_q), dtype=torch.float32, device=q.device))
+
+
+@torch.library.custom_op("hopper_flash::varlen_bwd", mutates_args=(), device_types="cuda")
+def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+               seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None, max_seqlen_q: int,
+               max_seqlen_k: int, softmax_scale: float, causal: bool,
+               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Varlen attention backward: ``(dq, dk, dv)``, zero outside the live rows."""
+    varlen = plan_backward.VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                       max_seqlen_k)
+    return plan_backward.backward_varlen(grad_out, q, k, v, out, lse, varlen, softmax_scale, causal, deterministic)
+
+
+@varlen_bwd.register_fake
+def _varlen_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale, causal, deterministic):
+    plan_backward.check_head_dim(q.shape[2])
+    plan_backward.check_grad_out_meta(grad_out, out)
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, used_q, used_k, max_q, max_k, softmax_scale, causal) = inputs[:11]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, used_q, used_k)
+    ctx.max_seqlens = (max_q, max_k)
+    ctx.softmax_scale = softmax_scale
+    ctx.causal = causal
+    ctx.deterministic = inputs[11] if len(inputs) > 11 else False
+
+
+def _varlen_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
+    dq, dk, dv = varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.max_seqlens,
+                            ctx.softmax_scale, ctx.causal, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

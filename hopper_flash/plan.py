@@ -131,6 +131,10 @@ class Mode:
     kv_batch: bool = False
     # Paged K/V [num_pages, page_size, Hkv, D] (page_size a multiple of block_n); 0 = not paged.
     page_size: int = 0
+    # Packed (THD) batches: per-sequence offsets from cu_seqlens (flash_attn_varlen_func);
+    # ``seqused`` then means seqused_k, ``seqused_q`` the query side's.
+    varlen: bool = False
+    seqused_q: bool = False
 
 
 PREFILL = Mode()
@@ -158,6 +162,8 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         SEQUSED=mode.seqused,
         KV_BATCH=mode.kv_batch,
         PAGE_SIZE=mode.page_size,
+        VARLEN=mode.varlen,
+        SEQUSED_Q=mode.seqused_q,
     )
 
 
@@ -407,10 +413,11 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     else:
         o_part = lse_part = out
     ptrs = (lse if write_lse else out, seqused_k if seqused_k is not None else out,
-            kv_batch if kv_batch is not None else out, page_table if paged else out, o_part, lse_part)
+            kv_batch if kv_batch is not None else out, page_table if paged else out, o_part, lse_part,
+            out, out, out)  # cu_seqlens_q/k, seqused_q: varlen only
     page_stride = page_table.stride(0) if paged else 0
     scalars = (seqlen_q, seqlen_k, nheads, nheads // k.shape[2], batch, softmax_scale * LOG2E, softmax_scale,
-               num_splits, lp.pair, page_stride)
+               num_splits, lp.pair, page_stride, 0)
     kernel = _COMPILED.get(lp.key)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
         # First launch, an unchecked triton, or a profiler hook is installed
@@ -457,3 +464,60 @@ def launch_combine(o_part, lse_part, out, lse) -> None:
     stream = driver.active.get_current_stream(out.device.index)
     kernel.run(rows, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
                *constexprs.values())
+
+
+@lru_cache(maxsize=4096)
+def _plan_varlen(device, dtype, batch, max_seqlen_q, nheads, cfg, seqused_q, seqused_k, causal,
+                 write_lse) -> LaunchPlan:
+    """``_plan_launch`` for a packed batch: no PackGQA, no split; the grid
+    covers ``max_seqlen_q`` for every sequence (items past a sequence's rows
+    exit at once)."""
+    mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q)
+    n_ctas, pair = deal(work_items(batch, nheads, max_seqlen_q, cfg, mode), cfg, device)
+    constexprs = kernel_constexprs(cfg, causal, write_lse, mode)
+    return LaunchPlan(cfg, mode, 1, n_ctas, pair, (device, dtype, causal, write_lse, cfg, mode), constexprs,
+                      tuple(constexprs.values()))
+
+
+def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
+                          max_seqlen_k: int, softmax_scale: float, causal: bool,
+                          cfg: ForwardConfig | None = None) -> None:
+    """Launch the forward kernel's VARLEN mode on THD tensors.
+
+    Arguments are assumed validated (``checks.check_varlen_arguments``):
+    q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` (TMA-addressable views),
+    ``out`` contiguous like q, ``lse`` None or contiguous fp32 ``[H, total_q]``,
+    int32 ``cu_seqlens_*`` [B+1] and ``seqused_*`` [B] on q's device, q's
+    device current. Nothing is read back from the device."""
+    total_q, nheads, head_dim = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    device = q.device.index
+    write_lse = lse is not None
+    cfg = cfg or CONFIGS[head_dim]
+    lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), nheads, cfg, seqused_q is not None,
+                      seqused_k is not None, bool(causal), write_lse)
+    assert out.is_contiguous() and (lse is None or lse.is_contiguous())
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    used_q = seqused_q.contiguous() if seqused_q is not None else cu_q
+    used_k = seqused_k.contiguous() if seqused_k is not None else cu_k
+    # o_part_ptr carries O itself (stored from registers, row-predicated).
+    ptrs = (lse if write_lse else out, used_k, out, out, out, out, cu_q, cu_k, used_q)
+    scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], batch, softmax_scale * LOG2E,
+               softmax_scale, 1, lp.pair, 0, total_q)
+    q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out))
+    # Triton specialises pointer arguments on 16-byte alignment: a cu_seqlens
+    # view at an odd offset must not reuse a kernel compiled for aligned ones.
+    key = lp.key + tuple(t.data_ptr() % 16 == 0 for t in ptrs)
+    kernel = _COMPILED.get(key)
+    if kernel is None or not FAST_LAUNCH or _launch_hooked():
+        from .kernels.forward import attention_forward_kernel
+
+        blocks = block_shapes(cfg)
+        descs = (_descriptor(q4, blocks["q"]), _descriptor(k4, blocks["k"]), _descriptor(v4, blocks["v"]),
+                 _descriptor(o4, blocks["o"]))
+        _COMPILED[key] = attention_forward_kernel[(lp.n_ctas, 1, 1)](
+            *descs, *ptrs, *scalars, **lp.constexprs, **compile_options(cfg))
+    else:
+        stream = driver.active.get_current_stream(device)
+        kernel.run(lp.n_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                   _Desc(q4), _Desc(k4), _Desc(v4), _Desc(o4), *ptrs, *scalars, *lp.constexpr_values)

@@ -85,8 +85,10 @@ for _cfg in BACKWARD_CONFIGS.values():
 
 
 @lru_cache(maxsize=None)
-def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool) -> dict:
+def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, varlen: bool = False,
+                      seqused_q: bool = False, seqused_k: bool = False) -> dict:
     """The constexpr arguments of ``attention_backward_kernel``."""
+    # In the kernel's parameter order: the fast launch passes them positionally.
     return dict(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -97,6 +99,9 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool) ->
         NUM_WG=cfg.num_wg,
         DQ_PARTS=cfg.dq_parts,
         PRODUCER_REGS=cfg.producer_regs,
+        VARLEN=bool(varlen),
+        SEQUSED_Q=bool(seqused_q),
+        SEQUSED_K=bool(seqused_k),
     )
 
 
@@ -122,8 +127,35 @@ def _fp32_descriptor(t: torch.Tensor, block_shape: list[int]):
 
 
 def grid(batch: int, nheads_kv: int, seqlen_k: int, cfg: BackwardConfig) -> tuple[int, int, int]:
-    """One CTA per (KV tile x head-dim chunk, KV head, batch), axis 0 fastest."""
+    """One CTA per (KV tile x head-dim chunk, KV head, batch), axis 0 fastest.
+    Varlen: ``seqlen_k`` is ``max_seqlen_k``, ``batch`` the number of sequences."""
     return (triton_cdiv(seqlen_k, cfg.block_n) * cfg.chunks, nheads_kv, batch)
+
+
+@dataclass(frozen=True)
+class VarlenBatch:
+    """A packed (THD) batch: int32 device prefix sums ``cu_seqlens_*`` [B+1],
+    optional live lengths ``seqused_*`` [B], and host-side bounds
+    ``max_seqlen_*`` (tile counts only, never read back from the device)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seqused_q: torch.Tensor | None
+    seqused_k: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+def varlen_padded_rows(total_q: int, batch: int, block_m: int) -> int:
+    """Rows per head of the varlen fp32 stats and dQ accumulator: sequence
+    ``b`` starts at ``(cu_q[b] + b·block_m)`` rounded down to a tile (FA3's
+    rule, ``backward.bwd_sequence``), so the last one ends by
+    ``total_q + batch·block_m`` rounded up."""
+    return triton_cdiv(total_q + batch * block_m, block_m) * block_m
 
 
 # The forward's guard (``_triton_support.fast_launch_supported``), as its own
@@ -138,12 +170,17 @@ _COMPILED: dict[tuple, object] = {}
 
 
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
-                    deterministic: bool = False, cfg: BackwardConfig | None = None) -> None:
+                    deterministic: bool = False, cfg: BackwardConfig | None = None,
+                    varlen: VarlenBatch | None = None) -> None:
     """Compute dq, dk, dv (written in place; any TMA-addressable BSHD views).
 
     Arguments are assumed validated: BSHD, same dtype, supported head dim,
     ``lse`` the forward's fp32 ``[B, H, Sq]`` (contiguous), non-empty, and
     q's device current.
+
+    With ``varlen``: THD ``[total, H, D]`` tensors, ``lse`` ``[H, total_q]``
+    (contiguous), and dq/dk/dv zero-initialised by the caller (rows outside
+    every sequence's live part are not written); dk/dv contiguous.
 
     The main kernel launches as the forward's does (``plan.launch_forward``):
     the first launch of a specialisation through Triton's JIT, later ones
@@ -156,37 +193,73 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     from .kernels.backward import attention_backward_kernel
     from .kernels.backward_pre import bwd_postprocess, bwd_preprocess
 
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    dev = q.device
+    if varlen is None:
+        batch, seqlen_q, nheads, head_dim = q.shape
+        seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    else:
+        batch = varlen.batch
+        _, nheads, head_dim = q.shape
+        nheads_kv = k.shape[1]
+        seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
     cfg = cfg or BACKWARD_CONFIGS[head_dim]
     m_tiles = triton_cdiv(seqlen_q, cfg.block_m)
-    seqlen_q_rounded = m_tiles * cfg.block_m
-    dev = q.device
+    if varlen is None:
+        seqlen_q_rounded = m_tiles * cfg.block_m
+        stat_rows = batch * nheads * seqlen_q_rounded
+    else:
+        seqlen_q_rounded = varlen_padded_rows(q.shape[0], batch, cfg.block_m)
+        stat_rows = nheads * seqlen_q_rounded
     # The dQ reduce addresses dq_accum as 2-D rows in int32 TMA coordinates.
     # Grid axes y and z (KV heads, batch) are limited to 65535 by CUDA.
     if nheads_kv > 65535 or batch > 65535:
         raise ValueError(f"the backward launches one CTA row per KV head and batch: nheads_kv ({nheads_kv}) and "
                          f"batch ({batch}) must be at most 65535")
-    if batch * nheads * seqlen_q_rounded >= 2**31:
+    if stat_rows >= 2**31:
         raise ValueError(f"batch ({batch}) x nheads ({nheads}) x seqlen_q ({seqlen_q}) is too large for the "
                          f"backward's dQ accumulator (2**31 rows)")
 
-    delta = torch.empty((batch, nheads, seqlen_q_rounded), dtype=torch.float32, device=dev)
+    # Per (batch, head) rows of seqlen_q_rounded; varlen: per head, the padded total (one "batch").
+    rows = (batch, nheads, seqlen_q_rounded) if varlen is None else (nheads, seqlen_q_rounded)
+    delta = torch.empty(rows, dtype=torch.float32, device=dev)
     lse2 = torch.empty_like(delta)
-    dq_accum = torch.zeros((batch, nheads, seqlen_q_rounded, head_dim), dtype=torch.float32, device=dev)
+    dq_accum = torch.zeros(rows + (head_dim,), dtype=torch.float32, device=dev)
     if deterministic:
-        sem = torch.zeros((batch, nheads, m_tiles, cfg.chunks), dtype=torch.int32, device=dev)
+        sem = torch.zeros(rows[:-1] + (seqlen_q_rounded // cfg.block_m, cfg.chunks), dtype=torch.int32,
+                          device=dev)
     else:
         sem = delta  # never read
-    bwd_preprocess(out, dout, lse, delta, lse2, cfg.block_m)
+    if varlen is None:
+        bwd_preprocess(out, dout, lse, delta, lse2, cfg.block_m)
+        views = {"q": q, "k": k, "v": v, "do": dout, "dk": dk, "dv": dv}
+        cu_q = cu_k = used_q = used_k = sem  # never read
+        stride_kv = (0, 0)
+    else:
+        pre = (varlen.cu_seqlens_q, varlen.seqused_q, batch, varlen.max_seqlen_q)
+        bwd_preprocess(out, dout, lse, delta, lse2, cfg.block_m, varlen=pre)
+        # THD as [1, total, H, D]: the sequence start is a row coordinate.
+        views = {"q": q, "k": k, "v": v, "do": dout, "dk": dk, "dv": dv}
+        views = {name: t.unsqueeze(0) for name, t in views.items()}
+        cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
+        used_q = varlen.seqused_q if varlen.seqused_q is not None else cu_q
+        used_k = varlen.seqused_k if varlen.seqused_k is not None else cu_k
+        assert dk.stride() == dv.stride() and dk.stride(2) == 1
+        stride_kv = (dk.stride(0), dk.stride(1))
 
     g = grid(batch, nheads_kv, seqlen_k, cfg)
     scalars = (seqlen_q, seqlen_k, seqlen_q_rounded, nheads, nheads // nheads_kv, softmax_scale * LOG2E,
                softmax_scale)
-    constexprs = kernel_constexprs(cfg, causal, deterministic)
+    constexprs = kernel_constexprs(cfg, causal, deterministic, varlen is not None,
+                                   varlen is not None and varlen.seqused_q is not None,
+                                   varlen is not None and varlen.seqused_k is not None)
     # The tensors behind the nine descriptors, in the kernel's argument order.
-    tensors = (q, k, v, dout, dk, dv, dq_accum.view(-1, head_dim), lse2.view(-1), delta.view(-1))
-    key = (dev.index, q.dtype, bool(causal), bool(deterministic), cfg)
+    tensors = (views["q"], views["k"], views["v"], views["do"], views["dk"], views["dv"],
+               dq_accum.view(-1, head_dim), lse2.view(-1), delta.view(-1))
+    ptrs = (sem, cu_q, cu_k, used_q, used_k, dk, dv)
+    # Varlen's int32 vectors are the caller's tensors: Triton specialises
+    # pointers on 16-byte alignment, so that is part of the key.
+    key = (dev.index, q.dtype, bool(causal), bool(deterministic), cfg, tuple(constexprs.values()),
+           tuple(t.data_ptr() % 16 == 0 for t in ptrs))
     kernel = _COMPILED.get(key)
     if kernel is None or not FAST_LAUNCH or plan._launch_hooked():
         blocks = block_shapes(cfg)
@@ -194,13 +267,17 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         descs = [_descriptor(t, blocks[name]) for name, t in zip(names[:6], tensors[:6])]
         descs += [_fp32_descriptor(t, blocks[name]) for name, t in zip(names[6:], tensors[6:])]
         _COMPILED[key] = attention_backward_kernel[g](
-            *descs, sem, *scalars, **constexprs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+            *descs, *ptrs, *stride_kv, *scalars, **constexprs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
     else:
         stream = plan.driver.active.get_current_stream(dev.index)
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   *(_Desc(t) for t in tensors), sem, *scalars, *constexprs.values())
+                   *(_Desc(t) for t in tensors), *ptrs, *stride_kv, *scalars, *constexprs.values())
 
-    bwd_postprocess(dq_accum, dq, softmax_scale)
+    if varlen is None:
+        bwd_postprocess(dq_accum, dq, softmax_scale)
+    else:
+        bwd_postprocess(dq_accum, dq, softmax_scale, cfg.block_m,
+                        varlen=(varlen.cu_seqlens_q, varlen.seqused_q, batch, varlen.max_seqlen_q))
 
 
 def workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int, deterministic: bool = False) -> int:
@@ -275,4 +352,32 @@ def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, de
         return dq, dk, dv
     with torch.cuda.device(q.device):
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic)
+    return dq, dk, dv
+
+
+def check_grad_out_thd(grad_out, out: torch.Tensor) -> torch.Tensor:
+    """``check_grad_out`` for THD tensors."""
+    check_grad_out_meta(grad_out, out)
+    if grad_out.numel() and not _tma_addressable(grad_out.unsqueeze(0)):
+        grad_out = grad_out.contiguous()
+    return grad_out
+
+
+def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_scale: float, causal: bool,
+                    deterministic: bool = False):
+    """dq, dk, dv (contiguous THD, like q, k, v) of a varlen forward; rows
+    outside every sequence's live part get zero gradients."""
+    check_head_dim(q.shape[2])
+    grad_out = check_grad_out_thd(grad_out, out)
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq, dk, dv
+    if not _tma_addressable(out.unsqueeze(0)):
+        out = out.contiguous()
+    lse = lse.contiguous()
+    with torch.cuda.device(q.device):
+        launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
+                        varlen=varlen)
     return dq, dk, dv

@@ -804,3 +804,68 @@ def rel_fro_err(a: torch.Tensor, b: torch.Tensor) -> float:
     if den == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return num / den
+
+
+# --------------------------------------------------------------------------
+# Variable-length (THD) batches: the same references, sequence by sequence
+# --------------------------------------------------------------------------
+
+def varlen_spans(cu_seqlens: torch.Tensor, seqused: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """``(start, live length)`` of every sequence, read on the host (tests only)."""
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    used = None if seqused is None else [int(x) for x in seqused.tolist()]
+    return [(cu[b], used[b] if used is not None else cu[b + 1] - cu[b]) for b in range(len(cu) - 1)]
+
+
+def varlen_apply(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seqused_k=None, out_dtype=None,
+                 with_lse=False):
+    """Run ``fn(q_b, k_b, v_b)`` (BSHD, batch 1) -> ``out_b`` or
+    ``(out_b, lse_b)`` on each sequence's live rows of the THD tensors and
+    assemble ``[total_q, H, D]`` (zeros outside live rows) and, with
+    ``with_lse``, ``[H, total_q]`` (-inf outside)."""
+    total_q, nheads, headdim = q.shape
+    out = torch.zeros(total_q, nheads, headdim, dtype=out_dtype or q.dtype, device=q.device)
+    lse = torch.full((nheads, total_q), -math.inf, dtype=torch.float64, device=q.device) if with_lse else None
+    for (qs, lq), (ks, lk) in zip(varlen_spans(cu_seqlens_q, seqused_q), varlen_spans(cu_seqlens_k, seqused_k)):
+        if lq == 0:
+            continue
+        res = fn(q[qs:qs + lq][None], k[ks:ks + lk][None], v[ks:ks + lk][None])
+        o, lb = res if with_lse else (res, None)
+        out[qs:qs + lq] = o[0].to(out.dtype)
+        if with_lse:
+            lse[:, qs:qs + lq] = lb[0].to(lse.dtype)
+    return (out, lse) if with_lse else out
+
+
+def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seqused_k=None, causal=False,
+                     softmax_scale=None):
+    """float64 ``(out [total_q, H, D], lse [H, total_q])`` of a varlen batch:
+    :func:`attention_reference` per sequence (bottom-right causal per
+    sequence), zeros and -inf outside the live rows."""
+    return varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=causal, softmax_scale=softmax_scale),
+                        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                        out_dtype=torch.float64, with_lse=True)
+
+
+def varlen_baseline(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seqused_k=None, causal=False,
+                    softmax_scale=None):
+    """:func:`attention_baseline` per sequence (q's dtype), zeros outside."""
+    return varlen_apply(lambda a, b, c: attention_baseline(a, b, c, causal=causal, softmax_scale=softmax_scale),
+                        q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k)
+
+
+def varlen_grads(grads_fn, q, k, v, dout, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seqused_k=None,
+                 out_dtype=None):
+    """``(dq, dk, dv)`` THD from ``grads_fn(q_b, k_b, v_b, dout_b)`` per
+    sequence; zero outside the live rows."""
+    dq = torch.zeros(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=out_dtype or k.dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=out_dtype or v.dtype, device=v.device)
+    for (qs, lq), (ks, lk) in zip(varlen_spans(cu_seqlens_q, seqused_q), varlen_spans(cu_seqlens_k, seqused_k)):
+        if lq == 0 or lk == 0:
+            continue
+        g = grads_fn(q[qs:qs + lq][None], k[ks:ks + lk][None], v[ks:ks + lk][None], dout[qs:qs + lq][None])
+        dq[qs:qs + lq] = g[0][0].to(dq.dtype)
+        dk[ks:ks + lk] = g[1][0].to(dk.dtype)
+        dv[ks:ks + lk] = g[2][0].to(dv.dtype)
+    return dq, dk, dv

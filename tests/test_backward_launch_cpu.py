@@ -109,7 +109,8 @@ def test_fast_arguments_are_the_jit_arguments_in_signature_order(monkeypatch, lo
             assert isinstance(got, plan._Desc), name
             assert tuple(got.shape) == tuple(want.shape) and tuple(got.strides) == tuple(want.strides), name
             assert got.base.dtype == want.base.dtype and got.padding == want.padding, name
-        elif name == "sem_ptr":
+        elif name.endswith("_ptr"):
+            # sem, the varlen vectors (unused here: the semaphore tensor stands in) and dk/dv: fresh tensors
             assert got.dtype == want.dtype and got.shape == want.shape, name
         else:
             assert got == want, name

@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                        help="causal mask, bottom-right aligned (default: causal)")
     shape.add_argument("--dtype", choices=DTYPES, help="input dtype (default bf16)")
+    shape.add_argument("--varlen", metavar="LO:HI",
+                       help="instead of the configs: one mixed-length batch through flash_attn_varlen_func "
+                            "(--batch sequences, default 16, lengths uniform in LO..HI; --heads/--kv-heads default "
+                            "32/8), next to FA3's varlen call and the fixed-length kernel at equal total tokens; "
+                            "forward, backward and both")
     shape.add_argument("--config", metavar="FILE.json",
                        help="JSON list of config objects with fields: " + ", ".join(
                            ("seqlen", "seqlen_k", "batch", "heads", "kv_heads", "headdim", "causal", "dtype")))
@@ -211,6 +216,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"hopper-flash bench needs {' and '.join(missing)}, which the base install does not include: "
                   f"pip install 'hopper_flash[bench]' (from a checkout: pip install -e '.[bench]')", file=sys.stderr)
             return 2
+        if args.varlen:
+            from . import varlen
+
+            try:
+                varlen.parse_range(args.varlen)
+                if args.seqlen or args.config:
+                    raise ValueError("--varlen replaces --seqlen/--config")
+            except ValueError as e:
+                args.command_parser.error(str(e))
+            return varlen.main(args, command)
         try:
             configs = resolve_configs(args)
             for spec in args.variant:

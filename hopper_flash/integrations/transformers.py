@@ -12,13 +12,12 @@ What ``register()`` does, for the installed transformers:
 
 * registers :func:`hopper_flash_attention_forward` in transformers'
   ``AttentionInterface`` under ``"hopper_flash"``;
-* registers transformers' own SDPA mask function under the same name in
-  ``AttentionMaskInterface`` (transformers >= 4.53). Without a mask function a
-  backend gets ``attention_mask=None`` always, padding or not, which would
-  silently drop padding. With SDPA's, the backend gets ``None`` exactly where
-  SDPA would rely on ``is_causal`` (plain causal or full attention, no
-  padding), and otherwise a materialised 4-D boolean mask, which the backend
-  checks (see below);
+* registers :func:`padding_mask` (transformers' FlashAttention mask function,
+  traceable) under the same name in ``AttentionMaskInterface`` (transformers
+  >= 4.53), as a FlashAttention kernel is integrated: once per model forward
+  it reduces the 2-D padding mask to ``None`` when nothing is padded and
+  otherwise passes the 2-D ``[batch, seqlen_k]`` mask on, which the backend
+  turns into a varlen call;
 * transformers 5.x treats every implementation name containing ``"flash"`` as
   a FlashAttention variant and tries to import a FlashAttention kernel for it
   while checking the name (``set_attn_implementation``, ``from_pretrained``),
@@ -29,19 +28,35 @@ What ``register()`` does, for the installed transformers:
 The backend computes exactly what SDPA computes, or raises:
 
 * no mask (``None``): causal (bottom-right aligned, as ``is_causal`` says,
-  from the call or ``module.is_causal``) or full attention. As SDPA does, a
-  causal prefill whose keys outnumber the queries with no mask (a static
-  cache's first fill: the extra keys are empty slots) reads only the first
-  ``seqlen_q`` keys;
+  from the call or ``module.is_causal``) or full attention over every key,
+  as with flash-attn (a static cache therefore needs its 2-D attention mask,
+  which ``generate`` always passes);
+* a 2-D ``[batch, seqlen_k]`` padding mask (1 = token): a varlen call
+  (:func:`hopper_flash.flash_attn_varlen_func`) without any host
+  synchronisation: each row's tokens must form one contiguous run (left or
+  right padding, as tokenizers and ``generate`` produce; a row with holes is
+  not supported). Sequence ``b``'s keys start at the run's first column
+  (``cu_seqlens_k[b] = b·seqlen_k + start``) and ``seqused_k`` is its length;
+  with as many queries as keys the queries are the same run, with fewer
+  (decode, chunked prefill) every query row is a token and the queries are
+  the sequence's last keys (bottom-right causal). Padded query rows get zero
+  output, as with flash-attn;
+* packed sequences (one row holding several documents): explicit
+  ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_length_q``/``max_length_k``
+  keyword arguments (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``)
+  go straight to the varlen call, with no sync (a ``max_length`` that is a
+  tensor is replaced by the host-known total length). ``position_ids`` that
+  restart at 0 (batch 1, no mask) are detected and turned into
+  ``cu_seqlens`` with one host sync per model forward (cached across
+  layers, eager only; under torch.compile pass the explicit kwargs);
 * a 4-D mask (boolean, or additive float holding only 0 and "-inf"): used
   only when it is the bottom-right causal pattern or all-visible, possibly
   followed by key columns that no query sees (the unused tail of a static
-  cache), which are dropped. Any other mask (padding, packed sequences, an
-  active sliding window, chunked or custom patterns) raises
-  ``NotImplementedError``: hopper_flash has no varlen or masked kernel yet;
-* dropout > 0, logit soft-capping, attention sinks, position biases and
-  varlen arguments (``cu_seq_lens_q``/``cu_seqlens``) raise
-  ``NotImplementedError``;
+  cache), which are dropped. Any other 4-D mask (an explicit padding or
+  block pattern, an active sliding window, chunked or custom patterns)
+  raises ``NotImplementedError``;
+* dropout > 0, logit soft-capping, attention sinks and position biases
+  raise ``NotImplementedError``;
 * ``query``/``key``/``value`` arrive as ``[batch, heads, seq, head_dim]`` and
   are handed to :func:`hopper_flash.flash_attn_func` as BSHD views
   (``.transpose(1, 2)``, no copy); k/v keep their own number of heads (GQA is
@@ -54,17 +69,17 @@ import functools
 
 import torch
 
-__all__ = ["NAME", "register", "is_registered", "hopper_flash_attention_forward"]
+__all__ = ["NAME", "register", "is_registered", "hopper_flash_attention_forward", "padding_mask"]
 
 NAME = "hopper_flash"
 
 _INSTALL_HINT = "pip install 'transformers>=4.48'"
 
 _PADDING_MESSAGE = (
-    "hopper_flash does not support padding or other non-causal attention masks yet (no varlen / masked "
-    "kernel): the attention mask passed to the 'hopper_flash' attention implementation masks positions "
-    "beyond the causal pattern. Pass batches of equal-length sequences without padding (attention_mask "
-    "None or all ones), or use attn_implementation='sdpa' for padded or packed batches."
+    "hopper_flash supports padding as a 2-D [batch, seqlen_k] mask (what its registered mask function "
+    "gives) and packed sequences through cu_seq_lens_q/k or restarting position_ids, but not this 4-D "
+    "attention mask: it masks positions beyond the causal pattern. Pass the 2-D padding mask instead of a "
+    "4-D one, or use attn_implementation='sdpa' for arbitrary masks."
 )
 
 # Keyword arguments of transformers' attention calls that change the result and
@@ -75,9 +90,7 @@ _UNSUPPORTED_KWARGS = {
     "sinks": "attention sinks",
     "position_bias": "an additive position bias",
     "head_mask": "a head mask",
-    "cu_seq_lens_q": "packed variable-length sequences (varlen, cu_seq_lens_q)",
-    "cu_seq_lens_k": "packed variable-length sequences (varlen, cu_seq_lens_k)",
-    "cu_seqlens": "packed variable-length sequences (varlen, cu_seqlens)",
+    "cu_seqlens": "packed sequences given as `cu_seqlens` (pass cu_seq_lens_q/cu_seq_lens_k)",
 }
 
 
@@ -132,11 +145,7 @@ def _analyse_mask(mask, seqlen_q: int, seqlen_k: int) -> tuple[bool | None, int]
         if mask.is_floating_point():
             raise TypeError("a 2-D attention_mask must be boolean or integer (1 = keep), got "
                             f"dtype {mask.dtype}")
-        if mask.shape[-1] != seqlen_k:
-            raise ValueError(f"2-D attention_mask has {mask.shape[-1]} key positions, the keys have {seqlen_k}")
-        if bool(mask.bool().all()):
-            return None, seqlen_k
-        raise NotImplementedError(_PADDING_MESSAGE)
+        raise AssertionError("2-D masks take the varlen path (_run_padded)")
     if mask.dim() != 4:
         raise ValueError("attention_mask must be None, 2-D [batch, seqlen_k] or 4-D "
                          f"[batch, heads, seqlen_q, seqlen_k], got shape {tuple(mask.shape)}")
@@ -198,6 +207,20 @@ def hopper_flash_attention_forward(
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     # As transformers' sdpa/flash backends: the call's is_causal wins over the module's.
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+
+    packed = _packed_from_kwargs(kwargs, query, key)
+    if packed is None and attention_mask is None:
+        packed = _packed_from_position_ids(kwargs.get("position_ids"), query, key)
+    if packed is not None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
+        if sliding_window is not None and seqlen_k > sliding_window:
+            raise NotImplementedError(
+                f"hopper_flash does not support sliding-window attention yet (window {sliding_window} < "
+                f"{seqlen_k} keys)"
+            )
+        if packed is not None:
+            return _run_packed(query, key, value, packed, bool(is_causal), scaling), None
+        return _run_padded(query, key, value, attention_mask, bool(is_causal), scaling), None
+
     mask_causal = None
     if attention_mask is not None:
         mask_causal, used = _analyse_mask(attention_mask, seqlen_q, seqlen_k)
@@ -208,13 +231,10 @@ def hopper_flash_attention_forward(
         # The mask says it all (sliding windows, if any, are part of it).
         causal = mask_causal and seqlen_q > 1
     else:
+        # No mask with more keys than queries (a chunk on a dynamic cache): the
+        # FlashAttention mask function's None means bottom-right causal over
+        # every key, as in flash-attn.
         causal = bool(is_causal) and seqlen_q > 1
-        if causal and seqlen_k > seqlen_q:
-            # No mask with more keys than queries: transformers' sdpa mask function returns None here only
-            # for a first fill of a static cache (the extra keys are empty slots), which SDPA computes
-            # with its top-left causal mask over the first seqlen_q keys. Do the same.
-            key, value = key[:, :, :seqlen_q], value[:, :, :seqlen_q]
-            seqlen_k = seqlen_q
         if sliding_window is not None and seqlen_k > sliding_window:
             raise NotImplementedError(
                 f"hopper_flash does not support sliding-window attention yet (window {sliding_window} < "
@@ -228,6 +248,108 @@ def hopper_flash_attention_forward(
         softmax_scale=scaling, causal=causal,
     )
     return out, None
+
+
+# --------------------------------------------------------------------------
+# Variable-length batches: padded (2-D mask) and packed (cu_seq_lens / position_ids)
+# --------------------------------------------------------------------------
+def _thd(x: torch.Tensor) -> torch.Tensor:
+    """``[batch, heads, seq, head_dim]`` as THD ``[batch·seq, heads, head_dim]``:
+    a view for batch 1 (the varlen kernels take any 16-byte strides), a copy
+    otherwise (batch and sequence axes do not merge in the BHSD layout)."""
+    if x.shape[0] == 1:
+        return x[0].transpose(0, 1)
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
+def _run_padded(query, key, value, mask, is_causal, scaling):
+    """A padded batch as one varlen call, with no host sync (see the module docstring)."""
+    import hopper_flash
+
+    batch, nheads, seqlen_q, head_dim = query.shape
+    seqlen_k = key.shape[2]
+    if mask.is_floating_point():
+        raise TypeError(f"a 2-D attention_mask must be boolean or integer (1 = keep), got dtype {mask.dtype}")
+    if mask.shape[0] != batch:
+        raise ValueError(f"2-D attention_mask has batch {mask.shape[0]}, the queries have {batch}")
+    live = mask.bool()
+    if live.shape[1] > seqlen_k:
+        live = live[:, -seqlen_k:]
+    # Keys past the mask's columns (empty static-cache slots) are never live.
+    lens_k = live.sum(dim=1, dtype=torch.int32)
+    start_k = live.to(torch.int32).argmax(dim=1).to(torch.int32)  # first token (0 for an empty row)
+    rows = torch.arange(batch, dtype=torch.int32, device=query.device)
+    end = torch.full((1,), batch * seqlen_k, dtype=torch.int32, device=query.device)
+    cu_k = torch.cat([rows * seqlen_k + start_k, end])
+    if seqlen_q == seqlen_k:
+        cu_q, used_q = cu_k, lens_k
+    else:
+        # Fewer queries than keys: every query row is a token, the queries are
+        # each sequence's last keys (left padding, decode, chunked prefill).
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device=query.device) * seqlen_q
+        used_q = None
+    out = hopper_flash.flash_attn_varlen_func(
+        _thd(query), _thd(key), _thd(value), cu_q, cu_k, seqlen_q, seqlen_k, seqused_q=used_q, seqused_k=lens_k,
+        softmax_scale=scaling, causal=is_causal and seqlen_q > 1)
+    return out.view(batch, seqlen_q, nheads, head_dim)
+
+
+def _packed_from_kwargs(kwargs, query, key):
+    """``(cu_q, cu_k, max_q, max_k)`` from DataCollatorWithFlattening's kwargs, or None."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    if cu_q is None or cu_k is None:
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k must be given together")
+    total_q = query.shape[0] * query.shape[2]
+    total_k = key.shape[0] * key.shape[2]
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    # A bound the host knows: the total (a tensor max would need a sync).
+    max_q = int(max_q) if isinstance(max_q, int) and max_q > 0 else total_q
+    max_k = int(max_k) if isinstance(max_k, int) and max_k > 0 else total_k
+    return cu_q.to(torch.int32), cu_k.to(torch.int32), max(1, max_q), max(1, max_k)
+
+
+# One entry: the position_ids tensor of the current model forward (every
+# layer gets the same object) and what it gave, so the sync happens once.
+_POSITION_IDS_CACHE: dict = {}
+
+
+def _packed_from_position_ids(position_ids, query, key):
+    """Packed documents in one row (batch 1, positions restarting at their
+    minimum), as transformers' flash path detects them: ``(cu, cu, max, max)``
+    or None. Needs the values on the host: one sync per forward (cached by
+    tensor identity and version), eager only."""
+    if (position_ids is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2
+            or position_ids.dim() != 2 or position_ids.shape[-1] != query.shape[2]
+            or torch.compiler.is_compiling()):
+        return None
+    import weakref
+
+    entry = _POSITION_IDS_CACHE.get("last")
+    if entry is not None and entry[0]() is position_ids and entry[1] == position_ids._version:
+        return entry[2]
+    pos = position_ids.reshape(-1)
+    starts = (pos == pos.min()).nonzero().flatten().to(torch.int32)  # the one sync
+    if starts.numel() <= 1:
+        result = None
+    else:
+        total = torch.full((1,), pos.numel(), dtype=torch.int32, device=pos.device)
+        cu = torch.cat([starts, total])
+        max_len = int((cu[1:] - cu[:-1]).max())
+        result = (cu, cu, max_len, max_len)
+    _POSITION_IDS_CACHE["last"] = (weakref.ref(position_ids), position_ids._version, result)
+    return result
+
+
+def _run_packed(query, key, value, packed, is_causal, scaling):
+    import hopper_flash
+
+    batch, nheads, seqlen_q, head_dim = query.shape
+    cu_q, cu_k, max_q, max_k = packed
+    out = hopper_flash.flash_attn_varlen_func(
+        _thd(query), _thd(key), _thd(value), cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=is_causal)
+    return out.view(batch, seqlen_q, nheads, head_dim)
 
 
 # --------------------------------------------------------------------------
@@ -262,6 +384,28 @@ def _allow_flash_named_backend(transformers) -> None:
     modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
 
 
+def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, **kwargs):
+    """The mask function registered for NAME: FlashAttention's (transformers'
+    ``flash_attention_mask``), i.e. None when nothing is padded, else the 2-D
+    ``[batch, kv_length]`` padding mask, which the backend turns into a varlen
+    call. Built once per model forward, not per layer.
+
+    Unlike transformers' own, it never asks the device whether the mask is
+    all ones while torch.compile traces (a data-dependent branch would break
+    ``fullgraph=True``): traced, a 2-D mask always takes the varlen path,
+    which computes the same for an unpadded batch. Eager, that one check per
+    forward keeps unpadded batches on the copy-free fixed-length path."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if torch.compiler.is_compiling():
+        return attention_mask
+    if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
 def register() -> str:
     """Register ``"hopper_flash"`` with transformers; return that name.
 
@@ -276,7 +420,7 @@ def register() -> str:
     except ImportError:
         pass  # transformers < 4.53: models build their own 4-D masks, which the backend checks
     else:
-        AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        AttentionMaskInterface.register(NAME, padding_mask)
     _allow_flash_named_backend(transformers)
     return NAME
 

@@ -85,6 +85,97 @@ def bwd_query_tile_range(n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
+def bwd_sequence(b, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, seqlen_q, seqlen_k, seqlen_q_rounded, num_heads,
+                 BLOCK_M: gl.constexpr, VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr, SEQUSED_K: gl.constexpr):
+    """Where batch ``b``'s sequence lives: ``(tb, q_start, k_start, lq, lk, stat0)``.
+
+    ``tb`` is the TMA batch coordinate and ``q_start``/``k_start`` the first
+    row of the sequence on the sequence axis; ``lq``/``lk`` its live lengths;
+    ``stat0`` the row of its first query (head 0) in the padded fp32 buffers
+    (L2, Δ, dQ accumulator), whose head stride is ``seqlen_q_rounded``.
+
+    VARLEN (THD tensors viewed as batch 1): the sequence starts at
+    ``cu[b]``, lives for ``seqused[b]`` or ``cu[b+1] - cu[b]`` rows, and its
+    padded stats start at ``(cu_q[b] + b·BLOCK_M)`` rounded down to a whole
+    tile (FA3's rule): every sequence's tiles then cover rows of its own, so
+    no tile of the stats or of the dQ reduce overlaps a neighbour's
+    (``seqlen_q_rounded`` is then the padded total, ``plan_backward``)."""
+    if VARLEN:
+        q_start = gl.load(cu_q_ptr + b)
+        k_start = gl.load(cu_k_ptr + b)
+        if SEQUSED_Q:
+            lq = gl.load(used_q_ptr + b)
+        else:
+            lq = gl.load(cu_q_ptr + b + 1) - q_start
+        if SEQUSED_K:
+            lk = gl.load(used_k_ptr + b)
+        else:
+            lk = gl.load(cu_k_ptr + b + 1) - k_start
+        tb = b * 0
+        stat0 = ((q_start + b * BLOCK_M) // BLOCK_M * BLOCK_M).to(gl.int64)
+    else:
+        q_start = b * 0
+        k_start = b * 0
+        lq = seqlen_q
+        lk = seqlen_k
+        tb = b
+        stat0 = (b * num_heads).to(gl.int64) * seqlen_q_rounded
+    return tb, q_start, k_start, lq, lk, stat0
+
+
+@gluon.jit
+def _zero_rows(buf, row0, limit, ROWS: gl.constexpr, COLS: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Zero the rows of the shared tile ``buf`` ([ROWS, COLS]; row ``r`` is
+    sequence row ``row0 + r``) at or past ``limit``.
+
+    Varlen tiles read past their sequence, into a neighbour or into rows past
+    ``seqused`` that may hold NaN or Inf: their P and dS are 0, but
+    0 · NaN = NaN in the dV, dK and dQ products. The caller fences and
+    synchronises before a wgmma reads the tile."""
+    CH: gl.constexpr = NUM_WARPS * 32 * 8 // COLS  # one 16-byte vector per thread per chunk
+    TPW_D: gl.constexpr = COLS // 8 if COLS // 8 < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [NUM_WARPS, 1], [1, 0])
+    for c in gl.static_range(ROWS // CH):
+        if row0 + (c + 1) * CH > limit:
+            chunk = buf.slice(c * CH, CH, dim=0)
+            rows = row0 + c * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
+            x = chunk.load(layout)
+            x = gl.where((rows < limit)[:, None], x, gl.zeros_like(x))
+            chunk.store(x)
+
+
+@gluon.jit
+def _zero_tile_tail(bufs, slot, row0, limit, ROWS: gl.constexpr, COLS: gl.constexpr, CHUNKS: gl.constexpr,
+                    NUM_WARPS: gl.constexpr):
+    """``_zero_rows`` over every head-dim chunk of ring slot ``slot``, fenced
+    and synchronised for the wgmmas, when the tile crosses ``limit``."""
+    if row0 + ROWS > limit:
+        for c in gl.static_range(CHUNKS):
+            _zero_rows(bufs.index(slot * CHUNKS + c).reshape([ROWS, COLS]), row0, limit, ROWS, COLS, NUM_WARPS)
+        fence_async_shared()
+        thread_barrier()
+
+
+@gluon.jit
+def _store_rows(buf, ptr, row_start, n_rows, stride_row, col_off, ROWS: gl.constexpr, COLS: gl.constexpr,
+                NUM_WARPS: gl.constexpr):
+    """Store rows ``0 .. n_rows - 1`` of the shared tile ``buf`` to
+    ``ptr + (row_start + r)·stride_row + col_off + c``: a varlen dK/dV tile
+    stops at its sequence's end instead of a TMA box overwriting the next
+    sequence's rows (which another CTA writes)."""
+    CH: gl.constexpr = NUM_WARPS * 32 * 8 // COLS
+    TPW_D: gl.constexpr = COLS // 8 if COLS // 8 < 32 else 32
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [NUM_WARPS, 1], [1, 0])
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    for c in gl.static_range(ROWS // CH):
+        if c * CH < n_rows:
+            rows = c * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
+            x = buf.slice(c * CH, CH, dim=0).load(layout)
+            offs = (row_start + rows).to(gl.int64)[:, None] * stride_row + col_off + cols[None, :]
+            gl.store(ptr + offs, x, mask=(rows < n_rows)[:, None])
+
+
+@gluon.jit
 def _dq_add_in_order(dq_desc, dq_row, dq_col, dq_smem, sem, n):
     """Deterministic mode: add this CTA's dQ share after KV tiles 0 .. n-1.
 
@@ -101,29 +192,33 @@ def _dq_add_in_order(dq_desc, dq_row, dq_col, dq_smem, sem, n):
 @gluon.jit
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs, do_bufs, lse2_bufs, delta_bufs,
                   k_bufs, v_bufs, kv_bar, q_full, q_empty, do_full, do_empty,
-                  b, hk, n, m_lo, m_hi, num_heads, kv_group, seqlen_q_rounded,
+                  tb, q_start, k_start, stat0, hk, n, m_lo, m_hi, live, kv_group, seqlen_q_rounded,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr):
     CHUNK: gl.constexpr = k_desc.block_type.shape[3]
-    mbarrier.expect(kv_bar, CHUNKS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-    for c in gl.static_range(CHUNKS):
-        tma_load(k_desc, [b, n * BLOCK_N, hk, c * CHUNK], kv_bar, k_bufs.index(c))
-        tma_load(v_desc, [b, n * BLOCK_N, hk, c * CHUNK], kv_bar, v_bufs.index(c))
+    # A varlen KV tile past its sequence's keys (``live`` false) loads
+    # nothing and computes nothing; the consumers skip the wait too.
+    if live:
+        mbarrier.expect(kv_bar, CHUNKS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for c in gl.static_range(CHUNKS):
+            tma_load(k_desc, [tb, k_start + n * BLOCK_N, hk, c * CHUNK], kv_bar, k_bufs.index(c))
+            tma_load(v_desc, [tb, k_start + n * BLOCK_N, hk, c * CHUNK], kv_bar, v_bufs.index(c))
     step = 0
     for g in range(kv_group):
         h = hk * kv_group + g
-        stat_row = (b * num_heads + h) * seqlen_q_rounded
+        stat_row = (stat0 + h * seqlen_q_rounded).to(gl.int32)
         for m in range(m_lo, m_hi):
             slot = ring_slot(step, STAGES)
             # L2 travels with Q (S needs both), Δ with dO (dS needs both).
             wait_empty(q_empty, step, STAGES)
             mbarrier.expect(q_full.index(slot), CHUNKS * q_desc.block_type.nbytes + lse2_desc.block_type.nbytes)
             for c in gl.static_range(CHUNKS):
-                tma_load(q_desc, [b, m * BLOCK_M, h, c * CHUNK], q_full.index(slot), q_bufs.index(slot * CHUNKS + c))
+                tma_load(q_desc, [tb, q_start + m * BLOCK_M, h, c * CHUNK], q_full.index(slot),
+                         q_bufs.index(slot * CHUNKS + c))
             tma_load(lse2_desc, [stat_row + m * BLOCK_M], q_full.index(slot), lse2_bufs.index(slot))
             wait_empty(do_empty, step, STAGES)
             mbarrier.expect(do_full.index(slot), CHUNKS * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
             for c in gl.static_range(CHUNKS):
-                tma_load(do_desc, [b, m * BLOCK_M, h, c * CHUNK], do_full.index(slot),
+                tma_load(do_desc, [tb, q_start + m * BLOCK_M, h, c * CHUNK], do_full.index(slot),
                          do_bufs.index(slot * CHUNKS + c))
             tma_load(delta_desc, [stat_row + m * BLOCK_M], do_full.index(slot), delta_bufs.index(slot))
             step += 1
@@ -131,14 +226,16 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs
 
 @gluon.jit
 def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full, q_empty,
-                  do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr,
-                  b, hk, n, part, m_lo, m_hi, seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
+                  do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr, dv_ptr,
+                  stride_kv_row, stride_kv_head,
+                  tb, k_start, stat0, hk, n, part, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
                   qk_scale, softmax_scale,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr,
                   NUM_WG: gl.constexpr, DQ_PARTS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr):
+                  DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr):
     """``part`` is the head-dim chunk whose dK, dV and dQ columns this CTA
-    writes (always 0 unless the head dim is split, ``CHUNKS > 1``)."""
+    writes (always 0 unless the head dim is split, ``CHUNKS > 1``). ``lq`` and
+    ``lk`` are this sequence's live lengths (the masks' lengths)."""
     dtype: gl.constexpr = dk_desc.dtype
     CHUNK: gl.constexpr = dk_desc.block_type.shape[3]
     # Sᵀ, dPᵀ: [BLOCK_N keys, BLOCK_M queries], 64 keys per warpgroup.
@@ -164,19 +261,34 @@ def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
     dq_zero = gl.zeros([BLOCK_M, DQ_W], gl.float32, dq_layout)
     dk = gl.zeros([BLOCK_N, CHUNK], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, CHUNK], gl.float32, kv_layout)
-    m_tiles = seqlen_q_rounded // BLOCK_M
+    NUM_WARPS: gl.constexpr = 4 * NUM_WG
 
-    mbarrier.wait(kv_bar, 0)
+    if live:
+        mbarrier.wait(kv_bar, 0)
+        if VARLEN:
+            # Keys past the sequence: masked in Sᵀ, but dQ = dS·K and
+            # dPᵀ = V·dOᵀ would still meet their NaN (see _zero_rows).
+            if (n + 1) * BLOCK_N > lk:
+                for c in gl.static_range(CHUNKS):
+                    _zero_rows(k_bufs.index(c).reshape([BLOCK_N, CHUNK]), n * BLOCK_N, lk, BLOCK_N, CHUNK,
+                               NUM_WARPS)
+                    _zero_rows(v_bufs.index(c).reshape([BLOCK_N, CHUNK]), n * BLOCK_N, lk, BLOCK_N, CHUNK,
+                               NUM_WARPS)
+                fence_async_shared()
+                thread_barrier()
     step = 0
     for g in range(kv_group):
         h = hk * kv_group + g
-        bh = (b * num_heads + h).to(gl.int64)
-        stat_base = bh * seqlen_q_rounded
+        stat_base = stat0 + h * seqlen_q_rounded
         for m in range(m_lo, m_hi):
             slot = ring_slot(step, STAGES)
 
             # Sᵀ and dPᵀ contract the whole head dim, chunk by chunk.
             wait_full(q_full, step, STAGES)
+            if VARLEN:
+                # The last query tile of a varlen sequence reads rows of the
+                # next one (or NaN past seqused): zero them before any product.
+                _zero_tile_tail(q_bufs, slot, m * BLOCK_M, lq, BLOCK_M, CHUNK, CHUNKS, NUM_WARPS)
             st = warpgroup_mma(k_bufs.index(0).reshape([BLOCK_N, CHUNK]),
                                q_bufs.index(slot * CHUNKS).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
                                st_zero, is_async=True)
@@ -185,6 +297,8 @@ def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
                                    q_bufs.index(slot * CHUNKS + c).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
                                    st, is_async=True)
             wait_full(do_full, step, STAGES)
+            if VARLEN:
+                _zero_tile_tail(do_bufs, slot, m * BLOCK_M, lq, BLOCK_M, CHUNK, CHUNKS, NUM_WARPS)
             dpt = warpgroup_mma(v_bufs.index(0).reshape([BLOCK_N, CHUNK]),
                                 do_bufs.index(slot * CHUNKS).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
                                 st_zero, is_async=True)
@@ -194,8 +308,8 @@ def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
                                     dpt, is_async=True)
             lse2 = lse2_bufs.index(slot).load(col_layout)
             st = warpgroup_mma_wait(CHUNKS, deps=[st])
-            if kq_tile_needs_mask(n, m, seqlen_q, seqlen_k, BLOCK_N, BLOCK_M, IS_CAUSAL):
-                st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, seqlen_q, seqlen_k, IS_CAUSAL)
+            if kq_tile_needs_mask(n, m, lq, lk, BLOCK_N, BLOCK_M, IS_CAUSAL):
+                st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
             pt = gl.exp2(st * qk_scale - lse2[None, :])
             delta = delta_bufs.index(slot).load(col_layout)
             dpt = warpgroup_mma_wait(0, deps=[dpt])
@@ -246,7 +360,7 @@ def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
             dq_row = (stat_base + m * BLOCK_M).to(gl.int32)
             if DETERMINISTIC:
                 _dq_add_in_order(dq_desc, dq_row, part * CHUNK, dq_smem,
-                                 sem_ptr + (bh * m_tiles + m) * CHUNKS + part, n)
+                                 sem_ptr + (stat_base // BLOCK_M + m) * CHUNKS + part, n)
             else:
                 tma_atomic_add(dq_desc, [dq_row, part * CHUNK], dq_smem)
             dk, dst_op = warpgroup_mma_wait(0, deps=[dk, dst_op])
@@ -262,23 +376,44 @@ def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
     thread_barrier()
     k_bufs.index(part).reshape([BLOCK_N, CHUNK]).store((dk * softmax_scale).to(dtype))
     v_bufs.index(part).reshape([BLOCK_N, CHUNK]).store(dv.to(dtype))
-    fence_async_shared()
-    thread_barrier()
-    tma_store(dk_desc, [b, n * BLOCK_N, hk, part * CHUNK], k_bufs.index(part))
-    tma_store(dv_desc, [b, n * BLOCK_N, hk, part * CHUNK], v_bufs.index(part))
+    if VARLEN:
+        # A TMA box would run into the next sequence's rows, which another CTA
+        # writes: plain stores, predicated on the sequence's live keys.
+        thread_barrier()
+        row0 = k_start + n * BLOCK_N
+        col0 = hk * stride_kv_head + part * CHUNK
+        _store_rows(k_bufs.index(part).reshape([BLOCK_N, CHUNK]), dk_ptr, row0, lk - n * BLOCK_N, stride_kv_row,
+                    col0, BLOCK_N, CHUNK, NUM_WARPS)
+        _store_rows(v_bufs.index(part).reshape([BLOCK_N, CHUNK]), dv_ptr, row0, lk - n * BLOCK_N, stride_kv_row,
+                    col0, BLOCK_N, CHUNK, NUM_WARPS)
+    else:
+        fence_async_shared()
+        thread_barrier()
+        tma_store(dk_desc, [tb, n * BLOCK_N, hk, part * CHUNK], k_bufs.index(part))
+        tma_store(dv_desc, [tb, n * BLOCK_N, hk, part * CHUNK], v_bufs.index(part))
     tma.store_wait(0)
 
 
 # As in the forward, lengths and head counts are run-time values: one compiled
-# kernel per (dtype, head dim, causal, deterministic) serves every shape.
-@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "seqlen_q_rounded", "num_heads", "kv_group"])
+# kernel per (dtype, head dim, causal, deterministic, varlen mode) serves every shape.
+@gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "seqlen_q_rounded", "num_heads", "kv_group",
+                              "stride_kv_row", "stride_kv_head"])
 def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_desc, delta_desc,
-                              sem_ptr,
+                              sem_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, dk_ptr, dv_ptr,
+                              stride_kv_row, stride_kv_head,
                               seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
                               qk_scale, softmax_scale,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                               STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                              NUM_WG: gl.constexpr, DQ_PARTS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                              NUM_WG: gl.constexpr, DQ_PARTS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                              VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
+                              SEQUSED_K: gl.constexpr = False):
+    """VARLEN: q/k/v/dO are THD tensors viewed as ``[1, total, H, D]``,
+    sequence ``b`` = grid axis 2 (see ``bwd_sequence``), ``seqlen_q`` and
+    ``seqlen_k`` unused (the grid covers ``max_seqlen_k``; a CTA past its
+    sequence's keys does nothing), ``seqlen_q_rounded`` the padded total of
+    the fp32 buffers, dK/dV written through ``dk_ptr``/``dv_ptr`` with the
+    given row and head strides. Otherwise the pointers and strides are unused."""
     gl.static_assert(BLOCK_N == 64 * NUM_WG, "64 keys per consumer warpgroup")
     dtype: gl.constexpr = q_desc.dtype
     # Every head-dim operand lives in chunks of CHUNK columns (the TMA box);
@@ -292,7 +427,13 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     part = gl.program_id(0) % CHUNKS
     hk = gl.program_id(1)
     b = gl.program_id(2)
-    m_lo, m_hi = bwd_query_tile_range(n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    tb, q_start, k_start, lq, lk, stat0 = bwd_sequence(b, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, seqlen_q,
+                                                       seqlen_k, seqlen_q_rounded, num_heads, BLOCK_M, VARLEN,
+                                                       SEQUSED_Q, SEQUSED_K)
+    m_lo, m_hi = bwd_query_tile_range(n, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    # Varlen: the grid covers max_seqlen_k; tiles past this sequence's keys idle.
+    live = n * BLOCK_N < lk
+    m_hi = m_lo + (m_hi - m_lo) * live.to(gl.int32)
 
     k_bufs = gl.allocate_shared_memory(dtype, [CHUNKS] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [CHUNKS] + v_desc.block_type.shape, v_desc.layout)
@@ -320,14 +461,15 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     gl.warp_specialize(
         [
             (_bwd_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full,
-                             q_empty, do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr,
-                             b, hk, n, part, m_lo, m_hi, seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
+                             q_empty, do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr,
+                             dv_ptr, stride_kv_row, stride_kv_head,
+                             tb, k_start, stat0, hk, n, part, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
                              qk_scale, softmax_scale, BLOCK_M, BLOCK_N, STAGES, CHUNKS, NUM_WG, DQ_PARTS,
-                             IS_CAUSAL, DETERMINISTIC)),
+                             IS_CAUSAL, DETERMINISTIC, VARLEN)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs, do_bufs, lse2_bufs,
                              delta_bufs, k_bufs, v_bufs, kv_bar, q_full, q_empty, do_full, do_empty,
-                             b, hk, n, m_lo, m_hi, num_heads, kv_group, seqlen_q_rounded, BLOCK_M, BLOCK_N, STAGES,
-                             CHUNKS)),
+                             tb, q_start, k_start, stat0, hk, n, m_lo, m_hi, live, kv_group, seqlen_q_rounded,
+                             BLOCK_M, BLOCK_N, STAGES, CHUNKS)),
         ],
         [1],
         [PRODUCER_REGS],

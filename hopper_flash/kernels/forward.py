@@ -42,6 +42,17 @@ Decode and chunked prefill run the same kernel in other *modes*
 * ``SPLIT``: the KV tiles of an item are split across ``num_splits`` items;
   each writes a normalised fp32 partial O and its LSE straight from
   registers, and ``combine.py`` merges them.
+* ``VARLEN``: q, k, v and O are packed (THD) tensors viewed as
+  ``[1, total, H, D]``; sequence ``b`` starts at row ``cu_q[b]`` / ``cu_k[b]``
+  and lives for ``seqused_q[b]`` (``SEQUSED_Q``) or ``cu_q[b+1] - cu_q[b]``
+  query rows and ``seqused_k[b]`` (``SEQUSED``) or ``cu_k[b+1] - cu_k[b]``
+  keys; ``seqlen_q`` is the host's ``max_seqlen_q`` (the tile count) and a
+  work item past its sequence's rows is skipped by all partitions. Tiles read
+  past their sequence (a neighbour's rows, or anything past ``seqused``):
+  extra query rows are computed and dropped, extra keys are masked and their
+  V rows zeroed as in ``SEQUSED``; O is stored from registers, predicated on
+  the sequence's rows (a TMA box would overwrite the neighbour's output),
+  and the LSE goes to flash-attn's varlen layout ``[H, total_q]``.
 * In these modes a consumer warpgroup whose 64 rows hold no query row (a
   decode tile has ``seqlen_q * G`` live rows) only keeps the barrier rings
   turning, so the tensor cores serve the live warpgroup alone.
@@ -108,14 +119,54 @@ def _item_heads(h, kv_group, PACK_G: gl.constexpr):
 
 
 @gluon.jit
-def _kv_coords(b, kb, bn, hk, page_table_ptr, page_stride, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr):
-    """TMA coordinates of KV tile ``bn``: a cache row, or a page of the page table."""
+def _item_seq(b, bm, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M: gl.constexpr, VARLEN: gl.constexpr,
+              SEQUSED_Q: gl.constexpr):
+    """Where item ``(bm, b)``'s sequence lives: ``(tb, q_start, k_start, lq,
+    live)``: the TMA batch coordinate, the first query and key rows on the
+    sequence axis, the query length and whether the tile holds any query row
+    (VARLEN; always true otherwise)."""
+    if VARLEN:
+        q_start = gl.load(cu_q_ptr + b)
+        k_start = gl.load(cu_k_ptr + b)
+        if SEQUSED_Q:
+            lq = gl.load(used_q_ptr + b)
+        else:
+            lq = gl.load(cu_q_ptr + b + 1) - q_start
+        tb = b * 0
+        live = bm * BLOCK_M < lq
+    else:
+        q_start = b * 0
+        k_start = b * 0
+        lq = seqlen_q
+        tb = b
+        live = True
+    return tb, q_start, k_start, lq, live
+
+
+@gluon.jit
+def _item_seqlen_k(b, seqlen_k, seqused_ptr, cu_k_ptr, k_start, VARLEN: gl.constexpr, SEQUSED: gl.constexpr):
+    """The key length of batch ``b`` before ``_item_kv``'s own ``SEQUSED`` read."""
+    if VARLEN:
+        if SEQUSED:
+            lk = seqlen_k  # _item_kv reads seqused_k[b]
+        else:
+            lk = gl.load(cu_k_ptr + b + 1) - k_start
+    else:
+        lk = seqlen_k
+    return lk
+
+
+@gluon.jit
+def _kv_coords(b, kb, bn, hk, page_table_ptr, page_stride, k_start, BLOCK_N: gl.constexpr,
+               PAGE_SIZE: gl.constexpr):
+    """TMA coordinates of KV tile ``bn``: a cache row, or a page of the page
+    table (``k_start``: the sequence's first key row, 0 unless VARLEN)."""
     row = bn * BLOCK_N
     if PAGE_SIZE > 0:
         page = gl.load(page_table_ptr + b.to(gl.int64) * page_stride + row // PAGE_SIZE)
         coords = [page, row % PAGE_SIZE, hk, 0]
     else:
-        coords = [kb, row, hk, 0]
+        coords = [kb, k_start + row, hk, 0]
     return coords
 
 
@@ -142,45 +193,54 @@ def _zero_v_tail(v, col0, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexp
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-              seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride,
+              seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr,
               seqlen_q, seqlen_k, num_heads, kv_group, total_tiles, num_splits, pair,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
               IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, PACK_G: gl.constexpr, SEQUSED: gl.constexpr,
-              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr):
+              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr, VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr):
     n_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M)
     kv0 = 0  # K/V loads issued for earlier work items: the rings' running order
+    qi = 0  # work items run so far (VARLEN skips items past their sequence): the Q barriers' phase
     for i in range(local_tile_count(total_tiles, pair, PERSISTENT)):
         bm, split, h, b = work_coords(i, n_tiles, num_splits, num_heads // PACK_G, pair, PERSISTENT)
-        q_head0, hk = _item_heads(h, kv_group, PACK_G)
-        kb, n_lo, n_hi, lk = _item_kv(b, bm, split, seqlen_q, seqlen_k, seqused_ptr, kv_batch_ptr, num_splits,
-                                      BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH)
+        tb, q_start, k_start, lq, live = _item_seq(b, bm, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M,
+                                                   VARLEN, SEQUSED_Q)
+        if live:
+            q_head0, hk = _item_heads(h, kv_group, PACK_G)
+            kb, n_lo, n_hi, lk = _item_kv(b, bm, split, lq, _item_seqlen_k(b, seqlen_k, seqused_ptr, cu_k_ptr,
+                                                                          k_start, VARLEN, SEQUSED),
+                                          seqused_ptr, kv_batch_ptr, num_splits, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                          PACK_G, SEQUSED, KV_BATCH)
+            if VARLEN:
+                kb = tb
 
-        # Q as one box per consumer half, each on its own barrier pair: a
-        # consumer that finished with its half of the previous item's Q gets
-        # the next one without waiting for the other consumer.
-        for c in gl.static_range(2):
-            mbarrier.wait(q_empty.index(c), (i & 1) ^ 1)  # passes on the fresh barrier for i = 0
-            mbarrier.expect(q_full.index(c), q_desc.block_type.nbytes)
-            tma_load(q_desc, [b, (bm * BLOCK_M + c * WG_M) // PACK_G, q_head0, 0], q_full.index(c),
-                     q_smem.index(c))
+            # Q as one box per consumer half, each on its own barrier pair: a
+            # consumer that finished with its half of the previous item's Q gets
+            # the next one without waiting for the other consumer.
+            for c in gl.static_range(2):
+                mbarrier.wait(q_empty.index(c), (qi & 1) ^ 1)  # passes on the fresh barrier for qi = 0
+                mbarrier.expect(q_full.index(c), q_desc.block_type.nbytes)
+                tma_load(q_desc, [tb, q_start + (bm * BLOCK_M + c * WG_M) // PACK_G, q_head0, 0], q_full.index(c),
+                         q_smem.index(c))
 
-        # K and V in separate rings: QK of tile `it` may start while V of tile
-        # `it` is still in flight, since PV of `it` only runs one step later.
-        n_kv = n_hi - n_lo
-        for it in range(n_kv):
-            bn = n_hi - 1 - it  # diagonal (or tail) first
-            coords = _kv_coords(b, kb, bn, hk, page_table_ptr, page_stride, BLOCK_N, PAGE_SIZE)
-            order = kv0 + it
-            wait_empty(k_empty, order, K_STAGES)
-            k_slot = ring_slot(order, K_STAGES)
-            mbarrier.expect(k_full.index(k_slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, coords, k_full.index(k_slot), k_bufs.index(k_slot))
+            # K and V in separate rings: QK of tile `it` may start while V of tile
+            # `it` is still in flight, since PV of `it` only runs one step later.
+            n_kv = n_hi - n_lo
+            for it in range(n_kv):
+                bn = n_hi - 1 - it  # diagonal (or tail) first
+                coords = _kv_coords(b, kb, bn, hk, page_table_ptr, page_stride, k_start, BLOCK_N, PAGE_SIZE)
+                order = kv0 + it
+                wait_empty(k_empty, order, K_STAGES)
+                k_slot = ring_slot(order, K_STAGES)
+                mbarrier.expect(k_full.index(k_slot), k_desc.block_type.nbytes)
+                tma_load(k_desc, coords, k_full.index(k_slot), k_bufs.index(k_slot))
 
-            wait_empty(v_empty, order, V_STAGES)
-            v_slot = ring_slot(order, V_STAGES)
-            mbarrier.expect(v_full.index(v_slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, coords, v_full.index(v_slot), v_bufs.index(v_slot))
-        kv0 += n_kv
+                wait_empty(v_empty, order, V_STAGES)
+                v_slot = ring_slot(order, V_STAGES)
+                mbarrier.expect(v_full.index(v_slot), v_desc.block_type.nbytes)
+                tma_load(v_desc, coords, v_full.index(v_slot), v_bufs.index(v_slot))
+            kv0 += n_kv
+            qi += 1
 
 
 @gluon.jit
@@ -201,11 +261,11 @@ def _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, i, kv0, n_
 @gluon.jit
 def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty, mma_turn,
                    o_desc, lse_ptr, o_part_ptr, lse_part_ptr, b, q_head0, bm, split, n_lo, n_hi, i, kv0,
-                   seqlen_q, seqlen_k, num_heads, batch, qk_scale, softmax_scale,
+                   seqlen_q, seqlen_k, num_heads, batch, qk_scale, softmax_scale, q_start, total_q,
                    CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                    WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, ABLATE: gl.constexpr, O_IN_Q: gl.constexpr,
-                   PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr):
+                   PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr, VARLEN: gl.constexpr):
     """One work item for one consumer warpgroup: its 64 (packed) rows of tile
     ``bm``, KV tiles ``[n_lo, n_hi)``; ``seqlen_k`` is this item's key length.
     ``i`` counts this CTA's earlier items (the Q barriers' phase) and ``kv0``
@@ -241,9 +301,9 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     s = apply_mask_packed(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
     p, scores_max, logsum = softmax_first(s, qk_scale)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    if SEQUSED:
+    if SEQUSED or VARLEN:
         # The first tile visited is the only one that can reach past the live
-        # length. Zeroed here, before the O accumulator is live, so the few
+        # length (VARLEN: into the next sequence's keys, or past seqused). Zeroed here, before the O accumulator is live, so the few
         # registers it takes do not compete with the steady state's.
         wait_full(v_full, kv0, V_STAGES)
         _zero_v_tail(v_bufs.index(ring_slot(kv0, V_STAGES)).reshape([BLOCK_N, HEAD_DIM]), bn * BLOCK_N, seqlen_k,
@@ -323,6 +383,18 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
         gl.store(lse_part_ptr + lse_off, lse, mask=lse_q < seqlen_q)
         if O_IN_Q:
             mbarrier.arrive(q_empty.index(CID), count=1)
+    elif VARLEN:
+        # ---- Varlen epilogue: O straight from registers into the sequence's
+        # rows only (``o_part_ptr`` is O, contiguous THD); LSE [H, total_q]. ----
+        o_rows = row0 + gl.arange(0, WG_M, layout=o_row_layout)
+        o_off = ((q_start + o_rows).to(gl.int64) * num_heads + q_head0) * HEAD_DIM
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(o_part_ptr + o_off[:, None] + cols[None, :], acc_o.to(dtype), mask=(o_rows < seqlen_q)[:, None])
+        if WRITE_LSE:
+            lse_off = lse_head.to(gl.int64) * total_q + q_start + lse_q
+            gl.store(lse_ptr + lse_off, lse, mask=lse_q < seqlen_q)
+        if O_IN_Q:
+            mbarrier.arrive(q_empty.index(CID), count=1)
     else:
         # ---- Epilogue: registers -> shared memory -> TMA store (clipped at seqlen_q). ----
         if O_IN_Q:
@@ -350,31 +422,40 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
 
 @gluon.jit
 def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty, mma_turn,
-              o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr,
+              o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
               seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, qk_scale, softmax_scale,
+              total_q,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
               PINGPONG: gl.constexpr, ABLATE: gl.constexpr, PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr,
-              PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr):
-    # Decode modes skip the tensor-core work of a warpgroup without query rows.
-    SKIP_IDLE: gl.constexpr = PACK_G > 1 or SPLIT or SEQUSED
+              PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr,
+              VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr):
+    # Decode and varlen modes skip the tensor-core work of a warpgroup without query rows.
+    SKIP_IDLE: gl.constexpr = PACK_G > 1 or SPLIT or SEQUSED or VARLEN
     n_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M)
     kv0 = 0
+    qi = 0  # items run (see _producer)
     for i in range(local_tile_count(total_tiles, pair, PERSISTENT)):
         bm, split, h, b = work_coords(i, n_tiles, num_splits, num_heads // PACK_G, pair, PERSISTENT)
-        q_head0, hk = _item_heads(h, kv_group, PACK_G)
-        kb, n_lo, n_hi, lk = _item_kv(b, bm, split, seqlen_q, seqlen_k, seqused_ptr, kv_batch_ptr, num_splits,
-                                      BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH)
-        if SKIP_IDLE and bm * BLOCK_M + CID * WG_M >= seqlen_q * PACK_G:
-            _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, i, kv0, n_hi - n_lo,
-                           CID, K_STAGES, V_STAGES)
-        else:
-            _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                           mma_turn, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, b, q_head0, bm, split, n_lo, n_hi,
-                           i, kv0, seqlen_q, lk, num_heads, batch, qk_scale, softmax_scale,
-                           CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
-                           WRITE_LSE, PINGPONG, ABLATE, O_IN_Q, PACK_G, SPLIT, SEQUSED)
-        kv0 += n_hi - n_lo
+        tb, q_start, k_start, lq, live = _item_seq(b, bm, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M,
+                                                   VARLEN, SEQUSED_Q)
+        if live:
+            q_head0, hk = _item_heads(h, kv_group, PACK_G)
+            kb, n_lo, n_hi, lk = _item_kv(b, bm, split, lq, _item_seqlen_k(b, seqlen_k, seqused_ptr, cu_k_ptr,
+                                                                          k_start, VARLEN, SEQUSED),
+                                          seqused_ptr, kv_batch_ptr, num_splits, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                          PACK_G, SEQUSED, KV_BATCH)
+            if SKIP_IDLE and bm * BLOCK_M + CID * WG_M >= lq * PACK_G:
+                _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, qi, kv0, n_hi - n_lo,
+                               CID, K_STAGES, V_STAGES)
+            else:
+                _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                               mma_turn, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, tb, q_head0, bm, split, n_lo,
+                               n_hi, qi, kv0, lq, lk, num_heads, batch, qk_scale, softmax_scale, q_start, total_q,
+                               CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
+                               WRITE_LSE, PINGPONG, ABLATE, O_IN_Q, PACK_G, SPLIT, SEQUSED, VARLEN)
+            kv0 += n_hi - n_lo
+            qi += 1
     tma.store_wait(0)
 
 
@@ -382,11 +463,12 @@ def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, 
 # (dtype, head dim, causal, lse, mode) serves every shape, which lets the host
 # cache it and skip Triton's per-call specialisation (see plan.launch_forward).
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_heads", "kv_group", "batch", "num_splits", "pair",
-                              "page_stride"])
+                              "page_stride", "total_q"])
 def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              seqused_ptr, kv_batch_ptr, page_table_ptr, o_part_ptr, lse_part_ptr,
+                             cu_q_ptr, cu_k_ptr, used_q_ptr,
                              seqlen_q, seqlen_k, num_heads, kv_group, batch, qk_scale, softmax_scale,
-                             num_splits, pair, page_stride,
+                             num_splits, pair, page_stride, total_q,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                              IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
@@ -394,10 +476,13 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              PINGPONG: gl.constexpr, ABLATE: gl.constexpr,
                              PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr,
                              PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr,
-                             KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr):
+                             KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                             VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False):
     gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
+    gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH or PAGE_SIZE > 0)),
+                     "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle the two warpgroups")
-    gl.static_assert(not (PINGPONG and (PACK_G > 1 or SPLIT or SEQUSED)),
+    gl.static_assert(not (PINGPONG and (PACK_G > 1 or SPLIT or SEQUSED or VARLEN)),
                      "an idle decode warpgroup takes no ping-pong turns")
     dtype: gl.constexpr = q_desc.dtype
 
@@ -411,8 +496,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    if O_IN_Q or SPLIT:
-        o_smem = q_smem  # O is staged in its own Q rows (see _consumer_tile), or not at all (SPLIT)
+    if O_IN_Q or SPLIT or VARLEN:
+        o_smem = q_smem  # O is staged in its own Q rows (see _consumer_tile), or not at all (SPLIT, VARLEN)
     else:
         o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
 
@@ -441,20 +526,24 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.warp_specialize(
         [
             (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                         mma_turn, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr,
+                         mma_turn, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr,
+                         cu_k_ptr, used_q_ptr,
                          seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, qk_scale,
-                         softmax_scale, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
-                         PINGPONG, ABLATE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH)),
+                         softmax_scale, total_q, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
+                         WRITE_LSE, PINGPONG, ABLATE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
+                         SEQUSED_Q)),
             (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                         mma_turn, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr,
+                         mma_turn, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr,
+                         cu_k_ptr, used_q_ptr,
                          seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, qk_scale,
-                         softmax_scale, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
-                         PINGPONG, ABLATE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH)),
+                         softmax_scale, total_q, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
+                         WRITE_LSE, PINGPONG, ABLATE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
+                         SEQUSED_Q)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty,
-                         v_full, v_empty, seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride,
-                         seqlen_q, seqlen_k, num_heads, kv_group, total_tiles, num_splits, pair,
-                         BLOCK_M, BLOCK_N, K_STAGES, V_STAGES, IS_CAUSAL, PERSISTENT, PACK_G, SEQUSED,
-                         KV_BATCH, PAGE_SIZE)),
+                         v_full, v_empty, seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride, cu_q_ptr,
+                         cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads, kv_group, total_tiles, num_splits,
+                         pair, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES, IS_CAUSAL, PERSISTENT, PACK_G, SEQUSED,
+                         KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],

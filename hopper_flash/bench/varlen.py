@@ -1,0 +1,239 @@
+"""``hopper-flash bench --varlen LO:HI``: a mixed-length (THD) batch through
+``flash_attn_varlen_func``, next to FlashAttention-3's varlen call (when
+``flash_attn_interface`` imports) and to the fixed-length kernel at the same
+total number of tokens.
+
+One config: ``--batch`` sequences (default 16) with lengths drawn uniformly
+from ``LO..HI`` (seeded), ``--heads``/``--kv-heads`` (default 32/8),
+``--headdim`` (128), causal unless ``--no-causal``, bf16 unless ``--dtype``.
+Every backend is timed for the forward, the backward alone (gradients of a
+recorded forward) and both (``--pass bwd`` or ``--pass fwd+bwd`` select;
+the default runs all three); the forward output is checked against the float64
+reference per sequence, judged against PyTorch's error
+(``hopper_flash.reference.judge``). FLOPs follow flash-attn's convention
+(causal: half the pairs; backward 2.5x the forward), summed over sequences.
+"""
+from __future__ import annotations
+
+import json
+
+from dataclasses import asdict, dataclass, field
+
+PASSES = ("fwd", "bwd", "fwd+bwd")
+
+
+@dataclass(frozen=True)
+class VarlenConfig:
+    lo: int
+    hi: int
+    batch: int = 16
+    heads: int = 32
+    kv_heads: int = 8
+    headdim: int = 128
+    causal: bool = True
+    dtype: str = "bf16"
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 0 < self.lo <= self.hi:
+            raise ValueError(f"--varlen LO:HI needs 0 < LO <= HI, got {self.lo}:{self.hi}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+
+    def lengths(self) -> list[int]:
+        import torch
+
+        gen = torch.Generator().manual_seed(self.seed)
+        return torch.randint(self.lo, self.hi + 1, (self.batch,), generator=gen).tolist()
+
+    @property
+    def label(self) -> str:
+        mode = "causal" if self.causal else "full"
+        return (f"varlen B{self.batch} L{self.lo}..{self.hi} H{self.heads}/{self.kv_heads} D{self.headdim} "
+                f"{mode} {self.dtype}")
+
+
+def parse_range(spec: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--varlen takes LO:HI (two ints), got {spec!r}") from None
+    return lo, hi
+
+
+def forward_flops(lengths: list[int], heads: int, headdim: int, causal: bool) -> int:
+    per = sum(n * n for n in lengths) * heads * headdim
+    return 2 * per if causal else 4 * per
+
+
+def pass_flops(fwd: int, which: str) -> float:
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd+bwd": 3.5 * fwd}[which]
+
+
+@dataclass
+class VarlenResult:
+    backend: str
+    which: str
+    median_ms: float | None = None
+    tflops: float | None = None
+    status: str = "ok"
+    message: str = ""
+    checked: str = ""
+
+
+@dataclass
+class VarlenReport:
+    config: dict
+    lengths: list[int]
+    results: list[VarlenResult] = field(default_factory=list)
+
+
+def _backends(cfg: VarlenConfig, lengths):
+    """name -> (fwd(q, k, v) callable factory, THD inputs?)."""
+    import importlib
+
+    import hopper_flash
+
+    total = sum(lengths)
+    mx = max(lengths)
+
+    def hf_varlen(q, k, v, cu):
+        return lambda: hopper_flash.flash_attn_varlen_func(q, k, v, cu, cu, mx, mx, causal=cfg.causal)
+
+    def fa3_varlen(q, k, v, cu):
+        func = importlib.import_module("flash_attn_interface").flash_attn_varlen_func
+
+        def fn():
+            out = func(q, k, v, cu, cu, mx, mx, causal=cfg.causal)
+            return out[0] if isinstance(out, tuple) else out
+
+        return fn
+
+    def hf_fixed(q, k, v, cu):
+        # The same number of tokens as equal-length sequences: B x (total / B).
+        s = total // cfg.batch
+        qf, kf, vf = (x[:cfg.batch * s].view(cfg.batch, s, *x.shape[1:]) for x in (q, k, v))
+        return lambda: hopper_flash.flash_attn_func(qf, kf, vf, causal=cfg.causal)
+
+    out = {"hopper_flash-varlen": hf_varlen}
+    try:
+        importlib.import_module("flash_attn_interface").flash_attn_varlen_func  # noqa: B018
+        out["fa3-varlen"] = fa3_varlen
+    except Exception:
+        pass
+    out["hopper_flash (fixed, equal tokens)"] = hf_fixed
+    return out
+
+
+def run(cfg: VarlenConfig, timer, *, device: str = "cuda", passes=PASSES) -> VarlenReport:
+    import torch
+
+    from hopper_flash.reference import judge, varlen_baseline, varlen_reference
+
+    lengths = cfg.lengths()
+    report = VarlenReport(asdict(cfg), lengths)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    total = sum(lengths)
+    q = torch.randn(total, cfg.heads, cfg.headdim, generator=gen, device=device).to(dtype)
+    k = torch.randn(total, cfg.kv_heads, cfg.headdim, generator=gen, device=device).to(dtype)
+    v = torch.randn(total, cfg.kv_heads, cfg.headdim, generator=gen, device=device).to(dtype)
+    cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+    fwd_flops = forward_flops(lengths, cfg.heads, cfg.headdim, cfg.causal)
+    fixed_s = total // cfg.batch
+    fixed_flops = forward_flops([fixed_s] * cfg.batch, cfg.heads, cfg.headdim, cfg.causal)
+    ref = base = None
+    for name, factory in _backends(cfg, lengths).items():
+        flops = fixed_flops if "fixed" in name else fwd_flops
+        checked = ""
+        try:
+            fn = factory(q, k, v, cu)
+            out = fn()
+            if "fixed" not in name:
+                if ref is None:
+                    ref, _ = varlen_reference(q, k, v, cu, cu, causal=cfg.causal)
+                    base = varlen_baseline(q, k, v, cu, cu, causal=cfg.causal)
+                verdict = judge("out", out, ref, base)
+                checked = verdict.message
+                if not verdict:
+                    report.results.append(VarlenResult(name, "fwd", status="FAIL", message=verdict.message))
+                    continue
+        except Exception as e:  # an unsupported option, out of memory: reported, not fatal
+            report.results.append(VarlenResult(name, "fwd", status="error", message=f"{type(e).__name__}: {e}"))
+            continue
+        for which in passes:
+            try:
+                timed = _pass_fn(which, factory, q, k, v, cu)
+                t = timer(timed)
+                report.results.append(VarlenResult(name, which, t.median_ms,
+                                                   pass_flops(flops, which) / (t.median_ms * 1e-3) / 1e12,
+                                                   checked=checked if which == "fwd" else ""))
+            except Exception as e:
+                report.results.append(VarlenResult(name, which, status="error", message=f"{type(e).__name__}: {e}"))
+    return report
+
+
+def _pass_fn(which, factory, q, k, v, cu):
+    import torch
+
+    if which == "fwd":
+        return factory(q, k, v, cu)
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    fwd = factory(qg, kg, vg, cu)
+    if which == "fwd+bwd":
+        def step():
+            out = fwd()
+            return torch.autograd.grad(out, (qg, kg, vg), torch.ones_like(out))
+        return step
+    out = fwd()
+    dout = torch.ones_like(out)
+    return lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)
+
+
+def format_report(report: VarlenReport) -> str:
+    cfg = VarlenConfig(**report.config)
+    lines = [cfg.label, f"lengths: {report.lengths} (total {sum(report.lengths)})"]
+    ref = {r.which: r.median_ms for r in report.results if r.backend == "fa3-varlen" and r.median_ms}
+    lines.append(f"{'backend':36s} {'pass':8s} {'ms':>9s} {'TFLOP/s':>8s} {'vs fa3':>7s}")
+    for r in report.results:
+        if r.median_ms is None:
+            lines.append(f"{r.backend:36s} {r.which:8s} {r.status}: {r.message}")
+            continue
+        ratio = f"{ref[r.which] / r.median_ms:6.3f}x" if r.which in ref else "      -"
+        lines.append(f"{r.backend:36s} {r.which:8s} {r.median_ms:9.3f} {r.tflops:8.1f} {ratio}")
+    return "\n".join(lines)
+
+
+def main(args, command: str) -> int:
+    import sys
+
+    from .environment import hopper_problem
+    from .timing import do_bench_timer
+
+    problem = hopper_problem()
+    if problem:
+        print(f"hopper-flash bench: {problem}", file=sys.stderr)
+        return 2
+    lo, hi = parse_range(args.varlen)
+    fields = dict(lo=lo, hi=hi)
+    for name in ("batch", "heads", "kv_heads", "headdim", "causal", "dtype"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    if args.heads is not None and args.kv_heads is None:
+        fields["kv_heads"] = args.heads
+    cfg = VarlenConfig(**fields)
+    # --pass as for the fixed-length configs; its default (fwd alone) means all three here.
+    passes = tuple(p for p in PASSES if p in (getattr(args, "passes", None) or ())) or PASSES
+    if passes == ("fwd",):
+        passes = PASSES
+    report = run(cfg, do_bench_timer(args.warmup_ms, args.rep_ms), passes=passes)
+    print(command)
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": command, **asdict(report)}, f, indent=1)
+    return 1 if any(r.status != "ok" for r in report.results) else 0
+
+
+__all__ = ["VarlenConfig", "parse_range", "forward_flops", "pass_flops", "run", "format_report", "main"]
+

@@ -1,0 +1,132 @@
+"""Compile-only checks of the varlen specialisations for sm_90a (no GPU):
+the forward kernel's VARLEN mode and the backward kernel's VARLEN mode, for
+every head dim and dtype, causal or not, with and without seqused.
+
+Varlen changes addressing, masks and epilogues, not the GEMMs: the HGMMA
+count equals the fixed-length kernel's. O and dK/dV are stored from
+registers/shared memory with predicated stores (no TMA store: a box would
+overwrite the next sequence's rows); loads stay TMA.
+"""
+import functools
+
+import pytest
+
+from hopper_flash import compile_check, compile_check_backward as ccb
+from hopper_flash.plan import CONFIGS, Mode
+from hopper_flash.plan_backward import BACKWARD_CONFIGS
+
+
+def _triton_at_least(major, minor):
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (major, minor)
+
+
+FWD_SPECS = [(d, dtype, causal, used) for d in (64, 128, 256) for dtype in ("bfloat16", "float16")
+             for causal in (False, True) for used in (False, True)]
+
+
+def fwd_id(spec):
+    d, dtype, causal, used = spec
+    return f"d{d}-{dtype}-{'causal' if causal else 'full'}{'-seqused' if used else ''}"
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd(spec):
+    d, dtype, causal, used = spec
+    return compile_check.census(CONFIGS[d], dtype, causal, True,
+                                Mode(varlen=True, seqused=used, seqused_q=used))
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_prefill_hgmma(d):
+    return compile_check.census(CONFIGS[d], "bfloat16", True, False).sass_counts["HGMMA"]
+
+
+@pytest.mark.parametrize("spec", FWD_SPECS, ids=fwd_id)
+def test_forward_varlen_compiles_without_spills(spec):
+    r = _fwd(spec)
+    spills = r.stack_bytes or r.local_bytes or r.sass_counts["LDL"] or r.sass_counts["STL"]
+    if spills and spec[0] == 256 and r.stack_bytes <= 24 and r.local_bytes == 0:
+        # Known, not fixed: D=256 holds O in 128 registers per thread; the varlen
+        # epilogue's sequence offset and LSE stride next to the V-tail zeroing
+        # call cost 8-16 B of stack (a few LDL/STL) on 3.6; decode's D=256 modes
+        # show the same on 3.7+ (tests/test_compile_decode.py).
+        pytest.xfail(f"D=256 varlen: {r.stack_bytes} B of stack around the V-tail zeroing call")
+    if spills and _triton_at_least(3, 7):
+        pytest.xfail("triton 3.7+ spills around the V-tail zeroing (as in the decode modes, "
+                     "tests/test_compile_decode.py); triton 3.6, which the H200 runs, does not")
+    assert r.stack_bytes == 0 and r.local_bytes == 0, f"stack {r.stack_bytes} B, local {r.local_bytes} B"
+    assert r.sass_counts["LDL"] == 0 and r.sass_counts["STL"] == 0, r.sass_counts
+
+
+@pytest.mark.parametrize("spec", FWD_SPECS, ids=fwd_id)
+def test_forward_varlen_instructions(spec):
+    r = _fwd(spec)
+    counts = r.sass_counts
+    assert counts["HGMMA"] == _fwd_prefill_hgmma(spec[0]), "varlen must not change the GEMMs"
+    assert counts["UTMALDG"] > 0 and counts["USETMAXREG"] > 0, counts
+    assert counts["UTMASTG"] == 0, "varlen O is stored from registers, predicated per sequence"
+    assert 0 < r.shared_bytes <= compile_check.SMEM_LIMIT_BYTES
+
+
+BWD_SPECS = [(d, dtype, causal, det, used) for d in (64, 128, 256) for dtype in ("bfloat16", "float16")
+             for causal in (False, True) for det in (False, True) for used in (False, True)
+             if dtype == "bfloat16" or (not det and not used)]
+# As tests/test_compile_backward.py: D=256 (one warpgroup holding 64 keys x
+# 128 columns of dK and dV) spills; the varlen tail zeroing adds a little.
+BWD_STACK_ALLOWANCE = {64: 32, 128: 32, 256: 640}
+
+
+def bwd_id(spec):
+    d, dtype, causal, det, used = spec
+    return (f"d{d}-{dtype}-{'causal' if causal else 'full'}{'-det' if det else ''}"
+            f"{'-seqused' if used else ''}")
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd(spec):
+    d, dtype, causal, det, used = spec
+    return ccb.census(BACKWARD_CONFIGS[d], dtype, causal, det, varlen=True, seqused=used)
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_fixed_hgmma(d):
+    return ccb.census(BACKWARD_CONFIGS[d], "bfloat16", True, False).sass_counts["HGMMA"]
+
+
+@pytest.mark.parametrize("spec", BWD_SPECS, ids=bwd_id)
+def test_backward_varlen_compiles(spec):
+    r = _bwd(spec)
+    assert r.local_bytes == 0
+    assert r.stack_bytes <= BWD_STACK_ALLOWANCE[spec[0]], f"stack frame {r.stack_bytes} bytes"
+    counts = r.sass_counts
+    assert counts["HGMMA"] == _bwd_fixed_hgmma(spec[0]), "varlen must not change the GEMMs"
+    assert counts["UTMALDG"] > 0 and counts["USETMAXREG"] > 0, counts
+    assert counts["UTMASTG"] == 0, "varlen dK/dV are stored predicated per sequence, not by TMA"
+    assert "UTMAREDG" in r.sass, "dQ is still summed with the TMA reduce-add"
+    assert 0 < r.shared_bytes <= compile_check.SMEM_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("varlen,seqused", [(False, False), (True, False), (True, True)],
+                         ids=["fixed", "varlen", "varlen-seqused"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_backward_pre_and_postprocess_compile(varlen, seqused, head_dim):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hopper_flash.kernels.backward_pre import _bwd_postprocess_kernel, _bwd_preprocess_kernel
+
+    flags = {"BLOCK": 64, "HEAD_DIM": head_dim, "BLOCK_M": 64, "VARLEN": varlen, "SEQUSED": seqused}
+    pre = {"o_ptr": "*bf16", "do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "lse2_ptr": "*fp32",
+           "cu_ptr": "*i32", "used_ptr": "*i32", **{n: "i32" for n in (
+               "so_b", "so_s", "so_h", "sdo_b", "sdo_s", "sdo_h", "slse_b", "slse_h", "seqlen_q",
+               "seqlen_q_rounded", "num_heads")}, **{n: "constexpr" for n in flags}}
+    post = {"acc_ptr": "*fp32", "dq_ptr": "*bf16", "cu_ptr": "*i32", "used_ptr": "*i32",
+            **{n: "i32" for n in ("sdq_b", "sdq_s", "sdq_h", "seqlen_q", "seqlen_q_rounded", "num_heads")},
+            "scale": "fp32", **{n: "constexpr" for n in flags}}
+    for kernel, sig in ((_bwd_preprocess_kernel, pre), (_bwd_postprocess_kernel, post)):
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs=flags), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4})
+        assert compiled.asm["cubin"]
