@@ -71,13 +71,8 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     return softmax_scale
 
 
-def check_arguments(q, k, v, softmax_scale, causal) -> float:
-    """Every check that needs no data and no device; returns the softmax scale.
-
-    Safe on meta and fake tensors (torch.compile tracing, the op's fake
-    implementation)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
+def _check_same_device_and_dtype(q, k, v) -> None:
+    """q, k and v on one device, of one supported dtype (fixed-length and varlen)."""
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, "
                          f"v on {v.device}")
@@ -87,6 +82,16 @@ def check_arguments(q, k, v, softmax_scale, causal) -> float:
     if q.dtype not in plan.SUPPORTED_DTYPES:
         supported = ", ".join(dtype_name(d) for d in plan.SUPPORTED_DTYPES)
         raise ValueError(f"q.dtype must be one of ({supported}), got {dtype_name(q.dtype)}")
+
+
+def check_arguments(q, k, v, softmax_scale, causal) -> float:
+    """Every check that needs no data and no device; returns the softmax scale.
+
+    Safe on meta and fake tensors (torch.compile tracing, the op's fake
+    implementation)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    _check_same_device_and_dtype(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
@@ -218,15 +223,7 @@ def check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Safe on meta and fake tensors."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_thd(name, t)
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on the same device, got q on {q.device}, k on {k.device}, "
-                         f"v on {v.device}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k and v must have the same dtype, got q {dtype_name(q.dtype)}, "
-                         f"k {dtype_name(k.dtype)}, v {dtype_name(v.dtype)}")
-    if q.dtype not in plan.SUPPORTED_DTYPES:
-        supported = ", ".join(dtype_name(d) for d in plan.SUPPORTED_DTYPES)
-        raise ValueError(f"q.dtype must be one of ({supported}), got {dtype_name(q.dtype)}")
+    _check_same_device_and_dtype(q, k, v)
     total_q, nheads, head_dim = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")

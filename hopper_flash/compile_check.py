@@ -105,6 +105,14 @@ def census(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = True, wri
            mode: Mode = PREFILL) -> CompileReport:
     """Compile and read registers, stack, shared memory and SASS opcode counts."""
     compiled = compile_forward(cfg, dtype, causal, write_lse, mode)
+    return read_census(compiled, SASS_OPS, head_dim=cfg.head_dim, dtype=dtype, causal=causal, write_lse=write_lse)
+
+
+def read_census(compiled, sass_ops, **fields) -> CompileReport:
+    """Registers, stack, local memory and shared memory of a compiled kernel,
+    and how often each opcode in ``sass_ops`` occurs in its SASS (read with
+    the ``cuobjdump`` that triton's wheel ships). ``fields`` name the
+    specialisation in the report."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
         cubin = f.name
@@ -120,12 +128,11 @@ def census(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = True, wri
         m = re.search(rf"\b{name}:(\d+)", usage)
         return int(m.group(1)) if m else 0
 
-    counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", sass)) for op in SASS_OPS}
+    counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", sass)) for op in sass_ops}
     return CompileReport(
-        head_dim=cfg.head_dim, dtype=dtype, causal=causal, write_lse=write_lse,
         registers=field_of("REG"), stack_bytes=field_of("STACK"), local_bytes=field_of("LOCAL"),
         shared_bytes=int(compiled.metadata.shared), sass_counts=counts,
-        ptx=compiled.asm["ptx"], sass=sass,
+        ptx=compiled.asm["ptx"], sass=sass, **fields,
     )
 
 

@@ -7,12 +7,7 @@ shipped backward specialisation.
 """
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import tempfile
-
-from .compile_check import SASS_OPS, CompileReport, _bindir, _TORCH_TO_SIG
+from .compile_check import SASS_OPS, CompileReport, _TORCH_TO_SIG, read_census
 from .plan import smem_layout
 from .plan_backward import BACKWARD_CONFIGS, fp32_smem_layout, BackwardConfig, block_shapes, kernel_constexprs
 
@@ -57,28 +52,8 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
 def census(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool = True,
            deterministic: bool = False, varlen: bool = False, seqused: bool = False) -> CompileReport:
     compiled = compile_backward(cfg, dtype, causal, deterministic, varlen, seqused)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-        cubin = f.name
-    try:
-        usage = subprocess.run([os.path.join(_bindir(), "cuobjdump"), "--dump-resource-usage", cubin],
-                               capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(_bindir(), "cuobjdump"), "--dump-sass", cubin],
-                              capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(cubin)
-
-    def field_of(name):
-        m = re.search(rf"\b{name}:(\d+)", usage)
-        return int(m.group(1)) if m else 0
-
-    counts = {op: len(re.findall(rf"\b{re.escape(op)}\b", sass)) for op in BWD_SASS_OPS}
-    return CompileReport(
-        head_dim=cfg.head_dim, dtype=dtype, causal=causal, write_lse=deterministic,
-        registers=field_of("REG"), stack_bytes=field_of("STACK"), local_bytes=field_of("LOCAL"),
-        shared_bytes=int(compiled.metadata.shared), sass_counts=counts,
-        ptx=compiled.asm["ptx"], sass=sass,
-    )
+    return read_census(compiled, BWD_SASS_OPS, head_dim=cfg.head_dim, dtype=dtype, causal=causal,
+                       write_lse=deterministic)
 
 
 def shipped_specialisations():
