@@ -176,7 +176,13 @@ def _zero_v_tail(v, col0, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexp
 
     Their P is 0, but an uninitialised cache may hold NaN or Inf there and
     0 * NaN = NaN in PV. Both consumers may do it: they write the same values.
-    The fence orders these generic-proxy writes before the wgmma's reads."""
+    The fence orders these generic-proxy writes before the wgmma's reads.
+
+    Keep it inlined. Triton 3.7+ spills ~56 B in the per-batch-length modes
+    around it, and ``@gluon.jit(noinline=True)`` removes that spill on the CPU
+    census, but in a called function ``thread_barrier`` lowers to a CTA-wide
+    ``bar.sync 0`` that the other partitions never reach: every such launch
+    deadlocked on the H200 (c222318, reverted)."""
     CH: gl.constexpr = 2048 // HEAD_DIM  # 16 elements per thread per chunk
     TPW_D: gl.constexpr = HEAD_DIM // 8 if HEAD_DIM // 8 < 32 else 32
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
