@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# A session's device work on one warm H200, in few calls (the machine is
+# given back after ~30 s idle, so make each call right after the last):
+#
+#   run (carry .fa3):  bash scripts/device_session.sh tests
+#       FA3's build starts in the background (its own process session, so it
+#       outlives the call; ~3 min on 16 cores), then the whole GPU suite runs,
+#       4 workers, each test capped at 100 s: a hang (a barrier deadlock, say)
+#       costs one test, not the call. Log: $OUT/pytest-gpu.log.
+#   run:               bash scripts/device_session.sh bench [prefill decode bwd]
+#       waits for the FA3 build, then scripts/bench_h200.sh with FA3 on the
+#       path; JSON per block under $OUT.
+#   run:               bash scripts/device_session.sh memcheck
+#       compute-sanitizer memcheck on the forward and backward cases.
+# The triton 3.9.0 suite has its own script (scripts/triton39_gpu.sh).
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+quiet() { grep -v -E '^(nanobind| - leaked| - \.\.\. skipped|See https://nanobind)'; }
+case "${1:-}" in
+  tests)
+    if [ -d .fa3 ] && [ ! -d /tmp/fa3src ]; then
+      cp -r .fa3 /tmp/fa3src
+      (setsid nohup bash /tmp/fa3src/build.sh /tmp/fa3_build.log > /tmp/fa3_build.out 2>&1 < /dev/null &)
+    fi
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    timeout "${SUITE_TIMEOUT:-520}" python -m pytest -m gpu -q -rf -n 4 --timeout 100 -p no:cacheprovider \
+      -p no:benchmark "${@:2}" 2>&1 | tee "$OUT/pytest-gpu.log" | quiet | tail -40 ;;
+  bench)
+    until [ -d /tmp/fa3pkg ] || grep -q "rc=[1-9]" /tmp/fa3_build.out 2>/dev/null; do sleep 5; done
+    cat /tmp/fa3_build.out
+    PYTHONPATH=/tmp/fa3pkg:. timeout "${BENCH_TIMEOUT:-540}" bash scripts/bench_h200.sh "$OUT" "${@:2}" 2>&1 | quiet ;;
+  memcheck)
+    TOOLS=memcheck bash scripts/sanitize.sh 2>&1 | quiet | tail -20
+    TOOLS=memcheck bash scripts/sanitize.sh --backward 2>&1 | quiet | tail -20 ;;
+  *) echo "usage: $0 tests [pytest args] | bench [block ...] | memcheck" >&2; exit 2 ;;
+esac
