@@ -485,3 +485,44 @@ def test_baseline_grads_fall_back_when_cudnn_declines_the_backward(monkeypatch):
     ref = reference.attention_reference_grads(q, k, v, dout, causal=True)
     for name, b, r in zip(("dq", "dk", "dv"), base, ref):
         assert judge(name, r.to(BF16), r, b), name
+
+
+def _cache_attention_like_a_kernel(q, kc, vc, lens, causal):
+    """float32 scores, P rounded to bf16, fp32 accumulation, one rounding of O."""
+    from hopper_flash.reference import attention_reference
+
+    out = torch.zeros(q.shape, dtype=q.dtype)
+    for b, length in enumerate(lens):
+        if length:
+            ref, _ = attention_reference(q[b:b + 1], kc[b:b + 1, :length], vc[b:b + 1, :length], causal=causal,
+                                         dtype=torch.float32)
+            out[b] = ref[0].to(q.dtype)
+    return out
+
+
+def test_check_kvcache_judges_live_keys_only():
+    from hopper_flash.reference import check_kvcache
+
+    torch.manual_seed(3)
+    lens, sq, h, hkv, d = [0, 1, 40, 97], 3, 4, 2, 64
+    kc = torch.randn(len(lens), 100, hkv, d).to(torch.bfloat16)
+    vc = torch.randn_like(kc)
+    for b, length in enumerate(lens):  # uninitialised cache tail
+        kc[b, length:] = float("nan")
+        vc[b, length:] = float("nan")
+    q = torch.randn(len(lens), sq, h, d).to(torch.bfloat16)
+    out = _cache_attention_like_a_kernel(q, kc, vc, lens, causal=False)
+    assert all(check_kvcache(out, q, kc, vc, lens, causal=False))
+
+    wrong = out.clone()
+    wrong[3, -1, 0] *= 1.05  # one row of the longest sequence 5% off
+    assert not all(check_kvcache(wrong, q, kc, vc, lens, causal=False))
+    wrong = out.clone()
+    wrong[0, 0, 0, 0] = 1.0  # the row with no live key must stay 0
+    verdicts = check_kvcache(wrong, q, kc, vc, lens, causal=False)
+    assert not verdicts[0] and all(verdicts[1:])
+    swapped = out.clone()
+    swapped[[2, 3]] = out[[3, 2]]  # rows judged against their own cache rows
+    assert not all(check_kvcache(swapped, q, kc, vc, lens, causal=False, rows=None))
+    assert all(check_kvcache(out[[0, 1, 3, 2]], q[[0, 1, 3, 2]], kc, vc, [0, 1, 97, 40], causal=False,
+                             rows=[0, 1, 3, 2]))
