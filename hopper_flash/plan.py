@@ -44,16 +44,6 @@ class ForwardConfig:
     consumer_regs: int = 240
     producer_regs: int = 24
     num_warps: int = 4  # the default partition: consumer warpgroup 0
-    # Alternate the two consumers' wgmma issue (FA3's ping-pong schedule).
-    # Off: on the H200 (2026-11-30, D=128 causal, B=4 H=32) it measured 0.994,
-    # 1.005, 1.009x cuDNN at S=4096/8192/16384 against 1.002, 1.034, 1.021x
-    # without it; the two warpgroups already drift apart on their own. Measured
-    # with the seed's grid only: under the persistent grid its turn counter
-    # carries across work items (kernels/forward.py) but has not been run.
-    pingpong: bool = False
-    # Measurement only: 1 drops the steady-state softmax, 2 the steady-state
-    # PV (kernels/forward.py, ABLATE_*). Results are wrong; never ship it.
-    ablate: int = 0
     # A grid of at most one CTA per SM that loops over work items
     # (kernels/scheduler.py) instead of the seed's one CTA per item. On the
     # H200 (2026-11-30, B=4 H=32 bf16, quick_bench, now `hopper-flash bench
@@ -153,8 +143,6 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         WRITE_LSE=bool(write_lse),
         CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs,
-        PINGPONG=cfg.pingpong,
-        ABLATE=cfg.ablate,
         PERSISTENT=cfg.persistent,
         O_IN_Q=cfg.o_in_q,
         PACK_G=mode.pack_g,

@@ -114,11 +114,11 @@ def test_variant_backend_runs_the_variant_and_restores_the_shipped_config(monkey
         return q
 
     monkeypatch.setattr(hopper_flash, "flash_attn_func", spy)
-    backend = variant_backend("k_stages=3,pingpong=True")
-    assert backend.name == "hopper_flash[k_stages=3,pingpong=True]"
+    backend = variant_backend("k_stages=3,persistent=False")
+    assert backend.name == "hopper_flash[k_stages=3,persistent=False]"
     fn = backend.build(Config(seqlen=64, headdim=128), "q", "k", "v", 0.1)
     assert fn() == "q"
-    assert seen[0].k_stages == 3 and seen[0].pingpong and seen[0].v_stages == shipped.v_stages
+    assert seen[0].k_stages == 3 and not seen[0].persistent and seen[0].v_stages == shipped.v_stages
     assert plan.CONFIGS[128] is shipped
 
 

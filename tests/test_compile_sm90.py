@@ -87,12 +87,6 @@ def test_causal_specialisation_differs_from_full(spec):
     assert _census(spec).ptx != _census((cfg, dtype, False, write_lse)).ptx
 
 
-def test_no_shipped_config_ablates():
-    # ForwardConfig.ablate drops half the algorithm for timing experiments:
-    # a shipped config with it set would return wrong results.
-    assert all(cfg.ablate == 0 for cfg in plan.CONFIGS.values())
-
-
 def test_planned_shared_memory_matches_the_compiler(report):
     """plan.ForwardConfig.shared_bytes (tiles only) decides where O is staged;
     the compiler adds only mbarriers and warp-specialize slots on top."""

@@ -74,19 +74,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .compat import thread_barrier, tma_load, tma_store
 from .mask import apply_mask_packed, kv_split_range, tile_needs_mask_packed
-from .pipeline import pass_mma_turn, release, ring_slot, take_mma_turn, wait_empty, wait_full
+from .pipeline import release, ring_slot, wait_empty, wait_full
 from .scheduler import local_tile_count, work_coords
 from .softmax import softmax_finish, softmax_first, softmax_step
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
 WG_M = gl.constexpr(64)
-
-# Measurement only (ForwardConfig.ablate; never in plan.CONFIGS, results are
-# wrong): drop the steady-state softmax (P = S) or the steady-state PV, to see
-# where a kernel's time goes (BENCHMARKS.md).
-ABLATE_NONE = gl.constexpr(0)
-ABLATE_SOFTMAX = gl.constexpr(1)
-ABLATE_PV = gl.constexpr(2)
 
 
 @gluon.jit
@@ -265,12 +258,12 @@ def _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, i, kv0, n_
 
 
 @gluon.jit
-def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty, mma_turn,
+def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
                    o_desc, lse_ptr, o_part_ptr, lse_part_ptr, b, q_head0, bm, split, n_lo, n_hi, i, kv0,
                    seqlen_q, seqlen_k, num_heads, batch, qk_scale, softmax_scale, q_start, total_q,
                    CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                    K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   WRITE_LSE: gl.constexpr, PINGPONG: gl.constexpr, ABLATE: gl.constexpr, O_IN_Q: gl.constexpr,
+                   WRITE_LSE: gl.constexpr, O_IN_Q: gl.constexpr,
                    PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr, VARLEN: gl.constexpr):
     """One work item for one consumer warpgroup: its 64 (packed) rows of tile
     ``bm``, KV tiles ``[n_lo, n_hi)``; ``seqlen_k`` is this item's key length.
@@ -290,7 +283,6 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     q = q_smem.index(CID).reshape([WG_M, HEAD_DIM])
     row0 = bm * BLOCK_M + CID * WG_M
     s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
-    turn0 = kv0 + i  # ping-pong rounds so far: n_kv + 1 per earlier item
 
     mbarrier.wait(q_full.index(CID), i & 1)
 
@@ -299,9 +291,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     bn = n_hi - 1
     wait_full(k_full, kv0, K_STAGES)
     k = k_bufs.index(ring_slot(kv0, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
-    take_mma_turn(mma_turn, turn0, CID, PINGPONG)
     s = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
-    pass_mma_turn(mma_turn, CID, PINGPONG)
     s = warpgroup_mma_wait(0, deps=[s])
     release(k_empty, kv0, K_STAGES)
     s = apply_mask_packed(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
@@ -330,32 +320,24 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
         k = k_bufs.index(ring_slot(kv0 + it, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
         wait_full(v_full, kv0 + it - 1, V_STAGES)
         v = v_bufs.index(ring_slot(kv0 + it - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
-        take_mma_turn(mma_turn, turn0 + it, CID, PINGPONG)
         qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
-        if ABLATE != ABLATE_PV:
-            pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
-        pass_mma_turn(mma_turn, CID, PINGPONG)
+        pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
 
         # One group may stay in flight: the older one, QK, is complete here.
         s = warpgroup_mma_wait(1, deps=[qk])
         # QK no longer reads K: release the slot while softmax and PV run.
         release(k_empty, kv0 + it, K_STAGES)
 
-        if ABLATE == ABLATE_SOFTMAX:
-            p = s
-        else:
-            if tile_needs_mask_packed(bn, bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G):
-                s = apply_mask_packed(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
-            p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, qk_scale)
+        if tile_needs_mask_packed(bn, bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G):
+            s = apply_mask_packed(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
+        p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, qk_scale)
 
         # p_op is a register operand of the PV in flight: keep it alive until
         # the group completes, then overwrite it with this tile's P.
-        if ABLATE != ABLATE_PV:
-            acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
+        acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
         release(v_empty, kv0 + it - 1, V_STAGES)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        if ABLATE != ABLATE_SOFTMAX:
-            acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
+        acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
 
     if not O_IN_Q:
         # Every QK of this item is complete: the producer may load the next
@@ -365,9 +347,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     # ---- Final PV, overlapped with the row-sum finalisation. ----
     wait_full(v_full, kv0 + n_kv - 1, V_STAGES)
     v = v_bufs.index(ring_slot(kv0 + n_kv - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
-    take_mma_turn(mma_turn, turn0 + n_kv, CID, PINGPONG)
     pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
-    pass_mma_turn(mma_turn, CID, PINGPONG)
     inv_logsum, lse = softmax_finish(scores_max, logsum, softmax_scale)
     acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
     release(v_empty, kv0 + n_kv - 1, V_STAGES)
@@ -427,13 +407,13 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
 
 
 @gluon.jit
-def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty, mma_turn,
+def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
               o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
               seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, qk_scale, softmax_scale,
               total_q,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-              PINGPONG: gl.constexpr, ABLATE: gl.constexpr, PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr,
+              PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr,
               PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr,
               VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr):
     # Decode and varlen modes skip the tensor-core work of a warpgroup without query rows.
@@ -456,10 +436,10 @@ def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, 
                                CID, K_STAGES, V_STAGES)
             else:
                 _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                               mma_turn, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, tb, q_head0, bm, split, n_lo,
+                               o_desc, lse_ptr, o_part_ptr, lse_part_ptr, tb, q_head0, bm, split, n_lo,
                                n_hi, qi, kv0, lq, lk, num_heads, batch, qk_scale, softmax_scale, q_start, total_q,
                                CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
-                               WRITE_LSE, PINGPONG, ABLATE, O_IN_Q, PACK_G, SPLIT, SEQUSED, VARLEN)
+                               WRITE_LSE, O_IN_Q, PACK_G, SPLIT, SEQUSED, VARLEN)
             kv0 += n_hi - n_lo
             qi += 1
     tma.store_wait(0)
@@ -479,7 +459,6 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                              IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                             PINGPONG: gl.constexpr, ABLATE: gl.constexpr,
                              PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr,
                              PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr,
                              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr,
@@ -488,8 +467,6 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH or PAGE_SIZE > 0)),
                      "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle the two warpgroups")
-    gl.static_assert(not (PINGPONG and (PACK_G > 1 or SPLIT or SEQUSED or VARLEN)),
-                     "an idle decode warpgroup takes no ping-pong turns")
     dtype: gl.constexpr = q_desc.dtype
 
     # Work items are (query tile, split, head, batch), flattened with the tile
@@ -514,12 +491,9 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    # mma_turn[c]: consumer c may issue its next wgmma groups (PINGPONG).
-    mma_turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(2):
         mbarrier.init(q_full.index(c), count=1)  # the producer's expect-tx arrive
         mbarrier.init(q_empty.index(c), count=1)  # consumer c's arrive
-        mbarrier.init(mma_turn.index(c), count=1)
     for i in gl.static_range(K_STAGES):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
@@ -532,18 +506,18 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.warp_specialize(
         [
             (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                         mma_turn, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr,
+                         o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr,
                          cu_k_ptr, used_q_ptr,
                          seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, qk_scale,
                          softmax_scale, total_q, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
-                         WRITE_LSE, PINGPONG, ABLATE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
+                         WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
                          SEQUSED_Q)),
             (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                         mma_turn, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr,
+                         o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr,
                          cu_k_ptr, used_q_ptr,
                          seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, qk_scale,
                          softmax_scale, total_q, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
-                         WRITE_LSE, PINGPONG, ABLATE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
+                         WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
                          SEQUSED_Q)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty,
                          v_full, v_empty, seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride, cu_q_ptr,

@@ -43,23 +43,3 @@ def release(empty_bars, order, STAGES: gl.constexpr):
     this thread the whole group's reads of the slot are complete.
     """
     mbarrier.arrive(empty_bars.index(ring_slot(order, STAGES)), count=1)
-
-
-# ---- Ping-pong between the two consumer warpgroups (FA3's warp scheduler
-# barrier). Each consumer issues its wgmma groups only in its turn and hands
-# the turn to the other right after issuing, so one warpgroup's softmax runs
-# while the other's GEMMs occupy the tensor cores. Round `j` of consumer 0
-# waits parity (j & 1) ^ 1 (its first round passes on the fresh barrier);
-# consumer 1 waits parity j & 1, i.e. for consumer 0's round j.
-
-
-@gluon.jit
-def take_mma_turn(mma_turn, j, CID: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.wait(mma_turn.index(CID), (j & 1) ^ (1 - CID))
-
-
-@gluon.jit
-def pass_mma_turn(mma_turn, CID: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(mma_turn.index(1 - CID), count=1)

@@ -1,0 +1,54 @@
+"""Build a measurement-only variant of the kernels as a patched copy of the
+package, so the shipped source carries no experiment switches.
+
+    python scripts/kernel_variant.py NAME OUTDIR      # copies hopper_flash/, applies scripts/variants/NAME.patch
+    PYTHONPATH=OUTDIR python -m hopper_flash.bench --config benchmarks/prefill.json --backends hopper_flash sdpa-cudnn
+
+Time the variant in its own process next to SDPA cuDNN, and the shipped
+package the same way right before or after it on the same machine; compare
+the ratios to cuDNN. Variants (``scripts/variants/``):
+
+* ``k-ahead-of-v``: the producer issues K[it + 1] before V[it] (FA3's order,
+  shared/notes/fa3-forward.md section 7) instead of K[it], V[it].
+* ``no-softmax``: an ablation with wrong results: the steady state's mask,
+  softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
+  It tells how much of a step the softmax costs where it is not overlapped.
+
+The bench checks every output against the reference, so an ablation's rows
+read "wrong" there; only their times mean anything.
+
+A patch that no longer applies after an edit of ``kernels/forward.py`` fails
+here with ``patch``'s message; regenerate it from an edited copy with
+``diff -u a/hopper_flash/kernels/forward.py b/hopper_flash/kernels/forward.py``.
+"""
+import argparse
+import pathlib
+import shutil
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+VARIANTS = ROOT / "scripts" / "variants"
+
+
+def main() -> int:
+    names = sorted(p.stem for p in VARIANTS.glob("*.patch"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("name", choices=names)
+    ap.add_argument("outdir", type=pathlib.Path)
+    args = ap.parse_args()
+    dest = args.outdir / "hopper_flash"
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(ROOT / "hopper_flash", dest, ignore=shutil.ignore_patterns("__pycache__"))
+    patch = VARIANTS / f"{args.name}.patch"
+    r = subprocess.run(["patch", "-p1", "--forward", "-d", str(args.outdir), "-i", str(patch)])
+    if r.returncode:
+        print(f"{patch.name} did not apply to hopper_flash/ as it is now", file=sys.stderr)
+        return r.returncode
+    print(f"PYTHONPATH={args.outdir} runs the {args.name} variant")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""The measurement-only kernel variants (scripts/kernel_variant.py) still
+apply to the shipped source: a variant that silently stopped applying would
+make the next experiment time the shipped kernel under another name."""
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PATCHES = sorted((ROOT / "scripts" / "variants").glob("*.patch"))
+
+
+def test_there_are_variants():
+    assert PATCHES
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.stem)
+def test_variant_applies_and_changes_the_kernel(patch, tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_variant.py"), patch.stem, str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    shipped = (ROOT / "hopper_flash" / "kernels" / "forward.py").read_text()
+    variant = (tmp_path / "hopper_flash" / "kernels" / "forward.py").read_text()
+    assert variant != shipped
+    compile(variant, str(patch), "exec")
