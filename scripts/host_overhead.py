@@ -1,6 +1,9 @@
 """Host time per call at a tiny size (B=1, H=1, S=128), hopper_flash next to
 SDPA's cuDNN backend: wall time of N back-to-back calls divided by N, with the
-GPU work far shorter than the host work. Also a cProfile of hopper_flash's call.
+GPU work far shorter than the host work. Also a cProfile of hopper_flash's call,
+and the CPU time of enqueueing calls at B=16 H=16 S=512 (the GPU is slower
+there, so the time to issue a burst of calls, short of the launch queue's
+depth, is the host's share).
 Then the backward alone (``plan_backward.backward`` on the forward's out and
 LSE, and SDPA cuDNN's autograd backward), with the backward's fast launch on
 and off (``plan_backward.FAST_LAUNCH``).
@@ -63,6 +66,37 @@ def host_us(fn):
     return best
 
 
+def enqueue_us(fn, n=200):
+    """CPU time per call of ``n`` calls issued without waiting for the GPU
+    (``n`` stays under CUDA's launch-queue depth, so no call blocks on it)."""
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    torch.cuda.synchronize()
+    return best
+
+
+def at_b16_s512():
+    q5, k5, v5 = (torch.randn(16, 512, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q5t, k5t, v5t = (x.transpose(1, 2) for x in (q5, k5, v5))
+
+    def ours5():
+        return hopper_flash.flash_attn_func(q5, k5, v5, causal=True)
+
+    def cudnn5():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q5t, k5t, v5t, is_causal=True)
+
+    for fn in (ours5, cudnn5):
+        for _ in range(20):
+            fn()
+    return enqueue_us(ours5), enqueue_us(cudnn5)
+
+
 if __name__ == "__main__":
     prof = cProfile.Profile()
     prof.enable()
@@ -73,6 +107,10 @@ if __name__ == "__main__":
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
     print(f"host time per call (B=1, H=1, S=128, causal): hopper_flash {host_us(ours):.1f} us, "
           f"SDPA cuDNN {host_us(cudnn):.1f} us")
+    print(f"enqueue time per call (B=1, H=1, S=128, causal): hopper_flash {enqueue_us(ours):.1f} us, "
+          f"SDPA cuDNN {enqueue_us(cudnn):.1f} us")
+    ours16, cudnn16 = at_b16_s512()
+    print(f"enqueue time per call (B=16, H=16, S=512, causal): hopper_flash {ours16:.1f} us, SDPA cuDNN {cudnn16:.1f} us")
     fast = host_us(ours_bwd)
     plan_backward.FAST_LAUNCH = False
     jit = host_us(ours_bwd)
