@@ -2,19 +2,20 @@
 # The benchmark set behind BENCHMARKS.md's tables, in one run, FA3 beside it.
 # On the H200: build FA3 first (shared/tools/fa3: prepare.sh here, build.sh
 # there), then
-#   PYTHONPATH=/tmp/fa3pkg:. bash scripts/bench_h200.sh OUTDIR [prefill|decode|bwd ...]
+#   PYTHONPATH=/tmp/fa3pkg:. bash scripts/bench_h200.sh OUTDIR [prefill|decode|bwd|varlen ...]
 # Each block writes OUTDIR/<block>.json and prints its table.
 set -uo pipefail
 out=${1:?usage: bench_h200.sh OUTDIR [block ...]}; shift
-blocks=${*:-prefill decode bwd}
+blocks=${*:-prefill decode bwd varlen}
 mkdir -p "$out"
 bench() { python -m hopper_flash.bench --quiet --rep-ms "${REP_MS:-200}" --warmup-ms 50 "$@"; }
 for block in $blocks; do
   echo "== $block"
   case $block in
-    prefill)  # the default causal bf16 D128 set, then the issue-13 rows beyond it
-      bench --backends hopper_flash fa3 sdpa-cudnn sdpa-flash --json "$out/prefill.json"
-      bench --config benchmarks/general.json --backends hopper_flash fa3 sdpa-cudnn --json "$out/general.json" ;;
+    prefill)  # issue 13's rows (benchmarks/prefill.json), then its CUDA-graph row
+      bench --config benchmarks/prefill.json --backends hopper_flash fa3 sdpa-cudnn sdpa-flash --json "$out/prefill.json"
+      bench --seqlen 512 --batch 16 --heads 16 --cuda-graph --backends hopper_flash fa3 sdpa-cudnn \
+        --json "$out/prefill-graph.json" ;;
     decode)  # issue 10's table: graph replay (serving loops replay decode steps), then plain calls
       bench --config benchmarks/decode.json --cuda-graph \
         --backends hopper_flash hopper_flash-kvcache fa3 fa3-kvcache sdpa-cudnn --json "$out/decode-graph.json"
@@ -26,6 +27,8 @@ for block in $blocks; do
       bench --pass bwd --seqlen 8192 --kv-heads 8 --backends hopper_flash fa3 sdpa-cudnn --json "$out/bwd-gqa.json"
       bench --pass bwd --seqlen 8192 --headdim 64 --backends hopper_flash fa3 sdpa-cudnn --json "$out/bwd-d64.json"
       bench --pass bwd --seqlen 8192 --headdim 256 --heads 16 --backends hopper_flash fa3 sdpa-cudnn --json "$out/bwd-d256.json" ;;
+    varlen)  # issue 12's mixed batch: 16 sequences, lengths uniform in 512..8192, causal, GQA 32/8
+      bench --varlen 512:8192 --batch 16 --json "$out/varlen.json" ;;
     *) echo "unknown block $block" >&2; exit 2 ;;
   esac
 done
