@@ -70,9 +70,10 @@ case "${1:-}" in
     python -c "import triton; assert triton.__version__ == '3.9.0', triton.__version__"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
     # Compile-only census under this triton (no GPU needed, quick), then the GPU suite.
-    python -m hopper_flash.compile_check 2>/dev/null | tee "$OUT/census-3.9.0.txt"
+    # (CENSUS=0 skips it: CI runs the same census under 3.9.0 on every change.)
+    [ "${CENSUS:-1}" = 0 ] || python -m hopper_flash.compile_check 2>/dev/null | tee "$OUT/census-3.9.0.txt"
     set +e
-    timeout 520 python -m pytest -m gpu -q -rs --timeout 300 -p no:cacheprovider "$@" 2>&1 \
+    timeout "${SUITE_TIMEOUT:-520}" python -m pytest -m gpu -q -rs --timeout 300 -p no:cacheprovider "$@" 2>&1 \
       | tee "$OUT/pytest-gpu-triton-3.9.0.log" | grep -v -E "^(nanobind| - leaked|See https://nanobind)" | tail -40
     rc=${PIPESTATUS[0]}
     echo "pytest exit status: $rc (log: $OUT/pytest-gpu-triton-3.9.0.log)"
