@@ -339,16 +339,16 @@ class LaunchPlan:
 
 
 @lru_cache(maxsize=4096)
-def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, seqlen_k, cfg, page_size, seqused, kv_batch,
+def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cfg, page_size, seqused, kv_batch,
                  num_splits, pack_gqa, causal, write_lse) -> LaunchPlan:
-    """Mode, split count and grid for a launch (cached: decode steps repeat
-    the same shapes, and this is host time on every step)."""
+    """Mode, split count and grid for a launch. Cached, and keyed by the KV
+    tile count rather than the key length: a decode loop grows the cache by
+    one key per step, and this is host time on every step."""
     group = nheads // nheads_kv
     if pack_gqa is None:
         pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m)
     pack_g = group if pack_gqa else 1
     tiles = work_items(batch, nheads, seqlen_q, cfg, Mode(pack_g=pack_g))
-    n_blocks = triton_cdiv(seqlen_k, cfg.block_n)
     if num_splits == 0:
         num_splits = choose_num_splits(tiles, n_blocks, sm_count(device))
     num_splits = max(1, min(num_splits, n_blocks))
@@ -388,7 +388,8 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     # Paged: the page table's extent bounds the key length; seqused_k holds the lengths.
     seqlen_k = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
     write_lse = lse is not None
-    lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], seqlen_k, cfg or CONFIGS[head_dim],
+    cfg = cfg or CONFIGS[head_dim]
+    lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
                       k.shape[1] if paged else 0, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
                       bool(causal), write_lse)
     cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
