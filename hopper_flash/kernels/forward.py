@@ -150,6 +150,21 @@ def _item_seqlen_k(b, seqlen_k, seqused_ptr, cu_k_ptr, k_start, VARLEN: gl.const
 
 
 @gluon.jit
+def _item_bounds(b, bm, split, h, lq, k_start, seqlen_k, kv_group, seqused_ptr, kv_batch_ptr, cu_k_ptr, num_splits,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr,
+                 SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr, VARLEN: gl.constexpr):
+    """Everything the producer and the consumers need of a live work item
+    beyond its coordinates: ``(q_head0, hk, kb, n_lo, n_hi, lk)``, the first
+    query head and the KV head, the cache row, the KV tiles ``[n_lo, n_hi)``
+    and the key length the mask uses."""
+    q_head0, hk = _item_heads(h, kv_group, PACK_G)
+    lk = _item_seqlen_k(b, seqlen_k, seqused_ptr, cu_k_ptr, k_start, VARLEN, SEQUSED)
+    kb, n_lo, n_hi, lk = _item_kv(b, bm, split, lq, lk, seqused_ptr, kv_batch_ptr, num_splits, BLOCK_M, BLOCK_N,
+                                  IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH)
+    return q_head0, hk, kb, n_lo, n_hi, lk
+
+
+@gluon.jit
 def _kv_coords(b, kb, bn, hk, page_table_ptr, page_stride, k_start, BLOCK_N: gl.constexpr,
                PAGE_SIZE: gl.constexpr):
     """TMA coordinates of KV tile ``bn``: a cache row, or a page of the page
@@ -205,11 +220,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k
         tb, q_start, k_start, lq, live = _item_seq(b, bm, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M,
                                                    VARLEN, SEQUSED_Q)
         if live:
-            q_head0, hk = _item_heads(h, kv_group, PACK_G)
-            kb, n_lo, n_hi, lk = _item_kv(b, bm, split, lq, _item_seqlen_k(b, seqlen_k, seqused_ptr, cu_k_ptr,
-                                                                          k_start, VARLEN, SEQUSED),
-                                          seqused_ptr, kv_batch_ptr, num_splits, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                                          PACK_G, SEQUSED, KV_BATCH)
+            q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, seqlen_k, kv_group,
+                                                           seqused_ptr, kv_batch_ptr, cu_k_ptr, num_splits,
+                                                           BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH,
+                                                           VARLEN)
             if VARLEN:
                 kb = tb
 
@@ -426,11 +440,10 @@ def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, 
         tb, q_start, k_start, lq, live = _item_seq(b, bm, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M,
                                                    VARLEN, SEQUSED_Q)
         if live:
-            q_head0, hk = _item_heads(h, kv_group, PACK_G)
-            kb, n_lo, n_hi, lk = _item_kv(b, bm, split, lq, _item_seqlen_k(b, seqlen_k, seqused_ptr, cu_k_ptr,
-                                                                          k_start, VARLEN, SEQUSED),
-                                          seqused_ptr, kv_batch_ptr, num_splits, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                                          PACK_G, SEQUSED, KV_BATCH)
+            q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, seqlen_k, kv_group,
+                                                           seqused_ptr, kv_batch_ptr, cu_k_ptr, num_splits,
+                                                           BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH,
+                                                           VARLEN)
             if SKIP_IDLE and bm * BLOCK_M + CID * WG_M >= lq * PACK_G:
                 _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, qi, kv0, n_hi - n_lo,
                                CID, K_STAGES, V_STAGES)
