@@ -313,11 +313,16 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     if SEQUSED or VARLEN:
         # The first tile visited is the only one that can reach past the live
-        # length (VARLEN: into the next sequence's keys, or past seqused). Zeroed here, before the O accumulator is live, so the few
-        # registers it takes do not compete with the steady state's.
-        wait_full(v_full, kv0, V_STAGES)
-        _zero_v_tail(v_bufs.index(ring_slot(kv0, V_STAGES)).reshape([BLOCK_N, HEAD_DIM]), bn * BLOCK_N, seqlen_k,
-                     BLOCK_N, HEAD_DIM)
+        # length (VARLEN: into the next sequence's keys, or past seqused).
+        # Zeroed here, before the O accumulator is live, so the few registers
+        # it takes do not compete with the steady state's; and only when it
+        # does reach past, since the zeroing's shared-memory round trip and
+        # barriers would otherwise cost every item (the condition is uniform
+        # across the warpgroup, so its barriers stay matched).
+        if (bn + 1) * BLOCK_N > seqlen_k:
+            wait_full(v_full, kv0, V_STAGES)
+            _zero_v_tail(v_bufs.index(ring_slot(kv0, V_STAGES)).reshape([BLOCK_N, HEAD_DIM]), bn * BLOCK_N,
+                         seqlen_k, BLOCK_N, HEAD_DIM)
 
     # The output accumulator is born after the prologue so it does not share
     # the prologue's live range with S.
@@ -384,16 +389,33 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
         if O_IN_Q:
             mbarrier.arrive(q_empty.index(CID), count=1)
     elif VARLEN:
-        # ---- Varlen epilogue: O straight from registers into the sequence's
-        # rows only (``o_part_ptr`` is O, contiguous THD); LSE [H, total_q]. ----
-        o_rows = row0 + gl.arange(0, WG_M, layout=o_row_layout)
+        # ---- Varlen epilogue: O into the sequence's rows only (``o_part_ptr``
+        # is O, contiguous THD; a TMA box would overwrite the neighbour's
+        # rows); LSE [H, total_q]. O goes through this warpgroup's staging
+        # rows (its own buffer, or its Q rows when O_IN_Q, as in the TMA
+        # epilogue) and back into registers along D, so every thread stores
+        # 16-byte vectors of whole rows: straight from the wgmma layout each
+        # thread would hold pairs of columns and issue 4-byte stores. ----
+        if O_IN_Q:
+            o_half = q_smem.index(CID)
+        else:
+            o_half = o_smem.index(CID)
+        o_rows_smem = o_half.reshape([WG_M, HEAD_DIM])
+        o_rows_smem.store(acc_o.to(dtype))
+        TPW_D: gl.constexpr = HEAD_DIM // 8 if HEAD_DIM // 8 < 32 else 32
+        row_major: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
+        o_vals = o_rows_smem.load(row_major)
+        o_rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, row_major))
         o_off = ((q_start + o_rows).to(gl.int64) * num_heads + q_head0) * HEAD_DIM
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(o_part_ptr + o_off[:, None] + cols[None, :], acc_o.to(dtype), mask=(o_rows < seqlen_q)[:, None])
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, row_major))
+        gl.store(o_part_ptr + o_off[:, None] + cols[None, :], o_vals, mask=(o_rows < seqlen_q)[:, None])
         if WRITE_LSE:
             lse_off = lse_head.to(gl.int64) * total_q + q_start + lse_q
             gl.store(lse_ptr + lse_off, lse, mask=lse_q < seqlen_q)
         if O_IN_Q:
+            # The next item's Q lands in these rows by TMA (the async proxy)
+            # after the release: order this warpgroup's reads before it.
+            fence_async_shared()
             mbarrier.arrive(q_empty.index(CID), count=1)
     else:
         # ---- Epilogue: registers -> shared memory -> TMA store (clipped at seqlen_q). ----
@@ -492,8 +514,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
-    if O_IN_Q or SPLIT or VARLEN:
-        o_smem = q_smem  # O is staged in its own Q rows (see _consumer_tile), or not at all (SPLIT, VARLEN)
+    if O_IN_Q or SPLIT:
+        o_smem = q_smem  # O is staged in its own Q rows (see _consumer_tile), or not at all (SPLIT)
     else:
         o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
 
