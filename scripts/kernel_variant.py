@@ -2,7 +2,13 @@
 package, so the shipped source carries no experiment switches.
 
     python scripts/kernel_variant.py NAME OUTDIR      # copies hopper_flash/, applies scripts/variants/NAME.patch
-    PYTHONPATH=OUTDIR python -m hopper_flash.bench --config benchmarks/prefill.json --backends hopper_flash sdpa-cudnn
+    PYTHONPATH=OUTDIR python -P -m hopper_flash.bench --config benchmarks/prefill.json --backends hopper_flash sdpa-cudnn
+
+``-P`` (Python >= 3.11) matters: ``python -m`` otherwise puts the working
+directory first on sys.path, and from the checkout's top the shipped package
+there shadows the copy on PYTHONPATH (a whole screening in the fourth session
+timed the shipped kernel under four names that way). The bench header's
+"imported from" line says which package ran.
 
 Time the variant in its own process next to SDPA cuDNN, and the shipped
 package the same way right before or after it on the same machine; compare
@@ -46,7 +52,7 @@ def main() -> int:
     if r.returncode:
         print(f"{patch.name} did not apply to hopper_flash/ as it is now", file=sys.stderr)
         return r.returncode
-    print(f"PYTHONPATH={args.outdir} runs the {args.name} variant")
+    print(f"PYTHONPATH={args.outdir} python -P -m hopper_flash.bench ... runs the {args.name} variant")
     return 0
 
 

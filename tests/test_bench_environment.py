@@ -127,3 +127,19 @@ def test_bad_variant_is_a_usage_error(capsys):
         cli.main(["bench", "--seqlen", "128", "--variant", "bogus=1"])
     assert e.value.code == 2
     assert "unknown ForwardConfig field" in capsys.readouterr().err
+
+
+def test_header_names_the_imported_package():
+    """A patched copy on PYTHONPATH can be shadowed by the checkout's own
+    package (``python -m`` puts the working directory first): the header says
+    which one ran."""
+    import pathlib
+
+    import hopper_flash
+    from hopper_flash.bench.environment import collect_meta
+    from hopper_flash.bench.report import header_lines
+
+    meta = collect_meta("hopper-flash bench")
+    where = str(pathlib.Path(hopper_flash.__file__).resolve().parent)
+    assert meta["hopper_flash_path"] == where
+    assert any(f"imported from {where}" in line for line in header_lines(meta))

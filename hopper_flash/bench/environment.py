@@ -81,6 +81,16 @@ def _package_version() -> str:
     return hopper_flash.__version__
 
 
+def _package_path() -> str:
+    """Where the measured hopper_flash was imported from. ``python -m`` puts
+    the working directory first on sys.path, so from a checkout's top a
+    PYTHONPATH naming a patched copy (scripts/kernel_variant.py) is silently
+    ignored; the header shows which code ran."""
+    import hopper_flash
+
+    return str(Path(hopper_flash.__file__).resolve().parent)
+
+
 def collect_meta(command: str, matmul_tflops: float | None = None) -> dict:
     """Facts for the report header and the JSON file."""
     import torch
@@ -96,6 +106,7 @@ def collect_meta(command: str, matmul_tflops: float | None = None) -> dict:
         "python": platform.python_version(),
         "hopper_flash_version": _package_version(),
         "hopper_flash_commit": _git_commit(),
+        "hopper_flash_path": _package_path(),
         "matmul_tflops": matmul_tflops,
     }
     if torch.cuda.is_available():

@@ -39,7 +39,8 @@ def header_lines(meta: dict) -> list[str]:
         f"- torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, CUDA {meta.get('cuda', '?')}"
         + (f", cuDNN {meta['cudnn']}" if meta.get("cudnn") else ""),
         f"- hopper_flash{' ' + meta['hopper_flash_version'] if meta.get('hopper_flash_version') else ''} "
-        f"commit: {meta.get('hopper_flash_commit') or 'unknown (not run from a hopper_flash checkout)'}",
+        f"commit: {meta.get('hopper_flash_commit') or 'unknown (not run from a hopper_flash checkout)'}"
+        + (f", imported from {meta['hopper_flash_path']}" if meta.get("hopper_flash_path") else ""),
         f"- bf16 matmul 8192³: {rate:.0f} TFLOP/s" if rate else "- bf16 matmul: not measured",
         f"- command: `{meta.get('command', '?')}`",
         "- K/V TB/s: 2·B·Hkv·S_k·D·2 bytes of K and V per call over the median time; the H200's HBM "
