@@ -489,7 +489,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q
     used_k = seqused_k.contiguous() if seqused_k is not None else cu_k
-    # o_part_ptr carries O itself (stored from registers, row-predicated).
+    # o_part_ptr carries O itself (row-predicated stores, not a TMA box).
     ptrs = (lse if write_lse else out, used_k, out, out, out, out, cu_q, cu_k, used_q)
     scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], batch, softmax_scale * LOG2E,
                softmax_scale, 1, lp.pair, 0, total_q)

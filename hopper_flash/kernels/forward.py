@@ -50,9 +50,10 @@ Decode and chunked prefill run the same kernel in other *modes*
   work item past its sequence's rows is skipped by all partitions. Tiles read
   past their sequence (a neighbour's rows, or anything past ``seqused``):
   extra query rows are computed and dropped, extra keys are masked and their
-  V rows zeroed as in ``SEQUSED``; O is stored from registers, predicated on
-  the sequence's rows (a TMA box would overwrite the neighbour's output),
-  and the LSE goes to flash-attn's varlen layout ``[H, total_q]``.
+  V rows zeroed as in ``SEQUSED``; O is stored with plain row-predicated
+  16-byte stores after a round trip through shared memory (a TMA box would
+  overwrite the neighbour's output), and the LSE goes to flash-attn's varlen
+  layout ``[H, total_q]``.
 * In these modes a consumer warpgroup whose 64 rows hold no query row (a
   decode tile has ``seqlen_q * G`` live rows) only keeps the barrier rings
   turning, so the tensor cores serve the live warpgroup alone.
