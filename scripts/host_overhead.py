@@ -20,17 +20,25 @@ import hopper_flash
 from hopper_flash import plan_backward
 
 N = 2000
-q, k, v = (torch.randn(1, 128, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+
+def calls(batch, seqlen, heads):
+    """(hopper_flash call, SDPA cuDNN call, q, k, v) on one set of causal bf16 D=128 inputs."""
+    q, k, v = (torch.randn(batch, seqlen, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def ours():
+        return hopper_flash.flash_attn_func(q, k, v, causal=True)
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+
+    return ours, cudnn, q, k, v
+
+
+ours, cudnn, q, k, v = calls(1, 128, 1)
 qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-
-
-def ours():
-    return hopper_flash.flash_attn_func(q, k, v, causal=True)
-
-
-def cudnn():
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
 
 
 do = torch.randn_like(q)
@@ -81,16 +89,7 @@ def enqueue_us(fn, n=200):
 
 
 def at_b16_s512():
-    q5, k5, v5 = (torch.randn(16, 512, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    q5t, k5t, v5t = (x.transpose(1, 2) for x in (q5, k5, v5))
-
-    def ours5():
-        return hopper_flash.flash_attn_func(q5, k5, v5, causal=True)
-
-    def cudnn5():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q5t, k5t, v5t, is_causal=True)
-
+    ours5, cudnn5 = calls(16, 512, 16)[:2]
     for fn in (ours5, cudnn5):
         for _ in range(20):
             fn()
