@@ -84,6 +84,24 @@ def _check_same_device_and_dtype(q, k, v) -> None:
         raise ValueError(f"q.dtype must be one of ({supported}), got {dtype_name(q.dtype)}")
 
 
+def _check_heads_and_head_dim(q, k, heads_axis: int) -> None:
+    """k's head dim equals q's and is supported; k has heads, and q's are a
+    multiple of them (GQA/MQA). ``heads_axis``: 2 for BSHD, 1 for THD; the
+    head dim is the last axis."""
+    head_dim, dim_axis = q.shape[-1], q.dim() - 1
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[-1]}")
+    if head_dim not in plan.SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim (q.shape[{dim_axis}]) must be one of {plan.SUPPORTED_HEAD_DIMS}, "
+                         f"got {head_dim}")
+    nheads, nheads_kv = q.shape[heads_axis], k.shape[heads_axis]
+    if nheads_kv == 0:
+        raise ValueError(f"k and v must have at least one head (k.shape[{heads_axis}] >= 1), got 0")
+    if nheads % nheads_kv:
+        raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k/v's number of heads "
+                         f"({nheads_kv})")
+
+
 def check_arguments(q, k, v, softmax_scale, causal) -> float:
     """Every check that needs no data and no device; returns the softmax scale.
 
@@ -97,16 +115,7 @@ def check_arguments(q, k, v, softmax_scale, causal) -> float:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if k.shape[0] != batch:
         raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[3]}")
-    if head_dim not in plan.SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim (q.shape[3]) must be one of {plan.SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    nheads_kv = k.shape[2]
-    if nheads_kv == 0:
-        raise ValueError("k and v must have at least one head (k.shape[2] >= 1), got 0")
-    if nheads % nheads_kv:
-        raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k/v's number of heads "
-                         f"({nheads_kv})")
+    _check_heads_and_head_dim(q, k, heads_axis=2)
     check_causal(causal)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
     # int(): under dynamic shapes the head dim is a SymInt (unhashable); the kernel specialises on it anyway.
@@ -227,16 +236,7 @@ def check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     total_q, nheads, head_dim = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if k.shape[2] != head_dim:
-        raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[2]}")
-    if head_dim not in plan.SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim (q.shape[2]) must be one of {plan.SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    nheads_kv = k.shape[1]
-    if nheads_kv == 0:
-        raise ValueError("k and v must have at least one head (k.shape[1] >= 1), got 0")
-    if nheads % nheads_kv:
-        raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k/v's number of heads "
-                         f"({nheads_kv})")
+    _check_heads_and_head_dim(q, k, heads_axis=1)
     what = "int32 prefix sums of the sequence lengths, [batch + 1], starting at 0"
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise TypeError(f"cu_seqlens_q must be a torch.Tensor ({what}), got {type(cu_seqlens_q).__name__}")
