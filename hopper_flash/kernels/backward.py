@@ -63,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .compat import thread_barrier, tma_atomic_add, tma_load, tma_store, tma_store_wait_complete
-from .mask import apply_mask_keys_by_queries, kq_tile_needs_mask
+from .mask import apply_mask_keys_by_queries, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
 
 
@@ -308,7 +308,7 @@ def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
                                     dpt, is_async=True)
             lse2 = lse2_bufs.index(slot).load(col_layout)
             st = warpgroup_mma_wait(CHUNKS, deps=[st])
-            if kq_tile_needs_mask(n, m, lq, lk, BLOCK_N, BLOCK_M, IS_CAUSAL):
+            if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
                 st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
             pt = gl.exp2(st * qk_scale - lse2[None, :])
             delta = delta_bufs.index(slot).load(col_layout)

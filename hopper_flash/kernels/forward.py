@@ -74,7 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .compat import thread_barrier, tma_load, tma_store
-from .mask import apply_mask_packed, kv_split_range, tile_needs_mask_packed
+from .mask import apply_mask, kv_split_range, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
 from .scheduler import local_tile_count, work_coords
 from .softmax import softmax_finish, softmax_first, softmax_step
@@ -113,12 +113,15 @@ def _item_heads(h, kv_group, PACK_G: gl.constexpr):
 
 
 @gluon.jit
-def _item_seq(b, bm, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M: gl.constexpr, VARLEN: gl.constexpr,
-              SEQUSED_Q: gl.constexpr):
-    """Where item ``(bm, b)``'s sequence lives: ``(tb, q_start, k_start, lq,
-    live)``: the TMA batch coordinate, the first query and key rows on the
-    sequence axis, the query length and whether the tile holds any query row
-    (VARLEN; always true otherwise)."""
+def _work_item(i, n_tiles, num_splits, num_heads, pair, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr,
+               BLOCK_M: gl.constexpr, PACK_G: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
+               SEQUSED_Q: gl.constexpr):
+    """This CTA's ``i``-th work item, as every partition sees it: ``(bm, split,
+    h, b, tb, q_start, k_start, lq, live)``: its coordinates (scheduler.py),
+    the TMA batch coordinate, the first query and key rows on the sequence
+    axis, the query length and whether the tile holds any query row (VARLEN;
+    always true otherwise)."""
+    bm, split, h, b = work_coords(i, n_tiles, num_splits, num_heads // PACK_G, pair, PERSISTENT)
     if VARLEN:
         q_start = gl.load(cu_q_ptr + b)
         k_start = gl.load(cu_k_ptr + b)
@@ -134,7 +137,7 @@ def _item_seq(b, bm, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M: gl.const
         lq = seqlen_q
         tb = b
         live = True
-    return tb, q_start, k_start, lq, live
+    return bm, split, h, b, tb, q_start, k_start, lq, live
 
 
 @gluon.jit
@@ -217,9 +220,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k
     kv0 = 0  # K/V loads issued for earlier work items: the rings' running order
     qi = 0  # work items run so far (VARLEN skips items past their sequence): the Q barriers' phase
     for i in range(local_tile_count(total_tiles, pair, PERSISTENT)):
-        bm, split, h, b = work_coords(i, n_tiles, num_splits, num_heads // PACK_G, pair, PERSISTENT)
-        tb, q_start, k_start, lq, live = _item_seq(b, bm, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M,
-                                                   VARLEN, SEQUSED_Q)
+        bm, split, h, b, tb, q_start, k_start, lq, live = _work_item(
+            i, n_tiles, num_splits, num_heads, pair, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M, PACK_G,
+            PERSISTENT, VARLEN, SEQUSED_Q)
         if live:
             q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, seqlen_k, kv_group,
                                                            seqused_ptr, kv_batch_ptr, cu_k_ptr, num_splits,
@@ -309,7 +312,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     s = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s])
     release(k_empty, kv0, K_STAGES)
-    s = apply_mask_packed(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
+    s = apply_mask(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
     p, scores_max, logsum = softmax_first(s, qk_scale)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     if SEQUSED or VARLEN:
@@ -348,8 +351,8 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
         # QK no longer reads K: release the slot while softmax and PV run.
         release(k_empty, kv0 + it, K_STAGES)
 
-        if tile_needs_mask_packed(bn, bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G):
-            s = apply_mask_packed(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
+        if tile_needs_mask(bn, bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G):
+            s = apply_mask(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
         p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, qk_scale)
 
         # p_op is a register operand of the PV in flight: keep it alive until
@@ -459,9 +462,9 @@ def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, 
     kv0 = 0
     qi = 0  # items run (see _producer)
     for i in range(local_tile_count(total_tiles, pair, PERSISTENT)):
-        bm, split, h, b = work_coords(i, n_tiles, num_splits, num_heads // PACK_G, pair, PERSISTENT)
-        tb, q_start, k_start, lq, live = _item_seq(b, bm, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M,
-                                                   VARLEN, SEQUSED_Q)
+        bm, split, h, b, tb, q_start, k_start, lq, live = _work_item(
+            i, n_tiles, num_splits, num_heads, pair, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M, PACK_G,
+            PERSISTENT, VARLEN, SEQUSED_Q)
         if live:
             q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, seqlen_k, kv_group,
                                                            seqused_ptr, kv_batch_ptr, cu_k_ptr, num_splits,

@@ -13,89 +13,20 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 
+# ---- The forward's tiles: rows are queries, columns are keys. Under PackGQA
+# (``PACK_G`` > 1) tile row ``p`` is query row ``p // PACK_G`` of head
+# ``hk * PACK_G + p % PACK_G``: the causal row is the packed row divided by the
+# group size. ``PACK_G == 1`` is the plain tile. ----
+
+
 @gluon.jit
 def kv_tile_count(bm, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr):
+                  IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr):
     """Number of KV tiles query tile ``bm`` reads: tiles ``0 .. n_kv - 1``.
 
     Never less than 1: a query tile whose rows see no key at all still runs one
     fully-masked tile, which the softmax turns into zero output and -inf LSE.
     """
-    if IS_CAUSAL:
-        last_key = gl.minimum((bm + 1) * BLOCK_M + (seqlen_k - seqlen_q), seqlen_k)
-        n_kv = gl.maximum(gl.cdiv(last_key, BLOCK_N), 1)
-    else:
-        n_kv = gl.cdiv(seqlen_k, BLOCK_N)
-    return n_kv
-
-
-@gluon.jit
-def tile_needs_mask(n, bm, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    IS_CAUSAL: gl.constexpr):
-    """True when some (row, column) pair in KV tile ``n`` of query tile ``bm`` is hidden."""
-    crosses_tail = (n + 1) * BLOCK_N > seqlen_k
-    if IS_CAUSAL:
-        # The tile's last column is past the first row's last visible key.
-        crosses_diagonal = (n + 1) * BLOCK_N - 1 > bm * BLOCK_M + (seqlen_k - seqlen_q)
-        needs = crosses_diagonal | crosses_tail
-    else:
-        needs = crosses_tail
-    return needs
-
-
-@gluon.jit
-def apply_mask(s, row0, col0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr):
-    """Set hidden scores of the tile ``s`` (rows from ``row0``, columns from ``col0``) to -inf."""
-    rows = row0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))
-    cols = col0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-    hidden = cols[None, :] >= seqlen_k
-    if IS_CAUSAL:
-        hidden = hidden | (cols[None, :] > rows[:, None] + (seqlen_k - seqlen_q))
-    return gl.where(hidden, -float("inf"), s)
-
-
-# ---- The backward's transposed tiles: rows are keys, columns are queries. ----
-
-
-@gluon.jit
-def kq_tile_needs_mask(n, m, seqlen_q, seqlen_k, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-                       IS_CAUSAL: gl.constexpr):
-    """True when some (key, query) pair of KV tile ``n`` x query tile ``m`` is hidden.
-
-    Keys past ``seqlen_k`` are zero-filled by TMA but must still be masked:
-    their score 0 would give P = exp2(-L2) != 0."""
-    crosses_tail = (n + 1) * BLOCK_N > seqlen_k
-    if IS_CAUSAL:
-        # The tile's last key is past the first query's last visible key.
-        crosses_diagonal = (n + 1) * BLOCK_N - 1 > m * BLOCK_M + (seqlen_k - seqlen_q)
-        needs = crosses_diagonal | crosses_tail
-    else:
-        needs = crosses_tail
-    return needs
-
-
-@gluon.jit
-def apply_mask_keys_by_queries(st, key0, query0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr):
-    """Set hidden scores of the transposed tile ``st`` (rows = keys from
-    ``key0``, columns = queries from ``query0``) to -inf."""
-    keys = key0 + gl.arange(0, st.shape[0], layout=gl.SliceLayout(1, st.type.layout))
-    queries = query0 + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, st.type.layout))
-    hidden = keys[:, None] >= seqlen_k
-    if IS_CAUSAL:
-        hidden = hidden | (keys[:, None] > queries[None, :] + (seqlen_k - seqlen_q))
-    return gl.where(hidden, -float("inf"), st)
-
-
-# ---- Decode / KV-cache modes -------------------------------------------------
-# Under PackGQA (``PACK_G`` > 1) tile row ``p`` is query row ``p // PACK_G`` of
-# head ``hk * PACK_G + p % PACK_G``: the causal row is the packed row divided by
-# the group size. ``PACK_G == 1`` gives the functions above.
-
-
-@gluon.jit
-def kv_tile_count_packed(bm, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr):
-    """``kv_tile_count`` for a packed tile (never less than 1)."""
     if IS_CAUSAL:
         last_row = ((bm + 1) * BLOCK_M - 1) // PACK_G
         last_key = gl.minimum(last_row + 1 + (seqlen_k - seqlen_q), seqlen_k)
@@ -113,7 +44,7 @@ def kv_split_range(bm, split, n_splits, seqlen_q, seqlen_k, BLOCK_M: gl.constexp
     ``cdiv(n, n_splits)`` tiles. A split left without tiles still runs one
     tile (tile 0), masked entirely (returned length 0): it writes O = 0 and
     LSE = -inf, which the combine gives weight 0."""
-    n_kv = kv_tile_count_packed(bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G)
+    n_kv = kv_tile_count(bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G)
     per = gl.cdiv(n_kv, n_splits)
     n_lo = split * per
     n_hi = gl.minimum(n_lo + per, n_kv)
@@ -125,8 +56,13 @@ def kv_split_range(bm, split, n_splits, seqlen_q, seqlen_k, BLOCK_M: gl.constexp
 
 
 @gluon.jit
-def tile_needs_mask_packed(n, bm, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr):
+def tile_needs_mask(n, bm, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr):
+    """True when some (row, column) pair of KV tile ``n`` x query tile ``bm``
+    is hidden. The backward asks the same of its transposed tiles (KV tile
+    ``n`` x query tile ``m``, ``PACK_G`` 1). Keys past ``seqlen_k`` are
+    zero-filled by TMA but must still be masked: a score of 0 is not a hidden
+    one."""
     crosses_tail = (n + 1) * BLOCK_N > seqlen_k
     if IS_CAUSAL:
         crosses_diagonal = (n + 1) * BLOCK_N - 1 > (bm * BLOCK_M) // PACK_G + (seqlen_k - seqlen_q)
@@ -137,11 +73,27 @@ def tile_needs_mask_packed(n, bm, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLO
 
 
 @gluon.jit
-def apply_mask_packed(s, row0, col0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr):
-    """``apply_mask`` with packed rows (``row0`` is the packed row of ``s``'s first row)."""
+def apply_mask(s, row0, col0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr):
+    """Set hidden scores of the tile ``s`` (rows from the packed row ``row0``,
+    columns from ``col0``) to -inf."""
     rows = (row0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))) // PACK_G
     cols = col0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
     hidden = cols[None, :] >= seqlen_k
     if IS_CAUSAL:
         hidden = hidden | (cols[None, :] > rows[:, None] + (seqlen_k - seqlen_q))
     return gl.where(hidden, -float("inf"), s)
+
+
+# ---- The backward's transposed tiles: rows are keys, columns are queries. ----
+
+
+@gluon.jit
+def apply_mask_keys_by_queries(st, key0, query0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr):
+    """Set hidden scores of the transposed tile ``st`` (rows = keys from
+    ``key0``, columns = queries from ``query0``) to -inf."""
+    keys = key0 + gl.arange(0, st.shape[0], layout=gl.SliceLayout(1, st.type.layout))
+    queries = query0 + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, st.type.layout))
+    hidden = keys[:, None] >= seqlen_k
+    if IS_CAUSAL:
+        hidden = hidden | (keys[:, None] > queries[None, :] + (seqlen_k - seqlen_q))
+    return gl.where(hidden, -float("inf"), st)
