@@ -84,6 +84,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "cu_q_ptr": "*i32",
         "cu_k_ptr": "*i32",
         "used_q_ptr": "*i32",
+        "sched_ptr": "*i32",
         "seqlen_q": "i32",
         "seqlen_k": "i32",
         "num_heads": "i32",
@@ -95,6 +96,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "pair": "i32",
         "page_stride": "i32",
         "total_q": "i32",
+        "section": "i32",
     }
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(attention_forward_kernel, signature, constexprs=constexprs)
@@ -136,15 +138,23 @@ def read_census(compiled, sass_ops, **fields) -> CompileReport:
     )
 
 
+# Causal prefill long enough for the dynamic order (plan.choose_dynamic).
+DYNAMIC_PREFILL = Mode(dynamic=True)
+
+
 def shipped_specialisations():
-    """Every (config, dtype, causal, write_lse) the public API can launch."""
+    """Every (config, dtype, causal, write_lse, mode) of fixed-length prefill
+    the public API can launch: causal ones with the static deal and the
+    dynamic order (plan.choose_dynamic picks by shape)."""
     from .plan import SUPPORTED_DTYPES
 
     for head_dim, cfg in CONFIGS.items():
         for tdtype in SUPPORTED_DTYPES:
             for causal in SUPPORTED_CAUSAL:
                 for write_lse in (False, True):
-                    yield cfg, str(tdtype).removeprefix("torch."), causal, write_lse
+                    for mode in (PREFILL, DYNAMIC_PREFILL) if causal else (PREFILL,):
+                        yield cfg, str(tdtype).removeprefix("torch."), causal, write_lse, mode
+
 
 
 # Causal modes the public API accepts today (see interface.py).
@@ -153,11 +163,11 @@ SUPPORTED_CAUSAL = (False, True)
 
 def main() -> None:
     rows = []
-    for cfg, dtype, causal, write_lse in shipped_specialisations():
-        r = census(cfg, dtype, causal, write_lse)
-        rows.append((r.head_dim, r.dtype, r.causal, r.write_lse, r.registers, r.stack_bytes, r.shared_bytes,
-                     *(r.sass_counts[op] for op in SASS_OPS)))
-    header = ("D", "dtype", "causal", "lse", "regs", "stack", "smem") + SASS_OPS
+    for cfg, dtype, causal, write_lse, mode in shipped_specialisations():
+        r = census(cfg, dtype, causal, write_lse, mode)
+        rows.append((r.head_dim, r.dtype, r.causal, r.write_lse, "dynamic" if mode.dynamic else "static",
+                     r.registers, r.stack_bytes, r.shared_bytes, *(r.sass_counts[op] for op in SASS_OPS)))
+    header = ("D", "dtype", "causal", "lse", "order", "regs", "stack", "smem") + SASS_OPS
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     for row in (header, *rows):
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))

@@ -42,7 +42,8 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
                       "used_k_ptr": "*i32", "dk_ptr": f"*{sig_dtype}", "dv_ptr": f"*{sig_dtype}",
                       "stride_kv_row": "i32", "stride_kv_head": "i32",
                       "seqlen_q": "i32", "seqlen_k": "i32", "seqlen_q_rounded": "i32", "num_heads": "i32",
-                      "kv_group": "i32", "qk_scale": "fp32", "softmax_scale": "fp32"})
+                      "kv_group": "i32", "kv_tiles": "i32", "batch": "i32", "section": "i32",
+                      "qk_scale": "fp32", "softmax_scale": "fp32"})
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(attention_backward_kernel, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),

@@ -125,6 +125,8 @@ class Mode:
     # ``seqused`` then means seqused_k, ``seqused_q`` the query side's.
     varlen: bool = False
     seqused_q: bool = False
+    # Work items drawn from an atomic counter, longest first (kernels/scheduler.py); see choose_dynamic.
+    dynamic: bool = False
 
 
 PREFILL = Mode()
@@ -152,6 +154,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         PAGE_SIZE=mode.page_size,
         VARLEN=mode.varlen,
         SEQUSED_Q=mode.seqused_q,
+        DYNAMIC=mode.dynamic,
     )
 
 
@@ -230,6 +233,32 @@ def choose_pack_gqa(seqlen_q: int, group: int, block_m: int = 128) -> bool:
         return rows / (triton_cdiv(rows, block_m) * block_m)
 
     return fill(seqlen_q) < 0.9 * fill(seqlen_q * group)
+
+
+def choose_dynamic(items: int, n_tiles: int, causal: bool, varlen: bool, sms: int) -> bool:
+    """Whether a persistent launch draws its work items from a counter
+    (kernels/scheduler.py) instead of the static deal.
+
+    Varlen batches always (their items differ in cost with the sequences'
+    lengths, and one order keeps one specialisation); causal prefill where
+    items differ in cost and there is more than one wave, with at least 16
+    query tiles (costs 1..16+ KV tiles). Below that, a static deal's last wave
+    costs little, and the counter's per-call zeroing (a memset launch) would
+    cost more than it gains on calls this short."""
+    return varlen or (items > sms and causal and n_tiles >= 16)
+
+
+# Bytes of K and V that an L2 section of heads may hold (FA3's figure, of the H200's 50 MB).
+L2_SECTION_BYTES = 32 * 1024 * 1024
+
+
+def l2_section(seqlen_k: int, head_dim: int, elem_bytes: int, group: int) -> int:
+    """Query heads per section of the dynamic order: the largest power of two
+    of KV heads whose K and V fit in ``L2_SECTION_BYTES``, times the heads
+    that share one KV head (they read the same K and V)."""
+    kv_head_bytes = max(1, seqlen_k) * 2 * head_dim * elem_bytes
+    fit = max(1, L2_SECTION_BYTES // kv_head_bytes)
+    return (1 << (fit.bit_length() - 1)) * group
 
 
 def choose_num_splits(tiles: int, n_blocks: int, sms: int) -> int:
@@ -333,6 +362,7 @@ class LaunchPlan:
     num_splits: int
     n_ctas: int
     pair: int
+    section: int  # query heads per L2 section of the dynamic order (mode.dynamic)
     key: tuple
     constexprs: dict
     constexpr_values: tuple
@@ -352,12 +382,18 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     if num_splits == 0:
         num_splits = choose_num_splits(tiles, n_blocks, sm_count(device))
     num_splits = max(1, min(num_splits, n_blocks))
-    mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size)
-    n_ctas, pair = deal(tiles * num_splits, cfg, device)
+    sms = sm_count(device)
+    plain = pack_g == 1 and num_splits == 1 and not (seqused or kv_batch or page_size)
+    dynamic = (cfg.persistent and plain
+               and choose_dynamic(tiles, triton_cdiv(seqlen_q, cfg.block_m), causal, False, sms))
+    mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
+                dynamic=dynamic)
+    n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
+    section = l2_section(n_blocks * cfg.block_n, cfg.head_dim, dtype.itemsize, group)
     kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
-    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, (device, dtype, causal, kernel_lse, cfg, mode), constexprs,
-                      tuple(constexprs.values()))
+    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section, (device, dtype, causal, kernel_lse, cfg, mode),
+                      constexprs, tuple(constexprs.values()))
 
 
 def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: ForwardConfig | None = None,
@@ -403,10 +439,11 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         o_part = lse_part = out
     ptrs = (lse if write_lse else out, seqused_k if seqused_k is not None else out,
             kv_batch if kv_batch is not None else out, page_table if paged else out, o_part, lse_part,
-            out, out, out)  # cu_seqlens_q/k, seqused_q: varlen only
+            out, out, out,  # cu_seqlens_q/k, seqused_q: varlen only
+            _item_counter(q.device) if mode.dynamic else out)
     page_stride = page_table.stride(0) if paged else 0
     scalars = (seqlen_q, seqlen_k, nheads, nheads // k.shape[2], batch, softmax_scale * LOG2E, softmax_scale,
-               num_splits, lp.pair, page_stride, 0)
+               num_splits, lp.pair, page_stride, 0, lp.section)
     kernel = _COMPILED.get(lp.key)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
         # First launch, an unchecked triton, or a profiler hook is installed
@@ -424,6 +461,15 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
                    _Desc(q), _Desc(k), _Desc(v), _Desc(out), *ptrs, *scalars, *lp.constexpr_values)
     if mode.split:
         launch_combine(o_part, lse_part, out, lse)
+
+
+def _item_counter(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 for the dynamic order's item counter, fresh per call
+    (FA3 does the same): a counter kept across calls would need resetting by
+    the kernel, and two launches on different streams, or a CUDA graph and an
+    eager call, could then share it. The zeroing is a memset on the current
+    stream, so it is captured with the launch."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 _COMBINE: dict[tuple, object] = {}
@@ -456,15 +502,19 @@ def launch_combine(o_part, lse_part, out, lse) -> None:
 
 
 @lru_cache(maxsize=4096)
-def _plan_varlen(device, dtype, batch, max_seqlen_q, nheads, cfg, seqused_q, seqused_k, causal,
+def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
                  write_lse) -> LaunchPlan:
     """``_plan_launch`` for a packed batch: no PackGQA, no split; the grid
     covers ``max_seqlen_q`` for every sequence (items past a sequence's rows
     exit at once)."""
-    mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q)
-    n_ctas, pair = deal(work_items(batch, nheads, max_seqlen_q, cfg, mode), cfg, device)
+    sms = sm_count(device)
+    items = work_items(batch, nheads, max_seqlen_q, cfg)
+    dynamic = cfg.persistent and choose_dynamic(items, triton_cdiv(max_seqlen_q, cfg.block_m), causal, True, sms)
+    mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic)
+    n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items, cfg, device)
+    section = l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group)
     constexprs = kernel_constexprs(cfg, causal, write_lse, mode)
-    return LaunchPlan(cfg, mode, 1, n_ctas, pair, (device, dtype, causal, write_lse, cfg, mode), constexprs,
+    return LaunchPlan(cfg, mode, 1, n_ctas, pair, section, (device, dtype, causal, write_lse, cfg, mode), constexprs,
                       tuple(constexprs.values()))
 
 
@@ -483,16 +533,17 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     device = q.device.index
     write_lse = lse is not None
     cfg = cfg or CONFIGS[head_dim]
-    lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), nheads, cfg, seqused_q is not None,
-                      seqused_k is not None, bool(causal), write_lse)
+    lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], cfg,
+                      seqused_q is not None, seqused_k is not None, bool(causal), write_lse)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q
     used_k = seqused_k.contiguous() if seqused_k is not None else cu_k
     # o_part_ptr carries O itself (row-predicated stores, not a TMA box).
-    ptrs = (lse if write_lse else out, used_k, out, out, out, out, cu_q, cu_k, used_q)
+    ptrs = (lse if write_lse else out, used_k, out, out, out, out, cu_q, cu_k, used_q,
+            _item_counter(q.device) if lp.mode.dynamic else out)
     scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], batch, softmax_scale * LOG2E,
-               softmax_scale, 1, lp.pair, 0, total_q)
+               softmax_scale, 1, lp.pair, 0, total_q, lp.section)
     q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out))
     # Triton specialises pointer arguments on 16-byte alignment: a cu_seqlens
     # view at an odd offset must not reuse a kernel compiled for aligned ones.

@@ -126,10 +126,25 @@ def _fp32_descriptor(t: torch.Tensor, block_shape: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block_shape, fp32_smem_layout(tuple(block_shape)))
 
 
+def kv_tiles(seqlen_k: int, cfg: BackwardConfig) -> int:
+    """CTAs per (batch, KV head): KV tiles x head-dim chunks."""
+    return triton_cdiv(seqlen_k, cfg.block_n) * cfg.chunks
+
+
 def grid(batch: int, nheads_kv: int, seqlen_k: int, cfg: BackwardConfig) -> tuple[int, int, int]:
-    """One CTA per (KV tile x head-dim chunk, KV head, batch), axis 0 fastest.
-    Varlen: ``seqlen_k`` is ``max_seqlen_k``, ``batch`` the number of sequences."""
-    return (triton_cdiv(seqlen_k, cfg.block_n) * cfg.chunks, nheads_kv, batch)
+    """One CTA per (KV tile x head-dim chunk, KV head, batch), all on axis 0
+    (the kernel orders them, longest first in L2 sections). Varlen:
+    ``seqlen_k`` is ``max_seqlen_k``, ``batch`` the number of sequences."""
+    return (kv_tiles(seqlen_k, cfg) * nheads_kv * batch, 1, 1)
+
+
+def l2_section(seqlen_q: int, head_dim: int, elem_bytes: int, group: int) -> int:
+    """(batch, KV head) pairs per L2 section of the grid order: as many as
+    keep what their CTAs all re-read in ``plan.L2_SECTION_BYTES``: the group's
+    Q and dO rows and its fp32 dQ accumulator (a power of two, at least 1)."""
+    head_bytes = max(1, seqlen_q) * head_dim * (2 * elem_bytes + 4) * group
+    fit = max(1, plan.L2_SECTION_BYTES // head_bytes)
+    return 1 << (fit.bit_length() - 1)
 
 
 @dataclass(frozen=True)
@@ -211,10 +226,11 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         seqlen_q_rounded = varlen_padded_rows(q.shape[0], batch, cfg.block_m)
         stat_rows = nheads * seqlen_q_rounded
     # The dQ reduce addresses dq_accum as 2-D rows in int32 TMA coordinates.
-    # Grid axes y and z (KV heads, batch) are limited to 65535 by CUDA.
-    if nheads_kv > 65535 or batch > 65535:
-        raise ValueError(f"the backward launches one CTA row per KV head and batch: nheads_kv ({nheads_kv}) and "
-                         f"batch ({batch}) must be at most 65535")
+    # One CTA per (KV tile, KV head, batch) on grid axis x, numbered in int32.
+    ctas = grid(batch, nheads_kv, seqlen_k, cfg)[0]
+    if ctas > 2**31 - 1:
+        raise ValueError(f"the backward launches one CTA per KV tile, KV head and batch: {ctas} CTAs for "
+                         f"batch ({batch}) x nheads_kv ({nheads_kv}) x seqlen_k ({seqlen_k}) exceed 2**31 - 1")
     if stat_rows >= 2**31:
         raise ValueError(f"batch ({batch}) x nheads ({nheads}) x seqlen_q ({seqlen_q}) is too large for the "
                          f"backward's dQ accumulator (2**31 rows)")
@@ -246,9 +262,10 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         assert dk.stride() == dv.stride() and dk.stride(2) == 1
         stride_kv = (dk.stride(0), dk.stride(1))
 
-    g = grid(batch, nheads_kv, seqlen_k, cfg)
-    scalars = (seqlen_q, seqlen_k, seqlen_q_rounded, nheads, nheads // nheads_kv, softmax_scale * LOG2E,
-               softmax_scale)
+    g = (ctas, 1, 1)
+    section = l2_section(seqlen_q, head_dim, q.element_size(), nheads // nheads_kv)
+    scalars = (seqlen_q, seqlen_k, seqlen_q_rounded, nheads, nheads // nheads_kv, kv_tiles(seqlen_k, cfg), batch,
+               section, softmax_scale * LOG2E, softmax_scale)
     constexprs = kernel_constexprs(cfg, causal, deterministic, varlen is not None,
                                    varlen is not None and varlen.seqused_q is not None,
                                    varlen is not None and varlen.seqused_k is not None)

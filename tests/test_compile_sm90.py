@@ -17,8 +17,9 @@ SPECS = list(compile_check.shipped_specialisations())
 
 
 def spec_id(spec):
-    cfg, dtype, causal, write_lse = spec
-    return f"d{cfg.head_dim}-{dtype}-{'causal' if causal else 'full'}-{'lse' if write_lse else 'nolse'}"
+    cfg, dtype, causal, write_lse, mode = spec
+    return (f"d{cfg.head_dim}-{dtype}-{'causal' if causal else 'full'}-{'lse' if write_lse else 'nolse'}"
+            f"{'-dynamic' if mode.dynamic else ''}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,10 +35,11 @@ def report(request):
 def test_specialisations_cover_the_api():
     from hopper_flash import plan
 
-    keys = {(cfg.head_dim, dtype, causal, lse) for cfg, dtype, causal, lse in SPECS}
+    keys = {(cfg.head_dim, dtype, causal, lse, mode.dynamic) for cfg, dtype, causal, lse, mode in SPECS}
     assert len(keys) == len(SPECS)
-    assert keys == {(d, str(t).removeprefix("torch."), c, l) for d in plan.SUPPORTED_HEAD_DIMS
-                    for t in plan.SUPPORTED_DTYPES for c in (False, True) for l in (False, True)}
+    assert keys == {(d, str(t).removeprefix("torch."), c, l, dyn) for d in plan.SUPPORTED_HEAD_DIMS
+                    for t in plan.SUPPORTED_DTYPES for c in (False, True) for l in (False, True)
+                    for dyn in ((False, True) if c else (False,))}
 
 
 def test_no_spills(report):
@@ -83,8 +85,19 @@ def test_output_written_only_by_tma_unless_lse(report):
 
 @pytest.mark.parametrize("spec", [s for s in SPECS if s[2]], ids=spec_id)
 def test_causal_specialisation_differs_from_full(spec):
-    cfg, dtype, _, write_lse = spec
-    assert _census(spec).ptx != _census((cfg, dtype, False, write_lse)).ptx
+    cfg, dtype, _, write_lse, _ = spec
+    assert _census(spec).ptx != _census((cfg, dtype, False, write_lse, plan.PREFILL)).ptx
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s[4].dynamic], ids=spec_id)
+def test_dynamic_order_draws_items_from_a_counter(spec):
+    """The dynamic order's producer draws items with a global atomic and hands
+    them to the consumers through shared memory; the static deal has no
+    atomic at all (LSE stores aside, its only global writes are TMA)."""
+    cfg, dtype, causal, write_lse, _ = spec
+    assert re.search(r"\batom\.global\.(relaxed\.)?(gpu\.)?(relaxed\.)?add\.(u|s)32\b", _census(spec).ptx), \
+        "no 32-bit atomic add in the dynamic order's PTX"
+    assert not re.search(r"\batom\.", _census((cfg, dtype, causal, write_lse, plan.PREFILL)).ptx)
 
 
 def test_planned_shared_memory_matches_the_compiler(report):

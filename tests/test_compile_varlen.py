@@ -35,7 +35,7 @@ def fwd_id(spec):
 def _fwd(spec):
     d, dtype, causal, used = spec
     return compile_check.census(CONFIGS[d], dtype, causal, True,
-                                Mode(varlen=True, seqused=used, seqused_q=used))
+                                Mode(varlen=True, seqused=used, seqused_q=used, dynamic=True))
 
 
 @functools.lru_cache(maxsize=None)

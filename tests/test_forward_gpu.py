@@ -74,10 +74,47 @@ def test_causal_bf16_d128(batch, nheads, seqlen):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_persistent_odd_item_count(head_dim, causal):
     # 61 query tiles x 5 heads = 305 work items: more than two per SM, so
-    # persistent CTAs loop, and odd, so one CTA's last pair is a single item.
+    # persistent CTAs loop, and odd, so one CTA's last pair is a single item
+    # (non-causal; causal draws them in the dynamic order).
     seqlen = 60 * 128 + 1
     assert (plan.triton_cdiv(seqlen, 128) * 5) % 2 == 1
     check_forward(1, seqlen, seqlen, 5, head_dim=head_dim, causal=causal, seed=head_dim + causal)
+
+
+def test_static_deal_odd_item_count_causal():
+    # 7 query tiles x 25 heads = 175 causal items: under the dynamic order's
+    # 16 tiles, so dealt statically in zig-zag pairs, the last one single.
+    seqlen = 6 * 128 + 1
+    items = plan.work_items(1, 25, seqlen, plan.CONFIGS[128])
+    assert items % 2 == 1 and not plan.choose_dynamic(items, 7, True, False, plan.sm_count())
+    check_forward(1, seqlen, seqlen, 25, causal=True, seed=175)
+
+
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,nheads,nheads_kv,head_dim", [
+    (3, 3001, 3001, 5, 5, 128),        # 15 heads: one L2 section, partly filled
+    (1, 16384, 16384, 12, 12, 128),    # three sections of 4 heads
+    (2, 2100, 3001, 8, 2, 128),        # more keys than queries; GQA sections
+    (2, 3001, 2100, 8, 8, 128),        # more queries than keys: rows that see no key
+    (2, 2049, 2049, 9, 9, 64),
+    (1, 4099, 4099, 6, 3, 256),
+])
+def test_dynamic_order(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim):
+    """Causal prefill whose items come from the counter (scheduler.py): every
+    item runs exactly once (a skipped one leaves the output's NaN poison)."""
+    cfg = plan.CONFIGS[head_dim]
+    items = plan.work_items(batch, nheads, seqlen_q, cfg)
+    assert plan.choose_dynamic(items, plan.triton_cdiv(seqlen_q, cfg.block_m), True, False, plan.sm_count())
+    check_forward(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim=head_dim, causal=True,
+                  seed=seqlen_q + 3 * seqlen_k + head_dim)
+
+
+def test_dynamic_order_is_deterministic():
+    """Which CTA draws an item varies run to run; what the item computes does not."""
+    q, k, v = make_qkv(4, 2048, 2048, 32, 8, 128, seed=11)
+    first = hopper_flash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    for _ in range(20):
+        again = hopper_flash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
 @pytest.mark.parametrize("seqlen", [1, 63, 128, 129, 1000, 4099])

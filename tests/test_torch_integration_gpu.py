@@ -64,9 +64,12 @@ def test_torch_compile_with_lse_and_dynamic_lengths():
         assert rel_fro_err(o1, o2) < 1e-3 and rel_fro_err(l1, l2) < 1e-5
 
 
+@pytest.mark.parametrize("seqlen", [1000, 2048], ids=["static-deal", "dynamic-order"])
 @torch.no_grad()
-def test_cuda_graph_replay_on_fresh_inputs():
-    q, k, v = rand(2, 1000, 8, 128), rand(2, 1000, 8, 128), rand(2, 1000, 8, 128)
+def test_cuda_graph_replay_on_fresh_inputs(seqlen):
+    # 2048: 256 causal items of 16 query tiles, drawn from a counter whose
+    # zeroing the graph must capture with the launch (plan.choose_dynamic).
+    q, k, v = rand(2, seqlen, 8, 128), rand(2, seqlen, 8, 128), rand(2, seqlen, 8, 128)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up (compiles) outside the capture

@@ -36,8 +36,17 @@ CTAs: each stages its fp32 share in shared memory and adds it into
 order: a per-tile semaphore counts the KV tiles that have added, and CTA
 ``n`` waits for it to read ``n``. The KV tiles that see a query tile are
 always a prefix ``0 .. k`` (causal masks only keys after the diagonal), and
-CTAs with a lower ``n`` are launched first (``n`` is the fastest grid axis),
-so the wait ends.
+of one head's CTAs those with a lower ``n`` are launched first (below), so
+the wait ends.
+
+**Grid order.** One CTA per (KV tile, head-dim chunk, KV head, batch), on
+grid axis 0 in the forward's dynamic order (``scheduler.section_coords``):
+the (batch, KV head) pairs in L2 sections of ``section``, the head fastest
+inside one, then the KV tile from 0 up. Under a causal mask KV tile 0 is the
+longest (every query tile sees it), so the GPU's block dispatcher, which
+hands out CTAs in order to SMs as they free up, runs the longest first and
+ends on the shortest; with the KV tile fastest, as before, the last heads'
+longest tiles started in the last wave.
 
 Head dims above 128 (256): every head-dim operand lives in 128-column chunks
 (the TMA box), one warpgroup owns 64 keys, and the head dim of the outputs is
@@ -63,6 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .compat import thread_barrier, tma_atomic_add, tma_load, tma_store, tma_store_wait_complete
+from .scheduler import section_coords
 from .mask import apply_mask_keys_by_queries, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
 
@@ -397,12 +407,12 @@ def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
 # As in the forward, lengths and head counts are run-time values: one compiled
 # kernel per (dtype, head dim, causal, deterministic, varlen mode) serves every shape.
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "seqlen_q_rounded", "num_heads", "kv_group",
-                              "stride_kv_row", "stride_kv_head"])
+                              "stride_kv_row", "stride_kv_head", "kv_tiles", "batch", "section"])
 def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_desc, delta_desc,
                               sem_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, dk_ptr, dv_ptr,
                               stride_kv_row, stride_kv_head,
                               seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
-                              qk_scale, softmax_scale,
+                              kv_tiles, batch, section, qk_scale, softmax_scale,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                               STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
                               NUM_WG: gl.constexpr, DQ_PARTS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
@@ -420,13 +430,13 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     # with more than one chunk, each CTA writes the gradients of one chunk.
     CHUNK: gl.constexpr = q_desc.block_type.shape[3]
     CHUNKS: gl.constexpr = HEAD_DIM // CHUNK
-    # Grid: (KV tile x head-dim chunk, KV head, batch), KV tile slowest on
-    # axis 0 but before any other tile: deterministic mode relies on lower
-    # tiles starting first.
-    n = gl.program_id(0) // CHUNKS
-    part = gl.program_id(0) % CHUNKS
-    hk = gl.program_id(1)
-    b = gl.program_id(2)
+    # Grid: axis 0 only, (KV tile x head-dim chunk, KV head, batch) in the
+    # section order (module docstring); ``kv_tiles`` = KV tiles x chunks.
+    # Deterministic mode relies on a head's lower tiles starting first.
+    t, _, hk, b = section_coords(gl.program_id(0), kv_tiles, num_heads // kv_group, batch, section)
+    t = kv_tiles - 1 - t  # section_coords counts tiles down (the forward's longest-first); here 0 is longest
+    n = t // CHUNKS
+    part = t % CHUNKS
     tb, q_start, k_start, lq, lk, stat0 = bwd_sequence(b, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, seqlen_q,
                                                        seqlen_k, seqlen_q_rounded, num_heads, BLOCK_M, VARLEN,
                                                        SEQUSED_Q, SEQUSED_K)

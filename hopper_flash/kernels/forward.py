@@ -76,7 +76,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .compat import thread_barrier, tma_load, tma_store
 from .mask import apply_mask, kv_split_range, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
-from .scheduler import local_tile_count, work_coords
+from .scheduler import (SCHED_STAGES, draw_item, local_tile_count, publish_item, receive_item, section_coords,
+                        work_coords)
 from .softmax import softmax_finish, softmax_first, softmax_step
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
@@ -113,15 +114,12 @@ def _item_heads(h, kv_group, PACK_G: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(i, n_tiles, num_splits, num_heads, pair, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr,
-               BLOCK_M: gl.constexpr, PACK_G: gl.constexpr, PERSISTENT: gl.constexpr, VARLEN: gl.constexpr,
+def _item_rows(bm, b, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M: gl.constexpr, VARLEN: gl.constexpr,
                SEQUSED_Q: gl.constexpr):
-    """This CTA's ``i``-th work item, as every partition sees it: ``(bm, split,
-    h, b, tb, q_start, k_start, lq, live)``: its coordinates (scheduler.py),
-    the TMA batch coordinate, the first query and key rows on the sequence
-    axis, the query length and whether the tile holds any query row (VARLEN;
-    always true otherwise)."""
-    bm, split, h, b = work_coords(i, n_tiles, num_splits, num_heads // PACK_G, pair, PERSISTENT)
+    """Where work item ``(bm, b)`` lives, as every partition sees it: ``(tb,
+    q_start, k_start, lq, live)``: the TMA batch coordinate, the first query
+    and key rows on the sequence axis, the query length and whether the tile
+    holds any query row (VARLEN; always true otherwise)."""
     if VARLEN:
         q_start = gl.load(cu_q_ptr + b)
         k_start = gl.load(cu_k_ptr + b)
@@ -137,7 +135,19 @@ def _work_item(i, n_tiles, num_splits, num_heads, pair, seqlen_q, cu_q_ptr, cu_k
         lq = seqlen_q
         tb = b
         live = True
-    return bm, split, h, b, tb, q_start, k_start, lq, live
+    return tb, q_start, k_start, lq, live
+
+
+@gluon.jit
+def _item_at(i, item, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G: gl.constexpr,
+             PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """(bm, split, h, b) of this CTA's ``i``-th work item: the static deal's
+    (scheduler.work_coords), or item number ``item`` of the dynamic order."""
+    if DYNAMIC:
+        bm, split, h, b = section_coords(item, n_tiles, num_heads // PACK_G, batch, section)
+    else:
+        bm, split, h, b = work_coords(i, n_tiles, num_splits, num_heads // PACK_G, pair, PERSISTENT)
+    return bm, split, h, b
 
 
 @gluon.jit
@@ -210,54 +220,113 @@ def _zero_v_tail(v, col0, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexp
 
 
 @gluon.jit
+def _producer_item(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                   seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr,
+                   seqlen_q, seqlen_k, kv_group, num_splits, bm, split, h, b, kv0, qi,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                   IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr, SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr,
+                   PAGE_SIZE: gl.constexpr, VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr):
+    """The loads of work item ``(bm, split, h, b)``: its two Q halves, then its
+    K and V tiles (none for a VARLEN tile past its sequence's rows). ``kv0``
+    counts the K/V tiles of earlier items (the rings' running order) and
+    ``qi`` the items that loaded a Q (its barriers' phase); both come back
+    advanced past this item."""
+    tb, q_start, k_start, lq, live = _item_rows(bm, b, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M, VARLEN,
+                                                SEQUSED_Q)
+    if live:
+        q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, seqlen_k, kv_group,
+                                                       seqused_ptr, kv_batch_ptr, cu_k_ptr, num_splits,
+                                                       BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH,
+                                                       VARLEN)
+        if VARLEN:
+            kb = tb
+
+        # Q as one box per consumer half, each on its own barrier pair: a
+        # consumer that finished with its half of the previous item's Q gets
+        # the next one without waiting for the other consumer.
+        for c in gl.static_range(2):
+            mbarrier.wait(q_empty.index(c), (qi & 1) ^ 1)  # passes on the fresh barrier for qi = 0
+            mbarrier.expect(q_full.index(c), q_desc.block_type.nbytes)
+            tma_load(q_desc, [tb, q_start + (bm * BLOCK_M + c * WG_M) // PACK_G, q_head0, 0], q_full.index(c),
+                     q_smem.index(c))
+
+        # K and V in separate rings: QK of tile `it` may start while V of tile
+        # `it` is still in flight, since PV of `it` only runs one step later.
+        n_kv = n_hi - n_lo
+        for it in range(n_kv):
+            bn = n_hi - 1 - it  # diagonal (or tail) first
+            coords = _kv_coords(b, kb, bn, hk, page_table_ptr, page_stride, k_start, BLOCK_N, PAGE_SIZE)
+            order = kv0 + it
+            wait_empty(k_empty, order, K_STAGES)
+            k_slot = ring_slot(order, K_STAGES)
+            mbarrier.expect(k_full.index(k_slot), k_desc.block_type.nbytes)
+            tma_load(k_desc, coords, k_full.index(k_slot), k_bufs.index(k_slot))
+
+            wait_empty(v_empty, order, V_STAGES)
+            v_slot = ring_slot(order, V_STAGES)
+            mbarrier.expect(v_full.index(v_slot), v_desc.block_type.nbytes)
+            tma_load(v_desc, coords, v_full.index(v_slot), v_bufs.index(v_slot))
+        kv0 += n_kv
+        qi += 1
+    return kv0, qi
+
+
+@gluon.jit
+def _no_rows(item, total_tiles, n_tiles, seqlen_q, num_heads, batch, section, cu_q_ptr, used_q_ptr,
+             BLOCK_M: gl.constexpr, SEQUSED_Q: gl.constexpr):
+    """VARLEN, dynamic order: item ``item`` exists but its query tile lies past
+    its sequence's rows (the producer draws again rather than hand it out)."""
+    bm, split, h, b = section_coords(item, n_tiles, num_heads, batch, section)
+    b = gl.minimum(b, batch - 1)  # an item past the last reads nothing out of bounds
+    tb, q_start, k_start, lq, live = _item_rows(bm, b, seqlen_q, cu_q_ptr, cu_q_ptr, used_q_ptr, BLOCK_M, True,
+                                                SEQUSED_Q)
+    return (item < total_tiles) & (bm * BLOCK_M >= lq)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+              sched_smem, sched_full, sched_empty, sched_ptr,
               seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr,
-              seqlen_q, seqlen_k, num_heads, kv_group, total_tiles, num_splits, pair,
+              seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
               IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, PACK_G: gl.constexpr, SEQUSED: gl.constexpr,
-              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr, VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr):
+              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr, VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr,
+              DYNAMIC: gl.constexpr):
     n_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M)
     kv0 = 0  # K/V loads issued for earlier work items: the rings' running order
     qi = 0  # work items run so far (VARLEN skips items past their sequence): the Q barriers' phase
-    for i in range(local_tile_count(total_tiles, pair, PERSISTENT)):
-        bm, split, h, b, tb, q_start, k_start, lq, live = _work_item(
-            i, n_tiles, num_splits, num_heads, pair, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M, PACK_G,
-            PERSISTENT, VARLEN, SEQUSED_Q)
-        if live:
-            q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, seqlen_k, kv_group,
-                                                           seqused_ptr, kv_batch_ptr, cu_k_ptr, num_splits,
-                                                           BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH,
-                                                           VARLEN)
+    if DYNAMIC:
+        item = gl.program_id(0)
+        i = 0
+        while item < total_tiles:
+            bm, split, h, b = _item_at(i, item, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
+                                       PERSISTENT, DYNAMIC)
+            kv0, qi = _producer_item(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full,
+                                     k_empty, v_full, v_empty, seqused_ptr, kv_batch_ptr, page_table_ptr,
+                                     page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, kv_group,
+                                     num_splits, bm, split, h, b, kv0, qi, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES,
+                                     IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q)
+            # The next item is drawn once this one's loads are issued: the
+            # consumers need it only after this item's epilogue.
+            item = draw_item(sched_ptr)
             if VARLEN:
-                kb = tb
-
-            # Q as one box per consumer half, each on its own barrier pair: a
-            # consumer that finished with its half of the previous item's Q gets
-            # the next one without waiting for the other consumer.
-            for c in gl.static_range(2):
-                mbarrier.wait(q_empty.index(c), (qi & 1) ^ 1)  # passes on the fresh barrier for qi = 0
-                mbarrier.expect(q_full.index(c), q_desc.block_type.nbytes)
-                tma_load(q_desc, [tb, q_start + (bm * BLOCK_M + c * WG_M) // PACK_G, q_head0, 0], q_full.index(c),
-                         q_smem.index(c))
-
-            # K and V in separate rings: QK of tile `it` may start while V of tile
-            # `it` is still in flight, since PV of `it` only runs one step later.
-            n_kv = n_hi - n_lo
-            for it in range(n_kv):
-                bn = n_hi - 1 - it  # diagonal (or tail) first
-                coords = _kv_coords(b, kb, bn, hk, page_table_ptr, page_stride, k_start, BLOCK_N, PAGE_SIZE)
-                order = kv0 + it
-                wait_empty(k_empty, order, K_STAGES)
-                k_slot = ring_slot(order, K_STAGES)
-                mbarrier.expect(k_full.index(k_slot), k_desc.block_type.nbytes)
-                tma_load(k_desc, coords, k_full.index(k_slot), k_bufs.index(k_slot))
-
-                wait_empty(v_empty, order, V_STAGES)
-                v_slot = ring_slot(order, V_STAGES)
-                mbarrier.expect(v_full.index(v_slot), v_desc.block_type.nbytes)
-                tma_load(v_desc, coords, v_full.index(v_slot), v_bufs.index(v_slot))
-            kv0 += n_kv
-            qi += 1
+                skip = _no_rows(item, total_tiles, n_tiles, seqlen_q, num_heads, batch, section, cu_q_ptr,
+                                used_q_ptr, BLOCK_M, SEQUSED_Q)
+                while skip:
+                    item = draw_item(sched_ptr)
+                    skip = _no_rows(item, total_tiles, n_tiles, seqlen_q, num_heads, batch, section, cu_q_ptr,
+                                    used_q_ptr, BLOCK_M, SEQUSED_Q)
+            publish_item(item, sched_smem, sched_full, sched_empty, i)
+            i += 1
+    else:
+        for i in range(local_tile_count(total_tiles, pair, PERSISTENT)):
+            bm, split, h, b = _item_at(i, i, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
+                                       PERSISTENT, DYNAMIC)
+            kv0, qi = _producer_item(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full,
+                                     k_empty, v_full, v_empty, seqused_ptr, kv_batch_ptr, page_table_ptr,
+                                     page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, kv_group,
+                                     num_splits, bm, split, h, b, kv0, qi, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES,
+                                     IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q)
 
 
 @gluon.jit
@@ -447,40 +516,77 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
 
 
 @gluon.jit
+def _consumer_item(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                   o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr,
+                   used_q_ptr, seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, qk_scale, softmax_scale,
+                   total_q, bm, split, h, b, kv0, qi,
+                   CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
+                   O_IN_Q: gl.constexpr, PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr,
+                   KV_BATCH: gl.constexpr, VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr):
+    """Work item ``(bm, split, h, b)`` for this warpgroup; ``kv0`` and ``qi``
+    as in ``_producer_item``, returned advanced past it."""
+    # Decode and varlen modes skip the tensor-core work of a warpgroup without query rows.
+    SKIP_IDLE: gl.constexpr = PACK_G > 1 or SPLIT or SEQUSED or VARLEN
+    tb, q_start, k_start, lq, live = _item_rows(bm, b, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M, VARLEN,
+                                                SEQUSED_Q)
+    if live:
+        q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, seqlen_k, kv_group,
+                                                       seqused_ptr, kv_batch_ptr, cu_k_ptr, num_splits,
+                                                       BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH,
+                                                       VARLEN)
+        if SKIP_IDLE and bm * BLOCK_M + CID * WG_M >= lq * PACK_G:
+            _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, qi, kv0, n_hi - n_lo,
+                           CID, K_STAGES, V_STAGES)
+        else:
+            _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                           o_desc, lse_ptr, o_part_ptr, lse_part_ptr, tb, q_head0, bm, split, n_lo,
+                           n_hi, qi, kv0, lq, lk, num_heads, batch, qk_scale, softmax_scale, q_start, total_q,
+                           CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
+                           WRITE_LSE, O_IN_Q, PACK_G, SPLIT, SEQUSED, VARLEN)
+        kv0 += n_hi - n_lo
+        qi += 1
+    return kv0, qi
+
+
+@gluon.jit
 def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+              sched_smem, sched_full, sched_empty,
               o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
-              seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, qk_scale, softmax_scale,
-              total_q,
+              seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section, qk_scale,
+              softmax_scale, total_q,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
               PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr,
               PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr,
-              VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr):
-    # Decode and varlen modes skip the tensor-core work of a warpgroup without query rows.
-    SKIP_IDLE: gl.constexpr = PACK_G > 1 or SPLIT or SEQUSED or VARLEN
+              VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr, DYNAMIC: gl.constexpr):
     n_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M)
     kv0 = 0
     qi = 0  # items run (see _producer)
-    for i in range(local_tile_count(total_tiles, pair, PERSISTENT)):
-        bm, split, h, b, tb, q_start, k_start, lq, live = _work_item(
-            i, n_tiles, num_splits, num_heads, pair, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M, PACK_G,
-            PERSISTENT, VARLEN, SEQUSED_Q)
-        if live:
-            q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, seqlen_k, kv_group,
-                                                           seqused_ptr, kv_batch_ptr, cu_k_ptr, num_splits,
-                                                           BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH,
-                                                           VARLEN)
-            if SKIP_IDLE and bm * BLOCK_M + CID * WG_M >= lq * PACK_G:
-                _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, qi, kv0, n_hi - n_lo,
-                               CID, K_STAGES, V_STAGES)
-            else:
-                _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                               o_desc, lse_ptr, o_part_ptr, lse_part_ptr, tb, q_head0, bm, split, n_lo,
-                               n_hi, qi, kv0, lq, lk, num_heads, batch, qk_scale, softmax_scale, q_start, total_q,
-                               CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
-                               WRITE_LSE, O_IN_Q, PACK_G, SPLIT, SEQUSED, VARLEN)
-            kv0 += n_hi - n_lo
-            qi += 1
+    if DYNAMIC:
+        item = gl.program_id(0)
+        i = 0
+        while item < total_tiles:
+            bm, split, h, b = _item_at(i, item, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
+                                       PERSISTENT, DYNAMIC)
+            kv0, qi = _consumer_item(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full,
+                                     v_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr,
+                                     cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads, kv_group, batch,
+                                     num_splits, qk_scale, softmax_scale, total_q, bm, split, h, b, kv0, qi,
+                                     CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
+                                     O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN, SEQUSED_Q)
+            item = receive_item(sched_smem, sched_full, sched_empty, i)
+            i += 1
+    else:
+        for i in range(local_tile_count(total_tiles, pair, PERSISTENT)):
+            bm, split, h, b = _item_at(i, i, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
+                                       PERSISTENT, DYNAMIC)
+            kv0, qi = _consumer_item(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full,
+                                     v_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr,
+                                     cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads, kv_group, batch,
+                                     num_splits, qk_scale, softmax_scale, total_q, bm, split, h, b, kv0, qi,
+                                     CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
+                                     O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN, SEQUSED_Q)
     tma.store_wait(0)
 
 
@@ -488,12 +594,12 @@ def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, 
 # (dtype, head dim, causal, lse, mode) serves every shape, which lets the host
 # cache it and skip Triton's per-call specialisation (see plan.launch_forward).
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_heads", "kv_group", "batch", "num_splits", "pair",
-                              "page_stride", "total_q"])
+                              "page_stride", "total_q", "section"])
 def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              seqused_ptr, kv_batch_ptr, page_table_ptr, o_part_ptr, lse_part_ptr,
-                             cu_q_ptr, cu_k_ptr, used_q_ptr,
+                             cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr,
                              seqlen_q, seqlen_k, num_heads, kv_group, batch, qk_scale, softmax_scale,
-                             num_splits, pair, page_stride, total_q,
+                             num_splits, pair, page_stride, total_q, section,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                              IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
@@ -501,8 +607,10 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr,
                              PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr,
                              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                             VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False):
+                             VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
+                             DYNAMIC: gl.constexpr = False):
     gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
+    gl.static_assert(not DYNAMIC or (PERSISTENT and not SPLIT), "the dynamic order runs a persistent grid, no split")
     gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH or PAGE_SIZE > 0)),
                      "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle the two warpgroups")
@@ -539,30 +647,42 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     for i in gl.static_range(V_STAGES):
         mbarrier.init(v_full.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
+    # DYNAMIC: the ring through which the producer hands out the next item
+    # (scheduler.py); a slot is full after the producer's arrive, empty after
+    # both consumers'.
+    sched_smem = gl.allocate_shared_memory(gl.int32, [SCHED_STAGES, 1],
+                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    sched_full = gl.allocate_shared_memory(gl.int64, [SCHED_STAGES, 1], mbarrier.MBarrierLayout())
+    sched_empty = gl.allocate_shared_memory(gl.int64, [SCHED_STAGES, 1], mbarrier.MBarrierLayout())
+    if DYNAMIC:
+        for i in gl.static_range(SCHED_STAGES):
+            mbarrier.init(sched_full.index(i), count=1)
+            mbarrier.init(sched_empty.index(i), count=2)
 
     # Tuples are spelled out per partition: tuple arithmetic inside a jit
     # function would turn the constexpr entries into run-time values.
     gl.warp_specialize(
         [
             (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                         o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr,
-                         cu_k_ptr, used_q_ptr,
-                         seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, qk_scale,
-                         softmax_scale, total_q, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
-                         WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
-                         SEQUSED_Q)),
+                         sched_smem, sched_full, sched_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr,
+                         seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
+                         seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
+                         qk_scale, softmax_scale, total_q, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
+                         IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
+                         SEQUSED_Q, DYNAMIC)),
             (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                         o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr,
-                         cu_k_ptr, used_q_ptr,
-                         seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, qk_scale,
-                         softmax_scale, total_q, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
-                         WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
-                         SEQUSED_Q)),
+                         sched_smem, sched_full, sched_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr,
+                         seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
+                         seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
+                         qk_scale, softmax_scale, total_q, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
+                         IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
+                         SEQUSED_Q, DYNAMIC)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty,
-                         v_full, v_empty, seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride, cu_q_ptr,
-                         cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads, kv_group, total_tiles, num_splits,
-                         pair, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES, IS_CAUSAL, PERSISTENT, PACK_G, SEQUSED,
-                         KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q)),
+                         v_full, v_empty, sched_smem, sched_full, sched_empty, sched_ptr, seqused_ptr, kv_batch_ptr,
+                         page_table_ptr, page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads,
+                         kv_group, batch, total_tiles, num_splits, pair, section, BLOCK_M, BLOCK_N, K_STAGES,
+                         V_STAGES, IS_CAUSAL, PERSISTENT, PACK_G, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q,
+                         DYNAMIC)),
         ],
         [4, 1],
         [CONSUMER_REGS, PRODUCER_REGS],

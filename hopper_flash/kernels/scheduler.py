@@ -17,9 +17,28 @@ query rows of every head of the group). Without split-KV there is one split.
   together, so a static deal balances without an atomic counter. With no more
   items than SMs (``pair == 1``) they are dealt singly, longest first, so every
   SM gets work: dealing 128 items in pairs would idle half of 132 SMs.
+* **Dynamic** (persistent, ``DYNAMIC``; FA3's scheduler for causal and
+  varlen): a CTA's first item is its program id; each later one comes from an
+  atomic counter that the host zeroes per call (``next = counter++ + grid``),
+  so a CTA that drew short items draws more, and the last wave is made of the
+  shortest ones. A static deal loses up to one item pair per CTA to that last
+  wave: 2-5% of causal prefill (3% at S=8192, where 4096 pairs fill 31 rounds
+  of 132 and 4 CTAs run a 32nd). Items are numbered longest first inside L2
+  *sections*: the (batch, head) pairs are cut into runs of ``section`` heads
+  (as many as keep their K and V in L2), and inside a section the head runs
+  fastest, then the query tile, from the last (longest causal) tile down.
+  The producer warp draws each next item while its loads are in flight and
+  hands it to the consumers through a two-slot ring in shared memory.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from .compat import thread_barrier
+from .pipeline import release, ring_slot, wait_empty, wait_full
+
+# Slots of the ring through which the producer hands out items.
+SCHED_STAGES = gl.constexpr(2)
 
 
 @gluon.jit
@@ -56,3 +75,47 @@ def work_coords(i, n_tiles, n_splits, num_heads, pair, PERSISTENT: gl.constexpr)
     split = rest % n_splits
     head_batch = rest // n_splits
     return bm, split, head_batch % num_heads, head_batch // num_heads
+
+
+@gluon.jit
+def section_coords(item, n_tiles, num_heads, batch, section):
+    """Item ``item`` of the dynamic order as (query tile, split, head, batch):
+    sections of ``section`` (batch, head) pairs, head fastest inside one, then
+    the query tile from the last down (the last section may hold fewer heads)."""
+    per_section = section * n_tiles
+    sec = item // per_section
+    hb0 = sec * section
+    heads = gl.minimum(section, num_heads * batch - hb0)
+    r = item - sec * per_section
+    hb = hb0 + r % heads
+    return n_tiles - 1 - r // heads, item * 0, hb % num_heads, hb // num_heads
+
+
+@gluon.jit
+def draw_item(counter_ptr):
+    """Producer: the next item for this CTA (the first is its program id)."""
+    return gl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu") + gl.num_programs(0)
+
+
+@gluon.jit
+def publish_item(item, sched_smem, sched_full, sched_empty, order):
+    """Producer: hand ``item`` to both consumers as this CTA's item number
+    ``order + 1`` (a value past the last item tells them to stop)."""
+    wait_empty(sched_empty, order, SCHED_STAGES)
+    slot = ring_slot(order, SCHED_STAGES)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    sched_smem.index(slot).store(gl.full([1], item, gl.int32, one))
+    mbarrier.arrive(sched_full.index(slot), count=1)
+
+
+@gluon.jit
+def receive_item(sched_smem, sched_full, sched_empty, order):
+    """Consumer: the item ``publish_item`` handed out at ``order``."""
+    wait_full(sched_full, order, SCHED_STAGES)
+    slot = ring_slot(order, SCHED_STAGES)
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    item = gl.max(sched_smem.index(slot).load(one), axis=0)
+    # Every warp has read the slot before it is released for the next item.
+    thread_barrier()
+    release(sched_empty, order, SCHED_STAGES)
+    return item

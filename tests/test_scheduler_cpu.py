@@ -1,0 +1,118 @@
+"""Which work-item order a forward launch takes, on CPU (kernels/scheduler.py):
+the static deal or the dynamic order drawn from a counter, the L2 section
+size, and the counter the launch hands the kernel. The order itself runs on
+the GPU (tests/test_forward_gpu.py::test_dynamic_order*, and every causal
+test at 16 or more query tiles), where a skipped or repeated item leaves NaN
+in the poisoned output or races."""
+import pytest
+import torch
+
+from hopper_flash import plan
+
+SMS = 132
+
+
+@pytest.fixture(autouse=True)
+def h200(monkeypatch):
+    monkeypatch.setattr(plan, "sm_count", lambda device=None: SMS)
+
+
+def prefill_plan(batch, seqlen_q, nheads, causal, seqlen_k=None, nheads_kv=None, head_dim=128, **kw):
+    cfg = plan.CONFIGS[head_dim]
+    seqlen_k = seqlen_k or seqlen_q
+    args = dict(page_size=0, seqused=False, kv_batch=False, num_splits=1, pack_gqa=False)
+    args.update(kw)
+    return plan._plan_launch.__wrapped__(0, torch.bfloat16, batch, seqlen_q, nheads, nheads_kv or nheads,
+                                         plan.triton_cdiv(seqlen_k, cfg.block_n), cfg, args["page_size"],
+                                         args["seqused"], args["kv_batch"], args["num_splits"], args["pack_gqa"],
+                                         causal, False)
+
+
+@pytest.mark.parametrize("batch,seqlen,nheads", [(4, 2048, 32), (4, 8192, 32), (1, 32768, 32), (2, 12345, 16),
+                                                 (1, 2048, 9)])
+def test_long_causal_prefill_takes_the_dynamic_order(batch, seqlen, nheads):
+    lp = prefill_plan(batch, seqlen, nheads, causal=True)
+    items = plan.work_items(batch, nheads, seqlen, lp.cfg)
+    assert lp.mode.dynamic and lp.constexprs["DYNAMIC"] is True
+    assert (lp.n_ctas, lp.pair) == (min(SMS, items), 1)  # one CTA per SM; each draws its next item
+
+
+@pytest.mark.parametrize("batch,seqlen,nheads,causal", [
+    (4, 1024, 32, True),    # 8 query tiles: the static deal's last wave costs as little
+    (16, 512, 16, True),    # the CUDA-graph row: no memset in the graph
+    (1, 2048, 8, True),     # 128 items: one wave
+    (4, 8192, 32, False),   # every item costs the same
+])
+def test_static_deal_elsewhere(batch, seqlen, nheads, causal):
+    lp = prefill_plan(batch, seqlen, nheads, causal=causal)
+    assert not lp.mode.dynamic and lp.constexprs["DYNAMIC"] is False
+
+
+def test_decode_modes_keep_the_static_deal():
+    assert not prefill_plan(8, 4096, 32, True, nheads_kv=8, seqused=True).mode.dynamic
+    assert not prefill_plan(8, 4096, 32, True, nheads_kv=8, kv_batch=True).mode.dynamic
+    split = prefill_plan(1, 1, 32, True, seqlen_k=65536, nheads_kv=8, num_splits=0, pack_gqa=None)
+    assert split.mode.split and not split.mode.dynamic
+
+
+def test_varlen_always_takes_the_dynamic_order():
+    cfg = plan.CONFIGS[128]
+    for batch, max_q in [(16, 8192), (2, 1), (1, 100)]:
+        lp = plan._plan_varlen.__wrapped__(0, torch.bfloat16, batch, max_q, max_q, 32, 4, cfg, False, False, True,
+                                           False)
+        items = plan.work_items(batch, 32, max_q, cfg)
+        assert lp.mode.dynamic and (lp.n_ctas, lp.pair) == (min(SMS, items), 1)
+
+
+def test_l2_section_holds_32_mb_of_kv_per_section():
+    # bf16, D=128: one KV head of S keys is S * 512 bytes of K and V.
+    assert plan.l2_section(8192, 128, 2, 1) == 8     # 4 MB per head
+    assert plan.l2_section(8192, 128, 2, 4) == 32    # GQA 32/8: four query heads read each KV head
+    assert plan.l2_section(12345, 128, 2, 1) == 4    # 6 MB: 5 would fit, rounded down to a power of two
+    assert plan.l2_section(2048, 64, 2, 1) == 64     # 0.5 MB per head
+    assert plan.l2_section(10**7, 256, 2, 1) == 1    # never less than one head
+    assert plan.l2_section(0, 128, 2, 1) >= 1
+
+
+def test_dynamic_launch_gets_a_fresh_zeroed_counter_and_the_section(monkeypatch):
+    from hopper_flash.kernels import forward as fk
+
+    launches = []
+    names = fk.attention_forward_kernel.arg_names
+
+    class FakeJIT:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, dict(zip(names, args)), kwargs))
+            return launch
+
+    monkeypatch.setattr(fk, "attention_forward_kernel", FakeJIT())
+    monkeypatch.setattr(plan, "_COMPILED", {})
+    monkeypatch.setattr(plan, "_plan_launch", plan._plan_launch.__wrapped__)
+    q = torch.randn(2, 2048, 16, 128).to(torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    for _ in range(2):
+        plan.launch_forward(q, k, v, torch.empty_like(q), None, 0.1, True)
+    (grid0, a0, kw0), (grid1, a1, kw1) = launches
+    assert kw0["DYNAMIC"] is True and grid0 == (SMS, 1, 1)
+    for a in (a0, a1):
+        assert a["sched_ptr"].dtype == torch.int32 and a["sched_ptr"].shape == (1,)
+        assert int(a["sched_ptr"][0]) == 0
+        assert a["section"] == plan.l2_section(2048, 128, 2, 1)
+    # Never one counter shared by two launches (streams, graphs).
+    assert a0["sched_ptr"] is not a1["sched_ptr"]
+
+
+def test_backward_grid_is_one_axis_in_l2_sections():
+    from hopper_flash import plan_backward as pb
+
+    cfg = pb.BACKWARD_CONFIGS[128]
+    assert pb.grid(4, 32, 8192, cfg) == (64 * 32 * 4, 1, 1)  # no 65535 cap on heads or batch any more
+    assert pb.grid(70000, 1, 128, cfg) == (70000, 1, 1)
+    d256 = pb.BACKWARD_CONFIGS[256]
+    assert pb.kv_tiles(300, d256) == -(-300 // d256.block_n) * 2  # two head-dim chunks per KV tile
+    # Q and dO (bf16) and the fp32 dQ accumulator of one KV head's group: 8 MB at S=8192, D=128.
+    assert pb.l2_section(8192, 128, 2, 1) == 4
+    assert pb.l2_section(8192, 128, 2, 4) == 1     # GQA 32/8: 32 MB per KV head
+    assert pb.l2_section(1024, 128, 2, 1) == 32
+    assert pb.l2_section(10**7, 256, 2, 8) == 1
