@@ -52,6 +52,11 @@ class ForwardConfig:
     # (BENCHMARKS.md).
     persistent: bool = True
     maxnreg: int = _LAUNCH_MAXNREG
+    # Items whose Q a persistent CTA holds: with 2, the next item's Q loads
+    # while this one runs, instead of after its last QK (the consumers waited
+    # for it at the start of each item: 5% of B4 H32 S2048 causal, 1% at
+    # S8192, scripts/timeline.py). Only where O keeps a buffer of its own.
+    q_stages: int = 2
 
     @property
     def o_in_q(self) -> bool:
@@ -61,15 +66,20 @@ class ForwardConfig:
         persistent one wants them back for the next item's Q while the
         epilogue runs, which takes a separate buffer where it fits (not
         for head dim 256)."""
-        return not self.persistent or self._tile_bytes(with_o=True) > SMEM_BUDGET_BYTES
+        return not self.persistent or self._tile_bytes(True, self.q_stages) > SMEM_BUDGET_BYTES
 
-    def _tile_bytes(self, with_o: bool, elem_bytes: int = 2) -> int:
-        q_rows = self.block_m * (2 if with_o else 1)
+    @property
+    def q_ring(self) -> int:
+        """Q slots the kernel gets (``Q_STAGES``): one where O is staged in Q's rows."""
+        return 1 if self.o_in_q else self.q_stages
+
+    def _tile_bytes(self, with_o: bool, q_stages: int, elem_bytes: int = 2) -> int:
+        q_rows = self.block_m * (q_stages + (1 if with_o else 0))
         return self.head_dim * elem_bytes * (q_rows + (self.k_stages + self.v_stages) * self.block_n)
 
     def shared_bytes(self, elem_bytes: int = 2) -> int:
-        """Q, the K and V rings, and O unless it is staged in Q's rows."""
-        return self._tile_bytes(with_o=not self.o_in_q, elem_bytes=elem_bytes)
+        """Q's ring, the K and V rings, and O unless it is staged in Q's rows."""
+        return self._tile_bytes(not self.o_in_q, self.q_ring, elem_bytes=elem_bytes)
 
 
 # One entry per supported head dim. D=128 is the seed's configuration.
@@ -155,6 +165,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         VARLEN=mode.varlen,
         SEQUSED_Q=mode.seqused_q,
         DYNAMIC=mode.dynamic,
+        Q_STAGES=cfg.q_ring,
     )
 
 

@@ -16,6 +16,14 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
 
 * ``k-ahead-of-v``: the producer issues K[it + 1] before V[it] (FA3's order,
   shared/notes/fa3-forward.md section 7) instead of K[it], V[it].
+* ``fa3-pingpong``: FA3's ping-pong (section 4 there): the two consumers take
+  turns to issue their steady-state QK + PV pair (two mbarriers pass the
+  turn; the first QK and the last PV of an item stay outside it), in the
+  plain prefill modes.
+* ``timeline``: the consumers write the SM's clock at seven points of each
+  work item into a buffer (plan.TRACE); ``scripts/timeline.py`` runs it and
+  prints where an item's time goes (waiting for Q or the first K, the
+  prologue, the steady steps, the last PV, the epilogue, between items).
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.

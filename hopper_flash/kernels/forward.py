@@ -85,6 +85,21 @@ WG_M = gl.constexpr(64)
 
 
 @gluon.jit
+def _q_slot(q_bars, qi, c):
+    """Index of consumer ``c``'s Q half of this CTA's ``qi``-th item in the Q
+    buffers and barriers: a ring of ``q_bars.shape[0] // 2`` items (with two,
+    the next item's Q loads while this one runs)."""
+    Q_STAGES: gl.constexpr = q_bars.shape[0] // 2
+    return (qi % Q_STAGES) * 2 + c
+
+
+@gluon.jit
+def _q_phase(q_bars, qi):
+    Q_STAGES: gl.constexpr = q_bars.shape[0] // 2
+    return (qi // Q_STAGES) & 1
+
+
+@gluon.jit
 def _item_kv(b, bm, split, seqlen_q, seqlen_k, seqused_ptr, kv_batch_ptr, num_splits,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr,
              SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr):
@@ -245,10 +260,12 @@ def _producer_item(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_emp
         # consumer that finished with its half of the previous item's Q gets
         # the next one without waiting for the other consumer.
         for c in gl.static_range(2):
-            mbarrier.wait(q_empty.index(c), (qi & 1) ^ 1)  # passes on the fresh barrier for qi = 0
-            mbarrier.expect(q_full.index(c), q_desc.block_type.nbytes)
-            tma_load(q_desc, [tb, q_start + (bm * BLOCK_M + c * WG_M) // PACK_G, q_head0, 0], q_full.index(c),
-                     q_smem.index(c))
+            q_idx = _q_slot(q_full, qi, c)
+            # Passes on the fresh barriers for the first pass through the Q ring.
+            mbarrier.wait(q_empty.index(q_idx), _q_phase(q_full, qi) ^ 1)
+            mbarrier.expect(q_full.index(q_idx), q_desc.block_type.nbytes)
+            tma_load(q_desc, [tb, q_start + (bm * BLOCK_M + c * WG_M) // PACK_G, q_head0, 0], q_full.index(q_idx),
+                     q_smem.index(q_idx))
 
         # K and V in separate rings: QK of tile `it` may start while V of tile
         # `it` is still in flight, since PV of `it` only runs one step later.
@@ -335,13 +352,14 @@ def _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, i, kv0, n_
     """A work item whose rows of this warpgroup hold no query row: keep the
     rings turning. Each slot is released only after its load landed, so the
     release lands in the phase the producer waits for."""
-    mbarrier.wait(q_full.index(CID), i & 1)
+    q_idx = _q_slot(q_full, i, CID)
+    mbarrier.wait(q_full.index(q_idx), _q_phase(q_full, i))
     for it in range(n_kv):
         wait_full(k_full, kv0 + it, K_STAGES)
         release(k_empty, kv0 + it, K_STAGES)
         wait_full(v_full, kv0 + it, V_STAGES)
         release(v_empty, kv0 + it, V_STAGES)
-    mbarrier.arrive(q_empty.index(CID), count=1)
+    mbarrier.arrive(q_empty.index(q_idx), count=1)
 
 
 @gluon.jit
@@ -367,11 +385,12 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     n_kv = n_hi - n_lo
-    q = q_smem.index(CID).reshape([WG_M, HEAD_DIM])
+    q_idx = _q_slot(q_full, i, CID)
+    q = q_smem.index(q_idx).reshape([WG_M, HEAD_DIM])
     row0 = bm * BLOCK_M + CID * WG_M
     s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
 
-    mbarrier.wait(q_full.index(CID), i & 1)
+    mbarrier.wait(q_full.index(q_idx), _q_phase(q_full, i))
 
     # ---- QK prologue: the first tile visited (the diagonal; non-causal: the
     # tail tile), always masked. ----
@@ -434,7 +453,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     if not O_IN_Q:
         # Every QK of this item is complete: the producer may load the next
         # item's Q into this half while the last PV and the epilogue run.
-        mbarrier.arrive(q_empty.index(CID), count=1)
+        mbarrier.arrive(q_empty.index(q_idx), count=1)
 
     # ---- Final PV, overlapped with the row-sum finalisation. ----
     wait_full(v_full, kv0 + n_kv - 1, V_STAGES)
@@ -460,7 +479,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
         lse_off = ((split * batch + b) * num_heads + lse_head).to(gl.int64) * seqlen_q + lse_q
         gl.store(lse_part_ptr + lse_off, lse, mask=lse_q < seqlen_q)
         if O_IN_Q:
-            mbarrier.arrive(q_empty.index(CID), count=1)
+            mbarrier.arrive(q_empty.index(q_idx), count=1)
     elif VARLEN:
         # ---- Varlen epilogue: O into the sequence's rows only (``o_part_ptr``
         # is O, contiguous THD; a TMA box would overwrite the neighbour's
@@ -470,7 +489,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
         # 16-byte vectors of whole rows: straight from the wgmma layout each
         # thread would hold pairs of columns and issue 4-byte stores. ----
         if O_IN_Q:
-            o_half = q_smem.index(CID)
+            o_half = q_smem.index(q_idx)
         else:
             o_half = o_smem.index(CID)
         o_rows_smem = o_half.reshape([WG_M, HEAD_DIM])
@@ -489,7 +508,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
             # The next item's Q lands in these rows by TMA (the async proxy)
             # after the release: order this warpgroup's reads before it.
             fence_async_shared()
-            mbarrier.arrive(q_empty.index(CID), count=1)
+            mbarrier.arrive(q_empty.index(q_idx), count=1)
     else:
         # ---- Epilogue: registers -> shared memory -> TMA store (clipped at seqlen_q). ----
         if O_IN_Q:
@@ -497,7 +516,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
             # above, and the other warpgroup never reads them. This is what lets
             # head dim 256 fit in shared memory. The rows hold Q again only after
             # the store has read them.
-            o_half = q_smem.index(CID)
+            o_half = q_smem.index(q_idx)
         else:
             # A buffer of its own; the previous item's store from it must be done.
             o_half = o_smem.index(CID)
@@ -512,7 +531,7 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
 
         if O_IN_Q:
             tma.store_wait(0)
-            mbarrier.arrive(q_empty.index(CID), count=1)
+            mbarrier.arrive(q_empty.index(q_idx), count=1)
 
 
 @gluon.jit
@@ -608,9 +627,10 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr,
                              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr,
                              VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
-                             DYNAMIC: gl.constexpr = False):
+                             DYNAMIC: gl.constexpr = False, Q_STAGES: gl.constexpr = 1):
     gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
     gl.static_assert(not DYNAMIC or (PERSISTENT and not SPLIT), "the dynamic order runs a persistent grid, no split")
+    gl.static_assert(Q_STAGES == 1 or not O_IN_Q, "O staged in Q's rows leaves no room for a second Q")
     gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH or PAGE_SIZE > 0)),
                      "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle the two warpgroups")
@@ -622,8 +642,10 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # partition walks the same items in the same order.
     total_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M) * num_splits * (num_heads // PACK_G) * batch
 
-    # Q as two [1, 64, 1, D] halves (packed: [1, 64 / G, G, D]), one per consumer warpgroup.
-    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    # Q as two [1, 64, 1, D] halves (packed: [1, 64 / G, G, D]), one per
+    # consumer warpgroup, for Q_STAGES items: half c of the item in slot j is
+    # buffer 2j + c (_q_slot).
+    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
     if O_IN_Q or SPLIT:
@@ -631,16 +653,16 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     else:
         o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
 
-    # q_full[c] / q_empty[c]: Q half c landed / consumer c is done with it.
-    q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # q_full[2j + c] / q_empty[2j + c]: Q half c of slot j landed / consumer c is done with it.
+    q_full = gl.allocate_shared_memory(gl.int64, [2 * Q_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_STAGES, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2):
+    for c in gl.static_range(2 * Q_STAGES):
         mbarrier.init(q_full.index(c), count=1)  # the producer's expect-tx arrive
-        mbarrier.init(q_empty.index(c), count=1)  # consumer c's arrive
+        mbarrier.init(q_empty.index(c), count=1)  # the consumer's arrive
     for i in gl.static_range(K_STAGES):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
