@@ -10,10 +10,13 @@ A CTA runs three partitions (``gl.warp_specialize``), each walking the same
 items:
 
 * the **producer** (1 warp, few registers) only issues TMA loads: each item's
-  Q, then its K and V tiles into two separate rings of ``K_STAGES`` /
-  ``V_STAGES`` slots, each slot guarded by a *full* barrier (the load landed)
-  and an *empty* barrier (both consumers are done with it). The rings' slot
-  order runs on across items;
+  Q, into a ring of ``Q_STAGES`` items (two where shared memory allows, so
+  the next item's Q lands while this one runs), then its K and V tiles into
+  two separate rings of ``K_STAGES`` / ``V_STAGES`` slots, each slot guarded
+  by a *full* barrier (the load landed) and an *empty* barrier (both
+  consumers are done with it). The rings' slot order runs on across items.
+  In the dynamic order (``DYNAMIC``, scheduler.py) it also draws each CTA's
+  next item and hands it to the consumers;
 * two **consumers** (one warpgroup each, most of the registers) own 64 query
   rows each. They are the same function with ``CID`` 0 and 1; neither waits
   for the other, so their softmax phases drift apart and overlap the other's

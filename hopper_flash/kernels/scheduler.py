@@ -21,9 +21,11 @@ query rows of every head of the group). Without split-KV there is one split.
   varlen): a CTA's first item is its program id; each later one comes from an
   atomic counter that the host zeroes per call (``next = counter++ + grid``),
   so a CTA that drew short items draws more, and the last wave is made of the
-  shortest ones. A static deal loses up to one item pair per CTA to that last
-  wave: 2-5% of causal prefill (3% at S=8192, where 4096 pairs fill 31 rounds
-  of 132 and 4 CTAs run a 32nd). Items are numbered longest first inside L2
+  shortest ones. A static deal can lose up to one item pair per CTA to that
+  last wave (a simulation said 2-5% of causal prefill); on the H200 the
+  dynamic order measured 3% faster at B4 H32 S2048 and B2 H16 S12345, under
+  1% at S8192, and took the mixed-length varlen forward from 0.81x to 1.05x
+  FA3's (BENCHMARKS.md, fifth session). Items are numbered longest first inside L2
   *sections*: the (batch, head) pairs are cut into runs of ``section`` heads
   (as many as keep their K and V in L2), and inside a section the head runs
   fastest, then the query tile, from the last (longest causal) tile down.
