@@ -263,13 +263,18 @@ def choose_dynamic(items: int, n_tiles: int, causal: bool, varlen: bool, sms: in
 L2_SECTION_BYTES = 32 * 1024 * 1024
 
 
+def heads_in_l2(head_bytes: int) -> int:
+    """The largest power of two of heads whose ``head_bytes`` each fit in
+    ``L2_SECTION_BYTES`` together; at least 1."""
+    fit = max(1, L2_SECTION_BYTES // max(1, head_bytes))
+    return 1 << (fit.bit_length() - 1)
+
+
 def l2_section(seqlen_k: int, head_dim: int, elem_bytes: int, group: int) -> int:
-    """Query heads per section of the dynamic order: the largest power of two
-    of KV heads whose K and V fit in ``L2_SECTION_BYTES``, times the heads
-    that share one KV head (they read the same K and V)."""
-    kv_head_bytes = max(1, seqlen_k) * 2 * head_dim * elem_bytes
-    fit = max(1, L2_SECTION_BYTES // kv_head_bytes)
-    return (1 << (fit.bit_length() - 1)) * group
+    """Query heads per section of the dynamic order: as many KV heads as keep
+    their K and V in L2 (``heads_in_l2``), times the heads that share one KV
+    head (they read the same K and V)."""
+    return heads_in_l2(max(1, seqlen_k) * 2 * head_dim * elem_bytes) * group
 
 
 def choose_num_splits(tiles: int, n_blocks: int, sms: int) -> int:

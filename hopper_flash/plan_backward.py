@@ -140,11 +140,9 @@ def grid(batch: int, nheads_kv: int, seqlen_k: int, cfg: BackwardConfig) -> tupl
 
 def l2_section(seqlen_q: int, head_dim: int, elem_bytes: int, group: int) -> int:
     """(batch, KV head) pairs per L2 section of the grid order: as many as
-    keep what their CTAs all re-read in ``plan.L2_SECTION_BYTES``: the group's
+    keep what their CTAs all re-read in L2 (``plan.heads_in_l2``): the group's
     Q and dO rows and its fp32 dQ accumulator (a power of two, at least 1)."""
-    head_bytes = max(1, seqlen_q) * head_dim * (2 * elem_bytes + 4) * group
-    fit = max(1, plan.L2_SECTION_BYTES // head_bytes)
-    return 1 << (fit.bit_length() - 1)
+    return plan.heads_in_l2(max(1, seqlen_q) * head_dim * (2 * elem_bytes + 4) * group)
 
 
 @dataclass(frozen=True)

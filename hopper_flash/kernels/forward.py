@@ -315,17 +315,24 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k
     n_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M)
     kv0 = 0  # K/V loads issued for earlier work items: the rings' running order
     qi = 0  # work items run so far (VARLEN skips items past their sequence): the Q barriers' phase
+    # This CTA's items: the dynamic order's first is its program id and the
+    # next ones are drawn here; the static deal's i-th is item i of its deal.
     if DYNAMIC:
         item = gl.program_id(0)
-        i = 0
-        while item < total_tiles:
-            bm, split, h, b = _item_at(i, item, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
-                                       PERSISTENT, DYNAMIC)
-            kv0, qi = _producer_item(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full,
-                                     k_empty, v_full, v_empty, seqused_ptr, kv_batch_ptr, page_table_ptr,
-                                     page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, kv_group,
-                                     num_splits, bm, split, h, b, kv0, qi, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES,
-                                     IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q)
+        limit = total_tiles
+    else:
+        item = gl.program_id(0) * 0
+        limit = local_tile_count(total_tiles, pair, PERSISTENT)
+    i = 0
+    while item < limit:
+        bm, split, h, b = _item_at(i, item, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
+                                   PERSISTENT, DYNAMIC)
+        kv0, qi = _producer_item(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty,
+                                 v_full, v_empty, seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride, cu_q_ptr,
+                                 cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, kv_group, num_splits, bm, split, h, b,
+                                 kv0, qi, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH,
+                                 PAGE_SIZE, VARLEN, SEQUSED_Q)
+        if DYNAMIC:
             # The next item is drawn once this one's loads are issued: the
             # consumers need it only after this item's epilogue.
             item = draw_item(sched_ptr)
@@ -337,16 +344,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k
                     skip = _no_rows(item, total_tiles, n_tiles, seqlen_q, num_heads, batch, section, cu_q_ptr,
                                     used_q_ptr, BLOCK_M, SEQUSED_Q)
             publish_item(item, sched_smem, sched_full, sched_empty, i)
-            i += 1
-    else:
-        for i in range(local_tile_count(total_tiles, pair, PERSISTENT)):
-            bm, split, h, b = _item_at(i, i, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
-                                       PERSISTENT, DYNAMIC)
-            kv0, qi = _producer_item(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full,
-                                     k_empty, v_full, v_empty, seqused_ptr, kv_batch_ptr, page_table_ptr,
-                                     page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, kv_group,
-                                     num_splits, bm, split, h, b, kv0, qi, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES,
-                                     IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q)
+        else:
+            item = i + 1
+        i += 1
 
 
 @gluon.jit
@@ -585,30 +585,28 @@ def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, 
     n_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M)
     kv0 = 0
     qi = 0  # items run (see _producer)
+    # This CTA's items, as the producer walks them (see there).
     if DYNAMIC:
         item = gl.program_id(0)
-        i = 0
-        while item < total_tiles:
-            bm, split, h, b = _item_at(i, item, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
-                                       PERSISTENT, DYNAMIC)
-            kv0, qi = _consumer_item(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full,
-                                     v_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr,
-                                     cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads, kv_group, batch,
-                                     num_splits, qk_scale, softmax_scale, total_q, bm, split, h, b, kv0, qi,
-                                     CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
-                                     O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN, SEQUSED_Q)
-            item = receive_item(sched_smem, sched_full, sched_empty, i)
-            i += 1
+        limit = total_tiles
     else:
-        for i in range(local_tile_count(total_tiles, pair, PERSISTENT)):
-            bm, split, h, b = _item_at(i, i, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
-                                       PERSISTENT, DYNAMIC)
-            kv0, qi = _consumer_item(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full,
-                                     v_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr,
-                                     cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads, kv_group, batch,
-                                     num_splits, qk_scale, softmax_scale, total_q, bm, split, h, b, kv0, qi,
-                                     CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE,
-                                     O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN, SEQUSED_Q)
+        item = gl.program_id(0) * 0
+        limit = local_tile_count(total_tiles, pair, PERSISTENT)
+    i = 0
+    while item < limit:
+        bm, split, h, b = _item_at(i, item, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
+                                   PERSISTENT, DYNAMIC)
+        kv0, qi = _consumer_item(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                                 o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr,
+                                 cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits,
+                                 qk_scale, softmax_scale, total_q, bm, split, h, b, kv0, qi, CID, BLOCK_M, BLOCK_N,
+                                 HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, O_IN_Q, PACK_G, SPLIT, SEQUSED,
+                                 KV_BATCH, VARLEN, SEQUSED_Q)
+        if DYNAMIC:
+            item = receive_item(sched_smem, sched_full, sched_empty, i)
+        else:
+            item = i + 1
+        i += 1
     tma.store_wait(0)
 
 
