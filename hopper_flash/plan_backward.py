@@ -8,7 +8,7 @@ up to the query tile):
 * ``dq_accum``: fp32 ``[B, H, Sq_r, D]``, where the KV-tile CTAs sum dQ
   (twice the size of a bf16 dQ);
 * ``lse2`` and ``delta``: fp32 ``[B, H, Sq_r]`` each;
-* deterministic mode only: int32 semaphores ``[B, H, Sq_r / BLOCK_M, chunks]``.
+* deterministic mode only: int32 semaphores ``[B, H, Sq_r / BLOCK_M]``.
 
 dK and dV need no workspace, also under GQA/MQA: a CTA loops over the query
 heads that share its KV head and keeps their sums in registers.
@@ -25,58 +25,59 @@ from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, _Desc, triton_cdiv
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    """Compile-time shape of one backward specialisation."""
+    """Compile-time shape of one backward specialisation: two consumer
+    warpgroups and a producer warp, every head-dim operand one TMA box wide."""
 
     head_dim: int
     block_m: int = 64  # queries per step (wgmma N of Sᵀ and dPᵀ)
-    num_wg: int = 2  # consumer warpgroups, 64 keys each
-    stages: int = 2  # Q and dO ring depth
-    dq_parts: int = 1  # dQ GEMM in this many column slices (saves registers)
+    stages: int = 2  # Q ring depth (and dO's, unless do_stages)
     producer_regs: int = 24
+    # How the two consumer warpgroups share a step (kernels/backward.py):
+    # False: each owns 64 keys (rows of Sᵀ, dK, dV); True: they share 64
+    # keys, and each owns half the queries of Sᵀ and half the head-dim
+    # columns of dK, dV and dQ (FA3's d-major D=256 scheme, kept row-major).
+    split_d: bool = False
+    do_stages: int = 0  # dO ring depth; 0: the same as ``stages``
 
     @property
     def block_n(self) -> int:
         """Keys per CTA."""
-        return 64 * self.num_wg
+        return 64 if self.split_d else 128
 
     @property
-    def chunk(self) -> int:
-        """Head-dim columns per TMA box and per CTA of output: head dims
-        above 128 are split, each CTA writing one chunk's dK/dV/dQ columns."""
+    def dq_cols(self) -> int:
+        """Columns of the fp32 dQ staging tile (one TMA reduce-add)."""
         return min(self.head_dim, 128)
 
     @property
-    def chunks(self) -> int:
-        return self.head_dim // self.chunk
+    def do_ring(self) -> int:
+        return self.do_stages or self.stages
 
-    @property
-    def num_warps(self) -> int:
-        return 4 * self.num_wg
-
-    @property
-    def maxnreg(self) -> int:
-        # 65536 registers over the consumer warps plus the producer warp's
-        # warpgroup, rounded down to 8; setmaxnreg then moves them.
-        return min(65536 // (128 * (self.num_wg + 1)) // 8 * 8, 240)
+    num_warps = 8  # the two consumer warpgroups (the producer warp is a worker)
+    # 65536 registers over the consumer warps plus the producer warp's
+    # warpgroup, rounded down to 8; setmaxnreg then moves them.
+    maxnreg = 65536 // (128 * 3) // 8 * 8
 
     def shared_bytes(self, elem_bytes: int = 2) -> int:
-        """K, V, the Q and dO rings, two dSᵀ stages, the fp32 dQ staging and
-        the L2/Δ rings."""
+        """K, V, the Q and dO rings, two [keys, queries] tiles (dSᵀ stages,
+        or Pᵀ and dSᵀ), the fp32 dQ staging and the L2/Δ rings."""
         d, bm, bn = self.head_dim, self.block_m, self.block_n
-        return (elem_bytes * (2 * bn * d + 2 * self.stages * bm * d + 2 * bn * bm)
-                + 4 * bm * self.chunk + 2 * 4 * self.stages * bm)
+        return (elem_bytes * (2 * bn * d + (self.stages + self.do_ring) * bm * d + 2 * bn * bm)
+                + 4 * bm * self.dq_cols + 4 * (self.stages + self.do_ring) * bm)
 
 
-# - 64, 128: FA3's D=128 causal shape, 128 keys x 64 queries, two warpgroups.
-# - 256: dK + dV of 128 keys x 256 columns would take 256 registers per
-#   thread, and K + V + Q + dO alone 192 KB. So one warpgroup owns 64 keys,
-#   Q/dO have one stage, and each CTA writes half the head dim's gradients
-#   while recomputing the full-width Sᵀ and dPᵀ: 1.4x the GEMM work, and no
-#   prefetch of the next Q/dO (slower, correct).
+# - 64, 128: FA3's D=128 causal shape, 128 keys x 64 queries, each of the two
+#   warpgroups owning 64 keys (their dK and dV rows stay in registers).
+# - 256: 128 keys' dK + dV would take 256 registers per thread. So a CTA owns
+#   64 keys, and its two warpgroups split the head dim of dK, dV and dQ
+#   (FA3 computes dKᵀ and dVᵀ, d-major, to the same end): 128 registers for
+#   dK + dV, and no GEMM work done twice. Pᵀ then goes through shared memory
+#   (each warpgroup needs all of it), and K + V + two Q stages + one dO stage
+#   + half of dQ's fp32 staging fill 209 KB (FA3 also has 2 Q, 1 dO stages).
 BACKWARD_CONFIGS: dict[int, BackwardConfig] = {
     64: BackwardConfig(head_dim=64),
     128: BackwardConfig(head_dim=128),
-    256: BackwardConfig(head_dim=256, num_wg=1, stages=1, dq_parts=2),
+    256: BackwardConfig(head_dim=256, stages=2, do_stages=1, split_d=True),
 }
 BACKWARD_HEAD_DIMS = tuple(sorted(BACKWARD_CONFIGS))
 
@@ -94,10 +95,10 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
         BLOCK_N=cfg.block_n,
         HEAD_DIM=cfg.head_dim,
         STAGES=cfg.stages,
+        DO_STAGES=cfg.do_ring,
         IS_CAUSAL=bool(causal),
         DETERMINISTIC=bool(deterministic),
-        NUM_WG=cfg.num_wg,
-        DQ_PARTS=cfg.dq_parts,
+        SPLIT_D=cfg.split_d,
         PRODUCER_REGS=cfg.producer_regs,
         VARLEN=bool(varlen),
         SEQUSED_Q=bool(seqused_q),
@@ -107,9 +108,9 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
 
 def block_shapes(cfg: BackwardConfig) -> dict[str, list[int]]:
     """TMA boxes over the rank-4 ``[B, S, H, D]`` views (see plan.block_shapes)."""
-    q = [1, cfg.block_m, 1, cfg.chunk]
-    kv = [1, cfg.block_n, 1, cfg.chunk]
-    return {"q": q, "k": kv, "v": kv, "do": q, "dk": kv, "dv": kv, "dq_accum": [cfg.block_m, cfg.chunk],
+    q = [1, cfg.block_m, 1, cfg.head_dim]
+    kv = [1, cfg.block_n, 1, cfg.head_dim]
+    return {"q": q, "k": kv, "v": kv, "do": q, "dk": kv, "dv": kv, "dq_accum": [cfg.block_m, cfg.dq_cols],
             "lse2": [cfg.block_m], "delta": [cfg.block_m]}
 
 
@@ -127,12 +128,12 @@ def _fp32_descriptor(t: torch.Tensor, block_shape: list[int]):
 
 
 def kv_tiles(seqlen_k: int, cfg: BackwardConfig) -> int:
-    """CTAs per (batch, KV head): KV tiles x head-dim chunks."""
-    return triton_cdiv(seqlen_k, cfg.block_n) * cfg.chunks
+    """CTAs per (batch, KV head): one per KV tile."""
+    return triton_cdiv(seqlen_k, cfg.block_n)
 
 
 def grid(batch: int, nheads_kv: int, seqlen_k: int, cfg: BackwardConfig) -> tuple[int, int, int]:
-    """One CTA per (KV tile x head-dim chunk, KV head, batch), all on axis 0
+    """One CTA per (KV tile, KV head, batch), all on axis 0
     (the kernel orders them, longest first in L2 sections). Varlen:
     ``seqlen_k`` is ``max_seqlen_k``, ``batch`` the number of sequences."""
     return (kv_tiles(seqlen_k, cfg) * nheads_kv * batch, 1, 1)
@@ -239,8 +240,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     lse2 = torch.empty_like(delta)
     dq_accum = torch.zeros(rows + (head_dim,), dtype=torch.float32, device=dev)
     if deterministic:
-        sem = torch.zeros(rows[:-1] + (seqlen_q_rounded // cfg.block_m, cfg.chunks), dtype=torch.int32,
-                          device=dev)
+        sem = torch.zeros(rows[:-1] + (seqlen_q_rounded // cfg.block_m,), dtype=torch.int32, device=dev)
     else:
         sem = delta  # never read
     if varlen is None:
@@ -300,7 +300,7 @@ def workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int, deter
     cfg = BACKWARD_CONFIGS[head_dim]
     m_tiles = triton_cdiv(seqlen_q, cfg.block_m)
     rows = batch * nheads * m_tiles * cfg.block_m
-    return 4 * rows * (head_dim + 2) + (4 * batch * nheads * m_tiles * cfg.chunks if deterministic else 0)
+    return 4 * rows * (head_dim + 2) + (4 * batch * nheads * m_tiles if deterministic else 0)
 
 
 __all__ = ["BackwardConfig", "BACKWARD_CONFIGS", "BACKWARD_HEAD_DIMS", "block_shapes", "grid",

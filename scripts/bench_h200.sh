@@ -27,13 +27,16 @@ json.dump([c for c in r if c.get('dtype', 'bf16') == 'bf16'], open('$out/prefill
       bench --config benchmarks/decode.json --cuda-graph \
         --backends hopper_flash hopper_flash-kvcache fa3 fa3-kvcache sdpa-cudnn --json "$out/decode-graph.json"
       bench --config benchmarks/decode.json --backends hopper_flash-kvcache fa3-kvcache --json "$out/decode-plain.json" ;;
-    bwd)  # issue 11's anchors (backward only), then D64/D256/GQA at S=8192
+    bwd)  # issue 11's anchors (backward only), then GQA, D64 and D256 at S=8192 (causal and not)
       bench --pass bwd --seqlen 2048 8192 --backends hopper_flash fa3 sdpa-cudnn sdpa-flash --memory --json "$out/bwd-causal.json"
       bench --pass bwd --seqlen 8192 --no-causal --backends hopper_flash fa3 sdpa-cudnn sdpa-flash --json "$out/bwd-full.json"
       bench --pass bwd --seqlen 1024 --batch 16 --heads 16 --backends hopper_flash fa3 sdpa-cudnn sdpa-flash --json "$out/bwd-b16.json"
       bench --pass bwd --seqlen 8192 --kv-heads 8 --backends hopper_flash fa3 sdpa-cudnn --json "$out/bwd-gqa.json"
       bench --pass bwd --seqlen 8192 --headdim 64 --backends hopper_flash fa3 sdpa-cudnn --json "$out/bwd-d64.json"
-      bench --pass bwd --seqlen 8192 --headdim 256 --heads 16 --backends hopper_flash fa3 sdpa-cudnn --json "$out/bwd-d256.json" ;;
+      bench --pass bwd --seqlen 8192 --headdim 64 --no-causal --backends hopper_flash fa3 sdpa-cudnn --json "$out/bwd-d64-full.json"
+      bench --pass bwd --seqlen 8192 --headdim 256 --heads 16 --backends hopper_flash fa3 sdpa-cudnn --json "$out/bwd-d256.json"
+      bench --pass bwd --seqlen 8192 --headdim 256 --heads 16 --no-causal --backends hopper_flash fa3 sdpa-cudnn \
+        --json "$out/bwd-d256-full.json" ;;
     varlen)  # issue 12's mixed batch: 16 sequences, lengths uniform in 512..8192, causal, GQA 32/8
       bench --varlen 512:8192 --batch 16 --json "$out/varlen.json" ;;
     *) echo "unknown block $block" >&2; exit 2 ;;

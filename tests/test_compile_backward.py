@@ -9,13 +9,14 @@ from hopper_flash import compile_check, compile_check_backward as ccb
 from hopper_flash.plan_backward import BACKWARD_CONFIGS
 
 SPECS = list(ccb.shipped_specialisations())
-# Stack bytes tolerated per head dim. D=128: ptxas keeps a few loop-carried
-# scalars (loop bounds, head index) on the stack, 16-24 bytes outside the
-# per-step work. D=256 (one warpgroup holding 64 keys x 128 columns of both dK
-# and dV) spills 56-144 bytes, 496 in deterministic mode: a known cost of the
-# slow-but-correct D=256 scheme (plan_backward.BACKWARD_CONFIGS), pinned here
-# so that it cannot grow unnoticed.
-STACK_ALLOWANCE = {64: 0, 128: 32, 256: 512}
+# Stack bytes tolerated per (head dim, deterministic). D=128: ptxas keeps a
+# few loop-carried scalars (loop bounds, head index) on the stack, 16-24
+# bytes outside the per-step work; D=256 8 bytes causal. D=256's
+# deterministic mode spills 280-312 bytes around the semaphore spin (dK, dV
+# and both dQ halves are live there), a cost of the slow mode pinned here so
+# that it cannot grow unnoticed.
+STACK_ALLOWANCE = {(64, False): 0, (64, True): 0, (128, False): 32, (128, True): 32, (256, False): 16,
+                   (256, True): 320}
 
 
 def spec_id(spec):
@@ -41,7 +42,8 @@ def test_specialisations_cover_the_configs():
 
 def test_no_tile_spills(report):
     assert report.local_bytes == 0
-    assert report.stack_bytes <= STACK_ALLOWANCE[report.head_dim], f"stack frame {report.stack_bytes} bytes"
+    allowance = STACK_ALLOWANCE[report.head_dim, report.write_lse]  # census records det as write_lse
+    assert report.stack_bytes <= allowance, f"stack frame {report.stack_bytes} bytes"
 
 
 def test_hopper_instructions(report):
@@ -61,6 +63,5 @@ def test_shared_memory_fits(report):
 
 
 def test_register_split(report):
-    consumer = 240 if report.head_dim <= 128 else 256
-    assert f"setmaxnreg.inc.sync.aligned.u32 \t{consumer}" in report.ptx
+    assert "setmaxnreg.inc.sync.aligned.u32 \t240" in report.ptx
     assert "setmaxnreg.dec.sync.aligned.u32 \t24" in report.ptx

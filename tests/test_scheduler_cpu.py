@@ -110,7 +110,7 @@ def test_backward_grid_is_one_axis_in_l2_sections():
     assert pb.grid(4, 32, 8192, cfg) == (64 * 32 * 4, 1, 1)  # no 65535 cap on heads or batch any more
     assert pb.grid(70000, 1, 128, cfg) == (70000, 1, 1)
     d256 = pb.BACKWARD_CONFIGS[256]
-    assert pb.kv_tiles(300, d256) == -(-300 // d256.block_n) * 2  # two head-dim chunks per KV tile
+    assert d256.block_n == 64 and pb.kv_tiles(300, d256) == 5  # one CTA per 64-key tile, all 256 columns
     # Q and dO (bf16) and the fp32 dQ accumulator of one KV head's group: 8 MB at S=8192, D=128.
     assert pb.l2_section(8192, 128, 2, 1) == 4
     assert pb.l2_section(8192, 128, 2, 4) == 1     # GQA 32/8: 32 MB per KV head

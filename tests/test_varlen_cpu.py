@@ -669,8 +669,8 @@ def test_backward_varlen_fast_launch_binds_what_the_jit_binds(monkeypatch, d, de
     assert fast[names.index("stride_kv_row")] == k.stride(0) and fast[names.index("stride_kv_head")] == k.stride(1)
     assert fast[names.index("seqlen_q_rounded")] == varlen_padded_rows(q.shape[0], 3, 64)
     grid = log[2][1]
-    # One CTA per (KV tile of max_seqlen_k x head-dim chunk, KV head, sequence), all on axis x.
-    tiles = -(-300 // plan_backward.BACKWARD_CONFIGS[d].block_n) * (d // min(d, 128))
+    # One CTA per (KV tile of max_seqlen_k, KV head, sequence), all on axis x.
+    tiles = -(-300 // plan_backward.BACKWARD_CONFIGS[d].block_n)
     assert tuple(grid) == (tiles * 2 * 3, 1, 1)
     assert fast[names.index("kv_tiles")] == tiles and fast[names.index("batch")] == 3
     kwargs = log[0][3]

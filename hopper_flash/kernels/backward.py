@@ -13,21 +13,29 @@ saved LSE rather than by rerunning the forward. Then
 The scale never multiplies S or dS: it is in ``c``, in dK once after the
 loop, and in dQ in the postprocess (``backward_pre.py``).
 
-One CTA owns one tile of ``BLOCK_N`` (128) keys of one KV head and walks the
+One CTA owns one tile of ``BLOCK_N`` keys of one KV head and walks the
 query tiles that see those keys, for every query head that shares the KV
 head (GQA/MQA: the group's dK and dV sums stay in registers, with no fp32
-workspace and no atomics for them). Three partitions:
+workspace and no atomics for them). Every head-dim operand is one TMA box
+of the whole head dim. Three partitions:
 
 * the **producer** (1 warp, few registers) loads K and V once and then, per
-  step, Q and dO into ``STAGES``-deep rings;
-* the **consumers** are the default partition, 8 warps = two warpgroups.
-  The scores are computed transposed, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ as
-  ``[BLOCK_N keys, BLOCK_M queries]`` tiles with warps ``[8, 1]``: warpgroup
-  ``w`` owns keys ``64w .. 64w + 63``, so the Pᵀ and dSᵀ it holds are the A
-  operands of its own rows of dV += Pᵀ·dO and dK += dSᵀ·Q, fed from
-  registers. dQ = dS·K sums over all 128 keys, so dSᵀ goes through shared
-  memory (two stages), and dQ is split between the warpgroups by head-dim
-  columns (warps ``[4, 2]``).
+  step, Q and dO into rings (``STAGES`` and ``DO_STAGES`` deep);
+* the **consumers** are the default partition, 8 warps = two warpgroups,
+  which share a step in one of two ways (``SPLIT_D``):
+
+  - D <= 128, split keys (``_bwd_consumer_split_keys``, 128 keys): the
+    scores are computed transposed, Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ as
+    ``[BLOCK_N keys, BLOCK_M queries]`` tiles with warps ``[8, 1]``:
+    warpgroup ``w`` owns keys ``64w .. 64w + 63``, so the Pᵀ and dSᵀ it
+    holds are the A operands of its own rows of dV += Pᵀ·dO and
+    dK += dSᵀ·Q, fed from registers. dQ = dS·K sums over all 128 keys, so
+    dSᵀ goes through shared memory (two stages), and dQ is split between
+    the warpgroups by head-dim columns (warps ``[4, 2]``).
+  - D = 256, split head dim (``_bwd_consumer_split_d``, 64 keys): 128 keys'
+    dK and dV would not fit in registers, so both warpgroups share 64 keys
+    and each owns half the head-dim columns of dK, dV and dQ (and half the
+    queries of Sᵀ, dPᵀ); Pᵀ and dSᵀ go through shared memory.
 
 dQ of one query tile gets contributions from every KV tile, i.e. from many
 CTAs: each stages its fp32 share in shared memory and adds it into
@@ -39,7 +47,7 @@ always a prefix ``0 .. k`` (causal masks only keys after the diagonal), and
 of one head's CTAs those with a lower ``n`` are launched first (below), so
 the wait ends.
 
-**Grid order.** One CTA per (KV tile, head-dim chunk, KV head, batch), on
+**Grid order.** One CTA per (KV tile, KV head, batch), on
 grid axis 0 in the forward's dynamic order (``scheduler.section_coords``):
 the (batch, KV head) pairs in L2 sections of ``section``, the head fastest
 inside one, then the KV tile from 0 up. Under a causal mask KV tile 0 is the
@@ -47,13 +55,6 @@ longest (every query tile sees it), so the GPU's block dispatcher, which
 hands out CTAs in order to SMs as they free up, runs the longest first and
 ends on the shortest; with the KV tile fastest, as before, the last heads'
 longest tiles started in the last wave.
-
-Head dims above 128 (256): every head-dim operand lives in 128-column chunks
-(the TMA box), one warpgroup owns 64 keys, and the head dim of the outputs is
-split across CTAs: a CTA computes the full-width Sᵀ and dPᵀ (summing over
-chunks) but writes the dK, dV and dQ columns of one chunk only. That keeps
-dK + dV at 128 registers per thread and K + V at 64 KB, for 1.4x the GEMM work
-(see ``plan_backward.BACKWARD_CONFIGS``).
 
 Masking (bottom-right causal, ``off = seqlen_k − seqlen_q``): key j is
 visible to query i iff ``j <= i + off`` and ``j < seqlen_k``. Query rows past
@@ -155,13 +156,11 @@ def _zero_rows(buf, row0, limit, ROWS: gl.constexpr, COLS: gl.constexpr, NUM_WAR
 
 
 @gluon.jit
-def _zero_tile_tail(bufs, slot, row0, limit, ROWS: gl.constexpr, COLS: gl.constexpr, CHUNKS: gl.constexpr,
-                    NUM_WARPS: gl.constexpr):
-    """``_zero_rows`` over every head-dim chunk of ring slot ``slot``, fenced
-    and synchronised for the wgmmas, when the tile crosses ``limit``."""
+def _zero_tile_tail(bufs, slot, row0, limit, ROWS: gl.constexpr, COLS: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """``_zero_rows`` over ring slot ``slot``, fenced and synchronised for the
+    wgmmas, when the tile crosses ``limit``."""
     if row0 + ROWS > limit:
-        for c in gl.static_range(CHUNKS):
-            _zero_rows(bufs.index(slot * CHUNKS + c).reshape([ROWS, COLS]), row0, limit, ROWS, COLS, NUM_WARPS)
+        _zero_rows(bufs.index(slot).reshape([ROWS, COLS]), row0, limit, ROWS, COLS, NUM_WARPS)
         fence_async_shared()
         thread_barrier()
 
@@ -203,15 +202,13 @@ def _dq_add_in_order(dq_desc, dq_row, dq_col, dq_smem, sem, n):
 def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs, do_bufs, lse2_bufs, delta_bufs,
                   k_bufs, v_bufs, kv_bar, q_full, q_empty, do_full, do_empty,
                   tb, q_start, k_start, stat0, hk, n, m_lo, m_hi, live, kv_group, seqlen_q_rounded,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr):
-    CHUNK: gl.constexpr = k_desc.block_type.shape[3]
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
     # A varlen KV tile past its sequence's keys (``live`` false) loads
     # nothing and computes nothing; the consumers skip the wait too.
     if live:
-        mbarrier.expect(kv_bar, CHUNKS * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
-        for c in gl.static_range(CHUNKS):
-            tma_load(k_desc, [tb, k_start + n * BLOCK_N, hk, c * CHUNK], kv_bar, k_bufs.index(c))
-            tma_load(v_desc, [tb, k_start + n * BLOCK_N, hk, c * CHUNK], kv_bar, v_bufs.index(c))
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma_load(k_desc, [tb, k_start + n * BLOCK_N, hk, 0], kv_bar, k_bufs.index(0))
+        tma_load(v_desc, [tb, k_start + n * BLOCK_N, hk, 0], kv_bar, v_bufs.index(0))
     step = 0
     for g in range(kv_group):
         h = hk * kv_group + g
@@ -220,17 +217,17 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs
             slot = ring_slot(step, STAGES)
             # L2 travels with Q (S needs both), Δ with dO (dS needs both).
             wait_empty(q_empty, step, STAGES)
-            mbarrier.expect(q_full.index(slot), CHUNKS * q_desc.block_type.nbytes + lse2_desc.block_type.nbytes)
-            for c in gl.static_range(CHUNKS):
-                tma_load(q_desc, [tb, q_start + m * BLOCK_M, h, c * CHUNK], q_full.index(slot),
-                         q_bufs.index(slot * CHUNKS + c))
+            mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + lse2_desc.block_type.nbytes)
+            tma_load(q_desc, [tb, q_start + m * BLOCK_M, h, 0], q_full.index(slot), q_bufs.index(slot))
             tma_load(lse2_desc, [stat_row + m * BLOCK_M], q_full.index(slot), lse2_bufs.index(slot))
-            wait_empty(do_empty, step, STAGES)
-            mbarrier.expect(do_full.index(slot), CHUNKS * do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-            for c in gl.static_range(CHUNKS):
-                tma_load(do_desc, [tb, q_start + m * BLOCK_M, h, c * CHUNK], do_full.index(slot),
-                         do_bufs.index(slot * CHUNKS + c))
-            tma_load(delta_desc, [stat_row + m * BLOCK_M], do_full.index(slot), delta_bufs.index(slot))
+            if DO_STAGES == STAGES:
+                do_slot = slot
+            else:
+                do_slot = ring_slot(step, DO_STAGES)
+            wait_empty(do_empty, step, DO_STAGES)
+            mbarrier.expect(do_full.index(do_slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+            tma_load(do_desc, [tb, q_start + m * BLOCK_M, h, 0], do_full.index(do_slot), do_bufs.index(do_slot))
+            tma_load(delta_desc, [stat_row + m * BLOCK_M], do_full.index(do_slot), delta_bufs.index(do_slot))
             step += 1
 
 
@@ -238,40 +235,65 @@ def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs
 def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full, q_empty,
                   do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr, dv_ptr,
                   stride_kv_row, stride_kv_head,
-                  tb, k_start, stat0, hk, n, part, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
+                  tb, k_start, stat0, hk, n, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
                   qk_scale, softmax_scale,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CHUNKS: gl.constexpr,
-                  NUM_WG: gl.constexpr, DQ_PARTS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr):
-    """``part`` is the head-dim chunk whose dK, dV and dQ columns this CTA
-    writes (always 0 unless the head dim is split, ``CHUNKS > 1``). ``lq`` and
-    ``lk`` are this sequence's live lengths (the masks' lengths)."""
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr,
+                  SPLIT_D: gl.constexpr):
+    """The two consumer warpgroups: the keys split between them (D <= 128),
+    or the head dim (SPLIT_D, D = 256). ``lq`` and ``lk`` are this
+    sequence's live lengths (the masks' lengths)."""
+    if SPLIT_D:
+        _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full,
+                              q_empty, do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr,
+                              dv_ptr, stride_kv_row, stride_kv_head,
+                              tb, k_start, stat0, hk, n, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
+                              qk_scale, softmax_scale, BLOCK_M, BLOCK_N, STAGES, DO_STAGES, IS_CAUSAL,
+                              DETERMINISTIC, VARLEN)
+    else:
+        gl.static_assert(DO_STAGES == STAGES, "one ring depth for Q and dO")
+        _bwd_consumer_split_keys(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full,
+                                 q_empty, do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr,
+                                 dv_ptr, stride_kv_row, stride_kv_head,
+                                 tb, k_start, stat0, hk, n, m_lo, m_hi, live, lq, lk, seqlen_q_rounded,
+                                 kv_group, qk_scale, softmax_scale, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
+                                 DETERMINISTIC, VARLEN)
+
+
+@gluon.jit
+def _bwd_consumer_split_keys(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full,
+                             q_empty, do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr, dv_ptr,
+                             stride_kv_row, stride_kv_head,
+                             tb, k_start, stat0, hk, n, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
+                             qk_scale, softmax_scale,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                             IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr):
+    """D <= 128: each warpgroup owns 64 keys, its rows of Sᵀ, dPᵀ, dK and dV."""
     dtype: gl.constexpr = dk_desc.dtype
-    CHUNK: gl.constexpr = dk_desc.block_type.shape[3]
+    HEAD_DIM: gl.constexpr = dk_desc.block_type.shape[3]
     # Sᵀ, dPᵀ: [BLOCK_N keys, BLOCK_M queries], 64 keys per warpgroup.
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * NUM_WG, 1],
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
-    # dK, dV: [BLOCK_N keys, CHUNK], the same 64 keys per warpgroup.
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * NUM_WG, 1],
-                                                        instr_shape=[16, CHUNK, 16])
+    # dK, dV: [BLOCK_N keys, D], the same 64 keys per warpgroup.
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
     # Pᵀ and dSᵀ as register A operands of dV and dK: same thread mapping as
     # st_layout (both are wgmma accumulators with the same warps), so the
     # conversion moves no data.
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    # dQ: [BLOCK_M, CHUNK]; with two warpgroups, warpgroup w computes
-    # columns w·CHUNK/2 ... (w+1)·CHUNK/2 - 1 over all BLOCK_N keys.
-    # With DQ_PARTS > 1, dQ is computed in slices of DQ_W columns.
-    DQ_W: gl.constexpr = CHUNK // DQ_PARTS
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WG],
-                                                        instr_shape=[16, DQ_W // NUM_WG, 16])
+    # dQ: [BLOCK_M, D]; warpgroup w computes columns w·D/2 ... (w+1)·D/2 - 1
+    # over all BLOCK_N keys.
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, HEAD_DIM // 2, 16])
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query
+    NUM_WARPS: gl.constexpr = 8
 
-    k_part = k_bufs.index(part).reshape([BLOCK_N, CHUNK])
+    k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+    v_t = v_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
     st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_W], gl.float32, dq_layout)
-    dk = gl.zeros([BLOCK_N, CHUNK], gl.float32, kv_layout)
-    dv = gl.zeros([BLOCK_N, CHUNK], gl.float32, kv_layout)
-    NUM_WARPS: gl.constexpr = 4 * NUM_WG
+    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
 
     if live:
         mbarrier.wait(kv_bar, 0)
@@ -279,11 +301,8 @@ def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
             # Keys past the sequence: masked in Sᵀ, but dQ = dS·K and
             # dPᵀ = V·dOᵀ would still meet their NaN (see _zero_rows).
             if (n + 1) * BLOCK_N > lk:
-                for c in gl.static_range(CHUNKS):
-                    _zero_rows(k_bufs.index(c).reshape([BLOCK_N, CHUNK]), n * BLOCK_N, lk, BLOCK_N, CHUNK,
-                               NUM_WARPS)
-                    _zero_rows(v_bufs.index(c).reshape([BLOCK_N, CHUNK]), n * BLOCK_N, lk, BLOCK_N, CHUNK,
-                               NUM_WARPS)
+                _zero_rows(k_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
+                _zero_rows(v_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
                 fence_async_shared()
                 thread_barrier()
     step = 0
@@ -293,31 +312,20 @@ def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
         for m in range(m_lo, m_hi):
             slot = ring_slot(step, STAGES)
 
-            # Sᵀ and dPᵀ contract the whole head dim, chunk by chunk.
             wait_full(q_full, step, STAGES)
             if VARLEN:
                 # The last query tile of a varlen sequence reads rows of the
                 # next one (or NaN past seqused): zero them before any product.
-                _zero_tile_tail(q_bufs, slot, m * BLOCK_M, lq, BLOCK_M, CHUNK, CHUNKS, NUM_WARPS)
-            st = warpgroup_mma(k_bufs.index(0).reshape([BLOCK_N, CHUNK]),
-                               q_bufs.index(slot * CHUNKS).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
-                               st_zero, is_async=True)
-            for c in gl.static_range(1, CHUNKS):
-                st = warpgroup_mma(k_bufs.index(c).reshape([BLOCK_N, CHUNK]),
-                                   q_bufs.index(slot * CHUNKS + c).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
-                                   st, is_async=True)
+                _zero_tile_tail(q_bufs, slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
+            q_t = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero, is_async=True)
             wait_full(do_full, step, STAGES)
             if VARLEN:
-                _zero_tile_tail(do_bufs, slot, m * BLOCK_M, lq, BLOCK_M, CHUNK, CHUNKS, NUM_WARPS)
-            dpt = warpgroup_mma(v_bufs.index(0).reshape([BLOCK_N, CHUNK]),
-                                do_bufs.index(slot * CHUNKS).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
-                                st_zero, is_async=True)
-            for c in gl.static_range(1, CHUNKS):
-                dpt = warpgroup_mma(v_bufs.index(c).reshape([BLOCK_N, CHUNK]),
-                                    do_bufs.index(slot * CHUNKS + c).reshape([BLOCK_M, CHUNK]).permute((1, 0)),
-                                    dpt, is_async=True)
+                _zero_tile_tail(do_bufs, slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
+            do_t = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
+            dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
             lse2 = lse2_bufs.index(slot).load(col_layout)
-            st = warpgroup_mma_wait(CHUNKS, deps=[st])
+            st = warpgroup_mma_wait(1, deps=[st])
             if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
                 st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
             pt = gl.exp2(st * qk_scale - lse2[None, :])
@@ -326,10 +334,8 @@ def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
             # dS from fp32 P before any rounding.
             dst = pt * (dpt - delta[None, :])
 
-            q_part = q_bufs.index(slot * CHUNKS + part).reshape([BLOCK_M, CHUNK])
-            do_part = do_bufs.index(slot * CHUNKS + part).reshape([BLOCK_M, CHUNK])
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
-            dv = warpgroup_mma(pt_op, do_part, dv, is_async=True)
+            dv = warpgroup_mma(pt_op, do_t, dv, is_async=True)
 
             dst16 = dst.to(dtype)
             ds_smem = ds_bufs.index(step % 2)
@@ -337,71 +343,218 @@ def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_buf
             fence_async_shared()
             # The previous step's dQ reduce has finished reading dq_smem.
             tma.store_wait(0)
-            # Every warp's part of dSᵀ is in shared memory. With two
-            # warpgroups, passing this barrier also means both finished the
-            # previous step (each waits for all its wgmmas by the end of a
-            # step), so that step's Q and dO slots are free, and the dS stage
-            # written next step is unread.
+            # Every warp's part of dSᵀ is in shared memory. Passing this
+            # barrier also means both warpgroups finished the previous step
+            # (each waits for all its wgmmas by the end of a step), so that
+            # step's Q and dO slots are free, and the dS stage written next
+            # step is unread.
             thread_barrier()
-            if NUM_WG == 2:
-                if step > 0:
-                    release(q_empty, step - 1, STAGES)
-                    release(do_empty, step - 1, STAGES)
+            if step > 0:
+                release(q_empty, step - 1, STAGES)
+                release(do_empty, step - 1, STAGES)
 
             dst_op = gl.convert_layout(dst16, op_layout)
-            if DQ_PARTS == 1:
-                dq = warpgroup_mma(ds_smem.permute((1, 0)), k_part, dq_zero, is_async=True)
-                dk = warpgroup_mma(dst_op, q_part, dk, is_async=True)
-                # dV and dQ are done, dK may still run while dQ goes out.
-                dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
-                dq_smem.store(dq)
-            else:
-                # Registers are short (one warpgroup holds 64 keys x 128
-                # columns of both dK and dV): dQ in column slices, after dK.
-                dk = warpgroup_mma(dst_op, q_part, dk, is_async=True)
-                dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=[dv, dk, pt_op, dst_op])
-                for j in gl.static_range(DQ_PARTS):
-                    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_part.slice(j * DQ_W, DQ_W, dim=1), dq_zero,
-                                       is_async=True)
-                    dq = warpgroup_mma_wait(0, deps=[dq])
-                    dq_smem.slice(j * DQ_W, DQ_W, dim=1).store(dq)
+            dq = warpgroup_mma(ds_smem.permute((1, 0)), k_t, dq_zero, is_async=True)
+            dk = warpgroup_mma(dst_op, q_t, dk, is_async=True)
+            # dV and dQ are done, dK may still run while dQ goes out.
+            dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
+            dq_smem.store(dq)
             fence_async_shared()
             thread_barrier()
             dq_row = (stat_base + m * BLOCK_M).to(gl.int32)
             if DETERMINISTIC:
-                _dq_add_in_order(dq_desc, dq_row, part * CHUNK, dq_smem,
-                                 sem_ptr + (stat_base // BLOCK_M + m) * CHUNKS + part, n)
+                _dq_add_in_order(dq_desc, dq_row, 0, dq_smem, sem_ptr + (stat_base // BLOCK_M + m), n)
             else:
-                tma_atomic_add(dq_desc, [dq_row, part * CHUNK], dq_smem)
+                tma_atomic_add(dq_desc, [dq_row, 0], dq_smem)
             dk, dst_op = warpgroup_mma_wait(0, deps=[dk, dst_op])
-            if NUM_WG == 1:
-                # One warpgroup: its wgmmas are done, nobody else reads the slot.
-                release(q_empty, step, STAGES)
-                release(do_empty, step, STAGES)
             step += 1
 
     # ---- Epilogue: dK (scaled once, here) and dV through K's and V's shared
-    # memory (this CTA's chunk), which no wgmma reads any more, then TMA
-    # stores clipped at seqlen_k. A KV tile that no query sees stores zeros.
+    # memory, which no wgmma reads any more, then TMA stores clipped at
+    # seqlen_k. A KV tile that no query sees stores zeros.
     thread_barrier()
-    k_bufs.index(part).reshape([BLOCK_N, CHUNK]).store((dk * softmax_scale).to(dtype))
-    v_bufs.index(part).reshape([BLOCK_N, CHUNK]).store(dv.to(dtype))
+    k_t.store((dk * softmax_scale).to(dtype))
+    v_t.store(dv.to(dtype))
+    _store_dk_dv(k_bufs, v_bufs, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_kv_row, stride_kv_head, tb, k_start, hk, n,
+                 lk, BLOCK_N, HEAD_DIM, NUM_WARPS, VARLEN)
+
+
+@gluon.jit
+def _store_dk_dv(k_bufs, v_bufs, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_kv_row, stride_kv_head, tb, k_start, hk,
+                 n, lk, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_WARPS: gl.constexpr,
+                 VARLEN: gl.constexpr):
+    """Write the dK and dV tiles the consumers left in K's and V's shared
+    memory (stored, not yet fenced), and wait for the writes."""
     if VARLEN:
         # A TMA box would run into the next sequence's rows, which another CTA
         # writes: plain stores, predicated on the sequence's live keys.
         thread_barrier()
         row0 = k_start + n * BLOCK_N
-        col0 = hk * stride_kv_head + part * CHUNK
-        _store_rows(k_bufs.index(part).reshape([BLOCK_N, CHUNK]), dk_ptr, row0, lk - n * BLOCK_N, stride_kv_row,
-                    col0, BLOCK_N, CHUNK, NUM_WARPS)
-        _store_rows(v_bufs.index(part).reshape([BLOCK_N, CHUNK]), dv_ptr, row0, lk - n * BLOCK_N, stride_kv_row,
-                    col0, BLOCK_N, CHUNK, NUM_WARPS)
+        col0 = hk * stride_kv_head
+        _store_rows(k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]), dk_ptr, row0, lk - n * BLOCK_N, stride_kv_row,
+                    col0, BLOCK_N, HEAD_DIM, NUM_WARPS)
+        _store_rows(v_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]), dv_ptr, row0, lk - n * BLOCK_N, stride_kv_row,
+                    col0, BLOCK_N, HEAD_DIM, NUM_WARPS)
     else:
         fence_async_shared()
         thread_barrier()
-        tma_store(dk_desc, [tb, n * BLOCK_N, hk, part * CHUNK], k_bufs.index(part))
-        tma_store(dv_desc, [tb, n * BLOCK_N, hk, part * CHUNK], v_bufs.index(part))
+        tma_store(dk_desc, [tb, n * BLOCK_N, hk, 0], k_bufs.index(0))
+        tma_store(dv_desc, [tb, n * BLOCK_N, hk, 0], v_bufs.index(0))
     tma.store_wait(0)
+
+
+@gluon.jit
+def _dq_wait_turn(sem, n):
+    """Deterministic mode: block until KV tiles 0 .. n-1 added their dQ shares."""
+    while gl.atomic_add(sem, 0, sem="acquire", scope="gpu") != n:
+        pass
+
+
+@gluon.jit
+def _dq_pass_turn(sem):
+    """Deterministic mode: this CTA's adds are complete in global memory (not
+    merely done reading shared memory): let the next KV tile add."""
+    tma_store_wait_complete()
+    thread_barrier()
+    gl.atomic_add(sem, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full, q_empty,
+                          do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr, dv_ptr,
+                          stride_kv_row, stride_kv_head,
+                          tb, k_start, stat0, hk, n, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
+                          qk_scale, softmax_scale,
+                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                          DO_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                          VARLEN: gl.constexpr):
+    """D = 256: the two warpgroups share the CTA's 64 keys and split the head dim.
+
+    Every head-dim operand is one full-width tile (Q, dO: [64 queries, D];
+    K, V: [64 keys, D]). Per step, for warpgroup ``w``:
+
+    * Sᵀ and dPᵀ ([64 keys, 64 queries], contracting all D columns): the
+      warpgroup computes queries ``32w .. 32w + 31``;
+    * Pᵀ and dSᵀ go to shared memory (``ds_bufs`` 0 and 1): each warpgroup
+      needs all 64 queries of them as the A operand of
+    * dV += Pᵀ·dO and dK += dSᵀ·Q ([64 keys, D]), of which the warpgroup
+      computes columns ``w·D/2 .. (w+1)·D/2 - 1``, and dQ = dS·K, in two
+      halves of D/2 columns (each split between the warpgroups), each staged
+      in fp32 and added into ``dq_accum`` with a TMA reduce-add.
+
+    dK and dV of 64 keys x 256 columns are 128 registers per thread, and no
+    column is computed twice. dO is released once both warpgroups' dV
+    wgmmas are done, while dK and dQ still run, so its next tile loads under
+    them (one dO stage; Q has two). Measured alternatives (BENCHMARKS.md,
+    sixth session): 128-column chunks for every operand (each warpgroup
+    computing half of each chunk) ran at the same speed; dQ as fp32
+    reductions from registers instead of the staging tile (FA3's D = 256
+    path) was 17% slower."""
+    dtype: gl.constexpr = dk_desc.dtype
+    HEAD_DIM: gl.constexpr = dk_desc.block_type.shape[3]
+    NUM_WARPS: gl.constexpr = 8
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, BLOCK_M // 2, 16])
+    # dK, dV ([BLOCK_N, D]) and dQ ([BLOCK_M, D]): half the columns per warpgroup.
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                         instr_shape=[16, HEAD_DIM // 2, 16])
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query
+
+    k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+    v_t = v_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+    # dQ in two halves of DQ_W columns, each through the fp32 staging tile
+    # and a TMA reduce-add (the staging of all D columns would not fit).
+    DQ_W: gl.constexpr = dq_desc.block_type.shape[1]
+    gl.static_assert(2 * DQ_W == HEAD_DIM, "dQ in two halves")
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, DQ_W // 2, 16])
+    pt_smem = ds_bufs.index(0)
+    ds_smem = ds_bufs.index(1)
+    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQ_W], gl.float32, dq_layout)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+
+    if live:
+        mbarrier.wait(kv_bar, 0)
+        if VARLEN:
+            # Keys past the sequence: see _bwd_consumer_split_keys.
+            if (n + 1) * BLOCK_N > lk:
+                _zero_rows(k_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
+                _zero_rows(v_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
+                fence_async_shared()
+                thread_barrier()
+    step = 0
+    for g in range(kv_group):
+        h = hk * kv_group + g
+        stat_base = stat0 + h * seqlen_q_rounded
+        for m in range(m_lo, m_hi):
+            q_slot = ring_slot(step, STAGES)
+            do_slot = ring_slot(step, DO_STAGES)
+            wait_full(q_full, step, STAGES)
+            if VARLEN:
+                _zero_tile_tail(q_bufs, q_slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
+            q_t = q_bufs.index(q_slot).reshape([BLOCK_M, HEAD_DIM])
+            st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero, is_async=True)
+            wait_full(do_full, step, DO_STAGES)
+            if VARLEN:
+                _zero_tile_tail(do_bufs, do_slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
+            do_t = do_bufs.index(do_slot).reshape([BLOCK_M, HEAD_DIM])
+            dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
+            lse2 = lse2_bufs.index(q_slot).load(col_layout)
+            st = warpgroup_mma_wait(1, deps=[st])
+            if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
+                st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
+            pt = gl.exp2(st * qk_scale - lse2[None, :])
+            delta = delta_bufs.index(do_slot).load(col_layout)
+            dpt = warpgroup_mma_wait(0, deps=[dpt])
+            dst = pt * (dpt - delta[None, :])
+            pt_smem.store(pt.to(dtype))
+            ds_smem.store(dst.to(dtype))
+            fence_async_shared()
+            # The previous step's second dQ reduce has finished reading dq_smem.
+            tma.store_wait(0)
+            # Both warpgroups' halves of Pᵀ and dSᵀ are in shared memory (and
+            # both finished the previous step's wgmmas, which read them).
+            thread_barrier()
+
+            dv = warpgroup_mma(pt_smem, do_t, dv, is_async=True)
+            dk = warpgroup_mma(ds_smem, q_t, dk, is_async=True)
+            dq0 = warpgroup_mma(ds_smem.permute((1, 0)), k_t.slice(0, DQ_W, dim=1), dq_zero, is_async=True)
+            dq1 = warpgroup_mma(ds_smem.permute((1, 0)), k_t.slice(DQ_W, DQ_W, dim=1), dq_zero, is_async=True)
+            dv = warpgroup_mma_wait(3, deps=[dv])
+            # Both warpgroups are done with dO: its slot refills under dK and dQ.
+            thread_barrier()
+            release(do_empty, step, DO_STAGES)
+            dk, dq0 = warpgroup_mma_wait(1, deps=[dk, dq0])
+            dq_row = (stat_base + m * BLOCK_M).to(gl.int32)
+            sem = sem_ptr + (stat_base // BLOCK_M + m)
+            if DETERMINISTIC:
+                _dq_wait_turn(sem, n)
+            dq_smem.store(dq0)
+            fence_async_shared()
+            # Also: both warpgroups' dK wgmmas, the last readers of Q, are done.
+            thread_barrier()
+            release(q_empty, step, STAGES)
+            tma_atomic_add(dq_desc, [dq_row, 0], dq_smem)
+            dq1 = warpgroup_mma_wait(0, deps=[dq1])
+            # dQ's first half has been read out of the staging tile.
+            tma.store_wait(0)
+            thread_barrier()
+            dq_smem.store(dq1)
+            fence_async_shared()
+            thread_barrier()
+            tma_atomic_add(dq_desc, [dq_row, DQ_W], dq_smem)
+            if DETERMINISTIC:
+                _dq_pass_turn(sem)
+            step += 1
+
+    # ---- Epilogue, as in _bwd_consumer_split_keys.
+    thread_barrier()
+    k_t.store((dk * softmax_scale).to(dtype))
+    v_t.store(dv.to(dtype))
+    _store_dk_dv(k_bufs, v_bufs, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_kv_row, stride_kv_head, tb, k_start, hk, n,
+                 lk, BLOCK_N, HEAD_DIM, NUM_WARPS, VARLEN)
 
 
 # As in the forward, lengths and head counts are run-time values: one compiled
@@ -414,8 +567,8 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                               seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
                               kv_tiles, batch, section, qk_scale, softmax_scale,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                              STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                              NUM_WG: gl.constexpr, DQ_PARTS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                              STAGES: gl.constexpr, DO_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                              DETERMINISTIC: gl.constexpr, SPLIT_D: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                               VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
                               SEQUSED_K: gl.constexpr = False):
     """VARLEN: q/k/v/dO are THD tensors viewed as ``[1, total, H, D]``,
@@ -424,19 +577,17 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     sequence's keys does nothing), ``seqlen_q_rounded`` the padded total of
     the fp32 buffers, dK/dV written through ``dk_ptr``/``dv_ptr`` with the
     given row and head strides. Otherwise the pointers and strides are unused."""
-    gl.static_assert(BLOCK_N == 64 * NUM_WG, "64 keys per consumer warpgroup")
+    if SPLIT_D:
+        gl.static_assert(BLOCK_N == 64, "SPLIT_D: two warpgroups share 64 keys")
+    else:
+        gl.static_assert(BLOCK_N == 128, "64 keys per consumer warpgroup")
+    gl.static_assert(q_desc.block_type.shape[3] == HEAD_DIM, "every head-dim operand is one TMA box wide")
     dtype: gl.constexpr = q_desc.dtype
-    # Every head-dim operand lives in chunks of CHUNK columns (the TMA box);
-    # with more than one chunk, each CTA writes the gradients of one chunk.
-    CHUNK: gl.constexpr = q_desc.block_type.shape[3]
-    CHUNKS: gl.constexpr = HEAD_DIM // CHUNK
-    # Grid: axis 0 only, (KV tile x head-dim chunk, KV head, batch) in the
-    # section order (module docstring); ``kv_tiles`` = KV tiles x chunks.
-    # Deterministic mode relies on a head's lower tiles starting first.
+    # Grid: axis 0 only, (KV tile, KV head, batch) in the section order
+    # (module docstring). Deterministic mode relies on a head's lower tiles
+    # starting first.
     t, _, hk, b = section_coords(gl.program_id(0), kv_tiles, num_heads // kv_group, batch, section)
-    t = kv_tiles - 1 - t  # section_coords counts tiles down (the forward's longest-first); here 0 is longest
-    n = t // CHUNKS
-    part = t % CHUNKS
+    n = kv_tiles - 1 - t  # section_coords counts tiles down (the forward's longest-first); here 0 is longest
     tb, q_start, k_start, lq, lk, stat0 = bwd_sequence(b, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, seqlen_q,
                                                        seqlen_k, seqlen_q_rounded, num_heads, BLOCK_M, VARLEN,
                                                        SEQUSED_Q, SEQUSED_K)
@@ -445,41 +596,45 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     live = n * BLOCK_N < lk
     m_hi = m_lo + (m_hi - m_lo) * live.to(gl.int32)
 
-    k_bufs = gl.allocate_shared_memory(dtype, [CHUNKS] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [CHUNKS] + v_desc.block_type.shape, v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS] + q_desc.block_type.shape, q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES * CHUNKS] + do_desc.block_type.shape, do_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [DO_STAGES] + do_desc.block_type.shape, do_desc.layout)
     lse2_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + lse2_desc.block_type.shape, lse2_desc.layout)
-    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [DO_STAGES] + delta_desc.block_type.shape,
+                                           delta_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    # Two dSᵀ stages (split keys), or Pᵀ and dSᵀ (SPLIT_D).
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    # fp32 staging of one step's dQ share for the TMA reduce-add.
+    # fp32 staging of one step's dQ share (SPLIT_D: half of it) for the TMA reduce-add.
     dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
 
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_full = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [DO_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_full.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)  # one arrive from the consumer partition
-        mbarrier.init(do_full.index(i), count=1)
-        mbarrier.init(do_empty.index(i), count=1)
+    for i in gl.static_range(max(STAGES, DO_STAGES)):
+        if i < STAGES:
+            mbarrier.init(q_full.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)  # one arrive from the consumer partition
+        if i < DO_STAGES:
+            mbarrier.init(do_full.index(i), count=1)
+            mbarrier.init(do_empty.index(i), count=1)
 
     gl.warp_specialize(
         [
             (_bwd_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full,
                              q_empty, do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr,
                              dv_ptr, stride_kv_row, stride_kv_head,
-                             tb, k_start, stat0, hk, n, part, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
-                             qk_scale, softmax_scale, BLOCK_M, BLOCK_N, STAGES, CHUNKS, NUM_WG, DQ_PARTS,
-                             IS_CAUSAL, DETERMINISTIC, VARLEN)),
+                             tb, k_start, stat0, hk, n, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
+                             qk_scale, softmax_scale, BLOCK_M, BLOCK_N, STAGES, DO_STAGES, IS_CAUSAL,
+                             DETERMINISTIC, VARLEN, SPLIT_D)),
             (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs, do_bufs, lse2_bufs,
                              delta_bufs, k_bufs, v_bufs, kv_bar, q_full, q_empty, do_full, do_empty,
                              tb, q_start, k_start, stat0, hk, n, m_lo, m_hi, live, kv_group, seqlen_q_rounded,
-                             BLOCK_M, BLOCK_N, STAGES, CHUNKS)),
+                             BLOCK_M, BLOCK_N, STAGES, DO_STAGES)),
         ],
         [1],
         [PRODUCER_REGS],
