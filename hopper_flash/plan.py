@@ -488,33 +488,46 @@ def _item_counter(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-_COMBINE: dict[tuple, object] = {}
+# Compiled plain-Triton kernels (the split-KV combine, the backward's pre- and
+# postprocess) by what Triton specialises on: see launch_triton.
+_TRITON_COMPILED: dict[tuple, object] = {}
+
+
+def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, num_warps: int) -> None:
+    """Launch a plain Triton kernel whose integer arguments are all
+    ``do_not_specialize`` (so one compiled kernel serves every value) on the
+    current stream of the first argument's device. As the forward's launch:
+    the first launch of a key goes through Triton's JIT, later ones call the
+    compiled kernel's launcher (``FAST_LAUNCH``, no profiler hook). The key
+    holds what Triton still specialises on: the tensors' dtypes and 16-byte
+    pointer alignment, and the constexprs."""
+    tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+    device = tensors[0].device.index
+    key = (kernel, device, tuple(t.dtype for t in tensors), tuple(t.data_ptr() % 16 == 0 for t in tensors),
+           tuple(constexprs.values()), num_warps)
+    compiled = _TRITON_COMPILED.get(key)
+    if compiled is None or not FAST_LAUNCH or _launch_hooked():
+        _TRITON_COMPILED[key] = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        return
+    stream = driver.active.get_current_stream(device)
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *constexprs.values())
 
 
 def launch_combine(o_part, lse_part, out, lse) -> None:
     """Merge split partials ``o_part`` [splits, B, Sq, H, D] fp32 and
     ``lse_part`` [splits, B, H, Sq] into ``out`` (BSHD, head dim contiguous)
-    and ``lse`` [B, H, Sq] (or None). Like the forward, later launches skip
-    the JIT (the key holds what Triton specialises on: pointer alignment)."""
+    and ``lse`` [B, H, Sq] (or None)."""
+    from .kernels.combine import combine_kernel
+
     num_splits, batch, seqlen_q, nheads, head_dim = o_part.shape
     lse_arg = lse if lse is not None else lse_part
     args = (o_part, lse_part, out, lse_arg, num_splits, batch, seqlen_q, nheads,
             out.stride(0), out.stride(1), out.stride(2))
     constexprs = dict(HEAD_DIM=head_dim, S_MAX=max(16, 1 << (num_splits - 1).bit_length()),
                       WRITE_LSE=lse is not None)
-    num_warps = 1 if head_dim <= 128 else 2
-    key = (out.device.index, out.dtype, tuple(constexprs.values()),
-           tuple(t.data_ptr() % 16 == 0 for t in args[:4]))
-    rows = batch * seqlen_q * nheads
-    kernel = _COMBINE.get(key)
-    if kernel is None or not FAST_LAUNCH or _launch_hooked():
-        from .kernels.combine import combine_kernel
-
-        _COMBINE[key] = combine_kernel[(rows,)](*args, **constexprs, num_warps=num_warps)
-        return
-    stream = driver.active.get_current_stream(out.device.index)
-    kernel.run(rows, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
-               *constexprs.values())
+    launch_triton(combine_kernel, (batch * seqlen_q * nheads, 1, 1), args, constexprs,
+                  num_warps=1 if head_dim <= 128 else 2)
 
 
 @lru_cache(maxsize=4096)

@@ -21,6 +21,7 @@ from functools import lru_cache
 import torch
 
 from . import plan
+from .kernels import backward_pre as _pre
 from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, _Desc, triton_cdiv
 
 @dataclass(frozen=True)
@@ -201,11 +202,10 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     through the compiled kernel's launcher with ``plan._Desc`` arguments,
     where ``FAST_LAUNCH`` (the same triton-version guard) allows and no
     profiler hook is installed. The pre/postprocess kernels are plain Triton
-    kernels whose integer arguments the JIT specialises: they always take the
-    JIT's path.
+    kernels with unspecialised integers, launched the same way
+    (``plan.launch_triton``).
     """
     from .kernels.backward import attention_backward_kernel
-    from .kernels.backward_pre import bwd_postprocess, bwd_preprocess
 
     dev = q.device
     if varlen is None:
@@ -293,6 +293,68 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     else:
         bwd_postprocess(dq_accum, dq, softmax_scale, cfg.block_m,
                         varlen=(varlen.cu_seqlens_q, varlen.seqused_q, batch, varlen.max_seqlen_q))
+
+
+def _strides8(*strides: int) -> tuple[int, ...]:
+    """Strides in units of 8 elements (see the kernels' ``*8`` parameters)."""
+    assert all(st % 8 == 0 for st in strides), strides
+    return tuple(st // 8 for st in strides)
+
+
+def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                   lse2: torch.Tensor, block_m: int, varlen=None) -> None:
+    """Fixed length: BSHD ``out``/``dout``, ``lse [B, H, Sq]``, stats
+    ``[B, H, Sq_r]``. ``varlen = (cu_seqlens_q, seqused_q, batch, max_seqlen_q)``:
+    THD ``out``/``dout``, ``lse [H, total_q]``, stats ``[H, padded_total]``.
+    ``out`` and ``dout`` are TMA-addressable (strides multiples of 16 bytes
+    on every axis of extent above 1)."""
+    block = 64
+    assert block_m % block == 0
+    if varlen is None:
+        batch, seqlen_q, nheads, head_dim = out.shape
+        seqlen_q_rounded = delta.shape[-1]
+        assert seqlen_q_rounded % block == 0
+        cu = used = lse  # never read
+        strides = (*_strides8(*plan.tma_strides(out)[:3], *plan.tma_strides(dout)[:3]), lse.stride(0), lse.stride(1))
+        m_blocks = seqlen_q_rounded // block
+    else:
+        cu, used, batch, max_seqlen_q = varlen
+        _, nheads, head_dim = out.shape
+        seqlen_q = 0
+        seqlen_q_rounded = delta.shape[-1]
+        so, sdo = plan.tma_strides(out), plan.tma_strides(dout)
+        strides = (0, *_strides8(so[0], so[1]), 0, *_strides8(sdo[0], sdo[1]), 0, lse.stride(0))
+        m_blocks = triton_cdiv(max_seqlen_q, block_m) * (block_m // block)
+        used = cu if used is None else used
+    plan.launch_triton(_pre._bwd_preprocess_kernel, (m_blocks, nheads, batch),
+                  (out, dout, lse, delta, lse2, cu, used, *strides, seqlen_q, seqlen_q_rounded, nheads),
+                  dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
+                       SEQUSED=varlen is not None and varlen[1] is not None), num_warps=4)
+
+
+def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, block_m: int = 64, varlen=None) -> None:
+    """``dq_accum`` is ``[rows, D]`` (fixed: rows = B·H·Sq_r; varlen:
+    H·padded_total); ``seqlen_q_rounded`` is its per-head row count. ``dq``
+    is a fresh contiguous tensor."""
+    block = 64
+    if varlen is None:
+        batch, seqlen_q, nheads, head_dim = dq.shape
+        seqlen_q_rounded = dq_accum.numel() // (head_dim * batch * nheads)
+        cu = used = dq_accum  # never read
+        strides = _strides8(dq.stride(0), dq.stride(1), dq.stride(2))
+        m_blocks = triton_cdiv(seqlen_q, block)
+    else:
+        cu, used, batch, max_seqlen_q = varlen
+        _, nheads, head_dim = dq.shape
+        seqlen_q = 0
+        seqlen_q_rounded = dq_accum.numel() // (head_dim * nheads)
+        strides = (0, *_strides8(dq.stride(0), dq.stride(1)))
+        m_blocks = triton_cdiv(max_seqlen_q, block)
+        used = cu if used is None else used
+    plan.launch_triton(_pre._bwd_postprocess_kernel, (m_blocks, nheads, batch),
+                  (dq_accum, dq, cu, used, *strides, seqlen_q, seqlen_q_rounded, nheads, scale),
+                  dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
+                       SEQUSED=varlen is not None and varlen[1] is not None), num_warps=4)
 
 
 def workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int, deterministic: bool = False) -> int:

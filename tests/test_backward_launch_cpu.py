@@ -9,7 +9,6 @@ import torch
 
 from hopper_flash import plan, plan_backward
 from hopper_flash.kernels import backward as backward_kernels
-from hopper_flash.kernels import backward_pre
 
 ARG_NAMES = backward_kernels.attention_backward_kernel.arg_names
 LAUNCH_PARAMS = 9  # grid x/y/z, stream, function, packed metadata, launch metadata, enter and exit hooks
@@ -45,8 +44,8 @@ class FakeDriver:
 def log(monkeypatch):
     entries = []
     monkeypatch.setattr(backward_kernels, "attention_backward_kernel", FakeJIT(entries))
-    monkeypatch.setattr(backward_pre, "bwd_preprocess", lambda *a: None)
-    monkeypatch.setattr(backward_pre, "bwd_postprocess", lambda *a: None)
+    monkeypatch.setattr(plan_backward, "bwd_preprocess", lambda *a: None)
+    monkeypatch.setattr(plan_backward, "bwd_postprocess", lambda *a: None)
     monkeypatch.setattr(plan, "driver", FakeDriver)
     monkeypatch.setattr(plan_backward, "_COMPILED", {})
     return entries

@@ -8,7 +8,6 @@ import torch
 
 from hopper_flash import plan_backward
 from hopper_flash.kernels import backward as backward_kernels
-from hopper_flash.kernels import backward_pre
 
 
 @pytest.fixture
@@ -30,8 +29,8 @@ def captured(monkeypatch):
                 seen["deterministic"] = kwargs["DETERMINISTIC"]
             return launch
 
-    monkeypatch.setattr(backward_pre, "bwd_preprocess", preprocess)
-    monkeypatch.setattr(backward_pre, "bwd_postprocess", postprocess)
+    monkeypatch.setattr(plan_backward, "bwd_preprocess", preprocess)
+    monkeypatch.setattr(plan_backward, "bwd_postprocess", postprocess)
     monkeypatch.setattr(backward_kernels, "attention_backward_kernel", FakeKernel())
     monkeypatch.setattr(plan_backward, "_descriptor", lambda t, block: t)
     monkeypatch.setattr(plan_backward, "_fp32_descriptor", lambda t, block: t)

@@ -640,12 +640,11 @@ _REAL_BACKWARD_ARG_NAMES = _bk.attention_backward_kernel.arg_names
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_backward_varlen_fast_launch_binds_what_the_jit_binds(monkeypatch, d, deterministic):
     from hopper_flash import plan, plan_backward
-    from hopper_flash.kernels import backward_pre
 
     log = []
     monkeypatch.setattr(_bk, "attention_backward_kernel", _FakeJIT(log))
-    monkeypatch.setattr(backward_pre, "bwd_preprocess", lambda *a, **k: None)
-    monkeypatch.setattr(backward_pre, "bwd_postprocess", lambda *a, **k: None)
+    monkeypatch.setattr(plan_backward, "bwd_preprocess", lambda *a, **k: None)
+    monkeypatch.setattr(plan_backward, "bwd_postprocess", lambda *a, **k: None)
     monkeypatch.setattr(plan, "driver", _FakeDriver)
     monkeypatch.setattr(plan_backward, "_COMPILED", {})
     monkeypatch.setattr(plan_backward, "FAST_LAUNCH", True)

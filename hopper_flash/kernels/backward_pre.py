@@ -7,14 +7,12 @@
   rows get L2 = +inf and Δ = 0, so they contribute nothing and the main
   kernel needs no query-tail mask.
 * ``bwd_postprocess``: dQ = scale · dq_accum, rounded to the output dtype.
-"""
-import math
 
-import torch
+Their host-side launches are ``plan_backward.bwd_preprocess`` and
+``plan_backward.bwd_postprocess``.
+"""
 import triton
 import triton.language as tl
-
-LOG2E = math.log2(math.e)
 
 
 @triton.jit
@@ -41,14 +39,28 @@ def _sequence(b, cu_ptr, used_ptr, seqlen_q, seqlen_q_rounded, num_heads, BLOCK_
     return start, length, stat0, owned
 
 
-@triton.jit
+# Lengths and strides are not specialised: one compiled kernel per dtype,
+# head dim and mode serves every shape, launched like the main kernel
+# (``plan.launch_triton``). The strides of O, dO and dQ are passed in units of 8
+# elements (``*8`` parameters; they are multiples of 16 bytes,
+# ``plan_backward._strides8``),
+# so the compiler still knows every row starts 16-byte aligned and loads and
+# stores it in 16-byte vectors, as the JIT's divisibility specialisation did.
+_PRE_INTS = ["so8_b", "so8_s", "so8_h", "sdo8_b", "sdo8_s", "sdo8_h", "slse_b", "slse_h", "seqlen_q",
+             "seqlen_q_rounded", "num_heads"]
+_POST_INTS = ["sdq8_b", "sdq8_s", "sdq8_h", "seqlen_q", "seqlen_q_rounded", "num_heads"]
+
+
+@triton.jit(do_not_specialize=_PRE_INTS)
 def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, cu_ptr, used_ptr,
-                           so_b, so_s, so_h, sdo_b, sdo_s, sdo_h, slse_b, slse_h,
+                           so8_b, so8_s, so8_h, sdo8_b, sdo8_s, sdo8_h, slse_b, slse_h,
                            seqlen_q, seqlen_q_rounded, num_heads,
                            BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                            VARLEN: tl.constexpr, SEQUSED: tl.constexpr):
     """VARLEN: o/dO are THD (``so_b = sdo_b = 0``), lse is ``[H, total_q]``
     (``slse_b = 0``); the stats go to the sequence's padded rows."""
+    so_b, so_s, so_h = so8_b * 8, so8_s * 8, so8_h * 8
+    sdo_b, sdo_s, sdo_h = sdo8_b * 8, sdo8_s * 8, sdo8_h * 8
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -71,10 +83,11 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, cu_ptr, 
     tl.store(lse2_ptr + out, lse2, mask=keep)
 
 
-@triton.jit
-def _bwd_postprocess_kernel(acc_ptr, dq_ptr, cu_ptr, used_ptr, sdq_b, sdq_s, sdq_h, seqlen_q, seqlen_q_rounded,
+@triton.jit(do_not_specialize=_POST_INTS)
+def _bwd_postprocess_kernel(acc_ptr, dq_ptr, cu_ptr, used_ptr, sdq8_b, sdq8_s, sdq8_h, seqlen_q, seqlen_q_rounded,
                             num_heads, scale, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                             VARLEN: tl.constexpr, SEQUSED: tl.constexpr):
+    sdq_b, sdq_s, sdq_h = sdq8_b * 8, sdq8_s * 8, sdq8_h * 8
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -88,56 +101,3 @@ def _bwd_postprocess_kernel(acc_ptr, dq_ptr, cu_ptr, used_ptr, sdq_b, sdq_s, sdq
     dq = (acc * scale).to(dq_ptr.dtype.element_ty)
     rows64 = (start + rows).to(tl.int64)
     tl.store(dq_ptr + b * sdq_b + h * sdq_h + rows64[:, None] * sdq_s + cols[None, :], dq, mask=valid[:, None])
-
-
-def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-                   lse2: torch.Tensor, block_m: int, varlen=None) -> None:
-    """Fixed length: BSHD ``out``/``dout``, ``lse [B, H, Sq]``, stats
-    ``[B, H, Sq_r]``. ``varlen = (cu_seqlens_q, seqused_q, batch, max_seqlen_q)``:
-    THD ``out``/``dout``, ``lse [H, total_q]``, stats ``[H, padded_total]``."""
-    block = 64
-    assert block_m % block == 0
-    if varlen is None:
-        batch, seqlen_q, nheads, head_dim = out.shape
-        seqlen_q_rounded = delta.shape[-1]
-        assert seqlen_q_rounded % block == 0
-        cu = used = lse  # never read
-        strides = (out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-                   lse.stride(0), lse.stride(1))
-        m_blocks = seqlen_q_rounded // block
-    else:
-        cu, used, batch, max_seqlen_q = varlen
-        _, nheads, head_dim = out.shape
-        seqlen_q = 0
-        seqlen_q_rounded = delta.shape[-1]
-        strides = (0, out.stride(0), out.stride(1), 0, dout.stride(0), dout.stride(1), 0, lse.stride(0))
-        m_blocks = triton.cdiv(max_seqlen_q, block_m) * (block_m // block)
-        used = cu if used is None else used
-    _bwd_preprocess_kernel[(m_blocks, nheads, batch)](
-        out, dout, lse, delta, lse2, cu, used, *strides, seqlen_q, seqlen_q_rounded, nheads,
-        BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
-        SEQUSED=varlen is not None and varlen[1] is not None, num_warps=4)
-
-
-def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, block_m: int = 64, varlen=None) -> None:
-    """``dq_accum`` is ``[rows, D]`` (fixed: rows = B·H·Sq_r; varlen:
-    H·padded_total); ``seqlen_q_rounded`` is its per-head row count."""
-    block = 64
-    if varlen is None:
-        batch, seqlen_q, nheads, head_dim = dq.shape
-        seqlen_q_rounded = dq_accum.numel() // (head_dim * batch * nheads)
-        cu = used = dq_accum  # never read
-        strides = (dq.stride(0), dq.stride(1), dq.stride(2))
-        m_blocks = triton.cdiv(seqlen_q, block)
-    else:
-        cu, used, batch, max_seqlen_q = varlen
-        _, nheads, head_dim = dq.shape
-        seqlen_q = 0
-        seqlen_q_rounded = dq_accum.numel() // (head_dim * nheads)
-        strides = (0, dq.stride(0), dq.stride(1))
-        m_blocks = triton.cdiv(max_seqlen_q, block)
-        used = cu if used is None else used
-    _bwd_postprocess_kernel[(m_blocks, nheads, batch)](
-        dq_accum, dq, cu, used, *strides, seqlen_q, seqlen_q_rounded, nheads, scale,
-        BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
-        SEQUSED=varlen is not None and varlen[1] is not None, num_warps=4)
