@@ -24,6 +24,11 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   work item into a buffer (plan.TRACE); ``scripts/timeline.py`` runs it and
   prints where an item's time goes (waiting for Q or the first K, the
   prologue, the steady steps, the last PV, the epilogue, between items).
+* ``bwd-d256-st-ahead`` (the backward, ``kernels/backward.py``): the D=256
+  consumers issue the next step's Sᵀ while dQ goes out (one flat step loop).
+  +2% causal, +1.5% non-causal on the H200 under triton 3.6 (BENCHMARKS.md,
+  sixth session), but under triton 3.9 ptxas spills 250-280 bytes in it
+  (40 without): not shipped until it is timed there.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
@@ -31,9 +36,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
 The bench checks every output against the reference, so an ablation's rows
 read "wrong" there; only their times mean anything.
 
-A patch that no longer applies after an edit of ``kernels/forward.py`` fails
+A patch that no longer applies after an edit of the kernel it changes fails
 here with ``patch``'s message; regenerate it from an edited copy with
-``diff -u a/hopper_flash/kernels/forward.py b/hopper_flash/kernels/forward.py``.
+``diff -u a/hopper_flash/kernels/forward.py b/hopper_flash/kernels/forward.py``
+(or ``backward.py``).
 """
 import argparse
 import pathlib
