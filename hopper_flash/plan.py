@@ -500,11 +500,10 @@ def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: d
     the first launch of a key goes through Triton's JIT, later ones call the
     compiled kernel's launcher (``FAST_LAUNCH``, no profiler hook). The key
     holds what Triton still specialises on: the tensors' dtypes and 16-byte
-    pointer alignment, and the constexprs."""
-    tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
-    device = tensors[0].device.index
-    key = (kernel, device, tuple(t.dtype for t in tensors), tuple(t.data_ptr() % 16 == 0 for t in tensors),
-           tuple(constexprs.values()), num_warps)
+    pointer alignment, and the constexprs. The first argument is a tensor."""
+    device = args[0].device.index
+    key = (kernel, device, num_warps, *constexprs.values(),
+           *[(a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor)])
     compiled = _TRITON_COMPILED.get(key)
     if compiled is None or not FAST_LAUNCH or _launch_hooked():
         _TRITON_COMPILED[key] = kernel[grid](*args, **constexprs, num_warps=num_warps)

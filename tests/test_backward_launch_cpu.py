@@ -9,35 +9,10 @@ import torch
 
 from hopper_flash import plan, plan_backward
 from hopper_flash.kernels import backward as backward_kernels
+from launch_fakes import FakeDriver, FakeJIT
 
 ARG_NAMES = backward_kernels.attention_backward_kernel.arg_names
 LAUNCH_PARAMS = 9  # grid x/y/z, stream, function, packed metadata, launch metadata, enter and exit hooks
-
-
-class FakeCompiled:
-    def __init__(self, log):
-        self.log, self.function, self.packed_metadata = log, object(), object()
-
-    def run(self, *args):
-        self.log.append(("fast", args))
-
-
-class FakeJIT:
-    def __init__(self, log):
-        self.log = log
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.log.append(("jit", grid, args, kwargs))
-            return FakeCompiled(self.log)
-        return launch
-
-
-class FakeDriver:
-    class active:
-        @staticmethod
-        def get_current_stream(device):
-            return 7
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import torch
 
 from hopper_flash import plan, plan_backward
 from hopper_flash.kernels import backward_pre, combine
+from launch_fakes import FakeDriver, FakeJIT
 
 KERNELS = {
     "preprocess": backward_pre._bwd_preprocess_kernel,
@@ -30,38 +31,12 @@ def test_every_integer_parameter_is_unspecialised(name):
         assert p.do_not_specialize, f"{name}: {p.name} is specialised by the JIT"
 
 
-class FakeCompiled:
-    def __init__(self, log):
-        self.log, self.function, self.packed_metadata = log, object(), object()
-
-    def run(self, *args):
-        self.log.append(("fast", args))
-
-
-class FakeJIT:
-    def __init__(self, real, log):
-        self.real, self.log = real, log
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.log.append(("jit", grid, args, kwargs))
-            return FakeCompiled(self.log)
-        return launch
-
-
-class FakeDriver:
-    class active:
-        @staticmethod
-        def get_current_stream(device):
-            return 7
-
-
 @pytest.fixture
 def log(monkeypatch):
     entries = []
     for name, real in (("_bwd_preprocess_kernel", backward_pre._bwd_preprocess_kernel),
                        ("_bwd_postprocess_kernel", backward_pre._bwd_postprocess_kernel)):
-        monkeypatch.setattr(backward_pre, name, FakeJIT(real, entries))
+        monkeypatch.setattr(backward_pre, name, FakeJIT(entries, real))
     monkeypatch.setattr(plan, "driver", FakeDriver)
     monkeypatch.setattr(plan, "FAST_LAUNCH", True)
     monkeypatch.setattr(plan, "_TRITON_COMPILED", {})

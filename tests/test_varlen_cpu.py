@@ -19,6 +19,7 @@ import hopper_flash
 from hopper_flash import checks, ops
 from hopper_flash.plan_backward import varlen_padded_rows
 from hopper_flash.reference import attention_reference, attention_reference_grads, varlen_grads, varlen_reference
+from launch_fakes import FakeDriver, FakeJIT
 
 BF16 = torch.bfloat16
 DEVICE_ERROR = r"q must be a CUDA tensor on a Hopper GPU \(sm_90\), got device 'cpu'"
@@ -539,32 +540,6 @@ def test_bench_cli_varlen_option_errors(capsys):
 
 # ---------------------------------------------------------------- fast launches (kernels faked)
 
-class _FakeCompiled:
-    def __init__(self, log):
-        self.log, self.function, self.packed_metadata = log, object(), object()
-
-    def run(self, *args):
-        self.log.append(("fast", args))
-
-
-class _FakeJIT:
-    def __init__(self, log):
-        self.log = log
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.log.append(("jit", grid, args, kwargs))
-            return _FakeCompiled(self.log)
-        return launch
-
-
-class _FakeDriver:
-    class active:
-        @staticmethod
-        def get_current_stream(device):
-            return 7
-
-
 def _same_arg(name, got, want):
     from hopper_flash import plan
 
@@ -600,8 +575,8 @@ def test_forward_varlen_fast_launch_binds_what_the_jit_binds(monkeypatch, d, seq
     from hopper_flash.kernels import forward as fk
 
     log = []
-    monkeypatch.setattr(fk, "attention_forward_kernel", _FakeJIT(log))
-    monkeypatch.setattr(plan, "driver", _FakeDriver)
+    monkeypatch.setattr(fk, "attention_forward_kernel", FakeJIT(log))
+    monkeypatch.setattr(plan, "driver", FakeDriver)
     monkeypatch.setattr(plan, "_COMPILED", {})
     monkeypatch.setattr(plan, "FAST_LAUNCH", True)
     monkeypatch.setattr(plan, "sm_count", lambda device=None: 132)
@@ -642,10 +617,10 @@ def test_backward_varlen_fast_launch_binds_what_the_jit_binds(monkeypatch, d, de
     from hopper_flash import plan, plan_backward
 
     log = []
-    monkeypatch.setattr(_bk, "attention_backward_kernel", _FakeJIT(log))
+    monkeypatch.setattr(_bk, "attention_backward_kernel", FakeJIT(log))
     monkeypatch.setattr(plan_backward, "bwd_preprocess", lambda *a, **k: None)
     monkeypatch.setattr(plan_backward, "bwd_postprocess", lambda *a, **k: None)
-    monkeypatch.setattr(plan, "driver", _FakeDriver)
+    monkeypatch.setattr(plan, "driver", FakeDriver)
     monkeypatch.setattr(plan_backward, "_COMPILED", {})
     monkeypatch.setattr(plan_backward, "FAST_LAUNCH", True)
 

@@ -185,17 +185,77 @@ def _store_rows(buf, ptr, row_start, n_rows, stride_row, col_off, ROWS: gl.const
 
 
 @gluon.jit
-def _dq_add_in_order(dq_desc, dq_row, dq_col, dq_smem, sem, n):
-    """Deterministic mode: add this CTA's dQ share after KV tiles 0 .. n-1.
-
-    The reduce must be complete in global memory, not merely have read its
-    shared-memory source, before the semaphore lets the next tile add."""
+def _dq_wait_turn(sem, n):
+    """Deterministic mode: block until KV tiles 0 .. n-1 added their dQ shares."""
     while gl.atomic_add(sem, 0, sem="acquire", scope="gpu") != n:
         pass
-    tma_atomic_add(dq_desc, [dq_row, dq_col], dq_smem)
+
+
+@gluon.jit
+def _dq_pass_turn(sem):
+    """Deterministic mode: this CTA's adds are complete in global memory (not
+    merely done reading shared memory): let the next KV tile add."""
     tma_store_wait_complete()
     thread_barrier()
     gl.atomic_add(sem, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _dq_add_in_order(dq_desc, dq_row, dq_col, dq_smem, sem, n):
+    """Deterministic mode: add this CTA's dQ share after KV tiles 0 .. n-1."""
+    _dq_wait_turn(sem, n)
+    tma_atomic_add(dq_desc, [dq_row, dq_col], dq_smem)
+    _dq_pass_turn(sem)
+
+
+@gluon.jit
+def _wait_kv(k_t, v_t, kv_bar, live, n, lk, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             NUM_WARPS: gl.constexpr, VARLEN: gl.constexpr):
+    """Wait for this CTA's K and V tiles (none when ``live`` is false: a
+    varlen tile past its sequence's keys loads nothing). Varlen: keys past
+    the sequence are masked in Sᵀ, but dQ = dS·K and dPᵀ = V·dOᵀ would still
+    meet their NaN (see _zero_rows), so they are zeroed."""
+    if live:
+        mbarrier.wait(kv_bar, 0)
+        if VARLEN:
+            if (n + 1) * BLOCK_N > lk:
+                _zero_rows(k_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
+                _zero_rows(v_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
+                fence_async_shared()
+                thread_barrier()
+
+
+@gluon.jit
+def _p_and_ds(k_t, v_t, q_bufs, do_bufs, lse2_bufs, delta_bufs, q_full, do_full, step, q_slot, do_slot, n, m, lq, lk,
+              qk_scale, st_zero, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              STAGES: gl.constexpr, DO_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              VARLEN: gl.constexpr):
+    """A step's first half, the same for both consumers: wait for Q and dO,
+    Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (in ``st_zero``'s layout), then Pᵀ (fp32,
+    masked) and dSᵀ = Pᵀ ⊙ (dPᵀ − Δ) from fp32 P before any rounding.
+    Returns ``(q_t, do_t, pt, dst)``."""
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)  # one value per query
+    wait_full(q_full, step, STAGES)
+    if VARLEN:
+        # The last query tile of a varlen sequence reads rows of the next one
+        # (or NaN past seqused): zero them before any product.
+        _zero_tile_tail(q_bufs, q_slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
+    q_t = q_bufs.index(q_slot).reshape([BLOCK_M, HEAD_DIM])
+    st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero, is_async=True)
+    wait_full(do_full, step, DO_STAGES)
+    if VARLEN:
+        _zero_tile_tail(do_bufs, do_slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
+    do_t = do_bufs.index(do_slot).reshape([BLOCK_M, HEAD_DIM])
+    dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
+    lse2 = lse2_bufs.index(q_slot).load(col_layout)
+    st = warpgroup_mma_wait(1, deps=[st])
+    if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
+        st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
+    pt = gl.exp2(st * qk_scale - lse2[None, :])
+    delta = delta_bufs.index(do_slot).load(col_layout)
+    dpt = warpgroup_mma_wait(0, deps=[dpt])
+    dst = pt * (dpt - delta[None, :])
+    return q_t, do_t, pt, dst
 
 
 @gluon.jit
@@ -285,7 +345,6 @@ def _bwd_consumer_split_keys(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_b
     # over all BLOCK_N keys.
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                         instr_shape=[16, HEAD_DIM // 2, 16])
-    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query
     NUM_WARPS: gl.constexpr = 8
 
     k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
@@ -295,45 +354,16 @@ def _bwd_consumer_split_keys(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_b
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
 
-    if live:
-        mbarrier.wait(kv_bar, 0)
-        if VARLEN:
-            # Keys past the sequence: masked in Sᵀ, but dQ = dS·K and
-            # dPᵀ = V·dOᵀ would still meet their NaN (see _zero_rows).
-            if (n + 1) * BLOCK_N > lk:
-                _zero_rows(k_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
-                _zero_rows(v_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
-                fence_async_shared()
-                thread_barrier()
+    _wait_kv(k_t, v_t, kv_bar, live, n, lk, BLOCK_N, HEAD_DIM, NUM_WARPS, VARLEN)
     step = 0
     for g in range(kv_group):
         h = hk * kv_group + g
         stat_base = stat0 + h * seqlen_q_rounded
         for m in range(m_lo, m_hi):
             slot = ring_slot(step, STAGES)
-
-            wait_full(q_full, step, STAGES)
-            if VARLEN:
-                # The last query tile of a varlen sequence reads rows of the
-                # next one (or NaN past seqused): zero them before any product.
-                _zero_tile_tail(q_bufs, slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
-            q_t = q_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-            st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero, is_async=True)
-            wait_full(do_full, step, STAGES)
-            if VARLEN:
-                _zero_tile_tail(do_bufs, slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
-            do_t = do_bufs.index(slot).reshape([BLOCK_M, HEAD_DIM])
-            dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
-            lse2 = lse2_bufs.index(slot).load(col_layout)
-            st = warpgroup_mma_wait(1, deps=[st])
-            if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
-                st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
-            pt = gl.exp2(st * qk_scale - lse2[None, :])
-            delta = delta_bufs.index(slot).load(col_layout)
-            dpt = warpgroup_mma_wait(0, deps=[dpt])
-            # dS from fp32 P before any rounding.
-            dst = pt * (dpt - delta[None, :])
-
+            q_t, do_t, pt, dst = _p_and_ds(k_t, v_t, q_bufs, do_bufs, lse2_bufs, delta_bufs, q_full, do_full, step,
+                                           slot, slot, n, m, lq, lk, qk_scale, st_zero, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                           STAGES, STAGES, NUM_WARPS, IS_CAUSAL, VARLEN)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_t, dv, is_async=True)
 
@@ -404,22 +434,6 @@ def _store_dk_dv(k_bufs, v_bufs, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_kv_row
 
 
 @gluon.jit
-def _dq_wait_turn(sem, n):
-    """Deterministic mode: block until KV tiles 0 .. n-1 added their dQ shares."""
-    while gl.atomic_add(sem, 0, sem="acquire", scope="gpu") != n:
-        pass
-
-
-@gluon.jit
-def _dq_pass_turn(sem):
-    """Deterministic mode: this CTA's adds are complete in global memory (not
-    merely done reading shared memory): let the next KV tile add."""
-    tma_store_wait_complete()
-    thread_barrier()
-    gl.atomic_add(sem, 1, sem="release", scope="gpu")
-
-
-@gluon.jit
 def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full, q_empty,
                           do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr, dv_ptr,
                           stride_kv_row, stride_kv_head,
@@ -458,7 +472,6 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
     # dK, dV ([BLOCK_N, D]) and dQ ([BLOCK_M, D]): half the columns per warpgroup.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                          instr_shape=[16, HEAD_DIM // 2, 16])
-    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query
 
     k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
     v_t = v_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
@@ -475,15 +488,7 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
 
-    if live:
-        mbarrier.wait(kv_bar, 0)
-        if VARLEN:
-            # Keys past the sequence: see _bwd_consumer_split_keys.
-            if (n + 1) * BLOCK_N > lk:
-                _zero_rows(k_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
-                _zero_rows(v_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
-                fence_async_shared()
-                thread_barrier()
+    _wait_kv(k_t, v_t, kv_bar, live, n, lk, BLOCK_N, HEAD_DIM, NUM_WARPS, VARLEN)
     step = 0
     for g in range(kv_group):
         h = hk * kv_group + g
@@ -491,24 +496,9 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
         for m in range(m_lo, m_hi):
             q_slot = ring_slot(step, STAGES)
             do_slot = ring_slot(step, DO_STAGES)
-            wait_full(q_full, step, STAGES)
-            if VARLEN:
-                _zero_tile_tail(q_bufs, q_slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
-            q_t = q_bufs.index(q_slot).reshape([BLOCK_M, HEAD_DIM])
-            st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero, is_async=True)
-            wait_full(do_full, step, DO_STAGES)
-            if VARLEN:
-                _zero_tile_tail(do_bufs, do_slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
-            do_t = do_bufs.index(do_slot).reshape([BLOCK_M, HEAD_DIM])
-            dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
-            lse2 = lse2_bufs.index(q_slot).load(col_layout)
-            st = warpgroup_mma_wait(1, deps=[st])
-            if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
-                st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
-            pt = gl.exp2(st * qk_scale - lse2[None, :])
-            delta = delta_bufs.index(do_slot).load(col_layout)
-            dpt = warpgroup_mma_wait(0, deps=[dpt])
-            dst = pt * (dpt - delta[None, :])
+            q_t, do_t, pt, dst = _p_and_ds(k_t, v_t, q_bufs, do_bufs, lse2_bufs, delta_bufs, q_full, do_full, step,
+                                           q_slot, do_slot, n, m, lq, lk, qk_scale, st_zero, BLOCK_M, BLOCK_N,
+                                           HEAD_DIM, STAGES, DO_STAGES, NUM_WARPS, IS_CAUSAL, VARLEN)
             pt_smem.store(pt.to(dtype))
             ds_smem.store(dst.to(dtype))
             fence_async_shared()

@@ -79,7 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .compat import thread_barrier, tma_load, tma_store
 from .mask import apply_mask, kv_split_range, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
-from .scheduler import (SCHED_STAGES, draw_item, local_tile_count, publish_item, receive_item, section_coords,
+from .scheduler import (SCHED_STAGES, draw_item, first_item, publish_item, receive_item, section_coords,
                         work_coords)
 from .softmax import softmax_finish, softmax_first, softmax_step
 
@@ -317,12 +317,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k
     qi = 0  # work items run so far (VARLEN skips items past their sequence): the Q barriers' phase
     # This CTA's items: the dynamic order's first is its program id and the
     # next ones are drawn here; the static deal's i-th is item i of its deal.
-    if DYNAMIC:
-        item = gl.program_id(0)
-        limit = total_tiles
-    else:
-        item = gl.program_id(0) * 0
-        limit = local_tile_count(total_tiles, pair, PERSISTENT)
+    item, limit = first_item(total_tiles, pair, PERSISTENT, DYNAMIC)
     i = 0
     while item < limit:
         bm, split, h, b = _item_at(i, item, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
@@ -586,12 +581,7 @@ def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, 
     kv0 = 0
     qi = 0  # items run (see _producer)
     # This CTA's items, as the producer walks them (see there).
-    if DYNAMIC:
-        item = gl.program_id(0)
-        limit = total_tiles
-    else:
-        item = gl.program_id(0) * 0
-        limit = local_tile_count(total_tiles, pair, PERSISTENT)
+    item, limit = first_item(total_tiles, pair, PERSISTENT, DYNAMIC)
     i = 0
     while item < limit:
         bm, split, h, b = _item_at(i, item, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,

@@ -44,6 +44,21 @@ SCHED_STAGES = gl.constexpr(2)
 
 
 @gluon.jit
+def first_item(total_tiles, pair, PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+    """``(item, limit)`` that start a partition's item loop, ``while item <
+    limit``: in the dynamic order this CTA's first item is its program id and
+    the next ones are drawn (``limit`` is the item count); in the static deal
+    ``item`` counts this CTA's items from 0 up to ``local_tile_count``."""
+    if DYNAMIC:
+        item = gl.program_id(0)
+        limit = total_tiles
+    else:
+        item = gl.program_id(0) * 0
+        limit = local_tile_count(total_tiles, pair, PERSISTENT)
+    return item, limit
+
+
+@gluon.jit
 def local_tile_count(total_tiles, pair, PERSISTENT: gl.constexpr):
     """How many work items this CTA runs (the host launches at most
     ``cdiv(total_tiles, pair)`` persistent CTAs, so every CTA has one)."""
