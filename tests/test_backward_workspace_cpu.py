@@ -2,7 +2,8 @@
 ``plan_backward.launch_backward`` allocates besides dQ/dK/dV is exactly
 ``plan_backward.workspace_bytes()``, and that is the README's statement
 (fp32 dq_accum [B, H, Sq_r, D] + fp32 lse2 and delta [B, H, Sq_r], int32
-semaphores [B, H, Sq_r / 64] in deterministic mode)."""
+semaphores [B, H, Sq_r / tile] in deterministic mode; Sq_r is seqlen_q
+rounded up to the query tile)."""
 import pytest
 import torch
 
@@ -48,14 +49,15 @@ def test_workspace_is_what_launch_backward_allocates(captured, batch, sq, sk, h,
     lse = torch.randn(batch, h, sq)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
     plan_backward.launch_backward(dout, q, k, k, out, lse, dq, dk, dv, d ** -0.5, True, deterministic)
-    sq_r = -(-sq // 64) * 64
+    tile = plan_backward.BACKWARD_CONFIGS[d].block_m  # the query tile: 128 at D=64, else 64
+    sq_r = -(-sq // tile) * tile
     assert captured["dq_accum"].shape == (batch, h, sq_r, d) and captured["dq_accum"].dtype == torch.float32
     for name in ("delta", "lse2"):
         assert captured[name].shape == (batch, h, sq_r) and captured[name].dtype == torch.float32
     tensors = [captured["dq_accum"], captured["delta"], captured["lse2"]]
     if deterministic:
         sem = captured["sem"]
-        assert sem.dtype == torch.int32 and sem.shape == (batch, h, sq_r // 64)
+        assert sem.dtype == torch.int32 and sem.shape == (batch, h, sq_r // tile)
         tensors.append(sem)
     else:
         assert captured["sem"] is captured["delta"]  # a placeholder, never read

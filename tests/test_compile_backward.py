@@ -9,13 +9,15 @@ from hopper_flash import compile_check, compile_check_backward as ccb
 from hopper_flash.plan_backward import BACKWARD_CONFIGS
 
 SPECS = list(ccb.shipped_specialisations())
-# Stack bytes tolerated per (head dim, deterministic). D=128: ptxas keeps a
-# few loop-carried scalars (loop bounds, head index) on the stack, 16-24
-# bytes outside the per-step work; D=256 8 bytes causal under triton 3.6, 40
-# under 3.9. D=256's deterministic mode spills 280-312 bytes around the
-# semaphore spin under 3.6 (dK, dV and both dQ halves are live there), a cost
-# of the slow mode pinned here so that it cannot grow unnoticed.
-STACK_ALLOWANCE = {(64, False): 0, (64, True): 0, (128, False): 32, (128, True): 32, (256, False): 48,
+# Stack bytes tolerated per (head dim, deterministic). ptxas keeps a few
+# scalars of the set-up and the per-head loop (sequence coordinates, loop
+# bounds) on the stack, outside the per-step work: D=64 8-40 bytes under
+# triton 3.6 (0 under 3.9), D=128 16 (24 under 3.9), D=256 8 causal (40
+# under 3.9). The deterministic modes spill around the semaphore spin: D=64
+# 48-56 bytes, D=256 280-312 under 3.6 (dK, dV and both dQ halves are live
+# there; 8-40 under 3.9), a cost of the slow mode pinned here so that it
+# cannot grow unnoticed. test_no_spills_in_the_step_loop checks where they are.
+STACK_ALLOWANCE = {(64, False): 40, (64, True): 56, (128, False): 32, (128, True): 32, (256, False): 48,
                    (256, True): 320}
 
 
@@ -44,6 +46,18 @@ def test_no_tile_spills(report):
     assert report.local_bytes == 0
     allowance = STACK_ALLOWANCE[report.head_dim, report.write_lse]  # census records det as write_lse
     assert report.stack_bytes <= allowance, f"stack frame {report.stack_bytes} bytes"
+
+
+def test_no_spills_in_the_step_loop(report):
+    # Between the first and the last wgmma lies the per-step work (and the
+    # per-head loop around it): the fast modes touch no local memory there,
+    # but for one reloaded loop scalar (D=256 causal).
+    if report.write_lse:  # deterministic: pinned by STACK_ALLOWANCE only
+        return
+    lines = report.sass.splitlines()
+    wgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
+    local = [line for line in lines[wgmma[0]:wgmma[-1]] if "LDL" in line or "STL" in line]
+    assert len(local) <= 1, local
 
 
 def test_hopper_instructions(report):

@@ -641,7 +641,8 @@ def test_backward_varlen_fast_launch_binds_what_the_jit_binds(monkeypatch, d, de
     fast = log[1][1][9:]
     assert fast[names.index("dk_ptr")] is dk
     assert fast[names.index("stride_kv_row")] == k.stride(0) and fast[names.index("stride_kv_head")] == k.stride(1)
-    assert fast[names.index("seqlen_q_rounded")] == varlen_padded_rows(q.shape[0], 3, 64)
+    assert fast[names.index("seqlen_q_rounded")] == varlen_padded_rows(q.shape[0], 3,
+                                                                   plan_backward.BACKWARD_CONFIGS[d].block_m)
     grid = log[2][1]
     # One CTA per (KV tile of max_seqlen_k, KV head, sequence), all on axis x.
     tiles = -(-300 // plan_backward.BACKWARD_CONFIGS[d].block_n)

@@ -233,28 +233,53 @@ def _p_and_ds(k_t, v_t, q_bufs, do_bufs, lse2_bufs, delta_bufs, q_full, do_full,
     """A step's first half, the same for both consumers: wait for Q and dO,
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (in ``st_zero``'s layout), then Pᵀ (fp32,
     masked) and dSᵀ = Pᵀ ⊙ (dPᵀ − Δ) from fp32 P before any rounding.
-    Returns ``(q_t, do_t, pt, dst)``."""
+    Returns ``(q_t, do_t, pt, dst)``.
+
+    128-query tiles (D = 64) keep the per-query statistics out of the
+    registers: L2 and Δ (32 values per thread each at 128 queries) would
+    not fit beside Sᵀ, dPᵀ, dK and dV without spills. Their accumulators
+    start at −L2/c and −Δ instead, so the wgmmas produce Sᵀ − L2/c and
+    dPᵀ − Δ, and each vector is dead once its wgmma is issued. The rounding
+    is that of the FMA it replaces: Sᵀ·c − L2 is rounded at the scale of L2
+    either way (c = ``qk_scale`` > 0). 64-query tiles keep the FMA and the
+    subtraction: loading L2 before Sᵀ is issued made D = 128 2-3% slower
+    (BENCHMARKS.md, seventh session)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)  # one value per query
+    STATS_IN_ACC: gl.constexpr = BLOCK_M == 128
     wait_full(q_full, step, STAGES)
     if VARLEN:
         # The last query tile of a varlen sequence reads rows of the next one
         # (or NaN past seqused): zero them before any product.
         _zero_tile_tail(q_bufs, q_slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
     q_t = q_bufs.index(q_slot).reshape([BLOCK_M, HEAD_DIM])
-    st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero, is_async=True)
+    if STATS_IN_ACC:
+        lse2 = lse2_bufs.index(q_slot).load(col_layout)
+        st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero - (lse2 * (1.0 / qk_scale))[None, :], is_async=True)
+    else:
+        st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero, is_async=True)
     wait_full(do_full, step, DO_STAGES)
     if VARLEN:
         _zero_tile_tail(do_bufs, do_slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
     do_t = do_bufs.index(do_slot).reshape([BLOCK_M, HEAD_DIM])
-    dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
-    lse2 = lse2_bufs.index(q_slot).load(col_layout)
-    st = warpgroup_mma_wait(1, deps=[st])
-    if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
-        st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
-    pt = gl.exp2(st * qk_scale - lse2[None, :])
-    delta = delta_bufs.index(do_slot).load(col_layout)
-    dpt = warpgroup_mma_wait(0, deps=[dpt])
-    dst = pt * (dpt - delta[None, :])
+    if STATS_IN_ACC:
+        delta = delta_bufs.index(do_slot).load(col_layout)
+        dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero - delta[None, :], is_async=True)
+        st = warpgroup_mma_wait(1, deps=[st])
+        if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
+            st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
+        pt = gl.exp2(st * qk_scale)
+        dpt = warpgroup_mma_wait(0, deps=[dpt])
+        dst = pt * dpt
+    else:
+        dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
+        lse2 = lse2_bufs.index(q_slot).load(col_layout)
+        st = warpgroup_mma_wait(1, deps=[st])
+        if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
+            st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
+        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        delta = delta_bufs.index(do_slot).load(col_layout)
+        dpt = warpgroup_mma_wait(0, deps=[dpt])
+        dst = pt * (dpt - delta[None, :])
     return q_t, do_t, pt, dst
 
 
@@ -341,10 +366,12 @@ def _bwd_consumer_split_keys(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_b
     # st_layout (both are wgmma accumulators with the same warps), so the
     # conversion moves no data.
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    # dQ: [BLOCK_M, D]; warpgroup w computes columns w·D/2 ... (w+1)·D/2 - 1
-    # over all BLOCK_N keys.
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                        instr_shape=[16, HEAD_DIM // 2, 16])
+    # dQ: [BLOCK_M, D] over all BLOCK_N keys. 64 queries: warpgroup w
+    # computes columns w·D/2 ... (w+1)·D/2 - 1; 128 queries: rows 64w ... 64w + 63.
+    DQ_WARPS: gl.constexpr = [8, 1] if BLOCK_M == 128 else [4, 2]
+    DQ_N: gl.constexpr = HEAD_DIM if BLOCK_M == 128 else HEAD_DIM // 2
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=DQ_WARPS,
+                                                        instr_shape=[16, DQ_N, 16])
     NUM_WARPS: gl.constexpr = 8
 
     k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
