@@ -73,6 +73,19 @@ def test_kvcache_splits_and_packing_agree(num_splits, pack_gqa):
     assert_close(out, q, kc, vc, lens, True, lse=lse)
 
 
+@pytest.mark.parametrize("head_dim,num_splits", [(64, 70), (128, 40), (256, 20)])
+def test_kvcache_many_splits(head_dim, num_splits):
+    # Explicit split counts far above the heuristic's, at every head dim: the
+    # combine's split mask (S_MAX = 128 at 70 splits) and empty rows.
+    lens = [11000, 5000, 0]
+    kc, vc = nan_tailed_cache(3, 11100, 8, head_dim, lens, seed=head_dim + 7)
+    q = rnd(3, 1, 32, head_dim, seed=head_dim + 8)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out, lse = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True, num_splits=num_splits,
+                                                    return_softmax_lse=True)
+    assert_close(out, q, kc, vc, lens, True, lse=lse)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_kvcache_head_dims_and_dtypes(head_dim, dtype):
