@@ -31,7 +31,8 @@ of the whole head dim. Three partitions:
     holds are the A operands of its own rows of dV += Pᵀ·dO and
     dK += dSᵀ·Q, fed from registers. dQ = dS·K sums over all 128 keys, so
     dSᵀ goes through shared memory (two stages), and dQ is split between
-    the warpgroups by head-dim columns (warps ``[4, 2]``).
+    the warpgroups by head-dim columns (warps ``[4, 2]``; D = 64 takes 128
+    queries per step and splits dQ by rows, warps ``[8, 1]``).
   - D = 256, split head dim (``_bwd_consumer_split_d``, 64 keys): 128 keys'
     dK and dV would not fit in registers, so both warpgroups share 64 keys
     and each owns half the head-dim columns of dK, dV and dQ (and half the
