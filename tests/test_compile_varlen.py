@@ -73,9 +73,14 @@ def test_forward_varlen_instructions(spec):
 BWD_SPECS = [(d, dtype, causal, det, used) for d in (64, 128, 256) for dtype in ("bfloat16", "float16")
              for causal in (False, True) for det in (False, True) for used in (False, True)
              if dtype == "bfloat16" or (not det and not used)]
-# As tests/test_compile_backward.py: D=256 (one warpgroup holding 64 keys x
-# 128 columns of dK and dV) spills; the varlen tail zeroing adds a little.
-BWD_STACK_ALLOWANCE = {64: 32, 128: 32, 256: 640}
+# As tests/test_compile_backward.py, plus what the varlen tail zeroing adds
+# (its loads run beside the Sᵀ accumulator). Measured (stack bytes, local
+# accesses between the first and last wgmma): D=64 causal 40-72 under
+# triton 3.6 (up to 10 accesses in the step, reloaded loop scalars; 0 under
+# 3.9); D=128 0-24; D=256 16-32 (3.6) and 40-112 (3.9, 13 accesses causal),
+# and 344 for its deterministic mode under 3.6 (the semaphore spin, as in
+# the fixed-length kernel).
+BWD_STACK_ALLOWANCE = {64: 72, 128: 32, 256: 640}
 
 
 def bwd_id(spec):
