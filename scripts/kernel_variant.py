@@ -29,6 +29,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   +2% causal, +1.5% non-causal on the H200 under triton 3.6 (BENCHMARKS.md,
   sixth session), but under triton 3.9 ptxas spills 250-280 bytes in it
   (40 without): not shipped until it is timed there.
+* ``bwd-timeline`` (the backward): the split-keys consumers (D = 64, 128)
+  write the SM's clock at nine points of each step and at a CTA's start,
+  K/V arrival and end into a buffer (``plan_backward.TRACE``);
+  ``scripts/bwd_timeline.py`` runs it and prints where a step's time goes.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
