@@ -41,6 +41,16 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   step. Not yet timed; the CPU census shows ptxas spilling in the step loop
   (causal: 80-byte stack, 17 local accesses between the first and last wgmma;
   non-causal: 48 and 3).
+* ``bwd-st-ahead`` (the backward, split-keys consumers, D = 64 and 128):
+  one flat step loop; each step issues the next step's Sᵀ once its dV and dQ
+  are done, so that Sᵀ runs while dQ is staged (the bwd-timeline's
+  ``dq_stage``, 19% of a D = 128 step with only dK on the tensor cores), and
+  frees its Q and dO slots at its own end. Not yet timed. CPU census under
+  triton 3.6: D = 128 non-causal no spill, causal 16 bytes (6 local accesses
+  in the loop), varlen and deterministic 40-128 bytes; under 3.9 D = 128
+  spills 64 bytes in the loop (the loop-carried Sᵀ, as with
+  ``bwd-d256-st-ahead``); ptxas 3.6 crashes (SIGSEGV) on D = 64
+  deterministic causal.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
