@@ -45,12 +45,16 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   one flat step loop; each step issues the next step's Sᵀ once its dV and dQ
   are done, so that Sᵀ runs while dQ is staged (the bwd-timeline's
   ``dq_stage``, 19% of a D = 128 step with only dK on the tensor cores), and
-  frees its Q and dO slots at its own end. Not yet timed. CPU census under
-  triton 3.6: D = 128 non-causal no spill, causal 16 bytes (6 local accesses
-  in the loop), varlen and deterministic 40-128 bytes; under 3.9 D = 128
-  spills 64 bytes in the loop (the loop-carried Sᵀ, as with
-  ``bwd-d256-st-ahead``); ptxas 3.6 crashes (SIGSEGV) on D = 64
-  deterministic causal.
+  frees its Q and dO slots at its own end. Not worth timing as it stands:
+  ptxas serialises every wgmma of it (C7514, "non wgmma instructions reading
+  accumulator registers of a wgmma between start and end of the pipeline
+  stage": 40 WARPGROUP.DEPBAR for 40 HGMMA, under triton 3.6 and 3.9), most
+  likely the copies of the Sᵀ accumulator carried, in flight, over the loop's
+  back-edge (``bwd-d256-st-ahead`` escaped this under 3.6). Besides, CPU
+  census under 3.6: D = 128 non-causal no spill, causal 16 bytes, varlen and
+  deterministic 40-128 bytes; under 3.9 64 bytes in the loop (descriptor
+  addresses hoisted out of the loop, spilled and reloaded per wgmma); ptxas
+  3.6 crashes (SIGSEGV) on D = 64 deterministic causal.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.

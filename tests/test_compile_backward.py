@@ -60,6 +60,17 @@ def test_no_spills_in_the_step_loop(report):
     assert len(local) <= 1, local
 
 
+def test_wgmma_chains_are_not_serialised(report):
+    # When ptxas cannot keep a wgmma chain in flight (its C7514 "Potential
+    # Performance Loss: wgmma.mma_async instructions are serialized"), it
+    # waits for every wgmma: one WARPGROUP.DEPBAR per HGMMA, a silent 2x on
+    # the GEMMs (seen in a backward variant that carried Sᵀ across the step
+    # loop). The shipped kernels wait once per group of chained wgmmas:
+    # 4-8 DEPBAR against 32-64 HGMMA.
+    sass = report.sass
+    assert sass.count("WARPGROUP.DEPBAR") * 4 <= sass.count("HGMMA"), "wgmmas serialised"
+
+
 def test_hopper_instructions(report):
     counts = report.sass_counts
     for op in ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG"):
