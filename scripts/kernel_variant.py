@@ -28,7 +28,11 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   consumers issue the next step's Sᵀ while dQ goes out (one flat step loop).
   +2% causal, +1.5% non-causal on the H200 under triton 3.6 (BENCHMARKS.md,
   sixth session), but under triton 3.9 ptxas spills 250-280 bytes in it
-  (40 without): not shipped until it is timed there.
+  (40 without): not shipped until it is timed there. Its wgmmas are all
+  serialised (64 WARPGROUP.DEPBAR for 64 HGMMA, triton 3.6 and 3.9, also in
+  the measured 733e575): the Sᵀ carried in flight over the loop's back-edge
+  (see ``bwd-st-ahead``); waiting for it at the end of each step instead
+  may make it much better than +2%.
 * ``bwd-timeline`` (the backward): the split-keys consumers (D = 64, 128)
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);
@@ -42,19 +46,19 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   (causal: 80-byte stack, 17 local accesses between the first and last wgmma;
   non-causal: 48 and 3).
 * ``bwd-st-ahead`` (the backward, split-keys consumers, D = 64 and 128):
-  one flat step loop; each step issues the next step's Sᵀ once its dV and dQ
-  are done, so that Sᵀ runs while dQ is staged (the bwd-timeline's
-  ``dq_stage``, 19% of a D = 128 step with only dK on the tensor cores), and
-  frees its Q and dO slots at its own end. Not worth timing as it stands:
-  ptxas serialises every wgmma of it (C7514, "non wgmma instructions reading
-  accumulator registers of a wgmma between start and end of the pipeline
-  stage": 40 WARPGROUP.DEPBAR for 40 HGMMA, under triton 3.6 and 3.9), most
-  likely the copies of the Sᵀ accumulator carried, in flight, over the loop's
-  back-edge (``bwd-d256-st-ahead`` escaped this under 3.6). Besides, CPU
-  census under 3.6: D = 128 non-causal no spill, causal 16 bytes, varlen and
-  deterministic 40-128 bytes; under 3.9 64 bytes in the loop (descriptor
-  addresses hoisted out of the loop, spilled and reloaded per wgmma); ptxas
-  3.6 crashes (SIGSEGV) on D = 64 deterministic causal.
+  one flat step loop; once dQ is in its staging tile, each step issues the
+  next step's Sᵀ, so that it runs while dK finishes and dQ goes out (the
+  bwd-timeline's ``dq_stage`` is 19% of a D = 128 step with only dK on the
+  tensor cores), waits for it at the step's end, and frees its Q and dO
+  slots at its own end (the slot the next Sᵀ needs was freed a step
+  earlier). Not yet timed. A first version kept that Sᵀ in flight over the
+  loop's back-edge: ptxas then serialised every wgmma (its C7514 info,
+  "non wgmma instructions reading accumulator registers of a wgmma between
+  start and end of the pipeline stage"; 40 WARPGROUP.DEPBAR for 40 HGMMA;
+  ``bwd-d256-st-ahead`` is serialised the same way, 64 for 64, and still
+  measured +2%). This one is not serialised (5 DEPBAR), but spills: D = 128
+  40-56 stack bytes under triton 3.6, 80 under 3.9; D = 64 16-32 (3.6), 0-32
+  (3.9); deterministic and varlen more.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
