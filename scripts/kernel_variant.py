@@ -25,26 +25,15 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   prints where an item's time goes (waiting for Q or the first K, the
   prologue, the steady steps, the last PV, the epilogue, between items).
 * ``bwd-d256-st-ahead`` (the backward, ``kernels/backward.py``): the D=256
-  consumers issue the next step's Sᵀ while dQ goes out (one flat step loop).
-  +2% causal, +1.5% non-causal on the H200 under triton 3.6 (BENCHMARKS.md,
-  sixth session), but under triton 3.9 ptxas spills 250-280 bytes in it
-  (40 without): not shipped until it is timed there. Its wgmmas are all
-  serialised (64 WARPGROUP.DEPBAR for 64 HGMMA, triton 3.6 and 3.9, also in
-  the measured 733e575): the Sᵀ carried in flight over the loop's back-edge
-  (see ``bwd-st-ahead``); waiting for it at the end of each step instead
-  may make it much better than +2%.
-* ``bwd-timeline`` (the backward): the split-keys consumers (D = 64, 128)
-  write the SM's clock at nine points of each step and at a CTA's start,
-  K/V arrival and end into a buffer (``plan_backward.TRACE``);
-  ``scripts/bwd_timeline.py`` runs it and prints where a step's time goes.
-* ``bwd-d64-exp2-fma`` (the backward, D = 64): half of P's exponentials
-  (one of each pair of a thread's values) on the FMA pipes, 2^floor(x) from
-  the exponent bits times a degree-3 polynomial (relative error 8.6e-5,
-  -inf -> +0 exactly), the other half on MUFU.EX2 (FlashAttention-4's split).
-  The bwd-timeline showed the exponentials' phase at a quarter of a D = 64
-  step. Not yet timed; the CPU census shows ptxas spilling in the step loop
-  (causal: 80-byte stack, 17 local accesses between the first and last wgmma;
-  non-causal: 48 and 3).
+  consumers issue the next step's Sᵀ while dQ goes out (one flat step loop)
+  and wait for it at the step's end. The version measured in the sixth
+  session (733e575: +2% causal, +1.5% non-causal on the H200 under triton
+  3.6) carried that Sᵀ in flight over the loop's back-edge instead, and
+  ptxas serialised all its wgmmas (64 WARPGROUP.DEPBAR for 64 HGMMA; see
+  ``bwd-st-ahead``); this one is not serialised (6 DEPBAR) and not yet
+  timed. Under triton 3.6 it spills as the shipped kernel does (32-40
+  stack bytes); under 3.9 ptxas spills 270-310 bytes (the descriptors'
+  addresses hoisted out of the loop, spilled and reloaded per wgmma).
 * ``bwd-st-ahead`` (the backward, split-keys consumers, D = 64 and 128):
   one flat step loop; once dQ is in its staging tile, each step issues the
   next step's Sᵀ, so that it runs while dK finishes and dQ goes out (the
