@@ -292,11 +292,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
                    *(_Desc(t) for t in tensors), *ptrs, *stride_kv, *scalars, *constexprs.values())
 
-    if varlen is None:
-        bwd_postprocess(dq_accum, dq, softmax_scale)
-    else:
-        bwd_postprocess(dq_accum, dq, softmax_scale, cfg.block_m,
-                        varlen=(varlen.cu_seqlens_q, varlen.seqused_q, batch, varlen.max_seqlen_q))
+    post = None if varlen is None else (varlen.cu_seqlens_q, varlen.seqused_q, batch, varlen.max_seqlen_q)
+    bwd_postprocess(dq_accum, dq, softmax_scale, cfg.block_m, varlen=post)
 
 
 def _strides8(*strides: int) -> tuple[int, ...]:
@@ -336,7 +333,7 @@ def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, del
                        SEQUSED=varlen is not None and varlen[1] is not None), num_warps=4)
 
 
-def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, block_m: int = 64, varlen=None) -> None:
+def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, block_m: int, varlen=None) -> None:
     """``dq_accum`` is ``[rows, D]`` (fixed: rows = B·H·Sq_r; varlen:
     H·padded_total); ``seqlen_q_rounded`` is its per-head row count. ``dq``
     is a fresh contiguous tensor."""

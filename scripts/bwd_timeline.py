@@ -23,11 +23,16 @@ start. The variant's kernel is not the shipped one (the clock reads and
 stores add a little): read shares, not absolute speed.
 """
 import argparse
+import os
+import sys
 
 import torch
 
 import hopper_flash
 from hopper_flash import plan_backward
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P leaves the script's folder out
+from timeline import print_phases, print_row  # noqa: E402
 
 STEP_PHASES = ("wait_q", "st", "p_ds", "dv_ds", "bar1", "dq_dk", "dq_stage", "dq_add")
 STEPS, EVENTS = 64, 10
@@ -79,17 +84,10 @@ def report(t, label):
             if n < STEPS - 1:  # every step traced: the epilogue follows the last one
                 cta["epilogue"].append(int((s[2] - ev[n - 1, 8]) % wrap))
     print(f"## {label}: {len(phases['step'])} steps traced in {t.shape[0]} CTAs, cycles")
-    print(f"{'phase':10} {'median':>8} {'mean':>8} {'share':>7}")
-    for p in STEP_PHASES + ("between",):
-        xs = torch.tensor(phases[p], dtype=torch.float64)
-        if len(xs):
-            print(f"{p:10} {xs.median().item():8.0f} {xs.mean().item():8.0f} {totals[p] / traced:7.1%}")
-    xs = torch.tensor(phases["step"], dtype=torch.float64)
-    print(f"{'step':10} {xs.median().item():8.0f} {xs.mean().item():8.0f}")
+    print_phases(STEP_PHASES + ("between",), phases, totals, traced)
+    print_row("step", phases["step"])
     for p, xs in cta.items():
-        if xs:
-            xs = torch.tensor(xs, dtype=torch.float64)
-            print(f"{'cta ' + p:18} {xs.median().item():8.0f} {xs.mean().item():8.0f}")
+        print_row("cta " + p, xs, width=18)
 
 
 def main():

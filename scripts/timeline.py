@@ -68,14 +68,25 @@ def report(t, label):
             if n:
                 traced += int((ev[n - 1][6] - ev[0][0]) % wrap)
     print(f"## {label}: {len(per_phase['q'])} items traced, cycles")
+    print_phases(PHASES + ("between",), per_phase, totals, traced)
+    print_row("per step", per_phase["step"])
+
+
+def print_phases(names, samples, totals, traced):
+    """The phase table (shared with scripts/bwd_timeline.py): per phase the
+    median and mean cycles of its samples and its share of the traced time."""
     print(f"{'phase':10} {'median':>8} {'mean':>8} {'share':>7}")
-    for p in PHASES + ("between",):
-        xs = torch.tensor(per_phase[p], dtype=torch.float64)
-        if len(xs):
+    for p in names:
+        if samples[p]:
+            xs = torch.tensor(samples[p], dtype=torch.float64)
             print(f"{p:10} {xs.median().item():8.0f} {xs.mean().item():8.0f} {totals[p] / traced:7.1%}")
-    steps = torch.tensor(per_phase["step"], dtype=torch.float64)
-    if len(steps):
-        print(f"{'per step':10} {steps.median().item():8.0f} {steps.mean().item():8.0f}")
+
+
+def print_row(name, samples, width=10):
+    """A row of median and mean cycles, without a share; none for no samples."""
+    if samples:
+        xs = torch.tensor(samples, dtype=torch.float64)
+        print(f"{name:{width}} {xs.median().item():8.0f} {xs.mean().item():8.0f}")
 
 
 def main():

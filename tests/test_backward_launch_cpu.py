@@ -20,7 +20,7 @@ def log(monkeypatch):
     entries = []
     monkeypatch.setattr(backward_kernels, "attention_backward_kernel", FakeJIT(entries))
     monkeypatch.setattr(plan_backward, "bwd_preprocess", lambda *a: None)
-    monkeypatch.setattr(plan_backward, "bwd_postprocess", lambda *a: None)
+    monkeypatch.setattr(plan_backward, "bwd_postprocess", lambda *a, **k: None)
     monkeypatch.setattr(plan, "driver", FakeDriver)
     monkeypatch.setattr(plan_backward, "_COMPILED", {})
     return entries

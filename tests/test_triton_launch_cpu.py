@@ -82,15 +82,15 @@ def test_preprocess_fast_launch_binds_what_the_jit_binds(log):
 def test_postprocess_fast_launch_and_key(log):
     dq = torch.empty(2, 129, 4, 64).to(torch.bfloat16)
     acc = torch.zeros(2 * 4 * 192, 64)
-    plan_backward.bwd_postprocess(acc, dq, 0.125)
-    plan_backward.bwd_postprocess(acc, dq, 0.125)
+    plan_backward.bwd_postprocess(acc, dq, 0.125, 64)
+    plan_backward.bwd_postprocess(acc, dq, 0.125, 64)
     assert [e[0] for e in log] == ["jit", "fast"]
     _check_fast_equals_jit(log, backward_pre._bwd_postprocess_kernel.real)
     # Another head dim (a constexpr) or a pointer off 16-byte alignment is another compile.
     plan_backward.bwd_postprocess(torch.zeros(2 * 4 * 192, 128), torch.empty(2, 129, 4, 128).to(torch.bfloat16),
-                                  0.125)
+                                  0.125, 64)
     odd = torch.zeros(2 * 4 * 192 * 64 + 1)[1:].view(2 * 4 * 192, 64)
-    plan_backward.bwd_postprocess(odd, dq, 0.125)
+    plan_backward.bwd_postprocess(odd, dq, 0.125, 64)
     assert [e[0] for e in log] == ["jit", "fast", "jit", "jit"]
 
 
