@@ -265,18 +265,17 @@ def _p_and_ds(k_t, v_t, q_bufs, do_bufs, lse2_bufs, delta_bufs, q_full, do_full,
     if STATS_IN_ACC:
         delta = delta_bufs.index(do_slot).load(col_layout)
         dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero - delta[None, :], is_async=True)
-        st = warpgroup_mma_wait(1, deps=[st])
-        if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
-            st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
+    else:
+        dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
+        lse2 = lse2_bufs.index(q_slot).load(col_layout)
+    st = warpgroup_mma_wait(1, deps=[st])
+    if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
+        st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
+    if STATS_IN_ACC:
         pt = gl.exp2(st * qk_scale)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
         dst = pt * dpt
     else:
-        dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
-        lse2 = lse2_bufs.index(q_slot).load(col_layout)
-        st = warpgroup_mma_wait(1, deps=[st])
-        if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
-            st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
         pt = gl.exp2(st * qk_scale - lse2[None, :])
         delta = delta_bufs.index(do_slot).load(col_layout)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
