@@ -28,35 +28,6 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);
   ``scripts/bwd_timeline.py`` runs it and prints where a step's time goes.
-* ``bwd-opaque-kv`` (the backward): each step addresses K and V through an
-  opaque zero (``mov.u32 0`` in inline asm), so the wgmma descriptors of
-  these loop-invariant tiles are built in the step instead of hoisted out
-  of the loop and kept live. CPU census, bf16 (stack bytes, shipped ->
-  variant): triton 3.6 D=64 8-72 -> 0 (varlen causal had 10 local accesses
-  in the step), D=256 deterministic 280-312 -> 0, causal 8 -> 0; triton 3.9
-  D=256 varlen causal 88 -> 8 (13 accesses in the step -> 0), causal 40 ->
-  0; D=128 unchanged (16-24, set-up scalars). Not yet run on the GPU.
-* ``bwd-st-ahead`` (the backward, split-keys consumers, D = 64 and 128):
-  one flat step loop; once dQ is in its staging tile, each step issues the
-  next step's Sᵀ, so that it runs while dK finishes and dQ goes out (the
-  bwd-timeline's ``dq_stage`` is 19% of a D = 128 step with only dK on the
-  tensor cores), waits for it at the step's end, and frees its Q and dO
-  slots at its own end (the slot the next Sᵀ needs was freed a step
-  earlier); K and V through the opaque zero of ``bwd-opaque-kv``. Not yet
-  timed. CPU census: no spill in the fast and varlen modes under triton 3.6
-  and 3.9 (D=128 deterministic 24-32 bytes), 5 WARPGROUP.DEPBAR. Without
-  the opaque zero it spilled 40-80 bytes in the step; a first version that
-  kept the next Sᵀ in flight over the loop's back-edge had every wgmma
-  serialised by ptxas (its C7514 info, "non wgmma instructions reading
-  accumulator registers of a wgmma between start and end of the pipeline
-  stage": 40 DEPBAR for 40 HGMMA).
-* ``bwd-d256-st-ahead`` (the backward): the same for the D=256 consumers
-  (issued while dQ's first half goes out). The version measured in the
-  sixth session (733e575: +2% causal, +1.5% non-causal on the H200 under
-  triton 3.6; spilling 250-280 bytes under 3.9) carried the Sᵀ in flight
-  over the back-edge and had all its wgmmas serialised (64 DEPBAR for 64
-  HGMMA); this one waits within the step (6 DEPBAR) and uses the opaque
-  zero: 32-40 stack bytes under 3.6, 0-48 under 3.9. Not yet timed.
 * ``bwd-d64-exp2-fma`` (the backward, D = 64): half of P's exponentials
   (one of each pair of a thread's values) on the FMA pipes, 2^floor(x) from
   the exponent bits times a degree-3 polynomial (relative error 8.6e-5,
@@ -64,7 +35,8 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   The bwd-timeline showed the exponentials' phase at a quarter of a D = 64
   step. Not yet timed; the CPU census shows ptxas spilling in the step loop
   (causal: 80-byte stack, 17 local accesses between the first and last wgmma;
-  non-causal: 48 and 3); not combined with the opaque zero yet.
+  non-causal: 48 and 3); not combined with ``_opaque_zero`` (the shipped
+  D = 256 consumer's) yet.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.

@@ -48,16 +48,24 @@ def test_no_tile_spills(report):
     assert report.stack_bytes <= allowance, f"stack frame {report.stack_bytes} bytes"
 
 
+# Local-memory accesses allowed between the first and the last wgmma of a
+# fast-mode kernel. D=64 and D=128 touch none there (one reloaded scalar is
+# tolerated). D=256 issues the first Sᵀ before its step loop and the next
+# step's Sᵀ while dQ goes out: the span then holds the loop's set-up stores
+# and 4-6 scalar reloads per step (16-19 accesses under triton 3.6 and 3.9;
+# 0-1 before, when it ran 5-8% slower: BENCHMARKS.md, eighth session).
+STEP_LOOP_LOCAL_ALLOWANCE = {64: 1, 128: 1, 256: 24}
+
+
 def test_no_spills_in_the_step_loop(report):
     # Between the first and the last wgmma lies the per-step work (and the
-    # per-head loop around it): the fast modes touch no local memory there,
-    # but for one reloaded loop scalar (D=256 causal).
+    # per-head loop around it).
     if report.write_lse:  # deterministic: pinned by STACK_ALLOWANCE only
         return
     lines = report.sass.splitlines()
     wgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
     local = [line for line in lines[wgmma[0]:wgmma[-1]] if "LDL" in line or "STL" in line]
-    assert len(local) <= 1, local
+    assert len(local) <= STEP_LOOP_LOCAL_ALLOWANCE[report.head_dim], local
 
 
 def test_wgmma_chains_are_not_serialised(report):

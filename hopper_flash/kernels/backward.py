@@ -136,6 +136,15 @@ def bwd_sequence(b, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, seqlen_q, seqlen
 
 
 @gluon.jit
+def _opaque_zero():
+    """0, as a value the compiler cannot see through. K and V indexed with it
+    inside the step loop get their wgmma descriptors built in the loop
+    instead of hoisted out of it and kept live across it, where they cost
+    the registers the D = 256 step needs (ptxas spills them)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _zero_rows(buf, row0, limit, ROWS: gl.constexpr, COLS: gl.constexpr, NUM_WARPS: gl.constexpr):
     """Zero the rows of the shared tile ``buf`` ([ROWS, COLS]; row ``r`` is
     sequence row ``row0 + r``) at or past ``limit``.
@@ -486,7 +495,11 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
     dK and dV of 64 keys x 256 columns are 128 registers per thread, and no
     column is computed twice. dO is released once both warpgroups' dV
     wgmmas are done, while dK and dQ still run, so its next tile loads under
-    them (one dO stage; Q has two). Measured alternatives (BENCHMARKS.md,
+    them (one dO stage; Q has two). The next step's Sᵀ is issued once the
+    first dQ half is staged, so the tensor cores run it while dQ goes out,
+    and waited for at the step's end (+5-8%, seventh/eighth sessions; kept
+    in flight over the loop's back-edge instead, it made ptxas serialise
+    every wgmma). Measured alternatives (BENCHMARKS.md,
     sixth session): 128-column chunks for every operand (each warpgroup
     computing half of each chunk) ran at the same speed; dQ as fp32
     reductions from registers instead of the staging tile (FA3's D = 256
@@ -499,6 +512,7 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
     # dK, dV ([BLOCK_N, D]) and dQ ([BLOCK_M, D]): half the columns per warpgroup.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                          instr_shape=[16, HEAD_DIM // 2, 16])
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query
 
     k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
     v_t = v_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
@@ -515,56 +529,103 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
 
-    _wait_kv(k_t, v_t, kv_bar, live, n, lk, BLOCK_N, HEAD_DIM, NUM_WARPS, VARLEN)
-    step = 0
-    for g in range(kv_group):
-        h = hk * kv_group + g
-        stat_base = stat0 + h * seqlen_q_rounded
-        for m in range(m_lo, m_hi):
-            q_slot = ring_slot(step, STAGES)
-            do_slot = ring_slot(step, DO_STAGES)
-            q_t, do_t, pt, dst = _p_and_ds(k_t, v_t, q_bufs, do_bufs, lse2_bufs, delta_bufs, q_full, do_full, step,
-                                           q_slot, do_slot, n, m, lq, lk, qk_scale, st_zero, BLOCK_M, BLOCK_N,
-                                           HEAD_DIM, STAGES, DO_STAGES, NUM_WARPS, IS_CAUSAL, VARLEN)
-            pt_smem.store(pt.to(dtype))
-            ds_smem.store(dst.to(dtype))
-            fence_async_shared()
-            # The previous step's second dQ reduce has finished reading dq_smem.
-            tma.store_wait(0)
-            # Both warpgroups' halves of Pᵀ and dSᵀ are in shared memory (and
-            # both finished the previous step's wgmmas, which read them).
-            thread_barrier()
+    if live:
+        mbarrier.wait(kv_bar, 0)
+        if VARLEN:
+            # Keys past the sequence: see _bwd_consumer_split_keys.
+            if (n + 1) * BLOCK_N > lk:
+                _zero_rows(k_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
+                _zero_rows(v_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
+                fence_async_shared()
+                thread_barrier()
+    # One flat loop over (query head of the group, query tile) steps, so that
+    # each step can issue the next step's Sᵀ (below).
+    n_m = m_hi - m_lo
+    total = kv_group * n_m
+    if total > 0:
+        wait_full(q_full, 0, STAGES)
+        if VARLEN:
+            _zero_tile_tail(q_bufs, 0, m_lo * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
+    # Issued even when there is no step (on an unloaded slot, result unused):
+    # a wgmma issued in one branch of an ``if`` would carry its token through it.
+    st = warpgroup_mma(k_t, q_bufs.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_zero,
+                       is_async=True)
+    st = warpgroup_mma_wait(0, deps=[st])
+    for step in range(total):
+        z = _opaque_zero()
+        k_t = k_bufs.index(z).reshape([BLOCK_N, HEAD_DIM])
+        v_t = v_bufs.index(z).reshape([BLOCK_N, HEAD_DIM])
+        g = step // n_m
+        m = m_lo + step - g * n_m
+        stat_base = stat0 + (hk * kv_group + g) * seqlen_q_rounded
+        q_slot = ring_slot(step, STAGES)
+        do_slot = ring_slot(step, DO_STAGES)
+        q_t = q_bufs.index(q_slot).reshape([BLOCK_M, HEAD_DIM])
+        wait_full(do_full, step, DO_STAGES)
+        if VARLEN:
+            _zero_tile_tail(do_bufs, do_slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
+        do_t = do_bufs.index(do_slot).reshape([BLOCK_M, HEAD_DIM])
+        dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
+        lse2 = lse2_bufs.index(q_slot).load(col_layout)
+        if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
+            st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
+        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        delta = delta_bufs.index(do_slot).load(col_layout)
+        dpt = warpgroup_mma_wait(0, deps=[dpt])
+        dst = pt * (dpt - delta[None, :])
+        pt_smem.store(pt.to(dtype))
+        ds_smem.store(dst.to(dtype))
+        fence_async_shared()
+        # The previous step's second dQ reduce has finished reading dq_smem.
+        tma.store_wait(0)
+        # Both warpgroups' halves of Pᵀ and dSᵀ are in shared memory (and
+        # both finished the previous step's wgmmas, which read them).
+        thread_barrier()
 
-            dv = warpgroup_mma(pt_smem, do_t, dv, is_async=True)
-            dk = warpgroup_mma(ds_smem, q_t, dk, is_async=True)
-            dq0 = warpgroup_mma(ds_smem.permute((1, 0)), k_t.slice(0, DQ_W, dim=1), dq_zero, is_async=True)
-            dq1 = warpgroup_mma(ds_smem.permute((1, 0)), k_t.slice(DQ_W, DQ_W, dim=1), dq_zero, is_async=True)
-            dv = warpgroup_mma_wait(3, deps=[dv])
-            # Both warpgroups are done with dO: its slot refills under dK and dQ.
-            thread_barrier()
-            release(do_empty, step, DO_STAGES)
-            dk, dq0 = warpgroup_mma_wait(1, deps=[dk, dq0])
-            dq_row = (stat_base + m * BLOCK_M).to(gl.int32)
-            sem = sem_ptr + (stat_base // BLOCK_M + m)
-            if DETERMINISTIC:
-                _dq_wait_turn(sem, n)
-            dq_smem.store(dq0)
-            fence_async_shared()
-            # Also: both warpgroups' dK wgmmas, the last readers of Q, are done.
-            thread_barrier()
-            release(q_empty, step, STAGES)
-            tma_atomic_add(dq_desc, [dq_row, 0], dq_smem)
-            dq1 = warpgroup_mma_wait(0, deps=[dq1])
-            # dQ's first half has been read out of the staging tile.
-            tma.store_wait(0)
-            thread_barrier()
-            dq_smem.store(dq1)
-            fence_async_shared()
-            thread_barrier()
-            tma_atomic_add(dq_desc, [dq_row, DQ_W], dq_smem)
-            if DETERMINISTIC:
-                _dq_pass_turn(sem)
-            step += 1
+        dv = warpgroup_mma(pt_smem, do_t, dv, is_async=True)
+        dk = warpgroup_mma(ds_smem, q_t, dk, is_async=True)
+        dq0 = warpgroup_mma(ds_smem.permute((1, 0)), k_t.slice(0, DQ_W, dim=1), dq_zero, is_async=True)
+        dq1 = warpgroup_mma(ds_smem.permute((1, 0)), k_t.slice(DQ_W, DQ_W, dim=1), dq_zero, is_async=True)
+        dv = warpgroup_mma_wait(3, deps=[dv])
+        # Both warpgroups are done with dO: its slot refills under dK and dQ.
+        thread_barrier()
+        release(do_empty, step, DO_STAGES)
+        dk, dq0 = warpgroup_mma_wait(1, deps=[dk, dq0])
+        dq_row = (stat_base + m * BLOCK_M).to(gl.int32)
+        sem = sem_ptr + (stat_base // BLOCK_M + m)
+        if DETERMINISTIC:
+            _dq_wait_turn(sem, n)
+        dq_smem.store(dq0)
+        fence_async_shared()
+        # Also: both warpgroups' dK wgmmas, the last readers of this Q, are done.
+        thread_barrier()
+        release(q_empty, step, STAGES)
+        tma_atomic_add(dq_desc, [dq_row, 0], dq_smem)
+        # The next step's Sᵀ (its Q is in the other ring slot), so that the
+        # tensor cores run it while dQ goes out; after the last step it runs
+        # on a slot nobody loads, and its result is dropped.
+        nxt = step + 1
+        if nxt < total:
+            wait_full(q_full, nxt, STAGES)
+            if VARLEN:
+                g_n = nxt // n_m
+                _zero_tile_tail(q_bufs, ring_slot(nxt, STAGES), (m_lo + nxt - g_n * n_m) * BLOCK_M, lq, BLOCK_M,
+                                HEAD_DIM, NUM_WARPS)
+        st_next = warpgroup_mma(k_t, q_bufs.index(ring_slot(nxt, STAGES)).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)),
+                                st_zero, is_async=True)
+        dq1 = warpgroup_mma_wait(1, deps=[dq1])
+        # dQ's first half has been read out of the staging tile.
+        tma.store_wait(0)
+        thread_barrier()
+        dq_smem.store(dq1)
+        fence_async_shared()
+        thread_barrier()
+        tma_atomic_add(dq_desc, [dq_row, DQ_W], dq_smem)
+        if DETERMINISTIC:
+            _dq_pass_turn(sem)
+        # The next Sᵀ completes within the step: a wgmma result carried in
+        # flight over the loop's back-edge makes ptxas serialise every wgmma.
+        st = warpgroup_mma_wait(0, deps=[st_next])
 
     # ---- Epilogue, as in _bwd_consumer_split_keys.
     thread_barrier()
