@@ -13,7 +13,9 @@ The gradient of ``lse`` itself is not propagated (as in flash-attn): only
 
 Eager calls that need neither tracing nor autograd skip the dispatcher (see
 ``interface.flash_attn_func``): the op's dispatch costs more host time than a
-short attention call takes on the GPU.
+short attention call takes on the GPU. For the same reason the autograd
+formulas call the backward's implementation directly in a plain eager
+backward (``_plain_eager_backward``), and the op everywhere else.
 """
 from __future__ import annotations
 
@@ -61,6 +63,21 @@ def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic)
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
 
+def _plain_eager_backward(*tensors) -> bool:
+    """An eager backward pass that nothing traces or intercepts: not under
+    torch.compile, no TorchDispatchMode active (FakeTensorMode, make_fx's
+    proxy mode, FlopCounterMode...), grad mode off (autograd's default in a
+    backward; ``create_graph=True`` turns it on), and only plain CUDA tensors
+    (no FakeTensor or FunctionalTensor; meta tensors take the op's fake). Then
+    the backward's implementation runs without the op's dispatch, which cost
+    0.2-0.7 ms of host time per call on the H200 machine's CPU (torch 2.11;
+    BENCHMARKS.md, eighth session): more than a B16 H16 S1024 backward takes
+    on the GPU, so that row was host-bound."""
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() or torch._C._len_torch_dispatch_stack():
+        return False
+    return all(type(t) is torch.Tensor and t.is_cuda for t in tensors if t is not None)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, softmax_scale, causal = inputs[:5]
     deterministic = inputs[5] if len(inputs) > 5 else False
@@ -73,7 +90,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = bwd(grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
+    impl = plan_backward.backward if _plain_eager_backward(grad_out, q, k, v, out, lse) else bwd
+    dq, dk, dv = impl(grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
     return dq, dk, dv, None, None, None
 
 
@@ -117,6 +135,12 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                max_seqlen_k: int, softmax_scale: float, causal: bool,
                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Varlen attention backward: ``(dq, dk, dv)``, zero outside the live rows."""
+    return _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                            max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic)
+
+
+def _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale, causal, deterministic):
     varlen = plan_backward.VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                        max_seqlen_k)
     return plan_backward.backward_varlen(grad_out, q, k, v, out, lse, varlen, softmax_scale, causal, deterministic)
@@ -144,8 +168,10 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
-    dq, dk, dv = varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.max_seqlens,
-                            ctx.softmax_scale, ctx.causal, ctx.deterministic)
+    args = (grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.max_seqlens, ctx.softmax_scale, ctx.causal,
+            ctx.deterministic)
+    eager = _plain_eager_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k)
+    dq, dk, dv = (_varlen_bwd_impl if eager else varlen_bwd)(*args)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 

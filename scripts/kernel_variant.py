@@ -28,15 +28,6 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);
   ``scripts/bwd_timeline.py`` runs it and prints where a step's time goes.
-* ``bwd-d64-exp2-fma`` (the backward, D = 64): half of P's exponentials
-  (one of each pair of a thread's values) on the FMA pipes, 2^floor(x) from
-  the exponent bits times a degree-3 polynomial (relative error 8.6e-5,
-  -inf -> +0 exactly), the other half on MUFU.EX2 (FlashAttention-4's split).
-  The bwd-timeline showed the exponentials' phase at a quarter of a D = 64
-  step. Not yet timed; the CPU census shows ptxas spilling in the step loop
-  (causal: 80-byte stack, 17 local accesses between the first and last wgmma;
-  non-causal: 48 and 3); not combined with ``_opaque_zero`` (the shipped
-  D = 256 consumer's) yet.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.

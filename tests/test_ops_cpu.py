@@ -127,3 +127,20 @@ def test_fake_impl_traces_with_dynamic_shapes_and_a_symbolic_scale(dynamic):
         assert out.shape == q.shape and lse.shape == (2, 4, s)
     with pytest.raises(Exception, match="softmax_scale must be a finite positive number"):
         compiled(q, k, k, -0.5)
+
+
+def test_plain_eager_backward_predicate():
+    # The autograd formulas skip the op only in a plain eager backward of
+    # CUDA tensors; tracing, dispatch modes, grad mode and meta tensors keep it.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hopper_flash.ops import _plain_eager_backward
+    t = meta(2, 64, 4, 128)
+    with torch.no_grad():
+        assert not _plain_eager_backward(t)  # meta: the fake implementation
+    with torch.no_grad(), FakeTensorMode():
+        assert not _plain_eager_backward(torch.empty(2, 3))
+    with torch.enable_grad():
+        assert not _plain_eager_backward()
+    with torch.no_grad():
+        assert _plain_eager_backward()  # (no tensors: the conditions alone)

@@ -115,3 +115,39 @@ def test_sdpa_style_call_with_unequal_lengths_non_causal():
     theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.2)
     ref, _ = attention_reference(*(x.transpose(1, 2) for x in (q, k, v)), softmax_scale=0.2)
     assert_judged("sdpa-style", ours, ref.transpose(1, 2), theirs)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_eager_backward_skips_the_op_and_matches_it(varlen, monkeypatch):
+    # A plain eager backward calls the implementation without the op's
+    # dispatch (host time); its gradients must be the op's, bit for bit
+    # (deterministic mode), and the op must not be called.
+    from hopper_flash import ops
+    torch.manual_seed(0)
+    q, k, v = (rand(2, 129, 4, 128) for _ in range(3))
+    g = rand(2, 129, 4, 128)
+    if varlen:
+        cu = torch.tensor([0, 100, 258], device="cuda", dtype=torch.int32)
+        q, k, v, g = (x.reshape(258, 4, 128) for x in (q, k, v, g))
+        fwd = lambda q, k, v: hopper_flash.flash_attn_varlen_func(q, k, v, cu, cu, 158, 158, causal=True,
+                                                                  deterministic=True, return_lse=True)
+        op = torch.ops.hopper_flash.varlen_bwd
+        op_args = lambda o, lse: (g, q, k, v, o, lse, cu, cu, None, None, 158, 158, 128 ** -0.5, True, True)
+        name = "varlen_bwd"
+    else:
+        fwd = lambda q, k, v: hopper_flash.flash_attn_func(q, k, v, causal=True, deterministic=True,
+                                                           return_lse=True)
+        op = torch.ops.hopper_flash.bwd
+        op_args = lambda o, lse: (g, q, k, v, o, lse, 128 ** -0.5, True, True)
+        name = "bwd"
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = fwd(*leaves)
+    called = []
+    real = getattr(ops, name)
+    monkeypatch.setattr(ops, name, lambda *a: called.append(1) or real(*a))
+    grads = torch.autograd.grad(out, leaves, g)
+    assert not called, "the eager backward went through the op"
+    with torch.no_grad():
+        expected = op(*op_args(out.detach(), lse))
+    for got, want in zip(grads, expected):
+        assert torch.equal(got, want)
