@@ -195,6 +195,28 @@ def _store_rows(buf, ptr, row_start, n_rows, stride_row, col_off, ROWS: gl.const
 
 
 @gluon.jit
+def _stage_dq(dq_smem, dq):
+    """Store a dQ share (a wgmma accumulator, fp32) into its TMA staging
+    tile with the rows of each 8-row group interleaved: accumulator row
+    ``8g + 4h + j`` (h < 2, j < 4) goes to tile row ``8g + 2j + h``.
+
+    Why: in the accumulator layout a warp's 64-bit store covers 8 rows × 32
+    bytes, and the hardware serves it in two half-warp phases of 4 rows. In
+    the 128-byte-swizzled fp32 tile, rows ``r`` and ``r ^ 1`` put the same
+    32 bytes of columns in the same banks, so each phase took two
+    wavefronts (ncu: 4 per store where 2 are ideal, 8.7% of the kernel's
+    shared-memory wavefronts at D = 128). Interleaved, the 4 rows of a phase
+    are tile rows 0, 2, 4, 6 (or 1, 3, 5, 7) of the group: distinct banks.
+    ``dq_accum`` therefore holds each query tile with its rows interleaved
+    the same way (every KV tile adds in the same order); the postprocess
+    (``backward_pre.dq_accum_row``) reads them back in query order."""
+    M: gl.constexpr = dq.shape[0]
+    N: gl.constexpr = dq.shape[1]
+    x = gl.permute(gl.reshape(dq, [M // 8, 2, 4, N]), (0, 2, 1, 3))
+    dq_smem.store(gl.reshape(x, [M, N]))
+
+
+@gluon.jit
 def _dq_wait_turn(sem, n):
     """Deterministic mode: block until KV tiles 0 .. n-1 added their dQ shares."""
     while gl.atomic_add(sem, 0, sem="acquire", scope="gpu") != n:
@@ -434,7 +456,7 @@ def _bwd_consumer_split_keys(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_b
             dk = warpgroup_mma(dst_op, q_t, dk, is_async=True)
             # dV and dQ are done, dK may still run while dQ goes out.
             dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
-            dq_smem.store(dq)
+            _stage_dq(dq_smem, dq)
             fence_async_shared()
             thread_barrier()
             dq_row = (stat_base + m * BLOCK_M).to(gl.int32)
@@ -594,7 +616,7 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
         sem = sem_ptr + (stat_base // BLOCK_M + m)
         if DETERMINISTIC:
             _dq_wait_turn(sem, n)
-        dq_smem.store(dq0)
+        _stage_dq(dq_smem, dq0)
         fence_async_shared()
         # Also: both warpgroups' dK wgmmas, the last readers of this Q, are done.
         thread_barrier()
@@ -616,7 +638,7 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
         # dQ's first half has been read out of the staging tile.
         tma.store_wait(0)
         thread_barrier()
-        dq_smem.store(dq1)
+        _stage_dq(dq_smem, dq1)
         fence_async_shared()
         thread_barrier()
         tma_atomic_add(dq_desc, [dq_row, DQ_W], dq_smem)

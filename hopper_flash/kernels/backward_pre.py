@@ -7,6 +7,9 @@
   rows get L2 = +inf and Δ = 0, so they contribute nothing and the main
   kernel needs no query-tail mask.
 * ``bwd_postprocess``: dQ = scale · dq_accum, rounded to the output dtype.
+  The main kernel adds each query tile into ``dq_accum`` with the rows of
+  every 8-row group interleaved (``backward._stage_dq``, for bank-conflict-free
+  staging); ``dq_accum_row`` maps a query row to where it lies.
 
 Their host-side launches are ``plan_backward.bwd_preprocess`` and
 ``plan_backward.bwd_postprocess``.
@@ -83,6 +86,14 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, cu_ptr, 
     tl.store(lse2_ptr + out, lse2, mask=keep)
 
 
+@triton.jit
+def dq_accum_row(row):
+    """Where query row ``row`` of a tile-aligned ``dq_accum`` block lies: row
+    ``8g + 4h + j`` (h < 2, j < 4) is stored at ``8g + 2j + h``, the
+    main kernel's staging order (``backward._stage_dq``)."""
+    return (row & ~7) | ((row & 3) << 1) | ((row >> 2) & 1)
+
+
 @triton.jit(do_not_specialize=_POST_INTS)
 def _bwd_postprocess_kernel(acc_ptr, dq_ptr, cu_ptr, used_ptr, sdq8_b, sdq8_s, sdq8_h, seqlen_q, seqlen_q_rounded,
                             num_heads, scale, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -96,7 +107,9 @@ def _bwd_postprocess_kernel(acc_ptr, dq_ptr, cu_ptr, used_ptr, sdq8_b, sdq8_s, s
     rows = pid_m * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, HEAD_DIM)
     valid = rows < length
-    acc = tl.load(acc_ptr + (stat0 + h * seqlen_q_rounded + rows)[:, None] * HEAD_DIM + cols[None, :],
+    # stat0 and seqlen_q_rounded are whole query tiles, so the 8-row groups
+    # of ``rows`` are the kernel's.
+    acc = tl.load(acc_ptr + (stat0 + h * seqlen_q_rounded + dq_accum_row(rows))[:, None] * HEAD_DIM + cols[None, :],
                   mask=valid[:, None], other=0.0)
     dq = (acc * scale).to(dq_ptr.dtype.element_ty)
     rows64 = (start + rows).to(tl.int64)
