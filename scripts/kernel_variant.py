@@ -28,6 +28,17 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);
   ``scripts/bwd_timeline.py`` runs it and prints where a step's time goes.
+* ``bwd-dk-early`` (the backward, split-keys consumers, D = 64 and 128):
+  dK (whose dSᵀ operand is in registers) is issued before dSᵀ is stored to
+  shared memory, so it runs under the store and the barrier; dQ is issued
+  last and waited for with everything, and the next step's Sᵀ is issued
+  while dQ is staged and sent (the eighth session's flat-loop Sᵀ-ahead, which
+  alone measured flat because dK already ran under the staging). The D = 128
+  step is near its shared-memory roofline (~368 KB per step against 4060
+  cycles), so this only moves the tensor cores' idle time under the
+  staging. CPU census: spill-free in every mode under triton 3.6 and 3.9
+  (3.9 deterministic D = 128: 2 local accesses in the step), 4
+  WARPGROUP.DEPBAR. Not yet timed.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
