@@ -328,9 +328,9 @@ def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, del
         m_blocks = triton_cdiv(max_seqlen_q, block_m) * (block_m // block)
         used = cu if used is None else used
     plan.launch_triton(_pre._bwd_preprocess_kernel, (m_blocks, nheads, batch),
-                  (out, dout, lse, delta, lse2, cu, used, *strides, seqlen_q, seqlen_q_rounded, nheads),
-                  dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
-                       SEQUSED=varlen is not None and varlen[1] is not None), num_warps=4)
+                       (out, dout, lse, delta, lse2, cu, used, *strides, seqlen_q, seqlen_q_rounded, nheads),
+                       dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
+                            SEQUSED=varlen is not None and varlen[1] is not None), num_warps=4)
 
 
 def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, block_m: int, varlen=None) -> None:
@@ -353,9 +353,9 @@ def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, bloc
         m_blocks = triton_cdiv(max_seqlen_q, block)
         used = cu if used is None else used
     plan.launch_triton(_pre._bwd_postprocess_kernel, (m_blocks, nheads, batch),
-                  (dq_accum, dq, cu, used, *strides, seqlen_q, seqlen_q_rounded, nheads, scale),
-                  dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
-                       SEQUSED=varlen is not None and varlen[1] is not None), num_warps=4)
+                       (dq_accum, dq, cu, used, *strides, seqlen_q, seqlen_q_rounded, nheads, scale),
+                       dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
+                            SEQUSED=varlen is not None and varlen[1] is not None), num_warps=4)
 
 
 def workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int, deterministic: bool = False) -> int:

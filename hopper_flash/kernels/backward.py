@@ -285,11 +285,21 @@ def _p_and_ds(k_t, v_t, q_bufs, do_bufs, lse2_bufs, delta_bufs, q_full, do_full,
         dpt = warpgroup_mma_wait(0, deps=[dpt])
         dst = pt * dpt
     else:
-        pt = gl.exp2(st * qk_scale - lse2[None, :])
-        delta = delta_bufs.index(do_slot).load(col_layout)
-        dpt = warpgroup_mma_wait(0, deps=[dpt])
-        dst = pt * (dpt - delta[None, :])
+        pt, dst = _p_and_ds_from_stats(st, dpt, lse2, delta_bufs, do_slot, qk_scale)
     return q_t, do_t, pt, dst
+
+
+@gluon.jit
+def _p_and_ds_from_stats(st, dpt, lse2, delta_bufs, do_slot, qk_scale):
+    """Pᵀ = exp2(c·Sᵀ − L2) from the masked Sᵀ, then dSᵀ = Pᵀ ⊙ (dPᵀ − Δ)
+    once the in-flight dPᵀ wgmma completes (Δ loaded while it runs): the
+    64-query steps' statistics path (see _p_and_ds), also the D = 256
+    consumers'. Returns ``(pt, dst)``."""
+    col_layout: gl.constexpr = gl.SliceLayout(0, st.type.layout)  # one value per query
+    pt = gl.exp2(st * qk_scale - lse2[None, :])
+    delta = delta_bufs.index(do_slot).load(col_layout)
+    dpt = warpgroup_mma_wait(0, deps=[dpt])
+    return pt, pt * (dpt - delta[None, :])
 
 
 @gluon.jit
@@ -529,15 +539,7 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
 
-    if live:
-        mbarrier.wait(kv_bar, 0)
-        if VARLEN:
-            # Keys past the sequence: see _bwd_consumer_split_keys.
-            if (n + 1) * BLOCK_N > lk:
-                _zero_rows(k_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
-                _zero_rows(v_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
-                fence_async_shared()
-                thread_barrier()
+    _wait_kv(k_t, v_t, kv_bar, live, n, lk, BLOCK_N, HEAD_DIM, NUM_WARPS, VARLEN)
     # One flat loop over (query head of the group, query tile) steps, so that
     # each step can issue the next step's Sᵀ (below).
     n_m = m_hi - m_lo
@@ -569,10 +571,7 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
         lse2 = lse2_bufs.index(q_slot).load(col_layout)
         if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
             st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
-        pt = gl.exp2(st * qk_scale - lse2[None, :])
-        delta = delta_bufs.index(do_slot).load(col_layout)
-        dpt = warpgroup_mma_wait(0, deps=[dpt])
-        dst = pt * (dpt - delta[None, :])
+        pt, dst = _p_and_ds_from_stats(st, dpt, lse2, delta_bufs, do_slot, qk_scale)
         pt_smem.store(pt.to(dtype))
         ds_smem.store(dst.to(dtype))
         fence_async_shared()
