@@ -126,7 +126,11 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
             checks.check_cuda(q)
         else:
             checks.check_device(q)
-        out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
+        if ops.plain_eager(q, k, v):
+            # The op's autograd without its dispatch (host time per call).
+            out, lse = ops.EagerAttention.apply(q, k, v, softmax_scale, bool(causal), bool(deterministic))
+        else:
+            out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
         return (out, lse) if return_lse else out
     return dispatch.forward(q, k, v, softmax_scale, causal, return_lse)
 
@@ -236,8 +240,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             if check_contract:
                 checks.check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              seqused_q, seqused_k)
-        out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                                  max_seqlen_k, softmax_scale, bool(causal), bool(deterministic))
+        if ops.plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+            # The op's autograd without its dispatch (None: the environment decides
+            # on the contract check, as in the op's implementation).
+            out, lse = ops.EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                                      max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
+                                                      bool(deterministic), None)
+        else:
+            out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                      max_seqlen_k, softmax_scale, bool(causal), bool(deterministic))
         return (out, lse) if return_lse else out
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k, softmax_scale, causal, return_lse, check_contract)

@@ -11,15 +11,21 @@ implementation, so a compiled backward graph contains it as one opaque node.
 The gradient of ``lse`` itself is not propagated (as in flash-attn): only
 ``out`` is differentiable.
 
-Eager calls that need neither tracing nor autograd skip the dispatcher (see
-``interface.flash_attn_func``): the op's dispatch costs more host time than a
-short attention call takes on the GPU. For the same reason the autograd
-formulas call the backward's implementation directly in a plain eager
-backward (``_plain_eager_backward``), and the op everywhere else.
+Eager calls skip the dispatcher, whose cost in host time exceeds what a
+short attention call takes on the GPU: without autograd ``interface`` calls
+the implementation (``dispatch``) directly, and with autograd on plain CUDA
+tensors it uses ``EagerAttention`` / ``EagerVarlenAttention`` below, plain
+``torch.autograd.Function``s around the same implementations. The ops serve
+torch.compile, dispatch modes and tensor subclasses. An op's autograd formula
+itself calls the backward's implementation directly in a plain eager
+backward (``_plain_eager_backward``): that is the path of a direct call of
+``torch.ops.hopper_flash.fwd`` under autograd.
 """
 from __future__ import annotations
 
 import torch
+
+from torch.autograd.function import once_differentiable
 
 from . import checks, dispatch, plan_backward
 
@@ -63,19 +69,25 @@ def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic)
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
 
-def _plain_eager_backward(*tensors) -> bool:
-    """An eager backward pass that nothing traces or intercepts: not under
-    torch.compile, no TorchDispatchMode active (FakeTensorMode, make_fx's
-    proxy mode, FlopCounterMode...), grad mode off (autograd's default in a
-    backward; ``create_graph=True`` turns it on), and only plain CUDA tensors
-    (no FakeTensor or FunctionalTensor; meta tensors take the op's fake). Then
-    the backward's implementation runs without the op's dispatch, which cost
-    0.2-0.7 ms of host time per call on the H200 machine's CPU (torch 2.11;
-    BENCHMARKS.md, eighth session): more than a B16 H16 S1024 backward takes
-    on the GPU, so that row was host-bound."""
-    if torch.compiler.is_compiling() or torch.is_grad_enabled() or torch._C._len_torch_dispatch_stack():
+def plain_eager(*tensors) -> bool:
+    """Eager autograd may bypass the ops: not under torch.compile, no
+    TorchDispatchMode active, and only plain CUDA tensors (``None`` allowed).
+    Anything else (FakeTensor, FunctionalTensor, other subclasses, meta or CPU
+    tensors) goes through the ops, whose fake implementations and error
+    messages serve it."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     return all(type(t) is torch.Tensor and t.is_cuda for t in tensors if t is not None)
+
+
+def _plain_eager_backward(*tensors) -> bool:
+    """A backward pass ``plain_eager`` would let through, with grad mode off
+    (autograd's default in a backward; ``create_graph=True`` turns it on).
+    Then the backward's implementation runs without the op's dispatch, which
+    cost 0.2-0.7 ms of host time per call on the H200 machine's CPU (torch
+    2.11; BENCHMARKS.md, eighth session): more than a B16 H16 S1024 backward
+    takes on the GPU, so that row was host-bound."""
+    return not torch.is_grad_enabled() and plain_eager(*tensors)
 
 
 def _setup_context(ctx, inputs, output):
@@ -176,3 +188,48 @@ def _varlen_backward(ctx, grad_out, grad_lse):
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# ---- Eager autograd without the ops' dispatch. ----
+
+
+class EagerAttention(torch.autograd.Function):
+    """``hopper_flash::fwd`` with its autograd formula, without the dispatch:
+    the same forward (``dispatch.forward``, which validates) and backward
+    (``plan_backward.backward``). The LSE is returned, not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale: float, causal: bool, deterministic: bool):
+        out, lse = dispatch.forward(q, k, v, softmax_scale, causal, True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (softmax_scale, causal, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = plan_backward.backward(grad_out, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None
+
+
+class EagerVarlenAttention(torch.autograd.Function):
+    """``hopper_flash::varlen_fwd`` with its autograd formula, without the
+    dispatch (``dispatch.forward_varlen`` and ``_varlen_bwd_impl``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
+                max_seqlen_k: int, softmax_scale: float, causal: bool, deterministic: bool, check_contract):
+        out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           seqused_q, seqused_k, softmax_scale, causal, True, check_contract)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        dq, dk, dv = _varlen_bwd_impl(grad_out, *ctx.saved_tensors, *ctx.args)
+        return dq, dk, dv, *(None,) * 10

@@ -151,3 +151,39 @@ def test_eager_backward_skips_the_op_and_matches_it(varlen, monkeypatch):
         expected = op(*op_args(out.detach(), lse))
     for got, want in zip(grads, expected):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_eager_autograd_skips_the_ops_and_matches_them(varlen, monkeypatch):
+    # flash_attn_func / flash_attn_varlen_func under eager autograd use
+    # ops.EagerAttention / EagerVarlenAttention (no op dispatch): outputs and
+    # gradients bitwise equal to the registered ops' (deterministic mode),
+    # and neither op is called.
+    from hopper_flash import ops
+    torch.manual_seed(1)
+    q, k, v, g = (rand(2, 129, 4, 128) for _ in range(4))
+    cu = torch.tensor([0, 100, 258], device="cuda", dtype=torch.int32)
+    if varlen:
+        q, k, v, g = (x.reshape(258, 4, 128) for x in (q, k, v, g))
+        ours = lambda *t: hopper_flash.flash_attn_varlen_func(*t, cu, cu, 158, 158, causal=True, deterministic=True)
+        op = lambda *t: torch.ops.hopper_flash.varlen_fwd(*t, cu, cu, None, None, 158, 158, 128 ** -0.5, True,
+                                                          True)[0]
+        names = ("varlen_fwd", "varlen_bwd")
+    else:
+        ours = lambda *t: hopper_flash.flash_attn_func(*t, causal=True, deterministic=True)
+        op = lambda *t: torch.ops.hopper_flash.fwd(*t, 128 ** -0.5, True, True)[0]
+        names = ("fwd", "bwd")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    want_out = op(*leaves)
+    want = torch.autograd.grad(want_out, leaves, g)
+    called = []
+    for name in names:
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _r=real: called.append(1) or _r(*a))
+    out = ours(*leaves)
+    assert "Eager" in type(out.grad_fn).__name__
+    got = torch.autograd.grad(out, leaves, g)
+    assert not called, "eager autograd went through an op"
+    assert torch.equal(out, want_out)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
