@@ -7,7 +7,14 @@ _triton_support.check_supported()
 
 from .interface import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention  # noqa: E402
 from .kvcache import flash_attn_with_kvcache  # noqa: E402
+from .packed import (  # noqa: E402
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
 
 __version__ = "0.1.0"
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "scaled_dot_product_attention",
-           "__version__"]
+           "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+           "flash_attn_varlen_kvpacked_func", "__version__"]

@@ -1,0 +1,88 @@
+"""flash-attn's packed layouts: ``flash_attn_qkvpacked_func``,
+``flash_attn_kvpacked_func`` and their varlen forms.
+
+Each unpacks its tensor into views (``unbind`` along the packing axis, no
+copy: the views meet the TMA rules whenever the packed tensor's head dim is
+contiguous) and calls the unpacked function, which checks everything else
+and runs the same kernels. Gradients flow back through the views: autograd
+stacks dQ, dK, dV into one ``d(qkv)`` (one copy of the gradients that
+flash-attn, which writes them in place, does not make).
+
+As in ``flash_attn_func``, everything after the tensors and the varlen
+metadata is keyword-only: flash-attn 2 puts ``dropout_p`` first and
+FlashAttention-3 ``softmax_scale``, so a positional call would be read
+one way or the other.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import interface
+
+
+def _unpack(name: str, t, rank: int, axis: int, parts: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """The ``parts`` views of ``t`` along ``axis``; a clear error naming
+    ``name`` and its expected layout otherwise."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != rank or t.shape[axis] != parts:
+        raise ValueError(f"{name} must have shape {layout}, got {tuple(t.shape)}")
+    return t.unbind(axis)
+
+
+def flash_attn_qkvpacked_func(qkv, *, softmax_scale=None, causal=False, return_lse=False, dropout_p=0.0,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                              return_attn_probs=False):
+    """``flash_attn_func`` on ``qkv`` ``[batch, seqlen, 3, nheads, headdim]``
+    (q, k, v stacked on axis 2, flash-attn's layout). Returns ``out``
+    ``[batch, seqlen, nheads, headdim]``, or ``(out, lse)`` with
+    ``return_lse``; the options are ``flash_attn_func``'s."""
+    q, k, v = _unpack("qkv", qkv, 5, 2, 3, "[batch, seqlen, 3, nheads, headdim]")
+    return interface.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
+                                     dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+                                     alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                     return_attn_probs=return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, *, softmax_scale=None, causal=False, return_lse=False, dropout_p=0.0,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                             return_attn_probs=False):
+    """``flash_attn_func`` with k and v stacked: ``q`` ``[batch, seqlen_q,
+    nheads, headdim]``, ``kv`` ``[batch, seqlen_k, 2, nheads_kv, headdim]``
+    (GQA/MQA as in ``flash_attn_func``)."""
+    k, v = _unpack("kv", kv, 5, 2, 2, "[batch, seqlen_k, 2, nheads_kv, headdim]")
+    return interface.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
+                                     dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+                                     alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                     return_attn_probs=return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *, seqused=None, softmax_scale=None, causal=False,
+                                     deterministic=False, return_lse=False, check_contract=None, dropout_p=0.0,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                     return_attn_probs=False):
+    """``flash_attn_varlen_func`` on ``qkv`` ``[total, 3, nheads, headdim]``:
+    one set of ``cu_seqlens`` (int32 ``[batch + 1]``), ``max_seqlen`` and
+    optional ``seqused`` serves queries and keys. Returns ``out`` ``[total,
+    nheads, headdim]``, or ``(out, lse)``; the contract on the device values
+    is ``flash_attn_varlen_func``'s."""
+    q, k, v = _unpack("qkv", qkv, 4, 1, 3, "[total, 3, nheads, headdim]")
+    return interface.flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, seqused_q=seqused, seqused_k=seqused,
+        softmax_scale=softmax_scale, causal=causal, deterministic=deterministic, return_lse=return_lse,
+        check_contract=check_contract, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
+                                    seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
+                                    return_lse=False, check_contract=None, dropout_p=0.0, window_size=(-1, -1),
+                                    softcap=0.0, alibi_slopes=None, return_attn_probs=False):
+    """``flash_attn_varlen_func`` with k and v stacked: ``q`` ``[total_q,
+    nheads, headdim]``, ``kv`` ``[total_k, 2, nheads_kv, headdim]``."""
+    k, v = _unpack("kv", kv, 4, 1, 2, "[total_k, 2, nheads_kv, headdim]")
+    return interface.flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
+        softmax_scale=softmax_scale, causal=causal, deterministic=deterministic, return_lse=return_lse,
+        check_contract=check_contract, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs)
