@@ -35,6 +35,18 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   instead of a CTA-wide barrier and the TMA issue, FA3's shape of the dQ
   path. Correct (the 65 backward GPU tests pass) but measured 1-2% slower at
   D = 128 and equal at D = 64 and 256 (tenth session, BENCHMARKS.md).
+* ``fwd-d64-three-consumers`` (a candidate to ship, prepared on the CPU in
+  the tenth session, not yet run): head dim 64 prefill on FA3's 192-row
+  tiles, three consumer warpgroups of 64 rows at 160 registers (producer
+  32, launch maxnreg 128); the decode modes keep two (``plan.decode_form``).
+  The kernel's consumer count ``NC = BLOCK_M // 64`` sizes the Q ring, the O
+  staging and the barrier counts. Spill-free under triton 3.6 (forward,
+  decode and varlen censuses); under 3.9 the D=64 write-LSE and varlen
+  kernels spill 88-112 bytes. Branch ``fwd-three-consumers`` holds the same
+  change with its CPU tests (``tests/test_scheduler_cpu.py``) and the
+  regenerated ``timeline``/``fa3-pingpong`` patches. Time it against the
+  shipped package on the D=64 prefill rows (and GQA, fp16, varlen) with the
+  GPU tests on it (``tests/test_forward_gpu.py`` has its tile-edge cases).
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.

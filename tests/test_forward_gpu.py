@@ -95,7 +95,7 @@ def test_static_deal_odd_item_count_causal():
     (1, 16384, 16384, 12, 12, 128),    # three sections of 4 heads
     (2, 2100, 3001, 8, 2, 128),        # more keys than queries; GQA sections
     (2, 3001, 2100, 8, 8, 128),        # more queries than keys: rows that see no key
-    (2, 2049, 2049, 9, 9, 64),
+    (2, 3073, 3073, 9, 9, 64),         # D=64: 25 tiles of 128 rows, 17 of 192 (fwd-d64-three-consumers)
     (1, 4099, 4099, 6, 3, 256),
 ])
 def test_dynamic_order(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim):
@@ -202,6 +202,16 @@ def test_misaligned_pointer_is_rejected():
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_head_dims(head_dim, causal, seqlen):
     check_forward(2, seqlen, seqlen, 4, head_dim=head_dim, causal=causal, seed=head_dim + seqlen)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(191, 191), (192, 192), (193, 193), (385, 385), (577, 577),
+                                               (200, 700), (700, 200), (64, 320)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_head_dim_64_tile_edges(causal, seqlen_q, seqlen_k):
+    """Head dim 64 runs 192-row tiles, 64 rows per consumer warpgroup:
+    lengths at the edges of a tile and of each consumer's rows, and diagonals
+    that leave one or two consumers' first KV tiles entirely masked."""
+    check_forward(2, seqlen_q, seqlen_k, 3, head_dim=64, causal=causal, seed=seqlen_q * 7 + seqlen_k)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
