@@ -12,6 +12,12 @@
 #       path; JSON per block under $OUT.
 #   run:               bash scripts/device_session.sh memcheck
 #       compute-sanitizer memcheck on the forward and backward cases.
+#   run:               bash scripts/device_session.sh variant NAME CONFIG.json [BENCH ARGS]
+#       a measurement variant (scripts/kernel_variant.py NAME): its GPU tests
+#       ($VARIANT_TESTS, default tests/test_forward_gpu.py), then two rounds of
+#       alternating processes, the shipped package and the variant, each next
+#       to SDPA cuDNN (and FA3 once built) on CONFIG (e.g. benchmarks/d64.json);
+#       JSON per process.
 # The triton 3.9.0 suite has its own script (scripts/triton39_gpu.sh).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -31,8 +37,25 @@ case "${1:-}" in
     until [ -d /tmp/fa3pkg ] || grep -q "rc=[1-9]" /tmp/fa3_build.out 2>/dev/null; do sleep 5; done
     cat /tmp/fa3_build.out
     PYTHONPATH=/tmp/fa3pkg:. timeout "${BENCH_TIMEOUT:-540}" bash scripts/bench_h200.sh "$OUT" "${@:2}" 2>&1 | quiet ;;
+  variant)
+    name=${2:?variant name}; config=${3:?bench config}; extra=("${@:4}")
+    python scripts/kernel_variant.py "$name" "/tmp/variant-$name" > /dev/null || exit 1
+    PYTHONPATH="/tmp/variant-$name" timeout "${VARIANT_TEST_TIMEOUT:-240}" python -P -m pytest -m gpu -q -rf -n 4 \
+      --timeout 100 -p no:cacheprovider -p no:benchmark ${VARIANT_TESTS:-tests/test_forward_gpu.py} 2>&1 \
+      | tee "$OUT/pytest-$name.log" | quiet | tail -8
+    # FA3 beside them when this machine built it (the tests call starts the build).
+    backends=${VARIANT_BACKENDS:-hopper_flash sdpa-cudnn$([ -d /tmp/fa3pkg ] && echo " fa3")}
+    for round in 1 2; do
+      for pkg in . "/tmp/variant-$name"; do
+        label=$([ "$pkg" = . ] && echo shipped || echo "$name")
+        echo "== $label, round $round"
+        PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 100 --warmup-ms 30 \
+          --config "$config" --backends $backends "${extra[@]}" --json "$OUT/ab-$label-$round.json" \
+          2>&1 | quiet | tail -12
+      done
+    done ;;
   memcheck)
     TOOLS=memcheck bash scripts/sanitize.sh 2>&1 | quiet | tail -20
     TOOLS=memcheck bash scripts/sanitize.sh --backward 2>&1 | quiet | tail -20 ;;
-  *) echo "usage: $0 tests [pytest args] | bench [block ...] | memcheck" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [pytest args] | bench [block ...] | memcheck | variant NAME CONFIG [args]" >&2; exit 2 ;;
 esac
