@@ -40,9 +40,10 @@ case "${1:-}" in
   variant)
     name=${2:?variant name}; config=${3:?bench config}; extra=("${@:4}")
     python scripts/kernel_variant.py "$name" "/tmp/variant-$name" > /dev/null || exit 1
-    PYTHONPATH="/tmp/variant-$name" timeout "${VARIANT_TEST_TIMEOUT:-240}" python -P -m pytest -m gpu -q -rf -n 4 \
-      --timeout 100 -p no:cacheprovider -p no:benchmark ${VARIANT_TESTS:-tests/test_forward_gpu.py} 2>&1 \
-      | tee "$OUT/pytest-$name.log" | quiet | tail -8
+    # -o pythonpath: pyproject's pythonpath = ["."] would put the shipped package first (the header says which ran).
+    PYTHONPATH="/tmp/variant-$name" timeout "${VARIANT_TEST_TIMEOUT:-240}" python -P -m pytest -m gpu -rf -n 4 \
+      --timeout 100 -p no:cacheprovider -p no:benchmark -o pythonpath="/tmp/variant-$name" \
+      ${VARIANT_TESTS:-tests/test_forward_gpu.py} 2>&1 | tee "$OUT/pytest-$name.log" | quiet | grep -E "imported from|passed|failed|error|skipped" | tail -8
     # FA3 beside them when this machine built it (the tests call starts the build).
     backends=${VARIANT_BACKENDS:-hopper_flash sdpa-cudnn$([ -d /tmp/fa3pkg ] && echo " fa3")}
     for round in 1 2; do

@@ -10,6 +10,13 @@ there shadows the copy on PYTHONPATH (a whole screening in the fourth session
 timed the shipped kernel under four names that way). The bench header's
 "imported from" line says which package ran.
 
+pytest needs more: pyproject's ``pythonpath = ["."]`` puts the checkout
+first on sys.path inside pytest, ``-P`` or not, so a variant's tests run as
+``PYTHONPATH=OUTDIR python -P -m pytest -o pythonpath=OUTDIR ...``
+(``scripts/device_session.sh variant`` does); the pytest header line
+"hopper_flash imported from" says which package ran. (The fifth session's
+"fa3-pingpong: 189 passed" ran the shipped package that way.)
+
 Time the variant in its own process next to SDPA cuDNN, and the shipped
 package the same way right before or after it on the same machine; compare
 the ratios to cuDNN. Variants (``scripts/variants/``):

@@ -39,7 +39,17 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
+    """Which package runs, and on which config variant. pyproject's
+    ``pythonpath = ["."]`` puts the checkout first on sys.path, so a patched
+    copy of the package (scripts/kernel_variant.py) on PYTHONPATH is tested
+    only with ``-o pythonpath=COPY`` (``device_session.sh variant`` does it);
+    this line says which one ran."""
     import os
 
+    import hopper_flash
+
+    lines = [f"hopper_flash imported from {os.path.dirname(hopper_flash.__file__)}"]
     spec = os.environ.get("HOPPER_FLASH_TEST_CONFIG", "")
-    return f"hopper_flash config variant: {spec}" if spec else None
+    if spec:
+        lines.append(f"hopper_flash config variant: {spec}")
+    return lines
