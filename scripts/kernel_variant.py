@@ -47,9 +47,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   tiles, three consumer warpgroups of 64 rows at 160 registers (producer
   32, launch maxnreg 128); the decode modes keep two (``plan.decode_form``).
   The kernel's consumer count ``NC = BLOCK_M // 64`` sizes the Q ring, the O
-  staging and the barrier counts. Spill-free under triton 3.6 (forward,
-  decode and varlen censuses); under 3.9 the D=64 write-LSE and varlen
-  kernels spill 88-112 bytes. Branch ``fwd-three-consumers`` holds the same
+  staging and the barrier counts. Spill-free under triton 3.6, 3.7.1 and
+  3.8.0 (forward, decode and varlen censuses); under 3.9 the D=64 write-LSE
+  and varlen kernels spilled 88-112 bytes, so there D=64 keeps two
+  consumers (``plan.head_dim_64_config``). Branch ``fwd-three-consumers`` holds the same
   change with its CPU tests (``tests/test_scheduler_cpu.py``) and the
   regenerated ``timeline``/``fa3-pingpong`` patches. Time it against the
   shipped package on the D=64 prefill rows (and GQA, fp16, varlen) with the
