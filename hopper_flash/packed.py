@@ -2,9 +2,9 @@
 ``flash_attn_kvpacked_func`` and their varlen forms.
 
 Each unpacks its tensor into views (``unbind`` along the packing axis, no
-copy: the views meet the TMA rules whenever the packed tensor's head dim is
-contiguous) and calls the unpacked function, which checks everything else
-and runs the same kernels. Gradients flow back through the views: autograd
+copy: the views of a contiguous packed tensor meet the kernels' 16-byte
+stride rules) and calls the unpacked function, which checks everything else
+(its errors name q, k or v) and runs the same kernels. Gradients flow back through the views: autograd
 stacks dQ, dK, dV into one ``d(qkv)`` (one copy of the gradients that
 flash-attn, which writes them in place, does not make).
 
