@@ -15,7 +15,8 @@ Eager calls skip the dispatcher, whose cost in host time exceeds what a
 short attention call takes on the GPU: without autograd ``interface`` calls
 the implementation (``dispatch``) directly, and with autograd on plain CUDA
 tensors it uses ``EagerAttention`` / ``EagerVarlenAttention`` below, plain
-``torch.autograd.Function``s around the same implementations. The ops serve
+``torch.autograd.Function``s around the same implementations
+(``EagerPackedAttention`` for flash-attn's packed layouts, ``packed.py``). The ops serve
 torch.compile, dispatch modes and tensor subclasses. An op's autograd formula
 itself calls the backward's implementation directly in a plain eager
 backward (``_plain_eager_backward``): that is the path of a direct call of
@@ -233,3 +234,53 @@ class EagerVarlenAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         dq, dk, dv = _varlen_bwd_impl(grad_out, *ctx.saved_tensors, *ctx.args)
         return dq, dk, dv, *(None,) * 10
+
+
+class EagerPackedAttention(torch.autograd.Function):
+    """flash-attn's packed layouts (``hopper_flash.packed``) under plain eager
+    autograd. ``packed`` holds k and v (``q`` given) or q, k and v (``q``
+    None), stacked on ``axis``; ``varlen`` is None or ``(cu_seqlens_q,
+    cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)``. The
+    forward is ``EagerAttention``'s / ``EagerVarlenAttention``'s on the
+    unbound views; the backward writes dQ, dK and dV straight into the packed
+    tensor's gradient (flash-attn's way), where autograd would otherwise
+    stack three separate gradients: one pass over them less, and no second
+    copy in memory."""
+
+    @staticmethod
+    def forward(ctx, q, packed, axis: int, varlen, softmax_scale: float, causal: bool, deterministic: bool):
+        qv, k, v = _unpacked(q, packed, axis)
+        if varlen is None:
+            out, lse = dispatch.forward(qv, k, v, softmax_scale, causal, True)
+        else:
+            out, lse = dispatch.forward_varlen(qv, k, v, *varlen[:2], *varlen[4:], *varlen[2:4], softmax_scale,
+                                               causal, True, None)
+        ctx.save_for_backward(q, packed, out, lse)
+        ctx.args = (axis, varlen, softmax_scale, causal, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        q, packed, out, lse = ctx.saved_tensors
+        axis, varlen, softmax_scale, causal, deterministic = ctx.args
+        # Varlen gradients are zero outside the live rows, which the kernels do not write.
+        alloc = torch.empty if varlen is None else torch.zeros
+        d_packed = alloc(packed.shape, dtype=packed.dtype, device=packed.device)
+        dq = None if q is None else alloc(q.shape, dtype=q.dtype, device=q.device)
+        grads = _unpacked(dq, d_packed, axis)
+        qv, k, v = _unpacked(q, packed, axis)
+        if varlen is None:
+            plan_backward.backward(grad_out, qv, k, v, out, lse, softmax_scale, causal, deterministic, grads=grads)
+        else:
+            batch = plan_backward.VarlenBatch(*varlen)
+            plan_backward.backward_varlen(grad_out, qv, k, v, out, lse, batch, softmax_scale, causal, deterministic,
+                                          grads=grads)
+        return dq, d_packed, None, None, None, None, None
+
+
+def _unpacked(q, packed, axis):
+    """(q, k, v) as views: q given and k, v stacked in ``packed``, or all three in it."""
+    parts = packed.unbind(axis)
+    return parts if q is None else (q, *parts)

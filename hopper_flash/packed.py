@@ -3,10 +3,12 @@
 
 Each unpacks its tensor into views (``unbind`` along the packing axis, no
 copy: the views of a contiguous packed tensor meet the kernels' 16-byte
-stride rules) and calls the unpacked function, which checks everything else
-(its errors name q, k or v) and runs the same kernels. Gradients flow back through the views: autograd
-stacks dQ, dK, dV into one ``d(qkv)`` (one copy of the gradients that
-flash-attn, which writes them in place, does not make).
+stride rules) and runs the unpacked call's checks (their errors name q, k or
+v) and kernels. Under plain eager autograd, ``ops.EagerPackedAttention``
+writes the backward's dQ, dK and dV straight into the packed gradient, as
+flash-attn does; elsewhere (no gradient, torch.compile, dispatch modes,
+tensor subclasses) the unpacked function runs on the views, and autograd
+stacks the three gradients (one more pass over them).
 
 As in ``flash_attn_func``, everything after the tensors and the varlen
 metadata is keyword-only: flash-attn 2 puts ``dropout_p`` first and
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import interface
+from . import checks, interface, ops
 
 
 def _unpack(name: str, t, rank: int, axis: int, parts: int, layout: str) -> tuple[torch.Tensor, ...]:
@@ -30,6 +32,36 @@ def _unpack(name: str, t, rank: int, axis: int, parts: int, layout: str) -> tupl
     return t.unbind(axis)
 
 
+def _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) -> None:
+    if (dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) != \
+            interface._FLASH_ATTN_DEFAULTS:
+        interface.check_flash_attn_options(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+                                           alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                           return_attn_probs=return_attn_probs)
+
+
+def _eager_autograd(q, packed, axis, views, varlen, softmax_scale, causal, deterministic, check_contract=None):
+    """``(out, lse)`` through ``ops.EagerPackedAttention`` where plain eager
+    autograd records the call (checked as the unpacked call checks it), else
+    None. ``varlen``: None or ``(cu_seqlens_q, cu_seqlens_k, seqused_q,
+    seqused_k, max_seqlen_q, max_seqlen_k)``."""
+    qv, k, v = views
+    tensors = (qv, k, v) if varlen is None else (qv, k, v, *varlen[:4])
+    if not interface._needs_op(qv, k, v) or not ops.plain_eager(*tensors):
+        return None
+    if varlen is None:
+        softmax_scale = checks.check_arguments(qv, k, v, softmax_scale, causal)
+    else:
+        cu_q, cu_k, used_q, used_k, max_q, max_k = varlen
+        softmax_scale, max_q, max_k = checks.check_varlen_arguments(qv, k, v, cu_q, cu_k, max_q, max_k, used_q,
+                                                                    used_k, softmax_scale, causal)
+        varlen = (cu_q, cu_k, used_q, used_k, max_q, max_k)
+    checks.check_device(qv)
+    if varlen is not None and check_contract:
+        checks.check_varlen_contract(qv, k, *varlen[:2], *varlen[4:], *varlen[2:4])
+    return ops.EagerPackedAttention.apply(q, packed, axis, varlen, softmax_scale, bool(causal), bool(deterministic))
+
+
 def flash_attn_qkvpacked_func(qkv, *, softmax_scale=None, causal=False, return_lse=False, dropout_p=0.0,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                               return_attn_probs=False):
@@ -38,6 +70,10 @@ def flash_attn_qkvpacked_func(qkv, *, softmax_scale=None, causal=False, return_l
     ``[batch, seqlen, nheads, headdim]``, or ``(out, lse)`` with
     ``return_lse``; the options are ``flash_attn_func``'s."""
     q, k, v = _unpack("qkv", qkv, 5, 2, 3, "[batch, seqlen, 3, nheads, headdim]")
+    _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    got = _eager_autograd(None, qkv, 2, (q, k, v), None, softmax_scale, causal, deterministic)
+    if got is not None:
+        return got if return_lse else got[0]
     return interface.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
                                      dropout_p=dropout_p, window_size=window_size, softcap=softcap,
                                      alibi_slopes=alibi_slopes, deterministic=deterministic,
@@ -51,6 +87,10 @@ def flash_attn_kvpacked_func(q, kv, *, softmax_scale=None, causal=False, return_
     nheads, headdim]``, ``kv`` ``[batch, seqlen_k, 2, nheads_kv, headdim]``
     (GQA/MQA as in ``flash_attn_func``)."""
     k, v = _unpack("kv", kv, 5, 2, 2, "[batch, seqlen_k, 2, nheads_kv, headdim]")
+    _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    got = _eager_autograd(q, kv, 2, (q, k, v), None, softmax_scale, causal, deterministic)
+    if got is not None:
+        return got if return_lse else got[0]
     return interface.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
                                      dropout_p=dropout_p, window_size=window_size, softcap=softcap,
                                      alibi_slopes=alibi_slopes, deterministic=deterministic,
@@ -67,6 +107,11 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *, seqused=Non
     nheads, headdim]``, or ``(out, lse)``; the contract on the device values
     is ``flash_attn_varlen_func``'s."""
     q, k, v = _unpack("qkv", qkv, 4, 1, 3, "[total, 3, nheads, headdim]")
+    _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    got = _eager_autograd(None, qkv, 1, (q, k, v), (cu_seqlens, cu_seqlens, seqused, seqused, max_seqlen, max_seqlen),
+                          softmax_scale, causal, deterministic, check_contract)
+    if got is not None:
+        return got if return_lse else got[0]
     return interface.flash_attn_varlen_func(
         q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, seqused_q=seqused, seqused_k=seqused,
         softmax_scale=softmax_scale, causal=causal, deterministic=deterministic, return_lse=return_lse,
@@ -81,6 +126,11 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     """``flash_attn_varlen_func`` with k and v stacked: ``q`` ``[total_q,
     nheads, headdim]``, ``kv`` ``[total_k, 2, nheads_kv, headdim]``."""
     k, v = _unpack("kv", kv, 4, 1, 2, "[total_k, 2, nheads_kv, headdim]")
+    _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    got = _eager_autograd(q, kv, 1, (q, k, v), (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                                max_seqlen_k), softmax_scale, causal, deterministic, check_contract)
+    if got is not None:
+        return got if return_lse else got[0]
     return interface.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
         softmax_scale=softmax_scale, causal=causal, deterministic=deterministic, return_lse=return_lse,

@@ -199,7 +199,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
 
     With ``varlen``: THD ``[total, H, D]`` tensors, ``lse`` ``[H, total_q]``
     (contiguous), and dq/dk/dv zero-initialised by the caller (rows outside
-    every sequence's live part are not written); dk/dv contiguous.
+    every sequence's live part are not written); dk/dv with equal strides
+    and a contiguous head dim.
 
     The main kernel launches as the forward's does (``plan.launch_forward``):
     the first launch of a specialisation through Triton's JIT, later ones
@@ -336,7 +337,8 @@ def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, del
 def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, block_m: int, varlen=None) -> None:
     """``dq_accum`` is ``[rows, D]`` (fixed: rows = B·H·Sq_r; varlen:
     H·padded_total); ``seqlen_q_rounded`` is its per-head row count. ``dq``
-    is a fresh contiguous tensor."""
+    has a contiguous head dim and strides that are multiples of 8 elements
+    (a view of a packed gradient will do)."""
     block = 64
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = dq.shape
@@ -407,15 +409,23 @@ def check_grad_out(grad_out, out: torch.Tensor) -> torch.Tensor:
     return grad_out
 
 
-def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, deterministic: bool = False):
+def _gradients(q, k, v, grads, alloc):
+    """``grads``, or fresh ``alloc`` (``torch.empty`` / ``torch.zeros``) tensors shaped like q, k and v."""
+    if grads is not None:
+        return grads
+    return tuple(alloc(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+
+
+def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, deterministic: bool = False,
+             grads=None):
     """dq, dk, dv (contiguous BSHD, like q, k, v) of the attention that
     produced ``out`` and ``lse`` from ``q, k, v`` (already validated by the
-    forward). ``grad_out`` is checked here (see ``check_grad_out``)."""
+    forward). ``grad_out`` is checked here (see ``check_grad_out``).
+    ``grads``: ``(dq, dk, dv)`` to write instead, shaped like q, k, v, with
+    TMA-addressable strides (views of one packed gradient, say)."""
     check_head_dim(q.shape[3])
     grad_out = check_grad_out(grad_out, out)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = _gradients(q, k, v, grads, torch.empty)
     seqlen_k = k.shape[1]
     if q.numel() == 0 or k.numel() == 0:
         dq.zero_()
@@ -442,14 +452,14 @@ def check_grad_out_thd(grad_out, out: torch.Tensor) -> torch.Tensor:
 
 
 def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_scale: float, causal: bool,
-                    deterministic: bool = False):
+                    deterministic: bool = False, grads=None):
     """dq, dk, dv (contiguous THD, like q, k, v) of a varlen forward; rows
-    outside every sequence's live part get zero gradients."""
+    outside every sequence's live part get zero gradients. ``grads``:
+    zero-filled ``(dq, dk, dv)`` to write instead (dk and dv with equal
+    strides; views of one packed gradient, say)."""
     check_head_dim(q.shape[2])
     grad_out = check_grad_out_thd(grad_out, out)
-    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = _gradients(q, k, v, grads, torch.zeros)
     if q.numel() == 0 or k.numel() == 0:
         return dq, dk, dv
     if not _tma_addressable(out.unsqueeze(0)):

@@ -202,3 +202,114 @@ def test_every_path_gives_the_same_named_errors(path):
     with pytest.raises(ValueError, match="^" + DEVICE_ERROR + "$"):
         path(hopper_flash.flash_attn_varlen_kvpacked_func, torch.randn(5, H, D).to(BF16), kv, cu([2, 3]),
              cu([4, 7]), 3, 7)
+
+
+# ------------------------------------------------------------ plain eager autograd: gradients written in place
+# ops.EagerPackedAttention with the kernels replaced by float64 math (as in
+# tests/test_eager_autograd_cpu.py): the plumbing, not the kernels. The GPU
+# half is tests/test_packed_gpu.py.
+
+def math_attention(q, k, v, scale, causal):
+    """(out, lse) of BSHD q, k, v (GQA by repetition; equal lengths when causal)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    """Plain eager autograd on CPU float64 tensors, the kernels faked; returns
+    the (dq, dk, dv) each backward call was handed."""
+    from hopper_flash import checks, dispatch, ops, plan_backward
+
+    handed = []
+    monkeypatch.setattr(ops, "plain_eager", lambda *t: True)
+    monkeypatch.setattr(checks, "check_arguments", lambda q, k, v, scale, causal: scale)
+    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
+    monkeypatch.setattr(dispatch, "forward", lambda q, k, v, scale, causal, lse: math_attention(q, k, v, scale, causal))
+
+    def backward(grad_out, q, k, v, out, lse, scale, causal, deterministic, grads=None):
+        assert grads is not None, "the packed path hands its gradient views in"
+        handed.append(grads)
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            o, _ = math_attention(*leaves, scale, causal)
+            for dst, src in zip(grads, torch.autograd.grad(o, leaves, grad_out)):
+                dst.copy_(src)
+
+    monkeypatch.setattr(plan_backward, "backward", backward)
+    return handed
+
+
+def _f64(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64,
+                       requires_grad=True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_qkvpacked_backward_writes_into_one_packed_gradient(eager, causal):
+    qkv = _f64(2, 5, 3, 4, 8, seed=1)
+    out = hopper_flash.flash_attn_qkvpacked_func(qkv, softmax_scale=0.3, causal=causal)
+    assert "EagerPackedAttention" in type(out.grad_fn).__name__
+    grad = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, (qkv,), grad)
+    want = torch.autograd.grad(math_attention(*qkv.unbind(2), 0.3, causal)[0], (qkv,), grad)[0]
+    torch.testing.assert_close(dqkv, want)
+    [(dq, dk, dv)] = eager
+    # dQ, dK, dV were the three slices of the returned gradient itself: nothing stacked them afterwards.
+    assert [t.data_ptr() for t in (dq, dk, dv)] == [dqkv[:, :, i].data_ptr() for i in range(3)]
+
+
+def test_kvpacked_backward_writes_dk_dv_into_the_packed_gradient(eager):
+    q = _f64(2, 6, 4, 8, seed=2)
+    kv = _f64(2, 6, 2, 2, 8, seed=3)  # GQA 4/2
+    out, lse = hopper_flash.flash_attn_kvpacked_func(q, kv, softmax_scale=0.5, causal=True, return_lse=True)
+    assert not lse.requires_grad
+    dq, dkv = torch.autograd.grad(out.sum(), (q, kv))
+    want = torch.autograd.grad(math_attention(q, *kv.unbind(2), 0.5, True)[0].sum(), (q, kv))
+    torch.testing.assert_close(dq, want[0])
+    torch.testing.assert_close(dkv, want[1])
+    [(_, dk, dv)] = eager
+    assert (dk.data_ptr(), dv.data_ptr()) == (dkv[:, :, 0].data_ptr(), dkv[:, :, 1].data_ptr())
+
+
+def test_varlen_packed_backward_hands_zeroed_views_and_the_metadata(monkeypatch):
+    from hopper_flash import checks, dispatch, ops, plan_backward
+
+    seen = {}
+    monkeypatch.setattr(ops, "plain_eager", lambda *t: True)
+    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
+    monkeypatch.setattr(checks, "check_varlen_arguments",
+                        lambda q, k, v, cq, ck, mq, mk, uq, uk, scale, causal: (scale, mq, mk))
+
+    def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse, check):
+        seen["forward"] = (cu_q is cu_k, max_q, max_k, used_q is used_k, scale, causal, check)
+        return q * 2, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
+
+    def backward_varlen(grad_out, q, k, v, out, lse, varlen, scale, causal, deterministic, grads=None):
+        seen["zeroed"] = all(bool((g == 0).all()) for g in grads)
+        seen["batch"] = (varlen.max_seqlen_q, varlen.max_seqlen_k, varlen.batch, deterministic)
+        grads[0].copy_(grad_out * 2)
+        grads[1].fill_(1.0)
+        grads[2].fill_(3.0)
+
+    monkeypatch.setattr(dispatch, "forward_varlen", forward_varlen)
+    monkeypatch.setattr(plan_backward, "backward_varlen", backward_varlen)
+    qkv = _f64(7, 3, 2, 8, seed=4)
+    cu, used = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([2, 4], dtype=torch.int32)
+    out = hopper_flash.flash_attn_varlen_qkvpacked_func(qkv, cu, 4, seqused=used, softmax_scale=0.5, causal=True,
+                                                        deterministic=True)
+    (dqkv,) = torch.autograd.grad(out.sum(), (qkv,))
+    assert seen == {"forward": (True, 4, 4, True, 0.5, True, None), "zeroed": True, "batch": (4, 4, 2, True)}
+    torch.testing.assert_close(dqkv[:, 0], torch.full_like(dqkv[:, 0], 2.0))
+    assert bool((dqkv[:, 1] == 1).all()) and bool((dqkv[:, 2] == 3).all())
+
+
+def test_without_gradients_the_unpacked_call_runs(calls):
+    # No autograd: the unpacked function on the views (its own eager path), not the packed Function.
+    qkv = torch.randn(B, S, 3, H, D).to(BF16)
+    hopper_flash.flash_attn_qkvpacked_func(qkv)
+    assert [kind for kind, _, _ in calls] == ["fixed"]
