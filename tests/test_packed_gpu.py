@@ -2,7 +2,8 @@
 gradients against the float64 reference (``reference.check_attention`` /
 ``check_attention_grads``, relative to SDPA's error on the same inputs),
 and bitwise equal to the unpacked call on the same views (the same call
-underneath; deterministic mode for the gradients). Odd lengths, GQA, an empty
+underneath; deterministic mode for the gradients), where eager autograd writes
+the gradients into the packed tensor's (``ops.EagerPackedAttention``). Odd lengths, GQA, an empty
 sequence in a varlen batch. The CPU half is tests/test_packed_cpu.py."""
 import pytest
 import torch
@@ -38,6 +39,7 @@ def test_qkvpacked_forward_and_backward(seqlen, causal):
     dout = randn(2, seqlen, 4, 128, seed=seqlen + 1)
     fn = lambda t: hopper_flash.flash_attn_qkvpacked_func(t, causal=causal, deterministic=True)  # noqa: E731
     out, dqkv = _grad(fn, qkv, dout)
+    assert "EagerPackedAttention" in type(fn(qkv.detach().requires_grad_()).grad_fn).__name__
     q, k, v = qkv.unbind(2)
     _assert_all(check_attention(out, q, k, v, causal=causal))
     _assert_all(check_attention_grads(dqkv.unbind(2), q, k, v, dout, causal=causal))
