@@ -1,10 +1,11 @@
 """flash-attn's packed-layout functions on a Hopper GPU: results and
 gradients against the float64 reference (``reference.check_attention`` /
 ``check_attention_grads``, relative to SDPA's error on the same inputs),
-and bitwise equal to the unpacked call on the same views (the same call
-underneath; deterministic mode for the gradients), where eager autograd writes
-the gradients into the packed tensor's (``ops.EagerPackedAttention``). Odd lengths, GQA, an empty
-sequence in a varlen batch. The CPU half is tests/test_packed_cpu.py."""
+and bitwise equal to the unpacked call on the same views: the same kernels
+(deterministic mode for the gradients), though under eager autograd the
+packed call writes its gradients into the packed tensor's
+(``ops.EagerPackedAttention``). Odd lengths, GQA, an empty sequence in a
+varlen batch. The CPU half is tests/test_packed_cpu.py."""
 import pytest
 import torch
 
