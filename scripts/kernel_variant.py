@@ -55,6 +55,13 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   regenerated ``timeline``/``fa3-pingpong`` patches. Time it against the
   shipped package on the D=64 prefill rows (and GQA, fp16, varlen) with the
   GPU tests on it (``tests/test_forward_gpu.py`` has its tile-edge cases).
+* ``fwd-d256-rescale-early`` (prepared on the CPU in the tenth session, not
+  run): FA3's D = 256 order, O multiplied by the previous step's rescale
+  after QK is issued (while QK runs) rather than at the end of the step;
+  plain prefill and varlen only (the decode modes spilled 8 B with it). An
+  opaque zero keeps the compiler from moving the multiply back to the step's
+  end; ptxas still interleaves it with the QK chain after its first two
+  HGMMAs. Spill-free under triton 3.6 and 3.9. ``benchmarks/d256.json``.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
