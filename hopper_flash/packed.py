@@ -62,6 +62,38 @@ def _eager_autograd(q, packed, axis, views, varlen, softmax_scale, causal, deter
     return ops.EagerPackedAttention.apply(q, packed, axis, varlen, softmax_scale, bool(causal), bool(deterministic))
 
 
+def _fixed(q, packed, views, softmax_scale, causal, return_lse, options):
+    """A fixed-length packed call: ``ops.EagerPackedAttention`` under plain
+    eager autograd, ``flash_attn_func`` on the views otherwise. ``options``:
+    flash-attn's (dropout_p, window_size, softcap, alibi_slopes,
+    deterministic, return_attn_probs)."""
+    _check_options(*options)
+    got = _eager_autograd(q, packed, 2, views, None, softmax_scale, causal, options[4])
+    if got is not None:
+        return got if return_lse else got[0]
+    dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs = options
+    return interface.flash_attn_func(*views, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
+                                     dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+                                     alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                     return_attn_probs=return_attn_probs)
+
+
+def _varlen(q, packed, views, varlen, softmax_scale, causal, return_lse, check_contract, options):
+    """``_fixed`` for THD tensors; ``varlen``: (cu_seqlens_q, cu_seqlens_k,
+    seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)."""
+    _check_options(*options)
+    got = _eager_autograd(q, packed, 1, views, varlen, softmax_scale, causal, options[4], check_contract)
+    if got is not None:
+        return got if return_lse else got[0]
+    cu_q, cu_k, used_q, used_k, max_q, max_k = varlen
+    dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs = options
+    return interface.flash_attn_varlen_func(
+        *views, cu_q, cu_k, max_q, max_k, seqused_q=used_q, seqused_k=used_k, softmax_scale=softmax_scale,
+        causal=causal, deterministic=deterministic, return_lse=return_lse, check_contract=check_contract,
+        dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        return_attn_probs=return_attn_probs)
+
+
 def flash_attn_qkvpacked_func(qkv, *, softmax_scale=None, causal=False, return_lse=False, dropout_p=0.0,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                               return_attn_probs=False):
@@ -69,15 +101,9 @@ def flash_attn_qkvpacked_func(qkv, *, softmax_scale=None, causal=False, return_l
     (q, k, v stacked on axis 2, flash-attn's layout). Returns ``out``
     ``[batch, seqlen, nheads, headdim]``, or ``(out, lse)`` with
     ``return_lse``; the options are ``flash_attn_func``'s."""
-    q, k, v = _unpack("qkv", qkv, 5, 2, 3, "[batch, seqlen, 3, nheads, headdim]")
-    _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    got = _eager_autograd(None, qkv, 2, (q, k, v), None, softmax_scale, causal, deterministic)
-    if got is not None:
-        return got if return_lse else got[0]
-    return interface.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
-                                     dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-                                     alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                     return_attn_probs=return_attn_probs)
+    views = _unpack("qkv", qkv, 5, 2, 3, "[batch, seqlen, 3, nheads, headdim]")
+    return _fixed(None, qkv, views, softmax_scale, causal, return_lse,
+                  (dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs))
 
 
 def flash_attn_kvpacked_func(q, kv, *, softmax_scale=None, causal=False, return_lse=False, dropout_p=0.0,
@@ -87,14 +113,8 @@ def flash_attn_kvpacked_func(q, kv, *, softmax_scale=None, causal=False, return_
     nheads, headdim]``, ``kv`` ``[batch, seqlen_k, 2, nheads_kv, headdim]``
     (GQA/MQA as in ``flash_attn_func``)."""
     k, v = _unpack("kv", kv, 5, 2, 2, "[batch, seqlen_k, 2, nheads_kv, headdim]")
-    _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    got = _eager_autograd(q, kv, 2, (q, k, v), None, softmax_scale, causal, deterministic)
-    if got is not None:
-        return got if return_lse else got[0]
-    return interface.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
-                                     dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-                                     alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                     return_attn_probs=return_attn_probs)
+    return _fixed(q, kv, (q, k, v), softmax_scale, causal, return_lse,
+                  (dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs))
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *, seqused=None, softmax_scale=None, causal=False,
@@ -106,17 +126,10 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *, seqused=Non
     optional ``seqused`` serves queries and keys. Returns ``out`` ``[total,
     nheads, headdim]``, or ``(out, lse)``; the contract on the device values
     is ``flash_attn_varlen_func``'s."""
-    q, k, v = _unpack("qkv", qkv, 4, 1, 3, "[total, 3, nheads, headdim]")
-    _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    got = _eager_autograd(None, qkv, 1, (q, k, v), (cu_seqlens, cu_seqlens, seqused, seqused, max_seqlen, max_seqlen),
-                          softmax_scale, causal, deterministic, check_contract)
-    if got is not None:
-        return got if return_lse else got[0]
-    return interface.flash_attn_varlen_func(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, seqused_q=seqused, seqused_k=seqused,
-        softmax_scale=softmax_scale, causal=causal, deterministic=deterministic, return_lse=return_lse,
-        check_contract=check_contract, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs)
+    views = _unpack("qkv", qkv, 4, 1, 3, "[total, 3, nheads, headdim]")
+    return _varlen(None, qkv, views, (cu_seqlens, cu_seqlens, seqused, seqused, max_seqlen, max_seqlen),
+                   softmax_scale, causal, return_lse, check_contract,
+                   (dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs))
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
@@ -126,13 +139,6 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     """``flash_attn_varlen_func`` with k and v stacked: ``q`` ``[total_q,
     nheads, headdim]``, ``kv`` ``[total_k, 2, nheads_kv, headdim]``."""
     k, v = _unpack("kv", kv, 4, 1, 2, "[total_k, 2, nheads_kv, headdim]")
-    _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    got = _eager_autograd(q, kv, 1, (q, k, v), (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                                                max_seqlen_k), softmax_scale, causal, deterministic, check_contract)
-    if got is not None:
-        return got if return_lse else got[0]
-    return interface.flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
-        softmax_scale=softmax_scale, causal=causal, deterministic=deterministic, return_lse=return_lse,
-        check_contract=check_contract, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs)
+    return _varlen(q, kv, (q, k, v), (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k),
+                   softmax_scale, causal, return_lse, check_contract,
+                   (dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs))
