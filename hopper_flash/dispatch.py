@@ -21,6 +21,13 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None):
 
     Returns ``(out, lse)`` when ``return_lse`` else ``out``."""
     softmax_scale = checks.validate(q, k, v, softmax_scale, causal)
+    return forward_validated(q, k, v, softmax_scale, causal, return_lse, out)
+
+
+def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=None):
+    """``forward`` on arguments that passed ``checks.validate`` (which
+    resolved ``softmax_scale``): the eager autograd Functions (``ops``) are
+    applied to arguments checked once, before ``apply``."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
     causal = bool(causal)
@@ -56,14 +63,11 @@ def _check_contract_requested(check_contract) -> bool:
     return bool(check_contract)
 
 
-def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                   softmax_scale, causal, return_lse, check_contract=None, out=None):
-    """Validated varlen forward on THD tensors; returns ``(out, lse)`` with
-    ``lse`` ``[nheads, total_q]`` (None unless ``return_lse``).
-
-    Rows of q outside every sequence's live part (past ``seqused_q``) get a
-    zero output and an LSE of -inf. ``out`` lets tests hand in a poisoned
-    buffer (then those rows are left as they are)."""
+def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                    softmax_scale, causal, check_contract=None):
+    """Every check of a varlen forward, and the contract check where
+    ``check_contract`` (None: ``HOPPER_FLASH_CHECK_VARLEN``) asks for it;
+    returns ``(softmax_scale, max_seqlen_q, max_seqlen_k)``."""
     softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
         causal)
@@ -73,6 +77,27 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     if _check_contract_requested(check_contract):
         checks.check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                      seqused_k)
+    return softmax_scale, max_seqlen_q, max_seqlen_k
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                   softmax_scale, causal, return_lse, check_contract=None, out=None):
+    """Validated varlen forward on THD tensors; returns ``(out, lse)`` with
+    ``lse`` ``[nheads, total_q]`` (None unless ``return_lse``).
+
+    Rows of q outside every sequence's live part (past ``seqused_q``) get a
+    zero output and an LSE of -inf. ``out`` lets tests hand in a poisoned
+    buffer (then those rows are left as they are)."""
+    softmax_scale, max_seqlen_q, max_seqlen_k = validate_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
+        causal, check_contract)
+    return forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                    seqused_k, softmax_scale, causal, return_lse, out)
+
+
+def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                             softmax_scale: float, causal, return_lse, out=None):
+    """``forward_varlen`` on arguments that passed ``validate_varlen``."""
     total_q, nheads, _ = q.shape
     # Gaps (rows past seqused_q) are never written by the kernel: zero them up
     # front. Without seqused_q the sequences tile q (the caller's contract).

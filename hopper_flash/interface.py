@@ -61,6 +61,14 @@ def check_flash_attn_options(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0
 _FLASH_ATTN_DEFAULTS = (0.0, (-1, -1), 0.0, None, False, False)
 
 
+def _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) -> None:
+    """``check_flash_attn_options``, after one tuple comparison that passes the common call."""
+    if (dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) != _FLASH_ATTN_DEFAULTS:
+        check_flash_attn_options(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+                                 alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                 return_attn_probs=return_attn_probs)
+
+
 @overload
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = ...,
                     causal: bool = ..., return_lse: Literal[False] = ..., dropout_p: float = ...,
@@ -112,11 +120,14 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     reproducible (dQ summed in a fixed order; a slower backward). The returned
     LSE carries no gradient.
     """
-    if (dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) != _FLASH_ATTN_DEFAULTS:
-        check_flash_attn_options(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-                                 alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                 return_attn_probs=return_attn_probs)
+    _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     if _needs_op(q, k, v):
+        if ops.plain_eager(q, k, v):
+            # The op's autograd without its dispatch (host time per call),
+            # on arguments validated once, here.
+            softmax_scale = checks.validate(q, k, v, softmax_scale, causal)
+            out, lse = ops.EagerAttention.apply(q, k, v, softmax_scale, bool(causal), bool(deterministic))
+            return (out, lse) if return_lse else out
         # The op's schema takes a float and a bool: check the Python values
         # here, as the eager path does, before they are converted.
         softmax_scale = checks.check_arguments(q, k, v, softmax_scale, causal)
@@ -126,11 +137,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
             checks.check_cuda(q)
         else:
             checks.check_device(q)
-        if ops.plain_eager(q, k, v):
-            # The op's autograd without its dispatch (host time per call).
-            out, lse = ops.EagerAttention.apply(q, k, v, softmax_scale, bool(causal), bool(deterministic))
-        else:
-            out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
+        out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
         return (out, lse) if return_lse else out
     return dispatch.forward(q, k, v, softmax_scale, causal, return_lse)
 
@@ -222,13 +229,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns:
         ``out`` ``[total_q, nheads, headdim]``, or ``(out, lse)``.
     """
-    if (dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) != _FLASH_ATTN_DEFAULTS:
-        check_flash_attn_options(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-                                 alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                 return_attn_probs=return_attn_probs)
+    _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     if block_table is not None:
         raise NotImplementedError("block_table must be None (paged K/V is served by flash_attn_with_kvcache)")
     if _needs_op(q, k, v):
+        if ops.plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+            # The op's autograd without its dispatch (host time per call), on
+            # arguments validated once, here (the contract check included).
+            softmax_scale, max_seqlen_q, max_seqlen_k = dispatch.validate_varlen(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
+                causal, check_contract)
+            out, lse = ops.EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                                      max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
+                                                      bool(deterministic))
+            return (out, lse) if return_lse else out
         softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
             causal)
@@ -240,15 +254,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             if check_contract:
                 checks.check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              seqused_q, seqused_k)
-        if ops.plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
-            # The op's autograd without its dispatch (None: the environment decides
-            # on the contract check, as in the op's implementation).
-            out, lse = ops.EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                                                      max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
-                                                      bool(deterministic), None)
-        else:
-            out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                                      max_seqlen_k, softmax_scale, bool(causal), bool(deterministic))
+        out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                  max_seqlen_k, softmax_scale, bool(causal), bool(deterministic))
         return (out, lse) if return_lse else out
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k, softmax_scale, causal, return_lse, check_contract)

@@ -196,12 +196,14 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_conte
 
 class EagerAttention(torch.autograd.Function):
     """``hopper_flash::fwd`` with its autograd formula, without the dispatch:
-    the same forward (``dispatch.forward``, which validates) and backward
-    (``plan_backward.backward``). The LSE is returned, not differentiable."""
+    the same forward and backward (``plan_backward.backward``), applied to
+    arguments that passed ``checks.validate`` (``softmax_scale`` resolved), so
+    the forward is ``dispatch.forward_validated``. The LSE is returned, not
+    differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, softmax_scale: float, causal: bool, deterministic: bool):
-        out, lse = dispatch.forward(q, k, v, softmax_scale, causal, True)
+        out, lse = dispatch.forward_validated(q, k, v, softmax_scale, causal, True)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (softmax_scale, causal, deterministic)
         ctx.mark_non_differentiable(lse)
@@ -217,13 +219,14 @@ class EagerAttention(torch.autograd.Function):
 
 class EagerVarlenAttention(torch.autograd.Function):
     """``hopper_flash::varlen_fwd`` with its autograd formula, without the
-    dispatch (``dispatch.forward_varlen`` and ``_varlen_bwd_impl``)."""
+    dispatch (``dispatch.forward_varlen_validated`` on arguments that passed
+    ``dispatch.validate_varlen``, and ``_varlen_bwd_impl``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
-                max_seqlen_k: int, softmax_scale: float, causal: bool, deterministic: bool, check_contract):
-        out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                           seqused_q, seqused_k, softmax_scale, causal, True, check_contract)
+                max_seqlen_k: int, softmax_scale: float, causal: bool, deterministic: bool):
+        out, lse = dispatch.forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                     seqused_q, seqused_k, softmax_scale, causal, True)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic)
         ctx.mark_non_differentiable(lse)
@@ -233,7 +236,7 @@ class EagerVarlenAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         dq, dk, dv = _varlen_bwd_impl(grad_out, *ctx.saved_tensors, *ctx.args)
-        return dq, dk, dv, *(None,) * 10
+        return dq, dk, dv, *(None,) * 9
 
 
 class EagerPackedAttention(torch.autograd.Function):
@@ -245,16 +248,17 @@ class EagerPackedAttention(torch.autograd.Function):
     unbound views; the backward writes dQ, dK and dV straight into the packed
     tensor's gradient (flash-attn's way), where autograd would otherwise
     stack three separate gradients: one pass over them less, and no second
-    copy in memory."""
+    copy in memory. Applied, like ``EagerAttention``, to validated arguments
+    (``packed._eager_autograd``)."""
 
     @staticmethod
     def forward(ctx, q, packed, axis: int, varlen, softmax_scale: float, causal: bool, deterministic: bool):
         qv, k, v = _unpacked(q, packed, axis)
         if varlen is None:
-            out, lse = dispatch.forward(qv, k, v, softmax_scale, causal, True)
+            out, lse = dispatch.forward_validated(qv, k, v, softmax_scale, causal, True)
         else:
-            out, lse = dispatch.forward_varlen(qv, k, v, *varlen[:2], *varlen[4:], *varlen[2:4], softmax_scale,
-                                               causal, True, None)
+            out, lse = dispatch.forward_varlen_validated(qv, k, v, *varlen[:2], *varlen[4:], *varlen[2:4],
+                                                         softmax_scale, causal, True)
         ctx.save_for_backward(q, packed, out, lse)
         ctx.args = (axis, varlen, softmax_scale, causal, deterministic)
         ctx.mark_non_differentiable(lse)

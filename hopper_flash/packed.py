@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, interface, ops
+from . import checks, dispatch, interface, ops
 
 
 def _unpack(name: str, t, rank: int, axis: int, parts: int, layout: str) -> tuple[torch.Tensor, ...]:
@@ -32,14 +32,6 @@ def _unpack(name: str, t, rank: int, axis: int, parts: int, layout: str) -> tupl
     return t.unbind(axis)
 
 
-def _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) -> None:
-    if (dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) != \
-            interface._FLASH_ATTN_DEFAULTS:
-        interface.check_flash_attn_options(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-                                           alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                           return_attn_probs=return_attn_probs)
-
-
 def _eager_autograd(q, packed, axis, views, varlen, softmax_scale, causal, deterministic, check_contract=None):
     """``(out, lse)`` through ``ops.EagerPackedAttention`` where plain eager
     autograd records the call (checked as the unpacked call checks it), else
@@ -50,15 +42,12 @@ def _eager_autograd(q, packed, axis, views, varlen, softmax_scale, causal, deter
     if not interface._needs_op(qv, k, v) or not ops.plain_eager(*tensors):
         return None
     if varlen is None:
-        softmax_scale = checks.check_arguments(qv, k, v, softmax_scale, causal)
+        softmax_scale = checks.validate(qv, k, v, softmax_scale, causal)
     else:
         cu_q, cu_k, used_q, used_k, max_q, max_k = varlen
-        softmax_scale, max_q, max_k = checks.check_varlen_arguments(qv, k, v, cu_q, cu_k, max_q, max_k, used_q,
-                                                                    used_k, softmax_scale, causal)
+        softmax_scale, max_q, max_k = dispatch.validate_varlen(qv, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k,
+                                                               softmax_scale, causal, check_contract)
         varlen = (cu_q, cu_k, used_q, used_k, max_q, max_k)
-    checks.check_device(qv)
-    if varlen is not None and check_contract:
-        checks.check_varlen_contract(qv, k, *varlen[:2], *varlen[4:], *varlen[2:4])
     return ops.EagerPackedAttention.apply(q, packed, axis, varlen, softmax_scale, bool(causal), bool(deterministic))
 
 
@@ -67,7 +56,7 @@ def _fixed(q, packed, views, softmax_scale, causal, return_lse, options):
     eager autograd, ``flash_attn_func`` on the views otherwise. ``options``:
     flash-attn's (dropout_p, window_size, softcap, alibi_slopes,
     deterministic, return_attn_probs)."""
-    _check_options(*options)
+    interface._check_options(*options)
     got = _eager_autograd(q, packed, 2, views, None, softmax_scale, causal, options[4])
     if got is not None:
         return got if return_lse else got[0]
@@ -81,7 +70,7 @@ def _fixed(q, packed, views, softmax_scale, causal, return_lse, options):
 def _varlen(q, packed, views, varlen, softmax_scale, causal, return_lse, check_contract, options):
     """``_fixed`` for THD tensors; ``varlen``: (cu_seqlens_q, cu_seqlens_k,
     seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)."""
-    _check_options(*options)
+    interface._check_options(*options)
     got = _eager_autograd(q, packed, 1, views, varlen, softmax_scale, causal, options[4], check_contract)
     if got is not None:
         return got if return_lse else got[0]

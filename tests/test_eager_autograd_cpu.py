@@ -39,7 +39,7 @@ def calls(monkeypatch):
             o, _ = math_attention(*leaves, scale, causal)
             return torch.autograd.grad(o, leaves, grad_out)
 
-    monkeypatch.setattr(dispatch, "forward", forward)
+    monkeypatch.setattr(dispatch, "forward_validated", forward)
     monkeypatch.setattr(plan_backward, "backward", backward)
     return log
 
@@ -94,22 +94,22 @@ def test_flash_attn_func_routes_plain_eager_autograd_past_the_op(calls, monkeypa
 def test_eager_varlen_attention_passes_its_arguments(monkeypatch):
     seen = {}
 
-    def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse, check):
-        seen["forward"] = (max_q, max_k, used_q, used_k, scale, causal, return_lse, check)
+    def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse):
+        seen["forward"] = (max_q, max_k, used_q, used_k, scale, causal, return_lse)
         return q * 2, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
 
     def bwd_impl(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, det):
         seen["backward"] = (cu_q.tolist(), used_q, used_k, max_q, max_k, scale, causal, det)
         return grad_out * 2, torch.zeros_like(k), torch.zeros_like(v)
 
-    monkeypatch.setattr(dispatch, "forward_varlen", forward_varlen)
+    monkeypatch.setattr(dispatch, "forward_varlen_validated", forward_varlen)
     monkeypatch.setattr(ops, "_varlen_bwd_impl", bwd_impl)
     q, k, v = (torch.randn(7, 3, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
-    out, lse = ops.EagerVarlenAttention.apply(q, k, v, cu, cu, None, None, 4, 4, 0.5, True, True, None)
+    out, lse = ops.EagerVarlenAttention.apply(q, k, v, cu, cu, None, None, 4, 4, 0.5, True, True)
     (dq,) = torch.autograd.grad(out.sum(), (q,))
     torch.testing.assert_close(dq, torch.full_like(q, 2.0))  # the fake backward: 2 x grad_out
-    assert seen["forward"] == (4, 4, None, None, 0.5, True, True, None)
+    assert seen["forward"] == (4, 4, None, None, 0.5, True, True)
     assert seen["backward"] == ([0, 3, 7], None, None, 4, 4, 0.5, True, True)
     assert not lse.requires_grad
 

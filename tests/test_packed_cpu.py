@@ -229,7 +229,8 @@ def eager(monkeypatch):
     monkeypatch.setattr(ops, "plain_eager", lambda *t: True)
     monkeypatch.setattr(checks, "check_arguments", lambda q, k, v, scale, causal: scale)
     monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
-    monkeypatch.setattr(dispatch, "forward", lambda q, k, v, scale, causal, lse: math_attention(q, k, v, scale, causal))
+    monkeypatch.setattr(dispatch, "forward_validated",
+                        lambda q, k, v, scale, causal, lse: math_attention(q, k, v, scale, causal))
 
     def backward(grad_out, q, k, v, out, lse, scale, causal, deterministic, grads=None):
         assert grads is not None, "the packed path hands its gradient views in"
@@ -285,8 +286,8 @@ def test_varlen_packed_backward_hands_zeroed_views_and_the_metadata(monkeypatch)
     monkeypatch.setattr(checks, "check_varlen_arguments",
                         lambda q, k, v, cq, ck, mq, mk, uq, uk, scale, causal: (scale, mq, mk))
 
-    def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse, check):
-        seen["forward"] = (cu_q is cu_k, max_q, max_k, used_q is used_k, scale, causal, check)
+    def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse):
+        seen["forward"] = (cu_q is cu_k, max_q, max_k, used_q is used_k, scale, causal)
         return q * 2, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
 
     def backward_varlen(grad_out, q, k, v, out, lse, varlen, scale, causal, deterministic, grads=None):
@@ -296,14 +297,14 @@ def test_varlen_packed_backward_hands_zeroed_views_and_the_metadata(monkeypatch)
         grads[1].fill_(1.0)
         grads[2].fill_(3.0)
 
-    monkeypatch.setattr(dispatch, "forward_varlen", forward_varlen)
+    monkeypatch.setattr(dispatch, "forward_varlen_validated", forward_varlen)
     monkeypatch.setattr(plan_backward, "backward_varlen", backward_varlen)
     qkv = _f64(7, 3, 2, 8, seed=4)
     cu, used = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([2, 4], dtype=torch.int32)
     out = hopper_flash.flash_attn_varlen_qkvpacked_func(qkv, cu, 4, seqused=used, softmax_scale=0.5, causal=True,
                                                         deterministic=True)
     (dqkv,) = torch.autograd.grad(out.sum(), (qkv,))
-    assert seen == {"forward": (True, 4, 4, True, 0.5, True, None), "zeroed": True, "batch": (4, 4, 2, True)}
+    assert seen == {"forward": (True, 4, 4, True, 0.5, True), "zeroed": True, "batch": (4, 4, 2, True)}
     torch.testing.assert_close(dqkv[:, 0], torch.full_like(dqkv[:, 0], 2.0))
     assert bool((dqkv[:, 1] == 1).all()) and bool((dqkv[:, 2] == 3).all())
 
