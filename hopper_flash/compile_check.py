@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
-from .plan import CONFIGS, PREFILL, ForwardConfig, Mode, block_shapes, compile_options, kernel_constexprs, smem_layout
+from .plan import CONFIGS, PREFILL, WIDE_CONFIGS, ForwardConfig, Mode, block_shapes, compile_options, kernel_constexprs, smem_layout
 
 # Hopper's per-block shared-memory limit with the opt-in carve-out.
 SMEM_LIMIT_BYTES = 227 * 1024
@@ -35,6 +35,7 @@ class CompileReport:
     stack_bytes: int
     local_bytes: int
     shared_bytes: int
+    block_m: int = 0  # query rows per tile (forward)
     sass_counts: dict = field(default_factory=dict)
     ptx: str = ""
     sass: str = ""
@@ -107,7 +108,8 @@ def census(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = True, wri
            mode: Mode = PREFILL) -> CompileReport:
     """Compile and read registers, stack, shared memory and SASS opcode counts."""
     compiled = compile_forward(cfg, dtype, causal, write_lse, mode)
-    return read_census(compiled, SASS_OPS, head_dim=cfg.head_dim, dtype=dtype, causal=causal, write_lse=write_lse)
+    return read_census(compiled, SASS_OPS, head_dim=cfg.head_dim, block_m=cfg.block_m, dtype=dtype, causal=causal,
+                       write_lse=write_lse)
 
 
 def read_census(compiled, sass_ops, **fields) -> CompileReport:
@@ -145,10 +147,11 @@ DYNAMIC_PREFILL = Mode(dynamic=True)
 def shipped_specialisations():
     """Every (config, dtype, causal, write_lse, mode) of fixed-length prefill
     the public API can launch: causal ones with the static deal and the
-    dynamic order (plan.choose_dynamic picks by shape)."""
+    dynamic order (plan.choose_dynamic picks by shape), on the shipped
+    configs and their wide forms (plan.choose_wide)."""
     from .plan import SUPPORTED_DTYPES
 
-    for head_dim, cfg in CONFIGS.items():
+    for cfg in (*CONFIGS.values(), *WIDE_CONFIGS.values()):
         for tdtype in SUPPORTED_DTYPES:
             for causal in SUPPORTED_CAUSAL:
                 for write_lse in (False, True):
@@ -165,9 +168,9 @@ def main() -> None:
     rows = []
     for cfg, dtype, causal, write_lse, mode in shipped_specialisations():
         r = census(cfg, dtype, causal, write_lse, mode)
-        rows.append((r.head_dim, r.dtype, r.causal, r.write_lse, "dynamic" if mode.dynamic else "static",
+        rows.append((r.head_dim, r.block_m, r.dtype, r.causal, r.write_lse, "dynamic" if mode.dynamic else "static",
                      r.registers, r.stack_bytes, r.shared_bytes, *(r.sass_counts[op] for op in SASS_OPS)))
-    header = ("D", "dtype", "causal", "lse", "order", "regs", "stack", "smem") + SASS_OPS
+    header = ("D", "rows", "dtype", "causal", "lse", "order", "regs", "stack", "smem") + SASS_OPS
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     for row in (header, *rows):
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))

@@ -18,12 +18,20 @@ from . import _triton_support
 
 LOG2E = math.log2(math.e)
 
-# Threads in the launch: two consumer warpgroups + the producer's warp, which
-# is rounded up to a warpgroup for register allocation.
-_LAUNCH_THREADS = 3 * 128
-# The SM's register file is 64K 32-bit registers; `maxnreg` is the per-thread
-# cap at launch, before setmaxnreg moves registers between partitions.
-_LAUNCH_MAXNREG = 65536 // _LAUNCH_THREADS // 8 * 8  # 168
+# Query rows per consumer warpgroup (wgmma's M; kernels/forward.py's WG_M).
+WG_ROWS = 64
+
+
+def launch_maxnreg(consumers: int) -> int:
+    """The per-thread register cap at launch (``maxnreg``), before setmaxnreg
+    moves registers between partitions: the SM's 64K 32-bit registers over
+    the consumer warpgroups and the producer's warp, which is rounded up to a
+    warpgroup for register allocation (168 with two consumers, 128 with
+    three)."""
+    return 65536 // ((consumers + 1) * 128) // 8 * 8
+
+
+_LAUNCH_MAXNREG = launch_maxnreg(2)
 # Hopper's opt-in shared memory per block (227 KB), less room for the
 # mbarriers and Triton's own slots.
 SMEM_BUDGET_BYTES = 227 * 1024 - 1024
@@ -34,6 +42,7 @@ class ForwardConfig:
     """Compile-time shape of one kernel specialisation."""
 
     head_dim: int
+    # Query rows per tile: 64 per consumer warpgroup, two or three of them.
     block_m: int = 128
     block_n: int = 128
     k_stages: int = 2
@@ -57,6 +66,11 @@ class ForwardConfig:
     # for it at the start of each item: 5% of B4 H32 S2048 causal, 1% at
     # S8192, scripts/timeline.py). Only where O keeps a buffer of its own.
     q_stages: int = 2
+
+    @property
+    def consumers(self) -> int:
+        """Consumer warpgroups, 64 query rows each."""
+        return self.block_m // WG_ROWS
 
     @property
     def o_in_q(self) -> bool:
@@ -84,7 +98,8 @@ class ForwardConfig:
 
 # One entry per supported head dim. D=128 is the seed's configuration.
 # - 64: the seed's tiles; S and P cost as much as for D=128 but the GEMMs half
-#   as much, so this head dim is softmax-bound.
+#   as much, so this head dim is softmax-bound. Long plain prefill runs
+#   WIDE_CONFIGS[64] instead (choose_wide).
 # - 256: O alone takes 128 registers per consumer thread and a 128x256 K or V
 #   tile 64 KB, so KV tiles are 64 rows: S is 32 registers and two stages of
 #   K and V plus Q fit in 192 KB.
@@ -94,6 +109,57 @@ CONFIGS: dict[int, ForwardConfig] = {
     256: ForwardConfig(head_dim=256, block_n=64),
 }
 SUPPORTED_HEAD_DIMS = tuple(sorted(CONFIGS))
+
+
+def wide_configs(triton_version: str) -> dict[int, ForwardConfig]:
+    """Three consumer warpgroups on 192-row tiles, per head dim: FA3's tiles
+    for head dim 64, where the softmax bounds the step (while one warpgroup
+    runs its softmax, two keep the tensor cores busy, and each K/V tile serves
+    192 rows). 160 registers per consumer (S 64, P 32, O 32), the producer
+    32: 3 x 160 + 32 + the padding warps' share = 4 x 128 at launch.
+
+    Spill-free under triton 3.6-3.8. Under 3.9 (its ptxas) the write-LSE
+    kernels spill 88-112 bytes at 160 registers, so there are none there."""
+    minor = _triton_support.parse_minor(triton_version)
+    if minor is not None and minor >= (3, 9):
+        return {}
+    return {64: ForwardConfig(head_dim=64, block_m=3 * WG_ROWS, consumer_regs=160, producer_regs=32,
+                              maxnreg=launch_maxnreg(3))}
+
+
+# The wide form of a shipped config, for plain prefill long enough to gain
+# from it (choose_wide). Keyed by the config itself: a variant config (the
+# test suite's or the benchmark's --variant) has no wide form and runs as given.
+WIDE_CONFIGS: dict[int, ForwardConfig] = wide_configs(_triton_support.installed_version())
+_WIDE_OF = {CONFIGS[d]: cfg for d, cfg in WIDE_CONFIGS.items()}
+
+# Mean keys per query row from which the wide tiles run: the H200 (D=64, B8
+# H32, bf16, tenth/eleventh sessions, BENCHMARKS.md) measured them 9% faster
+# non-causal at S8192 and 2% at S2048 but 7% slower at S1024; causal 4-5%
+# faster at S8192 (mean 4096 keys per row) but 3% slower at S4096 and 40%
+# slower at S1024-2048, where the short causal items cost more than the
+# wider tile saves (cause not found: BENCHMARKS.md).
+# Only query lengths of at least WIDE_MIN_ROWS were measured (a short query
+# leaves most of a 192-row tile empty).
+WIDE_MIN_KEYS_FULL = 2048
+WIDE_MIN_KEYS_CAUSAL = 4096
+WIDE_MIN_ROWS = 2048
+
+
+def choose_wide(seqlen_q: int, seqlen_k: int, causal: bool) -> bool:
+    """Whether plain prefill runs the wide tiles (``WIDE_CONFIGS``): when the
+    query is at least ``WIDE_MIN_ROWS`` long and a query row sees, on
+    average, at least ``WIDE_MIN_KEYS_*`` keys."""
+    if seqlen_q < WIDE_MIN_ROWS:
+        return False
+    if not causal:
+        return seqlen_k >= WIDE_MIN_KEYS_FULL
+    # Bottom-right causal: row r sees min(seqlen_k, r + 1 + seqlen_k - seqlen_q) keys.
+    first = seqlen_k - seqlen_q + 1
+    mean = seqlen_k - (seqlen_q - 1) / 2 if first >= 1 else seqlen_k * (seqlen_k + 1) / (2 * seqlen_q)
+    return mean >= WIDE_MIN_KEYS_CAUSAL
+
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -171,15 +237,14 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
 
 def block_shapes(cfg: ForwardConfig, pack_g: int = 1) -> dict[str, list[int]]:
     """TMA boxes over the rank-4 ``[B, S, H, D]`` view: one head, ``rows`` of
-    the sequence, the whole head dim. Q and O move per consumer warpgroup;
-    under PackGQA a Q/O box holds ``64 / g`` query rows of ``g`` adjacent heads,
-    which in BSHD is exactly the packed (head-fastest) tile."""
-    half = cfg.block_m // 2
+    the sequence, the whole head dim. Q and O move per consumer warpgroup (64
+    rows); under PackGQA a Q/O box holds ``64 / g`` query rows of ``g``
+    adjacent heads, which in BSHD is exactly the packed (head-fastest) tile."""
     return {
-        "q": [1, half // pack_g, pack_g, cfg.head_dim],
+        "q": [1, WG_ROWS // pack_g, pack_g, cfg.head_dim],
         "k": [1, cfg.block_n, 1, cfg.head_dim],
         "v": [1, cfg.block_n, 1, cfg.head_dim],
-        "o": [1, half // pack_g, pack_g, cfg.head_dim],
+        "o": [1, WG_ROWS // pack_g, pack_g, cfg.head_dim],
     }
 
 
@@ -400,8 +465,18 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     num_splits = max(1, min(num_splits, n_blocks))
     sms = sm_count(device)
     plain = pack_g == 1 and num_splits == 1 and not (seqused or kv_batch or page_size)
+    if plain and cfg in _WIDE_OF and choose_wide(seqlen_q, n_blocks * cfg.block_n, causal):
+        # The decode modes keep cfg: a decode tile has few live rows, and their
+        # per-batch state does not fit three consumers' 160 registers (D=64
+        # PackGQA + split + per-batch lengths spilled 8 bytes).
+        cfg = _WIDE_OF[cfg]
+        tiles = work_items(batch, nheads, seqlen_q, cfg)
+    # Causal wide tiles take the dynamic order whenever the items outnumber
+    # the SMs: dealt statically they measured up to 1.5x slower at S1024-2048
+    # (the dynamic order recovered most of it, BENCHMARKS.md).
     dynamic = (cfg.persistent and plain
-               and choose_dynamic(tiles, triton_cdiv(seqlen_q, cfg.block_m), causal, False, sms))
+               and (choose_dynamic(tiles, triton_cdiv(seqlen_q, cfg.block_m), causal, False, sms)
+                    or (causal and cfg.consumers == 3 and tiles > sms)))
     mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
                 dynamic=dynamic)
     n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)

@@ -35,11 +35,11 @@ def trace(batch, seqlen, heads, head_dim, causal):
     # only the JIT specialises the kernel on a pointer's dtype.
     plan.FAST_LAUNCH = False
     sms = plan.sm_count()
-    plan.TRACE = torch.zeros(sms * 2 * 64 * 8, dtype=torch.float32, device="cuda")
+    plan.TRACE = torch.zeros(sms * 3 * 64 * 8, dtype=torch.float32, device="cuda")
     torch.cuda.synchronize()
     hopper_flash.flash_attn_func(q, k, v, causal=causal)
     torch.cuda.synchronize()
-    t = plan.TRACE.view(torch.int32).view(sms, 2, 64, 8).cpu().to(torch.int64)
+    t = plan.TRACE.view(torch.int32).view(sms, 3, 64, 8).cpu().to(torch.int64)
     plan.TRACE = None
     return t
 
@@ -50,7 +50,7 @@ def report(t, label):
     totals = {p: 0 for p in PHASES + ("between",)}
     traced = 0
     for cta in range(t.shape[0]):
-        for wg in range(2):
+        for wg in range(3):  # consumer warpgroups: two, or three on wide tiles (plan.WIDE_CONFIGS)
             ev = t[cta, wg]
             n = int((ev[:, 7] > 0).sum())
             for i in range(n):
@@ -95,7 +95,11 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--headdim", type=int, default=128)
+    ap.add_argument("--wide", action="store_true",
+                    help="run the wide tiles (plan.WIDE_CONFIGS) at every length, not only where plan.choose_wide picks them")
     args = ap.parse_args()
+    if args.wide:
+        plan.WIDE_MIN_KEYS_FULL = plan.WIDE_MIN_KEYS_CAUSAL = plan.WIDE_MIN_ROWS = 0
     print("hopper_flash from", hopper_flash.__file__)
     for s in args.seqlen:
         for causal in (True, False):

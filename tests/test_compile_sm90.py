@@ -18,7 +18,7 @@ SPECS = list(compile_check.shipped_specialisations())
 
 def spec_id(spec):
     cfg, dtype, causal, write_lse, mode = spec
-    return (f"d{cfg.head_dim}-{dtype}-{'causal' if causal else 'full'}-{'lse' if write_lse else 'nolse'}"
+    return (f"d{cfg.head_dim}{'-wide' if cfg.consumers == 3 else ''}-{dtype}-{'causal' if causal else 'full'}-{'lse' if write_lse else 'nolse'}"
             f"{'-dynamic' if mode.dynamic else ''}")
 
 
@@ -35,9 +35,11 @@ def report(request):
 def test_specialisations_cover_the_api():
     from hopper_flash import plan
 
-    keys = {(cfg.head_dim, dtype, causal, lse, mode.dynamic) for cfg, dtype, causal, lse, mode in SPECS}
+    keys = {(cfg.head_dim, cfg.block_m, dtype, causal, lse, mode.dynamic) for cfg, dtype, causal, lse, mode in SPECS}
     assert len(keys) == len(SPECS)
-    assert keys == {(d, str(t).removeprefix("torch."), c, l, dyn) for d in plan.SUPPORTED_HEAD_DIMS
+    shapes = {(d, plan.CONFIGS[d].block_m) for d in plan.SUPPORTED_HEAD_DIMS}
+    shapes |= {(d, cfg.block_m) for d, cfg in plan.WIDE_CONFIGS.items()}
+    assert keys == {(d, m, str(t).removeprefix("torch."), c, l, dyn) for d, m in shapes
                     for t in plan.SUPPORTED_DTYPES for c in (False, True) for l in (False, True)
                     for dyn in ((False, True) if c else (False,))}
 
@@ -114,7 +116,8 @@ def test_dynamic_order_draws_items_from_a_counter(spec):
 def test_planned_shared_memory_matches_the_compiler(report):
     """plan.ForwardConfig.shared_bytes (tiles only) decides where O is staged;
     the compiler adds only mbarriers and warp-specialize slots on top."""
-    cfg = plan.CONFIGS[report.head_dim]
+    cfg = plan.WIDE_CONFIGS[report.head_dim] if report.block_m == 192 else plan.CONFIGS[report.head_dim]
+    assert cfg.block_m == report.block_m
     assert 0 <= report.shared_bytes - cfg.shared_bytes() <= 1024
 
 

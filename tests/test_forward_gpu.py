@@ -95,7 +95,7 @@ def test_static_deal_odd_item_count_causal():
     (1, 16384, 16384, 12, 12, 128),    # three sections of 4 heads
     (2, 2100, 3001, 8, 2, 128),        # more keys than queries; GQA sections
     (2, 3001, 2100, 8, 8, 128),        # more queries than keys: rows that see no key
-    (2, 3073, 3073, 9, 9, 64),         # D=64: 25 tiles of 128 rows, 17 of 192 (fwd-d64-three-consumers)
+    (2, 3073, 3073, 9, 9, 64),         # D=64: 25 tiles of 128 rows
     (1, 4099, 4099, 6, 3, 256),
 ])
 def test_dynamic_order(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim):
@@ -204,14 +204,64 @@ def test_head_dims(head_dim, causal, seqlen):
     check_forward(2, seqlen, seqlen, 4, head_dim=head_dim, causal=causal, seed=head_dim + seqlen)
 
 
+@pytest.fixture
+def wide_tiles(monkeypatch):
+    """Run the wide tiles (plan.WIDE_CONFIGS: three consumer warpgroups, 192
+    rows) at every length, where plan.choose_wide picks them only for long
+    prefill. Yields the tile heights the launches planned, to check that the
+    wide kernel is what ran."""
+    if not plan.WIDE_CONFIGS:
+        pytest.skip("no wide tiles under this triton (plan.wide_configs)")
+    monkeypatch.setattr(plan, "WIDE_MIN_KEYS_FULL", 0)
+    monkeypatch.setattr(plan, "WIDE_MIN_KEYS_CAUSAL", 0)
+    monkeypatch.setattr(plan, "WIDE_MIN_ROWS", 0)
+    yield _planned_rows(monkeypatch)
+
+
+def _planned_rows(monkeypatch):
+    """Record the tile height (block_m) of every forward launch planned from here on."""
+    seen, real = [], plan._plan_launch.__wrapped__
+
+    def spy(*args):
+        lp = real(*args)
+        seen.append(lp.cfg.block_m)
+        return lp
+    monkeypatch.setattr(plan, "_plan_launch", spy)
+    return seen
+
+
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(191, 191), (192, 192), (193, 193), (385, 385), (577, 577),
                                                (200, 700), (700, 200), (64, 320)])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_head_dim_64_tile_edges(causal, seqlen_q, seqlen_k):
-    """Head dim 64 runs 192-row tiles, 64 rows per consumer warpgroup:
-    lengths at the edges of a tile and of each consumer's rows, and diagonals
-    that leave one or two consumers' first KV tiles entirely masked."""
+def test_head_dim_64_tile_edges(wide_tiles, causal, seqlen_q, seqlen_k):
+    """The wide tiles, 64 rows per consumer warpgroup: lengths at the edges
+    of a tile and of each consumer's rows, and diagonals that leave one or two
+    consumers' first KV tiles entirely masked."""
     check_forward(2, seqlen_q, seqlen_k, 3, head_dim=64, causal=causal, seed=seqlen_q * 7 + seqlen_k)
+    assert wide_tiles == [192]
+
+
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,nheads,nheads_kv,dtype", [
+    (2, 3073, 3073, 9, 9, torch.bfloat16),     # 17 tiles of 192 rows: the dynamic order
+    (1, 1000, 1000, 3, 3, torch.bfloat16),     # 18 items, fewer than the SMs: the static deal
+    (2, 1500, 2500, 8, 2, torch.float16),      # GQA, more keys than queries
+    (2, 2500, 1500, 8, 1, torch.bfloat16),     # MQA, rows that see no key
+])
+def test_wide_tiles_causal_orders(wide_tiles, batch, seqlen_q, seqlen_k, nheads, nheads_kv, dtype):
+    check_forward(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim=64, causal=True, dtype=dtype,
+                  seed=seqlen_q + seqlen_k)
+    assert wide_tiles == [192]
+
+
+@pytest.mark.parametrize("seqlen,causal,rows", [(2100, False, 192), (1000, False, 128), (8200, True, 192),
+                                                (4100, True, 128)])
+def test_head_dim_64_takes_the_wide_tiles_for_long_prefill(monkeypatch, seqlen, causal, rows):
+    """The shipped rule (plan.choose_wide) end to end, wide tiles or not."""
+    if not plan.WIDE_CONFIGS:
+        pytest.skip("no wide tiles under this triton (plan.wide_configs)")
+    seen = _planned_rows(monkeypatch)
+    check_forward(1, seqlen, seqlen, 2, head_dim=64, causal=causal, seed=seqlen + causal)
+    assert seen == [rows]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -4,6 +4,8 @@ size, and the counter the launch hands the kernel. The order itself runs on
 the GPU (tests/test_forward_gpu.py::test_dynamic_order*, and every causal
 test at 16 or more query tiles), where a skipped or repeated item leaves NaN
 in the poisoned output or races."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -116,3 +118,59 @@ def test_backward_grid_is_one_axis_in_l2_sections():
     assert pb.l2_section(8192, 128, 2, 4) == 1     # GQA 32/8: 32 MB per KV head
     assert pb.l2_section(1024, 128, 2, 1) == 32
     assert pb.l2_section(10**7, 256, 2, 8) == 1
+
+
+# ---- The wide tiles (plan.WIDE_CONFIGS): three consumers on 192 rows, for long plain prefill at head dim 64.
+
+needs_wide = pytest.mark.skipif(not plan.WIDE_CONFIGS, reason="no wide tiles under this triton")
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,wide", [
+    (8192, 8192, False, True), (2048, 2048, False, True), (1024, 1024, False, False),  # measured 9% / 2% / -7%
+    (8192, 8192, True, True), (4096, 4096, True, False), (2048, 2048, True, False),    # 4-5% / -3% / -35%
+    (1024, 4096, True, False),   # chunked prefill: 3584 keys per row on average (measured -13%)
+    (1024, 8192, True, False),   # 7680, but query lengths under WIDE_MIN_ROWS were not measured
+    (2048, 6144, True, True),    # 5120
+    (1, 65536, True, False),     # decode-shaped: one live row per tile
+    (8192, 1024, True, False),   # more queries than keys: 64 keys per row on average
+])
+def test_choose_wide_by_mean_keys_per_row(seqlen_q, seqlen_k, causal, wide):
+    assert plan.choose_wide(seqlen_q, seqlen_k, causal) is wide
+
+
+@needs_wide
+def test_long_head_dim_64_prefill_plans_the_wide_tiles():
+    lp = prefill_plan(8, 8192, 32, False, head_dim=64)
+    wide = plan.WIDE_CONFIGS[64]
+    assert lp.cfg is wide and lp.constexprs["BLOCK_M"] == 192 and lp.cfg.consumers == 3
+    assert lp.cfg.maxnreg == 128 and lp.cfg.consumer_regs == 160
+    assert lp.n_ctas == min(SMS, plan.work_items(8, 32, 8192, wide))
+    assert prefill_plan(8, 1024, 32, False, head_dim=64).cfg is plan.CONFIGS[64]
+    assert prefill_plan(8, 8192, 32, False, head_dim=128).cfg is plan.CONFIGS[128]
+
+
+@needs_wide
+def test_wide_causal_takes_the_dynamic_order_past_one_wave():
+    # 11 query tiles of 192 rows (under choose_dynamic's 16), 2816 items: wide
+    # causal items dealt statically measured up to 1.5x slower, so the counter deals them.
+    lp = prefill_plan(8, 2048, 32, True, seqlen_k=6144, head_dim=64)
+    assert lp.cfg.consumers == 3 and lp.mode.dynamic
+    one_wave = prefill_plan(1, 8192, 2, True, head_dim=64)  # 86 items
+    assert one_wave.cfg.consumers == 3 and not one_wave.mode.dynamic and one_wave.pair == 1
+
+
+@needs_wide
+def test_decode_modes_and_variants_keep_their_tiles():
+    for kw in (dict(seqused=True), dict(kv_batch=True), dict(num_splits=4), dict(pack_gqa=True)):
+        lp = prefill_plan(2, 64, 32, True, seqlen_k=65536, nheads_kv=8, head_dim=64, **kw)
+        assert lp.cfg is plan.CONFIGS[64], kw
+    variant = dataclasses.replace(plan.CONFIGS[64], k_stages=3)
+    lp = plan._plan_launch.__wrapped__(0, torch.bfloat16, 8, 8192, 32, 32, 64, variant, 0, False, False, 1, False,
+                                       False, False)
+    assert lp.cfg is variant
+
+
+def test_no_wide_tiles_under_triton_3_9():
+    # Its ptxas spills the write-LSE kernels at 160 registers (tenth session's census).
+    assert plan.wide_configs("3.9.0") == {}
+    assert set(plan.wide_configs("3.6.0")) == {64}

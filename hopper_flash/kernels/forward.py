@@ -17,10 +17,13 @@ items:
   consumers are done with it). The rings' slot order runs on across items.
   In the dynamic order (``DYNAMIC``, scheduler.py) it also draws each CTA's
   next item and hands it to the consumers;
-* two **consumers** (one warpgroup each, most of the registers) own 64 query
-  rows each. They are the same function with ``CID`` 0 and 1; neither waits
-  for the other, so their softmax phases drift apart and overlap the other's
-  tensor-core work, as the seed's two ``p > 0`` groups do.
+* two or three **consumers** (one warpgroup each, most of the registers)
+  own 64 query rows each: ``BLOCK_M`` = 128, or 192 at head dim 64 (FA3's
+  tiles there: while one runs its softmax, two keep the tensor cores busy,
+  and each K/V tile serves 192 rows; ``plan.choose_wide`` picks them for
+  long plain prefill). They are the same function with ``CID`` 0, 1 (, 2);
+  none waits for another, so their softmax phases drift apart and overlap
+  the others' tensor-core work, as the seed's two ``p > 0`` groups do.
 
 KV tiles are visited from the diagonal tile down to tile 0, so only the first
 tile (and, for an unaligned diagonal, the second) needs a mask. In the steady
@@ -88,17 +91,18 @@ WG_M = gl.constexpr(64)
 
 
 @gluon.jit
-def _q_slot(q_bars, qi, c):
-    """Index of consumer ``c``'s Q half of this CTA's ``qi``-th item in the Q
-    buffers and barriers: a ring of ``q_bars.shape[0] // 2`` items (with two,
-    the next item's Q loads while this one runs)."""
-    Q_STAGES: gl.constexpr = q_bars.shape[0] // 2
-    return (qi % Q_STAGES) * 2 + c
+def _q_slot(q_bars, qi, c, NC: gl.constexpr):
+    """Index of consumer ``c``'s part of the Q of this CTA's ``qi``-th item in
+    the Q buffers and barriers (``NC`` consumers, one part each): a ring of
+    ``q_bars.shape[0] // NC`` items (with two, the next item's Q loads while
+    this one runs)."""
+    Q_STAGES: gl.constexpr = q_bars.shape[0] // NC
+    return (qi % Q_STAGES) * NC + c
 
 
 @gluon.jit
-def _q_phase(q_bars, qi):
-    Q_STAGES: gl.constexpr = q_bars.shape[0] // 2
+def _q_phase(q_bars, qi, NC: gl.constexpr):
+    Q_STAGES: gl.constexpr = q_bars.shape[0] // NC
     return (qi // Q_STAGES) & 1
 
 
@@ -259,13 +263,14 @@ def _producer_item(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_emp
         if VARLEN:
             kb = tb
 
-        # Q as one box per consumer half, each on its own barrier pair: a
-        # consumer that finished with its half of the previous item's Q gets
-        # the next one without waiting for the other consumer.
-        for c in gl.static_range(2):
-            q_idx = _q_slot(q_full, qi, c)
+        # Q as one box per consumer part, each on its own barrier pair: a
+        # consumer that finished with its part of the previous item's Q gets
+        # the next one without waiting for the others.
+        NC: gl.constexpr = BLOCK_M // WG_M
+        for c in gl.static_range(NC):
+            q_idx = _q_slot(q_full, qi, c, NC)
             # Passes on the fresh barriers for the first pass through the Q ring.
-            mbarrier.wait(q_empty.index(q_idx), _q_phase(q_full, qi) ^ 1)
+            mbarrier.wait(q_empty.index(q_idx), _q_phase(q_full, qi, NC) ^ 1)
             mbarrier.expect(q_full.index(q_idx), q_desc.block_type.nbytes)
             tma_load(q_desc, [tb, q_start + (bm * BLOCK_M + c * WG_M) // PACK_G, q_head0, 0], q_full.index(q_idx),
                      q_smem.index(q_idx))
@@ -346,12 +351,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k
 
 @gluon.jit
 def _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, i, kv0, n_kv,
-                   CID: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+                   CID: gl.constexpr, NC: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
     """A work item whose rows of this warpgroup hold no query row: keep the
     rings turning. Each slot is released only after its load landed, so the
     release lands in the phase the producer waits for."""
-    q_idx = _q_slot(q_full, i, CID)
-    mbarrier.wait(q_full.index(q_idx), _q_phase(q_full, i))
+    q_idx = _q_slot(q_full, i, CID, NC)
+    mbarrier.wait(q_full.index(q_idx), _q_phase(q_full, i, NC))
     for it in range(n_kv):
         wait_full(k_full, kv0 + it, K_STAGES)
         release(k_empty, kv0 + it, K_STAGES)
@@ -383,12 +388,13 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     n_kv = n_hi - n_lo
-    q_idx = _q_slot(q_full, i, CID)
+    NC: gl.constexpr = BLOCK_M // WG_M
+    q_idx = _q_slot(q_full, i, CID, NC)
     q = q_smem.index(q_idx).reshape([WG_M, HEAD_DIM])
     row0 = bm * BLOCK_M + CID * WG_M
     s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
 
-    mbarrier.wait(q_full.index(q_idx), _q_phase(q_full, i))
+    mbarrier.wait(q_full.index(q_idx), _q_phase(q_full, i, NC))
 
     # ---- QK prologue: the first tile visited (the diagonal; non-causal: the
     # tail tile), always masked. ----
@@ -554,7 +560,7 @@ def _consumer_item(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
                                                        VARLEN)
         if SKIP_IDLE and bm * BLOCK_M + CID * WG_M >= lq * PACK_G:
             _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, qi, kv0, n_hi - n_lo,
-                           CID, K_STAGES, V_STAGES)
+                           CID, BLOCK_M // WG_M, K_STAGES, V_STAGES)
         else:
             _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
                            o_desc, lse_ptr, o_part_ptr, lse_part_ptr, tb, q_head0, bm, split, n_lo,
@@ -619,12 +625,14 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr,
                              VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
                              DYNAMIC: gl.constexpr = False, Q_STAGES: gl.constexpr = 1):
-    gl.static_assert(BLOCK_M == 2 * WG_M, "two consumer warpgroups of 64 rows each")
+    # Consumer warpgroups of 64 rows each: two, or three (FA3's 192-row tiles at head dim 64).
+    NC: gl.constexpr = BLOCK_M // WG_M
+    gl.static_assert(BLOCK_M == NC * WG_M and (NC == 2 or NC == 3), "two or three consumer warpgroups of 64 rows")
     gl.static_assert(not DYNAMIC or (PERSISTENT and not SPLIT), "the dynamic order runs a persistent grid, no split")
     gl.static_assert(Q_STAGES == 1 or not O_IN_Q, "O staged in Q's rows leaves no room for a second Q")
     gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH or PAGE_SIZE > 0)),
                      "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
-    gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle the two warpgroups")
+    gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle two warpgroups")
     dtype: gl.constexpr = q_desc.dtype
 
     # Work items are (query tile, split, head, batch), flattened with the tile
@@ -633,36 +641,36 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # partition walks the same items in the same order.
     total_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M) * num_splits * (num_heads // PACK_G) * batch
 
-    # Q as two [1, 64, 1, D] halves (packed: [1, 64 / G, G, D]), one per
-    # consumer warpgroup, for Q_STAGES items: half c of the item in slot j is
-    # buffer 2j + c (_q_slot).
-    q_smem = gl.allocate_shared_memory(dtype, [2 * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
+    # Q as NC [1, 64, 1, D] parts (packed: [1, 64 / G, G, D]), one per
+    # consumer warpgroup, for Q_STAGES items: part c of the item in slot j is
+    # buffer NC·j + c (_q_slot).
+    q_smem = gl.allocate_shared_memory(dtype, [NC * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
     if O_IN_Q or SPLIT:
         o_smem = q_smem  # O is staged in its own Q rows (see _consumer_tile), or not at all (SPLIT)
     else:
-        o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [NC] + o_desc.block_type.shape, o_desc.layout)
 
-    # q_full[2j + c] / q_empty[2j + c]: Q half c of slot j landed / consumer c is done with it.
-    q_full = gl.allocate_shared_memory(gl.int64, [2 * Q_STAGES, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_STAGES, 1], mbarrier.MBarrierLayout())
+    # q_full[NC·j + c] / q_empty[NC·j + c]: Q part c of slot j landed / consumer c is done with it.
+    q_full = gl.allocate_shared_memory(gl.int64, [NC * Q_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NC * Q_STAGES, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(2 * Q_STAGES):
+    for c in gl.static_range(NC * Q_STAGES):
         mbarrier.init(q_full.index(c), count=1)  # the producer's expect-tx arrive
         mbarrier.init(q_empty.index(c), count=1)  # the consumer's arrive
     for i in gl.static_range(K_STAGES):
         mbarrier.init(k_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(k_empty.index(i), count=NC)  # one arrive per consumer warpgroup
     for i in gl.static_range(V_STAGES):
         mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=NC)
     # DYNAMIC: the ring through which the producer hands out the next item
     # (scheduler.py); a slot is full after the producer's arrive, empty after
-    # both consumers'.
+    # every consumer's.
     sched_smem = gl.allocate_shared_memory(gl.int32, [SCHED_STAGES, 1],
                                            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     sched_full = gl.allocate_shared_memory(gl.int64, [SCHED_STAGES, 1], mbarrier.MBarrierLayout())
@@ -670,33 +678,69 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     if DYNAMIC:
         for i in gl.static_range(SCHED_STAGES):
             mbarrier.init(sched_full.index(i), count=1)
-            mbarrier.init(sched_empty.index(i), count=2)
+            mbarrier.init(sched_empty.index(i), count=NC)
 
     # Tuples are spelled out per partition: tuple arithmetic inside a jit
-    # function would turn the constexpr entries into run-time values.
-    gl.warp_specialize(
-        [
-            (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                         sched_smem, sched_full, sched_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr,
-                         seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
-                         seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
-                         qk_scale, softmax_scale, total_q, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
-                         IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
-                         SEQUSED_Q, DYNAMIC)),
-            (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                         sched_smem, sched_full, sched_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr,
-                         seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
-                         seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
-                         qk_scale, softmax_scale, total_q, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
-                         IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
-                         SEQUSED_Q, DYNAMIC)),
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty,
-                         v_full, v_empty, sched_smem, sched_full, sched_empty, sched_ptr, seqused_ptr, kv_batch_ptr,
-                         page_table_ptr, page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads,
-                         kv_group, batch, total_tiles, num_splits, pair, section, BLOCK_M, BLOCK_N, K_STAGES,
-                         V_STAGES, IS_CAUSAL, PERSISTENT, PACK_G, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q,
-                         DYNAMIC)),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, PRODUCER_REGS],
-    )
+    # function would turn the constexpr entries into run-time values. The
+    # default partition is consumer 0 (the launch's num_warps = 4).
+    if NC == 2:
+        gl.warp_specialize(
+            [
+                (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                             sched_smem, sched_full, sched_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr,
+                             seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
+                             seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
+                             qk_scale, softmax_scale, total_q, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
+                             IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
+                             SEQUSED_Q, DYNAMIC)),
+                (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                             sched_smem, sched_full, sched_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr,
+                             seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
+                             seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
+                             qk_scale, softmax_scale, total_q, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
+                             IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
+                             SEQUSED_Q, DYNAMIC)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty,
+                             v_full, v_empty, sched_smem, sched_full, sched_empty, sched_ptr, seqused_ptr, kv_batch_ptr,
+                             page_table_ptr, page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads,
+                             kv_group, batch, total_tiles, num_splits, pair, section, BLOCK_M, BLOCK_N, K_STAGES,
+                             V_STAGES, IS_CAUSAL, PERSISTENT, PACK_G, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q,
+                             DYNAMIC)),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, PRODUCER_REGS],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                             sched_smem, sched_full, sched_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr,
+                             seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
+                             seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
+                             qk_scale, softmax_scale, total_q, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
+                             IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
+                             SEQUSED_Q, DYNAMIC)),
+                (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                             sched_smem, sched_full, sched_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr,
+                             seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
+                             seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
+                             qk_scale, softmax_scale, total_q, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
+                             IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
+                             SEQUSED_Q, DYNAMIC)),
+                (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                             sched_smem, sched_full, sched_empty, o_desc, lse_ptr, o_part_ptr, lse_part_ptr,
+                             seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
+                             seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
+                             qk_scale, softmax_scale, total_q, 2, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
+                             IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
+                             SEQUSED_Q, DYNAMIC)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty,
+                             v_full, v_empty, sched_smem, sched_full, sched_empty, sched_ptr, seqused_ptr, kv_batch_ptr,
+                             page_table_ptr, page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads,
+                             kv_group, batch, total_tiles, num_splits, pair, section, BLOCK_M, BLOCK_N, K_STAGES,
+                             V_STAGES, IS_CAUSAL, PERSISTENT, PACK_G, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q,
+                             DYNAMIC)),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
+        )
