@@ -215,6 +215,8 @@ def wide_tiles(monkeypatch):
     monkeypatch.setattr(plan, "WIDE_MIN_KEYS_FULL", 0)
     monkeypatch.setattr(plan, "WIDE_MIN_KEYS_CAUSAL", 0)
     monkeypatch.setattr(plan, "WIDE_MIN_ROWS", 0)
+    # Small problems would take split-KV (a decode mode, on two consumers).
+    monkeypatch.setattr(plan, "choose_num_splits", lambda *args: 1)
     yield _planned_rows(monkeypatch)
 
 
@@ -253,14 +255,15 @@ def test_wide_tiles_causal_orders(wide_tiles, batch, seqlen_q, seqlen_k, nheads,
     assert wide_tiles == [192]
 
 
-@pytest.mark.parametrize("seqlen,causal,rows", [(2100, False, 192), (1000, False, 128), (8200, True, 192),
-                                                (4100, True, 128)])
-def test_head_dim_64_takes_the_wide_tiles_for_long_prefill(monkeypatch, seqlen, causal, rows):
+# Enough heads that no split-KV is chosen (a decode mode, on two consumers).
+@pytest.mark.parametrize("seqlen,causal,nheads,rows", [(2100, False, 40, 192), (1000, False, 40, 128),
+                                                       (8200, True, 2, 192), (4100, True, 8, 128)])
+def test_head_dim_64_takes_the_wide_tiles_for_long_prefill(monkeypatch, seqlen, causal, rows, nheads):
     """The shipped rule (plan.choose_wide) end to end, wide tiles or not."""
     if not plan.WIDE_CONFIGS:
         pytest.skip("no wide tiles under this triton (plan.wide_configs)")
     seen = _planned_rows(monkeypatch)
-    check_forward(1, seqlen, seqlen, 2, head_dim=64, causal=causal, seed=seqlen + causal)
+    check_forward(1, seqlen, seqlen, nheads, head_dim=64, causal=causal, seed=seqlen + causal)
     assert seen == [rows]
 
 
