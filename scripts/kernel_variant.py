@@ -26,11 +26,13 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
 * ``fa3-pingpong``: FA3's ping-pong (section 4 there): the two consumers take
   turns to issue their steady-state QK + PV pair (two mbarriers pass the
   turn; the first QK and the last PV of an item stay outside it), in the
-  plain prefill modes.
+  plain prefill modes on two-consumer tiles (the wide tiles run without it).
 * ``timeline``: the consumers write the SM's clock at seven points of each
   work item into a buffer (plan.TRACE); ``scripts/timeline.py`` runs it and
   prints where an item's time goes (waiting for Q or the first K, the
-  prologue, the steady steps, the last PV, the epilogue, between items).
+  prologue, the steady steps, the last PV, the epilogue, between items);
+  three consumer slots per CTA, and ``--wide`` runs the wide tiles at every
+  length.
 * ``bwd-timeline`` (the backward): the split-keys consumers (D = 64, 128)
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);
@@ -42,19 +44,6 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   instead of a CTA-wide barrier and the TMA issue, FA3's shape of the dQ
   path. Correct (the 65 backward GPU tests pass) but measured 1-2% slower at
   D = 128 and equal at D = 64 and 256 (tenth session, BENCHMARKS.md).
-* ``fwd-d64-three-consumers`` (a candidate to ship, prepared on the CPU in
-  the tenth session, not yet run): head dim 64 prefill on FA3's 192-row
-  tiles, three consumer warpgroups of 64 rows at 160 registers (producer
-  32, launch maxnreg 128); the decode modes keep two (``plan.decode_form``).
-  The kernel's consumer count ``NC = BLOCK_M // 64`` sizes the Q ring, the O
-  staging and the barrier counts. Spill-free under triton 3.6, 3.7.1 and
-  3.8.0 (forward, decode and varlen censuses); under 3.9 the D=64 write-LSE
-  and varlen kernels spilled 88-112 bytes, so there D=64 keeps two
-  consumers (``plan.head_dim_64_config``). Branch ``fwd-three-consumers`` holds the same
-  change with its CPU tests (``tests/test_scheduler_cpu.py``) and the
-  regenerated ``timeline``/``fa3-pingpong`` patches. Time it against the
-  shipped package on the D=64 prefill rows (and GQA, fp16, varlen) with the
-  GPU tests on it (``tests/test_forward_gpu.py`` has its tile-edge cases).
 * ``fwd-d256-rescale-early`` (prepared on the CPU in the tenth session, not
   run): FA3's D = 256 order, O multiplied by the previous step's rescale
   after QK is issued (while QK runs) rather than at the end of the step;
