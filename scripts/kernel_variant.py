@@ -44,6 +44,17 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   instead of a CTA-wide barrier and the TMA issue, FA3's shape of the dQ
   path. Correct (the 65 backward GPU tests pass) but measured 1-2% slower at
   D = 128 and equal at D = 64 and 256 (tenth session, BENCHMARKS.md).
+* ``bwd-st-early`` (the backward at D = 128; prepared on the CPU in the
+  eleventh session, not yet run): the split-keys step issues the next
+  step's Sᵀ before this step's dQ is staged (the D = 256 step's order, +2%
+  there), in one flat loop over (query head, query tile) with the first Sᵀ
+  before it; Q and dO rings of three (230912 of 231424 bytes). K's and V's
+  wgmma descriptors are rebuilt in the loop (``_opaque_zero``; hoisted, they
+  spilled 96-208 bytes). Census (triton 3.6): spill-free but for 16 bytes in
+  the deterministic non-causal kernel, wgmmas not serialised. Aimed at
+  issue 11's non-causal D = 128 row (0.948x FA3). ``benchmarks/bwd-d128.json``
+  with ``--pass bwd``; GPU tests ``tests/test_backward_gpu.py
+  tests/test_varlen_gpu.py``.
 * ``fwd-d256-rescale-early`` (prepared on the CPU in the tenth session, not
   run): FA3's D = 256 order, O multiplied by the previous step's rescale
   after QK is issued (while QK runs) rather than at the end of the step;
