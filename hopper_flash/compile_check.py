@@ -16,7 +16,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
-from .plan import CONFIGS, PREFILL, WIDE_CONFIGS, ForwardConfig, Mode, block_shapes, compile_options, kernel_constexprs, smem_layout
+from .plan import (CONFIGS, PREFILL, WIDE_CONFIGS, ForwardConfig, Mode, block_shapes, compile_options,
+                   kernel_constexprs, smem_layout)
 
 # Hopper's per-block shared-memory limit with the opt-in carve-out.
 SMEM_LIMIT_BYTES = 227 * 1024

@@ -18,7 +18,8 @@ SPECS = list(compile_check.shipped_specialisations())
 
 def spec_id(spec):
     cfg, dtype, causal, write_lse, mode = spec
-    return (f"d{cfg.head_dim}{'-wide' if cfg.consumers == 3 else ''}-{dtype}-{'causal' if causal else 'full'}-{'lse' if write_lse else 'nolse'}"
+    wide = "-wide" if cfg.consumers == 3 else ""
+    return (f"d{cfg.head_dim}{wide}-{dtype}-{'causal' if causal else 'full'}-{'lse' if write_lse else 'nolse'}"
             f"{'-dynamic' if mode.dynamic else ''}")
 
 

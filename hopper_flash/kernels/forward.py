@@ -13,8 +13,8 @@ items:
   Q, into a ring of ``Q_STAGES`` items (two where shared memory allows, so
   the next item's Q lands while this one runs), then its K and V tiles into
   two separate rings of ``K_STAGES`` / ``V_STAGES`` slots, each slot guarded
-  by a *full* barrier (the load landed) and an *empty* barrier (both
-  consumers are done with it). The rings' slot order runs on across items.
+  by a *full* barrier (the load landed) and an *empty* barrier (every
+  consumer is done with it). The rings' slot order runs on across items.
   In the dynamic order (``DYNAMIC``, scheduler.py) it also draws each CTA's
   next item and hands it to the consumers;
 * two or three **consumers** (one warpgroup each, most of the registers)

@@ -116,7 +116,7 @@ def draw_item(counter_ptr):
 
 @gluon.jit
 def publish_item(item, sched_smem, sched_full, sched_empty, order):
-    """Producer: hand ``item`` to both consumers as this CTA's item number
+    """Producer: hand ``item`` to the consumers as this CTA's item number
     ``order + 1`` (a value past the last item tells them to stop)."""
     wait_empty(sched_empty, order, SCHED_STAGES)
     slot = ring_slot(order, SCHED_STAGES)
