@@ -37,14 +37,17 @@ def trace(batch, seqlen, heads, head_dim, causal):
     sms = plan.sm_count()
     plan.TRACE = torch.zeros(sms * 3 * 64 * 8, dtype=torch.float32, device="cuda")
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
     hopper_flash.flash_attn_func(q, k, v, causal=causal)
+    end.record()
     torch.cuda.synchronize()
     t = plan.TRACE.view(torch.int32).view(sms, 3, 64, 8).cpu().to(torch.int64)
     plan.TRACE = None
-    return t
+    return t, start.elapsed_time(end) * 1000.0
 
 
-def report(t, label):
+def report(t, label, wall_us=None):
     wrap = 1 << 32
     per_phase = {p: [] for p in PHASES + ("between", "step")}
     totals = {p: 0 for p in PHASES + ("between",)}
@@ -70,6 +73,39 @@ def report(t, label):
     print(f"## {label}: {len(per_phase['q'])} items traced, cycles")
     print_phases(PHASES + ("between",), per_phase, totals, traced)
     print_row("per step", per_phase["step"])
+    print_ctas(t, wall_us)
+
+
+def print_ctas(t, wall_us):
+    """Per CTA (first 64 items of each consumer): its span from the first
+    item's start to the last item's end, the items' own cycles (busy), and
+    the item count. A static deal that spreads the work unevenly shows as
+    spans far apart; slow items as spans near the kernel's wall time with
+    busy close to span. Spans are in the SM's clock; the wall time (CUDA
+    events around the traced launch, trace stores included) is in us."""
+    wrap = 1 << 32
+    spans, busy, items = [], [], []
+    for cta in range(t.shape[0]):
+        ev = t[cta]
+        counts = [int((ev[wg, :, 7] > 0).sum()) for wg in range(ev.shape[0])]
+        live = [wg for wg in range(ev.shape[0]) if counts[wg]]
+        if not live:
+            continue
+        t0 = int(ev[live[0], 0, 0])
+
+        def since_t0(clock):  # signed cycles from t0, across a wrap of the 32-bit clock
+            return (int(clock) - t0 + wrap // 2) % wrap - wrap // 2
+        first = min(since_t0(ev[wg, 0, 0]) for wg in live)
+        last = max(since_t0(ev[wg, counts[wg] - 1, 6]) for wg in live)
+        spans.append(last - first)
+        busy.append(max(sum(int((ev[wg, i, 6] - ev[wg, i, 0]) % wrap) for i in range(counts[wg])) for wg in live))
+        items.append(counts[live[0]])
+    if not spans:
+        return
+    xs = torch.tensor(spans, dtype=torch.float64)
+    print(f"CTAs {len(spans)}: span min {xs.min().item():.0f} median {xs.median().item():.0f} "
+          f"max {xs.max().item():.0f} cycles; busy/span {sum(busy) / sum(spans):.0%}; items per CTA "
+          f"{min(items)}-{max(items)}" + (f"; wall {wall_us:.1f} us" if wall_us is not None else ""))
 
 
 def print_phases(names, samples, totals, traced):
@@ -104,7 +140,8 @@ def main():
     for s in args.seqlen:
         for causal in (True, False):
             label = f"B{args.batch} H{args.heads} S{s} D{args.headdim} {'causal' if causal else 'full'}"
-            report(trace(args.batch, s, args.heads, args.headdim, causal), label)
+            t, wall_us = trace(args.batch, s, args.heads, args.headdim, causal)
+            report(t, label, wall_us)
 
 
 if __name__ == "__main__":
