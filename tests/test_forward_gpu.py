@@ -81,13 +81,22 @@ def test_persistent_odd_item_count(head_dim, causal):
     check_forward(1, seqlen, seqlen, 5, head_dim=head_dim, causal=causal, seed=head_dim + causal)
 
 
-def test_static_deal_odd_item_count_causal():
-    # 7 query tiles x 25 heads = 175 causal items: under the dynamic order's
-    # 16 tiles, so dealt statically in zig-zag pairs, the last one single.
+def test_static_deal_odd_item_count():
+    # 7 query tiles x 25 heads = 175 items, dealt statically in zig-zag pairs,
+    # the last one single. Non-causal: causal odd counts straddle heads and
+    # take the dynamic order (plan.static_deal_imbalance).
     seqlen = 6 * 128 + 1
     items = plan.work_items(1, 25, seqlen, plan.CONFIGS[128])
-    assert items % 2 == 1 and not plan.choose_dynamic(items, 7, True, False, plan.sm_count())
-    check_forward(1, seqlen, seqlen, 25, causal=True, seed=175)
+    assert items % 2 == 1 and not plan.choose_dynamic(items, 7, False, False, plan.sm_count())
+    check_forward(1, seqlen, seqlen, 25, causal=False, seed=175)
+
+
+def test_short_causal_prefill_unevenly_dealt_takes_the_dynamic_order():
+    # 11 query tiles x 32 heads x 2: odd, so the static deal's pairs would straddle heads.
+    seqlen = 10 * 128 + 77
+    items = plan.work_items(2, 32, seqlen, plan.CONFIGS[128])
+    assert plan.choose_dynamic(items, 11, True, False, plan.sm_count())
+    check_forward(2, seqlen, seqlen, 32, causal=True, seed=1357)
 
 
 @pytest.mark.parametrize("batch,seqlen_q,seqlen_k,nheads,nheads_kv,head_dim", [

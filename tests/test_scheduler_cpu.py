@@ -50,6 +50,27 @@ def test_static_deal_elsewhere(batch, seqlen, nheads, causal):
     assert not lp.mode.dynamic and lp.constexprs["DYNAMIC"] is False
 
 
+@pytest.mark.parametrize("batch,seqlen,nheads,imbalance", [
+    (8, 1408, 32, 1.40),   # 11 tiles: pairs straddle heads, and 11 pairs per two heads divide 132 CTAs
+    (4, 1152, 8, 2.14),    # 9 tiles, 144 pairs: 12 CTAs run a second round
+    (4, 1920, 32, 1.19),   # 15 tiles
+])
+def test_short_causal_prefill_dealt_unevenly_takes_the_dynamic_order(batch, seqlen, nheads, imbalance):
+    n_tiles = plan.triton_cdiv(seqlen, 128)
+    assert plan.static_deal_imbalance(batch * nheads, n_tiles, SMS) == pytest.approx(imbalance, abs=0.01)
+    lp = prefill_plan(batch, seqlen, nheads, causal=True)
+    assert lp.mode.dynamic and (lp.n_ctas, lp.pair) == (min(SMS, plan.work_items(batch, nheads, seqlen, lp.cfg)), 1)
+
+
+def test_static_deal_imbalance_by_hand():
+    # 2 heads of 3 tiles on 4 SMs: 6 items > 4, so pairs; zig-zag per head
+    # (j: 0 1 2 -> bm 2 0 1), pairs of items (0,1) (2,3) (4,5) on CTAs 0 1 2:
+    # bm (2,0) (1,2) (0,1), costs bm + 2: 6, 7, 5; the bound is max(18 / 3, 3 + 1) = 6.
+    assert plan.static_deal_imbalance(2, 3, 4) == pytest.approx(7 / 6)
+    # Balanced: even tile counts whose pairs per head divide the CTA count.
+    assert plan.static_deal_imbalance(256, 8, SMS) < plan.STATIC_IMBALANCE_LIMIT
+
+
 def test_decode_modes_keep_the_static_deal():
     assert not prefill_plan(8, 4096, 32, True, nheads_kv=8, seqused=True).mode.dynamic
     assert not prefill_plan(8, 4096, 32, True, nheads_kv=8, kv_batch=True).mode.dynamic
