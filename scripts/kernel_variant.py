@@ -50,8 +50,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   there), in one flat loop over (query head, query tile) with the first Sᵀ
   before it; Q and dO rings of three (230912 of 231424 bytes). K's and V's
   wgmma descriptors are rebuilt in the loop (``_opaque_zero``; hoisted, they
-  spilled 96-208 bytes). Census (triton 3.6): spill-free but for 16 bytes in
-  the deterministic non-causal kernel, wgmmas not serialised. Aimed at
+  spilled 96-208 bytes). Census: the non-deterministic kernels spill-free
+  under triton 3.6 and 3.9; the deterministic ones spill 16 bytes
+  (non-causal) under 3.6, 16 (causal varlen) and 32 (non-causal) under 3.9;
+  wgmmas not serialised. Aimed at
   issue 11's non-causal D = 128 row (0.948x FA3). ``benchmarks/bwd-d128.json``
   with ``--pass bwd``; GPU tests ``tests/test_backward_gpu.py
   tests/test_varlen_gpu.py``.
