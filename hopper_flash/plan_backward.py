@@ -22,7 +22,7 @@ import torch
 
 from . import plan
 from .kernels import backward_pre as _pre
-from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, _Desc, triton_cdiv
+from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, _Desc, launch_maxnreg, triton_cdiv
 
 @dataclass(frozen=True)
 class BackwardConfig:
@@ -55,9 +55,9 @@ class BackwardConfig:
         return self.do_stages or self.stages
 
     num_warps = 8  # the two consumer warpgroups (the producer warp is a worker)
-    # 65536 registers over the consumer warps plus the producer warp's
-    # warpgroup, rounded down to 8; setmaxnreg then moves them.
-    maxnreg = 65536 // (128 * 3) // 8 * 8
+    # The register cap at launch, as the forward's with two consumer
+    # warpgroups (168); setmaxnreg then moves registers between partitions.
+    maxnreg = launch_maxnreg(2)
 
     def shared_bytes(self, elem_bytes: int = 2) -> int:
         """K, V, the Q and dO rings, two [keys, queries] tiles (dSᵀ stages,
