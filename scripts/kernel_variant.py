@@ -23,10 +23,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
 
 * ``k-ahead-of-v``: the producer issues K[it + 1] before V[it] (FA3's order,
   shared/notes/fa3-forward.md section 7) instead of K[it], V[it].
-* ``fa3-pingpong``: FA3's ping-pong (section 4 there): the two consumers take
-  turns to issue their steady-state QK + PV pair (two mbarriers pass the
-  turn; the first QK and the last PV of an item stay outside it), in the
-  plain prefill modes on two-consumer tiles (the wide tiles run without it).
+* (``fa3-pingpong``, FA3's ping-pong, the two consumers taking turns to
+  issue their steady-state QK + PV pair: measured 1-2% slower at S>=8192
+  causal in the fifth session; removed in the twelfth, whose offset start
+  conflicted with it. Its last text: ``git show d0b8571:scripts/variants/fa3-pingpong.patch``.)
 * ``timeline``: the consumers write the SM's clock at seven points of each
   work item into a buffer (plan.TRACE); ``scripts/timeline.py`` runs it and
   prints where an item's time goes (waiting for Q or the first K, the
@@ -44,26 +44,9 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   instead of a CTA-wide barrier and the TMA issue, FA3's shape of the dQ
   path. Correct (the 65 backward GPU tests pass) but measured 1-2% slower at
   D = 128 and equal at D = 64 and 256 (tenth session, BENCHMARKS.md).
-* ``bwd-st-early`` (the backward at D = 128; prepared on the CPU in the
-  eleventh session, not yet run): the split-keys step issues the next
-  step's Sᵀ before this step's dQ is staged (the D = 256 step's order, +2%
-  there), in one flat loop over (query head, query tile) with the first Sᵀ
-  before it; Q and dO rings of three (230912 of 231424 bytes). K's and V's
-  wgmma descriptors are rebuilt in the loop (``_opaque_zero``; hoisted, they
-  spilled 96-208 bytes). Census: the non-deterministic kernels spill-free
-  under triton 3.6 and 3.9; the deterministic ones spill 16 bytes
-  (non-causal) under 3.6, 16 (causal varlen) and 32 (non-causal) under 3.9;
-  wgmmas not serialised. Aimed at
-  issue 11's non-causal D = 128 row (0.948x FA3). ``benchmarks/bwd-d128.json``
-  with ``--pass bwd``; GPU tests ``tests/test_backward_gpu.py
-  tests/test_varlen_gpu.py``.
-* ``fwd-d256-rescale-early`` (prepared on the CPU in the tenth session, not
-  run): FA3's D = 256 order, O multiplied by the previous step's rescale
-  after QK is issued (while QK runs) rather than at the end of the step;
-  plain prefill and varlen only (the decode modes spilled 8 B with it). An
-  opaque zero keeps the compiler from moving the multiply back to the step's
-  end; ptxas still interleaves it with the QK chain after its first two
-  HGMMAs. Spill-free under triton 3.6 and 3.9. ``benchmarks/d256.json``.
+* (``bwd-st-early`` and ``fwd-d256-rescale-early`` were timed in the twelfth
+  session, both slower than the shipped kernels, and removed: BENCHMARKS.md;
+  their text is in d0b8571.)
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
