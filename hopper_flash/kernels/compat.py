@@ -11,6 +11,7 @@ resolved here, once, so kernel code never tests a version.
 | TMA store shared -> global | ``tma.async_copy_shared_to_global`` | ``tma.async_store`` (the old name raises) |
 | barrier over the partition's threads | ``gl.thread_barrier`` | ``gl.barrier`` (the old name is gone) |
 | TMA reduce-add shared -> global | no Gluon builtin; the builder's ``create_async_tma_reduce`` backs ``tma_atomic_add`` below | ``tma.async_atomic_add`` |
+| aggregates (structs a jit function takes and passes on) | ``triton.language.core._aggregate`` | ``gluon.aggregate`` |
 
 The names below are Gluon builtins, re-bound: a ``@gluon.jit`` function calls
 ``tma_load(desc, coord, bar, buf)`` exactly as it would call the original.
@@ -63,8 +64,13 @@ else:  # triton 3.6, 3.7: store_wait is always the .read variant
         _gl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, 0;", "=r", [], dtype=_gl.int32,
                                    is_pure=False, pack=1)
 
+try:  # the public name (triton 3.9)
+    from triton.experimental.gluon import aggregate
+except ImportError:  # triton 3.6 (and the releases between): the same decorator, private
+    from triton.language.core import _aggregate as aggregate
+
 # bar.sync over the calling partition's warps (all warps outside warp_specialize).
 thread_barrier = _gl.barrier if hasattr(_gl, "barrier") else _gl.thread_barrier
 
-__all__ = ["HAS_ASYNC_LOAD", "tma_load", "tma_store", "tma_atomic_add", "tma_store_wait_complete",
+__all__ = ["HAS_ASYNC_LOAD", "aggregate", "tma_load", "tma_store", "tma_atomic_add", "tma_store_wait_complete",
            "thread_barrier"]

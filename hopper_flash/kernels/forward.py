@@ -73,6 +73,13 @@ Decode and chunked prefill run the same kernel in other *modes*
   decode tile has ``seqlen_q * G`` live rows) only keeps the barrier rings
   turning, so the tensor cores serve the live warpgroup alone.
 
+The code: the partitions are ``_producer`` and ``_consumer``; per work item
+``_producer_item`` issues the loads and ``_consumer_item`` /
+``_consumer_tile`` run one warpgroup's rows. Their shared state travels in
+three aggregates: ``Mode`` (the compile-time switches), ``Problem`` (run-time
+lengths, counts, scales and the side tensors) and ``Rings`` (the shared
+memory and its barriers).
+
 Tensors are addressed through rank-4 TMA descriptors over ``[B, S, H, D]``
 with boxes ``[1, rows, 1, D]``: the sequence axis is bounded per batch, so a
 tail tile reads zeros past ``seqlen`` and its stores are clipped there, and
@@ -88,7 +95,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .compat import thread_barrier, tma_load, tma_store
+from .compat import aggregate, thread_barrier, tma_load, tma_store
 from .mask import apply_mask, kv_split_range, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
 from .scheduler import (SCHED_STAGES, draw_item, first_item, publish_item, receive_item, section_coords,
@@ -115,20 +122,170 @@ def _q_phase(q_bars, qi, NC: gl.constexpr):
     return (qi // Q_STAGES) & 1
 
 
+@aggregate
+class Mode:
+    """The compile-time switches of one specialisation, as the kernel's
+    constexpr arguments name them (``plan.kernel_constexprs``), plus what
+    follows from them. Every partition gets the same one."""
+    BLOCK_M: gl.constexpr  # query rows per work item: 64 per consumer warpgroup
+    BLOCK_N: gl.constexpr  # keys per K/V tile
+    HEAD_DIM: gl.constexpr
+    K_STAGES: gl.constexpr
+    V_STAGES: gl.constexpr
+    IS_CAUSAL: gl.constexpr
+    WRITE_LSE: gl.constexpr
+    PERSISTENT: gl.constexpr
+    O_IN_Q: gl.constexpr
+    PACK_G: gl.constexpr
+    SPLIT: gl.constexpr
+    SEQUSED: gl.constexpr
+    KV_BATCH: gl.constexpr
+    PAGE_SIZE: gl.constexpr
+    VARLEN: gl.constexpr
+    SEQUSED_Q: gl.constexpr
+    DYNAMIC: gl.constexpr
+    NC: gl.constexpr  # consumer warpgroups: BLOCK_M // 64
+    # Decode and varlen modes: a warpgroup whose rows hold no query row skips
+    # the tensor-core work (_consumer_idle).
+    SKIP_IDLE: gl.constexpr
+    OFFSET_START: gl.constexpr  # _offset_start
+
+    @gluon.constexpr_function
+    def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
+                 PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC):
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.K_STAGES = gl.constexpr(K_STAGES)
+        self.V_STAGES = gl.constexpr(V_STAGES)
+        self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
+        self.WRITE_LSE = gl.constexpr(WRITE_LSE)
+        self.PERSISTENT = gl.constexpr(PERSISTENT)
+        self.O_IN_Q = gl.constexpr(O_IN_Q)
+        self.PACK_G = gl.constexpr(PACK_G)
+        self.SPLIT = gl.constexpr(SPLIT)
+        self.SEQUSED = gl.constexpr(SEQUSED)
+        self.KV_BATCH = gl.constexpr(KV_BATCH)
+        self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
+        self.VARLEN = gl.constexpr(VARLEN)
+        self.SEQUSED_Q = gl.constexpr(SEQUSED_Q)
+        self.DYNAMIC = gl.constexpr(DYNAMIC)
+        self.NC = gl.constexpr(BLOCK_M // 64)
+        self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
+        self.OFFSET_START = gl.constexpr(_offset_start(IS_CAUSAL, PACK_G, SPLIT, SEQUSED, VARLEN))
+
+
+@aggregate
+class Problem:
+    """The run-time side of a launch: lengths, counts and scales, and the
+    tensors besides Q, K, V and O (each unused one aliases O; see
+    ``plan.launch_forward``)."""
+    seqlen_q: gl.tensor  # varlen: the host's max_seqlen_q (the tile count)
+    seqlen_k: gl.tensor
+    num_heads: gl.tensor
+    kv_group: gl.tensor  # query heads per KV head
+    batch: gl.tensor
+    num_splits: gl.tensor
+    pair: gl.tensor  # static deal: items per CTA turn (scheduler.work_coords)
+    section: gl.tensor  # dynamic order: heads per L2 section (scheduler.section_coords)
+    total_tiles: gl.tensor  # work items
+    page_stride: gl.tensor
+    total_q: gl.tensor  # varlen: rows of the packed Q (the LSE's row stride)
+    qk_scale: gl.tensor
+    softmax_scale: gl.tensor
+    lse_ptr: gl.tensor
+    seqused_ptr: gl.tensor
+    kv_batch_ptr: gl.tensor
+    page_table_ptr: gl.tensor
+    o_part_ptr: gl.tensor
+    lse_part_ptr: gl.tensor
+    cu_q_ptr: gl.tensor
+    cu_k_ptr: gl.tensor
+    used_q_ptr: gl.tensor
+    sched_ptr: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, pair, section, total_tiles,
+                 page_stride, total_q, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr, page_table_ptr,
+                 o_part_ptr, lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr):
+        self.seqlen_q = seqlen_q
+        self.seqlen_k = seqlen_k
+        self.num_heads = num_heads
+        self.kv_group = kv_group
+        self.batch = batch
+        self.num_splits = num_splits
+        self.pair = pair
+        self.section = section
+        self.total_tiles = total_tiles
+        self.page_stride = page_stride
+        self.total_q = total_q
+        self.qk_scale = qk_scale
+        self.softmax_scale = softmax_scale
+        self.lse_ptr = lse_ptr
+        self.seqused_ptr = seqused_ptr
+        self.kv_batch_ptr = kv_batch_ptr
+        self.page_table_ptr = page_table_ptr
+        self.o_part_ptr = o_part_ptr
+        self.lse_part_ptr = lse_part_ptr
+        self.cu_q_ptr = cu_q_ptr
+        self.cu_k_ptr = cu_k_ptr
+        self.used_q_ptr = used_q_ptr
+        self.sched_ptr = sched_ptr
+
+
+@aggregate
+class Rings:
+    """The shared memory every partition addresses, and its barriers: Q (a
+    ring of items, one part per consumer), K and V (rings of tiles), O's
+    staging, the dynamic order's item ring and the offset start's turns."""
+    q_smem: gl.shared_memory_descriptor
+    o_smem: gl.shared_memory_descriptor
+    k_bufs: gl.shared_memory_descriptor
+    v_bufs: gl.shared_memory_descriptor
+    q_full: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    k_full: gl.shared_memory_descriptor
+    k_empty: gl.shared_memory_descriptor
+    v_full: gl.shared_memory_descriptor
+    v_empty: gl.shared_memory_descriptor
+    sched_smem: gl.shared_memory_descriptor
+    sched_full: gl.shared_memory_descriptor
+    sched_empty: gl.shared_memory_descriptor
+    turn_full: gl.shared_memory_descriptor
+    turn_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
+                 sched_smem, sched_full, sched_empty, turn_full, turn_empty):
+        self.q_smem = q_smem
+        self.o_smem = o_smem
+        self.k_bufs = k_bufs
+        self.v_bufs = v_bufs
+        self.q_full = q_full
+        self.q_empty = q_empty
+        self.k_full = k_full
+        self.k_empty = k_empty
+        self.v_full = v_full
+        self.v_empty = v_empty
+        self.sched_smem = sched_smem
+        self.sched_full = sched_full
+        self.sched_empty = sched_empty
+        self.turn_full = turn_full
+        self.turn_empty = turn_empty
+
+
 @gluon.jit
-def _item_kv(b, bm, split, seqlen_q, seqlen_k, seqused_ptr, kv_batch_ptr, num_splits,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr,
-             SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr):
+def _item_kv(b, bm, split, seqlen_q, seqlen_k, prob: Problem, mode: Mode):
     """K/V side of a work item: the cache row, the KV tiles ``[n_lo, n_hi)`` it
     visits and the key length its mask uses (0 for an empty split)."""
-    if SEQUSED:
-        seqlen_k = gl.load(seqused_ptr + b)
-    if KV_BATCH:
-        kb = gl.load(kv_batch_ptr + b)
+    if mode.SEQUSED:
+        seqlen_k = gl.load(prob.seqused_ptr + b)
+    if mode.KV_BATCH:
+        kb = gl.load(prob.kv_batch_ptr + b)
     else:
         kb = b
-    n_lo, n_hi, seqlen_k = kv_split_range(bm, split, num_splits, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL,
-                                          PACK_G)
+    n_lo, n_hi, seqlen_k = kv_split_range(bm, split, prob.num_splits, seqlen_q, seqlen_k, mode.BLOCK_M, mode.BLOCK_N,
+                                          mode.IS_CAUSAL, mode.PACK_G)
     return kb, n_lo, n_hi, seqlen_k
 
 
@@ -145,79 +302,74 @@ def _item_heads(h, kv_group, PACK_G: gl.constexpr):
 
 
 @gluon.jit
-def _item_rows(bm, b, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M: gl.constexpr, VARLEN: gl.constexpr,
-               SEQUSED_Q: gl.constexpr):
+def _item_rows(bm, b, prob: Problem, mode: Mode):
     """Where work item ``(bm, b)`` lives, as every partition sees it: ``(tb,
     q_start, k_start, lq, live)``: the TMA batch coordinate, the first query
     and key rows on the sequence axis, the query length and whether the tile
     holds any query row (VARLEN; always true otherwise)."""
-    if VARLEN:
-        q_start = gl.load(cu_q_ptr + b)
-        k_start = gl.load(cu_k_ptr + b)
-        if SEQUSED_Q:
-            lq = gl.load(used_q_ptr + b)
+    if mode.VARLEN:
+        q_start = gl.load(prob.cu_q_ptr + b)
+        k_start = gl.load(prob.cu_k_ptr + b)
+        if mode.SEQUSED_Q:
+            lq = gl.load(prob.used_q_ptr + b)
         else:
-            lq = gl.load(cu_q_ptr + b + 1) - q_start
+            lq = gl.load(prob.cu_q_ptr + b + 1) - q_start
         tb = b * 0
-        live = bm * BLOCK_M < lq
+        live = bm * mode.BLOCK_M < lq
     else:
         q_start = b * 0
         k_start = b * 0
-        lq = seqlen_q
+        lq = prob.seqlen_q
         tb = b
         live = True
     return tb, q_start, k_start, lq, live
 
 
 @gluon.jit
-def _item_at(i, item, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G: gl.constexpr,
-             PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr):
+def _item_at(i, item, n_tiles, prob: Problem, mode: Mode):
     """(bm, split, h, b) of this CTA's ``i``-th work item: the static deal's
     (scheduler.work_coords), or item number ``item`` of the dynamic order."""
-    if DYNAMIC:
-        bm, split, h, b = section_coords(item, n_tiles, num_heads // PACK_G, batch, section)
+    if mode.DYNAMIC:
+        bm, split, h, b = section_coords(item, n_tiles, prob.num_heads // mode.PACK_G, prob.batch, prob.section)
     else:
-        bm, split, h, b = work_coords(i, n_tiles, num_splits, num_heads // PACK_G, pair, PERSISTENT)
+        bm, split, h, b = work_coords(i, n_tiles, prob.num_splits, prob.num_heads // mode.PACK_G, prob.pair,
+                                      mode.PERSISTENT)
     return bm, split, h, b
 
 
 @gluon.jit
-def _item_seqlen_k(b, seqlen_k, seqused_ptr, cu_k_ptr, k_start, VARLEN: gl.constexpr, SEQUSED: gl.constexpr):
+def _item_seqlen_k(b, k_start, prob: Problem, mode: Mode):
     """The key length of batch ``b`` before ``_item_kv``'s own ``SEQUSED`` read."""
-    if VARLEN:
-        if SEQUSED:
-            lk = seqlen_k  # _item_kv reads seqused_k[b]
+    if mode.VARLEN:
+        if mode.SEQUSED:
+            lk = prob.seqlen_k  # _item_kv reads seqused_k[b]
         else:
-            lk = gl.load(cu_k_ptr + b + 1) - k_start
+            lk = gl.load(prob.cu_k_ptr + b + 1) - k_start
     else:
-        lk = seqlen_k
+        lk = prob.seqlen_k
     return lk
 
 
 @gluon.jit
-def _item_bounds(b, bm, split, h, lq, k_start, seqlen_k, kv_group, seqused_ptr, kv_batch_ptr, cu_k_ptr, num_splits,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr,
-                 SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr, VARLEN: gl.constexpr):
+def _item_bounds(b, bm, split, h, lq, k_start, prob: Problem, mode: Mode):
     """Everything the producer and the consumers need of a live work item
     beyond its coordinates: ``(q_head0, hk, kb, n_lo, n_hi, lk)``, the first
     query head and the KV head, the cache row, the KV tiles ``[n_lo, n_hi)``
     and the key length the mask uses."""
-    q_head0, hk = _item_heads(h, kv_group, PACK_G)
-    lk = _item_seqlen_k(b, seqlen_k, seqused_ptr, cu_k_ptr, k_start, VARLEN, SEQUSED)
-    kb, n_lo, n_hi, lk = _item_kv(b, bm, split, lq, lk, seqused_ptr, kv_batch_ptr, num_splits, BLOCK_M, BLOCK_N,
-                                  IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH)
+    q_head0, hk = _item_heads(h, prob.kv_group, mode.PACK_G)
+    lk = _item_seqlen_k(b, k_start, prob, mode)
+    kb, n_lo, n_hi, lk = _item_kv(b, bm, split, lq, lk, prob, mode)
     return q_head0, hk, kb, n_lo, n_hi, lk
 
 
 @gluon.jit
-def _kv_coords(b, kb, bn, hk, page_table_ptr, page_stride, k_start, BLOCK_N: gl.constexpr,
-               PAGE_SIZE: gl.constexpr):
+def _kv_coords(b, kb, bn, hk, k_start, prob: Problem, mode: Mode):
     """TMA coordinates of KV tile ``bn``: a cache row, or a page of the page
     table (``k_start``: the sequence's first key row, 0 unless VARLEN)."""
-    row = bn * BLOCK_N
-    if PAGE_SIZE > 0:
-        page = gl.load(page_table_ptr + b.to(gl.int64) * page_stride + row // PAGE_SIZE)
-        coords = [page, row % PAGE_SIZE, hk, 0]
+    row = bn * mode.BLOCK_N
+    if mode.PAGE_SIZE > 0:
+        page = gl.load(prob.page_table_ptr + b.to(gl.int64) * prob.page_stride + row // mode.PAGE_SIZE)
+        coords = [page, row % mode.PAGE_SIZE, hk, 0]
     else:
         coords = [kb, k_start + row, hk, 0]
     return coords
@@ -251,127 +403,100 @@ def _zero_v_tail(v, col0, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexp
 
 
 @gluon.jit
-def _producer_item(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                   seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr,
-                   seqlen_q, seqlen_k, kv_group, num_splits, bm, split, h, b, kv0, qi,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-                   IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr, SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr,
-                   PAGE_SIZE: gl.constexpr, VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr):
-    """The loads of work item ``(bm, split, h, b)``: its two Q halves, then its
-    K and V tiles (none for a VARLEN tile past its sequence's rows). ``kv0``
+def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, split, h, b, kv0, qi, mode: Mode):
+    """The loads of work item ``(bm, split, h, b)``: its Q parts, then its K
+    and V tiles (none for a VARLEN tile past its sequence's rows). ``kv0``
     counts the K/V tiles of earlier items (the rings' running order) and
     ``qi`` the items that loaded a Q (its barriers' phase); both come back
     advanced past this item."""
-    tb, q_start, k_start, lq, live = _item_rows(bm, b, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M, VARLEN,
-                                                SEQUSED_Q)
+    tb, q_start, k_start, lq, live = _item_rows(bm, b, prob, mode)
     if live:
-        q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, seqlen_k, kv_group,
-                                                       seqused_ptr, kv_batch_ptr, cu_k_ptr, num_splits,
-                                                       BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH,
-                                                       VARLEN)
-        if VARLEN:
+        q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, prob, mode)
+        if mode.VARLEN:
             kb = tb
 
         # Q as one box per consumer part, each on its own barrier pair: a
         # consumer that finished with its part of the previous item's Q gets
         # the next one without waiting for the others.
-        NC: gl.constexpr = BLOCK_M // WG_M
-        for c in gl.static_range(NC):
-            q_idx = _q_slot(q_full, qi, c, NC)
+        for c in gl.static_range(mode.NC):
+            q_idx = _q_slot(rings.q_full, qi, c, mode.NC)
             # Passes on the fresh barriers for the first pass through the Q ring.
-            mbarrier.wait(q_empty.index(q_idx), _q_phase(q_full, qi, NC) ^ 1)
-            mbarrier.expect(q_full.index(q_idx), q_desc.block_type.nbytes)
-            tma_load(q_desc, [tb, q_start + (bm * BLOCK_M + c * WG_M) // PACK_G, q_head0, 0], q_full.index(q_idx),
-                     q_smem.index(q_idx))
+            mbarrier.wait(rings.q_empty.index(q_idx), _q_phase(rings.q_full, qi, mode.NC) ^ 1)
+            mbarrier.expect(rings.q_full.index(q_idx), q_desc.block_type.nbytes)
+            tma_load(q_desc, [tb, q_start + (bm * mode.BLOCK_M + c * WG_M) // mode.PACK_G, q_head0, 0],
+                     rings.q_full.index(q_idx), rings.q_smem.index(q_idx))
 
         # K and V in separate rings: QK of tile `it` may start while V of tile
         # `it` is still in flight, since PV of `it` only runs one step later.
         n_kv = n_hi - n_lo
         for it in range(n_kv):
             bn = n_hi - 1 - it  # diagonal (or tail) first
-            coords = _kv_coords(b, kb, bn, hk, page_table_ptr, page_stride, k_start, BLOCK_N, PAGE_SIZE)
+            coords = _kv_coords(b, kb, bn, hk, k_start, prob, mode)
             order = kv0 + it
-            wait_empty(k_empty, order, K_STAGES)
-            k_slot = ring_slot(order, K_STAGES)
-            mbarrier.expect(k_full.index(k_slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, coords, k_full.index(k_slot), k_bufs.index(k_slot))
+            wait_empty(rings.k_empty, order, mode.K_STAGES)
+            k_slot = ring_slot(order, mode.K_STAGES)
+            mbarrier.expect(rings.k_full.index(k_slot), k_desc.block_type.nbytes)
+            tma_load(k_desc, coords, rings.k_full.index(k_slot), rings.k_bufs.index(k_slot))
 
-            wait_empty(v_empty, order, V_STAGES)
-            v_slot = ring_slot(order, V_STAGES)
-            mbarrier.expect(v_full.index(v_slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, coords, v_full.index(v_slot), v_bufs.index(v_slot))
+            wait_empty(rings.v_empty, order, mode.V_STAGES)
+            v_slot = ring_slot(order, mode.V_STAGES)
+            mbarrier.expect(rings.v_full.index(v_slot), v_desc.block_type.nbytes)
+            tma_load(v_desc, coords, rings.v_full.index(v_slot), rings.v_bufs.index(v_slot))
         kv0 += n_kv
         qi += 1
     return kv0, qi
 
 
 @gluon.jit
-def _no_rows(item, total_tiles, n_tiles, seqlen_q, num_heads, batch, section, cu_q_ptr, used_q_ptr,
-             BLOCK_M: gl.constexpr, SEQUSED_Q: gl.constexpr):
+def _no_rows(item, n_tiles, prob: Problem, mode: Mode):
     """VARLEN, dynamic order: item ``item`` exists but its query tile lies past
     its sequence's rows (the producer draws again rather than hand it out)."""
-    bm, split, h, b = section_coords(item, n_tiles, num_heads, batch, section)
-    b = gl.minimum(b, batch - 1)  # an item past the last reads nothing out of bounds
-    tb, q_start, k_start, lq, live = _item_rows(bm, b, seqlen_q, cu_q_ptr, cu_q_ptr, used_q_ptr, BLOCK_M, True,
-                                                SEQUSED_Q)
-    return (item < total_tiles) & (bm * BLOCK_M >= lq)
+    bm, split, h, b = section_coords(item, n_tiles, prob.num_heads, prob.batch, prob.section)
+    b = gl.minimum(b, prob.batch - 1)  # an item past the last reads nothing out of bounds
+    tb, q_start, k_start, lq, live = _item_rows(bm, b, prob, mode)
+    return (item < prob.total_tiles) & (bm * mode.BLOCK_M >= lq)
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-              sched_smem, sched_full, sched_empty, sched_ptr,
-              seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr,
-              seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr, PACK_G: gl.constexpr, SEQUSED: gl.constexpr,
-              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr, VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr,
-              DYNAMIC: gl.constexpr):
-    n_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M)
+def _producer(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, mode: Mode):
+    n_tiles = gl.cdiv(prob.seqlen_q * mode.PACK_G, mode.BLOCK_M)
     kv0 = 0  # K/V loads issued for earlier work items: the rings' running order
     qi = 0  # work items run so far (VARLEN skips items past their sequence): the Q barriers' phase
     # This CTA's items: the dynamic order's first is its program id and the
     # next ones are drawn here; the static deal's i-th is item i of its deal.
-    item, limit = first_item(total_tiles, pair, PERSISTENT, DYNAMIC)
+    item, limit = first_item(prob.total_tiles, prob.pair, mode.PERSISTENT, mode.DYNAMIC)
     i = 0
     while item < limit:
-        bm, split, h, b = _item_at(i, item, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
-                                   PERSISTENT, DYNAMIC)
-        kv0, qi = _producer_item(q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty,
-                                 v_full, v_empty, seqused_ptr, kv_batch_ptr, page_table_ptr, page_stride, cu_q_ptr,
-                                 cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, kv_group, num_splits, bm, split, h, b,
-                                 kv0, qi, BLOCK_M, BLOCK_N, K_STAGES, V_STAGES, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH,
-                                 PAGE_SIZE, VARLEN, SEQUSED_Q)
-        if DYNAMIC:
+        bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
+        kv0, qi = _producer_item(q_desc, k_desc, v_desc, rings, prob, bm, split, h, b, kv0, qi, mode)
+        if mode.DYNAMIC:
             # The next item is drawn once this one's loads are issued: the
             # consumers need it only after this item's epilogue.
-            item = draw_item(sched_ptr)
-            if VARLEN:
-                skip = _no_rows(item, total_tiles, n_tiles, seqlen_q, num_heads, batch, section, cu_q_ptr,
-                                used_q_ptr, BLOCK_M, SEQUSED_Q)
+            item = draw_item(prob.sched_ptr)
+            if mode.VARLEN:
+                skip = _no_rows(item, n_tiles, prob, mode)
                 while skip:
-                    item = draw_item(sched_ptr)
-                    skip = _no_rows(item, total_tiles, n_tiles, seqlen_q, num_heads, batch, section, cu_q_ptr,
-                                    used_q_ptr, BLOCK_M, SEQUSED_Q)
-            publish_item(item, sched_smem, sched_full, sched_empty, i)
+                    item = draw_item(prob.sched_ptr)
+                    skip = _no_rows(item, n_tiles, prob, mode)
+            publish_item(item, rings.sched_smem, rings.sched_full, rings.sched_empty, i)
         else:
             item = i + 1
         i += 1
 
 
 @gluon.jit
-def _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, i, kv0, n_kv,
-                   CID: gl.constexpr, NC: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+def _consumer_idle(rings: Rings, i, kv0, n_kv, CID: gl.constexpr, mode: Mode):
     """A work item whose rows of this warpgroup hold no query row: keep the
     rings turning. Each slot is released only after its load landed, so the
     release lands in the phase the producer waits for."""
-    q_idx = _q_slot(q_full, i, CID, NC)
-    mbarrier.wait(q_full.index(q_idx), _q_phase(q_full, i, NC))
+    q_idx = _q_slot(rings.q_full, i, CID, mode.NC)
+    mbarrier.wait(rings.q_full.index(q_idx), _q_phase(rings.q_full, i, mode.NC))
     for it in range(n_kv):
-        wait_full(k_full, kv0 + it, K_STAGES)
-        release(k_empty, kv0 + it, K_STAGES)
-        wait_full(v_full, kv0 + it, V_STAGES)
-        release(v_empty, kv0 + it, V_STAGES)
-    mbarrier.arrive(q_empty.index(q_idx), count=1)
+        wait_full(rings.k_full, kv0 + it, mode.K_STAGES)
+        release(rings.k_empty, kv0 + it, mode.K_STAGES)
+        wait_full(rings.v_full, kv0 + it, mode.V_STAGES)
+        release(rings.v_empty, kv0 + it, mode.V_STAGES)
+    mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
 
 
 @gluon.constexpr_function
@@ -401,54 +526,47 @@ def _take_turn(turn_full, turn_empty, i, CID: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty, turn_full,
-                   turn_empty,
-                   o_desc, lse_ptr, o_part_ptr, lse_part_ptr, b, q_head0, bm, split, n_lo, n_hi, i, kv0,
-                   seqlen_q, seqlen_k, num_heads, batch, qk_scale, softmax_scale, q_start, total_q,
-                   CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                   WRITE_LSE: gl.constexpr, O_IN_Q: gl.constexpr,
-                   PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr, VARLEN: gl.constexpr):
+def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n_lo, n_hi, i, kv0, seqlen_q, seqlen_k,
+                   q_start, CID: gl.constexpr, mode: Mode):
     """One work item for one consumer warpgroup: its 64 (packed) rows of tile
-    ``bm``, KV tiles ``[n_lo, n_hi)``; ``seqlen_k`` is this item's key length.
+    ``bm``, KV tiles ``[n_lo, n_hi)``; ``b`` is the TMA batch coordinate,
+    ``seqlen_q`` and ``seqlen_k`` this item's lengths (what its masks use).
     ``i`` counts this CTA's earlier items (the Q barriers' phase) and ``kv0``
     the K/V tiles they used (the rings' running order)."""
     dtype: gl.constexpr = o_desc.dtype
     # wgmma accumulator layouts for one warpgroup: S is [64, BLOCK_N], O is [64, HEAD_DIM].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, mode.BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, mode.HEAD_DIM, 16])
     # P feeds PV straight from registers (the seed's acc_s_cast).
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     n_kv = n_hi - n_lo
-    NC: gl.constexpr = BLOCK_M // WG_M
-    q_idx = _q_slot(q_full, i, CID, NC)
-    q = q_smem.index(q_idx).reshape([WG_M, HEAD_DIM])
-    row0 = bm * BLOCK_M + CID * WG_M
-    s_zero = gl.zeros([WG_M, BLOCK_N], gl.float32, s_layout)
+    q_idx = _q_slot(rings.q_full, i, CID, mode.NC)
+    q = rings.q_smem.index(q_idx).reshape([WG_M, mode.HEAD_DIM])
+    row0 = bm * mode.BLOCK_M + CID * WG_M
+    s_zero = gl.zeros([WG_M, mode.BLOCK_N], gl.float32, s_layout)
 
-    mbarrier.wait(q_full.index(q_idx), _q_phase(q_full, i, NC))
+    mbarrier.wait(rings.q_full.index(q_idx), _q_phase(rings.q_full, i, mode.NC))
 
     # ---- QK prologue: the first tile visited (the diagonal; non-causal: the
     # tail tile), always masked. ----
     bn = n_hi - 1
-    OFFSET_START: gl.constexpr = _offset_start(IS_CAUSAL, PACK_G, SPLIT, SEQUSED, VARLEN)
-    wait_full(k_full, kv0, K_STAGES)
-    k = k_bufs.index(ring_slot(kv0, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
-    if OFFSET_START and CID > 0:
-        _take_turn(turn_full, turn_empty, i, CID)
+    wait_full(rings.k_full, kv0, mode.K_STAGES)
+    k = rings.k_bufs.index(ring_slot(kv0, mode.K_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
+    if mode.OFFSET_START and CID > 0:
+        _take_turn(rings.turn_full, rings.turn_empty, i, CID)
     s = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s])
-    if OFFSET_START and CID < NC - 1:
-        _pass_turn(turn_full, turn_empty, i, CID)
-    release(k_empty, kv0, K_STAGES)
-    s = apply_mask(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
-    p, scores_max, logsum = softmax_first(s, qk_scale)
+    if mode.OFFSET_START and CID < mode.NC - 1:
+        _pass_turn(rings.turn_full, rings.turn_empty, i, CID)
+    release(rings.k_empty, kv0, mode.K_STAGES)
+    s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G)
+    p, scores_max, logsum = softmax_first(s, prob.qk_scale)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    if SEQUSED or VARLEN:
+    if mode.SEQUSED or mode.VARLEN:
         # The first tile visited is the only one that can reach past the live
         # length (VARLEN: into the next sequence's keys, or past seqused).
         # Zeroed here, before the O accumulator is live, so the few registers
@@ -456,14 +574,14 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
         # does reach past, since the zeroing's shared-memory round trip and
         # barriers would otherwise cost every item (the condition is uniform
         # across the warpgroup, so its barriers stay matched).
-        if (bn + 1) * BLOCK_N > seqlen_k:
-            wait_full(v_full, kv0, V_STAGES)
-            _zero_v_tail(v_bufs.index(ring_slot(kv0, V_STAGES)).reshape([BLOCK_N, HEAD_DIM]), bn * BLOCK_N,
-                         seqlen_k, BLOCK_N, HEAD_DIM)
+        if (bn + 1) * mode.BLOCK_N > seqlen_k:
+            wait_full(rings.v_full, kv0, mode.V_STAGES)
+            v_tail = rings.v_bufs.index(ring_slot(kv0, mode.V_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
+            _zero_v_tail(v_tail, bn * mode.BLOCK_N, seqlen_k, mode.BLOCK_N, mode.HEAD_DIM)
 
     # The output accumulator is born after the prologue so it does not share
     # the prologue's live range with S.
-    acc_o = gl.zeros([WG_M, HEAD_DIM], gl.float32, o_layout)
+    acc_o = gl.zeros([WG_M, mode.HEAD_DIM], gl.float32, o_layout)
 
     # ---- Steady state: QK[it] and PV[it - 1] as two async groups. ----
     for it in range(1, n_kv):
@@ -472,60 +590,60 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
         # groups are issued back to back once K and V have landed: on the H200
         # the seed's order measured 0.99-1.00x cuDNN at S=8192/16384 against
         # 1.02-1.04x for this one (BENCHMARKS.md, development runs).
-        wait_full(k_full, kv0 + it, K_STAGES)
-        k = k_bufs.index(ring_slot(kv0 + it, K_STAGES)).reshape([BLOCK_N, HEAD_DIM])
-        wait_full(v_full, kv0 + it - 1, V_STAGES)
-        v = v_bufs.index(ring_slot(kv0 + it - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
+        wait_full(rings.k_full, kv0 + it, mode.K_STAGES)
+        k = rings.k_bufs.index(ring_slot(kv0 + it, mode.K_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
+        wait_full(rings.v_full, kv0 + it - 1, mode.V_STAGES)
+        v = rings.v_bufs.index(ring_slot(kv0 + it - 1, mode.V_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
         qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
         pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
 
         # One group may stay in flight: the older one, QK, is complete here.
         s = warpgroup_mma_wait(1, deps=[qk])
         # QK no longer reads K: release the slot while softmax and PV run.
-        release(k_empty, kv0 + it, K_STAGES)
+        release(rings.k_empty, kv0 + it, mode.K_STAGES)
 
-        if tile_needs_mask(bn, bm, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G):
-            s = apply_mask(s, row0, bn * BLOCK_N, seqlen_q, seqlen_k, IS_CAUSAL, PACK_G)
-        p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, qk_scale)
+        if tile_needs_mask(bn, bm, seqlen_q, seqlen_k, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, mode.PACK_G):
+            s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G)
+        p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, prob.qk_scale)
 
         # p_op is a register operand of the PV in flight: keep it alive until
         # the group completes, then overwrite it with this tile's P.
         acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
-        release(v_empty, kv0 + it - 1, V_STAGES)
+        release(rings.v_empty, kv0 + it - 1, mode.V_STAGES)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
 
-    if not O_IN_Q:
+    if not mode.O_IN_Q:
         # Every QK of this item is complete: the producer may load the next
         # item's Q into this half while the last PV and the epilogue run.
-        mbarrier.arrive(q_empty.index(q_idx), count=1)
+        mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
 
     # ---- Final PV, overlapped with the row-sum finalisation. ----
-    wait_full(v_full, kv0 + n_kv - 1, V_STAGES)
-    v = v_bufs.index(ring_slot(kv0 + n_kv - 1, V_STAGES)).reshape([BLOCK_N, HEAD_DIM])
+    wait_full(rings.v_full, kv0 + n_kv - 1, mode.V_STAGES)
+    v = rings.v_bufs.index(ring_slot(kv0 + n_kv - 1, mode.V_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
     pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
-    inv_logsum, lse = softmax_finish(scores_max, logsum, softmax_scale)
+    inv_logsum, lse = softmax_finish(scores_max, logsum, prob.softmax_scale)
     acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
-    release(v_empty, kv0 + n_kv - 1, V_STAGES)
+    release(rings.v_empty, kv0 + n_kv - 1, mode.V_STAGES)
     acc_o = acc_o * gl.convert_layout(inv_logsum, o_row_layout)[:, None]
 
     lse_rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
-    lse_q = lse_rows // PACK_G
-    lse_head = q_head0 + lse_rows % PACK_G
-    if SPLIT:
+    lse_q = lse_rows // mode.PACK_G
+    lse_head = q_head0 + lse_rows % mode.PACK_G
+    if mode.SPLIT:
         # ---- Partial output: fp32 O [splits, B, Sq, H, D] and LSE [splits, B, H, Sq]
         # straight from registers; combine.py merges them. ----
         o_rows = row0 + gl.arange(0, WG_M, layout=o_row_layout)
-        o_q = o_rows // PACK_G
-        o_off = (((split * batch + b) * seqlen_q + o_q).to(gl.int64) * num_heads + q_head0 + o_rows % PACK_G) \
-            * HEAD_DIM
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(o_part_ptr + o_off[:, None] + cols[None, :], acc_o, mask=(o_q < seqlen_q)[:, None])
-        lse_off = ((split * batch + b) * num_heads + lse_head).to(gl.int64) * seqlen_q + lse_q
-        gl.store(lse_part_ptr + lse_off, lse, mask=lse_q < seqlen_q)
-        if O_IN_Q:
-            mbarrier.arrive(q_empty.index(q_idx), count=1)
-    elif VARLEN:
+        o_q = o_rows // mode.PACK_G
+        o_off = (((split * prob.batch + b) * seqlen_q + o_q).to(gl.int64) * prob.num_heads + q_head0
+                 + o_rows % mode.PACK_G) * mode.HEAD_DIM
+        cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(prob.o_part_ptr + o_off[:, None] + cols[None, :], acc_o, mask=(o_q < seqlen_q)[:, None])
+        lse_off = ((split * prob.batch + b) * prob.num_heads + lse_head).to(gl.int64) * seqlen_q + lse_q
+        gl.store(prob.lse_part_ptr + lse_off, lse, mask=lse_q < seqlen_q)
+        if mode.O_IN_Q:
+            mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
+    elif mode.VARLEN:
         # ---- Varlen epilogue: O into the sequence's rows only (``o_part_ptr``
         # is O, contiguous THD; a TMA box would overwrite the neighbour's
         # rows); LSE [H, total_q]. O goes through this warpgroup's staging
@@ -533,117 +651,82 @@ def _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_em
         # epilogue) and back into registers along D, so every thread stores
         # 16-byte vectors of whole rows: straight from the wgmma layout each
         # thread would hold pairs of columns and issue 4-byte stores. ----
-        if O_IN_Q:
-            o_half = q_smem.index(q_idx)
+        if mode.O_IN_Q:
+            o_half = rings.q_smem.index(q_idx)
         else:
-            o_half = o_smem.index(CID)
-        o_rows_smem = o_half.reshape([WG_M, HEAD_DIM])
+            o_half = rings.o_smem.index(CID)
+        o_rows_smem = o_half.reshape([WG_M, mode.HEAD_DIM])
         o_rows_smem.store(acc_o.to(dtype))
-        TPW_D: gl.constexpr = HEAD_DIM // 8 if HEAD_DIM // 8 < 32 else 32
+        TPW_D: gl.constexpr = mode.HEAD_DIM // 8 if mode.HEAD_DIM // 8 < 32 else 32
         row_major: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
         o_vals = o_rows_smem.load(row_major)
         o_rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, row_major))
-        o_off = ((q_start + o_rows).to(gl.int64) * num_heads + q_head0) * HEAD_DIM
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, row_major))
-        gl.store(o_part_ptr + o_off[:, None] + cols[None, :], o_vals, mask=(o_rows < seqlen_q)[:, None])
-        if WRITE_LSE:
-            lse_off = lse_head.to(gl.int64) * total_q + q_start + lse_q
-            gl.store(lse_ptr + lse_off, lse, mask=lse_q < seqlen_q)
-        if O_IN_Q:
+        o_off = ((q_start + o_rows).to(gl.int64) * prob.num_heads + q_head0) * mode.HEAD_DIM
+        cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, row_major))
+        gl.store(prob.o_part_ptr + o_off[:, None] + cols[None, :], o_vals, mask=(o_rows < seqlen_q)[:, None])
+        if mode.WRITE_LSE:
+            lse_off = lse_head.to(gl.int64) * prob.total_q + q_start + lse_q
+            gl.store(prob.lse_ptr + lse_off, lse, mask=lse_q < seqlen_q)
+        if mode.O_IN_Q:
             # The next item's Q lands in these rows by TMA (the async proxy)
             # after the release: order this warpgroup's reads before it.
             fence_async_shared()
-            mbarrier.arrive(q_empty.index(q_idx), count=1)
+            mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
     else:
         # ---- Epilogue: registers -> shared memory -> TMA store (clipped at seqlen_q). ----
-        if O_IN_Q:
+        if mode.O_IN_Q:
             # O is staged in this warpgroup's own Q rows: its last QK completed
             # above, and the other warpgroup never reads them. This is what lets
             # head dim 256 fit in shared memory. The rows hold Q again only after
             # the store has read them.
-            o_half = q_smem.index(q_idx)
+            o_half = rings.q_smem.index(q_idx)
         else:
             # A buffer of its own; the previous item's store from it must be done.
-            o_half = o_smem.index(CID)
+            o_half = rings.o_smem.index(CID)
             tma.store_wait(0)
-        o_half.reshape([WG_M, HEAD_DIM]).store(acc_o.to(dtype))
+        o_half.reshape([WG_M, mode.HEAD_DIM]).store(acc_o.to(dtype))
         fence_async_shared()
-        tma_store(o_desc, [b, row0 // PACK_G, q_head0, 0], o_half)
+        tma_store(o_desc, [b, row0 // mode.PACK_G, q_head0, 0], o_half)
 
-        if WRITE_LSE:
-            lse_off = (b * num_heads + lse_head).to(gl.int64) * seqlen_q + lse_q
-            gl.store(lse_ptr + lse_off, lse, mask=lse_q < seqlen_q)
+        if mode.WRITE_LSE:
+            lse_off = (b * prob.num_heads + lse_head).to(gl.int64) * seqlen_q + lse_q
+            gl.store(prob.lse_ptr + lse_off, lse, mask=lse_q < seqlen_q)
 
-        if O_IN_Q:
+        if mode.O_IN_Q:
             tma.store_wait(0)
-            mbarrier.arrive(q_empty.index(q_idx), count=1)
+            mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
 
 
 @gluon.jit
-def _consumer_item(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty, turn_full,
-                   turn_empty,
-                   o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr,
-                   used_q_ptr, seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, qk_scale, softmax_scale,
-                   total_q, bm, split, h, b, kv0, qi,
-                   CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-                   O_IN_Q: gl.constexpr, PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr,
-                   KV_BATCH: gl.constexpr, VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr):
+def _consumer_item(rings: Rings, prob: Problem, o_desc, bm, split, h, b, kv0, qi, CID: gl.constexpr, mode: Mode):
     """Work item ``(bm, split, h, b)`` for this warpgroup; ``kv0`` and ``qi``
     as in ``_producer_item``, returned advanced past it."""
-    # Decode and varlen modes skip the tensor-core work of a warpgroup without query rows.
-    SKIP_IDLE: gl.constexpr = PACK_G > 1 or SPLIT or SEQUSED or VARLEN
-    tb, q_start, k_start, lq, live = _item_rows(bm, b, seqlen_q, cu_q_ptr, cu_k_ptr, used_q_ptr, BLOCK_M, VARLEN,
-                                                SEQUSED_Q)
+    tb, q_start, k_start, lq, live = _item_rows(bm, b, prob, mode)
     if live:
-        q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, seqlen_k, kv_group,
-                                                       seqused_ptr, kv_batch_ptr, cu_k_ptr, num_splits,
-                                                       BLOCK_M, BLOCK_N, IS_CAUSAL, PACK_G, SEQUSED, KV_BATCH,
-                                                       VARLEN)
-        if SKIP_IDLE and bm * BLOCK_M + CID * WG_M >= lq * PACK_G:
-            _consumer_idle(q_full, q_empty, k_full, k_empty, v_full, v_empty, qi, kv0, n_hi - n_lo,
-                           CID, BLOCK_M // WG_M, K_STAGES, V_STAGES)
+        q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, prob, mode)
+        if mode.SKIP_IDLE and bm * mode.BLOCK_M + CID * WG_M >= lq * mode.PACK_G:
+            _consumer_idle(rings, qi, kv0, n_hi - n_lo, CID, mode)
         else:
-            _consumer_tile(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                           turn_full, turn_empty,
-                           o_desc, lse_ptr, o_part_ptr, lse_part_ptr, tb, q_head0, bm, split, n_lo,
-                           n_hi, qi, kv0, lq, lk, num_heads, batch, qk_scale, softmax_scale, q_start, total_q,
-                           CID, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL,
-                           WRITE_LSE, O_IN_Q, PACK_G, SPLIT, SEQUSED, VARLEN)
+            _consumer_tile(rings, prob, o_desc, tb, q_head0, bm, split, n_lo, n_hi, qi, kv0, lq, lk, q_start, CID,
+                           mode)
         kv0 += n_hi - n_lo
         qi += 1
     return kv0, qi
 
 
 @gluon.jit
-def _consumer(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-              sched_smem, sched_full, sched_empty, turn_full, turn_empty,
-              o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
-              seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section, qk_scale,
-              softmax_scale, total_q,
-              CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
-              PERSISTENT: gl.constexpr, O_IN_Q: gl.constexpr,
-              PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr, KV_BATCH: gl.constexpr,
-              VARLEN: gl.constexpr, SEQUSED_Q: gl.constexpr, DYNAMIC: gl.constexpr):
-    n_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M)
+def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode):
+    n_tiles = gl.cdiv(prob.seqlen_q * mode.PACK_G, mode.BLOCK_M)
     kv0 = 0
     qi = 0  # items run (see _producer)
     # This CTA's items, as the producer walks them (see there).
-    item, limit = first_item(total_tiles, pair, PERSISTENT, DYNAMIC)
+    item, limit = first_item(prob.total_tiles, prob.pair, mode.PERSISTENT, mode.DYNAMIC)
     i = 0
     while item < limit:
-        bm, split, h, b = _item_at(i, item, n_tiles, num_splits, num_heads, batch, pair, section, PACK_G,
-                                   PERSISTENT, DYNAMIC)
-        kv0, qi = _consumer_item(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                                 turn_full, turn_empty,
-                                 o_desc, lse_ptr, o_part_ptr, lse_part_ptr, seqused_ptr, kv_batch_ptr, cu_q_ptr,
-                                 cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits,
-                                 qk_scale, softmax_scale, total_q, bm, split, h, b, kv0, qi, CID, BLOCK_M, BLOCK_N,
-                                 HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, O_IN_Q, PACK_G, SPLIT, SEQUSED,
-                                 KV_BATCH, VARLEN, SEQUSED_Q)
-        if DYNAMIC:
-            item = receive_item(sched_smem, sched_full, sched_empty, i)
+        bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
+        kv0, qi = _consumer_item(rings, prob, o_desc, bm, split, h, b, kv0, qi, CID, mode)
+        if mode.DYNAMIC:
+            item = receive_item(rings.sched_smem, rings.sched_full, rings.sched_empty, i)
         else:
             item = i + 1
         i += 1
@@ -678,6 +761,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                      "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle two warpgroups")
     dtype: gl.constexpr = q_desc.dtype
+    mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
+                SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC)
 
     # Work items are (query tile, split, head, batch), flattened with the tile
     # fastest: the seed's 3-D grid order without the 65535 limit of grid axes
@@ -727,77 +812,28 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # (_pass_turn / _take_turn).
     turn_full = gl.allocate_shared_memory(gl.int64, [NC - 1, 1], mbarrier.MBarrierLayout())
     turn_empty = gl.allocate_shared_memory(gl.int64, [NC - 1, 1], mbarrier.MBarrierLayout())
-    if _offset_start(IS_CAUSAL, PACK_G, SPLIT, SEQUSED, VARLEN):
+    if mode.OFFSET_START:
         for c in gl.static_range(NC - 1):
             mbarrier.init(turn_full.index(c), count=1)
             mbarrier.init(turn_empty.index(c), count=1)
 
-    # Tuples are spelled out per partition: tuple arithmetic inside a jit
-    # function would turn the constexpr entries into run-time values. The
-    # default partition is consumer 0 (the launch's num_warps = 4).
+    rings = Rings(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty, sched_smem,
+                  sched_full, sched_empty, turn_full, turn_empty)
+    prob = Problem(seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, pair, section, total_tiles, page_stride,
+                   total_q, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr, page_table_ptr, o_part_ptr,
+                   lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr)
+    # The default partition is consumer 0 (the launch's num_warps = 4).
     if NC == 2:
         gl.warp_specialize(
-            [
-                (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                             sched_smem, sched_full, sched_empty, turn_full, turn_empty, o_desc, lse_ptr, o_part_ptr,
-                             lse_part_ptr,
-                             seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
-                             seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
-                             qk_scale, softmax_scale, total_q, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
-                             IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
-                             SEQUSED_Q, DYNAMIC)),
-                (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                             sched_smem, sched_full, sched_empty, turn_full, turn_empty, o_desc, lse_ptr, o_part_ptr,
-                             lse_part_ptr,
-                             seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
-                             seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
-                             qk_scale, softmax_scale, total_q, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
-                             IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
-                             SEQUSED_Q, DYNAMIC)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty,
-                             v_full, v_empty, sched_smem, sched_full, sched_empty, sched_ptr, seqused_ptr, kv_batch_ptr,
-                             page_table_ptr, page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads,
-                             kv_group, batch, total_tiles, num_splits, pair, section, BLOCK_M, BLOCK_N, K_STAGES,
-                             V_STAGES, IS_CAUSAL, PERSISTENT, PACK_G, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q,
-                             DYNAMIC)),
-            ],
+            [(_consumer, (rings, prob, o_desc, 0, mode)), (_consumer, (rings, prob, o_desc, 1, mode)),
+             (_producer, (q_desc, k_desc, v_desc, rings, prob, mode))],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
         )
     else:
         gl.warp_specialize(
-            [
-                (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                             sched_smem, sched_full, sched_empty, turn_full, turn_empty, o_desc, lse_ptr, o_part_ptr,
-                             lse_part_ptr,
-                             seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
-                             seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
-                             qk_scale, softmax_scale, total_q, 0, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
-                             IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
-                             SEQUSED_Q, DYNAMIC)),
-                (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                             sched_smem, sched_full, sched_empty, turn_full, turn_empty, o_desc, lse_ptr, o_part_ptr,
-                             lse_part_ptr,
-                             seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
-                             seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
-                             qk_scale, softmax_scale, total_q, 1, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
-                             IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
-                             SEQUSED_Q, DYNAMIC)),
-                (_consumer, (q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-                             sched_smem, sched_full, sched_empty, turn_full, turn_empty, o_desc, lse_ptr, o_part_ptr,
-                             lse_part_ptr,
-                             seqused_ptr, kv_batch_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
-                             seqlen_q, seqlen_k, num_heads, kv_group, batch, total_tiles, num_splits, pair, section,
-                             qk_scale, softmax_scale, total_q, 2, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES,
-                             IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G, SPLIT, SEQUSED, KV_BATCH, VARLEN,
-                             SEQUSED_Q, DYNAMIC)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty,
-                             v_full, v_empty, sched_smem, sched_full, sched_empty, sched_ptr, seqused_ptr, kv_batch_ptr,
-                             page_table_ptr, page_stride, cu_q_ptr, cu_k_ptr, used_q_ptr, seqlen_q, seqlen_k, num_heads,
-                             kv_group, batch, total_tiles, num_splits, pair, section, BLOCK_M, BLOCK_N, K_STAGES,
-                             V_STAGES, IS_CAUSAL, PERSISTENT, PACK_G, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q,
-                             DYNAMIC)),
-            ],
+            [(_consumer, (rings, prob, o_desc, 0, mode)), (_consumer, (rings, prob, o_desc, 1, mode)),
+             (_consumer, (rings, prob, o_desc, 2, mode)), (_producer, (q_desc, k_desc, v_desc, rings, prob, mode))],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
         )
