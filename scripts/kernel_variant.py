@@ -37,13 +37,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);
   ``scripts/bwd_timeline.py`` runs it and prints where a step's time goes.
-* ``bwd-dq-writer`` (the backward, split-keys consumers): a third
-  partition, one warp, sends each step's dQ share (TMA reduce-add, in order
-  when deterministic); the consumers stage it behind a named barrier
-  (``bar.sync 15, 288``) and only arrive at another (``bar.arrive 14``)
-  instead of a CTA-wide barrier and the TMA issue, FA3's shape of the dQ
-  path. Correct (the 65 backward GPU tests pass) but measured 1-2% slower at
-  D = 128 and equal at D = 64 and 256 (tenth session, BENCHMARKS.md).
+* (``bwd-dq-writer``, a dQ writer warp in a third partition, FA3's shape of
+  the dQ path: correct, but 1-2% slower at D = 128 (tenth session); removed
+  when the backward's arguments became aggregates. Its last text:
+  ``git show d0b8571:scripts/variants/bwd-dq-writer.patch``.)
 * (``bwd-st-early`` and ``fwd-d256-rescale-early`` were timed in the twelfth
   session, both slower than the shipped kernels, and removed: BENCHMARKS.md;
   their text is in d0b8571.)

@@ -57,6 +57,12 @@ hands out CTAs in order to SMs as they free up, runs the longest first and
 ends on the shortest; with the KV tile fastest, as before, the last heads'
 longest tiles started in the last wave.
 
+The partitions (``_bwd_producer``, ``_bwd_consumer``) and the step
+helpers take four aggregates: ``BwdMode`` (compile-time switches),
+``BwdProblem`` (descriptors, pointers, scalars), ``KvTile`` (this CTA's KV
+tile and the query tiles that see it) and ``BwdRings`` (shared memory and
+its barriers).
+
 Masking (bottom-right causal, ``off = seqlen_k − seqlen_q``): key j is
 visible to query i iff ``j <= i + off`` and ``j < seqlen_k``. Query rows past
 ``seqlen_q`` need no mask: TMA zero-fills them and the preprocess gives them
@@ -72,8 +78,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.language.nvidia.hopper.tma import tensor_descriptor
 
-from .compat import thread_barrier, tma_atomic_add, tma_load, tma_store, tma_store_wait_complete
+from .compat import aggregate, thread_barrier, tma_atomic_add, tma_load, tma_store, tma_store_wait_complete
 from .scheduler import section_coords
 from .mask import apply_mask_keys_by_queries, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
@@ -240,28 +247,168 @@ def _dq_add_in_order(dq_desc, dq_row, dq_col, dq_smem, sem, n):
     _dq_pass_turn(sem)
 
 
+@aggregate
+class BwdMode:
+    """The compile-time switches of one backward specialisation
+    (``plan_backward.kernel_constexprs``)."""
+    BLOCK_M: gl.constexpr  # queries per step
+    BLOCK_N: gl.constexpr  # keys per CTA
+    HEAD_DIM: gl.constexpr
+    STAGES: gl.constexpr  # Q ring depth
+    DO_STAGES: gl.constexpr  # dO ring depth
+    IS_CAUSAL: gl.constexpr
+    DETERMINISTIC: gl.constexpr
+    VARLEN: gl.constexpr
+    SPLIT_D: gl.constexpr  # D = 256: the warpgroups split the head dim, not the keys
+
+    @gluon.constexpr_function
+    def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D):
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.STAGES = gl.constexpr(STAGES)
+        self.DO_STAGES = gl.constexpr(DO_STAGES)
+        self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
+        self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
+        self.VARLEN = gl.constexpr(VARLEN)
+        self.SPLIT_D = gl.constexpr(SPLIT_D)
+
+
+@aggregate
+class BwdProblem:
+    """The launch's tensors and run-time values: the nine TMA descriptors,
+    the dQ semaphores (deterministic mode), dK/dV as pointers (varlen stores),
+    and the per-launch scalars."""
+    q_desc: tensor_descriptor
+    k_desc: tensor_descriptor
+    v_desc: tensor_descriptor
+    do_desc: tensor_descriptor
+    dk_desc: tensor_descriptor
+    dv_desc: tensor_descriptor
+    dq_desc: tensor_descriptor  # fp32 dq_accum, one staging tile per box
+    lse2_desc: tensor_descriptor
+    delta_desc: tensor_descriptor
+    sem_ptr: gl.tensor
+    dk_ptr: gl.tensor
+    dv_ptr: gl.tensor
+    stride_kv_row: gl.tensor
+    stride_kv_head: gl.tensor
+    seqlen_q_rounded: gl.tensor  # rows per head of the padded fp32 buffers
+    kv_group: gl.tensor  # query heads per KV head
+    qk_scale: gl.tensor  # softmax_scale · log2(e)
+    softmax_scale: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_desc, delta_desc, sem_ptr,
+                 dk_ptr, dv_ptr, stride_kv_row, stride_kv_head, seqlen_q_rounded, kv_group, qk_scale, softmax_scale):
+        self.q_desc = q_desc
+        self.k_desc = k_desc
+        self.v_desc = v_desc
+        self.do_desc = do_desc
+        self.dk_desc = dk_desc
+        self.dv_desc = dv_desc
+        self.dq_desc = dq_desc
+        self.lse2_desc = lse2_desc
+        self.delta_desc = delta_desc
+        self.sem_ptr = sem_ptr
+        self.dk_ptr = dk_ptr
+        self.dv_ptr = dv_ptr
+        self.stride_kv_row = stride_kv_row
+        self.stride_kv_head = stride_kv_head
+        self.seqlen_q_rounded = seqlen_q_rounded
+        self.kv_group = kv_group
+        self.qk_scale = qk_scale
+        self.softmax_scale = softmax_scale
+
+
+@aggregate
+class KvTile:
+    """This CTA's work: KV tile ``n`` of KV head ``hk`` of one sequence, and
+    the query tiles ``[m_lo, m_hi)`` that see it (see ``bwd_sequence`` for
+    ``tb``, ``q_start``, ``k_start``, ``lq``, ``lk`` and ``stat0``). ``live``:
+    the tile holds keys of its sequence (varlen; always true otherwise)."""
+    tb: gl.tensor
+    q_start: gl.tensor
+    k_start: gl.tensor
+    lq: gl.tensor
+    lk: gl.tensor
+    stat0: gl.tensor
+    hk: gl.tensor
+    n: gl.tensor
+    m_lo: gl.tensor
+    m_hi: gl.tensor
+    live: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, tb, q_start, k_start, lq, lk, stat0, hk, n, m_lo, m_hi, live):
+        self.tb = tb
+        self.q_start = q_start
+        self.k_start = k_start
+        self.lq = lq
+        self.lk = lk
+        self.stat0 = stat0
+        self.hk = hk
+        self.n = n
+        self.m_lo = m_lo
+        self.m_hi = m_hi
+        self.live = live
+
+
+@aggregate
+class BwdRings:
+    """Shared memory and its barriers: K and V (one tile each, reused for the
+    dK/dV epilogue), the Q and dO rings with their L2 and Δ vectors, the two
+    [keys, queries] tiles (dSᵀ stages, or Pᵀ and dSᵀ), the fp32 dQ staging."""
+    k_bufs: gl.shared_memory_descriptor
+    v_bufs: gl.shared_memory_descriptor
+    q_bufs: gl.shared_memory_descriptor
+    do_bufs: gl.shared_memory_descriptor
+    lse2_bufs: gl.shared_memory_descriptor
+    delta_bufs: gl.shared_memory_descriptor
+    ds_bufs: gl.shared_memory_descriptor
+    dq_smem: gl.shared_memory_descriptor
+    kv_bar: gl.shared_memory_descriptor
+    q_full: gl.shared_memory_descriptor
+    q_empty: gl.shared_memory_descriptor
+    do_full: gl.shared_memory_descriptor
+    do_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, dq_smem, kv_bar, q_full,
+                 q_empty, do_full, do_empty):
+        self.k_bufs = k_bufs
+        self.v_bufs = v_bufs
+        self.q_bufs = q_bufs
+        self.do_bufs = do_bufs
+        self.lse2_bufs = lse2_bufs
+        self.delta_bufs = delta_bufs
+        self.ds_bufs = ds_bufs
+        self.dq_smem = dq_smem
+        self.kv_bar = kv_bar
+        self.q_full = q_full
+        self.q_empty = q_empty
+        self.do_full = do_full
+        self.do_empty = do_empty
+
+
 @gluon.jit
-def _wait_kv(k_t, v_t, kv_bar, live, n, lk, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-             NUM_WARPS: gl.constexpr, VARLEN: gl.constexpr):
-    """Wait for this CTA's K and V tiles (none when ``live`` is false: a
+def _wait_kv(k_t, v_t, rings: BwdRings, tile: KvTile, mode: BwdMode, NUM_WARPS: gl.constexpr):
+    """Wait for this CTA's K and V tiles (none when ``tile.live`` is false: a
     varlen tile past its sequence's keys loads nothing). Varlen: keys past
     the sequence are masked in Sᵀ, but dQ = dS·K and dPᵀ = V·dOᵀ would still
     meet their NaN (see _zero_rows), so they are zeroed."""
-    if live:
-        mbarrier.wait(kv_bar, 0)
-        if VARLEN:
-            if (n + 1) * BLOCK_N > lk:
-                _zero_rows(k_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
-                _zero_rows(v_t, n * BLOCK_N, lk, BLOCK_N, HEAD_DIM, NUM_WARPS)
+    if tile.live:
+        mbarrier.wait(rings.kv_bar, 0)
+        if mode.VARLEN:
+            if (tile.n + 1) * mode.BLOCK_N > tile.lk:
+                _zero_rows(k_t, tile.n * mode.BLOCK_N, tile.lk, mode.BLOCK_N, mode.HEAD_DIM, NUM_WARPS)
+                _zero_rows(v_t, tile.n * mode.BLOCK_N, tile.lk, mode.BLOCK_N, mode.HEAD_DIM, NUM_WARPS)
                 fence_async_shared()
                 thread_barrier()
 
-
 @gluon.jit
-def _p_and_ds(k_t, v_t, q_bufs, do_bufs, lse2_bufs, delta_bufs, q_full, do_full, step, q_slot, do_slot, n, m, lq, lk,
-              qk_scale, st_zero, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, DO_STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              VARLEN: gl.constexpr):
+def _p_and_ds(k_t, v_t, rings: BwdRings, tile: KvTile, step, q_slot, do_slot, m, qk_scale, st_zero, mode: BwdMode,
+              NUM_WARPS: gl.constexpr):
     """A step's first half, the same for both consumers: wait for Q and dO,
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (in ``st_zero``'s layout), then Pᵀ (fp32,
     masked) and dSᵀ = Pᵀ ⊙ (dPᵀ − Δ) from fp32 P before any rounding.
@@ -277,37 +424,37 @@ def _p_and_ds(k_t, v_t, q_bufs, do_bufs, lse2_bufs, delta_bufs, q_full, do_full,
     subtraction: loading L2 before Sᵀ is issued made D = 128 2-3% slower
     (BENCHMARKS.md, seventh session)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)  # one value per query
-    STATS_IN_ACC: gl.constexpr = BLOCK_M == 128
-    wait_full(q_full, step, STAGES)
-    if VARLEN:
+    STATS_IN_ACC: gl.constexpr = mode.BLOCK_M == 128
+    wait_full(rings.q_full, step, mode.STAGES)
+    if mode.VARLEN:
         # The last query tile of a varlen sequence reads rows of the next one
         # (or NaN past seqused): zero them before any product.
-        _zero_tile_tail(q_bufs, q_slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
-    q_t = q_bufs.index(q_slot).reshape([BLOCK_M, HEAD_DIM])
+        _zero_tile_tail(rings.q_bufs, q_slot, m * mode.BLOCK_M, tile.lq, mode.BLOCK_M, mode.HEAD_DIM, NUM_WARPS)
+    q_t = rings.q_bufs.index(q_slot).reshape([mode.BLOCK_M, mode.HEAD_DIM])
     if STATS_IN_ACC:
-        lse2 = lse2_bufs.index(q_slot).load(col_layout)
+        lse2 = rings.lse2_bufs.index(q_slot).load(col_layout)
         st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero - (lse2 * (1.0 / qk_scale))[None, :], is_async=True)
     else:
         st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero, is_async=True)
-    wait_full(do_full, step, DO_STAGES)
-    if VARLEN:
-        _zero_tile_tail(do_bufs, do_slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
-    do_t = do_bufs.index(do_slot).reshape([BLOCK_M, HEAD_DIM])
+    wait_full(rings.do_full, step, mode.DO_STAGES)
+    if mode.VARLEN:
+        _zero_tile_tail(rings.do_bufs, do_slot, m * mode.BLOCK_M, tile.lq, mode.BLOCK_M, mode.HEAD_DIM, NUM_WARPS)
+    do_t = rings.do_bufs.index(do_slot).reshape([mode.BLOCK_M, mode.HEAD_DIM])
     if STATS_IN_ACC:
-        delta = delta_bufs.index(do_slot).load(col_layout)
+        delta = rings.delta_bufs.index(do_slot).load(col_layout)
         dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero - delta[None, :], is_async=True)
     else:
         dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
-        lse2 = lse2_bufs.index(q_slot).load(col_layout)
+        lse2 = rings.lse2_bufs.index(q_slot).load(col_layout)
     st = warpgroup_mma_wait(1, deps=[st])
-    if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
-        st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
+    if tile_needs_mask(tile.n, m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, 1):
+        st = apply_mask_keys_by_queries(st, tile.n * mode.BLOCK_N, m * mode.BLOCK_M, tile.lq, tile.lk, mode.IS_CAUSAL)
     if STATS_IN_ACC:
         pt = gl.exp2(st * qk_scale)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
         dst = pt * dpt
     else:
-        pt, dst = _p_and_ds_from_stats(st, dpt, lse2, delta_bufs, do_slot, qk_scale)
+        pt, dst = _p_and_ds_from_stats(st, dpt, lse2, rings.delta_bufs, do_slot, qk_scale)
     return q_t, do_t, pt, dst
 
 
@@ -325,118 +472,94 @@ def _p_and_ds_from_stats(st, dpt, lse2, delta_bufs, do_slot, qk_scale):
 
 
 @gluon.jit
-def _bwd_producer(q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs, do_bufs, lse2_bufs, delta_bufs,
-                  k_bufs, v_bufs, kv_bar, q_full, q_empty, do_full, do_empty,
-                  tb, q_start, k_start, stat0, hk, n, m_lo, m_hi, live, kv_group, seqlen_q_rounded,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr):
+def _bwd_producer(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode: BwdMode):
     # A varlen KV tile past its sequence's keys (``live`` false) loads
     # nothing and computes nothing; the consumers skip the wait too.
-    if live:
-        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma_load(k_desc, [tb, k_start + n * BLOCK_N, hk, 0], kv_bar, k_bufs.index(0))
-        tma_load(v_desc, [tb, k_start + n * BLOCK_N, hk, 0], kv_bar, v_bufs.index(0))
+    if tile.live:
+        mbarrier.expect(rings.kv_bar, prob.k_desc.block_type.nbytes + prob.v_desc.block_type.nbytes)
+        kv_row = tile.k_start + tile.n * mode.BLOCK_N
+        tma_load(prob.k_desc, [tile.tb, kv_row, tile.hk, 0], rings.kv_bar, rings.k_bufs.index(0))
+        tma_load(prob.v_desc, [tile.tb, kv_row, tile.hk, 0], rings.kv_bar, rings.v_bufs.index(0))
     step = 0
-    for g in range(kv_group):
-        h = hk * kv_group + g
-        stat_row = (stat0 + h * seqlen_q_rounded).to(gl.int32)
-        for m in range(m_lo, m_hi):
-            slot = ring_slot(step, STAGES)
+    for g in range(prob.kv_group):
+        h = tile.hk * prob.kv_group + g
+        stat_row = (tile.stat0 + h * prob.seqlen_q_rounded).to(gl.int32)
+        for m in range(tile.m_lo, tile.m_hi):
+            slot = ring_slot(step, mode.STAGES)
             # L2 travels with Q (S needs both), Δ with dO (dS needs both).
-            wait_empty(q_empty, step, STAGES)
-            mbarrier.expect(q_full.index(slot), q_desc.block_type.nbytes + lse2_desc.block_type.nbytes)
-            tma_load(q_desc, [tb, q_start + m * BLOCK_M, h, 0], q_full.index(slot), q_bufs.index(slot))
-            tma_load(lse2_desc, [stat_row + m * BLOCK_M], q_full.index(slot), lse2_bufs.index(slot))
-            if DO_STAGES == STAGES:
+            wait_empty(rings.q_empty, step, mode.STAGES)
+            mbarrier.expect(rings.q_full.index(slot), prob.q_desc.block_type.nbytes + prob.lse2_desc.block_type.nbytes)
+            q_row = tile.q_start + m * mode.BLOCK_M
+            tma_load(prob.q_desc, [tile.tb, q_row, h, 0], rings.q_full.index(slot), rings.q_bufs.index(slot))
+            tma_load(prob.lse2_desc, [stat_row + m * mode.BLOCK_M], rings.q_full.index(slot),
+                     rings.lse2_bufs.index(slot))
+            if mode.DO_STAGES == mode.STAGES:
                 do_slot = slot
             else:
-                do_slot = ring_slot(step, DO_STAGES)
-            wait_empty(do_empty, step, DO_STAGES)
-            mbarrier.expect(do_full.index(do_slot), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-            tma_load(do_desc, [tb, q_start + m * BLOCK_M, h, 0], do_full.index(do_slot), do_bufs.index(do_slot))
-            tma_load(delta_desc, [stat_row + m * BLOCK_M], do_full.index(do_slot), delta_bufs.index(do_slot))
+                do_slot = ring_slot(step, mode.DO_STAGES)
+            wait_empty(rings.do_empty, step, mode.DO_STAGES)
+            mbarrier.expect(rings.do_full.index(do_slot),
+                            prob.do_desc.block_type.nbytes + prob.delta_desc.block_type.nbytes)
+            tma_load(prob.do_desc, [tile.tb, q_row, h, 0], rings.do_full.index(do_slot), rings.do_bufs.index(do_slot))
+            tma_load(prob.delta_desc, [stat_row + m * mode.BLOCK_M], rings.do_full.index(do_slot),
+                     rings.delta_bufs.index(do_slot))
             step += 1
 
 
 @gluon.jit
-def _bwd_consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full, q_empty,
-                  do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr, dv_ptr,
-                  stride_kv_row, stride_kv_head,
-                  tb, k_start, stat0, hk, n, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
-                  qk_scale, softmax_scale,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DO_STAGES: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr,
-                  SPLIT_D: gl.constexpr):
+def _bwd_consumer(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode: BwdMode):
     """The two consumer warpgroups: the keys split between them (D <= 128),
-    or the head dim (SPLIT_D, D = 256). ``lq`` and ``lk`` are this
+    or the head dim (SPLIT_D, D = 256). ``tile.lq`` and ``tile.lk`` are this
     sequence's live lengths (the masks' lengths)."""
-    if SPLIT_D:
-        _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full,
-                              q_empty, do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr,
-                              dv_ptr, stride_kv_row, stride_kv_head,
-                              tb, k_start, stat0, hk, n, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
-                              qk_scale, softmax_scale, BLOCK_M, BLOCK_N, STAGES, DO_STAGES, IS_CAUSAL,
-                              DETERMINISTIC, VARLEN)
+    if mode.SPLIT_D:
+        _bwd_consumer_split_d(prob, rings, tile, mode)
     else:
-        gl.static_assert(DO_STAGES == STAGES, "one ring depth for Q and dO")
-        _bwd_consumer_split_keys(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full,
-                                 q_empty, do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr,
-                                 dv_ptr, stride_kv_row, stride_kv_head,
-                                 tb, k_start, stat0, hk, n, m_lo, m_hi, live, lq, lk, seqlen_q_rounded,
-                                 kv_group, qk_scale, softmax_scale, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL,
-                                 DETERMINISTIC, VARLEN)
-
+        gl.static_assert(mode.DO_STAGES == mode.STAGES, "one ring depth for Q and dO")
+        _bwd_consumer_split_keys(prob, rings, tile, mode)
 
 @gluon.jit
-def _bwd_consumer_split_keys(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full,
-                             q_empty, do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr, dv_ptr,
-                             stride_kv_row, stride_kv_head,
-                             tb, k_start, stat0, hk, n, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
-                             qk_scale, softmax_scale,
-                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                             IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr, VARLEN: gl.constexpr):
+def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode: BwdMode):
     """D <= 128: each warpgroup owns 64 keys, its rows of Sᵀ, dPᵀ, dK and dV."""
-    dtype: gl.constexpr = dk_desc.dtype
-    HEAD_DIM: gl.constexpr = dk_desc.block_type.shape[3]
+    dtype: gl.constexpr = prob.dk_desc.dtype
     # Sᵀ, dPᵀ: [BLOCK_N keys, BLOCK_M queries], 64 keys per warpgroup.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
+                                                        instr_shape=[16, mode.BLOCK_M, 16])
     # dK, dV: [BLOCK_N keys, D], the same 64 keys per warpgroup.
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
+                                                        instr_shape=[16, mode.HEAD_DIM, 16])
     # Pᵀ and dSᵀ as register A operands of dV and dK: same thread mapping as
     # st_layout (both are wgmma accumulators with the same warps), so the
     # conversion moves no data.
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     # dQ: [BLOCK_M, D] over all BLOCK_N keys. 64 queries: warpgroup w
     # computes columns w·D/2 ... (w+1)·D/2 - 1; 128 queries: rows 64w ... 64w + 63.
-    DQ_WARPS: gl.constexpr = [8, 1] if BLOCK_M == 128 else [4, 2]
-    DQ_N: gl.constexpr = HEAD_DIM if BLOCK_M == 128 else HEAD_DIM // 2
+    DQ_WARPS: gl.constexpr = [8, 1] if mode.BLOCK_M == 128 else [4, 2]
+    DQ_N: gl.constexpr = mode.HEAD_DIM if mode.BLOCK_M == 128 else mode.HEAD_DIM // 2
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=DQ_WARPS,
                                                         instr_shape=[16, DQ_N, 16])
     NUM_WARPS: gl.constexpr = 8
 
-    k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
-    v_t = v_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
-    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-    dq_zero = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, dq_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    k_t = rings.k_bufs.index(0).reshape([mode.BLOCK_N, mode.HEAD_DIM])
+    v_t = rings.v_bufs.index(0).reshape([mode.BLOCK_N, mode.HEAD_DIM])
+    st_zero = gl.zeros([mode.BLOCK_N, mode.BLOCK_M], gl.float32, st_layout)
+    dq_zero = gl.zeros([mode.BLOCK_M, mode.HEAD_DIM], gl.float32, dq_layout)
+    dk = gl.zeros([mode.BLOCK_N, mode.HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([mode.BLOCK_N, mode.HEAD_DIM], gl.float32, kv_layout)
 
-    _wait_kv(k_t, v_t, kv_bar, live, n, lk, BLOCK_N, HEAD_DIM, NUM_WARPS, VARLEN)
+    _wait_kv(k_t, v_t, rings, tile, mode, NUM_WARPS)
     step = 0
-    for g in range(kv_group):
-        h = hk * kv_group + g
-        stat_base = stat0 + h * seqlen_q_rounded
-        for m in range(m_lo, m_hi):
-            slot = ring_slot(step, STAGES)
-            q_t, do_t, pt, dst = _p_and_ds(k_t, v_t, q_bufs, do_bufs, lse2_bufs, delta_bufs, q_full, do_full, step,
-                                           slot, slot, n, m, lq, lk, qk_scale, st_zero, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                           STAGES, STAGES, NUM_WARPS, IS_CAUSAL, VARLEN)
+    for g in range(prob.kv_group):
+        h = tile.hk * prob.kv_group + g
+        stat_base = tile.stat0 + h * prob.seqlen_q_rounded
+        for m in range(tile.m_lo, tile.m_hi):
+            slot = ring_slot(step, mode.STAGES)
+            q_t, do_t, pt, dst = _p_and_ds(k_t, v_t, rings, tile, step, slot, slot, m, prob.qk_scale, st_zero, mode,
+                                           NUM_WARPS)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_t, dv, is_async=True)
 
             dst16 = dst.to(dtype)
-            ds_smem = ds_bufs.index(step % 2)
+            ds_smem = rings.ds_bufs.index(step % 2)
             ds_smem.store(dst16)
             fence_async_shared()
             # The previous step's dQ reduce has finished reading dq_smem.
@@ -448,22 +571,23 @@ def _bwd_consumer_split_keys(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_b
             # step is unread.
             thread_barrier()
             if step > 0:
-                release(q_empty, step - 1, STAGES)
-                release(do_empty, step - 1, STAGES)
+                release(rings.q_empty, step - 1, mode.STAGES)
+                release(rings.do_empty, step - 1, mode.STAGES)
 
             dst_op = gl.convert_layout(dst16, op_layout)
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_t, dq_zero, is_async=True)
             dk = warpgroup_mma(dst_op, q_t, dk, is_async=True)
             # dV and dQ are done, dK may still run while dQ goes out.
             dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
-            _stage_dq(dq_smem, dq)
+            _stage_dq(rings.dq_smem, dq)
             fence_async_shared()
             thread_barrier()
-            dq_row = (stat_base + m * BLOCK_M).to(gl.int32)
-            if DETERMINISTIC:
-                _dq_add_in_order(dq_desc, dq_row, 0, dq_smem, sem_ptr + (stat_base // BLOCK_M + m), n)
+            dq_row = (stat_base + m * mode.BLOCK_M).to(gl.int32)
+            if mode.DETERMINISTIC:
+                sem = prob.sem_ptr + (stat_base // mode.BLOCK_M + m)
+                _dq_add_in_order(prob.dq_desc, dq_row, 0, rings.dq_smem, sem, tile.n)
             else:
-                tma_atomic_add(dq_desc, [dq_row, 0], dq_smem)
+                tma_atomic_add(prob.dq_desc, [dq_row, 0], rings.dq_smem)
             dk, dst_op = warpgroup_mma_wait(0, deps=[dk, dst_op])
             step += 1
 
@@ -471,45 +595,36 @@ def _bwd_consumer_split_keys(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_b
     # memory, which no wgmma reads any more, then TMA stores clipped at
     # seqlen_k. A KV tile that no query sees stores zeros.
     thread_barrier()
-    k_t.store((dk * softmax_scale).to(dtype))
+    k_t.store((dk * prob.softmax_scale).to(dtype))
     v_t.store(dv.to(dtype))
-    _store_dk_dv(k_bufs, v_bufs, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_kv_row, stride_kv_head, tb, k_start, hk, n,
-                 lk, BLOCK_N, HEAD_DIM, NUM_WARPS, VARLEN)
+    _store_dk_dv(rings, prob, tile, mode, NUM_WARPS)
 
 
 @gluon.jit
-def _store_dk_dv(k_bufs, v_bufs, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_kv_row, stride_kv_head, tb, k_start, hk,
-                 n, lk, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_WARPS: gl.constexpr,
-                 VARLEN: gl.constexpr):
+def _store_dk_dv(rings: BwdRings, prob: BwdProblem, tile: KvTile, mode: BwdMode, NUM_WARPS: gl.constexpr):
     """Write the dK and dV tiles the consumers left in K's and V's shared
     memory (stored, not yet fenced), and wait for the writes."""
-    if VARLEN:
+    if mode.VARLEN:
         # A TMA box would run into the next sequence's rows, which another CTA
         # writes: plain stores, predicated on the sequence's live keys.
         thread_barrier()
-        row0 = k_start + n * BLOCK_N
-        col0 = hk * stride_kv_head
-        _store_rows(k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]), dk_ptr, row0, lk - n * BLOCK_N, stride_kv_row,
-                    col0, BLOCK_N, HEAD_DIM, NUM_WARPS)
-        _store_rows(v_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]), dv_ptr, row0, lk - n * BLOCK_N, stride_kv_row,
-                    col0, BLOCK_N, HEAD_DIM, NUM_WARPS)
+        row0 = tile.k_start + tile.n * mode.BLOCK_N
+        col0 = tile.hk * prob.stride_kv_head
+        n_rows = tile.lk - tile.n * mode.BLOCK_N
+        _store_rows(rings.k_bufs.index(0).reshape([mode.BLOCK_N, mode.HEAD_DIM]), prob.dk_ptr, row0, n_rows,
+                    prob.stride_kv_row, col0, mode.BLOCK_N, mode.HEAD_DIM, NUM_WARPS)
+        _store_rows(rings.v_bufs.index(0).reshape([mode.BLOCK_N, mode.HEAD_DIM]), prob.dv_ptr, row0, n_rows,
+                    prob.stride_kv_row, col0, mode.BLOCK_N, mode.HEAD_DIM, NUM_WARPS)
     else:
         fence_async_shared()
         thread_barrier()
-        tma_store(dk_desc, [tb, n * BLOCK_N, hk, 0], k_bufs.index(0))
-        tma_store(dv_desc, [tb, n * BLOCK_N, hk, 0], v_bufs.index(0))
+        tma_store(prob.dk_desc, [tile.tb, tile.n * mode.BLOCK_N, tile.hk, 0], rings.k_bufs.index(0))
+        tma_store(prob.dv_desc, [tile.tb, tile.n * mode.BLOCK_N, tile.hk, 0], rings.v_bufs.index(0))
     tma.store_wait(0)
 
 
 @gluon.jit
-def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full, q_empty,
-                          do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr, dv_ptr,
-                          stride_kv_row, stride_kv_head,
-                          tb, k_start, stat0, hk, n, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
-                          qk_scale, softmax_scale,
-                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                          DO_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                          VARLEN: gl.constexpr):
+def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode: BwdMode):
     """D = 256: the two warpgroups share the CTA's 64 keys and split the head dim.
 
     Every head-dim operand is one full-width tile (Q, dO: [64 queries, D];
@@ -536,64 +651,64 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
     computing half of each chunk) ran at the same speed; dQ as fp32
     reductions from registers instead of the staging tile (FA3's D = 256
     path) was 17% slower."""
-    dtype: gl.constexpr = dk_desc.dtype
-    HEAD_DIM: gl.constexpr = dk_desc.block_type.shape[3]
+    dtype: gl.constexpr = prob.dk_desc.dtype
     NUM_WARPS: gl.constexpr = 8
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                        instr_shape=[16, BLOCK_M // 2, 16])
+                                                        instr_shape=[16, mode.BLOCK_M // 2, 16])
     # dK, dV ([BLOCK_N, D]) and dQ ([BLOCK_M, D]): half the columns per warpgroup.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                         instr_shape=[16, HEAD_DIM // 2, 16])
+                                                         instr_shape=[16, mode.HEAD_DIM // 2, 16])
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query
 
-    k_t = k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
-    v_t = v_bufs.index(0).reshape([BLOCK_N, HEAD_DIM])
+    k_t = rings.k_bufs.index(0).reshape([mode.BLOCK_N, mode.HEAD_DIM])
+    v_t = rings.v_bufs.index(0).reshape([mode.BLOCK_N, mode.HEAD_DIM])
     # dQ in two halves of DQ_W columns, each through the fp32 staging tile
     # and a TMA reduce-add (the staging of all D columns would not fit).
-    DQ_W: gl.constexpr = dq_desc.block_type.shape[1]
-    gl.static_assert(2 * DQ_W == HEAD_DIM, "dQ in two halves")
+    DQ_W: gl.constexpr = prob.dq_desc.block_type.shape[1]
+    gl.static_assert(2 * DQ_W == mode.HEAD_DIM, "dQ in two halves")
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                         instr_shape=[16, DQ_W // 2, 16])
-    pt_smem = ds_bufs.index(0)
-    ds_smem = ds_bufs.index(1)
-    st_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQ_W], gl.float32, dq_layout)
-    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+    pt_smem = rings.ds_bufs.index(0)
+    ds_smem = rings.ds_bufs.index(1)
+    st_zero = gl.zeros([mode.BLOCK_N, mode.BLOCK_M], gl.float32, st_layout)
+    dq_zero = gl.zeros([mode.BLOCK_M, DQ_W], gl.float32, dq_layout)
+    dk = gl.zeros([mode.BLOCK_N, mode.HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([mode.BLOCK_N, mode.HEAD_DIM], gl.float32, acc_layout)
 
-    _wait_kv(k_t, v_t, kv_bar, live, n, lk, BLOCK_N, HEAD_DIM, NUM_WARPS, VARLEN)
+    _wait_kv(k_t, v_t, rings, tile, mode, NUM_WARPS)
     # One flat loop over (query head of the group, query tile) steps, so that
     # each step can issue the next step's Sᵀ (below).
-    n_m = m_hi - m_lo
-    total = kv_group * n_m
+    n_m = tile.m_hi - tile.m_lo
+    total = prob.kv_group * n_m
     if total > 0:
-        wait_full(q_full, 0, STAGES)
-        if VARLEN:
-            _zero_tile_tail(q_bufs, 0, m_lo * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
+        wait_full(rings.q_full, 0, mode.STAGES)
+        if mode.VARLEN:
+            _zero_tile_tail(rings.q_bufs, 0, tile.m_lo * mode.BLOCK_M, tile.lq, mode.BLOCK_M, mode.HEAD_DIM, NUM_WARPS)
     # Issued even when there is no step (on an unloaded slot, result unused):
     # a wgmma issued in one branch of an ``if`` would carry its token through it.
-    st = warpgroup_mma(k_t, q_bufs.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_zero,
+    st = warpgroup_mma(k_t, rings.q_bufs.index(0).reshape([mode.BLOCK_M, mode.HEAD_DIM]).permute((1, 0)), st_zero,
                        is_async=True)
     st = warpgroup_mma_wait(0, deps=[st])
     for step in range(total):
         z = _opaque_zero()
-        k_t = k_bufs.index(z).reshape([BLOCK_N, HEAD_DIM])
-        v_t = v_bufs.index(z).reshape([BLOCK_N, HEAD_DIM])
+        k_t = rings.k_bufs.index(z).reshape([mode.BLOCK_N, mode.HEAD_DIM])
+        v_t = rings.v_bufs.index(z).reshape([mode.BLOCK_N, mode.HEAD_DIM])
         g = step // n_m
-        m = m_lo + step - g * n_m
-        stat_base = stat0 + (hk * kv_group + g) * seqlen_q_rounded
-        q_slot = ring_slot(step, STAGES)
-        do_slot = ring_slot(step, DO_STAGES)
-        q_t = q_bufs.index(q_slot).reshape([BLOCK_M, HEAD_DIM])
-        wait_full(do_full, step, DO_STAGES)
-        if VARLEN:
-            _zero_tile_tail(do_bufs, do_slot, m * BLOCK_M, lq, BLOCK_M, HEAD_DIM, NUM_WARPS)
-        do_t = do_bufs.index(do_slot).reshape([BLOCK_M, HEAD_DIM])
+        m = tile.m_lo + step - g * n_m
+        stat_base = tile.stat0 + (tile.hk * prob.kv_group + g) * prob.seqlen_q_rounded
+        q_slot = ring_slot(step, mode.STAGES)
+        do_slot = ring_slot(step, mode.DO_STAGES)
+        q_t = rings.q_bufs.index(q_slot).reshape([mode.BLOCK_M, mode.HEAD_DIM])
+        wait_full(rings.do_full, step, mode.DO_STAGES)
+        if mode.VARLEN:
+            _zero_tile_tail(rings.do_bufs, do_slot, m * mode.BLOCK_M, tile.lq, mode.BLOCK_M, mode.HEAD_DIM, NUM_WARPS)
+        do_t = rings.do_bufs.index(do_slot).reshape([mode.BLOCK_M, mode.HEAD_DIM])
         dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
-        lse2 = lse2_bufs.index(q_slot).load(col_layout)
-        if tile_needs_mask(n, m, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, 1):
-            st = apply_mask_keys_by_queries(st, n * BLOCK_N, m * BLOCK_M, lq, lk, IS_CAUSAL)
-        pt, dst = _p_and_ds_from_stats(st, dpt, lse2, delta_bufs, do_slot, qk_scale)
+        lse2 = rings.lse2_bufs.index(q_slot).load(col_layout)
+        if tile_needs_mask(tile.n, m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, 1):
+            st = apply_mask_keys_by_queries(st, tile.n * mode.BLOCK_N, m * mode.BLOCK_M, tile.lq, tile.lk,
+                                            mode.IS_CAUSAL)
+        pt, dst = _p_and_ds_from_stats(st, dpt, lse2, rings.delta_bufs, do_slot, prob.qk_scale)
         pt_smem.store(pt.to(dtype))
         ds_smem.store(dst.to(dtype))
         fence_async_shared()
@@ -610,39 +725,39 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
         dv = warpgroup_mma_wait(3, deps=[dv])
         # Both warpgroups are done with dO: its slot refills under dK and dQ.
         thread_barrier()
-        release(do_empty, step, DO_STAGES)
+        release(rings.do_empty, step, mode.DO_STAGES)
         dk, dq0 = warpgroup_mma_wait(1, deps=[dk, dq0])
-        dq_row = (stat_base + m * BLOCK_M).to(gl.int32)
-        sem = sem_ptr + (stat_base // BLOCK_M + m)
-        if DETERMINISTIC:
-            _dq_wait_turn(sem, n)
-        _stage_dq(dq_smem, dq0)
+        dq_row = (stat_base + m * mode.BLOCK_M).to(gl.int32)
+        sem = prob.sem_ptr + (stat_base // mode.BLOCK_M + m)
+        if mode.DETERMINISTIC:
+            _dq_wait_turn(sem, tile.n)
+        _stage_dq(rings.dq_smem, dq0)
         fence_async_shared()
         # Also: both warpgroups' dK wgmmas, the last readers of this Q, are done.
         thread_barrier()
-        release(q_empty, step, STAGES)
-        tma_atomic_add(dq_desc, [dq_row, 0], dq_smem)
+        release(rings.q_empty, step, mode.STAGES)
+        tma_atomic_add(prob.dq_desc, [dq_row, 0], rings.dq_smem)
         # The next step's Sᵀ (its Q is in the other ring slot), so that the
         # tensor cores run it while dQ goes out; after the last step it runs
         # on a slot nobody loads, and its result is dropped.
         nxt = step + 1
         if nxt < total:
-            wait_full(q_full, nxt, STAGES)
-            if VARLEN:
+            wait_full(rings.q_full, nxt, mode.STAGES)
+            if mode.VARLEN:
                 g_n = nxt // n_m
-                _zero_tile_tail(q_bufs, ring_slot(nxt, STAGES), (m_lo + nxt - g_n * n_m) * BLOCK_M, lq, BLOCK_M,
-                                HEAD_DIM, NUM_WARPS)
-        st_next = warpgroup_mma(k_t, q_bufs.index(ring_slot(nxt, STAGES)).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)),
-                                st_zero, is_async=True)
+                _zero_tile_tail(rings.q_bufs, ring_slot(nxt, mode.STAGES), (tile.m_lo + nxt - g_n * n_m) * mode.BLOCK_M,
+                                tile.lq, mode.BLOCK_M, mode.HEAD_DIM, NUM_WARPS)
+        q_next = rings.q_bufs.index(ring_slot(nxt, mode.STAGES)).reshape([mode.BLOCK_M, mode.HEAD_DIM])
+        st_next = warpgroup_mma(k_t, q_next.permute((1, 0)), st_zero, is_async=True)
         dq1 = warpgroup_mma_wait(1, deps=[dq1])
         # dQ's first half has been read out of the staging tile.
         tma.store_wait(0)
         thread_barrier()
-        _stage_dq(dq_smem, dq1)
+        _stage_dq(rings.dq_smem, dq1)
         fence_async_shared()
         thread_barrier()
-        tma_atomic_add(dq_desc, [dq_row, DQ_W], dq_smem)
-        if DETERMINISTIC:
+        tma_atomic_add(prob.dq_desc, [dq_row, DQ_W], rings.dq_smem)
+        if mode.DETERMINISTIC:
             _dq_pass_turn(sem)
         # The next Sᵀ completes within the step: a wgmma result carried in
         # flight over the loop's back-edge makes ptxas serialise every wgmma.
@@ -650,10 +765,9 @@ def _bwd_consumer_split_d(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs
 
     # ---- Epilogue, as in _bwd_consumer_split_keys.
     thread_barrier()
-    k_t.store((dk * softmax_scale).to(dtype))
+    k_t.store((dk * prob.softmax_scale).to(dtype))
     v_t.store(dv.to(dtype))
-    _store_dk_dv(k_bufs, v_bufs, dk_desc, dv_desc, dk_ptr, dv_ptr, stride_kv_row, stride_kv_head, tb, k_start, hk, n,
-                 lk, BLOCK_N, HEAD_DIM, NUM_WARPS, VARLEN)
+    _store_dk_dv(rings, prob, tile, mode, NUM_WARPS)
 
 
 # As in the forward, lengths and head counts are run-time values: one compiled
@@ -722,19 +836,12 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
             mbarrier.init(do_full.index(i), count=1)
             mbarrier.init(do_empty.index(i), count=1)
 
-    gl.warp_specialize(
-        [
-            (_bwd_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, kv_bar, q_full,
-                             q_empty, do_full, do_empty, dk_desc, dv_desc, dq_desc, dq_smem, sem_ptr, dk_ptr,
-                             dv_ptr, stride_kv_row, stride_kv_head,
-                             tb, k_start, stat0, hk, n, m_lo, m_hi, live, lq, lk, seqlen_q_rounded, kv_group,
-                             qk_scale, softmax_scale, BLOCK_M, BLOCK_N, STAGES, DO_STAGES, IS_CAUSAL,
-                             DETERMINISTIC, VARLEN, SPLIT_D)),
-            (_bwd_producer, (q_desc, k_desc, v_desc, do_desc, lse2_desc, delta_desc, q_bufs, do_bufs, lse2_bufs,
-                             delta_bufs, k_bufs, v_bufs, kv_bar, q_full, q_empty, do_full, do_empty,
-                             tb, q_start, k_start, stat0, hk, n, m_lo, m_hi, live, kv_group, seqlen_q_rounded,
-                             BLOCK_M, BLOCK_N, STAGES, DO_STAGES)),
-        ],
-        [1],
-        [PRODUCER_REGS],
-    )
+    mode = BwdMode(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D)
+    prob = BwdProblem(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_desc, delta_desc, sem_ptr,
+                      dk_ptr, dv_ptr, stride_kv_row, stride_kv_head, seqlen_q_rounded, kv_group, qk_scale,
+                      softmax_scale)
+    tile = KvTile(tb, q_start, k_start, lq, lk, stat0, hk, n, m_lo, m_hi, live)
+    rings = BwdRings(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, dq_smem, kv_bar, q_full,
+                     q_empty, do_full, do_empty)
+    gl.warp_specialize([(_bwd_consumer, (prob, rings, tile, mode)), (_bwd_producer, (prob, rings, tile, mode))],
+                       [1], [PRODUCER_REGS])
