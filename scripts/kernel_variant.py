@@ -44,6 +44,14 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
 * (``bwd-st-early`` and ``fwd-d256-rescale-early`` were timed in the twelfth
   session, both slower than the shipped kernels, and removed: BENCHMARKS.md;
   their text is in d0b8571.)
+* ``fwd-offset-first-item`` (prepared on the CPU in the twelfth session, not
+  run): the offset start (kernels/forward.py) for causal items too, but only
+  at each CTA's first item, leaving the consumers to keep the offset through
+  the later ones. Tells whether the shipped offset's 2-5% loss on short
+  causal launches comes from the offset itself or from re-taking it every
+  item, and whether non-causal keeps its gain without the per-item
+  hand-off. ``benchmarks/offset-start.json``; spill-free (CPU census, triton
+  3.6). GPU tests ``tests/test_forward_gpu.py tests/test_packed_gpu.py``.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
