@@ -80,7 +80,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.language.nvidia.hopper.tma import tensor_descriptor
 
-from .compat import aggregate, thread_barrier, tma_atomic_add, tma_load, tma_store, tma_store_wait_complete
+from .compat import aggregate, init_fields, thread_barrier, tma_atomic_add, tma_load, tma_store, tma_store_wait_complete
 from .scheduler import section_coords
 from .mask import apply_mask_keys_by_queries, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
@@ -263,15 +263,7 @@ class BwdMode:
 
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D):
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-        self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
-        self.STAGES = gl.constexpr(STAGES)
-        self.DO_STAGES = gl.constexpr(DO_STAGES)
-        self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
-        self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
-        self.VARLEN = gl.constexpr(VARLEN)
-        self.SPLIT_D = gl.constexpr(SPLIT_D)
+        init_fields(self, locals(), constexpr=True)
 
 
 @aggregate
@@ -301,24 +293,7 @@ class BwdProblem:
     @gluon.constexpr_function
     def __init__(self, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_desc, delta_desc, sem_ptr,
                  dk_ptr, dv_ptr, stride_kv_row, stride_kv_head, seqlen_q_rounded, kv_group, qk_scale, softmax_scale):
-        self.q_desc = q_desc
-        self.k_desc = k_desc
-        self.v_desc = v_desc
-        self.do_desc = do_desc
-        self.dk_desc = dk_desc
-        self.dv_desc = dv_desc
-        self.dq_desc = dq_desc
-        self.lse2_desc = lse2_desc
-        self.delta_desc = delta_desc
-        self.sem_ptr = sem_ptr
-        self.dk_ptr = dk_ptr
-        self.dv_ptr = dv_ptr
-        self.stride_kv_row = stride_kv_row
-        self.stride_kv_head = stride_kv_head
-        self.seqlen_q_rounded = seqlen_q_rounded
-        self.kv_group = kv_group
-        self.qk_scale = qk_scale
-        self.softmax_scale = softmax_scale
+        init_fields(self, locals())
 
 
 @aggregate
@@ -341,17 +316,7 @@ class KvTile:
 
     @gluon.constexpr_function
     def __init__(self, tb, q_start, k_start, lq, lk, stat0, hk, n, m_lo, m_hi, live):
-        self.tb = tb
-        self.q_start = q_start
-        self.k_start = k_start
-        self.lq = lq
-        self.lk = lk
-        self.stat0 = stat0
-        self.hk = hk
-        self.n = n
-        self.m_lo = m_lo
-        self.m_hi = m_hi
-        self.live = live
+        init_fields(self, locals())
 
 
 @aggregate
@@ -376,19 +341,7 @@ class BwdRings:
     @gluon.constexpr_function
     def __init__(self, k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, dq_smem, kv_bar, q_full,
                  q_empty, do_full, do_empty):
-        self.k_bufs = k_bufs
-        self.v_bufs = v_bufs
-        self.q_bufs = q_bufs
-        self.do_bufs = do_bufs
-        self.lse2_bufs = lse2_bufs
-        self.delta_bufs = delta_bufs
-        self.ds_bufs = ds_bufs
-        self.dq_smem = dq_smem
-        self.kv_bar = kv_bar
-        self.q_full = q_full
-        self.q_empty = q_empty
-        self.do_full = do_full
-        self.do_empty = do_empty
+        init_fields(self, locals())
 
 
 @gluon.jit

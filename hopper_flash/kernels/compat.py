@@ -69,8 +69,21 @@ try:  # the public name (triton 3.9)
 except ImportError:  # triton 3.6 (and the releases between): the same decorator, private
     from triton.language.core import _aggregate as aggregate
 
+
+
+@_gluon.constexpr_function
+def init_fields(obj, args, constexpr=False):
+    """Set an aggregate's fields from its constructor's arguments:
+    ``init_fields(self, locals())`` as the constructor's first line (every
+    argument but ``self`` is a field of the same name). ``constexpr``: the
+    fields are ``gl.constexpr`` (the arguments arrive unwrapped)."""
+    for name, value in args.items():
+        if name != "self":
+            setattr(obj, name, _gl.constexpr(value) if constexpr else value)
+
+
 # bar.sync over the calling partition's warps (all warps outside warp_specialize).
 thread_barrier = _gl.barrier if hasattr(_gl, "barrier") else _gl.thread_barrier
 
-__all__ = ["HAS_ASYNC_LOAD", "aggregate", "tma_load", "tma_store", "tma_atomic_add", "tma_store_wait_complete",
+__all__ = ["HAS_ASYNC_LOAD", "aggregate", "init_fields", "tma_load", "tma_store", "tma_atomic_add", "tma_store_wait_complete",
            "thread_barrier"]

@@ -95,7 +95,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .compat import aggregate, thread_barrier, tma_load, tma_store
+from .compat import aggregate, init_fields, thread_barrier, tma_load, tma_store
 from .mask import apply_mask, kv_split_range, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
 from .scheduler import (SCHED_STAGES, draw_item, first_item, publish_item, receive_item, section_coords,
@@ -153,23 +153,7 @@ class Mode:
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
                  PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC):
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-        self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
-        self.K_STAGES = gl.constexpr(K_STAGES)
-        self.V_STAGES = gl.constexpr(V_STAGES)
-        self.IS_CAUSAL = gl.constexpr(IS_CAUSAL)
-        self.WRITE_LSE = gl.constexpr(WRITE_LSE)
-        self.PERSISTENT = gl.constexpr(PERSISTENT)
-        self.O_IN_Q = gl.constexpr(O_IN_Q)
-        self.PACK_G = gl.constexpr(PACK_G)
-        self.SPLIT = gl.constexpr(SPLIT)
-        self.SEQUSED = gl.constexpr(SEQUSED)
-        self.KV_BATCH = gl.constexpr(KV_BATCH)
-        self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
-        self.VARLEN = gl.constexpr(VARLEN)
-        self.SEQUSED_Q = gl.constexpr(SEQUSED_Q)
-        self.DYNAMIC = gl.constexpr(DYNAMIC)
+        init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
         self.OFFSET_START = gl.constexpr(_offset_start(IS_CAUSAL, PACK_G, SPLIT, SEQUSED, VARLEN))
@@ -208,29 +192,7 @@ class Problem:
     def __init__(self, seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, pair, section, total_tiles,
                  page_stride, total_q, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr, page_table_ptr,
                  o_part_ptr, lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr):
-        self.seqlen_q = seqlen_q
-        self.seqlen_k = seqlen_k
-        self.num_heads = num_heads
-        self.kv_group = kv_group
-        self.batch = batch
-        self.num_splits = num_splits
-        self.pair = pair
-        self.section = section
-        self.total_tiles = total_tiles
-        self.page_stride = page_stride
-        self.total_q = total_q
-        self.qk_scale = qk_scale
-        self.softmax_scale = softmax_scale
-        self.lse_ptr = lse_ptr
-        self.seqused_ptr = seqused_ptr
-        self.kv_batch_ptr = kv_batch_ptr
-        self.page_table_ptr = page_table_ptr
-        self.o_part_ptr = o_part_ptr
-        self.lse_part_ptr = lse_part_ptr
-        self.cu_q_ptr = cu_q_ptr
-        self.cu_k_ptr = cu_k_ptr
-        self.used_q_ptr = used_q_ptr
-        self.sched_ptr = sched_ptr
+        init_fields(self, locals())
 
 
 @aggregate
@@ -257,21 +219,7 @@ class Rings:
     @gluon.constexpr_function
     def __init__(self, q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty,
                  sched_smem, sched_full, sched_empty, turn_full, turn_empty):
-        self.q_smem = q_smem
-        self.o_smem = o_smem
-        self.k_bufs = k_bufs
-        self.v_bufs = v_bufs
-        self.q_full = q_full
-        self.q_empty = q_empty
-        self.k_full = k_full
-        self.k_empty = k_empty
-        self.v_full = v_full
-        self.v_empty = v_empty
-        self.sched_smem = sched_smem
-        self.sched_full = sched_full
-        self.sched_empty = sched_empty
-        self.turn_full = turn_full
-        self.turn_empty = turn_empty
+        init_fields(self, locals())
 
 
 @gluon.jit
