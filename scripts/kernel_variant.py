@@ -52,6 +52,15 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   item, and whether non-causal keeps its gain without the per-item
   hand-off. ``benchmarks/offset-start.json``; spill-free (CPU census, triton
   3.6). GPU tests ``tests/test_forward_gpu.py tests/test_packed_gpu.py``.
+* ``fwd-softmax-overlap`` (thirteenth session): each steady step waits for
+  the V tile the next PV needs right after its softmax, instead of before
+  that PV. The shipped SASS (every specialisation) waits for PV[it - 1]
+  before the softmax of tile ``it`` although the source waits after it:
+  ptxas hoists the wgmma wait to the top of its basic block, and the
+  softmax and that wait shared one. The V wait's retry loop ends the block,
+  so the PV wait lands after the exponentials and the softmax overlaps the
+  warpgroup's own PV (CPU SASS: every prefill specialisation, spill-free).
+  ``benchmarks/softmax-overlap.json``.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
