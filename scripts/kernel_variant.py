@@ -61,6 +61,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   so the PV wait lands after the exponentials and the softmax overlaps the
   warpgroup's own PV (CPU SASS: every prefill specialisation, spill-free).
   ``benchmarks/softmax-overlap.json``.
+* ``bwd-exp-overlap`` (thirteenth session): the same ptxas effect in the
+  D <= 128 backward: the dPᵀ wait sits ahead of Pᵀ's exponentials in the
+  SASS; computing them in both arms of the mask branch puts the wait after
+  them. ``benchmarks/bwd-d128.json --pass bwd``.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
