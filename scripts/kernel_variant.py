@@ -44,27 +44,14 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
 * (``bwd-st-early`` and ``fwd-d256-rescale-early`` were timed in the twelfth
   session, both slower than the shipped kernels, and removed: BENCHMARKS.md;
   their text is in d0b8571.)
-* ``fwd-offset-first-item`` (prepared on the CPU in the twelfth session, not
-  run): the offset start (kernels/forward.py) for causal items too, but only
-  at each CTA's first item, leaving the consumers to keep the offset through
-  the later ones. Tells whether the shipped offset's 2-5% loss on short
-  causal launches comes from the offset itself or from re-taking it every
-  item, and whether non-causal keeps its gain without the per-item
-  hand-off. ``benchmarks/offset-start.json``; spill-free (CPU census, triton
-  3.6). GPU tests ``tests/test_forward_gpu.py tests/test_packed_gpu.py``.
-* ``fwd-softmax-overlap`` (thirteenth session): each steady step waits for
-  the V tile the next PV needs right after its softmax, instead of before
-  that PV. The shipped SASS (every specialisation) waits for PV[it - 1]
-  before the softmax of tile ``it`` although the source waits after it:
-  ptxas hoists the wgmma wait to the top of its basic block, and the
-  softmax and that wait shared one. The V wait's retry loop ends the block,
-  so the PV wait lands after the exponentials and the softmax overlaps the
-  warpgroup's own PV (CPU SASS: every prefill specialisation, spill-free).
-  ``benchmarks/softmax-overlap.json``.
-* ``bwd-exp-overlap`` (thirteenth session): the same ptxas effect in the
-  D <= 128 backward: the dPᵀ wait sits ahead of Pᵀ's exponentials in the
-  SASS; computing them in both arms of the mask branch puts the wait after
-  them. ``benchmarks/bwd-d128.json --pass bwd``.
+* (``fwd-offset-first-item``, ``fwd-softmax-overlap`` and
+  ``bwd-exp-overlap`` were timed in the thirteenth session and removed:
+  BENCHMARKS.md. The first took the offset start at a CTA's first item only,
+  causal items too: within noise. The other two move a wgmma wait that
+  ptxas hoists to the top of its basic block, so that the softmax (forward)
+  or Pᵀ's exponentials (backward) overlap the warpgroup's own PV or dPᵀ in
+  the SASS: the forward within +-2%, the backward 3-4% slower. Their text:
+  ``git show a5d7a1a:scripts/variants/NAME.patch``.)
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.

@@ -416,7 +416,13 @@ def _p_and_ds_from_stats(st, dpt, lse2, delta_bufs, do_slot, qk_scale):
     """Pᵀ = exp2(c·Sᵀ − L2) from the masked Sᵀ, then dSᵀ = Pᵀ ⊙ (dPᵀ − Δ)
     once the in-flight dPᵀ wgmma completes (Δ loaded while it runs): the
     64-query steps' statistics path (see _p_and_ds), also the D = 256
-    consumers'. Returns ``(pt, dst)``."""
+    consumers'. Returns ``(pt, dst)``.
+
+    In the SASS the dPᵀ wait comes before the exponentials, not after them:
+    ptxas hoists a wgmma wait to the top of its basic block (here the block
+    after the mask branch). Computing Pᵀ inside the branch's arms, which
+    puts the wait after the exponentials, measured 3-4% slower at D = 128
+    (thirteenth session, BENCHMARKS.md)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, st.type.layout)  # one value per query
     pt = gl.exp2(st * qk_scale - lse2[None, :])
     delta = delta_bufs.index(do_slot).load(col_layout)

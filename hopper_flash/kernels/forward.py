@@ -38,7 +38,13 @@ KV tiles are visited from the diagonal tile down to tile 0, so only the first
 tile (and, for an unaligned diagonal, the second) needs a mask. In the steady
 state a consumer issues QK of tile ``it`` and PV of tile ``it - 1`` as two
 async wgmma groups, waits for the QK group alone, releases the K slot at once,
-and runs the softmax while PV is still on the tensor cores.
+then runs the softmax and waits for PV. The source waits for PV after the
+softmax, but the SASS does not: ptxas (triton 3.6's) hoists a wgmma wait to
+the top of its basic block, so in every specialisation the softmax starts
+once PV has completed, and what hides it is the other consumers' GEMMs. A
+variant that ended the block after the softmax (the PV wait then fell after
+the exponentials) measured within +-2% of this (BENCHMARKS.md, thirteenth
+session), so the plain form stays.
 
 Decode and chunked prefill run the same kernel in other *modes*
 (constexpr switches; ``plan.py`` picks them):
