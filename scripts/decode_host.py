@@ -1,0 +1,63 @@
+"""Where the host time of one ``flash_attn_with_kvcache`` call goes (B8 H32/8
+Sq1 Sk4096 D128 causal, no grad): wall time of back-to-back calls, without
+and with a one-token append, the CPU time to enqueue a burst, the parts
+(validation, ``plan.launch_forward``, one allocation) and a cProfile.
+
+    PYTHONPATH=. python -P scripts/decode_host.py      (on the GPU machine)"""
+import cProfile, pstats, time, io
+import torch
+import hopper_flash
+from hopper_flash import kvcache, plan
+
+B, H, HK, D, SK = 8, 32, 8, 128, 4096
+q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+kc = torch.randn(B, SK, HK, D, device="cuda", dtype=torch.bfloat16)
+vc = torch.randn_like(kc)
+lens = torch.full((B,), SK, dtype=torch.int32, device="cuda")
+knew = torch.randn(B, 1, HK, D, device="cuda", dtype=torch.bfloat16)
+lens_app = torch.full((B,), SK - 1, dtype=torch.int32, device="cuda")
+
+def call():
+    return hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True)
+
+def call_append():
+    return hopper_flash.flash_attn_with_kvcache(q, kc, vc, knew, knew, cache_seqlens=lens_app, causal=True)
+
+def wall(f, n=2000):
+    for _ in range(50): f()
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(n): f()
+    torch.cuda.synchronize(); return (time.perf_counter() - t) / n * 1e6
+
+def enqueue(f, n=200):
+    torch.cuda.synchronize(); t = time.process_time()
+    for _ in range(n): f()
+    dt = time.process_time() - t; torch.cuda.synchronize(); return dt / n * 1e6
+
+with torch.no_grad():
+    print("lp:", plan._plan_launch.cache_info())
+    for name, f in (("no append", call), ("append 1", call_append)):
+        print(f"{name}: wall {wall(f):.1f} us/call, CPU to enqueue {enqueue(f):.1f} us/call")
+    # components
+    sc = kvcache.validate_kvcache
+    t = time.perf_counter()
+    for _ in range(2000): sc(q, kc, vc, None, None, lens, None, None, None, True, 0, None)
+    print(f"validate_kvcache: {(time.perf_counter()-t)/2000*1e6:.1f} us")
+    out = torch.empty_like(q)
+    t = time.perf_counter()
+    for _ in range(2000): plan.launch_forward(q, kc, vc, out, None, D ** -0.5, True, None, seqused_k=lens, num_splits=0, pack_gqa=None)
+    torch.cuda.synchronize()
+    print(f"launch_forward alone: {(time.perf_counter()-t)/2000*1e6:.1f} us")
+    lp = plan._plan_launch(0, q.dtype, B, 1, H, HK, SK // 128, plan.CONFIGS[D], 0, True, False, 0, None, True, False)
+    print("plan:", lp.mode, lp.num_splits, lp.n_ctas)
+    t = time.perf_counter()
+    for _ in range(20000): torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    print(f"torch.empty: {(time.perf_counter()-t)/20000*1e6:.2f} us")
+    t = time.perf_counter()
+    for _ in range(20000): torch.cuda.current_device()
+    print(f"current_device: {(time.perf_counter()-t)/20000*1e6:.2f} us")
+    pr = cProfile.Profile(); pr.enable()
+    for _ in range(1000): call()
+    pr.disable(); torch.cuda.synchronize()
+    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22); print(s.getvalue()[:5000])
+    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(18); print(s.getvalue()[:4000])
