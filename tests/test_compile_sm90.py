@@ -130,3 +130,29 @@ def test_o_gets_its_own_buffer_where_it_fits():
     assert {d: cfg.o_in_q for d, cfg in plan.CONFIGS.items()} == {64: False, 128: False, 256: True}
     assert all(cfg.persistent for cfg in plan.CONFIGS.values())
     assert all(cfg.shared_bytes() <= plan.SMEM_BUDGET_BYTES for cfg in plan.CONFIGS.values())
+
+
+def test_offset_start_only_where_every_consumer_runs_every_item():
+    """The offset start (kernels/forward.py) makes consumer c wait for consumer
+    c - 1's first QK of each item. Idle consumers (PackGQA and per-batch
+    lengths: rows with no query) and skipped items (varlen) never take a
+    turn, so the hand-off would hang there; causal items measured slower
+    with it (BENCHMARKS.md). So: plain non-causal prefill only."""
+    from hopper_flash.kernels.forward import _offset_start
+
+    assert _offset_start(False, 1, False, False, False)
+    for causal, pack_g, split, seqused, varlen in [(True, 1, False, False, False), (False, 4, False, False, False),
+                                                   (False, 1, True, False, False), (False, 1, False, True, False),
+                                                   (False, 1, False, False, True)]:
+        assert not _offset_start(causal, pack_g, split, seqused, varlen)
+
+
+@pytest.mark.parametrize("head_dim", sorted(plan.CONFIGS))
+def test_offset_start_hand_off_is_compiled_in_for_non_causal_prefill_only(head_dim):
+    """The hand-off is two mbarrier waits per item (one per neighbouring pair
+    of consumers): the non-causal prefill kernel has them, the causal one
+    does not (the two differ otherwise only in their masks)."""
+    cfg = plan.CONFIGS[head_dim]
+    waits = {causal: len(re.findall(r"mbarrier\.try_wait", _census((cfg, "bfloat16", causal, False, plan.PREFILL)).ptx))
+             for causal in (False, True)}
+    assert waits[False] == waits[True] + 2 * (cfg.consumers - 1), waits
