@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Nsight Compute on the forward kernel, and on FA3's when this machine built
+# it (/tmp/fa3pkg; `bash scripts/device_session.sh tests` starts the build),
+# at one shape (default B4 H32 S8192 D128 non-causal, where the twelfth and
+# thirteenth sessions found the steady state of long items 3-7% behind
+# FA3's). Per kernel: the summary sections into $OUT/ncu-NAME.txt and the
+# per-SASS-instruction source page (warp-state samples) as
+# $OUT/ncu-NAME-sass.csv.gz, to read on the CPU machine.
+#
+#   run:  bash scripts/ncu_forward.sh [B H S D causal]      (on the GPU machine)
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+B=${1:-4} H=${2:-32} S=${3:-8192} D=${4:-128} CAUSAL=${5:-False}
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+[ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
+cat > /tmp/ncu_driver.py <<PY
+import sys, torch
+torch.manual_seed(0)
+q, k, v = (torch.randn($B, $S, $H, $D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+if sys.argv[1] == "fa3":
+    from flash_attn_interface import flash_attn_func
+else:
+    from hopper_flash import flash_attn_func
+for _ in range(3):
+    flash_attn_func(q, k, v, causal=$CAUSAL)
+torch.cuda.synchronize()
+PY
+profile() {  # name, kernel regex, extra ncu args
+  local name=$1 regex=$2; shift 2
+  PYTHONPATH=/tmp/fa3pkg:. timeout 240 "$NCU" --clock-control none "$@" -k "regex:$regex" --launch-skip 2 \
+    --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section SourceCounters --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+    -o "/tmp/ncu-$name" -f python -P /tmp/ncu_driver.py "$name" > "$OUT/ncu-$name-run.txt" 2>&1 || tail -5 "$OUT/ncu-$name-run.txt"
+  "$NCU" --import "/tmp/ncu-$name.ncu-rep" --print-summary none > "$OUT/ncu-$name.txt" 2>&1
+  "$NCU" --import "/tmp/ncu-$name.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/ncu-$name-sass.csv.gz"
+  grep -E "Duration|Elapsed Cycles|SM Frequency|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|L2 Cache Throughput|DRAM Throughput" "$OUT/ncu-$name.txt"
+}
+echo "== hopper_flash"; profile hopper_flash attention_forward_kernel
+if [ -d /tmp/fa3pkg ]; then echo "== fa3"; profile fa3 FlashAttnFwdSm90 --kernel-name-base demangled; fi
