@@ -52,6 +52,12 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   or Pᵀ's exponentials (backward) overlap the warpgroup's own PV or dPᵀ in
   the SASS: the forward within +-2%, the backward 3-4% slower. Their text:
   ``git show a5d7a1a:scripts/variants/NAME.patch``.)
+* ``fwd-lane-row-sums`` (thirteenth session, CPU only, not run): the running
+  row sums kept per thread, one partial per lane of the quad that shares a
+  row (FA3's per-thread row sums, shared/notes/fa3-forward.md), summed
+  across the quad once in ``softmax_finish``: a D = 128 steady step loses its
+  4 SHFL and 4 FADD (607 -> 600 SASS instructions). Spill-free (CPU census).
+  ``benchmarks/prefill.json``.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
