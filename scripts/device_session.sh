@@ -19,6 +19,10 @@
 #       to SDPA cuDNN (and FA3 once built) on CONFIG (e.g. benchmarks/d64.json);
 #       JSON per process.
 # The triton 3.9.0 suite has its own script (scripts/triton39_gpu.sh).
+# The device's copy of the tree may carry a stale .git (the thirteenth
+# session's bench headers named the session's first commit, "-dirty"): start
+# each run's command with `export HOPPER_FLASH_COMMIT=<git describe --always
+# --dirty, run here>;` so that the JSON and the headers name the tree measured.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
