@@ -2,13 +2,16 @@
 operations (CPU only: compiles small kernels for sm_90a and prints the PTX's
 barrier and mbarrier lines per case).
 
-Under triton 3.6 (thirteenth session): two *different* mbarrier operations in
-a row (an arrive after an arrive, or after a wait) get a ``bar.sync`` between
-them, also when they touch different barriers or different slots of one; one
-arrive repeated by a loop (even on a slot chosen at run time) gets none. This
-is where the three 128-thread ``BAR.SYNC`` of each forward consumer step come
-from (``scripts/sass_flow.py --flow``: before the step's K/V waits, before
-the K release and before the V release). CUTLASS's pipelines have none.
+Under triton 3.6 (thirteenth session) every mbarrier arrive is preceded by a
+``bar.sync`` over the partition's warps, inside the loop: also when the
+operation before it is the same arrive of the loop's previous trip, and
+whether the barriers are distinct allocations, slots of one array or a slot
+chosen at run time; a wait is preceded by one too. This is where the three
+128-thread ``BAR.SYNC`` of each forward consumer step come from
+(``scripts/sass_flow.py --flow``: before the step's K/V waits, before the K
+release and before the V release). CUTLASS's pipelines have none. (A first
+reading of this probe that ignored the loop's labels concluded that repeats
+of one arrive get none: wrong, the listing below shows the loop.)
 
     python scripts/membar_probe.py
 """
@@ -57,9 +60,16 @@ def main() -> None:
     for case, what in enumerate(CASES):
         src = GluonASTSource(_probe, {"n": "i32", "CASE": "constexpr"}, constexprs={"CASE": case})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-        ops = [line.split()[0] if not line.strip().startswith("@") else line.split()[1]
-               for line in ptx.splitlines() if "bar.sync" in line or "mbarrier." in line]
-        print(f"{what:45s} {' -> '.join(op.strip().rstrip(';') for op in ops)}")
+        events = []
+        for line in ptx.splitlines():
+            line = line.strip()
+            if line.startswith("$L__BB"):
+                events.append(line.split(":")[0].replace("$L__BB0_", "L"))  # a label: loop heads are targets
+            elif "bar.sync" in line or "mbarrier." in line or " bra " in f" {line} " or "\tbra" in line:
+                op = line.split()[1] if line.startswith("@") else line.split()[0]
+                target = line.split()[-1].rstrip(";").replace("$L__BB0_", "L") if "bra" in op else ""
+                events.append((op.rstrip(";") + (" " + target if target else "")).replace(".shared::cta.b64", ""))
+        print(f"{what:42s} {' | '.join(events)}")
 
 
 if __name__ == "__main__":
