@@ -4,10 +4,12 @@ and with a one-token append, the CPU time to enqueue a burst, the parts
 (validation, ``plan.launch_forward``, one allocation) and a cProfile.
 
     PYTHONPATH=. python -P scripts/decode_host.py      (on the GPU machine)"""
-import cProfile, pstats, time, io
+import cProfile, pstats, time, io, os, sys
 import torch
 import hopper_flash
 from hopper_flash import kvcache, plan
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # host_timing, also under python -P
+from host_timing import enqueue_us, host_us  # noqa: E402
 
 B, H, HK, D, SK = 8, 32, 8, 128, 4096
 q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
@@ -23,21 +25,10 @@ def call():
 def call_append():
     return hopper_flash.flash_attn_with_kvcache(q, kc, vc, knew, knew, cache_seqlens=lens_app, causal=True)
 
-def wall(f, n=2000):
-    for _ in range(50): f()
-    torch.cuda.synchronize(); t = time.perf_counter()
-    for _ in range(n): f()
-    torch.cuda.synchronize(); return (time.perf_counter() - t) / n * 1e6
-
-def enqueue(f, n=200):
-    torch.cuda.synchronize(); t = time.process_time()
-    for _ in range(n): f()
-    dt = time.process_time() - t; torch.cuda.synchronize(); return dt / n * 1e6
-
 with torch.no_grad():
     print("lp:", plan._plan_launch.cache_info())
     for name, f in (("no append", call), ("append 1", call_append)):
-        print(f"{name}: wall {wall(f):.1f} us/call, CPU to enqueue {enqueue(f):.1f} us/call")
+        print(f"{name}: wall {host_us(f):.1f} us/call, CPU to enqueue {enqueue_us(f):.1f} us/call")
     # components
     sc = kvcache.validate_kvcache
     t = time.perf_counter()

@@ -10,14 +10,17 @@ and off (``plan_backward.FAST_LAUNCH``).
 
     PYTHONPATH=. python scripts/host_overhead.py"""
 import cProfile
+import os
 import pstats
-import time
+import sys
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hopper_flash
 from hopper_flash import plan_backward
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # host_timing, also under python -P
+from host_timing import enqueue_us, host_us  # noqa: E402
 
 N = 2000
 
@@ -60,34 +63,6 @@ def cudnn_bwd():
     return torch.autograd.grad(out_cudnn, (qg, kg, vg), do_t, retain_graph=True)
 
 
-def host_us(fn):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(N):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / N * 1e6)
-    return best
-
-
-def enqueue_us(fn, n=200):
-    """CPU time per call of ``n`` calls issued without waiting for the GPU
-    (``n`` stays under CUDA's launch-queue depth, so no call blocks on it)."""
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n * 1e6)
-    torch.cuda.synchronize()
-    return best
-
-
 def at_b16_s512():
     ours5, cudnn5 = calls(16, 512, 16)[:2]
     for fn in (ours5, cudnn5):
@@ -104,15 +79,15 @@ if __name__ == "__main__":
     torch.cuda.synchronize()
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-    print(f"host time per call (B=1, H=1, S=128, causal): hopper_flash {host_us(ours):.1f} us, "
-          f"SDPA cuDNN {host_us(cudnn):.1f} us")
+    print(f"host time per call (B=1, H=1, S=128, causal): hopper_flash {host_us(ours, N):.1f} us, "
+          f"SDPA cuDNN {host_us(cudnn, N):.1f} us")
     print(f"enqueue time per call (B=1, H=1, S=128, causal): hopper_flash {enqueue_us(ours):.1f} us, "
           f"SDPA cuDNN {enqueue_us(cudnn):.1f} us")
     ours16, cudnn16 = at_b16_s512()
     print(f"enqueue time per call (B=16, H=16, S=512, causal): hopper_flash {ours16:.1f} us, SDPA cuDNN {cudnn16:.1f} us")
-    fast = host_us(ours_bwd)
+    fast = host_us(ours_bwd, N)
     plan_backward.FAST_LAUNCH = False
-    jit = host_us(ours_bwd)
+    jit = host_us(ours_bwd, N)
     plan_backward.FAST_LAUNCH = fast_default = hopper_flash.plan.FAST_LAUNCH
     print(f"backward host time per call: hopper_flash {fast:.1f} us (fast launch {'on' if fast_default else 'off'}), "
-          f"{jit:.1f} us through the JIT; SDPA cuDNN autograd backward {host_us(cudnn_bwd):.1f} us")
+          f"{jit:.1f} us through the JIT; SDPA cuDNN autograd backward {host_us(cudnn_bwd, N):.1f} us")
