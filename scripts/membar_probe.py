@@ -15,6 +15,8 @@ of one arrive get none: wrong, the listing below shows the loop.)
 
     python scripts/membar_probe.py
 """
+import re
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental import gluon
@@ -65,10 +67,11 @@ def main() -> None:
             line = line.strip()
             if line.startswith("$L__BB"):
                 events.append(line.split(":")[0].replace("$L__BB0_", "L"))  # a label: loop heads are targets
-            elif "bar.sync" in line or "mbarrier." in line or " bra " in f" {line} " or "\tbra" in line:
-                op = line.split()[1] if line.startswith("@") else line.split()[0]
-                target = line.split()[-1].rstrip(";").replace("$L__BB0_", "L") if "bra" in op else ""
-                events.append((op.rstrip(";") + (" " + target if target else "")).replace(".shared::cta.b64", ""))
+            elif "bar.sync" in line or "mbarrier." in line or re.search(r"\bbra\b", line):
+                op = (line.split()[1] if line.startswith("@") else line.split()[0]).rstrip(";")
+                if op == "bra":
+                    op += " " + line.split()[-1].rstrip(";").replace("$L__BB0_", "L")
+                events.append(op.replace(".shared::cta.b64", ""))
         print(f"{what:42s} {' | '.join(events)}")
 
 
