@@ -13,7 +13,9 @@ Two separate questions, answered by version:
    (``CompiledKernel.run``), skipping the JIT's per-call work? That launcher
    is private, so the fast path is taken only on the minor versions listed in
    ``FAST_LAUNCH_MINORS``, whose calling convention was read or run; any
-   other version takes the public ``kernel[grid](...)`` launch.
+   other version takes the public ``kernel[grid](...)`` launch. One step
+   further, ``DIRECT_LAUNCH_MINORS``: where ``launcher.KernelLaunch`` may call
+   the C launch function under ``CompiledKernel.run`` itself.
 
 This module imports nothing from triton but ``triton.__version__`` (plain
 triton, never Gluon), so it is safe to run first.
@@ -44,6 +46,14 @@ SUPPORTED_TEXT = ">=3.6,<3.10"
 # it under 3.9.0. 3.7 and 3.8 are read, not run. Add a minor version here
 # only after reading its sources the same way.
 FAST_LAUNCH_MINORS = frozenset({(3, 6), (3, 7), (3, 8), (3, 9)})
+
+# Minor versions on which ``launcher.KernelLaunch`` may call a compiled
+# kernel's C launch function itself (``launcher``'s docstring gives the two
+# conventions, 3.6 and 3.7-3.9). tests/test_launcher_cpu.py checks the call
+# against the installed triton's own launch wrapper (CI: 3.7.1; 3.6.0, 3.8.0
+# and 3.9.0 by hand); the GPU suite ran it on the H200 under 3.6.0. Elsewhere
+# a fast launch goes through ``CompiledKernel.run``.
+DIRECT_LAUNCH_MINORS = frozenset({(3, 6), (3, 7), (3, 8), (3, 9)})
 
 # Set to 1 to import under an unsupported triton anyway (to try a new
 # release); the fast launch path stays off there.
@@ -95,5 +105,5 @@ def fast_launch_supported(version: str | None = None) -> bool:
     return parse_minor(version) in FAST_LAUNCH_MINORS
 
 
-__all__ = ["SUPPORTED", "SUPPORTED_TEXT", "FAST_LAUNCH_MINORS", "ALLOW_ANY_ENV", "UnsupportedTritonError",
-           "parse_minor", "installed_version", "is_supported", "check_supported", "fast_launch_supported"]
+__all__ = ["SUPPORTED", "SUPPORTED_TEXT", "FAST_LAUNCH_MINORS", "DIRECT_LAUNCH_MINORS", "ALLOW_ANY_ENV",
+           "UnsupportedTritonError", "parse_minor", "installed_version", "is_supported", "check_supported", "fast_launch_supported"]

@@ -15,6 +15,7 @@ from triton import knobs
 from triton.runtime.driver import driver
 
 from . import _triton_support
+from .launcher import KernelLaunch, TmaArg, tma_strides
 
 LOG2E = math.log2(math.e)
 
@@ -403,34 +404,8 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def tma_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """``t``'s strides with those of extent-1 axes replaced by the contiguous
-    value: the kernel never steps along such an axis, but TMA still wants every
-    stride 16-byte aligned, and torch leaves them arbitrary."""
-    shape, strides = t.shape, t.stride()
-    if 1 not in shape[:-1]:
-        return strides
-    fixed = list(strides)
-    for d in range(len(shape) - 2, -1, -1):
-        if shape[d] == 1:
-            fixed[d] = fixed[d + 1] * shape[d + 1]
-    return tuple(fixed)
-
-
-class _Desc:
-    """What Triton's launcher reads from a host TensorDescriptor (base, shape,
-    strides, padding; round_f32_to_tf32 from triton 3.7 on), without its
-    per-call validation: the arguments were validated once already, in
-    ``hopper_flash.interface``."""
-
-    __slots__ = ("base", "shape", "strides", "padding", "round_f32_to_tf32")
-
-    def __init__(self, t: torch.Tensor):
-        self.base = t
-        self.shape = t.shape
-        self.strides = tma_strides(t)
-        self.padding = "zero"
-        self.round_f32_to_tf32 = False
+# Descriptor arguments of the fast launch (launcher.py); the names predate that module.
+_Desc = TmaArg
 
 
 def _descriptor(t: torch.Tensor, block_shape: list[int]):
@@ -535,11 +510,13 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     ``num_splits`` (0: heuristic) and ``pack_gqa`` (None: heuristic).
 
     The first launch of a specialisation goes through Triton's JIT (compile,
-    cache). Later launches call the compiled kernel's launcher directly: the
-    JIT's per-call argument specialisation and descriptor checks cost more
-    host time than a short attention call takes on the GPU. That launcher is
-    private to triton: on versions where its calling convention was not
-    checked (``FAST_LAUNCH`` false) every launch takes the JIT's.
+    cache). Later launches skip the JIT (``launcher.KernelLaunch``: the
+    compiled kernel's own launcher, or its C launch function with cached TMA
+    descriptors): the JIT's per-call argument specialisation and descriptor
+    checks cost more host time than a short attention call takes on the GPU.
+    Those launchers are private to triton: on versions where their calling
+    convention was not checked (``FAST_LAUNCH`` false) every launch takes
+    the JIT's.
     """
     batch, seqlen_q, nheads, head_dim = q.shape
     device = q.device.index
@@ -576,12 +553,11 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         blocks = block_shapes(cfg, mode.pack_g)
         descs = (_descriptor(q, blocks["q"]), _descriptor(k, blocks["k"]), _descriptor(v, blocks["v"]),
                  _descriptor(out, blocks["o"]))
-        _COMPILED[lp.key] = attention_forward_kernel[(lp.n_ctas, 1, 1)](
-            *descs, *ptrs, *scalars, **lp.constexprs, **compile_options(cfg))
+        _COMPILED[lp.key] = KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
+            *descs, *ptrs, *scalars, **lp.constexprs, **compile_options(cfg)))
     else:
-        stream = driver.active.get_current_stream(device)
-        kernel.run(lp.n_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   _Desc(q), _Desc(k), _Desc(v), _Desc(out), *ptrs, *scalars, *lp.constexpr_values)
+        kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (q, k, v, out),
+               (*ptrs, *scalars, *lp.constexpr_values))
     if mode.split:
         launch_combine(o_part, lse_part, out, lse)
 
@@ -613,11 +589,9 @@ def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: d
            *[(a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor)])
     compiled = _TRITON_COMPILED.get(key)
     if compiled is None or not FAST_LAUNCH or _launch_hooked():
-        _TRITON_COMPILED[key] = kernel[grid](*args, **constexprs, num_warps=num_warps)
+        _TRITON_COMPILED[key] = KernelLaunch(kernel[grid](*args, **constexprs, num_warps=num_warps))
         return
-    stream = driver.active.get_current_stream(device)
-    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *constexprs.values())
+    compiled(grid, driver.active.get_current_stream(device), (), (*args, *constexprs.values()))
 
 
 def launch_combine(o_part, lse_part, out, lse) -> None:
@@ -690,9 +664,8 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
         blocks = block_shapes(cfg)
         descs = (_descriptor(q4, blocks["q"]), _descriptor(k4, blocks["k"]), _descriptor(v4, blocks["v"]),
                  _descriptor(o4, blocks["o"]))
-        _COMPILED[key] = attention_forward_kernel[(lp.n_ctas, 1, 1)](
-            *descs, *ptrs, *scalars, **lp.constexprs, **compile_options(cfg))
+        _COMPILED[key] = KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
+            *descs, *ptrs, *scalars, **lp.constexprs, **compile_options(cfg)))
     else:
-        stream = driver.active.get_current_stream(device)
-        kernel.run(lp.n_ctas, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   _Desc(q4), _Desc(k4), _Desc(v4), _Desc(o4), *ptrs, *scalars, *lp.constexpr_values)
+        kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (q4, k4, v4, o4),
+               (*ptrs, *scalars, *lp.constexpr_values))

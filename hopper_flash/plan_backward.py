@@ -22,7 +22,8 @@ import torch
 
 from . import plan
 from .kernels import backward_pre as _pre
-from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, _Desc, launch_maxnreg, triton_cdiv
+from .launcher import KernelLaunch
+from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, launch_maxnreg, triton_cdiv
 
 @dataclass(frozen=True)
 class BackwardConfig:
@@ -204,7 +205,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
 
     The main kernel launches as the forward's does (``plan.launch_forward``):
     the first launch of a specialisation through Triton's JIT, later ones
-    through the compiled kernel's launcher with ``plan._Desc`` arguments,
+    through ``launcher.KernelLaunch`` (cached descriptors, a direct call),
     where ``FAST_LAUNCH`` (the same triton-version guard) allows and no
     profiler hook is installed. The pre/postprocess kernels are plain Triton
     kernels with unspecialised integers, launched the same way
@@ -286,12 +287,11 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         names = ("q", "k", "v", "do", "dk", "dv", "dq_accum", "lse2", "delta")
         descs = [_descriptor(t, blocks[name]) for name, t in zip(names[:6], tensors[:6])]
         descs += [_fp32_descriptor(t, blocks[name]) for name, t in zip(names[6:], tensors[6:])]
-        _COMPILED[key] = attention_backward_kernel[g](
-            *descs, *ptrs, *stride_kv, *scalars, **constexprs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
+        _COMPILED[key] = KernelLaunch(attention_backward_kernel[g](
+            *descs, *ptrs, *stride_kv, *scalars, **constexprs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
     else:
-        stream = plan.driver.active.get_current_stream(dev.index)
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None,
-                   *(_Desc(t) for t in tensors), *ptrs, *stride_kv, *scalars, *constexprs.values())
+        kernel(g, plan.driver.active.get_current_stream(dev.index), tensors,
+               (*ptrs, *stride_kv, *scalars, *constexprs.values()))
 
     post = None if varlen is None else (varlen.cu_seqlens_q, varlen.seqused_q, batch, varlen.max_seqlen_q)
     bwd_postprocess(dq_accum, dq, softmax_scale, cfg.block_m, varlen=post)

@@ -9,6 +9,7 @@ import torch
 
 from hopper_flash import plan_backward
 from hopper_flash.kernels import backward as backward_kernels
+from launch_fakes import FakeCompiled
 
 
 @pytest.fixture
@@ -28,6 +29,7 @@ def captured(monkeypatch):
                 seen["grid"] = grid
                 seen["sem"] = args[9]  # after the nine descriptors
                 seen["deterministic"] = kwargs["DETERMINISTIC"]
+                return FakeCompiled([])
             return launch
 
     monkeypatch.setattr(plan_backward, "bwd_preprocess", preprocess)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hopper_flash import plan
+from launch_fakes import FakeCompiled
 
 SMS = 132
 
@@ -107,10 +108,13 @@ def test_dynamic_launch_gets_a_fresh_zeroed_counter_and_the_section(monkeypatch)
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 launches.append((grid, dict(zip(names, args)), kwargs))
+                return FakeCompiled([])
             return launch
 
     monkeypatch.setattr(fk, "attention_forward_kernel", FakeJIT())
     monkeypatch.setattr(plan, "_COMPILED", {})
+    # Both launches through the (fake) JIT; the fast path takes the same pointer arguments.
+    monkeypatch.setattr(plan, "FAST_LAUNCH", False)
     monkeypatch.setattr(plan, "_plan_launch", plan._plan_launch.__wrapped__)
     q = torch.randn(2, 2048, 16, 128).to(torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
