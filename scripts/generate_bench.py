@@ -32,22 +32,32 @@ def build_model(layers: int, device: str, dtype: torch.dtype):
 
 
 @torch.inference_mode()
-def decode(model, impl: str, cache, first_token, tokens, sync) -> tuple[list[torch.Tensor], float]:
-    """Feed ``first_token`` then ``tokens`` one by one; logits of every step and
-    the median seconds per step (after two warm-up steps)."""
-    model.set_attn_implementation(impl)
-    cache = copy.deepcopy(cache)
+def decode(model, impls, cache, first_token, tokens, sync) -> dict:
+    """Feed ``first_token`` then ``tokens`` one by one to every backend in
+    ``impls``, each on its own copy of ``cache``, the backends taking turns
+    at every step (the host's speed drifts between runs on a shared machine
+    by far more than the differences measured here: a backend timed in a
+    block of its own measured 3.4 and 6.4 ms per token in two runs of the
+    same code). Returns ``{impl: (logits of every step, median seconds per
+    step after two warm-up steps)}``."""
+    caches = {impl: copy.deepcopy(cache) for impl in impls}
     feed = [first_token] + [t.view(1, 1).expand(first_token.shape[0], 1) for t in tokens]
-    logits, times = [], []
+    logits = {impl: [] for impl in impls}
+    times = {impl: [] for impl in impls}
     for tok in feed:
-        sync()
-        t0 = time.perf_counter()
-        out = model(input_ids=tok, past_key_values=cache, use_cache=True)
-        sync()
-        times.append(time.perf_counter() - t0)
-        logits.append(out.logits[:, -1].float())
-    steady = sorted(times[2:]) or times
-    return logits, steady[len(steady) // 2]
+        for impl in impls:
+            model.set_attn_implementation(impl)
+            sync()
+            t0 = time.perf_counter()
+            out = model(input_ids=tok, past_key_values=caches[impl], use_cache=True)
+            sync()
+            times[impl].append(time.perf_counter() - t0)
+            logits[impl].append(out.logits[:, -1].float())
+    result = {}
+    for impl in impls:
+        steady = sorted(times[impl][2:]) or times[impl]
+        result[impl] = (logits[impl], steady[len(steady) // 2])
+    return result
 
 
 def main(argv=None) -> None:
@@ -57,6 +67,8 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--backends", nargs="+", default=["sdpa", "eager", "hopper_flash"])
+    p.add_argument("--profile", action="store_true",
+                   help="after the timing, a torch.profiler table of four steps per backend")
     args = p.parse_args(argv)
 
     import transformers
@@ -97,7 +109,7 @@ def main(argv=None) -> None:
     # generate call does.
     steady_first = sorted(first_visit[2:]) or first_visit
 
-    runs = {impl: decode(model, impl, cache, first, tokens, sync) for impl in args.backends}
+    runs = decode(model, args.backends, cache, first, tokens, sync)
     ref = runs["sdpa"][0] if "sdpa" in runs else None
     print(f"context {args.context}, batch {args.batch}, {args.layers} layers, {args.steps} steps, "
           f"torch {torch.__version__}, transformers {transformers.__version__}")
@@ -112,6 +124,31 @@ def main(argv=None) -> None:
             diff = (a - b).abs().max().item()
             rel = ((a - b).norm() / b.norm()).item()
         print(f"{impl:>14} {sec * 1e3:9.3f} {diff:19.4f} {rel:12.3e}")
+    if args.profile:
+        for impl in args.backends:
+            profile_steps(model, impl, cache, first, tokens[:6], sync)
+
+
+@torch.inference_mode()
+def profile_steps(model, impl, cache, first_token, tokens, sync) -> None:
+    """Where a decode step's time goes: the last four of ``tokens``' steps
+    under torch.profiler (the first two warm up), by CPU and by CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.set_attn_implementation(impl)
+    cache = copy.deepcopy(cache)
+    feed = [first_token] + [t.view(1, 1).expand(first_token.shape[0], 1) for t in tokens]
+    for tok in feed[:2]:
+        model(input_ids=tok, past_key_values=cache, use_cache=True)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for tok in feed[2:]:
+            model(input_ids=tok, past_key_values=cache, use_cache=True)
+        sync()
+    events = prof.key_averages()
+    print(f"==== {impl}: {len(feed) - 2} steps")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+    print(events.table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=60))
 
 
 if __name__ == "__main__":
