@@ -161,6 +161,10 @@ class KernelLaunch:
         self.packed_metadata = compiled.packed_metadata
         self.direct = direct_parts(compiled) if direct is True else (direct or None)
         self._descriptors: dict[tuple, tuple] = {}
+        # Positions of the tensor arguments in ``args``: taken from the first
+        # direct call (every call site passes tensors in the same parameters;
+        # anything else fails loudly, in ``data_ptr`` or in the C parser).
+        self._tensor_slots: tuple[int, ...] | None = None
 
     def _descriptor_args(self, slot: int, t: torch.Tensor) -> tuple:
         key = (slot, t.data_ptr(), t.shape, t.stride())
@@ -189,7 +193,13 @@ class KernelLaunch:
         flat = []
         for slot, t in enumerate(descs):
             flat.extend(self._descriptor_args(slot, t))
-        flat.extend(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+        slots = self._tensor_slots
+        if slots is None:
+            slots = self._tensor_slots = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        base = len(flat)
+        flat.extend(args)
+        for i in slots:
+            flat[base + i] = flat[base + i].data_ptr()
         if d.new_convention:
             d.c_launch(grid[0], grid[1], grid[2], stream, self.function, d.cooperative, d.pdl, self.packed_metadata,
                        None, None, None, None, None, d.annotations, d.signature, flat)

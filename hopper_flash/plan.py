@@ -585,7 +585,9 @@ def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: d
     holds what Triton still specialises on: the tensors' dtypes and 16-byte
     pointer alignment, and the constexprs. The first argument is a tensor."""
     device = args[0].device.index
-    key = (kernel, device, num_warps, *constexprs.values(),
+    # id(kernel): the kernels are module globals, and hashing a JITFunction
+    # computes its cache key in Python on every call.
+    key = (id(kernel), device, num_warps, *constexprs.values(),
            *[(a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor)])
     compiled = _TRITON_COMPILED.get(key)
     if compiled is None or not FAST_LAUNCH or _launch_hooked():
