@@ -1,0 +1,62 @@
+"""The host path of one decode step's attention on the CPU machine: the real
+Python from the transformers backend down to the C launch call, with the
+CUDA-only pieces patched out (device checks, the stream, the SM count, the C
+launch function and the TMA encoder are stand-ins; tensors live on the CPU,
+so allocations cost less than on the GPU machine). For cutting Python
+overhead without device time; the GPU machine's figures come from
+``scripts/backend_host.py``.
+
+    python scripts/host_standin.py [SEQLEN_K] [-p]      (-p: a cProfile too)"""
+import sys, time, types, cProfile, pstats
+import torch
+sys.path.insert(0, __import__('os').path.dirname(__import__('os').path.dirname(__import__('os').path.abspath(__file__))))
+import hopper_flash
+from hopper_flash import plan, checks, launcher, dispatch
+from hopper_flash.integrations import transformers as hft
+
+torch.cuda.current_device = lambda: None
+checks.check_device = lambda t, name="q": None
+plan._sm_count = lambda device: 132
+plan.FAST_LAUNCH = True
+plan._launch_hooked = lambda: False
+class Drv:
+    class active:
+        @staticmethod
+        def get_current_stream(d): return 7
+plan.driver = Drv
+def c_launch(*a): pass
+def fill(*a): return object()
+class Run:
+    launch = c_launch; global_scratch_size = 0; profile_scratch_size = 0
+    launch_cooperative_grid = False; launch_pdl = False
+meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [1, 64, 1, 128], "fp4_padded": False}
+def make_kl():
+    comp = types.SimpleNamespace(run=Run(), function=1, packed_metadata=(4, 1, 1),
+                                 metadata=types.SimpleNamespace(tensordesc_meta=[meta] * 4))
+    d = launcher._Direct(c_launch, fill, {10: 9}, [meta] * 4, False, Run())
+    return launcher.KernelLaunch(comp, direct=d)
+class AutoDict(dict):
+    def get(self, k, default=None):
+        if k not in self: self[k] = make_kl()
+        return dict.get(self, k)
+plan._COMPILED = AutoDict(); plan._TRITON_COMPILED = AutoDict()
+
+class Module(torch.nn.Module):
+    is_causal = True
+    num_key_value_groups = 4
+m = Module()
+S = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
+q = torch.randn(1, 32, 1, 128).to(torch.bfloat16)
+k = torch.randn(1, 8, S, 128).to(torch.bfloat16); v = torch.randn_like(k)
+f = lambda: hft.hopper_flash_attention_forward(m, q, k, v, None, scaling=128 ** -0.5)
+for _ in range(200): f()
+best = 1e9
+for _ in range(5):
+    t = time.perf_counter()
+    for _ in range(5000): f()
+    best = min(best, (time.perf_counter() - t) / 5000 * 1e6)
+print(f"backend decode call, CPU stand-in: {best:.1f} us")
+if "-p" in sys.argv:
+    pr = cProfile.Profile(); pr.enable()
+    for _ in range(5000): f()
+    pr.disable(); pstats.Stats(pr).sort_stats("tottime").print_stats(30)
