@@ -52,7 +52,12 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   or Pᵀ's exponentials (backward) overlap the warpgroup's own PV or dPᵀ in
   the SASS: the forward within +-2%, the backward 3-4% slower. Their text:
   ``git show a5d7a1a:scripts/variants/NAME.patch``.)
-* ``fwd-lane-row-sums`` (thirteenth session, CPU only, not run): the running
+* (``fwd-kv192``, fourteenth session: a 192-key KV step for plain D = 128
+  prefill as two score tiles, 128 + 64 keys; correct (302 GPU tests) but
+  2-14% slower than the shipped 128-key step, BENCHMARKS.md. Its text:
+  ``git show 37406b0:scripts/variants/fwd-kv192.patch``.)
+* ``fwd-lane-row-sums`` (thirteenth session; timed in the fourteenth: +1-2%
+  on causal D = 128, noise elsewhere, 554 GPU tests passed on it): the running
   row sums kept per thread, one partial per lane of the quad that shares a
   row (FA3's per-thread row sums, shared/notes/fa3-forward.md), summed
   across the quad once in ``softmax_finish``: a D = 128 steady step loses its
