@@ -106,4 +106,5 @@ def fast_launch_supported(version: str | None = None) -> bool:
 
 
 __all__ = ["SUPPORTED", "SUPPORTED_TEXT", "FAST_LAUNCH_MINORS", "DIRECT_LAUNCH_MINORS", "ALLOW_ANY_ENV",
-           "UnsupportedTritonError", "parse_minor", "installed_version", "is_supported", "check_supported", "fast_launch_supported"]
+           "UnsupportedTritonError", "parse_minor", "installed_version", "is_supported", "check_supported",
+           "fast_launch_supported"]

@@ -7,12 +7,18 @@ overhead without device time; the GPU machine's figures come from
 ``scripts/backend_host.py``.
 
     python scripts/host_standin.py [SEQLEN_K] [-p]      (-p: a cProfile too)"""
-import sys, time, types, cProfile, pstats
+import cProfile
+import os
+import pstats
+import sys
+import time
+import types
+
 import torch
-sys.path.insert(0, __import__('os').path.dirname(__import__('os').path.dirname(__import__('os').path.abspath(__file__))))
-import hopper_flash
-from hopper_flash import plan, checks, launcher, dispatch
-from hopper_flash.integrations import transformers as hft
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hopper_flash import checks, launcher, plan  # noqa: E402
+from hopper_flash.integrations import transformers as hft  # noqa: E402
 
 torch.cuda.current_device = lambda: None
 checks.check_device = lambda t, name="q": None

@@ -60,7 +60,8 @@ def main():
     diff = {k: (b.get(k, (0, 0, 0))[1] - a.get(k, (0, 0, 0))[1]) / args.steps * 1e6 for k in set(a) | set(b)}
     print(f"==== own time per step, {args.backends[1]} minus {args.backends[0]} (us), largest first")
     for k, d in sorted(diff.items(), key=lambda x: -abs(x[1]))[:30]:
-        print(f"{d:+9.1f}  calls/step {b.get(k, (0,))[0] / args.steps:6.1f} vs {a.get(k, (0,))[0] / args.steps:6.1f}  {k}")
+        calls_b, calls_a = b.get(k, (0,))[0] / args.steps, a.get(k, (0,))[0] / args.steps
+        print(f"{d:+9.1f}  calls/step {calls_b:6.1f} vs {calls_a:6.1f}  {k}")
 
 
 if __name__ == "__main__":
