@@ -63,6 +63,18 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   across the quad once in ``softmax_finish``: a D = 128 steady step loses its
   4 SHFL and 4 FADD (607 -> 600 SASS instructions). Spill-free (CPU census).
   ``benchmarks/prefill.json``.
+* ``fwd-lazy-rescale`` (fourteenth session, CPU only, not run): FA4's
+  conditional rescale. A row keeps a stale reference max until a tile's max
+  exceeds it by more than 8 (log2 units; P <= 256, exact in bf16/fp16), and
+  the O multiply is skipped on steps where no row of the warpgroup moved (a
+  flag reduced across the warpgroup, through shared memory and the
+  partition's named barrier: 3 more BAR.SYNC per step). D = 128 steady step
+  431 SASS on the skip path, 503 when it rescales, 474 shipped; D = 256
+  322 against 426. Spill-free except where it keeps the multiply (D = 256
+  decode with per-batch lengths). Its GPU tests ship inside the patch
+  (``hopper_flash/test_lazy_rescale_gpu.py``: max ramps around the
+  threshold, late spikes, rows fully masked at first, fp16 margins, decode,
+  varlen). ``benchmarks/steady-mix.json``.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
