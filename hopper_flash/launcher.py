@@ -11,7 +11,7 @@ launch of a compiled kernel (``CompiledKernel.run``, the nvidia driver's
 * in C, parses the arguments and, for each tensor, calls its ``data_ptr()``
   and ``cuPointerGetAttribute``, then launches.
 
-On the H200 (B1 decode against 32k keys, twelfth-fourteenth sessions,
+On the H200 (B1 decode against 32k keys, fourteenth session,
 ``scripts/backend_host.py``) that was about half of a forward call's host
 time: two launches (the kernel and the split-KV combine) with four
 descriptors.

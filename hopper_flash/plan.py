@@ -15,7 +15,7 @@ from triton import knobs
 from triton.runtime.driver import driver
 
 from . import _triton_support
-from .launcher import KernelLaunch, TmaArg, tma_strides
+from .launcher import KernelLaunch, tma_strides
 
 LOG2E = math.log2(math.e)
 
@@ -402,10 +402,6 @@ def sm_count(device: int | None = None) -> int:
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-# Descriptor arguments of the fast launch (launcher.py); the names predate that module.
-_Desc = TmaArg
 
 
 def _descriptor(t: torch.Tensor, block_shape: list[int]):

@@ -11,20 +11,17 @@ burst, then cProfiles of the backend call.
 
     PYTHONPATH=. python -P scripts/backend_host.py [--context 32768]   (GPU machine)"""
 import argparse
-import cProfile
-import io
 import os
-import pstats
 import sys
 import time
 
 import torch
 
 import hopper_flash
-from hopper_flash import plan
+from hopper_flash import launcher, plan
 from hopper_flash.integrations import transformers as hf_backend
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # host_timing, also under python -P
-from host_timing import enqueue_us, host_us  # noqa: E402
+from host_timing import enqueue_us, host_us, profile_calls  # noqa: E402
 
 
 class Module(torch.nn.Module):
@@ -102,25 +99,14 @@ def main():
         fill = lambda: utils.fill_tma_descriptor(kb.data_ptr(), m["swizzle"], m["elem_size"], host_type,
                                                  m["block_size"], list(kb.shape), list(plan.tma_strides(kb)), 0)
         print(f"fill_tma_descriptor alone: {per_call(fill, 20000):.2f} us")
-        d = plan._Desc(kb)
-        print(f"TmaArg(k): {per_call(lambda: plan._Desc(kb), 20000):.2f} us")
+        print(f"TmaArg(k): {per_call(lambda: launcher.TmaArg(kb), 20000):.2f} us")
         print(f"torch.empty(part): {per_call(lambda: torch.empty(1 << 20, device='cuda'), 20000):.2f} us")
         print(f"current stream: {per_call(lambda: driver.active.get_current_stream(0), 20000):.2f} us")
         launch = kernel.run.launch
         names = launch.__code__.co_freevars if hasattr(launch, "__code__") else ()
         print("launcher wrapper free variables:", names)
-        del d
-        for title, fn in (("backend hopper_flash", calls["backend hopper_flash"]),
-                          ("flash_attn_func", calls["flash_attn_func"])):
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(1000):
-                fn()
-            torch.cuda.synchronize()
-            prof.disable()
-            st = io.StringIO()
-            pstats.Stats(prof, stream=st).sort_stats("tottime").print_stats(25)
-            print(f"==== cProfile {title}, 1000 calls, by own time\n" + st.getvalue()[:6000])
+        for title in ("backend hopper_flash", "flash_attn_func"):
+            print(f"==== cProfile {title}, 1000 calls, by own time\n" + profile_calls(calls[title])[:6000])
 
 
 if __name__ == "__main__":

@@ -4,12 +4,15 @@ and with a one-token append, the CPU time to enqueue a burst, the parts
 (validation, ``plan.launch_forward``, one allocation) and a cProfile.
 
     PYTHONPATH=. python -P scripts/decode_host.py      (on the GPU machine)"""
-import cProfile, pstats, time, io, os, sys
+import os
+import sys
+import time
+
 import torch
 import hopper_flash
 from hopper_flash import kvcache, plan
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # host_timing, also under python -P
-from host_timing import enqueue_us, host_us  # noqa: E402
+from host_timing import enqueue_us, host_us, profile_calls  # noqa: E402
 
 B, H, HK, D, SK = 8, 32, 8, 128, 4096
 q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
@@ -47,8 +50,5 @@ with torch.no_grad():
     t = time.perf_counter()
     for _ in range(20000): torch.cuda.current_device()
     print(f"current_device: {(time.perf_counter()-t)/20000*1e6:.2f} us")
-    pr = cProfile.Profile(); pr.enable()
-    for _ in range(1000): call()
-    pr.disable(); torch.cuda.synchronize()
-    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22); print(s.getvalue()[:5000])
-    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(18); print(s.getvalue()[:4000])
+    print(profile_calls(call, 1000, limit=22)[:5000])
+    print(profile_calls(call, 1000, sort="cumulative", limit=18)[:4000])

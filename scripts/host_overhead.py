@@ -9,9 +9,7 @@ LSE, and SDPA cuDNN's autograd backward), with the backward's fast launch on
 and off (``plan_backward.FAST_LAUNCH``).
 
     PYTHONPATH=. python scripts/host_overhead.py"""
-import cProfile
 import os
-import pstats
 import sys
 
 import torch
@@ -20,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import hopper_flash
 from hopper_flash import plan_backward
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # host_timing, also under python -P
-from host_timing import enqueue_us, host_us  # noqa: E402
+from host_timing import enqueue_us, host_us, profile_calls  # noqa: E402
 
 N = 2000
 
@@ -72,13 +70,7 @@ def at_b16_s512():
 
 
 if __name__ == "__main__":
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(500):
-        ours()
-    torch.cuda.synchronize()
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    print(profile_calls(ours, 500, limit=12))
     print(f"host time per call (B=1, H=1, S=128, causal): hopper_flash {host_us(ours, N):.1f} us, "
           f"SDPA cuDNN {host_us(cudnn, N):.1f} us")
     print(f"enqueue time per call (B=1, H=1, S=128, causal): hopper_flash {enqueue_us(ours):.1f} us, "

@@ -1,6 +1,9 @@
 """Host-time helpers shared by the host-overhead probes (``host_overhead.py``,
 ``decode_host.py``): run on the GPU machine, with the GPU work per call far
 shorter than the host's."""
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -34,3 +37,17 @@ def enqueue_us(fn, n=200):
         best = min(best, (time.perf_counter() - t0) / n * 1e6)
     torch.cuda.synchronize()
     return best
+
+
+def profile_calls(fn, n=1000, sort="tottime", limit=25) -> str:
+    """A cProfile of ``n`` calls of ``fn`` (the GPU synchronised inside the
+    profile), as text sorted by ``sort``, ``limit`` functions."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(limit)
+    return out.getvalue()

@@ -7,7 +7,7 @@ arguments the JIT launch bound to the kernel's parameters. The GPU half
 import pytest
 import torch
 
-from hopper_flash import plan, plan_backward
+from hopper_flash import launcher, plan, plan_backward
 from hopper_flash.kernels import backward as backward_kernels
 from launch_fakes import FakeDriver, FakeJIT
 
@@ -80,7 +80,7 @@ def test_fast_arguments_are_the_jit_arguments_in_signature_order(monkeypatch, lo
         want = bound[name]
         if name.endswith("_desc"):
             # Same tensor geometry as the JIT's TensorDescriptor (different calls: fresh tensors).
-            assert isinstance(got, plan._Desc), name
+            assert isinstance(got, launcher.TmaArg), name
             assert tuple(got.shape) == tuple(want.shape) and tuple(got.strides) == tuple(want.strides), name
             assert got.base.dtype == want.base.dtype and got.padding == want.padding, name
         elif name.endswith("_ptr"):

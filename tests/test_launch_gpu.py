@@ -2,7 +2,7 @@
 public ``kernel[grid](...)`` launch, on the GPU.
 
 The fast path calls a compiled kernel's launcher with hand-built arguments
-(``plan._Desc`` instead of a TensorDescriptor); a mistake in that convention
+(``launcher.TmaArg`` instead of a TensorDescriptor); a mistake in that convention
 (an argument in the wrong place, a descriptor field the launcher reads
 differently on a new triton) shows up as a difference here. The kernel is
 deterministic (each output tile is written by one CTA, no atomics), so both

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hopper_flash import _triton_support as ts
-from hopper_flash import plan
+from hopper_flash import launcher, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,13 +129,13 @@ def test_launch_forward_follows_the_guard(monkeypatch, fast):
 
 def test_fast_path_descriptor_has_what_the_launcher_reads():
     # The nvidia launcher reads a host descriptor's fields by name
-    # (make_tensordesc_arg); plan._Desc must carry every field of this
+    # (make_tensordesc_arg); launcher.TmaArg must carry every field of this
     # triton's Gluon TensorDescriptor except the compile-time ones.
     import dataclasses
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     runtime_fields = {f.name for f in dataclasses.fields(TensorDescriptor)} - {"block_shape", "layout"}
-    assert runtime_fields <= set(plan._Desc.__slots__)
-    desc = plan._Desc(torch.empty(2, 3, 4, 64, dtype=torch.bfloat16))
+    assert runtime_fields <= set(launcher.TmaArg.__slots__)
+    desc = launcher.TmaArg(torch.empty(2, 3, 4, 64, dtype=torch.bfloat16))
     assert all(hasattr(desc, name) for name in runtime_fields)

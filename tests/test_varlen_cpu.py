@@ -541,10 +541,10 @@ def test_bench_cli_varlen_option_errors(capsys):
 # ---------------------------------------------------------------- fast launches (kernels faked)
 
 def _same_arg(name, got, want):
-    from hopper_flash import plan
+    from hopper_flash import launcher
 
     if name.endswith("_desc"):
-        assert isinstance(got, plan._Desc), name
+        assert isinstance(got, launcher.TmaArg), name
         assert tuple(got.shape) == tuple(want.shape) and tuple(got.strides) == tuple(want.strides), name
         assert got.base.dtype == want.base.dtype, name
     elif isinstance(want, torch.Tensor):
