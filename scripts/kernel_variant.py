@@ -56,14 +56,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   prefill as two score tiles, 128 + 64 keys; correct (302 GPU tests) but
   2-14% slower than the shipped 128-key step, BENCHMARKS.md. Its text:
   ``git show 37406b0:scripts/variants/fwd-kv192.patch``.)
-* ``fwd-lane-row-sums`` (thirteenth session; timed in the fourteenth: +1-2%
-  on causal D = 128, noise elsewhere, 554 GPU tests passed on it): the running
-  row sums kept per thread, one partial per lane of the quad that shares a
-  row (FA3's per-thread row sums, shared/notes/fa3-forward.md), summed
-  across the quad once in ``softmax_finish``: a D = 128 steady step loses its
-  4 SHFL and 4 FADD (607 -> 600 SASS instructions). Spill-free (CPU census).
-  ``benchmarks/prefill.json``.
-* ``fwd-lazy-rescale`` (fourteenth session, CPU only, not run): FA4's
+* (``fwd-lane-row-sums``, per-thread row sums, shipped in the fifteenth
+  session: ``kernels/softmax.py``.)
+* ``fwd-lazy-rescale`` (fourteenth session, CPU only; rebased onto the
+  per-thread row sums in the fifteenth, spill-free in the census): FA4's
   conditional rescale. A row keeps a stale reference max until a tile's max
   exceeds it by more than 8 (log2 units; P <= 256, exact in bf16/fp16), and
   the O multiply is skipped on steps where no row of the warpgroup moved (a

@@ -3,7 +3,10 @@
 ``qk_scale = softmax_scale * log2(e)`` (the seed's 0.12751743 for head dim 128),
 so ``exp(scale * (s - m)) == exp2(s * qk_scale - m * qk_scale)`` and each score
 costs one FFMA and one MUFU.EX2. ``scores_max`` holds the running row maximum of
-the *unscaled* scores, ``logsum`` the running row sum of probabilities.
+the *unscaled* scores, ``logsum`` the running row sums of probabilities, kept
+per thread (FA3's way): ``[rows, 4]``, one partial per lane of the quad that
+shares a row in the wgmma accumulator layout, summed across the quad only in
+``softmax_finish``, so a step's row sum costs no shuffles.
 
 A row that has seen only masked scores has ``scores_max == -inf``; its scaled
 maximum is taken as 0 so that ``exp2(-inf - 0) = 0`` instead of NaN. Such a row
@@ -19,27 +22,38 @@ def _scaled_max(scores_max, qk_scale):
 
 
 @gluon.jit
+def _lane_sums(p):
+    """Per-thread partial row sums of ``p`` ([M, N], wgmma accumulator layout,
+    where lane ``l`` of a quad holds columns ``8j + 2l`` and ``8j + 2l + 1``):
+    ``[M, 4]``, the quad's lanes along dim 1."""
+    M: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    return gl.sum(gl.sum(gl.reshape(p, [M, N // 8, 4, 2]), axis=3), axis=1)
+
+
+@gluon.jit
 def softmax_first(s, qk_scale):
     """First (diagonal) tile: no running state to rescale yet."""
     scores_max = gl.max(s, axis=1)
     m_scaled = _scaled_max(scores_max, qk_scale)
     p = gl.exp2(s * qk_scale - m_scaled[:, None])
-    logsum = gl.sum(p, axis=1)
+    logsum = _lane_sums(p)
     return p, scores_max, logsum
 
 
 @gluon.jit
 def softmax_step(s, scores_max_prev, logsum, qk_scale):
-    """Later tiles, in FA3's order: rescale the carried row sum before the
-    exponentials, add the new partial sum after them. Returns the probabilities,
+    """Later tiles, in FA3's order: rescale the carried row sums before the
+    exponentials, add the new partial sums after them. Returns the probabilities,
     the new running state and ``scores_scale``, the factor the caller applies to
     the output accumulator."""
     scores_max = gl.maximum(scores_max_prev, gl.max(s, axis=1))
     m_scaled = _scaled_max(scores_max, qk_scale)
     scores_scale = gl.exp2(scores_max_prev * qk_scale - m_scaled)
-    logsum = logsum * scores_scale
+    sum_row_layout: gl.constexpr = gl.SliceLayout(1, logsum.type.layout)
+    logsum = logsum * gl.convert_layout(scores_scale, sum_row_layout)[:, None]
     p = gl.exp2(s * qk_scale - m_scaled[:, None])
-    logsum = logsum + gl.sum(p, axis=1)
+    logsum = logsum + _lane_sums(p)
     return p, scores_max, logsum, scores_scale
 
 
@@ -49,6 +63,7 @@ def softmax_finish(scores_max, logsum, softmax_scale):
 
     Rows that saw no key (``logsum == 0``) get a factor 0, so their output is 0
     rather than 0 * inf, and an LSE of -inf."""
+    logsum = gl.convert_layout(gl.sum(logsum, axis=1), scores_max.type.layout)
     empty = logsum == 0.0
     inv_logsum = gl.where(empty, 0.0, 1.0 / logsum)
     lse = gl.where(empty, -float("inf"), scores_max * softmax_scale + gl.log(logsum))
