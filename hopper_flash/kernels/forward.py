@@ -106,8 +106,7 @@ from .mask import apply_mask, kv_split_range, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
 from .scheduler import (SCHED_STAGES, draw_item, first_item, publish_item, receive_item, section_coords,
                         work_coords)
-from .softmax import (rescale_factor, rescale_sums, softmax_finish, softmax_first, softmax_step,
-                      softmax_step_lazy)
+from .softmax import softmax_finish, softmax_first, softmax_step
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
 WG_M = gl.constexpr(64)
@@ -539,16 +538,6 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     acc_o = gl.zeros([WG_M, mode.HEAD_DIM], gl.float32, o_layout)
 
     # ---- Steady state: QK[it] and PV[it - 1] as two async groups. ----
-    # The lazy rescale (softmax.py) skips the O multiply on steps where no row
-    # of the warpgroup moved its reference, on a flag reduced across the
-    # warpgroup's 4 warps (shared memory and the partition's named barrier,
-    # so the branch is uniform). At head dims 128 and 256 that saves more than
-    # the reduction costs (the H200, fifteenth session: +3-4% causal D=128,
-    # +1-2% non-causal, +8-11% at D=256); at 64, where the multiply is half as
-    # long, it measured 1-2% slower, so D=64 keeps the exact running max. So
-    # does D=256 with per-batch key lengths (decode), where the reduction's
-    # registers pushed ptxas into a spill.
-    LAZY: gl.constexpr = mode.HEAD_DIM >= 128 and not (mode.HEAD_DIM == 256 and mode.SEQUSED)
     for it in range(1, n_kv):
         bn = n_hi - 1 - it
         # Unlike the seed, which waits for V between issuing QK and PV, both
@@ -569,28 +558,14 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
 
         if tile_needs_mask(bn, bm, seqlen_q, seqlen_k, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, mode.PACK_G):
             s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G)
-        if LAZY:
-            p, scores_max_new, row_sum, moved = softmax_step_lazy(s, scores_max, prob.qk_scale)
-            any_moved = gl.max(moved.to(gl.int32), axis=0)
-        else:
-            p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, prob.qk_scale)
+        p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, prob.qk_scale)
 
         # p_op is a register operand of the PV in flight: keep it alive until
         # the group completes, then overwrite it with this tile's P.
         acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
         release(rings.v_empty, kv0 + it - 1, mode.V_STAGES)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-        if LAZY:
-            if any_moved != 0:
-                # Rows that kept their reference get a factor of exactly 1.0.
-                scores_scale = rescale_factor(scores_max, scores_max_new, moved, prob.qk_scale)
-                logsum = rescale_sums(logsum, scores_scale, row_sum)
-                acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
-            else:
-                logsum = logsum + row_sum
-            scores_max = scores_max_new
-        else:
-            acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
+        acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
 
     if not mode.O_IN_Q:
         # Every QK of this item is complete: the producer may load the next

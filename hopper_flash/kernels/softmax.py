@@ -11,34 +11,9 @@ shares a row in the wgmma accumulator layout, summed across the quad only in
 A row that has seen only masked scores has ``scores_max == -inf``; its scaled
 maximum is taken as 0 so that ``exp2(-inf - 0) = 0`` instead of NaN. Such a row
 ends with ``logsum == 0`` and is written as zeros (LSE -inf).
-
-Lazy rescaling (FlashAttention-4's conditional rescale; ``softmax_step_lazy``,
-which the forward uses at head dims 128 and 256): ``scores_max`` is then not
-the running maximum but a row's *reference*, which moves to the running
-maximum only when a tile's maximum exceeds it by more than
-``RESCALE_THRESHOLD`` (log2 units, i.e. after ``qk_scale``). P and the row sum
-are always taken against the same reference, and O is rescaled by
-``exp2((m_old - m_new) * qk_scale)`` exactly when the reference moves, so the
-result is the same softmax up to fp32 rounding: ``O = acc / logsum`` and
-``LSE = m_ref * softmax_scale + log(logsum)`` hold for whatever reference a
-row ends with. A row whose reference stays put gets a factor of exactly 1.0,
-so the caller may skip the O multiply on steps where no row of its
-warpgroup moved.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-
-# How far (log2 units) a tile's row maximum may exceed the row's reference
-# before the reference moves; FA4 uses 8.0 for 16-bit inputs. Against a stale
-# reference every probability is at most 2^8 = 256: exact in bf16 and fp16
-# (fp16's largest finite value is 65504 = 2^15.999), and the fp32 row sum and
-# O accumulator grow by at most 256x against the exact-max form (a row sum of
-# at most 256 * seqlen_k; |O| at most 256 * max|V| before the final
-# 1 / logsum), nowhere near fp32's 3.4e38 for fp16 inputs (256 * 65504 * 2^31
-# keys ~ 3.6e16). Precision is unchanged: P only moves up by a power of two
-# in [1, 256] (bf16/fp16 relative precision is the same at every normal
-# magnitude; fewer tiny P values underflow).
-RESCALE_THRESHOLD = gl.constexpr(8.0)
 
 
 @gluon.jit
@@ -80,43 +55,6 @@ def softmax_step(s, scores_max_prev, logsum, qk_scale):
     p = gl.exp2(s * qk_scale - m_scaled[:, None])
     logsum = logsum + _lane_sums(p)
     return p, scores_max, logsum, scores_scale
-
-
-@gluon.jit
-def softmax_step_lazy(s, scores_max_prev, qk_scale):
-    """Later tiles, with the lazy rescale. ``scores_max_prev`` is each row's
-    reference (module docstring); it moves to this tile's row maximum only
-    where that lies more than ``RESCALE_THRESHOLD`` above it (log2 units). A
-    row that has seen only masked keys (reference -inf) moves as soon as it
-    sees a finite score (the gap is +inf); a row still fully masked compares
-    NaN > threshold, false, and keeps -inf. Returns the probabilities against
-    the new reference, the new reference, this tile's per-thread row sums
-    (``_lane_sums``) and ``moved``, the rows whose reference moved. The
-    carried row sums and O are rescaled by the caller, with
-    ``rescale_factor``, only when some row moved."""
-    tile_max = gl.max(s, axis=1)
-    moved = (tile_max - scores_max_prev) * qk_scale > RESCALE_THRESHOLD
-    scores_max = gl.where(moved, tile_max, scores_max_prev)
-    m_scaled = _scaled_max(scores_max, qk_scale)
-    p = gl.exp2(s * qk_scale - m_scaled[:, None])
-    return p, scores_max, _lane_sums(p), moved
-
-
-@gluon.jit
-def rescale_factor(scores_max_prev, scores_max, moved, qk_scale):
-    """The factor that takes the carried row sums and O from the old
-    reference to the new one: ``exp2((m_old - m_new) * qk_scale)`` where the
-    reference moved (0 for a row leaving -inf), exactly 1.0 where it stayed."""
-    m_scaled = _scaled_max(scores_max, qk_scale)
-    return gl.where(moved, gl.exp2(scores_max_prev * qk_scale - m_scaled), 1.0)
-
-
-@gluon.jit
-def rescale_sums(logsum, scores_scale, row_sum):
-    """``logsum * scores_scale + row_sum`` for the per-thread row sums
-    (``[rows, 4]``) and a per-row factor."""
-    sum_row_layout: gl.constexpr = gl.SliceLayout(1, logsum.type.layout)
-    return logsum * gl.convert_layout(scores_scale, sum_row_layout)[:, None] + row_sum
 
 
 @gluon.jit
