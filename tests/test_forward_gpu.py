@@ -157,6 +157,23 @@ def test_deterministic():
     assert torch.equal(a, b) and torch.equal(lse_a, lse_b)
 
 
+@pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True), (128, False), (256, True), (256, False)])
+def test_error_is_cudnns(head_dim, causal):
+    """The judge lets a result err up to twice SDPA cuDNN's error; the kernel
+    makes the same error as cuDNN (and FA3): the exact running max and FA3's
+    order of operations. Over 8M outputs the relative Frobenius error is a
+    stable statistic (ours and cuDNN's differ by under 0.5% on the bench
+    rows), so it must stay within 1% of cuDNN's on the same inputs. FA4's
+    lazy rescale (a stale reference max; ``scripts/variants/
+    fwd-lazy-rescale.patch``) passes the judge but not this: 2-4% larger
+    (BENCHMARKS.md, fifteenth session)."""
+    q, k, v = make_qkv(2, 2048, 2048, 16, 16, head_dim, seed=head_dim + causal)
+    out = hopper_flash.flash_attn_func(q, k, v, causal=causal)
+    (verdict,) = check_attention(out, q, k, v, causal=causal)
+    assert verdict, verdict.message
+    assert verdict.rel_fro <= 1.01 * verdict.baseline_rel_fro, verdict.message
+
+
 def test_large_magnitude_is_finite():
     # q.k up to ~1e4 before scaling: the exp2 argument stays <= 0, no overflow.
     q, k, v = make_qkv(2, 1000, 1000, 4, 4, 128, seed=9, magnitude=30.0)
