@@ -72,6 +72,18 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   FA3's (which ours matches); two backward checks on single-query dK rows
   failed (BENCHMARKS.md, fifteenth session). Its GPU tests ride in the
   patch (``hopper_flash/test_lazy_rescale_gpu.py``). ``benchmarks/steady-mix.json``.
+* ``fwd-ring-arith`` (fifteenth session, CPU only, not run; written by a
+  helper): ring slots and phases in unsigned arithmetic (``order`` is never
+  negative: no sign fix-ups), and the forward consumer's K/V subviews taken
+  before the waits, so less descriptor arithmetic follows them. Results
+  unchanged by construction (address bookkeeping only). Steady-loop SASS
+  outside the mask branch: D = 128 466 -> 456 instructions (uniform ops
+  59 -> 49; wait-to-first-HGMMA 14 -> 10 slots), D = 64 420 -> 414, D = 256
+  418 -> 416, wide D = 64 452 -> 446; forward census identical, no spills;
+  the backward (which shares ``pipeline.py``) spills less in the specs that
+  already did. Loop-carried slots cut a few more but made a D = 256 varlen
+  kernel spill (not kept). Expect at most ~1-2%: time it with
+  ``benchmarks/steady-mix.json`` beside FA3.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
