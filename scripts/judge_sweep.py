@@ -20,28 +20,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import test_varlen_gpu as tv  # noqa: E402
 
 import hopper_flash  # noqa: E402
-from hopper_flash.reference import (attention_baseline_grads, attention_reference_grads, grads_abs_tol,  # noqa: E402
-                                    judge, varlen_grads, varlen_spans)
+from hopper_flash.reference import judge  # noqa: E402
 
 
 def sweep(d, causal, h, hkv, seeds):
-    lq, lk = tv.MIX["lq"], tv.MIX["lk"]
     worst = {"dq": 0.0, "dk": 0.0, "dv": 0.0}
     fails = 0
     for seed in range(seeds):
-        q, k, v, cq, ck, uq, uk = tv.make(lq, lk, h, hkv, d, seed=seed)
-        mq = max([n for _, n in varlen_spans(cq, uq)] + [1])
-        mk = max([n for _, n in varlen_spans(ck, uk)] + [1])
-        qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
-        out = hopper_flash.flash_attn_varlen_func(qg, kg, vg, cq, ck, mq, mk, causal=causal)
-        gen = torch.Generator(device="cuda").manual_seed(seed + 100)
-        dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
-        grads = torch.autograd.grad(out, (qg, kg, vg), dout)
-        ref = varlen_grads(lambda a, b, c, e: attention_reference_grads(a, b, c, e, causal=causal), q, k, v, dout,
-                           cq, ck, out_dtype=torch.float64)
-        base = varlen_grads(lambda a, b, c, e: attention_baseline_grads(a, b, c, e, causal=causal), q, k, v, dout,
-                            cq, ck)
-        tol = grads_abs_tol(ref, q.dtype)
+        grads, ref, base, tol = tv.backward_case(tv.MIX["lq"], tv.MIX["lk"], h, hkv, d, causal, seed=seed)
         line = []
         for name, g, r, bl in zip(("dq", "dk", "dv"), grads, ref, base):
             vd = judge(name, g, r, bl, abs_tol=tol)

@@ -164,7 +164,10 @@ def test_torch_compile_fullgraph():
 
 # ------------------------------------------------------------------ backward
 
-def check_backward(lq, lk, h, hkv, d, causal, *, used_q=None, used_k=None, deterministic=False, seed=0):
+def backward_case(lq, lk, h, hkv, d, causal, *, used_q=None, used_k=None, deterministic=False, seed=0):
+    """One varlen backward on fresh inputs: ``((dq, dk, dv), reference
+    grads, baseline grads, abs_tol)``, for ``check_backward`` to judge (and
+    ``scripts/judge_sweep.py`` to sweep over seeds)."""
     q, k, v, cq, ck, uq, uk = make(lq, lk, h, hkv, d, used_q=used_q, used_k=used_k, seed=seed)
     mq = max([n for _, n in varlen_spans(cq, uq)] + [1])
     mk = max([n for _, n in varlen_spans(ck, uk)] + [1])
@@ -182,10 +185,15 @@ def check_backward(lq, lk, h, hkv, d, causal, *, used_q=None, used_k=None, deter
     base = varlen_grads(lambda a, b, c, e: attention_baseline_grads(a, b, c, e, causal=causal), q, k, v, dref, cq,
                         ck, seqused_q=uq, seqused_k=uk)
     # As reference.check_attention_grads: the absolute floor for exactly-zero gradients (single-key rows).
-    tol = grads_abs_tol(ref, q.dtype)
-    for name, g, r, bl in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
+    return (dq, dk, dv), ref, base, grads_abs_tol(ref, q.dtype)
+
+
+def check_backward(lq, lk, h, hkv, d, causal, *, used_q=None, used_k=None, deterministic=False, seed=0):
+    grads, ref, base, tol = backward_case(lq, lk, h, hkv, d, causal, used_q=used_q, used_k=used_k,
+                                          deterministic=deterministic, seed=seed)
+    for name, g, r, bl in zip(("dq", "dk", "dv"), grads, ref, base):
         assert_judged(name, g, r, bl, abs_tol=tol)
-    return dq, dk, dv
+    return grads
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
