@@ -10,6 +10,12 @@
 #   run:               bash scripts/device_session.sh bench [prefill decode bwd]
 #       waits for the FA3 build, then scripts/bench_h200.sh with FA3 on the
 #       path; JSON per block under $OUT.
+#   run:               bash scripts/device_session.sh vtests NAME [PYTEST PATHS]
+#       a measurement variant's GPU tests alone (default: the whole suite).
+#   run:               bash scripts/device_session.sh screen CONFIG.json NAME... [-- BENCH ARGS]
+#       several variants timed without their tests: two rounds, each a
+#       process for the shipped package and then one per variant, FA3 and
+#       SDPA cuDNN beside (FA3 once built); JSON per process.
 #   run:               bash scripts/device_session.sh memcheck
 #       compute-sanitizer memcheck on the forward and backward cases.
 #   run:               bash scripts/device_session.sh variant NAME CONFIG.json [BENCH ARGS]
@@ -27,6 +33,33 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 quiet() { grep -v -E '^(nanobind| - leaked| - \.\.\. skipped|See https://nanobind)'; }
+build_variant() { python scripts/kernel_variant.py "$1" "/tmp/variant-$1" > /dev/null; }
+# A variant's GPU tests (default: the whole suite). -o pythonpath: pyproject's
+# pythonpath = ["."] would put the shipped package first (the header says which ran).
+variant_tests() {
+  local name=$1; shift
+  PYTHONPATH="/tmp/variant-$name" timeout "${VARIANT_TEST_TIMEOUT:-240}" python -P -m pytest -m gpu -rf -n 4 \
+    --timeout 100 -p no:cacheprovider -p no:benchmark -o pythonpath="/tmp/variant-$name" \
+    "${@:-tests}" 2>&1 | tee "$OUT/pytest-$name.log" | quiet | grep -E "imported from|passed|failed|error|skipped" | tail -8
+}
+# alternate CONFIG NAME... [-- BENCH ARGS]: two rounds of one process for the
+# shipped package, then one per variant, FA3 beside them when this machine
+# built it (the tests call starts the build).
+alternate() {
+  local config=$1; shift
+  local names=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do names+=("$1"); shift; done
+  [ "${1:-}" = -- ] && shift
+  local backends=${VARIANT_BACKENDS:-hopper_flash sdpa-cudnn$([ -d /tmp/fa3pkg ] && echo " fa3")}
+  for round in 1 2; do
+    for label in shipped "${names[@]}"; do
+      local pkg=$([ "$label" = shipped ] && echo . || echo "/tmp/variant-$label")
+      echo "== $label, round $round"
+      PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 100 --warmup-ms 30 \
+        --config "$config" --backends $backends "$@" --json "$OUT/ab-$label-$round.json" \
+        2>&1 | quiet | tail -12
+    done
+  done
+}
 case "${1:-}" in
   tests)
     if [ -d .fa3 ] && [ ! -d /tmp/fa3src ]; then
@@ -43,24 +76,21 @@ case "${1:-}" in
     PYTHONPATH=/tmp/fa3pkg:. timeout "${BENCH_TIMEOUT:-540}" bash scripts/bench_h200.sh "$OUT" "${@:2}" 2>&1 | quiet ;;
   variant)
     name=${2:?variant name}; config=${3:?bench config}; extra=("${@:4}")
-    python scripts/kernel_variant.py "$name" "/tmp/variant-$name" > /dev/null || exit 1
-    # -o pythonpath: pyproject's pythonpath = ["."] would put the shipped package first (the header says which ran).
-    PYTHONPATH="/tmp/variant-$name" timeout "${VARIANT_TEST_TIMEOUT:-240}" python -P -m pytest -m gpu -rf -n 4 \
-      --timeout 100 -p no:cacheprovider -p no:benchmark -o pythonpath="/tmp/variant-$name" \
-      ${VARIANT_TESTS:-tests/test_forward_gpu.py} 2>&1 | tee "$OUT/pytest-$name.log" | quiet | grep -E "imported from|passed|failed|error|skipped" | tail -8
-    # FA3 beside them when this machine built it (the tests call starts the build).
-    backends=${VARIANT_BACKENDS:-hopper_flash sdpa-cudnn$([ -d /tmp/fa3pkg ] && echo " fa3")}
-    for round in 1 2; do
-      for pkg in . "/tmp/variant-$name"; do
-        label=$([ "$pkg" = . ] && echo shipped || echo "$name")
-        echo "== $label, round $round"
-        PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 100 --warmup-ms 30 \
-          --config "$config" --backends $backends "${extra[@]}" --json "$OUT/ab-$label-$round.json" \
-          2>&1 | quiet | tail -12
-      done
-    done ;;
+    build_variant "$name" || exit 1
+    variant_tests "$name" ${VARIANT_TESTS:-tests/test_forward_gpu.py}
+    alternate "$config" "$name" -- "${extra[@]}" ;;
+  vtests)
+    name=${2:?variant name}
+    build_variant "$name" || exit 1
+    VARIANT_TEST_TIMEOUT=${VARIANT_TEST_TIMEOUT:-520} variant_tests "$name" "${@:3}" ;;
+  screen)
+    config=${2:?bench config}; shift 2
+    names=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do names+=("$1"); shift; done
+    for name in "${names[@]}"; do build_variant "$name" || exit 1; done
+    alternate "$config" "${names[@]}" "$@" ;;
   memcheck)
     TOOLS=memcheck bash scripts/sanitize.sh 2>&1 | quiet | tail -20
     TOOLS=memcheck bash scripts/sanitize.sh --backward 2>&1 | quiet | tail -20 ;;
-  *) echo "usage: $0 tests [pytest args] | bench [block ...] | memcheck | variant NAME CONFIG [args]" >&2; exit 2 ;;
+  *) echo "usage: $0 tests [pytest args] | bench [block ...] | memcheck | variant NAME CONFIG [args]" \
+          "| vtests NAME [paths] | screen CONFIG NAME... [-- args]" >&2; exit 2 ;;
 esac

@@ -84,6 +84,20 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   already did. Loop-carried slots cut a few more but made a D = 256 varlen
   kernel spill (not kept). Expect at most ~1-2%: time it with
   ``benchmarks/steady-mix.json`` beside FA3.
+* ``fwd-thread-arrive`` (sixteenth session, CPU): every consumer thread
+  releases its K and V slots itself (``cp.async.mbarrier.arrive.noinc``, the
+  empty barriers counting 128 arrives per consumer warpgroup) instead of
+  thread 0 after a named barrier of the warpgroup, which triton 3.6's membar
+  pass puts before every ``mbarrier.arrive`` and after every wait: 3
+  ``BAR.SYNC`` per steady step -> 1 (the one left orders the loop's waits;
+  a toy ring in the session's notes showed waits alone draw it).
+* ``fwd-rescale-skip`` (sixteenth session, CPU): the O rescale skipped by
+  each warp whose 16 rows all kept their maximum this step (a vote in one
+  inline-asm block around the multiplies; the factor is set to exactly 1.0
+  where the maximum did not move, so skipping is exact). On random inputs
+  the skip rate grows with the row's tile count (a new maximum in tile k of
+  a row is a ~1/k event per row, so ~e^(-16/k) per warp).
+* ``fwd-arrive-skip``: both of the above.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.

@@ -174,6 +174,29 @@ def test_error_is_cudnns(head_dim, causal):
     assert verdict.rel_fro <= 1.01 * verdict.baseline_rel_fro, verdict.message
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_lone_row_max_moves_on_the_last_tile(head_dim, causal):
+    """A row whose maximum jumps on the last KV tile visited (tile 0) while
+    the rows around it keep theirs: the output must be rescaled for that row
+    alone. Head ``h`` picks rows ``64 + 16 m + h`` (one row in each 16-row
+    group, the rows of one warp in the wgmma layout; over 16 heads every
+    position in a warp's rows), and key ``m`` becomes 10 times that row's
+    query direction: the row's scaled score there is ~10 against at most ~4
+    elsewhere (its output follows that key's value), while another row's
+    score with it stays ~N(0, 100 / head_dim), so those rarely move."""
+    nheads, seqlen = 16, 2048
+    q, k, v = make_qkv(1, seqlen, seqlen, nheads, nheads, head_dim, seed=7 * head_dim + causal)
+    for h in range(nheads):
+        for m in range(8):
+            row = 64 + 16 * m + h
+            k[0, m, h] = (10.0 * q[0, row, h].float() / q[0, row, h].float().norm()).to(k.dtype)
+    buf, out = guarded_out(q)
+    out, lse = dispatch.forward(q, k, v, None, causal, True, out=out)
+    assert_guards_intact(buf, q.numel())
+    assert_attention_correct(q, k, v, out, lse, causal=causal)
+
+
 def test_large_magnitude_is_finite():
     # q.k up to ~1e4 before scaling: the exp2 argument stays <= 0, no overflow.
     q, k, v = make_qkv(2, 1000, 1000, 4, 4, 128, seed=9, magnitude=30.0)
