@@ -103,6 +103,14 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   ``device_session.sh screen benchmarks/steady-mix.json ...``) D = 128 ran
   1-3% slower (both: 2-4%), D = 64 1-2% faster, D = 256 unchanged to 1%
   slower: **not shipped** (BENCHMARKS.md, sixteenth session).
+* ``bwd-dq-red`` (sixteenth session): the split-keys backward consumers
+  (D <= 128) add their dQ shares into ``dq_accum`` straight from registers
+  (``gl.atomic_add``, relaxed: 32 ``REDG`` per thread and step, in
+  ``_stage_dq``'s interleaved row order) instead of staging them in shared
+  memory for a TMA reduce-add: 64 KB less shared-memory traffic per D = 128
+  step (of ~368 KB, the eighth session's count) and no staging barrier.
+  Deterministic mode keeps the staged, ordered adds. The non-deterministic
+  ``sem_ptr`` carries ``dq_accum`` (host side, ``plan_backward``).
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
