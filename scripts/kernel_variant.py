@@ -111,6 +111,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   step (of ~368 KB, the eighth session's count) and no staging barrier.
   Deterministic mode keeps the staged, ordered adds. The non-deterministic
   ``sem_ptr`` carries ``dq_accum`` (host side, ``plan_backward``).
+  Correct (122 GPU tests) but 18-22% slower on every D = 128 row (the
+  scalar REDs at ~2 TB/s swamp L2): **not shipped** (BENCHMARKS.md,
+  sixteenth session). ``test_compile_backward``'s TMA-reduce check fails on
+  it by design.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
