@@ -33,6 +33,13 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   prologue, the steady steps, the last PV, the epilogue, between items);
   three consumer slots per CTA, and ``--wide`` runs the wide tiles at every
   length.
+* ``fwd-step-timeline`` (sixteenth session): ``timeline`` plus five clocks
+  per steady step (steps 1..48 of each consumer's first item: loop head,
+  K/V landed, QK complete, softmax done, O rescaled), placed where they
+  keep the shipped SASS order (a clock between the softmax and the PV wait
+  stops ptxas hoisting that wait, which changes the schedule being
+  measured); ``scripts/step_timeline.py`` prints the phases and how a CTA's
+  consumers sit against each other in time.
 * ``bwd-timeline`` (the backward): the split-keys consumers (D = 64, 128)
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);

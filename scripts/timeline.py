@@ -26,7 +26,11 @@ from hopper_flash import plan
 PHASES = ("q", "k0", "prologue", "steady", "last_pv", "epilogue")
 
 
-def trace(batch, seqlen, heads, head_dim, causal):
+def trace(batch, seqlen, heads, head_dim, causal, step_words=0):
+    """The item trace [grid, 3, 64, 8] (int64 clocks) and the wall time in us;
+    ``step_words``: int32 words per CTA of extra trace after it (the
+    ``fwd-step-timeline`` variant, scripts/step_timeline.py), returned as a
+    third item [grid, step_words]."""
     if not hasattr(plan, "TRACE"):
         raise SystemExit("run with PYTHONPATH pointing at the timeline variant (see the docstring), with python -P")
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -35,16 +39,25 @@ def trace(batch, seqlen, heads, head_dim, causal):
     # only the JIT specialises the kernel on a pointer's dtype.
     plan.FAST_LAUNCH = False
     sms = plan.sm_count()
-    plan.TRACE = torch.zeros(sms * 3 * 64 * 8, dtype=torch.float32, device="cuda")
+    plan.TRACE = torch.zeros(sms * (3 * 64 * 8 + step_words), dtype=torch.float32, device="cuda")
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     hopper_flash.flash_attn_func(q, k, v, causal=causal)
     end.record()
     torch.cuda.synchronize()
-    t = plan.TRACE.view(torch.int32).view(sms, 3, 64, 8).cpu().to(torch.int64)
+    words = plan.TRACE.view(torch.int32).cpu().to(torch.int64)
     plan.TRACE = None
-    return t, start.elapsed_time(end) * 1000.0
+    t = words[:sms * 3 * 64 * 8].view(sms, 3, 64, 8)
+    wall_us = start.elapsed_time(end) * 1000.0
+    if step_words:
+        # The kernel puts the extra trace after the item trace of the grid it
+        # ran (``gl.num_programs``), which can be smaller than the SM count:
+        # the CTAs past it left their item rows zero.
+        grid = int((t.flatten(1) != 0).any(dim=1).nonzero().max()) + 1
+        base = grid * 3 * 64 * 8
+        return t, wall_us, words[base:base + grid * step_words].view(grid, step_words)
+    return t, wall_us
 
 
 def report(t, label, wall_us=None):
