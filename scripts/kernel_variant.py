@@ -122,6 +122,15 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   scalar REDs at ~2 TB/s swamp L2): **not shipped** (BENCHMARKS.md,
   sixteenth session). ``test_compile_backward``'s TMA-reduce check fails on
   it by design.
+* ``fwd-qk-first`` (sixteenth session, from ``fwd-step-timeline``'s
+  finding that a D = 128 step is one warpgroup's serial chain, ~2700 cycles
+  against the tensor cores' 2048): each step issues QK, then applies the O
+  factor the previous step left, then issues PV, so the 64 (128) FMULs run
+  while QK is on the tensor cores instead of between the PV wait and the
+  next issue (FA3's place for D > 128). An opaque inline-asm copy of the
+  factor, ordered after the QK issue, keeps LLVM and ptxas from hoisting the
+  multiplies back (without it they sat where the shipped kernel has them).
+  Census unchanged, spill-free.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
