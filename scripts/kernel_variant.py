@@ -133,6 +133,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   Census unchanged, spill-free. On the H200 (298 GPU tests passed): within
   noise at S = 8192, 1-2% slower at S = 2048 and D = 64: **not shipped**
   (BENCHMARKS.md, sixteenth session).
+* ``fwd-tree-max`` (sixteenth session): the row maximum as a tree over a
+  thread's registers (halves against halves) instead of ``gl.max``'s one
+  dependent FMNMX chain per row (32 deep at 128 columns), which every
+  exponential of the row waits on; same instruction count, census unchanged.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
