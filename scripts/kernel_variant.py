@@ -137,6 +137,9 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   thread's registers (halves against halves) instead of ``gl.max``'s one
   dependent FMNMX chain per row (32 deep at 128 columns), which every
   exponential of the row waits on; same instruction count, census unchanged.
+  On the H200 (298 GPU tests passed): equal under a causal mask, 2-4% slower
+  non-causal and at D = 256: **not shipped** (BENCHMARKS.md, sixteenth
+  session).
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
