@@ -15,7 +15,8 @@
 #   run:               bash scripts/device_session.sh screen CONFIG.json NAME... [-- BENCH ARGS]
 #       several variants timed without their tests: two rounds, each a
 #       process for the shipped package and then one per variant, FA3 and
-#       SDPA cuDNN beside (FA3 once built); JSON per process.
+#       SDPA cuDNN beside (FA3 once built); JSON per process. At most 8
+#       files come back from a call: three variants fill them (2 rounds x 4).
 #   run:               bash scripts/device_session.sh memcheck
 #       compute-sanitizer memcheck on the forward and backward cases.
 #   run:               bash scripts/device_session.sh variant NAME CONFIG.json [BENCH ARGS]
