@@ -40,6 +40,11 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   stops ptxas hoisting that wait, which changes the schedule being
   measured); ``scripts/step_timeline.py`` prints the phases and how a CTA's
   consumers sit against each other in time.
+* ``fwd-softmax-timeline`` (sixteenth session): ``fwd-step-timeline`` plus
+  two clocks inside the softmax (the row maximum done, the exponentials and
+  row sums done; each clock read takes the value as an input so it cannot
+  run early). They move ptxas's PV wait after the exponentials, so this
+  measures the softmax-overlaps-PV schedule, not the shipped one.
 * ``bwd-timeline`` (the backward): the split-keys consumers (D = 64, 128)
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);

@@ -41,9 +41,17 @@ SLOTS = (0, 1, 2, 4, 5)
 PHASES = ("kv_wait", "qk", "softmax", "rescale", "loop")
 
 
+# ``fwd-softmax-timeline`` also records the row maximum done (slot 3) and
+# the exponentials and row sums done (slot 6), splitting ``softmax`` into
+# ``max`` (from qk), ``exp`` and ``pv_wait`` (to sm). Its clocks inside the
+# softmax move ptxas's PV wait after the exponentials (the softmax then
+# overlaps PV, a schedule the shipped kernel does not have).
+SOFTMAX_PHASES = ("max", "exp", "pv_wait")
+
+
 def report(steps, label, n_consumers):
     wrap = 1 << 32
-    samples = {p: [] for p in PHASES + ("step",)}
+    samples = {p: [] for p in PHASES + SOFTMAX_PHASES + ("step",)}
     offsets = []
     for cta in range(steps.shape[0]):
         ev = steps[cta].view(3, STEPS, EVENTS)
@@ -55,6 +63,10 @@ def report(steps, label, n_consumers):
                 d = [(e[i + 1] - e[i]) % wrap for i in range(4)]
                 for p, x in zip(PHASES[:4], d):
                     samples[p].append(x)
+                inner = [int(ev[wg, j, 3]), int(ev[wg, j, 6])]
+                if all(inner):
+                    for p, a, b in zip(SOFTMAX_PHASES, (e[2], inner[0], inner[1]), (inner[0], inner[1], e[3])):
+                        samples[p].append((b - a) % wrap)
                 if j + 1 < STEPS and int(ev[wg, j + 1, 0]):
                     samples["loop"].append((int(ev[wg, j + 1, 0]) - e[4]) % wrap)
                     samples["step"].append((int(ev[wg, j + 1, 1]) - e[1]) % wrap)
@@ -66,7 +78,7 @@ def report(steps, label, n_consumers):
                     offsets.append(((b0 - a0 + wrap // 2) % wrap - wrap // 2) / step)
     print(f"## {label}: {len(samples['qk'])} steps traced, cycles")
     print(f"{'phase':10} {'median':>8} {'mean':>8}")
-    for p in PHASES + ("step",):
+    for p in PHASES + SOFTMAX_PHASES + ("step",):
         if samples[p]:
             xs = torch.tensor(samples[p], dtype=torch.float64)
             print(f"{p:10} {xs.median().item():8.0f} {xs.mean().item():8.0f}")
