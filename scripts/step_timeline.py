@@ -10,8 +10,9 @@ consumers of a CTA sit against each other in time:
     PYTHONPATH=.wt/stl python -P scripts/step_timeline.py [--seqlen 8192] [--headdim 128]
 
 Points (SASS order of the shipped schedule, which the variant keeps: ptxas
-hoists the PV wait above the softmax, so "softmax" below includes the wait
-for PV, which has usually finished): ``top`` the loop's head, ``issue``
+hoists the PV wait above the softmax, so "softmax" below includes waiting
+for PV, which was issued right after QK and runs after it on the tensor
+cores, ~512 cycles at D = 128): ``top`` the loop's head, ``issue``
 K and V landed (QK and PV are issued next), ``qk`` QK complete, ``sm`` the
 softmax done (and PV complete), ``end`` O rescaled and P converted. Phases:
 ``kv_wait`` (top to issue), ``qk`` (issue to qk: the QK's latency,
