@@ -24,13 +24,18 @@ import hopper_flash
 from hopper_flash import plan
 
 PHASES = ("q", "k0", "prologue", "steady", "last_pv", "epilogue")
+# The step-timeline variants write their extra trace at this many CTAs' item
+# traces from the start (a fixed offset past any grid: kernels/forward.py's
+# ``_trace_step`` in those patches).
+STEP_BASE_CTAS = 1024
+ITEM_WORDS = 3 * 64 * 8  # per CTA: three consumer slots, 64 items, 8 events
 
 
 def trace(batch, seqlen, heads, head_dim, causal, step_words=0):
-    """The item trace [grid, 3, 64, 8] (int64 clocks) and the wall time in us;
-    ``step_words``: int32 words per CTA of extra trace after it (the
-    ``fwd-step-timeline`` variant, scripts/step_timeline.py), returned as a
-    third item [grid, step_words]."""
+    """The item trace [SMs, 3, 64, 8] (int64 clocks; CTAs past the grid
+    zero) and the wall time in us; ``step_words``: int32 words per CTA of
+    extra trace (the ``fwd-step-timeline`` variants, scripts/step_timeline.py),
+    returned as a third item [SMs, step_words]."""
     if not hasattr(plan, "TRACE"):
         raise SystemExit("run with PYTHONPATH pointing at the timeline variant (see the docstring), with python -P")
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -39,7 +44,8 @@ def trace(batch, seqlen, heads, head_dim, causal, step_words=0):
     # only the JIT specialises the kernel on a pointer's dtype.
     plan.FAST_LAUNCH = False
     sms = plan.sm_count()
-    plan.TRACE = torch.zeros(sms * (3 * 64 * 8 + step_words), dtype=torch.float32, device="cuda")
+    size = STEP_BASE_CTAS * ITEM_WORDS + sms * step_words if step_words else sms * ITEM_WORDS
+    plan.TRACE = torch.zeros(size, dtype=torch.float32, device="cuda")
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -48,15 +54,11 @@ def trace(batch, seqlen, heads, head_dim, causal, step_words=0):
     torch.cuda.synchronize()
     words = plan.TRACE.view(torch.int32).cpu().to(torch.int64)
     plan.TRACE = None
-    t = words[:sms * 3 * 64 * 8].view(sms, 3, 64, 8)
+    t = words[:sms * ITEM_WORDS].view(sms, 3, 64, 8)
     wall_us = start.elapsed_time(end) * 1000.0
     if step_words:
-        # The kernel puts the extra trace after the item trace of the grid it
-        # ran (``gl.num_programs``), which can be smaller than the SM count:
-        # the CTAs past it left their item rows zero.
-        grid = int((t.flatten(1) != 0).any(dim=1).nonzero().max()) + 1
-        base = grid * 3 * 64 * 8
-        return t, wall_us, words[base:base + grid * step_words].view(grid, step_words)
+        base = STEP_BASE_CTAS * ITEM_WORDS
+        return t, wall_us, words[base:base + sms * step_words].view(sms, step_words)
     return t, wall_us
 
 
