@@ -145,6 +145,18 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   On the H200 (298 GPU tests passed): equal under a causal mask, 2-4% slower
   non-causal and at D = 256: **not shipped** (BENCHMARKS.md, sixteenth
   session).
+* ``fwd-paired-steps`` (sixteenth session, CPU only, **not timed**): head
+  dim 64 on two-consumer tiles of 64 keys (3 + 3 K/V stages; the wide tiles
+  off), its steady loop two tiles per body with the second tile's QK issued
+  before the first tile's softmax, so half of the steps have their QK off
+  the chain (an in-flight wgmma cannot cross the loop's back edge: its
+  result type cannot be carried). With 128-key tiles it spilled (S of two
+  tiles live at once). Census spill-free, decode and varlen compile tests
+  pass; but 660 SASS instructions per 128 keys against the shipped 548 (the
+  per-step cost paid twice), so expect no gain unless the chain, not issue,
+  limits D = 64. Time it with ``bash scripts/device_session.sh screen
+  benchmarks/d64.json fwd-paired-steps`` after ``vtests fwd-paired-steps
+  tests/test_forward_gpu.py tests/test_decode_gpu.py``.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
