@@ -34,11 +34,10 @@ import torch
 import hopper_flash
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # python -P leaves the script's folder off the path
-from timeline import trace  # noqa: E402
+from timeline import print_row, trace  # noqa: E402
 
 STEPS, EVENTS = 48, 8
-POINTS = ("top", "issue", "qk", "sm", "end")  # event slots 0, 1, 2, 4, 5
-SLOTS = (0, 1, 2, 4, 5)
+SLOTS = (0, 1, 2, 4, 5)  # the points top, issue, qk, sm, end
 PHASES = ("kv_wait", "qk", "softmax", "rescale", "loop")
 
 
@@ -80,9 +79,7 @@ def report(steps, label, n_consumers):
     print(f"## {label}: {len(samples['qk'])} steps traced, cycles")
     print(f"{'phase':10} {'median':>8} {'mean':>8}")
     for p in PHASES + SOFTMAX_PHASES + ("step",):
-        if samples[p]:
-            xs = torch.tensor(samples[p], dtype=torch.float64)
-            print(f"{p:10} {xs.median().item():8.0f} {xs.mean().item():8.0f}")
+        print_row(p, samples[p])
     if offsets:
         xs = torch.tensor(offsets, dtype=torch.float64)
         q = torch.quantile(xs, torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9], dtype=torch.float64))
