@@ -154,9 +154,22 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   tiles live at once). Census spill-free, decode and varlen compile tests
   pass; but 660 SASS instructions per 128 keys against the shipped 548 (the
   per-step cost paid twice), so expect no gain unless the chain, not issue,
-  limits D = 64. Time it with ``bash scripts/device_session.sh screen
-  benchmarks/d64.json fwd-paired-steps`` after ``vtests fwd-paired-steps
-  tests/test_forward_gpu.py tests/test_decode_gpu.py``.
+  limits D = 64. Seventeenth session on the H200: its forward and decode
+  tests passed but for the 22 that assert the wide tiles are taken (off by
+  design), and it ran **14-20% slower** on every D = 64 row (S8192 causal
+  446 -> 381 TFLOP/s): **not shipped** (BENCHMARKS.md, seventeenth session).
+* ``fwd-exp2-split2``, ``-split3``, ``-split4`` (seventeenth session): the
+  forward's probabilities ``exp2(s·c - m)`` with 2, 3 or 4 of every 8 of a
+  thread's registers computed by a degree-3 polynomial on the FMA pipes
+  (FlashAttention-4's split) instead of MUFU.EX2, whose 16 results per cycle
+  per SM put a floor of 512 cycles under a D = 128 warp's 64 exponentials
+  per step (the step timeline's exponentials phase measured ~730). One
+  inline-asm block per 8 registers (``softmax.exp2_split``): clamp at -127,
+  floor by adding 1.5·2^23 rounded down, Horner in 3 FFMA, floor(x) added
+  to the exponent with one integer multiply-add (max relative error 8.6e-5,
+  against bf16's rounding of P at 3.9e-3; -inf gives exactly 0, so empty
+  rows stay empty). About 7 more instructions per emulated exponential;
+  census spill-free for every prefill specialisation.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.

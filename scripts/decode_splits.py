@@ -1,0 +1,75 @@
+"""Split counts for one-row decode, timed: each row of issue 10's one-row
+table through ``flash_attn_with_kvcache`` at several explicit ``num_splits``
+(the heuristic's own count marked), beside SDPA cuDNN, CUDA-graph replay, on
+the same inputs in one process. Every count's output is judged against the
+float64 reference first (``reference.check_kvcache``, the tests' judge).
+
+The question it answers: whether the one-row rows, which read K/V at
+3.5-4.3 TB/s, lose to cuDNN for want of SMs (the heuristic takes the
+smallest count within 0.85 of the best wave efficiency: 15 splits of one
+batch's 8 KV heads run on 120 of 132 SMs) rather than per-SM speed.
+
+    PYTHONPATH=. python -P scripts/decode_splits.py [--rep-ms 300]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from hopper_flash import flash_attn_with_kvcache, plan
+from hopper_flash.bench.timing import cuda_graph_timer
+from hopper_flash.reference import check_kvcache
+
+# (batch, seqlen_k, split counts to time); 32 query heads on 8 KV heads, D=128, bf16.
+ROWS = [
+    (8, 4096, [1, 2, 3, 4, 8]),
+    (8, 16384, [2, 3, 4, 8]),
+    (1, 65536, [8, 15, 16, 22, 33, 64]),
+    (64, 2048, [1, 2, 4]),
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rep-ms", type=float, default=300)
+    args = p.parse_args()
+    timer = cuda_graph_timer(args.rep_ms)
+    H, HKV, D = 32, 8, 128
+    scale = D ** -0.5
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, SMs {plan.sm_count()}")
+    print(f"{'row':>16} {'splits':>7} {'us':>8} {'K/V TB/s':>9}  judged")
+    for B, S, splits in ROWS:
+        gen = torch.Generator(device="cuda").manual_seed(B * S)
+        q = torch.randn(B, 1, H, D, device="cuda", generator=gen).to(torch.bfloat16)
+        k = torch.randn(B, S, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
+        v = torch.randn(B, S, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
+        lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
+        kv_bytes = 2 * k.numel() * k.element_size()
+        name = f"B{B} Sk{S}"
+        for s in [0] + splits:
+            def call(s=s):
+                return flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, softmax_scale=scale, causal=True,
+                                               num_splits=s)
+
+            out = call()
+            bad = [x.message for x in check_kvcache(out, q, k, v, [S] * B, causal=True, softmax_scale=scale)
+                   if not x]
+            t = timer(call).median_ms * 1e-3
+            label = "heur." if s == 0 else str(s)
+            print(f"{name:>16} {label:>7} {t * 1e6:8.1f} {kv_bytes / t / 1e12:9.2f}  "
+                  f"{'ok' if not bad else 'FAIL ' + bad[0]}", flush=True)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True)
+
+        cudnn()
+        t = timer(cudnn).median_ms * 1e-3
+        print(f"{name:>16} {'cuDNN':>7} {t * 1e6:8.1f} {kv_bytes / t / 1e12:9.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
