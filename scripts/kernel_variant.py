@@ -170,6 +170,13 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   against bf16's rounding of P at 3.9e-3; -inf gives exactly 0, so empty
   rows stay empty). About 7 more instructions per emulated exponential;
   census spill-free for every prefill specialisation.
+* ``fwd-q-regs`` (seventeenth session): Q loaded into registers once per
+  item (32 per thread at D = 128) and fed to every QK as the wgmma's A
+  operand, instead of being read from shared memory again at every KV step
+  (16 KB per warpgroup and step, a seventh of a D = 128 step's ~224 KB of
+  shared-memory traffic: Q, K and V operands plus the TMA writes). Two-consumer
+  tiles only (the wide D = 64 tiles' 160 registers spill with it). Census
+  and the decode/varlen/sm90 compile tests pass on the CPU.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
