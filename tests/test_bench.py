@@ -205,3 +205,56 @@ def test_cuda_graph_option_selects_graph_replay_timing(monkeypatch):
     t = timing.cuda_graph_timer(rep_ms=123)(lambda: calls.append(1))
     assert calls == [1] and seen == {"rep": 123, "return_mode": "all"}
     assert (t.median_ms, t.min_ms, t.max_ms, t.reps) == (2.0, 1.0, 3.0, 3)
+
+
+# ---- FA3 on dtypes its build may lack (bench/backends.fa3_probe) ------------
+
+def _completed(returncode, stderr=""):
+    import subprocess
+
+    return subprocess.CompletedProcess(args=[], returncode=returncode, stdout="", stderr=stderr)
+
+
+def test_fa3_probe_reports_a_crash_and_an_exception_and_passes_a_clean_run():
+    from hopper_flash.bench import backends
+
+    calls = []
+
+    def run_as(code, stderr=""):
+        def run(argv, **kwargs):
+            calls.append(argv[-2:])
+            return _completed(code, stderr)
+        return run
+
+    crashed = backends.fa3_probe("flash_attn_func", "float16", 128, run=run_as(-11))
+    assert "crashed (signal 11)" in crashed and "float16" in crashed
+    failed = backends.fa3_probe("flash_attn_func", "float16", 64,
+                                run=run_as(1, "Traceback ...\nRuntimeError: FA3 was built without fp16"))
+    assert "RuntimeError: FA3 was built without fp16" in failed
+    assert backends.fa3_probe("flash_attn_func", "float16", 256, run=run_as(0)) is None
+    assert calls == [["float16", "128"], ["float16", "64"], ["float16", "256"]]
+
+
+def test_fa3_is_unsupported_where_its_probe_fails_and_bf16_is_never_probed(monkeypatch):
+    from hopper_flash.bench import backends
+    from hopper_flash.bench.configs import Config
+
+    probed = []
+
+    def probe(func, dtype_name, head_dim, run=None):
+        probed.append((func, dtype_name, head_dim))
+        return "this FA3 build crashed (signal 11) on a float16 head-dim-128 probe"
+
+    monkeypatch.setattr(backends, "fa3_probe", probe)
+    build = backends._build_flash_attn("flash_attn_interface")
+    q16 = torch.zeros(1, 8, 2, 128, dtype=torch.float16)
+    with pytest.raises(backends.Unsupported, match="crashed"):
+        build(Config(seqlen=8), q16, q16, q16, 1.0)
+    with pytest.raises(backends.Unsupported, match="crashed"):
+        backends._build_fa3_kvcache(Config(seqlen=8), q16, q16, q16, 1.0)
+    assert probed == [("flash_attn_func", "float16", 128), ("flash_attn_with_kvcache", "float16", 128)]
+    # bf16 goes straight to the import (absent on the CPU machine), with no probe.
+    q = q16.to(torch.bfloat16)
+    with pytest.raises(ImportError):
+        build(Config(seqlen=8), q, q, q, 1.0)
+    assert len(probed) == 2
