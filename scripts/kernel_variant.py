@@ -145,38 +145,26 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   On the H200 (298 GPU tests passed): equal under a causal mask, 2-4% slower
   non-causal and at D = 256: **not shipped** (BENCHMARKS.md, sixteenth
   session).
-* ``fwd-paired-steps`` (sixteenth session, CPU only, **not timed**): head
-  dim 64 on two-consumer tiles of 64 keys (3 + 3 K/V stages; the wide tiles
-  off), its steady loop two tiles per body with the second tile's QK issued
-  before the first tile's softmax, so half of the steps have their QK off
-  the chain (an in-flight wgmma cannot cross the loop's back edge: its
-  result type cannot be carried). With 128-key tiles it spilled (S of two
-  tiles live at once). Census spill-free, decode and varlen compile tests
-  pass; but 660 SASS instructions per 128 keys against the shipped 548 (the
-  per-step cost paid twice), so expect no gain unless the chain, not issue,
-  limits D = 64. Seventeenth session on the H200: its forward and decode
-  tests passed but for the 22 that assert the wide tiles are taken (off by
-  design), and it ran **14-20% slower** on every D = 64 row (S8192 causal
-  446 -> 381 TFLOP/s): **not shipped** (BENCHMARKS.md, seventeenth session).
-* ``fwd-exp2-split2``, ``-split3``, ``-split4`` (seventeenth session): the
-  forward's probabilities ``exp2(s·c - m)`` with 2, 3 or 4 of every 8 of a
-  thread's registers computed by a degree-3 polynomial on the FMA pipes
-  (FlashAttention-4's split) instead of MUFU.EX2, whose 16 results per cycle
-  per SM put a floor of 512 cycles under a D = 128 warp's 64 exponentials
-  per step (the step timeline's exponentials phase measured ~730). One
-  inline-asm block per 8 registers (``softmax.exp2_split``): clamp at -127,
-  floor by adding 1.5·2^23 rounded down, Horner in 3 FFMA, floor(x) added
-  to the exponent with one integer multiply-add (max relative error 8.6e-5,
-  against bf16's rounding of P at 3.9e-3; -inf gives exactly 0, so empty
-  rows stay empty). About 7 more instructions per emulated exponential;
-  census spill-free for every prefill specialisation.
-* ``fwd-q-regs`` (seventeenth session): Q loaded into registers once per
-  item (32 per thread at D = 128) and fed to every QK as the wgmma's A
-  operand, instead of being read from shared memory again at every KV step
-  (16 KB per warpgroup and step, a seventh of a D = 128 step's ~224 KB of
-  shared-memory traffic: Q, K and V operands plus the TMA writes). Two-consumer
-  tiles only (the wide D = 64 tiles' 160 registers spill with it). Census
-  and the decode/varlen/sm90 compile tests pass on the CPU.
+* (``fwd-paired-steps``, sixteenth session: head dim 64 on two-consumer
+  64-key tiles, two steps per loop body with the second tile's QK issued
+  ahead. Seventeenth session on the H200: 14-20% slower on every D = 64 row;
+  removed, text: ``git show 0ddd55d:scripts/variants/fwd-paired-steps.patch``.)
+* ``fwd-exp2-split3`` (seventeenth session): the forward's probabilities
+  ``exp2(s·c - m)`` with 3 of every 8 of a thread's registers computed by a
+  degree-3 polynomial on the FMA pipes (FlashAttention-4's split) instead of
+  MUFU.EX2 (``softmax.exp2_split``: clamp at -127, floor by adding 1.5·2^23
+  rounded down, Horner in 3 FFMA, floor(x) added to the exponent with one
+  integer multiply-add; max relative error 8.6e-5; -inf gives exactly 0).
+  Set ``EXP2_EMULATED`` in the copy for other shares (2/8 and 4/8 were
+  timed too). On the H200 **slower in proportion to the share** (-6 to -8%
+  at 2/8, -16% at 4/8 on D = 128): the softmax phase is bound by its warps'
+  instruction streams, not the SFU. Not shipped (BENCHMARKS.md, seventeenth
+  session).
+* (``fwd-q-regs``, seventeenth session: Q loaded into registers once per
+  item and fed to every QK as the register A operand, a seventh of a D = 128
+  step's shared-memory traffic gone; 338 GPU tests passed, timed within
+  noise of the shipped kernel. Removed, text: ``git show
+  0ddd55d:scripts/variants/fwd-q-regs.patch``.)
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
