@@ -71,6 +71,33 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     return softmax_scale
 
 
+_UNBOUNDED_WINDOW = 1 << 30
+
+
+def window_bounds(window_size, causal: bool) -> tuple[int, int] | None:
+    """flash-attn's ``window_size=(left, right)`` as the kernels take it, or
+    None for no window. Query ``i`` sees key ``j`` iff ``i + off - left <= j
+    <= i + off + right`` (``off = seqlen_k - seqlen_q``, bottom-right aligned);
+    -1 leaves a side unbounded; ``causal`` sets ``right`` to 0, as in
+    flash-attn. ``(-1, -1)``, and ``(-1, anything)`` under ``causal``, are no
+    window (plain or causal attention)."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), -1 for no bound, got {window_size!r}")
+    left, right = (int(w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= 0, or -1 for no bound on that side, got {window_size!r}")
+    # Bounds past any sequence length are no bound (and keep the kernels' int32 arithmetic in range).
+    left, right = (-1 if w >= _UNBOUNDED_WINDOW else w for w in (left, right))
+    if causal:
+        right = 0
+        if left == -1:
+            return None  # plain causal
+    elif left == -1 and right == -1:
+        return None
+    return left, right
+
+
 def _check_same_device_and_dtype(q, k, v) -> None:
     """q, k and v on one device, of one supported dtype (fixed-length and varlen)."""
     if not (q.device == k.device == v.device):

@@ -16,15 +16,16 @@ import torch
 from . import checks, plan
 
 
-def forward(q, k, v, softmax_scale, causal, return_lse, out=None):
-    """Validated forward; ``out`` lets tests hand in a poisoned buffer.
+def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None):
+    """Validated forward; ``out`` lets tests hand in a poisoned buffer;
+    ``window``: ``checks.window_bounds``'s ``(left, right)`` or None.
 
     Returns ``(out, lse)`` when ``return_lse`` else ``out``."""
     softmax_scale = checks.validate(q, k, v, softmax_scale, causal)
-    return forward_validated(q, k, v, softmax_scale, causal, return_lse, out)
+    return forward_validated(q, k, v, softmax_scale, causal, return_lse, out, window)
 
 
-def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=None):
+def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=None, window=None):
     """``forward`` on arguments that passed ``checks.validate`` (which
     resolved ``softmax_scale``): the eager autograd Functions (``ops``) are
     applied to arguments checked once, before ``apply``."""
@@ -51,9 +52,11 @@ def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=Non
         # problems get the plain prefill kernel.
         if q.device.index != torch.cuda.current_device():
             with torch.cuda.device(q.device):
-                plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None)
+                plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None,
+                                    window=window)
         else:
-            plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None)
+            plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None,
+                                window=window)
     return (out, lse) if return_lse else out
 
 
@@ -81,7 +84,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                   softmax_scale, causal, return_lse, check_contract=None, out=None):
+                   softmax_scale, causal, return_lse, check_contract=None, out=None, window=None):
     """Validated varlen forward on THD tensors; returns ``(out, lse)`` with
     ``lse`` ``[nheads, total_q]`` (None unless ``return_lse``).
 
@@ -92,11 +95,11 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
         causal, check_contract)
     return forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
-                                    seqused_k, softmax_scale, causal, return_lse, out)
+                                    seqused_k, softmax_scale, causal, return_lse, out, window)
 
 
 def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                             softmax_scale: float, causal, return_lse, out=None):
+                             softmax_scale: float, causal, return_lse, out=None, window=None):
     """``forward_varlen`` on arguments that passed ``validate_varlen``."""
     total_q, nheads, _ = q.shape
     # Gaps (rows past seqused_q) are never written by the kernel: zero them up
@@ -121,5 +124,5 @@ def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return out, lse
     with torch.cuda.device(q.device):
         plan.launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                                   max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal))
+                                   max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), window=window)
     return out, lse

@@ -31,6 +31,18 @@ def _needs_op(*tensors) -> bool:
     return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
+def _refuse_window_with_autograd(window_size, *tensors) -> None:
+    """Sliding windows run eagerly and without autograd for now: the
+    backward kernel and the custom ops have no window yet."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(f"window_size={tuple(window_size)!r}: sliding-window attention does not run under "
+                                  "torch.compile yet (it has no custom op); call it eagerly")
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors):
+        raise NotImplementedError(f"window_size={tuple(window_size)!r}: sliding-window attention has no backward "
+                                  "yet; run it under torch.no_grad() or torch.inference_mode(), or on inputs that "
+                                  "do not require grad")
+
+
 def _is_zero(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == 0
 
@@ -41,9 +53,7 @@ def check_flash_attn_options(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0
     by name, rather than silently computing something else."""
     if not _is_zero(dropout_p):
         raise NotImplementedError(f"dropout_p must be 0.0 (hopper_flash has no dropout), got {dropout_p!r}")
-    if not isinstance(window_size, (tuple, list)) or list(window_size) != [-1, -1]:
-        raise NotImplementedError(f"window_size must be (-1, -1) (sliding-window attention is not supported), "
-                                  f"got {window_size!r}")
+    checks.window_bounds(window_size, False)  # a pair of ints >= -1 (what it means is the caller's business)
     if not _is_zero(softcap):
         raise NotImplementedError(f"softcap must be 0.0 (logit soft-capping is not supported), got {softcap!r}")
     if alibi_slopes is not None:
@@ -121,6 +131,10 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     LSE carries no gradient.
     """
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    window = None if window_size == (-1, -1) else checks.window_bounds(window_size, checks.check_causal(causal))
+    if window is not None:
+        _refuse_window_with_autograd(window_size, q, k, v)
+        return dispatch.forward(q, k, v, softmax_scale, causal, return_lse, window=window)
     if _needs_op(q, k, v):
         if ops.plain_eager(q, k, v):
             # The op's autograd without its dispatch (host time per call),
@@ -232,6 +246,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     if block_table is not None:
         raise NotImplementedError("block_table must be None (paged K/V is served by flash_attn_with_kvcache)")
+    window = None if window_size == (-1, -1) else checks.window_bounds(window_size, checks.check_causal(causal))
+    if window is not None:
+        _refuse_window_with_autograd(window_size, q, k, v)
+        out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           seqused_q, seqused_k, softmax_scale, causal, return_lse, check_contract,
+                                           window=window)
+        return (out, lse) if return_lse else out
     if _needs_op(q, k, v):
         if ops.plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
             # The op's autograd without its dispatch (host time per call), on

@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from . import plan
+from . import checks, plan
 from .checks import check_device
 from .checks import check_tma_addressable as _check_tma_addressable
 
@@ -203,8 +203,9 @@ def _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table):
 
 
 def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                    num_splits, pack_gqa, return_lse, check=None):
-    """Validated append + attention; returns ``(out, lse or None)``."""
+                    num_splits, pack_gqa, return_lse, check=None, window=None):
+    """Validated append + attention; returns ``(out, lse or None)``.
+    ``window``: ``checks.window_bounds``'s ``(left, right)`` or None."""
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa)
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -254,7 +255,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
             pt = None
     args = (q, kc, vc, out, lse, softmax_scale, causal, cfg)
     kwargs = dict(seqused_k=seqused, kv_batch=cache_batch_idx if pt is None else None, page_table=pt,
-                  num_splits=num_splits, pack_gqa=pack_gqa)
+                  num_splits=num_splits, pack_gqa=pack_gqa, window=window)
     if q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):
             plan.launch_forward(*args, **kwargs)
@@ -267,24 +268,27 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
 def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                 page_table: torch.Tensor | None, softmax_scale: float, causal: bool, num_splits: int,
-                pack_gqa: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Append + attention; returns ``(out, lse)``. ``pack_gqa``: -1 auto, 0 off, 1 on."""
+                pack_gqa: int, window_left: int = -1, window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append + attention; returns ``(out, lse)``. ``pack_gqa``: -1 auto, 0 off, 1 on;
+    ``window_left``/``window_right``: ``checks.window_bounds``'s, -1 -1 for none."""
+    window = None if (window_left, window_right) == (-1, -1) else (window_left, window_right)
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                               causal, num_splits, None if pack_gqa < 0 else bool(pack_gqa), True)
+                               causal, num_splits, None if pack_gqa < 0 else bool(pack_gqa), True, window=window)
     return out, lse
 
 
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                      num_splits, pack_gqa):
+                      num_splits, pack_gqa, window_left=-1, window_right=-1):
     batch, seqlen_q, nheads, _ = q.shape
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device))
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
-                            page_table=None, block_table=None, softmax_scale=None, causal=False, num_splits=0,
-                            pack_gqa=None, return_softmax_lse=False, check_contract=None):
+                            page_table=None, block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), num_splits=0, pack_gqa=None, return_softmax_lse=False,
+                            check_contract=None):
     """Attention of ``q`` over a KV cache, with an optional in-place append.
 
     Args:
@@ -301,6 +305,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         causal: bottom-right mask: query ``i`` sees key ``j`` iff
             ``j <= i + seqlen_k - seqlen_q`` with ``seqlen_k`` the live length
             after the append.
+        window_size: ``(left, right)`` sliding window, flash-attn's: query
+            ``i`` sees keys ``i + off - left .. i + off + right`` (``off =
+            seqlen_k - seqlen_q`` per row, -1 = no bound; ``causal`` makes
+            ``right`` 0). Each distinct window compiles once.
         num_splits: KV splits (0: heuristic); pack_gqa: None = heuristic.
         return_softmax_lse: also return the LSE ``[batch, nheads, seqlen_q]``.
         check_contract: validate the device values (lengths within the cache,
@@ -313,13 +321,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         page_table = block_table
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
+    window = None if window_size == (-1, -1) else checks.window_bounds(window_size, checks.check_causal(causal))
     if torch.compiler.is_compiling() or torch.is_grad_enabled() and getattr(q, "requires_grad", False):
         if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
             cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         out, lse = fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, float(scale),
-                               bool(causal), int(num_splits), -1 if pack_gqa is None else int(bool(pack_gqa)))
+                               bool(causal), int(num_splits), -1 if pack_gqa is None else int(bool(pack_gqa)),
+                               *(window or (-1, -1)))
         return (out, lse) if return_softmax_lse else out
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                               causal, num_splits, pack_gqa, return_softmax_lse, check_contract)
+                               causal, num_splits, pack_gqa, return_softmax_lse, check_contract, window)
     return (out, lse) if return_softmax_lse else out

@@ -51,13 +51,19 @@ def _eager_autograd(q, packed, axis, views, varlen, softmax_scale, causal, deter
     return ops.EagerPackedAttention.apply(q, packed, axis, varlen, softmax_scale, bool(causal), bool(deterministic))
 
 
+def _windowed(options) -> bool:
+    return tuple(options[1]) != (-1, -1)
+
+
 def _fixed(q, packed, views, softmax_scale, causal, return_lse, options):
     """A fixed-length packed call: ``ops.EagerPackedAttention`` under plain
     eager autograd, ``flash_attn_func`` on the views otherwise. ``options``:
     flash-attn's (dropout_p, window_size, softcap, alibi_slopes,
     deterministic, return_attn_probs)."""
     interface._check_options(*options)
-    got = _eager_autograd(q, packed, 2, views, None, softmax_scale, causal, options[4])
+    # A sliding window is flash_attn_func's business (it has no autograd yet).
+    got = None if _windowed(options) else _eager_autograd(q, packed, 2, views, None, softmax_scale, causal,
+                                                          options[4])
     if got is not None:
         return got if return_lse else got[0]
     dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs = options
@@ -71,7 +77,8 @@ def _varlen(q, packed, views, varlen, softmax_scale, causal, return_lse, check_c
     """``_fixed`` for THD tensors; ``varlen``: (cu_seqlens_q, cu_seqlens_k,
     seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)."""
     interface._check_options(*options)
-    got = _eager_autograd(q, packed, 1, views, varlen, softmax_scale, causal, options[4], check_contract)
+    got = None if _windowed(options) else _eager_autograd(q, packed, 1, views, varlen, softmax_scale, causal,
+                                                          options[4], check_contract)
     if got is not None:
         return got if return_lse else got[0]
     cu_q, cu_k, used_q, used_k, max_q, max_k = varlen

@@ -204,6 +204,10 @@ class Mode:
     seqused_q: bool = False
     # Work items drawn from an atomic counter, longest first (kernels/scheduler.py); see choose_dynamic.
     dynamic: bool = False
+    # Sliding window (flash-attn's window_size, causal folded in as right = 0): row r sees keys
+    # r + off - window_left .. r + off + window_right; -1 leaves a side unbounded.
+    window_left: int = -1
+    window_right: int = -1
 
 
 PREFILL = Mode()
@@ -233,6 +237,8 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         SEQUSED_Q=mode.seqused_q,
         DYNAMIC=mode.dynamic,
         Q_STAGES=cfg.q_ring,
+        WINDOW_LEFT=mode.window_left,
+        WINDOW_RIGHT=mode.window_right,
     )
 
 
@@ -375,6 +381,13 @@ def l2_section(seqlen_k: int, head_dim: int, elem_bytes: int, group: int) -> int
     return heads_in_l2(max(1, seqlen_k) * 2 * head_dim * elem_bytes) * group
 
 
+def window_tiles(window_left: int, window_right: int, seqlen_q: int, cfg: ForwardConfig) -> int:
+    """KV tiles a query tile can read under a sliding window whose left side
+    is bounded: its rows' keys span ``left + rows + right`` columns."""
+    span = window_left + min(seqlen_q, cfg.block_m) + max(window_right, 0)
+    return triton_cdiv(span, cfg.block_n) + 1
+
+
 def choose_num_splits(tiles: int, n_blocks: int, sms: int) -> int:
     """Split count for ``tiles`` (query tile, head, batch) items over
     ``n_blocks`` KV tiles: none when the items (nearly) fill the GPU or the
@@ -454,17 +467,21 @@ class LaunchPlan:
 
 @lru_cache(maxsize=4096)
 def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cfg, page_size, seqused, kv_batch,
-                 num_splits, pack_gqa, causal, write_lse) -> LaunchPlan:
+                 num_splits, pack_gqa, causal, write_lse, window=None) -> LaunchPlan:
     """Mode, split count and grid for a launch. Cached, and keyed by the KV
     tile count rather than the key length: a decode loop grows the cache by
-    one key per step, and this is host time on every step."""
+    one key per step, and this is host time on every step. ``window``:
+    ``(left, right)`` of a sliding window (``checks.window_bounds``) or None."""
     group = nheads // nheads_kv
     if pack_gqa is None:
         pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m)
     pack_g = group if pack_gqa else 1
     tiles = work_items(batch, nheads, seqlen_q, cfg, Mode(pack_g=pack_g))
+    window_left, window_right = window or (-1, -1)
     if num_splits == 0:
-        num_splits = choose_num_splits(tiles, n_blocks, sm_count(device))
+        # Under a window a query tile reads at most the window's tiles, not the whole cache.
+        read = n_blocks if window_left < 0 else min(n_blocks, window_tiles(window_left, window_right, seqlen_q, cfg))
+        num_splits = choose_num_splits(tiles, read, sm_count(device))
     num_splits = max(1, min(num_splits, n_blocks))
     sms = sm_count(device)
     plain = pack_g == 1 and num_splits == 1 and not (seqused or kv_batch or page_size)
@@ -481,7 +498,7 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
                and (choose_dynamic(tiles, triton_cdiv(seqlen_q, cfg.block_m), causal, False, sms)
                     or (causal and cfg.consumers == 3 and tiles > sms)))
     mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
-                dynamic=dynamic)
+                dynamic=dynamic, window_left=window_left, window_right=window_right)
     n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
     section = l2_section(n_blocks * cfg.block_n, cfg.head_dim, dtype.itemsize, group)
     kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
@@ -492,7 +509,7 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
 
 def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: ForwardConfig | None = None,
                    *, seqused_k=None, kv_batch=None, page_table=None, num_splits: int = 1,
-                   pack_gqa: bool | None = False) -> None:
+                   pack_gqa: bool | None = False, window: tuple[int, int] | None = None) -> None:
     """Launch the forward kernel on the current stream of q's device.
 
     Arguments are assumed validated (``hopper_flash.interface``): BSHD,
@@ -504,6 +521,9 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     batch), ``page_table`` (int32 [B, max_pages]; k and v are
     [num_pages, page_size, Hkv, D] with page_size a multiple of block_n),
     ``num_splits`` (0: heuristic) and ``pack_gqa`` (None: heuristic).
+    ``window``: a sliding window's ``(left, right)``, from
+    ``checks.window_bounds`` (None: none); each distinct window is a
+    specialisation of its own (compiled on first use).
 
     The first launch of a specialisation goes through Triton's JIT (compile,
     cache). Later launches skip the JIT (``launcher.KernelLaunch``: the
@@ -523,7 +543,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     cfg = cfg or CONFIGS[head_dim]
     lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
                       k.shape[1] if paged else 0, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
-                      bool(causal), write_lse)
+                      bool(causal), write_lse, window)
     cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
     if mode.split:
         # One allocation for both partials: fp32 O [splits, B, Sq, H, D], then LSE [splits, B, H, Sq].
@@ -610,14 +630,16 @@ def launch_combine(o_part, lse_part, out, lse) -> None:
 
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
-                 write_lse) -> LaunchPlan:
+                 write_lse, window=None) -> LaunchPlan:
     """``_plan_launch`` for a packed batch: no PackGQA, no split; the grid
     covers ``max_seqlen_q`` for every sequence (items past a sequence's rows
     exit at once)."""
     sms = sm_count(device)
     items = work_items(batch, nheads, max_seqlen_q, cfg)
     dynamic = cfg.persistent and choose_dynamic(items, triton_cdiv(max_seqlen_q, cfg.block_m), causal, True, sms)
-    mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic)
+    window_left, window_right = window or (-1, -1)
+    mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic, window_left=window_left,
+                window_right=window_right)
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items, cfg, device)
     section = l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group)
     constexprs = kernel_constexprs(cfg, causal, write_lse, mode)
@@ -627,7 +649,7 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
 
 def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: float, causal: bool,
-                          cfg: ForwardConfig | None = None) -> None:
+                          cfg: ForwardConfig | None = None, window: tuple[int, int] | None = None) -> None:
     """Launch the forward kernel's VARLEN mode on THD tensors.
 
     Arguments are assumed validated (``checks.check_varlen_arguments``):
@@ -641,7 +663,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     write_lse = lse is not None
     cfg = cfg or CONFIGS[head_dim]
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], cfg,
-                      seqused_q is not None, seqused_k is not None, bool(causal), write_lse)
+                      seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q

@@ -120,8 +120,14 @@ def attention_reference(
     softmax_scale: float | None = None,
     dtype: torch.dtype = torch.float64,
     rows=None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(scale * q k^T + mask) v`` and its LSE.
+
+    ``window``: a sliding window ``(left, right)`` (flash-attn's
+    ``window_size``, -1 = no bound on that side): row ``r`` sees keys
+    ``r + off - left .. r + off + right``, ``off = seqlen_k - seqlen_q``; with
+    ``causal`` as well both masks apply.
 
     The inputs (any float dtype: pass the kernel's bf16 inputs themselves) are
     upcast to ``dtype`` (float64; float32 only for a quick look) and every
@@ -165,6 +171,8 @@ def attention_reference(
             s = (qh[b[:, None], h[:, None], r[None, :]].to(dtype) @ kc.transpose(-1, -2)) * scale
             if causal:
                 s.masked_fill_(cols[None, None, :] > r[None, :, None] + (seqlen_k - seqlen_q), -math.inf)
+            if window is not None:
+                s.masked_fill_(~window_visible(r, cols, seqlen_q, seqlen_k, window)[None], -math.inf)
             row_lse = torch.logsumexp(s, dim=-1)  # -inf for rows with no visible key
             # exp(-inf - 0) = 0 keeps empty rows at 0 instead of exp(-inf + inf) = NaN.
             p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
@@ -182,6 +190,7 @@ def attention_baseline(
     softmax_scale: float | None = None,
     rows=None,
     cudnn: bool = True,
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The same attention from PyTorch, in q's dtype: the error a judged value
     is allowed (a multiple of) is this one's.
@@ -201,7 +210,8 @@ def attention_baseline(
     group = nheads // nheads_kv
     row_idx = _row_index(rows, seqlen_q, q.device)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    if cudnn and q.is_cuda and group == 1 and (seqlen_q == seqlen_k or not causal) and min(seqlen_q, seqlen_k) > 0:
+    if (cudnn and window is None and q.is_cuda and group == 1 and (seqlen_q == seqlen_k or not causal)
+            and min(seqlen_q, seqlen_k) > 0):
         try:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 out = sdpa(qt, kt, vt, is_causal=causal, scale=scale).transpose(1, 2)
@@ -214,6 +224,9 @@ def attention_baseline(
     mask = None
     if causal:
         mask = torch.arange(seqlen_k, device=q.device)[None, :] <= row_idx[:, None] + (seqlen_k - seqlen_q)
+    if window is not None:
+        visible = window_visible(row_idx, torch.arange(seqlen_k, device=q.device), seqlen_q, seqlen_k, window)
+        mask = visible if mask is None else mask & visible
     if qt.numel() == 0 or seqlen_k == 0:
         return torch.zeros(batch, row_idx.numel(), nheads, headdim, dtype=q.dtype, device=q.device)
     try:
@@ -223,9 +236,23 @@ def attention_baseline(
         with sdpa_kernel(SDPBackend.MATH):
             out = sdpa(qt, kt, vt, attn_mask=mask, scale=scale)
     out = out.transpose(1, 2)
-    if causal:
+    if mask is not None:
         out = torch.where(mask.any(dim=1)[None, :, None, None], out, 0.0)
     return out
+
+
+def window_visible(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,
+                   window: tuple[int, int]) -> torch.Tensor:
+    """``[len(rows), len(cols)]`` boolean: query row sees key column under the
+    sliding window ``(left, right)`` (-1 = no bound), bottom-right aligned."""
+    left, right = window
+    diag = rows[:, None] + (seqlen_k - seqlen_q)
+    visible = torch.ones(rows.numel(), cols.numel(), dtype=torch.bool, device=cols.device)
+    if left >= 0:
+        visible &= cols[None, :] >= diag - left
+    if right >= 0:
+        visible &= cols[None, :] <= diag + right
+    return visible
 
 
 def _grads(fn, q, k, v, dout):
@@ -643,13 +670,13 @@ def assert_judged(name: str, value: torch.Tensor, reference: torch.Tensor, basel
 
 def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                     softmax_scale: float | None = None, lse: torch.Tensor | None = None,
-                    name: str = "out") -> list[Verdict]:
+                    name: str = "out", window: tuple[int, int] | None = None) -> list[Verdict]:
     """Verdicts on a forward's ``out`` (and ``lse``, when given) for the
     problem ``(q, k, v, causal, softmax_scale)``: :func:`judge` against the
     float64 reference and :func:`attention_baseline`, :func:`judge_lse` with
     :func:`score_scale`. ``all(verdicts)`` is the pass."""
-    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
-    baseline = attention_baseline(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
+    baseline = attention_baseline(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
     verdicts = [judge(name, out, ref, baseline)]
     if lse is not None:
         if lse.dtype != torch.float32 or lse.shape != ref_lse.shape:
@@ -663,7 +690,7 @@ def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 def check_kvcache(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens, *,
                   causal: bool, rows=None, softmax_scale: float | None = None,
-                  lse: torch.Tensor | None = None) -> list[Verdict]:
+                  lse: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> list[Verdict]:
     """Verdicts on a KV-cache attention's ``out`` ``[B, Sq, H, D]`` (and its
     ``lse``): batch row ``b`` attends to the first ``lens[b]`` keys of cache
     row ``rows[b]`` (default ``b``) of a contiguous ``[B_cache, S_cache, Hkv,
@@ -681,7 +708,8 @@ def check_kvcache(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
             verdicts.append(Verdict(name, ok, f"{name}: {'ok' if ok else 'FAIL: not 0 / -inf'} (no live key)"))
             continue
         verdicts += check_attention(out[b:b + 1], q[b:b + 1], k_cache[r:r + 1, :length], v_cache[r:r + 1, :length],
-                                    causal=causal, softmax_scale=softmax_scale, lse=row_lse, name=name)
+                                    causal=causal, softmax_scale=softmax_scale, lse=row_lse, name=name,
+                                    window=window)
     return verdicts
 
 
@@ -862,19 +890,21 @@ def varlen_apply(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seq
 
 
 def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seqused_k=None, causal=False,
-                     softmax_scale=None):
+                     softmax_scale=None, window=None):
     """float64 ``(out [total_q, H, D], lse [H, total_q])`` of a varlen batch:
     :func:`attention_reference` per sequence (bottom-right causal per
     sequence), zeros and -inf outside the live rows."""
-    return varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=causal, softmax_scale=softmax_scale),
+    return varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=causal, softmax_scale=softmax_scale,
+                                                            window=window),
                         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
                         out_dtype=torch.float64, with_lse=True)
 
 
 def varlen_baseline(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seqused_k=None, causal=False,
-                    softmax_scale=None):
+                    softmax_scale=None, window=None):
     """:func:`attention_baseline` per sequence (q's dtype), zeros outside."""
-    return varlen_apply(lambda a, b, c: attention_baseline(a, b, c, causal=causal, softmax_scale=softmax_scale),
+    return varlen_apply(lambda a, b, c: attention_baseline(a, b, c, causal=causal, softmax_scale=softmax_scale,
+                                                           window=window),
                         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k)
 
 

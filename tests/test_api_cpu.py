@@ -368,9 +368,6 @@ def test_flash_attn_options_at_their_no_op_values_pass():
 
 @pytest.mark.parametrize("option, value, message", [
     ("dropout_p", 0.1, r"dropout_p must be 0\.0 \(hopper_flash has no dropout\), got 0\.1"),
-    ("window_size", (128, 0), r"window_size must be \(-1, -1\) \(sliding-window attention is not supported\), "
-                              r"got \(128, 0\)"),
-    ("window_size", (-1, 0), r"window_size must be \(-1, -1\)"),
     ("softcap", 30.0, r"softcap must be 0\.0 \(logit soft-capping is not supported\), got 30\.0"),
     ("alibi_slopes", torch.ones(H), r"alibi_slopes must be None \(ALiBi is not supported\)"),
     ("return_attn_probs", True, r"return_attn_probs must be False .* use return_lse=True"),
@@ -379,6 +376,52 @@ def test_flash_attn_options_refused_by_name(option, value, message):
     q, k, v = qkv()
     with pytest.raises(NotImplementedError, match=message):
         flash_attn_func(q, k, v, **{option: value})
+
+
+@pytest.mark.parametrize("window_size, error, message", [
+    ((128,), TypeError, r"window_size must be a pair of ints \(left, right\), -1 for no bound, got \(128,\)"),
+    ((1.5, 0), TypeError, r"window_size must be a pair of ints"),
+    ((True, 0), TypeError, r"window_size must be a pair of ints"),
+    ("128", TypeError, r"window_size must be a pair of ints"),
+    ((-2, 0), ValueError, r"window_size entries must be >= 0, or -1 for no bound on that side, got \(-2, 0\)"),
+])
+def test_bad_window_size_is_refused_by_name(window_size, error, message):
+    q, k, v = qkv()
+    with pytest.raises(error, match=message):
+        flash_attn_func(q, k, v, window_size=window_size)
+
+
+@pytest.mark.parametrize("window_size, causal", [((128, 0), True), ((4, 4), False), ((-1, 0), False),
+                                                 ((0, -1), False), ((1 << 40, 3), False)])
+def test_a_window_reaches_the_device_check(window_size, causal):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=DEVICE_ERROR):
+        flash_attn_func(q, k, v, causal=causal, window_size=window_size)
+
+
+def test_a_window_refuses_autograd_and_compile_by_name():
+    q, k, v = (t.requires_grad_() for t in qkv())
+    with pytest.raises(NotImplementedError, match=r"window_size=\(16, 0\): sliding-window attention has no "
+                                                  r"backward yet"):
+        flash_attn_func(q, k, v, causal=True, window_size=(16, 0))
+    with torch.no_grad():  # no autograd: the call goes on to the device check
+        with pytest.raises(ValueError, match=DEVICE_ERROR):
+            flash_attn_func(q, k, v, causal=True, window_size=(16, 0))
+    # A window that is no window under causal (no left bound) takes the usual paths.
+    with pytest.raises(ValueError, match=DEVICE_ERROR):
+        flash_attn_func(q, k, v, causal=True, window_size=(-1, 5))
+
+
+def test_window_bounds_fold_causal_and_unbounded_sides():
+    from hopper_flash.checks import window_bounds
+
+    assert window_bounds((-1, -1), False) is None and window_bounds([-1, -1], True) is None
+    assert window_bounds((-1, 7), True) is None  # causal sets right to 0; no left bound: plain causal
+    assert window_bounds((5, 7), True) == (5, 0)
+    assert window_bounds((5, 7), False) == (5, 7)
+    assert window_bounds((-1, 0), False) == (-1, 0)
+    assert window_bounds((1 << 30, 2), False) == (-1, 2)  # past any length: no bound
+    assert window_bounds((1 << 30, 1 << 31), False) is None
 
 
 def test_deterministic_must_be_a_bool():

@@ -34,6 +34,14 @@ SPECS = [
     (C[128], "bfloat16", False, False, Mode(pack_g=4, seqused=True, page_size=256)),
     (N64[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
     (C[256], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
+    # Sliding windows (window_size): decode with a split cache, and prefill both ways.
+    (C[128], "bfloat16", True, True, Mode(pack_g=4, split=True, seqused=True, window_left=4095, window_right=0)),
+    (C[128], "bfloat16", True, False, Mode(window_left=1023, window_right=0)),
+    (C[128], "float16", False, True, Mode(window_left=100, window_right=37)),
+    (C[64], "bfloat16", True, False, Mode(window_left=511, window_right=0)),
+    (plan.WIDE_CONFIGS[64], "bfloat16", True, False, Mode(window_left=4095, window_right=0)),
+    (C[256], "bfloat16", False, False, Mode(window_left=-1, window_right=5)),
+    (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, dynamic=True, window_left=255, window_right=0)),
 ]
 
 
@@ -44,6 +52,12 @@ def spec_id(spec):
     parts += [name for name, on in (("split", m.split), ("seqused", m.seqused), ("kvbatch", m.kv_batch)) if on]
     if m.page_size:
         parts.append(f"page{m.page_size}")
+    if m.varlen:
+        parts.append("varlen")
+    if (m.window_left, m.window_right) != (-1, -1):
+        parts.append(f"window{m.window_left}_{m.window_right}")
+    if cfg.consumers == 3:
+        parts.append("wide")
     return "-".join(parts)
 
 
@@ -83,6 +97,8 @@ def test_instructions(spec):
     assert counts["UTMALDG"] > 0 and counts["USETMAXREG"] > 0, counts
     if mode.split:
         assert counts["UTMASTG"] == 0, "split partials are stored from registers"
+    elif mode.varlen:
+        assert counts["UTMASTG"] == 0, "varlen O goes out in row-predicated stores (a box would cross sequences)"
     else:
         assert counts["UTMASTG"] > 0, "O goes out through a TMA store"
 

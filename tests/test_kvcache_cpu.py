@@ -43,6 +43,8 @@ def call(q, kc, vc, *a, **kw):
     (lambda q, kc, vc: (q, kc, vc, dict(pack_gqa=1)), "pack_gqa"),
     (lambda q, kc, vc: (q, kc, vc, dict(causal=1)), "causal"),
     (lambda q, kc, vc: (q, kc, vc, dict(softmax_scale=-1.0)), "softmax_scale"),
+    (lambda q, kc, vc: (q, kc, vc, dict(window_size=(4,))), "window_size must be a pair of ints"),
+    (lambda q, kc, vc: (q, kc, vc, dict(window_size=(-2, 0))), "window_size entries must be >= 0"),
 ])
 def test_bad_arguments_name_themselves(bad, match):
     q, kc, vc, kw = bad(*args())
@@ -83,3 +85,9 @@ def test_grid_deals_singly_below_two_items_per_sm(monkeypatch):
     assert plan.deal(200, cfg) == (100, 2)  # above one per SM: balanced zig-zag pairs
     assert plan.deal(264, cfg) == (132, 2)
     assert plan.deal(1000, cfg) == (132, 2)
+
+
+def test_a_window_reaches_the_device_check():
+    q, kc, vc = args()
+    with pytest.raises(ValueError, match="CUDA"):
+        call(q, kc, vc, cache_seqlens=10, causal=True, window_size=(4, 0))

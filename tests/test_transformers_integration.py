@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import hopper_flash  # noqa: E402
 from hopper_flash.integrations import transformers as hft  # noqa: E402
+from hopper_flash.checks import window_bounds  # noqa: E402
 from hopper_flash.reference import attention_reference, rel_fro_err  # noqa: E402
 
 NAME = "hopper_flash"
@@ -59,9 +60,10 @@ def fake_kernel(monkeypatch):
     """Replace hopper_flash.flash_attn_func by the float64 reference; record the calls."""
     calls = []
 
-    def fake(q, k, v, *, softmax_scale=None, causal=False, return_lse=False):
-        calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal))
-        out, _ = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    def fake(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, window_size=(-1, -1)):
+        calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, window_size=window_size))
+        window = window_bounds(window_size, causal)
+        out, _ = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
         return out.to(q.dtype)
 
     monkeypatch.setattr(hopper_flash, "flash_attn_func", fake)
@@ -373,14 +375,34 @@ def test_additive_bias_raises():
         hft.hopper_flash_attention_forward(_Module(), q, k, v, mask)
 
 
-def test_active_sliding_window_mask_raises():
+def test_a_sliding_window_pattern_in_a_4d_mask_raises():
     q, k, v = _qkv()
     rows, cols = torch.arange(16)[:, None], torch.arange(16)[None, :]
     mask = ((cols <= rows) & (cols > rows - 4)).expand(2, 1, 16, 16)
     with pytest.raises(NotImplementedError, match=PADDING):
         hft.hopper_flash_attention_forward(_Module(), q, k, v, mask, sliding_window=4)
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        hft.hopper_flash_attention_forward(_Module(), q, k, v, None, sliding_window=4)
+
+
+@pytest.mark.parametrize("sliding_window, seqlen_k, expected", [
+    (None, 16, (-1, -1)), (16, 16, (-1, -1)), (20, 16, (-1, -1)), (4, 16, (3, 3)), (1, 16, (0, 0))])
+def test_sliding_window_becomes_flash_attn_window_size(sliding_window, seqlen_k, expected):
+    # transformers' FlashAttention path: (w - 1, w - 1) once the keys outnumber the window.
+    assert hft._window_size(sliding_window, seqlen_k) == expected
+
+
+def test_sliding_window_reaches_flash_attn_func(monkeypatch):
+    import hopper_flash
+
+    calls = []
+    monkeypatch.setattr(hopper_flash, "flash_attn_func",
+                        lambda q, k, v, **kw: calls.append(kw) or torch.zeros_like(q))
+    q, k, v = _qkv()
+    hft.hopper_flash_attention_forward(_Module(), q, k, v, None, sliding_window=4)
+    hft.hopper_flash_attention_forward(_Module(), q, k, v, None, sliding_window=64)
+    assert [c["window_size"] for c in calls] == [(3, 3), (-1, -1)]
+    assert all(c["causal"] for c in calls)
+    with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        hft.hopper_flash_attention_forward(_Module(), q, k, v, None, sliding_window=0)
 
 
 def test_half_of_the_packed_kwargs_raises():
@@ -484,6 +506,33 @@ def test_llama_logits_match_sdpa_cpu(registered, fake_kernel):
     # an all-ones attention_mask is no padding
     torch.testing.assert_close(_logits(model, ids, attention_mask=torch.ones_like(ids)), ref,
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunks", [(40,), (24, 16)])
+def test_mistral_sliding_window_matches_sdpa_cpu(registered, fake_kernel, chunks):
+    """A Mistral layer with a sliding window shorter than the sequence: the
+    backend's window_size (w - 1, w - 1) under the causal mask gives sdpa's
+    logits, in one prefill and in a second chunk on a dynamic cache."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=128, max_position_embeddings=1024, sliding_window=8)
+    model = transformers.MistralForCausalLM(config).eval()
+    ids = torch.randint(0, 1000, (2, sum(chunks)), generator=torch.Generator().manual_seed(3))
+
+    def run(impl):
+        m = _set_attn(model, impl)
+        cache = transformers.DynamicCache(config=m.config)
+        outs, start = [], 0
+        for n in chunks:
+            outs.append(_logits(m, ids[:, start:start + n], past_key_values=cache, use_cache=True))
+            start += n
+        return torch.cat(outs, dim=1)
+
+    ref = run("sdpa")
+    out = run(NAME)
+    assert {c["window_size"] for c in fake_kernel} == {(7, 7)}
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_llama_chunked_prefill_matches_sdpa_cpu(registered, fake_kernel):

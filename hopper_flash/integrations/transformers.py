@@ -53,8 +53,15 @@ The backend computes exactly what SDPA computes, or raises:
   only when it is the bottom-right causal pattern or all-visible, possibly
   followed by key columns that no query sees (the unused tail of a static
   cache), which are dropped. Any other 4-D mask (an explicit padding or
-  block pattern, an active sliding window, chunked or custom patterns)
+  block pattern, a sliding window's pattern, chunked or custom patterns)
   raises ``NotImplementedError``;
+* a layer's ``sliding_window`` (Mistral, Gemma, Qwen2 and others) becomes
+  flash-attn's ``window_size=(w - 1, w - 1)`` whenever the keys outnumber
+  the window, as transformers' own FlashAttention path sets it (with the
+  causal mask: a query sees itself and the ``w - 1`` keys before it). The
+  window runs without autograd and outside torch.compile for now (it has no
+  backward yet): training or compiling such a layer raises
+  ``NotImplementedError``;
 * dropout > 0, logit soft-capping, attention sinks and position biases
   raise ``NotImplementedError``;
 * ``query``/``key``/``value`` arrive as ``[batch, heads, seq, head_dim]`` and
@@ -211,15 +218,11 @@ def hopper_flash_attention_forward(
     packed = _packed_from_kwargs(kwargs, query, key)
     if packed is None and attention_mask is None:
         packed = _packed_from_position_ids(kwargs.get("position_ids"), query, key)
+    window_size = _window_size(sliding_window, seqlen_k)
     if packed is not None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
-        if sliding_window is not None and seqlen_k > sliding_window:
-            raise NotImplementedError(
-                f"hopper_flash does not support sliding-window attention yet (window {sliding_window} < "
-                f"{seqlen_k} keys)"
-            )
         if packed is not None:
-            return _run_packed(query, key, value, packed, bool(is_causal), scaling), None
-        return _run_padded(query, key, value, attention_mask, bool(is_causal), scaling), None
+            return _run_packed(query, key, value, packed, bool(is_causal), scaling, window_size), None
+        return _run_padded(query, key, value, attention_mask, bool(is_causal), scaling, window_size), None
 
     mask_causal = None
     if attention_mask is not None:
@@ -235,19 +238,26 @@ def hopper_flash_attention_forward(
         # FlashAttention mask function's None means bottom-right causal over
         # every key, as in flash-attn.
         causal = bool(is_causal) and seqlen_q > 1
-        if sliding_window is not None and seqlen_k > sliding_window:
-            raise NotImplementedError(
-                f"hopper_flash does not support sliding-window attention yet (window {sliding_window} < "
-                f"{seqlen_k} keys)"
-            )
 
     import hopper_flash  # attribute looked up per call: the public entry point
 
     out = hopper_flash.flash_attn_func(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        softmax_scale=scaling, causal=causal,
+        softmax_scale=scaling, causal=causal, window_size=window_size,
     )
     return out, None
+
+
+def _window_size(sliding_window, seqlen_k: int) -> tuple[int, int]:
+    """flash-attn's ``window_size`` for a layer's ``sliding_window``, as
+    transformers' own FlashAttention path sets it: ``(w - 1, w - 1)`` when the
+    keys outnumber the window (a query sees itself and the ``w - 1`` keys
+    before it; causal makes the right side 0), none otherwise."""
+    if sliding_window is None or seqlen_k <= sliding_window:
+        return (-1, -1)
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return (sliding_window - 1, sliding_window - 1)
 
 
 # --------------------------------------------------------------------------
@@ -262,7 +272,7 @@ def _thd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
-def _run_padded(query, key, value, mask, is_causal, scaling):
+def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1)):
     """A padded batch as one varlen call, with no host sync (see the module docstring)."""
     import hopper_flash
 
@@ -290,7 +300,7 @@ def _run_padded(query, key, value, mask, is_causal, scaling):
         used_q = None
     out = hopper_flash.flash_attn_varlen_func(
         _thd(query), _thd(key), _thd(value), cu_q, cu_k, seqlen_q, seqlen_k, seqused_q=used_q, seqused_k=lens_k,
-        softmax_scale=scaling, causal=is_causal and seqlen_q > 1)
+        softmax_scale=scaling, causal=is_causal and seqlen_q > 1, window_size=window_size)
     return out.view(batch, seqlen_q, nheads, head_dim)
 
 
@@ -342,13 +352,14 @@ def _packed_from_position_ids(position_ids, query, key):
     return result
 
 
-def _run_packed(query, key, value, packed, is_causal, scaling):
+def _run_packed(query, key, value, packed, is_causal, scaling, window_size=(-1, -1)):
     import hopper_flash
 
     batch, nheads, seqlen_q, head_dim = query.shape
     cu_q, cu_k, max_q, max_k = packed
     out = hopper_flash.flash_attn_varlen_func(
-        _thd(query), _thd(key), _thd(value), cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=is_causal)
+        _thd(query), _thd(key), _thd(value), cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=is_causal,
+        window_size=window_size)
     return out.view(batch, seqlen_q, nheads, head_dim)
 
 

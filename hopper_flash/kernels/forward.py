@@ -155,10 +155,14 @@ class Mode:
     # the tensor-core work (_consumer_idle).
     SKIP_IDLE: gl.constexpr
     OFFSET_START: gl.constexpr  # _offset_start
+    # A sliding window (mask.py): the keys row r sees are r + off - WINDOW_LEFT
+    # .. r + off + WINDOW_RIGHT; -1 leaves that side unbounded (both: none).
+    WINDOW_LEFT: gl.constexpr
+    WINDOW_RIGHT: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
-                 PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC):
+                 PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -239,7 +243,7 @@ def _item_kv(b, bm, split, seqlen_q, seqlen_k, prob: Problem, mode: Mode):
     else:
         kb = b
     n_lo, n_hi, seqlen_k = kv_split_range(bm, split, prob.num_splits, seqlen_q, seqlen_k, mode.BLOCK_M, mode.BLOCK_N,
-                                          mode.IS_CAUSAL, mode.PACK_G)
+                                          mode.IS_CAUSAL, mode.PACK_G, mode.WINDOW_LEFT, mode.WINDOW_RIGHT)
     return kb, n_lo, n_hi, seqlen_k
 
 
@@ -517,7 +521,8 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     if mode.OFFSET_START and CID < mode.NC - 1:
         _pass_turn(rings.turn_full, rings.turn_empty, i, CID)
     release(rings.k_empty, kv0, mode.K_STAGES)
-    s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G)
+    s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G, mode.WINDOW_LEFT,
+                   mode.WINDOW_RIGHT)
     p, scores_max, logsum = softmax_first(s, prob.qk_scale)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     if mode.SEQUSED or mode.VARLEN:
@@ -556,8 +561,10 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         # QK no longer reads K: release the slot while softmax and PV run.
         release(rings.k_empty, kv0 + it, mode.K_STAGES)
 
-        if tile_needs_mask(bn, bm, seqlen_q, seqlen_k, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, mode.PACK_G):
-            s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G)
+        if tile_needs_mask(bn, bm, seqlen_q, seqlen_k, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, mode.PACK_G,
+                           mode.WINDOW_LEFT, mode.WINDOW_RIGHT):
+            s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G,
+                           mode.WINDOW_LEFT, mode.WINDOW_RIGHT)
         p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, prob.qk_scale)
 
         # p_op is a register operand of the PV in flight: keep it alive until
@@ -705,7 +712,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              PACK_G: gl.constexpr, SPLIT: gl.constexpr, SEQUSED: gl.constexpr,
                              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr,
                              VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
-                             DYNAMIC: gl.constexpr = False, Q_STAGES: gl.constexpr = 1):
+                             DYNAMIC: gl.constexpr = False, Q_STAGES: gl.constexpr = 1,
+                             WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1):
     # Consumer warpgroups of 64 rows each: two, or three (FA3's 192-row tiles at head dim 64).
     NC: gl.constexpr = BLOCK_M // WG_M
     gl.static_assert(BLOCK_M == NC * WG_M and (NC == 2 or NC == 3), "two or three consumer warpgroups of 64 rows")
@@ -716,7 +724,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle two warpgroups")
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
-                SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC)
+                SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT)
 
     # Work items are (query tile, split, head, batch), flattened with the tile
     # fastest: the seed's 3-D grid order without the 65535 limit of grid axes
