@@ -111,10 +111,16 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
         return_lse: also return the log-sum-exp of the scaled scores,
             ``[batch, nheads, seqlen_q]`` float32, natural log (-inf for rows
             that see no key).
-        dropout_p, window_size, softcap, alibi_slopes, deterministic,
+        window_size: ``(left, right)`` sliding window, flash-attn's: query
+            ``i`` sees keys ``i + off - left .. i + off + right`` (``off =
+            seqlen_k - seqlen_q``; -1 = no bound on that side; ``causal``
+            makes ``right`` 0). Forward only: with inputs that require grad,
+            or under torch.compile, a window raises ``NotImplementedError``.
+            Each distinct window compiles a specialisation on first use.
+        dropout_p, softcap, alibi_slopes, deterministic,
             return_attn_probs: flash-attn 2's options, accepted at their
-            no-op values (0.0, (-1, -1), 0.0, None, any bool, False); other
-            values raise ``NotImplementedError``.
+            no-op values (0.0, 0.0, None, any bool, False); other values
+            raise ``NotImplementedError``.
 
     Everything after ``v`` is keyword-only: flash-attn 2's positional order
     (``dropout_p`` before ``softmax_scale``) would otherwise be misread.
@@ -224,7 +230,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         check_contract: validate the device values below at the cost of one
             host sync (default: the ``HOPPER_FLASH_CHECK_VARLEN`` environment
             variable, off).
-        dropout_p, window_size, softcap, alibi_slopes, return_attn_probs,
+        window_size: a sliding window as in ``flash_attn_func`` (per
+            sequence; forward only).
+        dropout_p, softcap, alibi_slopes, return_attn_probs,
             block_table: flash-attn's options, accepted at their no-op values
             only.
 
