@@ -70,6 +70,17 @@ def test_split_heuristic_follows_wave_efficiency():
     assert 8 * s <= 132 and 8 * s / 132 >= 0.85
 
 
+def test_a_window_bounds_the_tiles_the_split_heuristic_divides():
+    cfg = plan.CONFIGS[128]
+    # One query row, a 4096-key window: 33 tiles of 128 keys at most (an unaligned window straddles one more).
+    assert plan.window_tiles(4095, 0, 1, cfg) == 33
+    # A 128-row chunk adds its rows; a right side adds its keys.
+    assert plan.window_tiles(4095, 0, 1000, cfg) == 34
+    assert plan.window_tiles(100, 300, 4, cfg) == 5
+    # B=1 decode at 65536 keys: the window's 33 tiles, not the cache's 512, are split.
+    assert plan.choose_num_splits(tiles=8, n_blocks=33, sms=132) <= 33
+
+
 def test_pack_gqa_heuristic():
     assert plan.choose_pack_gqa(1, 4) and plan.choose_pack_gqa(4, 8)
     assert not plan.choose_pack_gqa(4096, 4)  # full tiles either way
