@@ -258,3 +258,56 @@ def test_fa3_is_unsupported_where_its_probe_fails_and_bf16_is_never_probed(monke
     with pytest.raises(ImportError):
         build(Config(seqlen=8), q, q, q, 1.0)
     assert len(probed) == 2
+
+
+# ---- sliding windows (Config.window, --window) -------------------------------
+
+def test_window_config_counts_visible_pairs_and_labels_itself():
+    from hopper_flash.bench.configs import Config, ConfigError, attention_flops, window_pairs
+
+    # Brute force against the closed loop: every (row, key) pair the window shows.
+    for sq, sk, left, right in [(7, 11, 3, 0), (11, 7, 2, 1), (5, 5, 0, 0), (9, 4, -1, 2), (4, 9, 2, -1)]:
+        off = sk - sq
+        brute = sum(1 for i in range(sq) for j in range(sk)
+                    if (left < 0 or j >= i + off - left) and (right < 0 or j <= i + off + right))
+        assert window_pairs(sq, sk, left, right) == brute
+    c = Config(seqlen=1000, batch=2, heads=4, headdim=64, causal=True, window=[127, 5])
+    assert c.window == (127, 5) and c.window_bounds == (127, 0)  # causal makes right 0
+    assert "win127,0" in c.label
+    assert attention_flops(c) == 4 * 2 * 4 * 64 * window_pairs(1000, 1000, 127, 0)
+    assert c.to_record()["window"] == [127, 5]
+    # No left bound under causal is plain causal: same FLOPs and label as without a window.
+    plain = Config(seqlen=1000, batch=2, heads=4, headdim=64, causal=True)
+    assert Config(seqlen=1000, batch=2, heads=4, headdim=64, window=[-1, 3]).window_bounds is None
+    assert attention_flops(plain) == attention_flops(Config(seqlen=1000, batch=2, heads=4, headdim=64,
+                                                            window=[-1, 3]))
+    for bad in ([1], [1, 2, 3], [-2, 0], ["a", 0], [True, 0]):
+        with pytest.raises(ConfigError, match="window must be a pair"):
+            Config(seqlen=8, window=bad)
+
+
+def test_window_option_sets_every_config_and_refuses_backward_passes(capsys):
+    args = build_parser().parse_args(["bench", "--seqlen", "1024", "2048", "--window", "255", "0"])
+    configs = resolve_configs(args)
+    assert [c.window for c in configs] == [(255, 0), (255, 0)]
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--seqlen", "1024", "--window", "255", "0", "--pass", "bwd"])
+    assert e.value.code == 2
+    assert "--pass fwd only" in capsys.readouterr().err
+
+
+def test_window_passes_to_flash_attn_style_backends_and_sdpa_declines(monkeypatch):
+    import types
+
+    from hopper_flash.bench import backends
+    from hopper_flash.bench.configs import Config
+
+    cfg = Config(seqlen=8, batch=1, heads=2, headdim=64, window=[3, 0])
+    seen = {}
+    fake = types.SimpleNamespace(flash_attn_func=lambda q, k, v, **kw: seen.update(kw) or q)
+    monkeypatch.setattr(backends.importlib, "import_module", lambda name: fake)
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    backends._build_flash_attn("flash_attn")(cfg, q, q, q, 1.0)()
+    assert seen["window_size"] == (3, 0) and seen["causal"] is True
+    with pytest.raises(backends.Unsupported, match="no sliding window"):
+        backends._build_sdpa("CUDNN_ATTENTION")(cfg, q, q, q, 1.0)

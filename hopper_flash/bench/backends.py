@@ -66,12 +66,24 @@ def _import_check(module: str, attr: str) -> Callable[[], str | None]:
 # --- hopper_flash -----------------------------------------------------------
 
 
+def _window_kwargs(cfg: Config) -> dict:
+    """``window_size`` for the flash-attn style calls, only when the config has a window."""
+    return {} if cfg.window is None else {"window_size": tuple(cfg.window)}
+
+
+def _no_window(cfg: Config, what: str) -> None:
+    if cfg.window_bounds is not None:
+        raise Unsupported(f"{what} has no sliding window")
+
+
 def _build_hopper_flash(cfg: Config, q, k, v, scale: float) -> AttnFn:
     from hopper_flash import flash_attn_func
 
+    window = _window_kwargs(cfg)
+
     def fn():
         try:
-            return flash_attn_func(q, k, v, softmax_scale=scale, causal=cfg.causal)
+            return flash_attn_func(q, k, v, softmax_scale=scale, causal=cfg.causal, **window)
         except (ValueError, NotImplementedError) as e:
             # The interface's documented way of declining a configuration.
             raise Unsupported(str(e)) from e
@@ -87,10 +99,12 @@ def _build_hopper_flash_kvcache(cfg: Config, q, k, v, scale: float) -> AttnFn:
     from hopper_flash import flash_attn_with_kvcache
 
     seqlens = torch.full((cfg.batch,), cfg.seqlen_kv, dtype=torch.int32, device=q.device)
+    window = _window_kwargs(cfg)
 
     def fn():
         try:
-            return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, softmax_scale=scale, causal=cfg.causal)
+            return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, softmax_scale=scale, causal=cfg.causal,
+                                           **window)
         except (ValueError, NotImplementedError) as e:
             raise Unsupported(str(e)) from e
 
@@ -143,9 +157,10 @@ def _build_fa3_kvcache(cfg: Config, q, k, v, scale: float) -> AttnFn:
     _check_fa3_dtype("flash_attn_with_kvcache", q)
     func = importlib.import_module("flash_attn_interface").flash_attn_with_kvcache
     seqlens = torch.full((cfg.batch,), cfg.seqlen_kv, dtype=torch.int32, device=q.device)
+    window = _window_kwargs(cfg)
 
     def fn():
-        out = func(q, k, v, cache_seqlens=seqlens, softmax_scale=scale, causal=cfg.causal)
+        out = func(q, k, v, cache_seqlens=seqlens, softmax_scale=scale, causal=cfg.causal, **window)
         return out[0] if isinstance(out, tuple) else out
 
     return fn
@@ -159,9 +174,10 @@ def _build_flash_attn(module: str) -> Callable[..., AttnFn]:
         if module == "flash_attn_interface":
             _check_fa3_dtype("flash_attn_func", q)
         func = importlib.import_module(module).flash_attn_func
+        window = _window_kwargs(cfg)
 
         def fn():
-            out = func(q, k, v, softmax_scale=scale, causal=cfg.causal)
+            out = func(q, k, v, softmax_scale=scale, causal=cfg.causal, **window)
             # Some FA3 releases return (out, lse).
             return out[0] if isinstance(out, tuple) else out
 
@@ -178,6 +194,7 @@ def _build_sdpa(backend_name: str) -> Callable[..., AttnFn]:
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        _no_window(cfg, "SDPA's is_causal")
         # One query row sees every key under the bottom-right mask: not causal.
         causal = cfg.causal and cfg.seqlen_q > 1
         if causal and cfg.seqlen_q != cfg.seqlen_kv:
@@ -227,6 +244,7 @@ def _build_flex(cfg: Config, q, k, v, scale: float) -> AttnFn:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    _no_window(cfg, "the bench's FlexAttention mask")
     sq, sk = cfg.seqlen_q, cfg.seqlen_kv
     block_mask = None
     if cfg.causal:
@@ -289,11 +307,12 @@ def variant_backend(spec: str) -> Backend:
         if shipped is None:
             raise Unsupported(f"no kernel config for head dim {cfg.headdim}")
         variant = dataclasses.replace(shipped, **fields)
+        window = _window_kwargs(cfg)
 
         def fn():
             plan.CONFIGS[cfg.headdim] = variant
             try:
-                return flash_attn_func(q, k, v, softmax_scale=scale, causal=cfg.causal)
+                return flash_attn_func(q, k, v, softmax_scale=scale, causal=cfg.causal, **window)
             except (ValueError, NotImplementedError) as e:
                 raise Unsupported(str(e)) from e
             finally:

@@ -20,7 +20,7 @@ from .runner import PASSES
 from .timing import Timer
 
 # Options that override fields of every config in the set.
-OVERRIDES = ("batch", "heads", "kv_heads", "headdim", "causal", "dtype")
+OVERRIDES = ("batch", "heads", "kv_heads", "headdim", "causal", "dtype", "window")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                        help="causal mask, bottom-right aligned (default: causal)")
     shape.add_argument("--dtype", choices=DTYPES, help="input dtype (default bf16)")
+    shape.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"),
+                       help="sliding window, flash-attn's window_size (-1: no bound on that side; causal makes "
+                            "RIGHT 0); TFLOP/s count the visible pairs. SDPA and FlexAttention rows are "
+                            "unsupported; forward only for now")
     shape.add_argument("--varlen", metavar="LO:HI",
                        help="instead of the configs: one mixed-length batch through flash_attn_varlen_func "
                             "(--batch sequences, default 16, lengths uniform in LO..HI; --heads/--kv-heads default "
@@ -57,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "forward, backward and both")
     shape.add_argument("--config", metavar="FILE.json",
                        help="JSON list of config objects with fields: " + ", ".join(
-                           ("seqlen", "seqlen_k", "batch", "heads", "kv_heads", "headdim", "causal", "dtype")))
+                           ("seqlen", "seqlen_k", "batch", "heads", "kv_heads", "headdim", "causal", "dtype",
+                            "window")))
     run = p.add_argument_group("running")
     run.add_argument("--pass", dest="passes", nargs="+", choices=PASSES, default=["fwd"], metavar="PASS",
                      help="what to time, one table block each: fwd (the output), bwd (dq, dk, dv of a fixed "
@@ -228,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return varlen.main(args, command)
         try:
             configs = resolve_configs(args)
+            windowed = [c.label for c in configs if c.window_bounds is not None]
+            if windowed and set(args.passes) - {"fwd"}:
+                raise ConfigError(f"sliding windows are timed with --pass fwd only for now (no gradient reference "
+                                  f"with a window yet): {windowed[0]}")
             for spec in args.variant:
                 from .backends import parse_variant
 

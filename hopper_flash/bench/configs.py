@@ -27,6 +27,8 @@ class Config:
     ``seqlen_k`` and ``kv_heads`` default to ``None`` meaning "same as the
     query side"; they stay ``None`` so that overriding ``seqlen``/``heads``
     later (CLI options applied to the default set) keeps them equal.
+    ``window``: flash-attn's ``window_size`` ``(left, right)`` (-1: no bound
+    on that side; ``causal`` makes ``right`` 0), or None.
     """
 
     seqlen: int
@@ -37,6 +39,7 @@ class Config:
     headdim: int = 128
     causal: bool = True
     dtype: str = "bf16"
+    window: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("seqlen", "batch", "heads", "kv_heads", "seqlen_k", "headdim"):
@@ -54,6 +57,24 @@ class Config:
             raise ConfigError(
                 f"heads ({self.heads}) must be a multiple of kv_heads ({self.nheads_kv})"
             )
+        if self.window is not None:
+            w = self.window
+            if (not isinstance(w, (list, tuple)) or len(w) != 2
+                    or any(not isinstance(x, int) or isinstance(x, bool) or x < -1 for x in w)):
+                raise ConfigError(f"window must be a pair [left, right] of ints >= -1 (-1: no bound), got {w!r}")
+            object.__setattr__(self, "window", (int(w[0]), int(w[1])))
+
+    @property
+    def window_bounds(self) -> tuple[int, int] | None:
+        """The window as the kernels and the reference take it
+        (``hopper_flash.checks.window_bounds``), or None for none."""
+        if self.window is None:
+            return None
+        left, right = self.window
+        right = 0 if self.causal else right
+        if left == -1 and (self.causal or right == -1):
+            return None
+        return left, right
 
     @property
     def seqlen_q(self) -> int:
@@ -73,6 +94,8 @@ class Config:
         heads = f"H{self.heads}" if self.nheads_kv == self.heads else f"H{self.heads}/{self.nheads_kv}"
         seq = f"S{self.seqlen}" if self.seqlen_kv == self.seqlen else f"S{self.seqlen}x{self.seqlen_kv}"
         mode = "causal" if self.causal else "full"
+        if self.window_bounds is not None:
+            mode += " win{},{}".format(*self.window_bounds)
         return f"B{self.batch} {heads} {seq} D{self.headdim} {mode} {self.dtype}"
 
     def to_record(self) -> dict:
@@ -86,6 +109,7 @@ class Config:
             "headdim": self.headdim,
             "causal": self.causal,
             "dtype": self.dtype,
+            "window": list(self.window) if self.window is not None else None,
         }
 
 
@@ -154,6 +178,19 @@ def causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
     return prefix(b) - prefix(a - 1)
 
 
+def window_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
+    """Visible (query, key) pairs under a sliding window (bottom-right
+    aligned, -1 = no bound on that side): row ``i`` sees keys
+    ``max(0, i + off - left) .. min(seqlen_k - 1, i + off + right)``."""
+    off = seqlen_k - seqlen_q
+    total = 0
+    for i in range(seqlen_q):
+        lo = 0 if left < 0 else max(0, i + off - left)
+        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + off + right)
+        total += max(0, hi - lo + 1)
+    return total
+
+
 def kv_bytes(cfg: Config) -> int:
     """Bytes of K and V one call must read at least once: 2 * B * Hkv * S_k * D
     * element size. Decode (small S_q) is bound by reading them, so its speed
@@ -167,6 +204,8 @@ def attention_flops(cfg: Config) -> int:
     4 * B * H * S_q * S_k * D without a mask. H is the number of query heads
     (GQA shares K/V but does not reduce the work).
 
+    A sliding window counts its visible pairs exactly (``window_pairs``).
+
     Causal, following the project's convention (and flash-attn's benchmarks):
       * S_q == S_k: exactly half of the dense count, 2 * B * H * S^2 * D. The
         exact number of visible pairs is S(S+1)/2, i.e. 1/S more; the
@@ -175,6 +214,8 @@ def attention_flops(cfg: Config) -> int:
         under bottom-right alignment (there is no established "half").
     """
     b, h, d, sq, sk = cfg.batch, cfg.heads, cfg.headdim, cfg.seqlen_q, cfg.seqlen_kv
+    if cfg.window_bounds is not None:
+        return 4 * b * h * d * window_pairs(sq, sk, *cfg.window_bounds)
     if not cfg.causal:
         return 4 * b * h * sq * sk * d
     if sq == sk:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .configs import Config
+from .configs import Config, ConfigError
 
 FULL_CHECK_MAX_SEQLEN = 4096
 SAMPLE_BLOCK = 64
@@ -57,8 +57,9 @@ def compute_reference(cfg: Config, q, k, v, scale: float) -> Reference:
     from hopper_flash.reference import attention_baseline, attention_reference
 
     rows = check_rows(cfg.seqlen_q, q.device)
-    out, _ = attention_reference(q, k, v, causal=cfg.causal, softmax_scale=scale, rows=rows)
-    baseline = attention_baseline(q, k, v, causal=cfg.causal, softmax_scale=scale, rows=rows)
+    window = cfg.window_bounds
+    out, _ = attention_reference(q, k, v, causal=cfg.causal, softmax_scale=scale, rows=rows, window=window)
+    baseline = attention_baseline(q, k, v, causal=cfg.causal, softmax_scale=scale, rows=rows, window=window)
     return Reference(rows, out, baseline)
 
 
@@ -112,6 +113,9 @@ def compute_grad_reference(cfg: Config, q, k, v, dout, scale: float) -> GradRefe
         return None if n <= FULL_CHECK_MAX_SEQLEN else check_rows(n, q.device, seed)
 
     rows, key_rows = sample(cfg.seqlen_q, 0), sample(cfg.seqlen_kv, 1)
+    if cfg.window_bounds is not None:
+        raise ConfigError(f"{cfg.label}: the gradient reference has no sliding window yet (the backward with "
+                          "windows is on branch bwd-window): time windows with --pass fwd")
     kw = dict(causal=cfg.causal, softmax_scale=scale, rows=rows, key_rows=key_rows)
     grads = attention_reference_grads(q, k, v, dout, **kw)
     baseline = attention_baseline_grads(q, k, v, dout, **kw)

@@ -53,6 +53,7 @@ class Result:
     rows_checked: int | None = None
     bench_pass: str = "fwd"  # "fwd", "bwd" or "fwd+bwd" (runner.PASSES); records before passes existed are "fwd"
     peak_mib: float | None = None  # --memory: peak MiB allocated during one call beyond what was allocated before
+    window: list | None = None  # [left, right] of a sliding window (configs.Config.window), or None
 
     @property
     def failed(self) -> bool:
@@ -95,6 +96,8 @@ def _parse(field: dataclasses.Field, text: str):
         return int(text)
     if kind.startswith("float"):
         return float(text)
+    if kind.startswith("list"):
+        return json.loads(text)
     return text
 
 
