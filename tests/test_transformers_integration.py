@@ -568,6 +568,23 @@ def test_llama_greedy_generate_matches_sdpa_cpu(registered, fake_kernel, fake_va
     assert any(c["q"].shape[1] == 1 or c["q"].shape[0] == 2 for c in calls)  # decode steps went through the backend
 
 
+def test_mistral_sliding_window_greedy_generate_matches_sdpa_cpu(registered, fake_kernel, fake_varlen):
+    """Greedy generation past the window (16-token prompt, window 6, 8 new
+    tokens) gives sdpa's tokens with the backend's window_size."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=128, max_position_embeddings=1024, sliding_window=6)
+    model = transformers.MistralForCausalLM(config).eval()
+    ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = _set_attn(model, "sdpa").generate(ids, **kwargs)
+        out = _set_attn(model, NAME).generate(ids, **kwargs)
+    assert torch.equal(out, ref)
+    assert any(c["window_size"] == (5, 5) for c in fake_kernel)  # the prompt's prefill saw the window
+
+
 # --------------------------------------------------------------------------
 # GPU: the real kernel in a bf16 model
 # --------------------------------------------------------------------------
