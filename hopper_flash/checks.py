@@ -74,13 +74,17 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
 _UNBOUNDED_WINDOW = 1 << 30
 
 
-def window_bounds(window_size, causal: bool) -> tuple[int, int] | None:
+def window_bounds(window_size, causal) -> tuple[int, int] | None:
     """flash-attn's ``window_size=(left, right)`` as the kernels take it, or
     None for no window. Query ``i`` sees key ``j`` iff ``i + off - left <= j
     <= i + off + right`` (``off = seqlen_k - seqlen_q``, bottom-right aligned);
-    -1 leaves a side unbounded; ``causal`` sets ``right`` to 0, as in
-    flash-attn. ``(-1, -1)``, and ``(-1, anything)`` under ``causal``, are no
-    window (plain or causal attention)."""
+    -1 leaves a side unbounded; ``causal`` (checked here) sets ``right`` to 0,
+    as in flash-attn. ``(-1, -1)``, and ``(-1, anything)`` under ``causal``,
+    are no window (plain or causal attention). The default ``(-1, -1)``
+    returns at once: this runs on every attention call."""
+    if window_size == (-1, -1):
+        return None
+    causal = check_causal(causal)
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 for no bound, got {window_size!r}")

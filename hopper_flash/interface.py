@@ -137,7 +137,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     LSE carries no gradient.
     """
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    window = None if window_size == (-1, -1) else checks.window_bounds(window_size, checks.check_causal(causal))
+    window = checks.window_bounds(window_size, causal)
     if window is not None:
         _refuse_window_with_autograd(window_size, q, k, v)
         return dispatch.forward(q, k, v, softmax_scale, causal, return_lse, window=window)
@@ -254,7 +254,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     if block_table is not None:
         raise NotImplementedError("block_table must be None (paged K/V is served by flash_attn_with_kvcache)")
-    window = None if window_size == (-1, -1) else checks.window_bounds(window_size, checks.check_causal(causal))
+    window = checks.window_bounds(window_size, causal)
     if window is not None:
         _refuse_window_with_autograd(window_size, q, k, v)
         out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

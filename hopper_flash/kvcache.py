@@ -321,7 +321,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         page_table = block_table
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
-    window = None if window_size == (-1, -1) else checks.window_bounds(window_size, checks.check_causal(causal))
+    window = checks.window_bounds(window_size, causal)
     if torch.compiler.is_compiling() or torch.is_grad_enabled() and getattr(q, "requires_grad", False):
         if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
             cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)

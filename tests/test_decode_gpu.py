@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hopper_flash
+from hopper_flash import checks
 from hopper_flash.reference import check_kvcache
 
 pytestmark = pytest.mark.gpu
@@ -23,10 +24,11 @@ def rnd(*shape, dtype=torch.bfloat16, seed=0):
     return torch.randn(*shape, device=DEV, generator=gen).to(dtype)
 
 
-def assert_close(out, q, kc, vc, lens, causal, rows=None, lse=None):
+def assert_close(out, q, kc, vc, lens, causal, rows=None, lse=None, window=None):
     """Each batch row against the float64 reference over its live keys,
     within twice the error SDPA makes on them (hopper_flash.reference)."""
-    bad = [v.message for v in check_kvcache(out, q, kc, vc, lens, causal=causal, rows=rows, lse=lse) if not v]
+    bad = [v.message for v in check_kvcache(out, q, kc, vc, lens, causal=causal, rows=rows, lse=lse, window=window)
+           if not v]
     assert not bad, "\n".join(bad)
 
 
@@ -187,14 +189,16 @@ def test_cache_batch_idx():
     assert_close(out, q, kc, vc, lens, True, rows=rows)
 
 
-def test_cuda_graph_replay_with_changing_lengths():
+@pytest.mark.parametrize("window_size", [(-1, -1), (1023, 0)], ids=["no-window", "window1023"])
+def test_cuda_graph_replay_with_changing_lengths(window_size):
     B, cap = 4, 8192
     kc, vc = rnd(B, cap, 8, 128, seed=31), rnd(B, cap, 8, 128, seed=32)
     q = rnd(B, 1, 32, 128, seed=33)
     cs = torch.tensor([100, 200, 300, 400], dtype=torch.int32, device=DEV)
+    window = checks.window_bounds(window_size, True)
 
     def step():
-        return hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True)
+        return hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True, window_size=window_size)
 
     step()
     torch.cuda.synchronize()
@@ -205,7 +209,7 @@ def test_cuda_graph_replay_with_changing_lengths():
         cs.copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()
         assert torch.equal(out, step())
-        assert_close(out, q, kc, vc, lens, True)
+        assert_close(out, q, kc, vc, lens, True, window=window)
 
 
 def test_torch_compile_with_append():

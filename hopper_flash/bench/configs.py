@@ -70,11 +70,9 @@ class Config:
         (``hopper_flash.checks.window_bounds``), or None for none."""
         if self.window is None:
             return None
-        left, right = self.window
-        right = 0 if self.causal else right
-        if left == -1 and (self.causal or right == -1):
-            return None
-        return left, right
+        from hopper_flash.checks import window_bounds
+
+        return window_bounds(self.window, self.causal)
 
     @property
     def seqlen_q(self) -> int:
