@@ -31,18 +31,6 @@ def _needs_op(*tensors) -> bool:
     return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
-def _refuse_window_with_autograd(window_size, *tensors) -> None:
-    """Sliding windows run eagerly and without autograd for now: the
-    backward kernel and the custom ops have no window yet."""
-    if torch.compiler.is_compiling():
-        raise NotImplementedError(f"window_size={tuple(window_size)!r}: sliding-window attention does not run under "
-                                  "torch.compile yet (it has no custom op); call it eagerly")
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors):
-        raise NotImplementedError(f"window_size={tuple(window_size)!r}: sliding-window attention has no backward "
-                                  "yet; run it under torch.no_grad() or torch.inference_mode(), or on inputs that "
-                                  "do not require grad")
-
-
 def _is_zero(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == 0
 
@@ -114,9 +102,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
         window_size: ``(left, right)`` sliding window, flash-attn's: query
             ``i`` sees keys ``i + off - left .. i + off + right`` (``off =
             seqlen_k - seqlen_q``; -1 = no bound on that side; ``causal``
-            makes ``right`` 0). Forward only: with inputs that require grad,
-            or under torch.compile, a window raises ``NotImplementedError``.
-            Each distinct window compiles a specialisation on first use.
+            makes ``right`` 0). Differentiable, and traced by torch.compile,
+            as without a window. Each distinct window compiles a
+            specialisation (forward and backward) on first use.
         dropout_p, softcap, alibi_slopes, deterministic,
             return_attn_probs: flash-attn 2's options, accepted at their
             no-op values (0.0, 0.0, None, any bool, False); other values
@@ -138,15 +126,12 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     """
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     window = checks.window_bounds(window_size, causal)
-    if window is not None:
-        _refuse_window_with_autograd(window_size, q, k, v)
-        return dispatch.forward(q, k, v, softmax_scale, causal, return_lse, window=window)
     if _needs_op(q, k, v):
         if ops.plain_eager(q, k, v):
             # The op's autograd without its dispatch (host time per call),
             # on arguments validated once, here.
             softmax_scale = checks.validate(q, k, v, softmax_scale, causal)
-            out, lse = ops.EagerAttention.apply(q, k, v, softmax_scale, bool(causal), bool(deterministic))
+            out, lse = ops.EagerAttention.apply(q, k, v, softmax_scale, bool(causal), bool(deterministic), window)
             return (out, lse) if return_lse else out
         # The op's schema takes a float and a bool: check the Python values
         # here, as the eager path does, before they are converted.
@@ -157,9 +142,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
             checks.check_cuda(q)
         else:
             checks.check_device(q)
-        out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic))
+        out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic), *(window or (-1, -1)))
         return (out, lse) if return_lse else out
-    return dispatch.forward(q, k, v, softmax_scale, causal, return_lse)
+    return dispatch.forward(q, k, v, softmax_scale, causal, return_lse, window=window)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -231,7 +216,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             host sync (default: the ``HOPPER_FLASH_CHECK_VARLEN`` environment
             variable, off).
         window_size: a sliding window as in ``flash_attn_func`` (per
-            sequence; forward only).
+            sequence).
         dropout_p, softcap, alibi_slopes, return_attn_probs,
             block_table: flash-attn's options, accepted at their no-op values
             only.
@@ -255,12 +240,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         raise NotImplementedError("block_table must be None (paged K/V is served by flash_attn_with_kvcache)")
     window = checks.window_bounds(window_size, causal)
-    if window is not None:
-        _refuse_window_with_autograd(window_size, q, k, v)
-        out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                           seqused_q, seqused_k, softmax_scale, causal, return_lse, check_contract,
-                                           window=window)
-        return (out, lse) if return_lse else out
     if _needs_op(q, k, v):
         if ops.plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
             # The op's autograd without its dispatch (host time per call), on
@@ -270,7 +249,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 causal, check_contract)
             out, lse = ops.EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                                       max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
-                                                      bool(deterministic))
+                                                      bool(deterministic), window)
             return (out, lse) if return_lse else out
         softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
@@ -284,8 +263,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 checks.check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              seqused_q, seqused_k)
         out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                                  max_seqlen_k, softmax_scale, bool(causal), bool(deterministic))
+                                  max_seqlen_k, softmax_scale, bool(causal), bool(deterministic),
+                                  *(window or (-1, -1)))
         return (out, lse) if return_lse else out
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
-                                       seqused_k, softmax_scale, causal, return_lse, check_contract)
+                                       seqused_k, softmax_scale, causal, return_lse, check_contract, window=window)
     return (out, lse) if return_lse else out

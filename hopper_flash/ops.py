@@ -33,14 +33,22 @@ from . import checks, dispatch, plan_backward
 
 @torch.library.custom_op("hopper_flash::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-        causal: bool, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        causal: bool, deterministic: bool = False, window_left: int = -1,
+        window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on BSHD tensors; returns ``(out, lse)``.
-    ``deterministic`` only selects the backward's dQ summation order."""
-    return dispatch.forward(q, k, v, softmax_scale, causal, True)
+    ``deterministic`` only selects the backward's dQ summation order;
+    ``window_left``/``window_right``: ``checks.window_bounds``'s sliding
+    window, -1 -1 for none."""
+    return dispatch.forward(q, k, v, softmax_scale, causal, True, window=_window(window_left, window_right))
+
+
+def _window(left: int, right: int):
+    """The ops' two ints as ``checks.window_bounds``'s pair, or None."""
+    return None if (left, right) == (-1, -1) else (left, right)
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1):
     # The same checks as the eager path, so a traced call fails at trace time
     # with the same message. Meta tensors ask for shapes only (no device to
     # check); the TMA rules need data pointers: the real implementation has them.
@@ -56,13 +64,15 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False):
 @torch.library.custom_op("hopper_flash::bwd", mutates_args=(), device_types="cuda")
 def bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, softmax_scale: float, causal: bool,
-        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        deterministic: bool, window_left: int = -1,
+        window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: ``(dq, dk, dv)`` from the forward's saved tensors."""
-    return plan_backward.backward(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic)
+    return plan_backward.backward(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic,
+                                  window=_window(window_left, window_right))
 
 
 @bwd.register_fake
-def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic):
+def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
     plan_backward.check_head_dim(q.shape[3])
     plan_backward.check_grad_out_meta(grad_out, out)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
@@ -99,13 +109,17 @@ def _setup_context(ctx, inputs, output):
     ctx.softmax_scale = softmax_scale
     ctx.causal = causal
     ctx.deterministic = deterministic
+    ctx.window = (inputs[6] if len(inputs) > 6 else -1, inputs[7] if len(inputs) > 7 else -1)
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    impl = plan_backward.backward if _plain_eager_backward(grad_out, q, k, v, out, lse) else bwd
-    dq, dk, dv = impl(grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
-    return dq, dk, dv, None, None, None
+    args = (grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
+    if _plain_eager_backward(grad_out, q, k, v, out, lse):
+        dq, dk, dv = plan_backward.backward(*args, window=_window(*ctx.window))
+    else:
+        dq, dk, dv = bwd(*args, *ctx.window)
+    return dq, dk, dv, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -120,18 +134,20 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                cu_seqlens_k: torch.Tensor, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
-               deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               deterministic: bool = False, window_left: int = -1,
+               window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention forward on THD tensors; returns ``(out, lse)`` with
     ``lse`` ``[nheads, total_q]``. ``deterministic`` only selects the
     backward's dQ summation order."""
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
-                                       seqused_k, softmax_scale, causal, True)
+                                       seqused_k, softmax_scale, causal, True,
+                                       window=_window(window_left, window_right))
     return out, lse
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, deterministic=False):
+                     softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1):
     checks.check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                   seqused_k, softmax_scale, causal)
     if q.device.type != "meta":
@@ -146,22 +162,25 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None, max_seqlen_q: int,
                max_seqlen_k: int, softmax_scale: float, causal: bool,
-               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               deterministic: bool, window_left: int = -1,
+               window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Varlen attention backward: ``(dq, dk, dv)``, zero outside the live rows."""
     return _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                            max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic)
+                            max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, window_left,
+                            window_right)
 
 
 def _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, deterministic):
+                     max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
     varlen = plan_backward.VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                        max_seqlen_k)
-    return plan_backward.backward_varlen(grad_out, q, k, v, out, lse, varlen, softmax_scale, causal, deterministic)
+    return plan_backward.backward_varlen(grad_out, q, k, v, out, lse, varlen, softmax_scale, causal, deterministic,
+                                         window=_window(window_left, window_right))
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, deterministic):
+                     max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
     plan_backward.check_head_dim(q.shape[2])
     plan_backward.check_grad_out_meta(grad_out, out)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
@@ -177,15 +196,16 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.softmax_scale = softmax_scale
     ctx.causal = causal
     ctx.deterministic = inputs[11] if len(inputs) > 11 else False
+    ctx.window = (inputs[12] if len(inputs) > 12 else -1, inputs[13] if len(inputs) > 13 else -1)
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
     args = (grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.max_seqlens, ctx.softmax_scale, ctx.causal,
-            ctx.deterministic)
+            ctx.deterministic, *ctx.window)
     eager = _plain_eager_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k)
     dq, dk, dv = (_varlen_bwd_impl if eager else varlen_bwd)(*args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, *(None,) * 11
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -202,10 +222,11 @@ class EagerAttention(torch.autograd.Function):
     differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale: float, causal: bool, deterministic: bool):
-        out, lse = dispatch.forward_validated(q, k, v, softmax_scale, causal, True)
+    def forward(ctx, q, k, v, softmax_scale: float, causal: bool, deterministic: bool, window=None):
+        out, lse = dispatch.forward_validated(q, k, v, softmax_scale, causal, True, window=window)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (softmax_scale, causal, deterministic)
+        ctx.window = window
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -213,8 +234,8 @@ class EagerAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = plan_backward.backward(grad_out, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = plan_backward.backward(grad_out, q, k, v, out, lse, *ctx.args, window=ctx.window)
+        return dq, dk, dv, None, None, None, None
 
 
 class EagerVarlenAttention(torch.autograd.Function):
@@ -224,11 +245,11 @@ class EagerVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
-                max_seqlen_k: int, softmax_scale: float, causal: bool, deterministic: bool):
+                max_seqlen_k: int, softmax_scale: float, causal: bool, deterministic: bool, window=None):
         out, lse = dispatch.forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                     seqused_q, seqused_k, softmax_scale, causal, True)
+                                                     seqused_q, seqused_k, softmax_scale, causal, True, window=window)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic)
+        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, *(window or (-1, -1)))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -236,7 +257,7 @@ class EagerVarlenAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         dq, dk, dv = _varlen_bwd_impl(grad_out, *ctx.saved_tensors, *ctx.args)
-        return dq, dk, dv, *(None,) * 9
+        return dq, dk, dv, *(None,) * 10
 
 
 class EagerPackedAttention(torch.autograd.Function):

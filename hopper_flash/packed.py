@@ -61,7 +61,7 @@ def _fixed(q, packed, views, softmax_scale, causal, return_lse, options):
     flash-attn's (dropout_p, window_size, softcap, alibi_slopes,
     deterministic, return_attn_probs)."""
     interface._check_options(*options)
-    # A sliding window is flash_attn_func's business (it has no autograd yet).
+    # A sliding window goes through flash_attn_func (EagerPackedAttention takes none).
     got = None if _windowed(options) else _eager_autograd(q, packed, 2, views, None, softmax_scale, causal,
                                                           options[4])
     if got is not None:

@@ -93,7 +93,7 @@ for _cfg in BACKWARD_CONFIGS.values():
 
 @lru_cache(maxsize=None)
 def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, varlen: bool = False,
-                      seqused_q: bool = False, seqused_k: bool = False) -> dict:
+                      seqused_q: bool = False, seqused_k: bool = False, window=None) -> dict:
     """The constexpr arguments of ``attention_backward_kernel``."""
     # In the kernel's parameter order: the fast launch passes them positionally.
     return dict(
@@ -109,6 +109,8 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
         VARLEN=bool(varlen),
         SEQUSED_Q=bool(seqused_q),
         SEQUSED_K=bool(seqused_k),
+        WINDOW_LEFT=window[0] if window else -1,
+        WINDOW_RIGHT=window[1] if window else -1,
     )
 
 
@@ -191,12 +193,14 @@ _COMPILED: dict[tuple, object] = {}
 
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
                     deterministic: bool = False, cfg: BackwardConfig | None = None,
-                    varlen: VarlenBatch | None = None) -> None:
+                    varlen: VarlenBatch | None = None, window: tuple[int, int] | None = None) -> None:
     """Compute dq, dk, dv (written in place; any TMA-addressable BSHD views).
 
     Arguments are assumed validated: BSHD, same dtype, supported head dim,
     ``lse`` the forward's fp32 ``[B, H, Sq]`` (contiguous), non-empty, and
     q's device current.
+
+    ``window``: the forward's sliding window (``checks.window_bounds``), or None.
 
     With ``varlen``: THD ``[total, H, D]`` tensors, ``lse`` ``[H, total_q]``
     (contiguous), and dq/dk/dv zero-initialised by the caller (rows outside
@@ -272,7 +276,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
                section, softmax_scale * LOG2E, softmax_scale)
     constexprs = kernel_constexprs(cfg, causal, deterministic, varlen is not None,
                                    varlen is not None and varlen.seqused_q is not None,
-                                   varlen is not None and varlen.seqused_k is not None)
+                                   varlen is not None and varlen.seqused_k is not None, window)
     # The tensors behind the nine descriptors, in the kernel's argument order.
     tensors = (views["q"], views["k"], views["v"], views["do"], views["dk"], views["dv"],
                dq_accum.view(-1, head_dim), lse2.view(-1), delta.view(-1))
@@ -417,7 +421,7 @@ def _gradients(q, k, v, grads, alloc):
 
 
 def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, deterministic: bool = False,
-             grads=None):
+             grads=None, window=None):
     """dq, dk, dv (contiguous BSHD, like q, k, v) of the attention that
     produced ``out`` and ``lse`` from ``q, k, v`` (already validated by the
     forward). ``grad_out`` is checked here (see ``check_grad_out``).
@@ -439,7 +443,8 @@ def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, de
         dq.zero_()
         return dq, dk, dv
     with torch.cuda.device(q.device):
-        launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic)
+        launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
+                        window=window)
     return dq, dk, dv
 
 
@@ -452,7 +457,7 @@ def check_grad_out_thd(grad_out, out: torch.Tensor) -> torch.Tensor:
 
 
 def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_scale: float, causal: bool,
-                    deterministic: bool = False, grads=None):
+                    deterministic: bool = False, grads=None, window=None):
     """dq, dk, dv (contiguous THD, like q, k, v) of a varlen forward; rows
     outside every sequence's live part get zero gradients. ``grads``:
     zero-filled ``(dq, dk, dv)`` to write instead (dk and dv with equal
@@ -467,5 +472,5 @@ def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_sc
     lse = lse.contiguous()
     with torch.cuda.device(q.device):
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
-                        varlen=varlen)
+                        varlen=varlen, window=window)
     return dq, dk, dv

@@ -277,9 +277,11 @@ def attention_reference_grads(
     softmax_scale: float | None = None,
     rows=None,
     key_rows=None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact float64 ``(dq, dk, dv)`` (BSHD, shaped like q, k, v) of
-    :func:`attention_reference`'s output for the output gradient ``dout``.
+    :func:`attention_reference`'s output for the output gradient ``dout``
+    (``window``: a sliding window, as there).
 
     The textbook backward from the reference's own LSE:
     ``P = exp(S - lse)``, ``dV = P^T dO``, ``dP = dO V^T``,
@@ -300,12 +302,12 @@ def attention_reference_grads(
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
     if rows is not None or key_rows is not None:
-        return _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_rows)
+        return _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_rows, window)
     f64 = torch.float64
     scale = _scale(softmax_scale, headdim)
     group = nheads // nheads_kv
     device = q.device
-    _, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    _, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
     qh, kh, vh, doh = (x.transpose(1, 2) for x in (q, k, v, dout))
     dq = torch.zeros(batch, nheads, seqlen_q, headdim, dtype=f64, device=device)
     dk = torch.zeros(batch, nheads_kv, seqlen_k, headdim, dtype=f64, device=device)
@@ -326,6 +328,8 @@ def attention_reference_grads(
             s = (qc @ kc.transpose(-1, -2)) * scale
             if causal:
                 s.masked_fill_(cols[None, None, :] > r[None, :, None] + (seqlen_k - seqlen_q), -math.inf)
+            if window is not None:
+                s.masked_fill_(~window_visible(r, cols, seqlen_q, seqlen_k, window)[None], -math.inf)
             p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
             dvc += p.transpose(-1, -2) @ doc
             ds = _ds(p, doc @ vc.transpose(-1, -2))
@@ -347,7 +351,7 @@ def _ds(p: torch.Tensor, dp: torch.Tensor) -> torch.Tensor:
     return p * (dp - (p * dp).sum(-1, keepdim=True))
 
 
-def _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_rows):
+def _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_rows, window=None):
     """:func:`attention_reference_grads` on sampled query rows (dq) and keys
     (dk, dv): one pass over the sampled rows against every key for dq, one
     pass over every row against the sampled keys for dk and dv."""
@@ -358,7 +362,7 @@ def _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_row
     device = q.device
     row_idx = _row_index(rows, seqlen_q, device)
     key_idx = _row_index(key_rows, seqlen_k, device)
-    out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
     qh, kh, vh, doh = (x.transpose(1, 2) for x in (q, k, v, dout))
     delta = (doh.to(f64) * out.transpose(1, 2)).sum(-1)  # [B, H, Sq]
     dq = torch.zeros(batch, nheads, row_idx.numel(), headdim, dtype=f64, device=device)
@@ -374,6 +378,8 @@ def _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_row
         s = (qc @ kc.transpose(-1, -2)) * scale
         if causal:
             s.masked_fill_(keys[None, None, :] > r[None, :, None] + offset, -math.inf)
+        if window is not None:
+            s.masked_fill_(~window_visible(r, keys, seqlen_q, seqlen_k, window)[None], -math.inf)
         p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
         return qc, doc, p, delta[idx][..., None]
 
@@ -409,7 +415,7 @@ def _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_row
 
 
 def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_scale: float | None = None,
-                             rows=None, key_rows=None):
+                             rows=None, key_rows=None, window: tuple[int, int] | None = None):
     """``(dq, dk, dv)`` of :func:`attention_baseline` (SDPA's backward on the
     same bf16/fp16 inputs), in the inputs' dtype: the baseline for judging a
     backward kernel's gradients. ``rows`` / ``key_rows`` select dq rows and
@@ -422,15 +428,22 @@ def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_sca
     causal problem (cuDNN can take it, and no fully masked row can put a NaN
     into dk/dv through SDPA's backward). Where cuDNN's backward raises or its
     gradients are not finite the efficient/math backends are used instead.
+    A sliding window bounded on the right (``window``) blinds the first
+    ``seqlen_q - seqlen_k - right`` rows the same way; no other row of a
+    window is blind (a row's leftmost key is never past the last key).
     """
     _, seqlen_q, seqlen_k, _, _, _ = _check_inputs(q, k, v)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
     blind = seqlen_q - seqlen_k if causal and seqlen_q > seqlen_k else 0
+    if window is not None and window[1] >= 0:
+        blind = max(blind, seqlen_q - seqlen_k - window[1])
+    if blind >= seqlen_q:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     def fn(use_cudnn):
         return lambda q, k, v: attention_baseline(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                                  cudnn=use_cudnn)
+                                                  cudnn=use_cudnn, window=window)
 
     try:
         grads = _grads(fn(True), q[:, blind:], k, v, dout[:, blind:])
@@ -727,7 +740,8 @@ def grads_abs_tol(reference_grads, dtype: torch.dtype) -> float:
 
 def check_attention_grads(grads, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
                           causal: bool, softmax_scale: float | None = None, rows=None, key_rows=None,
-                          names: tuple[str, str, str] = GRAD_NAMES) -> list[Verdict]:
+                          names: tuple[str, str, str] = GRAD_NAMES,
+                          window: tuple[int, int] | None = None) -> list[Verdict]:
     """Verdicts on a backward's ``grads = (dq, dk, dv)`` (full BSHD tensors,
     shaped like q, k, v) for the problem and the output gradient ``dout``:
     each :func:`judge`'d against :func:`attention_reference_grads` relative
@@ -738,9 +752,9 @@ def check_attention_grads(grads, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     non-finite element anywhere (sampled or not) fails. ``all(verdicts)``
     is the pass."""
     ref = attention_reference_grads(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, rows=rows,
-                                    key_rows=key_rows)
+                                    key_rows=key_rows, window=window)
     base = attention_baseline_grads(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, rows=rows,
-                                    key_rows=key_rows)
+                                    key_rows=key_rows, window=window)
     return judge_grads(grads, ref, base, shapes=(q.shape, k.shape, v.shape), rows=rows, key_rows=key_rows,
                        abs_tol=grads_abs_tol(ref, q.dtype), names=names)
 

@@ -399,17 +399,21 @@ def test_a_window_reaches_the_device_check(window_size, causal):
         flash_attn_func(q, k, v, causal=causal, window_size=window_size)
 
 
-def test_a_window_refuses_autograd_and_compile_by_name():
+def test_a_window_under_autograd_goes_on_to_the_device_check():
     q, k, v = (t.requires_grad_() for t in qkv())
-    with pytest.raises(NotImplementedError, match=r"window_size=\(16, 0\): sliding-window attention has no "
-                                                  r"backward yet"):
+    with pytest.raises(ValueError, match=DEVICE_ERROR):
         flash_attn_func(q, k, v, causal=True, window_size=(16, 0))
-    with torch.no_grad():  # no autograd: the call goes on to the device check
+    with torch.no_grad():
         with pytest.raises(ValueError, match=DEVICE_ERROR):
             flash_attn_func(q, k, v, causal=True, window_size=(16, 0))
-    # A window that is no window under causal (no left bound) takes the usual paths.
-    with pytest.raises(ValueError, match=DEVICE_ERROR):
-        flash_attn_func(q, k, v, causal=True, window_size=(-1, 5))
+
+
+def test_the_ops_take_a_window():
+    import hopper_flash.ops as ops
+
+    for op in (ops.fwd, ops.bwd, ops.varlen_fwd, ops.varlen_bwd):
+        names = [a.name for a in op._opoverload._schema.arguments]
+        assert names[-2:] == ["window_left", "window_right"], names
 
 
 def test_window_bounds_fold_causal_and_unbounded_sides():

@@ -99,3 +99,20 @@ def test_shared_memory_fits(report):
 def test_register_split(report):
     assert "setmaxnreg.inc.sync.aligned.u32 \t240" in report.ptx
     assert "setmaxnreg.dec.sync.aligned.u32 \t24" in report.ptx
+
+
+# Sliding windows (window_size): the same GEMMs, no more stack than the mode allows.
+WINDOW_SPECS = [(64, True, False, (511, 0)), (128, True, False, (1023, 0)), (128, False, True, (100, 37)),
+                (256, True, False, (4095, 0)), (256, True, True, (255, 0)), (128, True, True, (-1, 0))]
+
+
+@pytest.mark.parametrize("head_dim, causal, det, window", WINDOW_SPECS,
+                         ids=lambda x: str(x).replace(" ", ""))
+def test_window_specialisations_compile_like_the_rest(head_dim, causal, det, window):
+    cfg = BACKWARD_CONFIGS[head_dim]
+    r = ccb.census(cfg, "bfloat16", causal, det, window=window)
+    plain = _census((cfg, "bfloat16", causal, det))
+    assert r.local_bytes == 0
+    assert r.stack_bytes <= STACK_ALLOWANCE[head_dim, det], f"stack frame {r.stack_bytes} bytes"
+    assert r.sass_counts["HGMMA"] == plain.sass_counts["HGMMA"]
+    assert r.sass_counts["UTMALDG"] > 0 and r.sass_counts["USETMAXREG"] > 0

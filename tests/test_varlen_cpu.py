@@ -175,7 +175,7 @@ def test_a_window_is_checked_then_reaches_the_device_check():
         call(*problem(), causal=True, window_size=(4, 0))
     q, k, v, cq, ck = problem()
     q.requires_grad_()
-    with pytest.raises(NotImplementedError, match="sliding-window attention has no backward yet"):
+    with pytest.raises(ValueError, match=DEVICE_ERROR):
         call(q, k, v, cq, ck, causal=True, window_size=(4, 0))
 
 

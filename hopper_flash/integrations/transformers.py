@@ -58,10 +58,8 @@ The backend computes exactly what SDPA computes, or raises:
 * a layer's ``sliding_window`` (Mistral, Gemma, Qwen2 and others) becomes
   flash-attn's ``window_size=(w - 1, w - 1)`` whenever the keys outnumber
   the window, as transformers' own FlashAttention path sets it (with the
-  causal mask: a query sees itself and the ``w - 1`` keys before it). The
-  window runs without autograd and outside torch.compile for now (it has no
-  backward yet): training or compiling such a layer raises
-  ``NotImplementedError``;
+  causal mask: a query sees itself and the ``w - 1`` keys before it),
+  forward and backward, eager or compiled;
 * dropout > 0, logit soft-capping, attention sinks and position biases
   raise ``NotImplementedError``;
 * ``query``/``key``/``value`` arrive as ``[batch, heads, seq, head_dim]`` and

@@ -88,14 +88,29 @@ from .pipeline import release, ring_slot, wait_empty, wait_full
 
 @gluon.jit
 def bwd_query_tile_range(n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         IS_CAUSAL: gl.constexpr):
+                         IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1):
     """Query tiles ``[m_lo, m_hi)`` that see some key of KV tile ``n``.
 
     Causal: query i sees key n·BLOCK_N first when i + off >= n·BLOCK_N, so
     tiles below that row's tile see none of this tile's keys. Empty when the
-    KV tile lies past every query's diagonal (the CTA stores zero dK/dV)."""
+    KV tile lies past every query's diagonal (the CTA stores zero dK/dV).
+
+    A sliding window (mask.py) bounds both ends: query i sees a key of the
+    tile iff ``i + off - left <= last key`` and ``i + off + right >= first
+    key``. ``bwd_first_kv_tile`` inverts the upper bound (deterministic
+    mode's order), so the two must change together."""
     m_hi = gl.cdiv(seqlen_q, BLOCK_M)
-    if IS_CAUSAL:
+    if WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0:
+        off = seqlen_k - seqlen_q
+        if WINDOW_RIGHT >= 0:
+            m_lo = gl.minimum(gl.maximum(n * BLOCK_N - off - WINDOW_RIGHT, 0) // BLOCK_M, m_hi)
+        else:
+            m_lo = m_hi * 0
+        if WINDOW_LEFT >= 0:
+            last_row = gl.minimum((n + 1) * BLOCK_N, seqlen_k) - 1 - off + WINDOW_LEFT
+            m_hi = gl.where(last_row < 0, 0, gl.minimum(last_row // BLOCK_M + 1, m_hi))
+        m_hi = gl.maximum(m_hi, m_lo)
+    elif IS_CAUSAL:
         first_row = gl.maximum(n * BLOCK_N - (seqlen_k - seqlen_q), 0)
         m_lo = gl.minimum(first_row // BLOCK_M, m_hi)
     else:
@@ -240,6 +255,20 @@ def _dq_pass_turn(sem):
 
 
 @gluon.jit
+def bwd_first_kv_tile(m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      WINDOW_LEFT: gl.constexpr):
+    """The lowest KV tile that adds to query tile ``m``'s dQ: 0, or under a
+    window's left bound the tile of the first row's leftmost key (the
+    smallest ``n`` with ``bwd_query_tile_range(n)``'s ``m_hi > m``).
+    Deterministic mode counts a tile's turn from it."""
+    if WINDOW_LEFT >= 0:
+        first = gl.maximum(m * BLOCK_M + (seqlen_k - seqlen_q) - WINDOW_LEFT, 0) // BLOCK_N
+    else:
+        first = m * 0
+    return first
+
+
+@gluon.jit
 def _dq_add_in_order(dq_desc, dq_row, dq_col, dq_smem, sem, n):
     """Deterministic mode: add this CTA's dQ share after KV tiles 0 .. n-1."""
     _dq_wait_turn(sem, n)
@@ -260,9 +289,12 @@ class BwdMode:
     DETERMINISTIC: gl.constexpr
     VARLEN: gl.constexpr
     SPLIT_D: gl.constexpr  # D = 256: the warpgroups split the head dim, not the keys
+    WINDOW_LEFT: gl.constexpr  # a sliding window (mask.py); -1: no bound on that side
+    WINDOW_RIGHT: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D):
+    def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D,
+                 WINDOW_LEFT, WINDOW_RIGHT):
         init_fields(self, locals(), constexpr=True)
 
 
@@ -400,8 +432,10 @@ def _p_and_ds(k_t, v_t, rings: BwdRings, tile: KvTile, step, q_slot, do_slot, m,
         dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
         lse2 = rings.lse2_bufs.index(q_slot).load(col_layout)
     st = warpgroup_mma_wait(1, deps=[st])
-    if tile_needs_mask(tile.n, m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, 1):
-        st = apply_mask_keys_by_queries(st, tile.n * mode.BLOCK_N, m * mode.BLOCK_M, tile.lq, tile.lk, mode.IS_CAUSAL)
+    if tile_needs_mask(tile.n, m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, 1, mode.WINDOW_LEFT,
+                       mode.WINDOW_RIGHT):
+        st = apply_mask_keys_by_queries(st, tile.n * mode.BLOCK_N, m * mode.BLOCK_M, tile.lq, tile.lk, mode.IS_CAUSAL,
+                                        mode.WINDOW_LEFT, mode.WINDOW_RIGHT)
     if STATS_IN_ACC:
         pt = gl.exp2(st * qk_scale)
         dpt = warpgroup_mma_wait(0, deps=[dpt])
@@ -544,7 +578,8 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, mo
             dq_row = (stat_base + m * mode.BLOCK_M).to(gl.int32)
             if mode.DETERMINISTIC:
                 sem = prob.sem_ptr + (stat_base // mode.BLOCK_M + m)
-                _dq_add_in_order(prob.dq_desc, dq_row, 0, rings.dq_smem, sem, tile.n)
+                turn = tile.n - bwd_first_kv_tile(m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N, mode.WINDOW_LEFT)
+                _dq_add_in_order(prob.dq_desc, dq_row, 0, rings.dq_smem, sem, turn)
             else:
                 tma_atomic_add(prob.dq_desc, [dq_row, 0], rings.dq_smem)
             dk, dst_op = warpgroup_mma_wait(0, deps=[dk, dst_op])
@@ -664,9 +699,10 @@ def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode:
         do_t = rings.do_bufs.index(do_slot).reshape([mode.BLOCK_M, mode.HEAD_DIM])
         dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
         lse2 = rings.lse2_bufs.index(q_slot).load(col_layout)
-        if tile_needs_mask(tile.n, m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, 1):
+        if tile_needs_mask(tile.n, m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, 1,
+                           mode.WINDOW_LEFT, mode.WINDOW_RIGHT):
             st = apply_mask_keys_by_queries(st, tile.n * mode.BLOCK_N, m * mode.BLOCK_M, tile.lq, tile.lk,
-                                            mode.IS_CAUSAL)
+                                            mode.IS_CAUSAL, mode.WINDOW_LEFT, mode.WINDOW_RIGHT)
         pt, dst = _p_and_ds_from_stats(st, dpt, lse2, rings.delta_bufs, do_slot, prob.qk_scale)
         pt_smem.store(pt.to(dtype))
         ds_smem.store(dst.to(dtype))
@@ -689,7 +725,8 @@ def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode:
         dq_row = (stat_base + m * mode.BLOCK_M).to(gl.int32)
         sem = prob.sem_ptr + (stat_base // mode.BLOCK_M + m)
         if mode.DETERMINISTIC:
-            _dq_wait_turn(sem, tile.n)
+            _dq_wait_turn(sem, tile.n - bwd_first_kv_tile(m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N,
+                                                          mode.WINDOW_LEFT))
         _stage_dq(rings.dq_smem, dq0)
         fence_async_shared()
         # Also: both warpgroups' dK wgmmas, the last readers of this Q, are done.
@@ -742,7 +779,8 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                               STAGES: gl.constexpr, DO_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                               DETERMINISTIC: gl.constexpr, SPLIT_D: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                               VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
-                              SEQUSED_K: gl.constexpr = False):
+                              SEQUSED_K: gl.constexpr = False, WINDOW_LEFT: gl.constexpr = -1,
+                              WINDOW_RIGHT: gl.constexpr = -1):
     """VARLEN: q/k/v/dO are THD tensors viewed as ``[1, total, H, D]``,
     sequence ``b`` = grid axis 2 (see ``bwd_sequence``), ``seqlen_q`` and
     ``seqlen_k`` unused (the grid covers ``max_seqlen_k``; a CTA past its
@@ -763,7 +801,7 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     tb, q_start, k_start, lq, lk, stat0 = bwd_sequence(b, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, seqlen_q,
                                                        seqlen_k, seqlen_q_rounded, num_heads, BLOCK_M, VARLEN,
                                                        SEQUSED_Q, SEQUSED_K)
-    m_lo, m_hi = bwd_query_tile_range(n, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    m_lo, m_hi = bwd_query_tile_range(n, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
     # Varlen: the grid covers max_seqlen_k; tiles past this sequence's keys idle.
     live = n * BLOCK_N < lk
     m_hi = m_lo + (m_hi - m_lo) * live.to(gl.int32)
@@ -795,7 +833,8 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
             mbarrier.init(do_full.index(i), count=1)
             mbarrier.init(do_empty.index(i), count=1)
 
-    mode = BwdMode(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D)
+    mode = BwdMode(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D,
+                   WINDOW_LEFT, WINDOW_RIGHT)
     prob = BwdProblem(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_desc, delta_desc, sem_ptr,
                       dk_ptr, dv_ptr, stride_kv_row, stride_kv_head, seqlen_q_rounded, kv_group, qk_scale,
                       softmax_scale)

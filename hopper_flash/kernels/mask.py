@@ -141,12 +141,18 @@ def apply_mask(s, row0, col0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, PACK_
 
 
 @gluon.jit
-def apply_mask_keys_by_queries(st, key0, query0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr):
+def apply_mask_keys_by_queries(st, key0, query0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr,
+                               WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1):
     """Set hidden scores of the transposed tile ``st`` (rows = keys from
     ``key0``, columns = queries from ``query0``) to -inf."""
     keys = key0 + gl.arange(0, st.shape[0], layout=gl.SliceLayout(1, st.type.layout))
     queries = query0 + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, st.type.layout))
     hidden = keys[:, None] >= seqlen_k
-    if IS_CAUSAL:
+    if WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0:
+        if WINDOW_RIGHT >= 0:
+            hidden = hidden | (keys[:, None] > queries[None, :] + (seqlen_k - seqlen_q + WINDOW_RIGHT))
+        if WINDOW_LEFT >= 0:
+            hidden = hidden | (keys[:, None] < queries[None, :] + (seqlen_k - seqlen_q - WINDOW_LEFT))
+    elif IS_CAUSAL:
         hidden = hidden | (keys[:, None] > queries[None, :] + (seqlen_k - seqlen_q))
     return gl.where(hidden, -float("inf"), st)
