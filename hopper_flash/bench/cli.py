@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"),
                        help="sliding window, flash-attn's window_size (-1: no bound on that side; causal makes "
                             "RIGHT 0); TFLOP/s count the visible pairs. SDPA and FlexAttention rows are "
-                            "unsupported; forward only for now")
+                            "unsupported")
     shape.add_argument("--varlen", metavar="LO:HI",
                        help="instead of the configs: one mixed-length batch through flash_attn_varlen_func "
                             "(--batch sequences, default 16, lengths uniform in LO..HI; --heads/--kv-heads default "
@@ -233,10 +233,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return varlen.main(args, command)
         try:
             configs = resolve_configs(args)
-            windowed = [c.label for c in configs if c.window_bounds is not None]
-            if windowed and set(args.passes) - {"fwd"}:
-                raise ConfigError(f"sliding windows are timed with --pass fwd only for now (no gradient reference "
-                                  f"with a window yet): {windowed[0]}")
             for spec in args.variant:
                 from .backends import parse_variant
 

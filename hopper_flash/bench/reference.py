@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .configs import Config, ConfigError
+from .configs import Config
 
 FULL_CHECK_MAX_SEQLEN = 4096
 SAMPLE_BLOCK = 64
@@ -113,10 +113,7 @@ def compute_grad_reference(cfg: Config, q, k, v, dout, scale: float) -> GradRefe
         return None if n <= FULL_CHECK_MAX_SEQLEN else check_rows(n, q.device, seed)
 
     rows, key_rows = sample(cfg.seqlen_q, 0), sample(cfg.seqlen_kv, 1)
-    if cfg.window_bounds is not None:
-        raise ConfigError(f"{cfg.label}: the gradient reference has no sliding window yet (the backward with "
-                          "windows is on branch bwd-window): time windows with --pass fwd")
-    kw = dict(causal=cfg.causal, softmax_scale=scale, rows=rows, key_rows=key_rows)
+    kw = dict(causal=cfg.causal, softmax_scale=scale, rows=rows, key_rows=key_rows, window=cfg.window_bounds)
     grads = attention_reference_grads(q, k, v, dout, **kw)
     baseline = attention_baseline_grads(q, k, v, dout, **kw)
     return GradReference(rows, key_rows, grads, baseline, grads_abs_tol(grads, q.dtype),
