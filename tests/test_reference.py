@@ -434,6 +434,24 @@ def test_judge_abs_tol_passes_noise_on_an_exact_zero_only_below_it():
     assert not judge("dq", nan, ref, exact_baseline, abs_tol=1.0)
 
 
+def test_judge_abs_tol_drops_rows_of_noise_from_row_rel_only():
+    """A row ~1e-6 in size (dK of the last key of a long causal row) off by
+    10% is noise at the tensor's scale: with abs_tol it leaves row_rel; a
+    row of ordinary size off by 10% still fails."""
+    ref = torch.randn(16, 64, generator=torch.Generator().manual_seed(30), dtype=torch.float64)
+    ref[5] *= 1e-6
+    baseline = ref.to(BF16)
+    value = ref.clone()
+    value[5] *= 1.1
+    value = value.to(BF16)
+    assert not judge("dk", value, ref, baseline)
+    verdict = judge("dk", value, ref, baseline, abs_tol=1e-3)
+    assert verdict and verdict.row_rel < 1e-2, verdict.message
+    wrong = ref.clone()
+    wrong[7] *= 1.1
+    assert not judge("dk", wrong.to(BF16), ref, baseline, abs_tol=1e-3)
+
+
 @pytest.mark.parametrize("sq,sk,causal", [(33, 20, True), (20, 33, False), (5, 1, False), (1, 1, True)])
 def test_check_attention_grads_passes_rounded_exact_grads_and_fails_slips(sq, sk, causal):
     q, k, v = _inputs(21, 2, sq, sk, 4, 2, 16, BF16)
