@@ -222,7 +222,7 @@ def test_fa3_probe_reports_a_crash_and_an_exception_and_passes_a_clean_run():
 
     def run_as(code, stderr=""):
         def run(argv, **kwargs):
-            calls.append(argv[-2:])
+            calls.append(argv[-3:])
             return _completed(code, stderr)
         return run
 
@@ -232,7 +232,10 @@ def test_fa3_probe_reports_a_crash_and_an_exception_and_passes_a_clean_run():
                                 run=run_as(1, "Traceback ...\nRuntimeError: FA3 was built without fp16"))
     assert "RuntimeError: FA3 was built without fp16" in failed
     assert backends.fa3_probe("flash_attn_func", "float16", 256, run=run_as(0)) is None
-    assert calls == [["float16", "128"], ["float16", "64"], ["float16", "256"]]
+    windowed = backends.fa3_probe("flash_attn_func", "bfloat16", 128, (4095, 0), run=run_as(-11))
+    assert "window (4095, 0)" in windowed
+    assert calls == [["float16", "128", "none"], ["float16", "64", "none"], ["float16", "256", "none"],
+                     ["bfloat16", "128", "4095,0"]]
 
 
 def test_fa3_is_unsupported_where_its_probe_fails_and_bf16_is_never_probed(monkeypatch):
@@ -241,8 +244,8 @@ def test_fa3_is_unsupported_where_its_probe_fails_and_bf16_is_never_probed(monke
 
     probed = []
 
-    def probe(func, dtype_name, head_dim, run=None):
-        probed.append((func, dtype_name, head_dim))
+    def probe(func, dtype_name, head_dim, window=None, run=None):
+        probed.append((func, dtype_name, head_dim, window))
         return "this FA3 build crashed (signal 11) on a float16 head-dim-128 probe"
 
     monkeypatch.setattr(backends, "fa3_probe", probe)
@@ -252,12 +255,16 @@ def test_fa3_is_unsupported_where_its_probe_fails_and_bf16_is_never_probed(monke
         build(Config(seqlen=8), q16, q16, q16, 1.0)
     with pytest.raises(backends.Unsupported, match="crashed"):
         backends._build_fa3_kvcache(Config(seqlen=8), q16, q16, q16, 1.0)
-    assert probed == [("flash_attn_func", "float16", 128), ("flash_attn_with_kvcache", "float16", 128)]
-    # bf16 goes straight to the import (absent on the CPU machine), with no probe.
+    assert probed == [("flash_attn_func", "float16", 128, None), ("flash_attn_with_kvcache", "float16", 128, None)]
+    # bf16 with a window is probed too (shared/tools/fa3 builds no local kernels).
     q = q16.to(torch.bfloat16)
+    with pytest.raises(backends.Unsupported, match="crashed"):
+        build(Config(seqlen=8, window=(3, 0)), q, q, q, 1.0)
+    assert probed[-1] == ("flash_attn_func", "bfloat16", 128, (3, 0))
+    # bf16 without a window goes straight to the import (absent on the CPU machine), with no probe.
     with pytest.raises(ImportError):
         build(Config(seqlen=8), q, q, q, 1.0)
-    assert len(probed) == 2
+    assert len(probed) == 3
 
 
 # ---- sliding windows (Config.window, --window) -------------------------------
@@ -284,6 +291,22 @@ def test_window_config_counts_visible_pairs_and_labels_itself():
     for bad in ([1], [1, 2, 3], [-2, 0], ["a", 0], [True, 0]):
         with pytest.raises(ConfigError, match="window must be a pair"):
             Config(seqlen=8, window=bad)
+
+
+def test_window_kv_bytes_count_only_the_keys_some_row_sees():
+    from hopper_flash.bench.configs import Config, kv_bytes, window_keys
+
+    for sq, sk, left, right in [(7, 11, 3, 0), (11, 7, 2, 1), (5, 5, 0, 0), (9, 4, -1, 2), (4, 9, 2, -1),
+                                (12, 4, 1, 0), (3, 20, 0, -1), (0, 5, 1, 1)]:
+        off = sk - sq
+        brute = len({j for i in range(sq) for j in range(sk)
+                     if (left < 0 or j >= i + off - left) and (right < 0 or j <= i + off + right)})
+        assert window_keys(sq, sk, left, right) == brute, (sq, sk, left, right)
+    # One decode row against 65536 keys with a 4096-key window reads 4096 keys' K and V.
+    dec = Config(seqlen=1, seqlen_k=65536, batch=1, heads=32, kv_heads=8, headdim=128, causal=True, window=[4095, 0])
+    assert kv_bytes(dec) == 2 * 8 * 4096 * 128 * 2
+    assert kv_bytes(Config(seqlen=1, seqlen_k=65536, batch=1, heads=32, kv_heads=8, headdim=128)) == \
+        2 * 8 * 65536 * 128 * 2
 
 
 def test_window_option_sets_every_config():

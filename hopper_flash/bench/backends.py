@@ -111,42 +111,51 @@ def _build_hopper_flash_kvcache(cfg: Config, q, k, v, scale: float) -> AttnFn:
     return fn
 
 
-# FA3 builds often leave fp16 out (shared/tools/fa3's does: it halves the
-# build), and such a build does not raise on fp16 inputs: it crashes the
-# process (a segmentation fault, seventeenth session), which would end the
-# whole benchmark with no report. So before FA3 first runs a dtype other than
-# bf16, a child process tries it on a tiny input.
+# FA3 builds often leave fp16 and sliding windows out (shared/tools/fa3's
+# does: it halves the build), and such a build does not raise on those
+# inputs: it crashes the process (a segmentation fault, seventeenth and
+# eighteenth sessions), which would end the whole benchmark with no report.
+# So before FA3 first runs a dtype other than bf16, or a window, a child
+# process tries it on a tiny input.
 _PROBE_CODE = """
 import sys, torch, flash_attn_interface as fa3
 dtype, d = getattr(torch, sys.argv[1]), int(sys.argv[2])
+window = {{}} if sys.argv[3] == "none" else {{"window_size": tuple(int(x) for x in sys.argv[3].split(","))}}
 q = torch.randn(1, 128, 1, d, device="cuda", dtype=dtype)
-out = fa3.{func}(q, q, q, causal=True)
+out = fa3.{func}(q, q, q, causal=True, **window)
 torch.cuda.synchronize()
 """
 
 
 @functools.lru_cache(maxsize=None)
-def fa3_probe(func: str, dtype_name: str, head_dim: int, run=subprocess.run) -> str | None:
+def fa3_probe(func: str, dtype_name: str, head_dim: int, window: tuple[int, int] | None = None,
+              run=subprocess.run) -> str | None:
     """None when ``flash_attn_interface.<func>`` ran a ``dtype_name`` input of
-    head dim ``head_dim`` in a child process, else why not (a crash or an
-    exception there)."""
+    head dim ``head_dim`` (with ``window_size=window`` if given) in a child
+    process, else why not (a crash or an exception there)."""
+    what = f"{dtype_name} head-dim-{head_dim}" + ("" if window is None else f" window {window}")
+    arg = "none" if window is None else f"{window[0]},{window[1]}"
     try:
-        r = run([sys.executable, "-c", _PROBE_CODE.format(func=func), dtype_name, str(head_dim)],
+        r = run([sys.executable, "-c", _PROBE_CODE.format(func=func), dtype_name, str(head_dim), arg],
                 capture_output=True, text=True, timeout=300, env=dict(os.environ))
     except subprocess.TimeoutExpired:
-        return f"FA3's {func} did not finish a {dtype_name} probe in 300 s"
+        return f"FA3's {func} did not finish a {what} probe in 300 s"
     if r.returncode == 0:
         return None
     last = (r.stderr or "").strip().splitlines()[-1:] or [""]
     how = f"crashed (signal {-r.returncode})" if r.returncode < 0 else f"failed ({last[0][:200]})"
-    return f"this FA3 build {how} on a {dtype_name} head-dim-{head_dim} probe: built without those kernels?"
+    return f"this FA3 build {how} on a {what} probe: built without those kernels?"
 
 
-def _check_fa3_dtype(func: str, q) -> None:
+def _check_fa3(func: str, cfg: Config, q) -> None:
+    """Unsupported where this FA3 build may lack the kernels (a non-bf16
+    dtype, a window) and its probe fails; bf16 without a window is never
+    probed."""
     import torch
 
-    if q.dtype != torch.bfloat16:
-        why = fa3_probe(func, str(q.dtype).removeprefix("torch."), q.shape[-1])
+    window = None if cfg.window is None else tuple(cfg.window)
+    if q.dtype != torch.bfloat16 or window is not None:
+        why = fa3_probe(func, str(q.dtype).removeprefix("torch."), q.shape[-1], window)
         if why is not None:
             raise Unsupported(why)
 
@@ -154,7 +163,7 @@ def _check_fa3_dtype(func: str, q) -> None:
 def _build_fa3_kvcache(cfg: Config, q, k, v, scale: float) -> AttnFn:
     import torch
 
-    _check_fa3_dtype("flash_attn_with_kvcache", q)
+    _check_fa3("flash_attn_with_kvcache", cfg, q)
     func = importlib.import_module("flash_attn_interface").flash_attn_with_kvcache
     seqlens = torch.full((cfg.batch,), cfg.seqlen_kv, dtype=torch.int32, device=q.device)
     window = _window_kwargs(cfg)
@@ -172,7 +181,7 @@ def _build_fa3_kvcache(cfg: Config, q, k, v, scale: float) -> AttnFn:
 def _build_flash_attn(module: str) -> Callable[..., AttnFn]:
     def build(cfg: Config, q, k, v, scale: float) -> AttnFn:
         if module == "flash_attn_interface":
-            _check_fa3_dtype("flash_attn_func", q)
+            _check_fa3("flash_attn_func", cfg, q)
         func = importlib.import_module(module).flash_attn_func
         window = _window_kwargs(cfg)
 

@@ -189,12 +189,31 @@ def window_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
     return total
 
 
+def window_keys(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
+    """Keys that some row sees under a sliding window (rows as in
+    ``window_pairs``). Consecutive rows' windows are one key apart, so the
+    seen keys are one run: from the first seeing row's leftmost key to the
+    last row's rightmost."""
+    off = seqlen_k - seqlen_q
+    first, last = seqlen_k, -1
+    for i in range(seqlen_q):
+        lo = 0 if left < 0 else max(0, i + off - left)
+        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + off + right)
+        if hi >= lo:
+            first, last = min(first, lo), max(last, hi)
+    return max(0, last - first + 1)
+
+
 def kv_bytes(cfg: Config) -> int:
     """Bytes of K and V one call must read at least once: 2 * B * Hkv * S_k * D
-    * element size. Decode (small S_q) is bound by reading them, so its speed
-    is this over the time, next to the HBM rate (~4.3 TB/s measured copy rate
-    on the H200)."""
-    return 2 * cfg.batch * cfg.nheads_kv * cfg.seqlen_kv * cfg.headdim * 2
+    * element size, S_k counting only the keys a window shows (``window_keys``).
+    Decode (small S_q) is bound by reading them, so its speed is this over the
+    time, next to the HBM rate (~4.3 TB/s measured copy rate on the H200)."""
+    keys = cfg.seqlen_kv
+    window = cfg.window_bounds
+    if window is not None:
+        keys = window_keys(cfg.seqlen_q, cfg.seqlen_kv, *window)
+    return 2 * cfg.batch * cfg.nheads_kv * keys * cfg.headdim * 2
 
 
 def attention_flops(cfg: Config) -> int:
