@@ -43,6 +43,30 @@ def test_backward_op_checks_grad_out(bad, match):
         torch.ops.hopper_flash.bwd(bad(out), q, q, q, out, lse, 0.1, True, False)
 
 
+@pytest.mark.parametrize("window,error,match", [
+    ((-2, 0), ValueError, r"window_left=-2, window_right=0: window_size entries must be >= 0"),
+    ((3, -5), ValueError, r"window_left=3, window_right=-5"),
+])
+def test_ops_check_their_window_ints(window, error, match):
+    """The ops are public: a window passed to them directly is checked as
+    window_size is, by the fake implementations too (so torch.compile fails
+    at trace time), naming the ops' arguments."""
+    q = meta(2, 64, 4, 128)
+    with pytest.raises(error, match=match):
+        torch.ops.hopper_flash.fwd(q, q, q, 0.1, False, False, *window)
+    out, lse = torch.ops.hopper_flash.fwd(q, q, q, 0.1, False, False, 3, 0)
+    with pytest.raises(error, match=match):
+        torch.ops.hopper_flash.bwd(out, q, q, q, out, lse, 0.1, False, False, *window)
+    qt = meta(64, 4, 128)
+    cu = torch.empty(3, device="meta", dtype=torch.int32)
+    with pytest.raises(error, match=match):
+        torch.ops.hopper_flash.varlen_fwd(qt, qt, qt, cu, cu, None, None, 32, 32, 0.1, False, False, *window)
+    out, lse = torch.ops.hopper_flash.varlen_fwd(qt, qt, qt, cu, cu, None, None, 32, 32, 0.1, False, False, 3, 0)
+    with pytest.raises(error, match=match):
+        torch.ops.hopper_flash.varlen_bwd(out, qt, qt, qt, out, lse, cu, cu, None, None, 32, 32, 0.1, False, False,
+                                          *window)
+
+
 def test_flash_attn_func_routes_grad_inputs_through_op(monkeypatch):
     monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)  # meta tensors stand in for CUDA ones
     q = meta(2, 64, 4, 128, requires_grad=True)
