@@ -102,6 +102,17 @@ def window_bounds(window_size, causal) -> tuple[int, int] | None:
     return left, right
 
 
+def op_window(left: int, right: int, causal) -> tuple[int, int] | None:
+    """A custom op's ``window_left, window_right`` as ``window_bounds``'s
+    pair, or None, checked as ``window_size`` is (the ops are public:
+    ``torch.ops.hopper_flash.*`` may be called with any ints), naming the
+    op's arguments."""
+    try:
+        return window_bounds((left, right), causal)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"window_left={left!r}, window_right={right!r}: {e}") from None
+
+
 def _check_same_device_and_dtype(q, k, v) -> None:
     """q, k and v on one device, of one supported dtype (fixed-length and varlen)."""
     if not (q.device == k.device == v.device):

@@ -40,17 +40,7 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
     ``window_left``/``window_right``: ``checks.window_bounds``'s sliding
     window, -1 -1 for none."""
     return dispatch.forward(q, k, v, softmax_scale, causal, True,
-                            window=_window(window_left, window_right, causal))
-
-
-def _window(left: int, right: int, causal: bool):
-    """The ops' two ints as ``checks.window_bounds``'s pair, or None, checked
-    as ``window_size`` is (the ops are public: ``torch.ops.hopper_flash.*``
-    may be called with any ints), naming the op's arguments."""
-    try:
-        return checks.window_bounds((left, right), causal)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"window_left={left!r}, window_right={right!r}: {e}") from None
+                            window=checks.op_window(window_left, window_right, causal))
 
 
 @fwd.register_fake
@@ -59,7 +49,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-
     # with the same message. Meta tensors ask for shapes only (no device to
     # check); the TMA rules need data pointers: the real implementation has them.
     checks.check_arguments(q, k, v, softmax_scale, causal)
-    _window(window_left, window_right, causal)
+    checks.op_window(window_left, window_right, causal)
     if q.device.type != "meta":
         checks.check_device(q)
     batch, seqlen_q, nheads, _ = q.shape
@@ -75,12 +65,12 @@ def bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: ``(dq, dk, dv)`` from the forward's saved tensors."""
     return plan_backward.backward(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic,
-                                  window=_window(window_left, window_right, causal))
+                                  window=checks.op_window(window_left, window_right, causal))
 
 
 @bwd.register_fake
 def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
-    _window(window_left, window_right, causal)
+    checks.op_window(window_left, window_right, causal)
     plan_backward.check_head_dim(q.shape[3])
     plan_backward.check_grad_out_meta(grad_out, out)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
@@ -124,7 +114,7 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     args = (grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
     if _plain_eager_backward(grad_out, q, k, v, out, lse):
-        dq, dk, dv = plan_backward.backward(*args, window=_window(*ctx.window, ctx.causal))
+        dq, dk, dv = plan_backward.backward(*args, window=checks.op_window(*ctx.window, ctx.causal))
     else:
         dq, dk, dv = bwd(*args, *ctx.window)
     return dq, dk, dv, None, None, None, None, None
@@ -149,7 +139,7 @@ def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     backward's dQ summation order."""
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k, softmax_scale, causal, True,
-                                       window=_window(window_left, window_right, causal))
+                                       window=checks.op_window(window_left, window_right, causal))
     return out, lse
 
 
@@ -158,7 +148,7 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
                      softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1):
     checks.check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                   seqused_k, softmax_scale, causal)
-    _window(window_left, window_right, causal)
+    checks.op_window(window_left, window_right, causal)
     if q.device.type != "meta":
         checks.check_device(q)
     total_q, nheads, _ = q.shape
@@ -184,13 +174,13 @@ def _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, se
     varlen = plan_backward.VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                        max_seqlen_k)
     return plan_backward.backward_varlen(grad_out, q, k, v, out, lse, varlen, softmax_scale, causal, deterministic,
-                                         window=_window(window_left, window_right, causal))
+                                         window=checks.op_window(window_left, window_right, causal))
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
-    _window(window_left, window_right, causal)
+    checks.op_window(window_left, window_right, causal)
     plan_backward.check_head_dim(q.shape[2])
     plan_backward.check_grad_out_meta(grad_out, out)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),

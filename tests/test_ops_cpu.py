@@ -65,6 +65,10 @@ def test_ops_check_their_window_ints(window, error, match):
     with pytest.raises(error, match=match):
         torch.ops.hopper_flash.varlen_bwd(out, qt, qt, qt, out, lse, cu, cu, None, None, 32, 32, 0.1, False, False,
                                           *window)
+    k_cache = meta(2, 256, 4, 128)
+    with pytest.raises(error, match=match):
+        torch.ops.hopper_flash.fwd_kvcache(q[:, :1], k_cache, k_cache, None, None, None, None, None, 0.1, False, 0,
+                                           -1, *window)
 
 
 def test_flash_attn_func_routes_grad_inputs_through_op(monkeypatch):
