@@ -165,6 +165,12 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   step's shared-memory traffic gone; 338 GPU tests passed, timed within
   noise of the shipped kernel. Removed, text: ``git show
   0ddd55d:scripts/variants/fwd-q-regs.patch``.)
+* ``bwd-rotate`` (eighteenth session; the twelfth timed the same by hand):
+  without a causal mask, a window or deterministic mode, the backward's KV
+  tile n walks its query tiles from tile 2n (mod) instead of 0, so that
+  neighbouring CTAs add their dQ shares into different tiles. 118 GPU tests
+  passed; within noise at D = 128, 1% slower at D = 64: the dQ reduce-adds
+  do not contend. Not shipped (BENCHMARKS.md, eighteenth session).
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
