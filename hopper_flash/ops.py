@@ -273,15 +273,16 @@ class EagerPackedAttention(torch.autograd.Function):
     (``packed._eager_autograd``)."""
 
     @staticmethod
-    def forward(ctx, q, packed, axis: int, varlen, softmax_scale: float, causal: bool, deterministic: bool):
+    def forward(ctx, q, packed, axis: int, varlen, softmax_scale: float, causal: bool, deterministic: bool,
+                window=None):
         qv, k, v = _unpacked(q, packed, axis)
         if varlen is None:
-            out, lse = dispatch.forward_validated(qv, k, v, softmax_scale, causal, True)
+            out, lse = dispatch.forward_validated(qv, k, v, softmax_scale, causal, True, window=window)
         else:
             out, lse = dispatch.forward_varlen_validated(qv, k, v, *varlen[:2], *varlen[4:], *varlen[2:4],
-                                                         softmax_scale, causal, True)
+                                                         softmax_scale, causal, True, window=window)
         ctx.save_for_backward(q, packed, out, lse)
-        ctx.args = (axis, varlen, softmax_scale, causal, deterministic)
+        ctx.args = (axis, varlen, softmax_scale, causal, deterministic, window)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -289,7 +290,7 @@ class EagerPackedAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, packed, out, lse = ctx.saved_tensors
-        axis, varlen, softmax_scale, causal, deterministic = ctx.args
+        axis, varlen, softmax_scale, causal, deterministic, window = ctx.args
         # Varlen gradients are zero outside the live rows, which the kernels do not write.
         alloc = torch.empty if varlen is None else torch.zeros
         d_packed = alloc(packed.shape, dtype=packed.dtype, device=packed.device)
@@ -297,12 +298,13 @@ class EagerPackedAttention(torch.autograd.Function):
         grads = _unpacked(dq, d_packed, axis)
         qv, k, v = _unpacked(q, packed, axis)
         if varlen is None:
-            plan_backward.backward(grad_out, qv, k, v, out, lse, softmax_scale, causal, deterministic, grads=grads)
+            plan_backward.backward(grad_out, qv, k, v, out, lse, softmax_scale, causal, deterministic, grads=grads,
+                                   window=window)
         else:
             batch = plan_backward.VarlenBatch(*varlen)
             plan_backward.backward_varlen(grad_out, qv, k, v, out, lse, batch, softmax_scale, causal, deterministic,
-                                          grads=grads)
-        return dq, d_packed, None, None, None, None, None
+                                          grads=grads, window=window)
+        return dq, d_packed, None, None, None, None, None, None
 
 
 def _unpacked(q, packed, axis):

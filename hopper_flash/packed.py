@@ -32,7 +32,8 @@ def _unpack(name: str, t, rank: int, axis: int, parts: int, layout: str) -> tupl
     return t.unbind(axis)
 
 
-def _eager_autograd(q, packed, axis, views, varlen, softmax_scale, causal, deterministic, check_contract=None):
+def _eager_autograd(q, packed, axis, views, varlen, softmax_scale, causal, deterministic, window_size,
+                    check_contract=None):
     """``(out, lse)`` through ``ops.EagerPackedAttention`` where plain eager
     autograd records the call (checked as the unpacked call checks it), else
     None. ``varlen``: None or ``(cu_seqlens_q, cu_seqlens_k, seqused_q,
@@ -48,11 +49,8 @@ def _eager_autograd(q, packed, axis, views, varlen, softmax_scale, causal, deter
         softmax_scale, max_q, max_k = dispatch.validate_varlen(qv, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k,
                                                                softmax_scale, causal, check_contract)
         varlen = (cu_q, cu_k, used_q, used_k, max_q, max_k)
-    return ops.EagerPackedAttention.apply(q, packed, axis, varlen, softmax_scale, bool(causal), bool(deterministic))
-
-
-def _windowed(options) -> bool:
-    return tuple(options[1]) != (-1, -1)
+    return ops.EagerPackedAttention.apply(q, packed, axis, varlen, softmax_scale, bool(causal), bool(deterministic),
+                                          checks.window_bounds(window_size, causal))
 
 
 def _fixed(q, packed, views, softmax_scale, causal, return_lse, options):
@@ -61,9 +59,7 @@ def _fixed(q, packed, views, softmax_scale, causal, return_lse, options):
     flash-attn's (dropout_p, window_size, softcap, alibi_slopes,
     deterministic, return_attn_probs)."""
     interface._check_options(*options)
-    # A sliding window goes through flash_attn_func (EagerPackedAttention takes none).
-    got = None if _windowed(options) else _eager_autograd(q, packed, 2, views, None, softmax_scale, causal,
-                                                          options[4])
+    got = _eager_autograd(q, packed, 2, views, None, softmax_scale, causal, options[4], options[1])
     if got is not None:
         return got if return_lse else got[0]
     dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs = options
@@ -77,8 +73,7 @@ def _varlen(q, packed, views, varlen, softmax_scale, causal, return_lse, check_c
     """``_fixed`` for THD tensors; ``varlen``: (cu_seqlens_q, cu_seqlens_k,
     seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)."""
     interface._check_options(*options)
-    got = None if _windowed(options) else _eager_autograd(q, packed, 1, views, varlen, softmax_scale, causal,
-                                                          options[4], check_contract)
+    got = _eager_autograd(q, packed, 1, views, varlen, softmax_scale, causal, options[4], options[1], check_contract)
     if got is not None:
         return got if return_lse else got[0]
     cu_q, cu_k, used_q, used_k, max_q, max_k = varlen

@@ -230,9 +230,9 @@ def eager(monkeypatch):
     monkeypatch.setattr(checks, "check_arguments", lambda q, k, v, scale, causal: scale)
     monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
     monkeypatch.setattr(dispatch, "forward_validated",
-                        lambda q, k, v, scale, causal, lse: math_attention(q, k, v, scale, causal))
+                        lambda q, k, v, scale, causal, lse, window=None: math_attention(q, k, v, scale, causal))
 
-    def backward(grad_out, q, k, v, out, lse, scale, causal, deterministic, grads=None):
+    def backward(grad_out, q, k, v, out, lse, scale, causal, deterministic, grads=None, window=None):
         assert grads is not None, "the packed path hands its gradient views in"
         handed.append(grads)
         with torch.enable_grad():
@@ -277,7 +277,8 @@ def test_kvpacked_backward_writes_dk_dv_into_the_packed_gradient(eager):
     assert (dk.data_ptr(), dv.data_ptr()) == (dkv[:, :, 0].data_ptr(), dkv[:, :, 1].data_ptr())
 
 
-def test_varlen_packed_backward_hands_zeroed_views_and_the_metadata(monkeypatch):
+@pytest.mark.parametrize("window_size,window", [((-1, -1), None), ((3, 5), (3, 0))])
+def test_varlen_packed_backward_hands_zeroed_views_and_the_metadata(monkeypatch, window_size, window):
     from hopper_flash import checks, dispatch, ops, plan_backward
 
     seen = {}
@@ -286,11 +287,14 @@ def test_varlen_packed_backward_hands_zeroed_views_and_the_metadata(monkeypatch)
     monkeypatch.setattr(checks, "check_varlen_arguments",
                         lambda q, k, v, cq, ck, mq, mk, uq, uk, scale, causal: (scale, mq, mk))
 
-    def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse):
+    def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse, window=None):
         seen["forward"] = (cu_q is cu_k, max_q, max_k, used_q is used_k, scale, causal)
+        seen["windows"] = [window]
         return q * 2, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
 
-    def backward_varlen(grad_out, q, k, v, out, lse, varlen, scale, causal, deterministic, grads=None):
+    def backward_varlen(grad_out, q, k, v, out, lse, varlen, scale, causal, deterministic, grads=None,
+                        window=None):
+        seen["windows"].append(window)
         seen["zeroed"] = all(bool((g == 0).all()) for g in grads)
         seen["batch"] = (varlen.max_seqlen_q, varlen.max_seqlen_k, varlen.batch, deterministic)
         grads[0].copy_(grad_out * 2)
@@ -302,8 +306,11 @@ def test_varlen_packed_backward_hands_zeroed_views_and_the_metadata(monkeypatch)
     qkv = _f64(7, 3, 2, 8, seed=4)
     cu, used = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([2, 4], dtype=torch.int32)
     out = hopper_flash.flash_attn_varlen_qkvpacked_func(qkv, cu, 4, seqused=used, softmax_scale=0.5, causal=True,
-                                                        deterministic=True)
+                                                        deterministic=True, window_size=window_size)
+    assert "EagerPackedAttention" in type(out.grad_fn).__name__
     (dqkv,) = torch.autograd.grad(out.sum(), (qkv,))
+    # A sliding window reaches the forward and the backward (causal folds its right side to 0).
+    assert seen.pop("windows") == [window, window]
     assert seen == {"forward": (True, 4, 4, True, 0.5, True), "zeroed": True, "batch": (4, 4, 2, True)}
     torch.testing.assert_close(dqkv[:, 0], torch.full_like(dqkv[:, 0], 2.0))
     assert bool((dqkv[:, 1] == 1).all()) and bool((dqkv[:, 2] == 3).all())
