@@ -176,32 +176,29 @@ def causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
     return prefix(b) - prefix(a - 1)
 
 
-def window_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
-    """Visible (query, key) pairs under a sliding window (bottom-right
+def _window_spans(seqlen_q: int, seqlen_k: int, left: int, right: int):
+    """``(lo, hi)`` per query row under a sliding window (bottom-right
     aligned, -1 = no bound on that side): row ``i`` sees keys
-    ``max(0, i + off - left) .. min(seqlen_k - 1, i + off + right)``."""
+    ``max(0, i + off - left) .. min(seqlen_k - 1, i + off + right)`` (none
+    when ``hi < lo``)."""
     off = seqlen_k - seqlen_q
-    total = 0
     for i in range(seqlen_q):
-        lo = 0 if left < 0 else max(0, i + off - left)
-        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + off + right)
-        total += max(0, hi - lo + 1)
-    return total
+        yield (0 if left < 0 else max(0, i + off - left),
+               seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + off + right))
+
+
+def window_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
+    """Visible (query, key) pairs under a sliding window (``_window_spans``)."""
+    return sum(max(0, hi - lo + 1) for lo, hi in _window_spans(seqlen_q, seqlen_k, left, right))
 
 
 def window_keys(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
-    """Keys that some row sees under a sliding window (rows as in
-    ``window_pairs``). Consecutive rows' windows are one key apart, so the
-    seen keys are one run: from the first seeing row's leftmost key to the
-    last row's rightmost."""
-    off = seqlen_k - seqlen_q
-    first, last = seqlen_k, -1
-    for i in range(seqlen_q):
-        lo = 0 if left < 0 else max(0, i + off - left)
-        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + off + right)
-        if hi >= lo:
-            first, last = min(first, lo), max(last, hi)
-    return max(0, last - first + 1)
+    """Keys that some row sees under a sliding window (``_window_spans``).
+    Consecutive rows' windows are one key apart, so the seen keys are one
+    run: from the first seeing row's leftmost key to the last row's
+    rightmost."""
+    spans = [(lo, hi) for lo, hi in _window_spans(seqlen_q, seqlen_k, left, right) if hi >= lo]
+    return spans[-1][1] - spans[0][0] + 1 if spans else 0
 
 
 def kv_bytes(cfg: Config) -> int:
