@@ -169,10 +169,7 @@ def attention_reference(
         for r0 in range(0, n_rows, rows_per_chunk):
             r = row_idx[r0:r0 + rows_per_chunk]
             s = (qh[b[:, None], h[:, None], r[None, :]].to(dtype) @ kc.transpose(-1, -2)) * scale
-            if causal:
-                s.masked_fill_(cols[None, None, :] > r[None, :, None] + (seqlen_k - seqlen_q), -math.inf)
-            if window is not None:
-                s.masked_fill_(~window_visible(r, cols, seqlen_q, seqlen_k, window)[None], -math.inf)
+            _mask_scores(s, r, cols, seqlen_q, seqlen_k, causal, window)
             row_lse = torch.logsumexp(s, dim=-1)  # -inf for rows with no visible key
             # exp(-inf - 0) = 0 keeps empty rows at 0 instead of exp(-inf + inf) = NaN.
             p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
@@ -239,6 +236,17 @@ def attention_baseline(
     if mask is not None:
         out = torch.where(mask.any(dim=1)[None, :, None, None], out, 0.0)
     return out
+
+
+def _mask_scores(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,
+                 causal: bool, window: tuple[int, int] | None) -> None:
+    """Set to -inf, in place, the scores ``s`` ``[..., len(rows), len(cols)]``
+    of keys a query row does not see: bottom-right causal, and a sliding
+    window (``window_visible``)."""
+    if causal:
+        s.masked_fill_(cols[None, None, :] > rows[None, :, None] + (seqlen_k - seqlen_q), -math.inf)
+    if window is not None:
+        s.masked_fill_(~window_visible(rows, cols, seqlen_q, seqlen_k, window)[None], -math.inf)
 
 
 def window_visible(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,
@@ -326,10 +334,7 @@ def attention_reference_grads(
             idx = (b[:, None], h[:, None], r[None, :])
             qc, doc, row_lse = qh[idx].to(f64), doh[idx].to(f64), lse[idx]
             s = (qc @ kc.transpose(-1, -2)) * scale
-            if causal:
-                s.masked_fill_(cols[None, None, :] > r[None, :, None] + (seqlen_k - seqlen_q), -math.inf)
-            if window is not None:
-                s.masked_fill_(~window_visible(r, cols, seqlen_q, seqlen_k, window)[None], -math.inf)
+            _mask_scores(s, r, cols, seqlen_q, seqlen_k, causal, window)
             p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
             dvc += p.transpose(-1, -2) @ doc
             ds = _ds(p, doc @ vc.transpose(-1, -2))
@@ -368,7 +373,6 @@ def _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_row
     dq = torch.zeros(batch, nheads, row_idx.numel(), headdim, dtype=f64, device=device)
     dk = torch.zeros(batch, nheads_kv, key_idx.numel(), headdim, dtype=f64, device=device)
     dv = torch.zeros_like(dk)
-    offset = seqlen_k - seqlen_q
     pairs = batch * nheads
 
     def probabilities(b, h, r, keys, kc):
@@ -376,10 +380,7 @@ def _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_row
         idx = (b[:, None], h[:, None], r[None, :])
         qc, doc, row_lse = qh[idx].to(f64), doh[idx].to(f64), lse[idx]
         s = (qc @ kc.transpose(-1, -2)) * scale
-        if causal:
-            s.masked_fill_(keys[None, None, :] > r[None, :, None] + offset, -math.inf)
-        if window is not None:
-            s.masked_fill_(~window_visible(r, keys, seqlen_q, seqlen_k, window)[None], -math.inf)
+        _mask_scores(s, r, keys, seqlen_q, seqlen_k, causal, window)
         p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
         return qc, doc, p, delta[idx][..., None]
 

@@ -544,3 +544,47 @@ def test_check_kvcache_judges_live_keys_only():
     assert not all(check_kvcache(swapped, q, kc, vc, lens, causal=False, rows=None))
     assert all(check_kvcache(out[[0, 1, 3, 2]], q[[0, 1, 3, 2]], kc, vc, [0, 1, 97, 40], causal=False,
                              rows=[0, 1, 3, 2]))
+
+
+@pytest.mark.parametrize("sq,sk,causal,window", [(7, 11, True, (3, 0)), (11, 7, False, (2, 1)),
+                                                 (9, 9, False, (-1, 2)), (5, 12, True, (0, 0))])
+def test_reference_and_its_grads_apply_the_window_as_a_dense_mask_does(sq, sk, causal, window):
+    """attention_reference / attention_reference_grads (whole and sampled)
+    with a sliding window against float64 autograd through a dense masked
+    softmax written out here: row i sees key j iff i + off - left <= j <= i +
+    off + right (and j <= i + off when causal), off = sk - sq."""
+    q, k, v = _inputs(40, 2, sq, sk, 4, 2, 16, torch.float64)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(41), dtype=torch.float64)
+    left, right = window
+    i, j = torch.arange(sq)[:, None] + (sk - sq), torch.arange(sk)[None, :]
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        visible &= j <= i
+    if left >= 0:
+        visible &= j >= i - left
+    if right >= 0:
+        visible &= j <= i + right
+
+    def dense(q, k, v):
+        kr, vr = (x.repeat_interleave(2, dim=2) for x in (k, v))
+        s = torch.einsum("bqhd,bkhd->bhqk", q, kr) * 0.25
+        s = s.masked_fill(~visible, -math.inf)
+        lse = torch.logsumexp(s, -1)
+        p = torch.where(visible.any(-1)[:, None], torch.softmax(s, -1), 0.0)
+        return torch.einsum("bhqk,bkhd->bqhd", p, vr), lse
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    want_out, want_lse = dense(*leaves)
+    want = torch.autograd.grad(want_out, leaves, dout)
+    out, lse = attention_reference(q, k, v, causal=causal, softmax_scale=0.25, window=window)
+    torch.testing.assert_close(out, want_out.detach())
+    torch.testing.assert_close(lse, want_lse.detach())
+    for got, exp in zip(reference.attention_reference_grads(q, k, v, dout, causal=causal, softmax_scale=0.25,
+                                                            window=window), want):
+        torch.testing.assert_close(got, exp)
+    rows, keys = torch.tensor([0, sq // 2, sq - 1]), torch.tensor([1, sk - 1])
+    dq, dk, dv = reference.attention_reference_grads(q, k, v, dout, causal=causal, softmax_scale=0.25, rows=rows,
+                                                     key_rows=keys, window=window)
+    torch.testing.assert_close(dq, want[0][:, rows])
+    torch.testing.assert_close(dk, want[1][:, keys])
+    torch.testing.assert_close(dv, want[2][:, keys])
