@@ -56,15 +56,17 @@ def check_flash_attn_options(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0
 
 
 # The common call passes none of them: one tuple comparison instead of the checks (host time per call).
-_FLASH_ATTN_DEFAULTS = (0.0, (-1, -1), 0.0, None, False, False)
+_FLASH_ATTN_DEFAULTS = (0.0, 0.0, None, False, False)
 
 
 def _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) -> None:
-    """``check_flash_attn_options``, after one tuple comparison that passes the common call."""
-    if (dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) != _FLASH_ATTN_DEFAULTS:
-        check_flash_attn_options(dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-                                 alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                 return_attn_probs=return_attn_probs)
+    """``check_flash_attn_options`` but for ``window_size``, after one tuple
+    comparison that passes the common call. Every caller resolves
+    ``window_size`` with ``checks.window_bounds`` (which checks it), so a
+    sliding-window model's every call does not check it twice."""
+    if (dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs) != _FLASH_ATTN_DEFAULTS:
+        check_flash_attn_options(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
+                                 deterministic=deterministic, return_attn_probs=return_attn_probs)
 
 
 @overload
