@@ -8,9 +8,12 @@
 # $OUT/ncu-NAME-sass.csv.gz, to read on the CPU machine.
 #
 #   run:  bash scripts/ncu_forward.sh [B H S D causal]      (on the GPU machine)
+#         PASS=bwd bash scripts/ncu_forward.sh ...            the backward's main kernels instead
+#         (ours: attention_backward_kernel; FA3's: FlashAttnBwdSm90), files ncu-bwd-NAME*
+# SET=full adds every section (shared-memory and pipe tables; more replays).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-B=${1:-4} H=${2:-32} S=${3:-8192} D=${4:-128} CAUSAL=${5:-False}
+B=${1:-4} H=${2:-32} S=${3:-8192} D=${4:-128} CAUSAL=${5:-False} PASS=${PASS:-fwd}
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
 cat > /tmp/ncu_driver.py <<PY
@@ -21,19 +24,33 @@ if sys.argv[1] == "fa3":
     from flash_attn_interface import flash_attn_func
 else:
     from hopper_flash import flash_attn_func
-for _ in range(3):
-    flash_attn_func(q, k, v, causal=$CAUSAL)
+if "$PASS" == "bwd":
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out = flash_attn_func(q, k, v, causal=$CAUSAL)
+    out = out[0] if isinstance(out, tuple) else out
+    grad = torch.randn_like(out)
+    for _ in range(3):
+        torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+else:
+    for _ in range(3):
+        flash_attn_func(q, k, v, causal=$CAUSAL)
 torch.cuda.synchronize()
 PY
+TAG=$([ "$PASS" = bwd ] && echo bwd-)
+SECTIONS=(--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters
+          --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis)
+[ "${SET:-}" = full ] && SECTIONS=(--set full)
 profile() {  # name, kernel regex, extra ncu args
-  local name=$1 regex=$2; shift 2
+  local label=$1 name=$TAG$1 regex=$2; shift 2
   PYTHONPATH=/tmp/fa3pkg:. timeout 240 "$NCU" --clock-control none "$@" -k "regex:$regex" --launch-skip 2 \
-    --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-    --section SourceCounters --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-    -o "/tmp/ncu-$name" -f python -P /tmp/ncu_driver.py "$name" > "$OUT/ncu-$name-run.txt" 2>&1 || tail -5 "$OUT/ncu-$name-run.txt"
+    --launch-count 1 "${SECTIONS[@]}" \
+    -o "/tmp/ncu-$name" -f python -P /tmp/ncu_driver.py "$label" > "$OUT/ncu-$name-run.txt" 2>&1 || tail -5 "$OUT/ncu-$name-run.txt"
   "$NCU" --import "/tmp/ncu-$name.ncu-rep" --print-summary none > "$OUT/ncu-$name.txt" 2>&1
   "$NCU" --import "/tmp/ncu-$name.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/ncu-$name-sass.csv.gz"
-  grep -E "Duration|Elapsed Cycles|SM Frequency|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|L2 Cache Throughput|DRAM Throughput" "$OUT/ncu-$name.txt"
+  grep -E "Duration|Elapsed Cycles|SM Frequency|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|L2 Cache Throughput|DRAM Throughput|Shared Memory|Tensor|Bank" "$OUT/ncu-$name.txt"
 }
-echo "== hopper_flash"; profile hopper_flash attention_forward_kernel
-if [ -d /tmp/fa3pkg ]; then echo "== fa3"; profile fa3 FlashAttnFwdSm90 --kernel-name-base demangled; fi
+if [ "$PASS" = bwd ]; then ours=attention_backward_kernel theirs=FlashAttnBwdSm90; else
+  ours=attention_forward_kernel theirs=FlashAttnFwdSm90; fi
+echo "== hopper_flash"; profile hopper_flash $ours
+if [ -d /tmp/fa3pkg ]; then echo "== fa3"; profile fa3 $theirs --kernel-name-base demangled; fi

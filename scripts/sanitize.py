@@ -12,7 +12,7 @@ error on the same inputs (``hopper_flash.reference.check_attention``).
 
     PYTHONPATH=. python scripts/sanitize.py            # 24 cases (memcheck)
     PYTHONPATH=. python scripts/sanitize.py --quick    # 6 cases (racecheck)
-    PYTHONPATH=. python scripts/sanitize.py --backward          # 16 backward cases (memcheck)
+    PYTHONPATH=. python scripts/sanitize.py --backward          # 20 backward cases (memcheck)
     PYTHONPATH=. python scripts/sanitize.py --backward --quick  # 7 backward cases (racecheck)
 
 Backward cases (``--backward``): the forward gives out and LSE, then
@@ -54,9 +54,11 @@ class Case(Problem):
 @dataclass(frozen=True)
 class BackwardCase(Case):
     deterministic: bool = False
+    window: tuple[int, int] | None = None  # checks.window_bounds form; None: no window
 
     def __str__(self):
-        return f"bwd {super().__str__()}{' deterministic' if self.deterministic else ''}"
+        return (f"bwd {super().__str__()}{' deterministic' if self.deterministic else ''}"
+                f"{f' window={self.window}' if self.window else ''}")
 
 
 # (seqlen_q, seqlen_k) of the backward's full (memcheck) set: a query tail of
@@ -74,7 +76,12 @@ def backward_cases(quick: bool) -> list[BackwardCase]:
     return ([BackwardCase(2, sq, sk, 4, 2, d, causal) for d in dims for causal in (False, True)
              for sq, sk in BACKWARD_PAIRS]
             + [BackwardCase(2, 129, 200, 4, 2, d, True, deterministic=True) for d in dims]
-            + [BackwardCase(2, 200, 129, 8, 1, 128, False, deterministic=True)])
+            + [BackwardCase(2, 200, 129, 8, 1, 128, False, deterministic=True)]
+            # Sliding windows: KV tiles that walk a middle range of query
+            # tiles, masked at both edges; deterministic turns counted from
+            # each query tile's first KV tile.
+            + [BackwardCase(2, 300, 300, 4, 2, d, True, window=(100, 0)) for d in dims]
+            + [BackwardCase(2, 300, 250, 4, 2, 128, False, deterministic=True, window=(40, 70))])
 
 
 def run_backward_case(case: BackwardCase, seed: int) -> tuple[bool, str]:
@@ -82,16 +89,18 @@ def run_backward_case(case: BackwardCase, seed: int) -> tuple[bool, str]:
     dout = random_qkv(case.batch, case.seqlen_q, case.seqlen_q, case.nheads, case.nheads, case.head_dim,
                       dtype=case.dtype, seed=seed + 1)[0]
     scale = case.head_dim ** -0.5 if case.softmax_scale is None else case.softmax_scale
-    out, lse = dispatch.forward(q, k, v, scale, case.causal, True)
+    out, lse = dispatch.forward(q, k, v, scale, case.causal, True, window=case.window)
     dq = torch.full(q.shape, math.nan, dtype=q.dtype, device="cuda")
     dk = torch.full(k.shape, math.nan, dtype=k.dtype, device="cuda")
     dv = torch.full(v.shape, math.nan, dtype=v.dtype, device="cuda")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    plan_backward.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, case.causal, case.deterministic)
+    plan_backward.launch_backward(dout, q, k, v, out, lse, dq, dk, dv, scale, case.causal, case.deterministic,
+                                  window=case.window)
     torch.cuda.synchronize()  # errors are attributed to this case
     ms = (time.perf_counter() - t0) * 1e3
-    verdicts = check_attention_grads((dq, dk, dv), q, k, v, dout, causal=case.causal, softmax_scale=scale)
+    verdicts = check_attention_grads((dq, dk, dv), q, k, v, dout, causal=case.causal, softmax_scale=scale,
+                                     window=case.window)
     ok = all(verdicts)
     if case.causal and case.seqlen_q > case.seqlen_k and not bool((dq[:, :case.seqlen_q - case.seqlen_k] == 0).all()):
         ok = False
@@ -104,11 +113,11 @@ def run_backward_case(case: BackwardCase, seed: int) -> tuple[bool, str]:
 def warm_up_backward(selected: list[BackwardCase]) -> None:
     """Compile (or load) each backward specialisation with a one-row launch."""
     t0 = time.perf_counter()
-    specs = sorted({(c.head_dim, c.causal, c.deterministic) for c in selected})
-    for head_dim, causal, deterministic in specs:
+    specs = {(c.head_dim, c.causal, c.deterministic, c.window) for c in selected}
+    for head_dim, causal, deterministic, window in specs:
         q, k, v = Case(1, 1, 1, 1, 1, head_dim, causal).inputs(seed=0)
-        out, lse = dispatch.forward(q, k, v, head_dim ** -0.5, causal, True)
-        plan_backward.backward(out, q, k, v, out, lse, head_dim ** -0.5, causal, deterministic)
+        out, lse = dispatch.forward(q, k, v, head_dim ** -0.5, causal, True, window=window)
+        plan_backward.backward(out, q, k, v, out, lse, head_dim ** -0.5, causal, deterministic, window=window)
     torch.cuda.synchronize()
     print(f"warm-up: {len(specs)} backward specialisations ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
