@@ -62,10 +62,12 @@ class BackwardConfig:
 
     def shared_bytes(self, elem_bytes: int = 2) -> int:
         """K, V, the Q and dO rings, two [keys, queries] tiles (dSᵀ stages,
-        or Pᵀ and dSᵀ), the fp32 dQ staging and the L2/Δ rings."""
+        or Pᵀ and dSᵀ), the fp32 dQ staging (two tiles when the warpgroups
+        split the keys, one for split_d) and the L2/Δ rings."""
         d, bm, bn = self.head_dim, self.block_m, self.block_n
+        dq_tiles = 1 if self.split_d else 2
         return (elem_bytes * (2 * bn * d + (self.stages + self.do_ring) * bm * d + 2 * bn * bm)
-                + 4 * bm * self.dq_cols + 4 * (self.stages + self.do_ring) * bm)
+                + 4 * bm * self.dq_cols * dq_tiles + 4 * (self.stages + self.do_ring) * bm)
 
 
 # - 128: FA3's D=128 causal shape, 128 keys x 64 queries, each of the two

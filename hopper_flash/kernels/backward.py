@@ -83,8 +83,12 @@ from triton.experimental.gluon.language.nvidia.hopper.tma import tensor_descript
 from .compat import aggregate, init_fields, thread_barrier, tma_atomic_add, tma_load, tma_store, tma_store_wait_complete
 from .scheduler import section_coords
 from .mask import apply_mask_keys_by_queries, tile_needs_mask
-from .pipeline import release, ring_slot, wait_empty, wait_full
+from .pipeline import release, release_each, ring_slot, wait_empty, wait_full
 
+
+# The consumer partition: two warpgroups (each arrives on the Q/dO empty
+# barriers per thread in the split-keys step, `release_each`).
+CONSUMER_THREADS = gl.constexpr(256)
 
 @gluon.jit
 def bwd_query_tile_range(n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -555,8 +559,10 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, mo
             ds_smem = rings.ds_bufs.index(step % 2)
             ds_smem.store(dst16)
             fence_async_shared()
-            # The previous step's dQ reduce has finished reading dq_smem.
-            tma.store_wait(0)
+            # The dQ reduce of two steps before has finished reading this
+            # step's staging tile (two tiles alternate; the last step's
+            # reduce may still be reading the other).
+            tma.store_wait(1)
             # Every warp's part of dSᵀ is in shared memory. Passing this
             # barrier also means both warpgroups finished the previous step
             # (each waits for all its wgmmas by the end of a step), so that
@@ -564,24 +570,27 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, mo
             # step is unread.
             thread_barrier()
             if step > 0:
-                release(rings.q_empty, step - 1, mode.STAGES)
-                release(rings.do_empty, step - 1, mode.STAGES)
+                # Every consumer thread arrives (the barrier above already
+                # orders them; `release` would add two more).
+                release_each(rings.q_empty, step - 1, mode.STAGES)
+                release_each(rings.do_empty, step - 1, mode.STAGES)
 
             dst_op = gl.convert_layout(dst16, op_layout)
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_t, dq_zero, is_async=True)
             dk = warpgroup_mma(dst_op, q_t, dk, is_async=True)
             # dV and dQ are done, dK may still run while dQ goes out.
             dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
-            _stage_dq(rings.dq_smem, dq)
+            dq_buf = rings.dq_smem.index(step % 2)
+            _stage_dq(dq_buf, dq)
             fence_async_shared()
             thread_barrier()
             dq_row = (stat_base + m * mode.BLOCK_M).to(gl.int32)
             if mode.DETERMINISTIC:
                 sem = prob.sem_ptr + (stat_base // mode.BLOCK_M + m)
                 turn = tile.n - bwd_first_kv_tile(m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N, mode.WINDOW_LEFT)
-                _dq_add_in_order(prob.dq_desc, dq_row, 0, rings.dq_smem, sem, turn)
+                _dq_add_in_order(prob.dq_desc, dq_row, 0, dq_buf, sem, turn)
             else:
-                tma_atomic_add(prob.dq_desc, [dq_row, 0], rings.dq_smem)
+                tma_atomic_add(prob.dq_desc, [dq_row, 0], dq_buf)
             dk, dst_op = warpgroup_mma_wait(0, deps=[dk, dst_op])
             step += 1
 
@@ -727,12 +736,12 @@ def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode:
         if mode.DETERMINISTIC:
             _dq_wait_turn(sem, tile.n - bwd_first_kv_tile(m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N,
                                                           mode.WINDOW_LEFT))
-        _stage_dq(rings.dq_smem, dq0)
+        _stage_dq(rings.dq_smem.index(0), dq0)
         fence_async_shared()
         # Also: both warpgroups' dK wgmmas, the last readers of this Q, are done.
         thread_barrier()
         release(rings.q_empty, step, mode.STAGES)
-        tma_atomic_add(prob.dq_desc, [dq_row, 0], rings.dq_smem)
+        tma_atomic_add(prob.dq_desc, [dq_row, 0], rings.dq_smem.index(0))
         # The next step's Sᵀ (its Q is in the other ring slot), so that the
         # tensor cores run it while dQ goes out; after the last step it runs
         # on a slot nobody loads, and its result is dropped.
@@ -749,10 +758,10 @@ def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode:
         # dQ's first half has been read out of the staging tile.
         tma.store_wait(0)
         thread_barrier()
-        _stage_dq(rings.dq_smem, dq1)
+        _stage_dq(rings.dq_smem.index(0), dq1)
         fence_async_shared()
         thread_barrier()
-        tma_atomic_add(prob.dq_desc, [dq_row, DQ_W], rings.dq_smem)
+        tma_atomic_add(prob.dq_desc, [dq_row, DQ_W], rings.dq_smem.index(0))
         if mode.DETERMINISTIC:
             _dq_pass_turn(sem)
         # The next Sᵀ completes within the step: a wgmma result carried in
@@ -816,8 +825,12 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     # Two dSᵀ stages (split keys), or Pᵀ and dSᵀ (SPLIT_D).
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
-    # fp32 staging of one step's dQ share (SPLIT_D: half of it) for the TMA reduce-add.
-    dq_smem = gl.allocate_shared_memory(gl.float32, dq_desc.block_type.shape, dq_desc.layout)
+    # fp32 staging of one step's dQ share (SPLIT_D: half of it) for the TMA
+    # reduce-add. The split-keys consumers alternate two tiles, so a step waits
+    # for the reduce of two steps before rather than the last one (+1-3%,
+    # BENCHMARKS.md, nineteenth session); SPLIT_D has no room for a second.
+    DQ_BUFS: gl.constexpr = 1 if SPLIT_D else 2
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
 
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -828,10 +841,12 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     for i in gl.static_range(max(STAGES, DO_STAGES)):
         if i < STAGES:
             mbarrier.init(q_full.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=1)  # one arrive from the consumer partition
+            # SPLIT_D: one arrive from the consumer partition (`release`);
+            # split keys: one per consumer thread (`release_each`).
+            mbarrier.init(q_empty.index(i), count=1 if SPLIT_D else CONSUMER_THREADS)
         if i < DO_STAGES:
             mbarrier.init(do_full.index(i), count=1)
-            mbarrier.init(do_empty.index(i), count=1)
+            mbarrier.init(do_empty.index(i), count=1 if SPLIT_D else CONSUMER_THREADS)
 
     mode = BwdMode(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D,
                    WINDOW_LEFT, WINDOW_RIGHT)

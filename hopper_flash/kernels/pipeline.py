@@ -9,6 +9,7 @@ finds every slot empty without anyone having arrived.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 
@@ -43,3 +44,20 @@ def release(empty_bars, order, STAGES: gl.constexpr):
     this thread the whole group's reads of the slot are complete.
     """
     mbarrier.arrive(empty_bars.index(ring_slot(order, STAGES)), count=1)
+
+
+@gluon.jit
+def release_each(empty_bars, order, STAGES: gl.constexpr):
+    """Consumer side, every thread: this thread no longer reads the slot (the
+    slot's empty barrier counts one arrive per consumer thread).
+
+    ``release``'s ``mbarrier.arrive`` is issued by thread 0 alone, so triton
+    3.6 puts a barrier of the partition's warps before it (its membar pass:
+    thread 0 may publish only once every thread is done), and another after
+    it. ``cp.async.mbarrier.arrive.noinc`` arrives once per executing thread,
+    with nothing to order before it (no cp.async is in flight, so the arrive
+    is immediate): callers that have just passed a barrier of their own save
+    the two. The backward's split-keys step uses it (BENCHMARKS.md,
+    nineteenth session).
+    """
+    async_copy.mbarrier_arrive(empty_bars.index(ring_slot(order, STAGES)), increment_count=False)
