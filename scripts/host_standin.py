@@ -4,9 +4,14 @@ CUDA-only pieces patched out (device checks, the stream, the SM count, the C
 launch function and the TMA encoder are stand-ins; tensors live on the CPU,
 so allocations cost less than on the GPU machine). For cutting Python
 overhead without device time; the GPU machine's figures come from
-``scripts/backend_host.py``.
+``scripts/backend_host.py`` (the backward's from ``scripts/bwd_host.py``).
 
-    python scripts/host_standin.py [SEQLEN_K] [-p]      (-p: a cProfile too)"""
+    python scripts/host_standin.py [SEQLEN_K] [-p]      (-p: a cProfile too)
+    python scripts/host_standin.py --backward [-p]      a B1 H1 S128 D128 causal backward through
+                                                        autograd (torch.autograd.grad; on the CPU the
+                                                        engine runs on the calling thread, on the GPU
+                                                        machine on its device thread)"""
+import contextlib
 import cProfile
 import os
 import pstats
@@ -17,7 +22,7 @@ import types
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hopper_flash import checks, launcher, plan  # noqa: E402
+from hopper_flash import checks, launcher, plan, plan_backward  # noqa: E402
 from hopper_flash.integrations import transformers as hft  # noqa: E402
 
 torch.cuda.current_device = lambda: None
@@ -37,15 +42,43 @@ class Run:
     launch_cooperative_grid = False; launch_pdl = False
 meta = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [1, 64, 1, 128], "fp4_padded": False}
 def make_kl():
+    # Nine descriptor slots: the backward's kernel has nine, the forward's four.
     comp = types.SimpleNamespace(run=Run(), function=1, packed_metadata=(4, 1, 1),
-                                 metadata=types.SimpleNamespace(tensordesc_meta=[meta] * 4))
-    d = launcher._Direct(c_launch, fill, {10: 9}, [meta] * 4, False, Run())
+                                 metadata=types.SimpleNamespace(tensordesc_meta=[meta] * 9))
+    d = launcher._Direct(c_launch, fill, {10: 9}, [meta] * 9, False, Run())
     return launcher.KernelLaunch(comp, direct=d)
 class AutoDict(dict):
     def get(self, k, default=None):
         if k not in self: self[k] = make_kl()
         return dict.get(self, k)
-plan._COMPILED = AutoDict(); plan._TRITON_COMPILED = AutoDict()
+plan._COMPILED = AutoDict(); plan._TRITON_COMPILED = AutoDict(); plan_backward._COMPILED = AutoDict()
+plan_backward.FAST_LAUNCH = True
+torch.cuda.device = lambda device: contextlib.nullcontext()
+
+
+def timed(f, calls):
+    for _ in range(200): f()
+    best = 1e9
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(calls): f()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
+if "--backward" in sys.argv:
+    from hopper_flash import ops
+    qb, kb, vb = (torch.randn(1, 128, 1, 128).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    # flash_attn_func's eager autograd path (it takes the custom op for CPU tensors)
+    out, _ = ops.EagerAttention.apply(qb, kb, vb, 128 ** -0.5, True, False, None)
+    g = torch.randn_like(out)
+    f = lambda: torch.autograd.grad(out, (qb, kb, vb), g, retain_graph=True)
+    print(f"backward call through autograd, CPU stand-in: {timed(f, 2000):.1f} us")
+    if "-p" in sys.argv:
+        pr = cProfile.Profile(); pr.enable()
+        for _ in range(2000): f()
+        pr.disable(); pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+    sys.exit(0)
 
 class Module(torch.nn.Module):
     is_causal = True
@@ -55,13 +88,7 @@ S = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
 q = torch.randn(1, 32, 1, 128).to(torch.bfloat16)
 k = torch.randn(1, 8, S, 128).to(torch.bfloat16); v = torch.randn_like(k)
 f = lambda: hft.hopper_flash_attention_forward(m, q, k, v, None, scaling=128 ** -0.5)
-for _ in range(200): f()
-best = 1e9
-for _ in range(5):
-    t = time.perf_counter()
-    for _ in range(5000): f()
-    best = min(best, (time.perf_counter() - t) / 5000 * 1e6)
-print(f"backend decode call, CPU stand-in: {best:.1f} us")
+print(f"backend decode call, CPU stand-in: {timed(f, 5000):.1f} us")
 if "-p" in sys.argv:
     pr = cProfile.Profile(); pr.enable()
     for _ in range(5000): f()
