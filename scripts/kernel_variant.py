@@ -171,6 +171,17 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   neighbouring CTAs add their dQ shares into different tiles. 118 GPU tests
   passed; within noise at D = 128, 1% slower at D = 64: the dQ reduce-adds
   do not contend. Not shipped (BENCHMARKS.md, eighteenth session).
+* ``bwd-k-regs`` (nineteenth session): K as the split-keys consumers' Sᵀ
+  register operand (D = 128; the statistics then ride in the accumulators),
+  so Sᵀ reads only Q from shared memory. It spills in the step loop; 16%
+  slower. Refused (BENCHMARKS.md, nineteenth session).
+* (``bwd-dq-double``, ``bwd-thread-arrive``: two dQ staging tiles, and every
+  consumer thread arriving on the Q/dO empty barriers; shipped together in
+  the nineteenth session, df202c8.)
+* ``bwd-d256-arrive`` (nineteenth session, CPU only, not timed): the D = 256
+  consumers release Q per thread (``release_each``) after the barrier they
+  pass anyway: 8 -> 7 ``BAR.SYNC`` per step, census as shipped. Releasing dO
+  the same way without its barrier (8 -> 5) spilled 28 ``LDL`` per step.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
