@@ -90,6 +90,7 @@ from .pipeline import release, release_each, ring_slot, wait_empty, wait_full
 # barriers per thread in the split-keys step, `release_each`).
 CONSUMER_THREADS = gl.constexpr(256)
 
+
 @gluon.jit
 def bwd_query_tile_range(n, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1):
