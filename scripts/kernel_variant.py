@@ -182,6 +182,14 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   consumers release Q per thread (``release_each``) after the barrier they
   pass anyway: 8 -> 7 ``BAR.SYNC`` per step, census as shipped. Releasing dO
   the same way without its barrier (8 -> 5) spilled 28 ``LDL`` per step.
+* ``bwd-dq-sts128`` (nineteenth session, CPU only, not timed): the
+  split-keys consumers stage dQ with rows and columns permuted so each
+  thread writes 128-bit stores (8 STS.128 per step where 16 STS.64 were;
+  conflict-free in the 128-byte swizzle by construction), the postprocess
+  reading the order back (``STS128``). The ncu samples put 16 STS.64 of
+  the staging at ~7% of the consumers' samples (mio). D = 64's
+  deterministic stack grows 48 -> 64 bytes (over the census allowance);
+  D = 256 keeps the old staging (the new one spilled there).
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
