@@ -190,6 +190,11 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   the staging at ~7% of the consumers' samples (mio). D = 64's
   deterministic stack grows 48 -> 64 bytes (over the census allowance);
   D = 256 keeps the old staging (the new one spilled there).
+* ``bwd-det-one-tile`` (nineteenth session, CPU only, not run): one dQ
+  staging tile in deterministic mode (its reduce completes within the step,
+  so a second tile buys nothing there); under triton 3.9 the D = 128
+  deterministic stack falls from 48-72 to 8-16 bytes. Needs the backward
+  GPU tests (deterministic ones above all), then it can ship.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.

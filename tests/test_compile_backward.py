@@ -16,9 +16,13 @@ SPECS = list(ccb.shipped_specialisations())
 # 3.9; the D=256 step loop also reloads a few of them, see below). The
 # deterministic modes spill around the semaphore spin: D=64 48-56 bytes,
 # D=256 208-224 under 3.6 (dK, dV and both dQ halves are live there; 64-72
-# under 3.9), a cost of the slow mode pinned here so that it cannot grow
-# unnoticed. test_no_spills_in_the_step_loop checks where they are.
-STACK_ALLOWANCE = {(64, False): 40, (64, True): 56, (128, False): 32, (128, True): 32, (256, False): 48,
+# under 3.9), D=128 0 under 3.6 and 48-72 under 3.9 since the two dQ staging
+# tiles (nineteenth session; the variant bwd-det-one-tile, one tile in
+# deterministic mode, where each reduce completes within its step anyway,
+# takes 3.9 back to 8-16 and awaits its GPU run), a cost of the slow mode
+# pinned here so that it cannot grow unnoticed.
+# test_no_spills_in_the_step_loop checks where they are.
+STACK_ALLOWANCE = {(64, False): 40, (64, True): 56, (128, False): 32, (128, True): 72, (256, False): 48,
                    (256, True): 240}
 
 
@@ -99,16 +103,17 @@ def test_shared_memory_fits(report):
 def test_split_keys_step_releases_per_thread(report):
     # D=64/128: every consumer thread arrives on the Q and dO empty barriers
     # (`pipeline.release_each`, SASS ARRIVES.LDGSTSBAR) after the step's dSᵀ
-    # barrier; a thread-0 `mbarrier.arrive` there made triton 3.6 add two
-    # 256-thread BAR.SYNCs around it (3 in the wgmma span, 1 now; the pair
-    # with the two dQ staging tiles was +1-3%, BENCHMARKS.md, nineteenth session).
+    # barrier; a thread-0 `mbarrier.arrive` there made triton add two
+    # 256-thread BAR.SYNCs around it. In the wgmma span: 1 BAR.SYNC under
+    # triton 3.6 (3 before), 3 under 3.9 (5 before). With the two dQ staging
+    # tiles, +1-3% (BENCHMARKS.md, nineteenth session).
     if report.head_dim == 256:
         return
     lines = report.sass.splitlines()
     wgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
     span = lines[wgmma[0]:wgmma[-1]]
     assert sum("ARRIVES.LDGSTSBAR" in line for line in span) == 2
-    assert sum("BAR.SYNC" in line for line in span) <= 1
+    assert sum("BAR.SYNC" in line for line in span) <= 3
 
 
 def test_split_keys_stage_dq_in_two_tiles(report):
