@@ -12,7 +12,9 @@ SPECS = list(ccb.shipped_specialisations())
 # Stack bytes tolerated per (head dim, deterministic). ptxas keeps a few
 # scalars of the set-up and the per-head loop (sequence coordinates, loop
 # bounds) on the stack, outside the per-step work: D=64 8-40 bytes under
-# triton 3.6 (0 under 3.9), D=128 16 (24 under 3.9), D=256 32-40 (0-48 under
+# triton 3.6 (0 under 3.9; 48 under 3.7.1 for the causal window
+# specialisations since the two dQ staging tiles, nineteenth session, against
+# 24 before), D=128 16 (24 under 3.9), D=256 32-40 (0-48 under
 # 3.9; the D=256 step loop also reloads a few of them, see below). The
 # deterministic modes spill around the semaphore spin: D=64 48-56 bytes,
 # D=256 208-224 under 3.6 (dK, dV and both dQ halves are live there; 64-72
@@ -22,7 +24,7 @@ SPECS = list(ccb.shipped_specialisations())
 # takes 3.9 back to 8-16 and awaits its GPU run), a cost of the slow mode
 # pinned here so that it cannot grow unnoticed.
 # test_no_spills_in_the_step_loop checks where they are.
-STACK_ALLOWANCE = {(64, False): 40, (64, True): 56, (128, False): 32, (128, True): 72, (256, False): 48,
+STACK_ALLOWANCE = {(64, False): 48, (64, True): 56, (128, False): 32, (128, True): 72, (256, False): 48,
                    (256, True): 240}
 
 
