@@ -4,7 +4,7 @@
 # children that touch the GPU, so --target-processes is not needed.
 #
 #   scripts/sanitize.sh              # forward cases; logs in $OUT (default ./out)
-#   scripts/sanitize.sh --backward   # the backward's cases (sanitize.py --backward: 16 for
+#   scripts/sanitize.sh --backward   # the backward's cases (sanitize.py --backward: 20 for
 #                                    # memcheck, 7 for racecheck/synccheck); logs sanitize-bwd-*.txt
 #
 # Steps:
