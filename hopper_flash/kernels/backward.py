@@ -382,6 +382,13 @@ class BwdRings:
 
 
 @gluon.jit
+def _dq_turn(tile: KvTile, m, mode: BwdMode):
+    """Deterministic mode: this KV tile's place among those that add to
+    query tile ``m``'s dQ (0 for the first, ``bwd_first_kv_tile``)."""
+    return tile.n - bwd_first_kv_tile(m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N, mode.WINDOW_LEFT)
+
+
+@gluon.jit
 def _wait_kv(k_t, v_t, rings: BwdRings, tile: KvTile, mode: BwdMode, NUM_WARPS: gl.constexpr):
     """Wait for this CTA's K and V tiles (none when ``tile.live`` is false: a
     varlen tile past its sequence's keys loads nothing). Varlen: keys past
@@ -588,8 +595,7 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, mo
             dq_row = (stat_base + m * mode.BLOCK_M).to(gl.int32)
             if mode.DETERMINISTIC:
                 sem = prob.sem_ptr + (stat_base // mode.BLOCK_M + m)
-                turn = tile.n - bwd_first_kv_tile(m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N, mode.WINDOW_LEFT)
-                _dq_add_in_order(prob.dq_desc, dq_row, 0, dq_buf, sem, turn)
+                _dq_add_in_order(prob.dq_desc, dq_row, 0, dq_buf, sem, _dq_turn(tile, m, mode))
             else:
                 tma_atomic_add(prob.dq_desc, [dq_row, 0], dq_buf)
             dk, dst_op = warpgroup_mma_wait(0, deps=[dk, dst_op])
@@ -735,8 +741,7 @@ def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode:
         dq_row = (stat_base + m * mode.BLOCK_M).to(gl.int32)
         sem = prob.sem_ptr + (stat_base // mode.BLOCK_M + m)
         if mode.DETERMINISTIC:
-            _dq_wait_turn(sem, tile.n - bwd_first_kv_tile(m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N,
-                                                          mode.WINDOW_LEFT))
+            _dq_wait_turn(sem, _dq_turn(tile, m, mode))
         _stage_dq(rings.dq_smem.index(0), dq0)
         fence_async_shared()
         # Also: both warpgroups' dK wgmmas, the last readers of this Q, are done.

@@ -120,20 +120,32 @@ def tile_needs_mask(n, bm, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: g
 
 
 @gluon.jit
+def _hidden(keys, queries, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, WINDOW_LEFT: gl.constexpr,
+            WINDOW_RIGHT: gl.constexpr):
+    """True where query ``queries`` does not see key ``keys`` (index tensors
+    that broadcast to the tile, in either orientation): keys past
+    ``seqlen_k``, then the window's bounds or the bottom-right causal
+    diagonal (``off = seqlen_k - seqlen_q``). The forward's and the
+    backward's masks both come from here."""
+    hidden = keys >= seqlen_k
+    if WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0:
+        if WINDOW_RIGHT >= 0:
+            hidden = hidden | (keys > queries + (seqlen_k - seqlen_q + WINDOW_RIGHT))
+        if WINDOW_LEFT >= 0:
+            hidden = hidden | (keys < queries + (seqlen_k - seqlen_q - WINDOW_LEFT))
+    elif IS_CAUSAL:
+        hidden = hidden | (keys > queries + (seqlen_k - seqlen_q))
+    return hidden
+
+
+@gluon.jit
 def apply_mask(s, row0, col0, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr, PACK_G: gl.constexpr,
                WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1):
     """Set hidden scores of the tile ``s`` (rows from the packed row ``row0``,
     columns from ``col0``) to -inf."""
     rows = (row0 + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s.type.layout))) // PACK_G
     cols = col0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-    hidden = cols[None, :] >= seqlen_k
-    if WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0:
-        if WINDOW_RIGHT >= 0:
-            hidden = hidden | (cols[None, :] > rows[:, None] + (seqlen_k - seqlen_q + WINDOW_RIGHT))
-        if WINDOW_LEFT >= 0:
-            hidden = hidden | (cols[None, :] < rows[:, None] + (seqlen_k - seqlen_q - WINDOW_LEFT))
-    elif IS_CAUSAL:
-        hidden = hidden | (cols[None, :] > rows[:, None] + (seqlen_k - seqlen_q))
+    hidden = _hidden(cols[None, :], rows[:, None], seqlen_q, seqlen_k, IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
     return gl.where(hidden, -float("inf"), s)
 
 
@@ -147,12 +159,5 @@ def apply_mask_keys_by_queries(st, key0, query0, seqlen_q, seqlen_k, IS_CAUSAL: 
     ``key0``, columns = queries from ``query0``) to -inf."""
     keys = key0 + gl.arange(0, st.shape[0], layout=gl.SliceLayout(1, st.type.layout))
     queries = query0 + gl.arange(0, st.shape[1], layout=gl.SliceLayout(0, st.type.layout))
-    hidden = keys[:, None] >= seqlen_k
-    if WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0:
-        if WINDOW_RIGHT >= 0:
-            hidden = hidden | (keys[:, None] > queries[None, :] + (seqlen_k - seqlen_q + WINDOW_RIGHT))
-        if WINDOW_LEFT >= 0:
-            hidden = hidden | (keys[:, None] < queries[None, :] + (seqlen_k - seqlen_q - WINDOW_LEFT))
-    elif IS_CAUSAL:
-        hidden = hidden | (keys[:, None] > queries[None, :] + (seqlen_k - seqlen_q))
+    hidden = _hidden(keys[:, None], queries[None, :], seqlen_q, seqlen_k, IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
     return gl.where(hidden, -float("inf"), st)
