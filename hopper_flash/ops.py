@@ -165,16 +165,18 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Varlen attention backward: ``(dq, dk, dv)``, zero outside the live rows."""
     return _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                            max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, window_left,
-                            window_right)
+                            max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
+                            window=checks.op_window(window_left, window_right, causal))
 
 
 def _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
+                     max_seqlen_k, softmax_scale, causal, deterministic, window=None):
+    """``varlen_bwd``'s work; ``window``: ``checks.window_bounds``'s pair,
+    already checked (the op checks its ints, the eager path its forward's)."""
     varlen = plan_backward.VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                        max_seqlen_k)
     return plan_backward.backward_varlen(grad_out, q, k, v, out, lse, varlen, softmax_scale, causal, deterministic,
-                                         window=checks.op_window(window_left, window_right, causal))
+                                         window=window)
 
 
 @varlen_bwd.register_fake
@@ -202,9 +204,11 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
     args = (grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.max_seqlens, ctx.softmax_scale, ctx.causal,
-            ctx.deterministic, *ctx.window)
-    eager = _plain_eager_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k)
-    dq, dk, dv = (_varlen_bwd_impl if eager else varlen_bwd)(*args)
+            ctx.deterministic)
+    if _plain_eager_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k):
+        dq, dk, dv = _varlen_bwd_impl(*args, window=checks.op_window(*ctx.window, ctx.causal))
+    else:
+        dq, dk, dv = varlen_bwd(*args, *ctx.window)
     return dq, dk, dv, *(None,) * 11
 
 
@@ -249,14 +253,15 @@ class EagerVarlenAttention(torch.autograd.Function):
         out, lse = dispatch.forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                      seqused_q, seqused_k, softmax_scale, causal, True, window=window)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, *(window or (-1, -1)))
+        ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic)
+        ctx.window = window
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        dq, dk, dv = _varlen_bwd_impl(grad_out, *ctx.saved_tensors, *ctx.args)
+        dq, dk, dv = _varlen_bwd_impl(grad_out, *ctx.saved_tensors, *ctx.args, window=ctx.window)
         return dq, dk, dv, *(None,) * 10
 
 

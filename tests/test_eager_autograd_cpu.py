@@ -100,9 +100,9 @@ def test_eager_varlen_attention_passes_its_arguments(monkeypatch):
         return q * 2, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
 
     def bwd_impl(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, det,
-                 window_left=-1, window_right=-1):
+                 window=None):
         seen["backward"] = (cu_q.tolist(), used_q, used_k, max_q, max_k, scale, causal, det)
-        seen["backward window"] = (window_left, window_right)
+        seen["backward window"] = window
         return grad_out * 2, torch.zeros_like(k), torch.zeros_like(v)
 
     monkeypatch.setattr(dispatch, "forward_varlen_validated", forward_varlen)
@@ -114,7 +114,7 @@ def test_eager_varlen_attention_passes_its_arguments(monkeypatch):
     torch.testing.assert_close(dq, torch.full_like(q, 2.0))  # the fake backward: 2 x grad_out
     assert seen["forward"] == (4, 4, None, None, 0.5, True, True)
     assert seen["backward"] == ([0, 3, 7], None, None, 4, 4, 0.5, True, True)
-    assert seen["forward window"] is None and seen["backward window"] == (-1, -1)
+    assert seen["forward window"] is None and seen["backward window"] is None
     assert not lse.requires_grad
     out, _ = ops.EagerVarlenAttention.apply(q, k, v, cu, cu, None, None, 4, 4, 0.5, True, False, (9, 0))
     torch.autograd.grad(out.sum(), (q,))
