@@ -248,21 +248,22 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
 
     # Per (batch, head) rows of seqlen_q_rounded; varlen: per head, the padded total (one "batch").
     rows = (batch, nheads, seqlen_q_rounded) if varlen is None else (nheads, seqlen_q_rounded)
-    delta = torch.empty(rows, dtype=torch.float32, device=dev)
-    lse2 = torch.empty_like(delta)
-    dq_accum = torch.zeros(rows + (head_dim,), dtype=torch.float32, device=dev)
+    # dq_accum is zeroed by the preprocess (no memset launch); the two
+    # statistics vectors share one allocation.
+    dq_accum = torch.empty(rows + (head_dim,), dtype=torch.float32, device=dev)
+    delta, lse2 = torch.empty((2,) + rows, dtype=torch.float32, device=dev).unbind(0)
     if deterministic:
         sem = torch.zeros(rows[:-1] + (seqlen_q_rounded // cfg.block_m,), dtype=torch.int32, device=dev)
     else:
         sem = delta  # never read
     if varlen is None:
-        bwd_preprocess(out, dout, lse, delta, lse2, cfg.block_m)
+        bwd_preprocess(out, dout, lse, delta, lse2, dq_accum, cfg.block_m)
         views = {"q": q, "k": k, "v": v, "do": dout, "dk": dk, "dv": dv}
         cu_q = cu_k = used_q = used_k = sem  # never read
         stride_kv = (0, 0)
     else:
         pre = (varlen.cu_seqlens_q, varlen.seqused_q, batch, varlen.max_seqlen_q)
-        bwd_preprocess(out, dout, lse, delta, lse2, cfg.block_m, varlen=pre)
+        bwd_preprocess(out, dout, lse, delta, lse2, dq_accum, cfg.block_m, varlen=pre)
         # THD as [1, total, H, D]: the sequence start is a row coordinate.
         views = {"q": q, "k": k, "v": v, "do": dout, "dk": dk, "dv": dv}
         views = {name: t.unsqueeze(0) for name, t in views.items()}
@@ -310,7 +311,7 @@ def _strides8(*strides: int) -> tuple[int, ...]:
 
 
 def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-                   lse2: torch.Tensor, block_m: int, varlen=None) -> None:
+                   lse2: torch.Tensor, dq_accum: torch.Tensor, block_m: int, varlen=None) -> None:
     """Fixed length: BSHD ``out``/``dout``, ``lse [B, H, Sq]``, stats
     ``[B, H, Sq_r]``. ``varlen = (cu_seqlens_q, seqused_q, batch, max_seqlen_q)``:
     THD ``out``/``dout``, ``lse [H, total_q]``, stats ``[H, padded_total]``.
@@ -335,7 +336,8 @@ def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, del
         m_blocks = triton_cdiv(max_seqlen_q, block_m) * (block_m // block)
         used = cu if used is None else used
     plan.launch_triton(_pre._bwd_preprocess_kernel, (m_blocks, nheads, batch),
-                       (out, dout, lse, delta, lse2, cu, used, *strides, seqlen_q, seqlen_q_rounded, nheads),
+                       (out, dout, lse, delta, lse2, dq_accum, cu, used, *strides, seqlen_q, seqlen_q_rounded,
+                        nheads),
                        dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
                             SEQUSED=varlen is not None and varlen[1] is not None), num_warps=4)
 

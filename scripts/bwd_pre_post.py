@@ -1,7 +1,8 @@
 """Usage: PYTHONPATH=PKG python -P scripts/bwd_pre_post.py
 
 Backward pre/postprocess and the dq_accum fill, timed alone (do_bench
-medians), with the preprocess launched at several (BLOCK, num_warps)."""
+medians), with the preprocess (which also zeroes dq_accum's rows) launched at
+several (BLOCK, num_warps)."""
 import torch
 from triton.testing import do_bench
 from hopper_flash.kernels.backward_pre import _bwd_preprocess_kernel, _bwd_postprocess_kernel
@@ -16,7 +17,7 @@ for (B, S, H) in ((16, 1024, 16), (4, 8192, 32)):
     st = plan_backward._strides8(o.stride(0), o.stride(1), o.stride(2))
     ref = (o.float() * do.float()).sum(-1).transpose(1, 2)
     for blk, w in ((64, 4), (64, 8), (128, 4), (128, 8), (32, 4), (256, 8)):
-        args = (o, do, lse, delta, lse2, lse, lse, *st, *st, lse.stride(0), lse.stride(1), S, S, H)
+        args = (o, do, lse, delta, lse2, acc, lse, lse, *st, *st, lse.stride(0), lse.stride(1), S, S, H)
         f = lambda: _bwd_preprocess_kernel[(S // blk, H, B)](*args, BLOCK=blk, HEAD_DIM=D, BLOCK_M=64, VARLEN=False, SEQUSED=False, num_warps=w)
         delta.fill_(float("nan")); f(); ok = torch.allclose(delta, ref, rtol=1e-3, atol=1e-2)
         ms = do_bench(f, warmup=20, rep=100, return_mode="median")
@@ -25,7 +26,7 @@ for (B, S, H) in ((16, 1024, 16), (4, 8192, 32)):
     print(f"  fill dq_accum {acc.numel()*4/1e6:.0f} MB: {ms*1e3:.1f} us {acc.numel()*4/1e9/ms:.2f} TB/s")
     ms = do_bench(lambda: plan_backward.bwd_postprocess(acc.view(-1, D), dq, 0.1, 64), warmup=20, rep=100, return_mode="median")
     print(f"  post: {ms*1e3:.1f} us {(acc.numel()*4 + dq.numel()*2)/1e9/ms:.2f} TB/s")
-    ms = do_bench(lambda: plan_backward.bwd_preprocess(o, do, lse, delta, lse2, 64), warmup=20, rep=100, return_mode="median")
+    ms = do_bench(lambda: plan_backward.bwd_preprocess(o, do, lse, delta, lse2, acc, 64), warmup=20, rep=100, return_mode="median")
     print(f"  shipped pre: {ms*1e3:.1f} us {gb/ms:.2f} TB/s")
 
 import triton, triton.language as tl

@@ -17,8 +17,8 @@ def captured(monkeypatch):
     """The workspace tensors each launch received, kernels not run."""
     seen = {}
 
-    def preprocess(out, dout, lse, delta, lse2, block_m):
-        seen["delta"], seen["lse2"] = delta, lse2
+    def preprocess(out, dout, lse, delta, lse2, dq_accum, block_m):
+        seen["delta"], seen["lse2"], seen["pre_dq_accum"] = delta, lse2, dq_accum
 
     def postprocess(dq_accum, dq, scale, block_m, varlen=None):
         seen["dq_accum"] = dq_accum
@@ -54,6 +54,7 @@ def test_workspace_is_what_launch_backward_allocates(captured, batch, sq, sk, h,
     tile = plan_backward.BACKWARD_CONFIGS[d].block_m  # the query tile: 128 at D=64, else 64
     sq_r = -(-sq // tile) * tile
     assert captured["dq_accum"].shape == (batch, h, sq_r, d) and captured["dq_accum"].dtype == torch.float32
+    assert captured["pre_dq_accum"] is captured["dq_accum"]  # the preprocess zeroes it
     for name in ("delta", "lse2"):
         assert captured[name].shape == (batch, h, sq_r) and captured[name].dtype == torch.float32
     tensors = [captured["dq_accum"], captured["delta"], captured["lse2"]]

@@ -69,8 +69,9 @@ def test_preprocess_fast_launch_binds_what_the_jit_binds(log):
     dout = torch.randn(2, 129, 4, 128).to(torch.bfloat16)
     lse = torch.randn(2, 4, 129)
     delta, lse2 = torch.empty(2, 4, 192), torch.empty(2, 4, 192)
+    acc = torch.empty(2, 4, 192, 128)
     for _ in range(2):
-        plan_backward.bwd_preprocess(out, dout, lse, delta, lse2, 64)
+        plan_backward.bwd_preprocess(out, dout, lse, delta, lse2, acc, 64)
     assert [e[0] for e in log] == ["jit", "fast"]
     _check_fast_equals_jit(log, backward_pre._bwd_preprocess_kernel.real)
     jit = _bound(backward_pre._bwd_preprocess_kernel.real, log[0][2], log[0][3])

@@ -2,7 +2,8 @@
 
 * ``bwd_preprocess``: per query row, Δ = rowsum(dO ⊙ O) in fp32, and the
   forward's natural-log LSE in base 2, ``L2 = LSE·log2(e)``, into buffers
-  padded to whole query tiles. A row that saw no key (LSE = −inf) gets
+  padded to whole query tiles; it also zeroes the same rows of ``dq_accum``
+  (one launch instead of a memset and this kernel). A row that saw no key (LSE = −inf) gets
   L2 = 0, so the main kernel's exp2(−inf − 0) is 0 and never NaN; padding
   rows get L2 = +inf and Δ = 0, so they contribute nothing and the main
   kernel needs no query-tail mask.
@@ -55,7 +56,7 @@ _POST_INTS = ["sdq8_b", "sdq8_s", "sdq8_h", "seqlen_q", "seqlen_q_rounded", "num
 
 
 @triton.jit(do_not_specialize=_PRE_INTS)
-def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, cu_ptr, used_ptr,
+def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr, cu_ptr, used_ptr,
                            so8_b, so8_s, so8_h, sdo8_b, sdo8_s, sdo8_h, slse_b, slse_h,
                            seqlen_q, seqlen_q_rounded, num_heads,
                            BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -84,6 +85,11 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, cu_ptr, 
     keep = rows < owned
     tl.store(delta_ptr + out, delta, mask=keep)
     tl.store(lse2_ptr + out, lse2, mask=keep)
+    # dq_accum's rows are the stats' rows (64-row blocks of whole query tiles,
+    # so the kernel's 8-row interleave stays inside them). Varlen: rows past
+    # every sequence's tiles are neither zeroed, added to nor read.
+    tl.store(acc_ptr + out.to(tl.int64)[:, None] * HEAD_DIM + cols[None, :],
+             tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=keep[:, None])
 
 
 @triton.jit
