@@ -592,14 +592,16 @@ def _item_counter(device: torch.device) -> torch.Tensor:
 _TRITON_COMPILED: dict[tuple, object] = {}
 
 
-def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict, num_warps: int) -> None:
+def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict,
+                  num_warps: int) -> KernelLaunch:
     """Launch a plain Triton kernel whose integer arguments are all
     ``do_not_specialize`` (so one compiled kernel serves every value) on the
     current stream of the first argument's device. As the forward's launch:
     the first launch of a key goes through Triton's JIT, later ones call the
     compiled kernel's launcher (``FAST_LAUNCH``, no profiler hook). The key
     holds what Triton still specialises on: the tensors' dtypes and 16-byte
-    pointer alignment, and the constexprs. The first argument is a tensor."""
+    pointer alignment, and the constexprs. The first argument is a tensor.
+    Returns the compiled kernel's ``KernelLaunch``."""
     device = args[0].device.index
     # id(kernel): the kernels are module globals, and hashing a JITFunction
     # computes its cache key in Python on every call.
@@ -607,9 +609,10 @@ def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: d
            *[(a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor)])
     compiled = _TRITON_COMPILED.get(key)
     if compiled is None or not FAST_LAUNCH or _launch_hooked():
-        _TRITON_COMPILED[key] = KernelLaunch(kernel[grid](*args, **constexprs, num_warps=num_warps))
-        return
+        compiled = _TRITON_COMPILED[key] = KernelLaunch(kernel[grid](*args, **constexprs, num_warps=num_warps))
+        return compiled
     compiled(grid, driver.active.get_current_stream(device), (), (*args, *constexprs.values()))
+    return compiled
 
 
 def launch_combine(o_part, lse_part, out, lse) -> None:

@@ -3,15 +3,21 @@ workspaces, TMA descriptors and the three launches (preprocess, main Gluon
 kernel, postprocess).
 
 Workspace per call, besides dQ/dK/dV themselves (``Sq_r`` = seqlen_q rounded
-up to the query tile):
+up to the query tile), in one fp32 allocation:
 
-* ``dq_accum``: fp32 ``[B, H, Sq_r, D]``, where the KV-tile CTAs sum dQ
-  (twice the size of a bf16 dQ);
-* ``lse2`` and ``delta``: fp32 ``[B, H, Sq_r]`` each;
-* deterministic mode only: int32 semaphores ``[B, H, Sq_r / BLOCK_M]``.
+* ``dq_accum``: ``[B·H·Sq_r, D]``, where the KV-tile CTAs sum dQ (twice the
+  size of a bf16 dQ; zeroed by the preprocess, no memset);
+* ``delta`` and ``lse2``: ``[B·H·Sq_r]`` each;
+
+and in deterministic mode int32 semaphores ``[B, H, Sq_r / BLOCK_M]``.
 
 dK and dV need no workspace, also under GQA/MQA: a CTA loops over the query
 heads that share its KV head and keeps their sums in registers.
+
+A call's host work is short because the backward of a small batch is short
+on the GPU too (B16 H16 S1024 D128 causal: ~0.5 ms): what the three launches
+take apart from addresses is planned once per shape (``BackwardPlan``), and
+a plan's compiled kernels are launched without lookups.
 """
 from __future__ import annotations
 
@@ -193,33 +199,99 @@ FAST_LAUNCH = plan.FAST_LAUNCH
 _COMPILED: dict[tuple, object] = {}
 
 
-def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
-                    deterministic: bool = False, cfg: BackwardConfig | None = None,
-                    varlen: VarlenBatch | None = None, window: tuple[int, int] | None = None) -> None:
-    """Compute dq, dk, dv (written in place; any TMA-addressable BSHD views).
+@dataclass(frozen=True)
+class SmallLaunch:
+    """A plain Triton kernel's launch apart from its pointers (the pre- and
+    postprocess): ``kernel[grid](*pointers, *ints, **constexprs)``."""
 
-    Arguments are assumed validated: BSHD, same dtype, supported head dim,
-    ``lse`` the forward's fp32 ``[B, H, Sq]`` (contiguous), non-empty, and
-    q's device current.
+    kernel: object
+    grid: tuple[int, int, int]
+    ints: tuple
+    constexprs: dict
 
-    ``window``: the forward's sliding window (``checks.window_bounds``), or None.
+    def __call__(self, pointers: tuple):
+        """Launch (``plan.launch_triton``); returns the compiled kernel's
+        ``KernelLaunch`` where one was used or made."""
+        return plan.launch_triton(self.kernel, self.grid, (*pointers, *self.ints), self.constexprs, num_warps=4)
 
-    With ``varlen``: THD ``[total, H, D]`` tensors, ``lse`` ``[H, total_q]``
-    (contiguous), and dq/dk/dv zero-initialised by the caller (rows outside
-    every sequence's live part are not written); dk/dv with equal strides
-    and a contiguous head dim.
 
-    The main kernel launches as the forward's does (``plan.launch_forward``):
-    the first launch of a specialisation through Triton's JIT, later ones
-    through ``launcher.KernelLaunch`` (cached descriptors, a direct call),
-    where ``FAST_LAUNCH`` (the same triton-version guard) allows and no
-    profiler hook is installed. The pre/postprocess kernels are plain Triton
-    kernels with unspecialised integers, launched the same way
-    (``plan.launch_triton``).
+class BackwardPlan:
+    """What one backward call's three launches take apart from addresses:
+    everything ``launch_backward`` derives from shapes, strides and flags,
+    computed once per key (``plan_for``), as the forward's ``LaunchPlan``.
+
+    ``compiled`` is filled after a call whose three launches all went through
+    cached compiled kernels (``KernelLaunch``); later calls of the key then
+    launch them directly, without looking them up. That is valid because the
+    key holds everything their compiled keys hold: dtypes, constexprs and the
+    16-byte alignment of every pointer that is not a fresh allocation.
     """
-    from .kernels.backward import attention_backward_kernel
 
-    dev = q.device
+    __slots__ = ("cfg", "rows", "acc_elems", "stat_elems", "sem_shape", "grid", "ints", "constexprs", "key",
+                 "pre", "post", "compiled")
+
+    def __init__(self, cfg, rows, sem_shape, grid, ints, constexprs, key, pre, post):
+        self.cfg = cfg
+        self.rows = rows  # the fp32 statistics' shape; dq_accum's is rows + (head_dim,)
+        self.stat_elems = 1
+        for r in rows:
+            self.stat_elems *= r
+        self.acc_elems = self.stat_elems * cfg.head_dim
+        self.sem_shape = sem_shape  # deterministic mode's int32 semaphores, else None
+        self.grid = grid
+        self.ints = ints  # the main kernel's arguments after its pointers, constexpr values last
+        self.constexprs = constexprs
+        self.key = key  # the compiled main kernel's, less the pointers' alignment
+        self.pre: SmallLaunch = pre
+        self.post: SmallLaunch = post
+        self.compiled: tuple | None = None  # (preprocess, main, postprocess) KernelLaunch
+
+    @property
+    def workspace_elems(self) -> int:
+        """fp32 elements of the one workspace allocation: dq_accum, Δ, L2."""
+        return self.acc_elems + 2 * self.stat_elems
+
+
+# Plans by key (``_plan_key``); cleared when full, as the launcher's descriptor cache.
+_PLANS: dict[tuple, BackwardPlan] = {}
+PLAN_CACHE_LIMIT = 1024
+
+
+def _aligned(t) -> bool:
+    return t is None or t.data_ptr() % 16 == 0
+
+
+def _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window):
+    """Everything a plan depends on: shapes; the strides the small kernels
+    and the varlen dK/dV rows take; the flags; and the 16-byte alignment of
+    every pointer argument that is not a fresh allocation (the compiled
+    kernels are specialised on it). The descriptors' tensors are not in it:
+    ``KernelLaunch`` caches their encodings by address, shape and strides."""
+    key = (q.shape, k.shape, q.dtype, q.device.index, out.stride(), dout.stride(), dq.stride(), lse.stride(),
+           softmax_scale, causal, deterministic, cfg, window, _aligned(lse), _aligned(dq), _aligned(dk),
+           _aligned(dv))
+    if varlen is None:
+        return key
+    return key + (dk.stride(), varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k,
+                  tuple(_aligned(t) for t in (varlen.cu_seqlens_q, varlen.cu_seqlens_k)),
+                  _aligned(varlen.seqused_q) if varlen.seqused_q is not None else None,
+                  _aligned(varlen.seqused_k) if varlen.seqused_k is not None else None)
+
+
+def plan_for(dout, q, k, out, lse, dq, dk, dv, softmax_scale: float, causal: bool, deterministic: bool = False,
+             cfg: BackwardConfig | None = None, varlen: VarlenBatch | None = None, window=None) -> BackwardPlan:
+    """The plan of ``launch_backward``'s call with these arguments (cached)."""
+    key = _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window)
+    lp = _PLANS.get(key)
+    if lp is None:
+        lp = _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministic, cfg, varlen, window)
+        if len(_PLANS) >= PLAN_CACHE_LIMIT:
+            _PLANS.clear()
+        _PLANS[key] = lp
+    return lp
+
+
+def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministic, cfg, varlen, window):
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -245,63 +317,108 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     if stat_rows >= 2**31:
         raise ValueError(f"batch ({batch}) x nheads ({nheads}) x seqlen_q ({seqlen_q}) is too large for the "
                          f"backward's dQ accumulator (2**31 rows)")
-
     # Per (batch, head) rows of seqlen_q_rounded; varlen: per head, the padded total (one "batch").
     rows = (batch, nheads, seqlen_q_rounded) if varlen is None else (nheads, seqlen_q_rounded)
-    # dq_accum is zeroed by the preprocess (no memset launch); the two
-    # statistics vectors share one allocation.
-    dq_accum = torch.empty(rows + (head_dim,), dtype=torch.float32, device=dev)
-    delta, lse2 = torch.empty((2,) + rows, dtype=torch.float32, device=dev).unbind(0)
-    if deterministic:
-        sem = torch.zeros(rows[:-1] + (seqlen_q_rounded // cfg.block_m,), dtype=torch.int32, device=dev)
-    else:
-        sem = delta  # never read
+    sem_shape = rows[:-1] + (seqlen_q_rounded // cfg.block_m,) if deterministic else None
     if varlen is None:
-        bwd_preprocess(out, dout, lse, delta, lse2, dq_accum, cfg.block_m)
-        views = {"q": q, "k": k, "v": v, "do": dout, "dk": dk, "dv": dv}
-        cu_q = cu_k = used_q = used_k = sem  # never read
+        small = None
         stride_kv = (0, 0)
     else:
-        pre = (varlen.cu_seqlens_q, varlen.seqused_q, batch, varlen.max_seqlen_q)
-        bwd_preprocess(out, dout, lse, delta, lse2, dq_accum, cfg.block_m, varlen=pre)
-        # THD as [1, total, H, D]: the sequence start is a row coordinate.
-        views = {"q": q, "k": k, "v": v, "do": dout, "dk": dk, "dv": dv}
-        views = {name: t.unsqueeze(0) for name, t in views.items()}
-        cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
-        used_q = varlen.seqused_q if varlen.seqused_q is not None else cu_q
-        used_k = varlen.seqused_k if varlen.seqused_k is not None else cu_k
-        assert dk.stride() == dv.stride() and dk.stride(2) == 1
+        small = (varlen.seqused_q is not None, batch, varlen.max_seqlen_q)
+        assert dk.stride(2) == 1
         stride_kv = (dk.stride(0), dk.stride(1))
-
-    g = (ctas, 1, 1)
     section = l2_section(seqlen_q, head_dim, q.element_size(), nheads // nheads_kv)
     scalars = (seqlen_q, seqlen_k, seqlen_q_rounded, nheads, nheads // nheads_kv, kv_tiles(seqlen_k, cfg), batch,
                section, softmax_scale * LOG2E, softmax_scale)
     constexprs = kernel_constexprs(cfg, causal, deterministic, varlen is not None,
                                    varlen is not None and varlen.seqused_q is not None,
                                    varlen is not None and varlen.seqused_k is not None, window)
-    # The tensors behind the nine descriptors, in the kernel's argument order.
-    tensors = (views["q"], views["k"], views["v"], views["do"], views["dk"], views["dv"],
-               dq_accum.view(-1, head_dim), lse2.view(-1), delta.view(-1))
+    key = (q.device.index, q.dtype, bool(causal), bool(deterministic), cfg, tuple(constexprs.values()))
+    return BackwardPlan(cfg, rows, sem_shape, (ctas, 1, 1), (*stride_kv, *scalars, *constexprs.values()),
+                        constexprs, key, preprocess_launch(out, dout, lse, seqlen_q_rounded, cfg.block_m, small),
+                        postprocess_launch(dq, seqlen_q_rounded, softmax_scale, cfg.block_m, small))
+
+
+def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
+                    deterministic: bool = False, cfg: BackwardConfig | None = None,
+                    varlen: VarlenBatch | None = None, window: tuple[int, int] | None = None) -> None:
+    """Compute dq, dk, dv (written in place; any TMA-addressable BSHD views).
+
+    Arguments are assumed validated: BSHD, same dtype, supported head dim,
+    ``lse`` the forward's fp32 ``[B, H, Sq]`` (contiguous), non-empty, and
+    q's device current.
+
+    ``window``: the forward's sliding window (``checks.window_bounds``), or None.
+
+    With ``varlen``: THD ``[total, H, D]`` tensors, ``lse`` ``[H, total_q]``
+    (contiguous), and dq/dk/dv zero-initialised by the caller (rows outside
+    every sequence's live part are not written); dk/dv with equal strides
+    and a contiguous head dim.
+
+    Three launches: the preprocess (Δ, L2, and dq_accum zeroed), the main
+    Gluon kernel, the postprocess (dQ from dq_accum). What they take apart
+    from addresses is the call's ``BackwardPlan`` (cached by shapes, strides
+    and flags). The main kernel launches as the forward's does
+    (``plan.launch_forward``): the first launch of a specialisation through
+    Triton's JIT, later ones through ``launcher.KernelLaunch`` (cached
+    descriptors, a direct call), where ``FAST_LAUNCH`` (the same
+    triton-version guard) allows and no profiler hook is installed. The
+    pre/postprocess kernels are plain Triton kernels with unspecialised
+    integers, launched the same way (``plan.launch_triton``). Once a plan's
+    three compiled kernels are known, its calls launch them without the
+    lookups (``BackwardPlan.compiled``).
+    """
+    lp = plan_for(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window)
+    dev = q.device
+    # One allocation: dq_accum [rows, D] (zeroed by the preprocess), then Δ and L2.
+    ws = torch.empty(lp.workspace_elems, dtype=torch.float32, device=dev)
+    acc_end, n = lp.acc_elems, lp.stat_elems
+    dq_accum = ws[:acc_end].view(-1, lp.cfg.head_dim)
+    delta, lse2 = ws[acc_end:acc_end + n], ws[acc_end + n:]
+    sem = delta if lp.sem_shape is None else torch.zeros(lp.sem_shape, dtype=torch.int32, device=dev)
+    if varlen is None:
+        descs = (q, k, v, dout, dk, dv, dq_accum, lse2, delta)
+        cu_q = cu_k = used_q = used_k = sem  # never read
+        small = (delta, delta)  # never read (fp32 in every mode: one compiled pre/postprocess)
+    else:
+        # THD as [1, total, H, D]: the sequence start is a row coordinate.
+        descs = (*(t.unsqueeze(0) for t in (q, k, v, dout, dk, dv)), dq_accum, lse2, delta)
+        cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
+        used_q = varlen.seqused_q if varlen.seqused_q is not None else cu_q
+        used_k = varlen.seqused_k if varlen.seqused_k is not None else cu_k
+        small = (cu_q, used_q)
     ptrs = (sem, cu_q, cu_k, used_q, used_k, dk, dv)
+    pre_ptrs = (out, dout, lse, delta, lse2, dq_accum, *small)
+    post_ptrs = (dq_accum, dq, *small)
+    fast = FAST_LAUNCH and not plan._launch_hooked()
+    if lp.compiled is not None and fast:
+        stream = plan.driver.active.get_current_stream(dev.index)
+        pre, main, post = lp.compiled
+        pre(lp.pre.grid, stream, (), (*pre_ptrs, *lp.pre.ints, *lp.pre.constexprs.values()))
+        main(lp.grid, stream, descs, (*ptrs, *lp.ints))
+        post(lp.post.grid, stream, (), (*post_ptrs, *lp.post.ints, *lp.post.constexprs.values()))
+        return
+
+    pre = lp.pre(pre_ptrs)
     # Varlen's int32 vectors are the caller's tensors: Triton specialises
     # pointers on 16-byte alignment, so that is part of the key.
-    key = (dev.index, q.dtype, bool(causal), bool(deterministic), cfg, tuple(constexprs.values()),
-           tuple(t.data_ptr() % 16 == 0 for t in ptrs))
-    kernel = _COMPILED.get(key)
-    if kernel is None or not FAST_LAUNCH or plan._launch_hooked():
-        blocks = block_shapes(cfg)
-        names = ("q", "k", "v", "do", "dk", "dv", "dq_accum", "lse2", "delta")
-        descs = [_descriptor(t, blocks[name]) for name, t in zip(names[:6], tensors[:6])]
-        descs += [_fp32_descriptor(t, blocks[name]) for name, t in zip(names[6:], tensors[6:])]
-        _COMPILED[key] = KernelLaunch(attention_backward_kernel[g](
-            *descs, *ptrs, *stride_kv, *scalars, **constexprs, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
-    else:
-        kernel(g, plan.driver.active.get_current_stream(dev.index), tensors,
-               (*ptrs, *stride_kv, *scalars, *constexprs.values()))
+    key = lp.key + tuple(t.data_ptr() % 16 == 0 for t in ptrs)
+    main = _COMPILED.get(key)
+    if main is None or not fast:
+        from .kernels.backward import attention_backward_kernel
 
-    post = None if varlen is None else (varlen.cu_seqlens_q, varlen.seqused_q, batch, varlen.max_seqlen_q)
-    bwd_postprocess(dq_accum, dq, softmax_scale, cfg.block_m, varlen=post)
+        blocks = block_shapes(lp.cfg)
+        names = ("q", "k", "v", "do", "dk", "dv", "dq_accum", "lse2", "delta")
+        tmas = [_descriptor(t, blocks[name]) for name, t in zip(names[:6], descs[:6])]
+        tmas += [_fp32_descriptor(t, blocks[name]) for name, t in zip(names[6:], descs[6:])]
+        main = _COMPILED[key] = KernelLaunch(attention_backward_kernel[lp.grid](
+            *tmas, *ptrs, *lp.ints[:-len(lp.constexprs)], **lp.constexprs, num_warps=lp.cfg.num_warps,
+            maxnreg=lp.cfg.maxnreg))
+    else:
+        main(lp.grid, plan.driver.active.get_current_stream(dev.index), descs, (*ptrs, *lp.ints))
+    post = lp.post(post_ptrs)
+    if fast and all(isinstance(x, KernelLaunch) for x in (pre, main, post)):
+        lp.compiled = (pre, main, post)
 
 
 def _strides8(*strides: int) -> tuple[int, ...]:
@@ -310,62 +427,88 @@ def _strides8(*strides: int) -> tuple[int, ...]:
     return tuple(st // 8 for st in strides)
 
 
-def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-                   lse2: torch.Tensor, dq_accum: torch.Tensor, block_m: int, varlen=None) -> None:
-    """Fixed length: BSHD ``out``/``dout``, ``lse [B, H, Sq]``, stats
-    ``[B, H, Sq_r]``. ``varlen = (cu_seqlens_q, seqused_q, batch, max_seqlen_q)``:
-    THD ``out``/``dout``, ``lse [H, total_q]``, stats ``[H, padded_total]``.
+def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, seqlen_q_rounded: int,
+                      block_m: int, varlen=None) -> SmallLaunch:
+    """The preprocess's launch; its pointers are ``(out, dout, lse, delta,
+    lse2, dq_accum, cu_seqlens_q, seqused_q)``. Fixed length: BSHD
+    ``out``/``dout``, ``lse [B, H, Sq]``, stats ``[B, H, seqlen_q_rounded]``.
+    ``varlen = (seqused_q given, batch, max_seqlen_q)``: THD ``out``/``dout``,
+    ``lse [H, total_q]``, stats ``[H, seqlen_q_rounded]`` (the padded total).
     ``out`` and ``dout`` are TMA-addressable (strides multiples of 16 bytes
-    on every axis of extent above 1)."""
+    on every axis of extent above 1); dq_accum's rows are the stats'."""
     block = 64
-    assert block_m % block == 0
+    assert block_m % block == 0 and seqlen_q_rounded % block == 0
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = out.shape
-        seqlen_q_rounded = delta.shape[-1]
-        assert seqlen_q_rounded % block == 0
-        cu = used = lse  # never read
         strides = (*_strides8(*plan.tma_strides(out)[:3], *plan.tma_strides(dout)[:3]), lse.stride(0), lse.stride(1))
         m_blocks = seqlen_q_rounded // block
     else:
-        cu, used, batch, max_seqlen_q = varlen
+        _, batch, max_seqlen_q = varlen
         _, nheads, head_dim = out.shape
         seqlen_q = 0
-        seqlen_q_rounded = delta.shape[-1]
         so, sdo = plan.tma_strides(out), plan.tma_strides(dout)
         strides = (0, *_strides8(so[0], so[1]), 0, *_strides8(sdo[0], sdo[1]), 0, lse.stride(0))
         m_blocks = triton_cdiv(max_seqlen_q, block_m) * (block_m // block)
-        used = cu if used is None else used
-    plan.launch_triton(_pre._bwd_preprocess_kernel, (m_blocks, nheads, batch),
-                       (out, dout, lse, delta, lse2, dq_accum, cu, used, *strides, seqlen_q, seqlen_q_rounded,
-                        nheads),
+    return SmallLaunch(_pre._bwd_preprocess_kernel, (m_blocks, nheads, batch),
+                       (*strides, seqlen_q, seqlen_q_rounded, nheads),
                        dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
-                            SEQUSED=varlen is not None and varlen[1] is not None), num_warps=4)
+                            SEQUSED=varlen is not None and varlen[0]))
 
 
-def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, block_m: int, varlen=None) -> None:
-    """``dq_accum`` is ``[rows, D]`` (fixed: rows = B·H·Sq_r; varlen:
-    H·padded_total); ``seqlen_q_rounded`` is its per-head row count. ``dq``
-    has a contiguous head dim and strides that are multiples of 8 elements
-    (a view of a packed gradient will do)."""
+def postprocess_launch(dq: torch.Tensor, seqlen_q_rounded: int, scale: float, block_m: int,
+                       varlen=None) -> SmallLaunch:
+    """The postprocess's launch; its pointers are ``(dq_accum, dq,
+    cu_seqlens_q, seqused_q)``, ``dq_accum`` ``[rows, D]`` (fixed: rows =
+    B·H·seqlen_q_rounded; varlen: H·seqlen_q_rounded). ``dq`` has a
+    contiguous head dim and strides that are multiples of 8 elements (a view
+    of a packed gradient will do). ``varlen`` as ``preprocess_launch``'s."""
     block = 64
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = dq.shape
-        seqlen_q_rounded = dq_accum.numel() // (head_dim * batch * nheads)
-        cu = used = dq_accum  # never read
         strides = _strides8(dq.stride(0), dq.stride(1), dq.stride(2))
         m_blocks = triton_cdiv(seqlen_q, block)
     else:
-        cu, used, batch, max_seqlen_q = varlen
+        _, batch, max_seqlen_q = varlen
         _, nheads, head_dim = dq.shape
         seqlen_q = 0
-        seqlen_q_rounded = dq_accum.numel() // (head_dim * nheads)
         strides = (0, *_strides8(dq.stride(0), dq.stride(1)))
         m_blocks = triton_cdiv(max_seqlen_q, block)
-        used = cu if used is None else used
-    plan.launch_triton(_pre._bwd_postprocess_kernel, (m_blocks, nheads, batch),
-                       (dq_accum, dq, cu, used, *strides, seqlen_q, seqlen_q_rounded, nheads, scale),
+    return SmallLaunch(_pre._bwd_postprocess_kernel, (m_blocks, nheads, batch),
+                       (*strides, seqlen_q, seqlen_q_rounded, nheads, scale),
                        dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
-                            SEQUSED=varlen is not None and varlen[1] is not None), num_warps=4)
+                            SEQUSED=varlen is not None and varlen[0]))
+
+
+def _small_varlen(varlen):
+    """``(cu_seqlens_q, seqused_q, batch, max_seqlen_q)`` as the launches take it."""
+    return None if varlen is None else (varlen[1] is not None, varlen[2], varlen[3])
+
+
+def _small_ptrs(stats: torch.Tensor, varlen):
+    if varlen is None:
+        return (stats, stats)  # never read
+    cu, used = varlen[0], varlen[1]
+    return (cu, cu if used is None else used)
+
+
+def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                   lse2: torch.Tensor, dq_accum: torch.Tensor, block_m: int, varlen=None) -> None:
+    """The preprocess alone (for scripts): stats ``delta``/``lse2`` of
+    ``seqlen_q_rounded`` rows per head (their last axis) and ``dq_accum``
+    zeroed on the same rows. ``varlen = (cu_seqlens_q, seqused_q, batch,
+    max_seqlen_q)``; see ``preprocess_launch``."""
+    launch = preprocess_launch(out, dout, lse, delta.shape[-1], block_m, _small_varlen(varlen))
+    launch((out, dout, lse, delta, lse2, dq_accum, *_small_ptrs(delta, varlen)))
+
+
+def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, block_m: int, varlen=None) -> None:
+    """The postprocess alone (for scripts): ``dq_accum`` ``[rows, D]``, see
+    ``postprocess_launch``; ``varlen`` as ``bwd_preprocess``'s."""
+    head_dim = dq.shape[-1]
+    per_head = dq.shape[0] * dq.shape[2] if varlen is None else dq.shape[1]
+    launch = postprocess_launch(dq, dq_accum.numel() // (head_dim * per_head), scale, block_m,
+                                _small_varlen(varlen))
+    launch((dq_accum, dq, *_small_ptrs(dq_accum, varlen)))
 
 
 def workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int, deterministic: bool = False) -> int:
@@ -386,12 +529,17 @@ def check_head_dim(head_dim: int) -> None:
                                   f"(the forward supports it; run it under torch.no_grad())")
 
 
+@lru_cache(maxsize=4096)
+def _tma_strides_ok(shape: tuple[int, ...], strides: tuple[int, ...], elem_bytes: int) -> bool:
+    if strides[3] != 1:
+        return False
+    return all(shape[d] == 1 or (strides[d] > 0 and strides[d] * elem_bytes % 16 == 0) for d in range(3))
+
+
 def _tma_addressable(t: torch.Tensor) -> bool:
     """The rules ``interface`` applies to q/k/v: unit last stride, 16-byte
     aligned base and strides (axes of extent 1 excepted)."""
-    if t.stride(3) != 1 or t.data_ptr() % 16:
-        return False
-    return all(t.shape[d] == 1 or (t.stride(d) > 0 and t.stride(d) * t.element_size() % 16 == 0) for d in range(3))
+    return t.data_ptr() % 16 == 0 and _tma_strides_ok(t.shape, t.stride(), t.element_size())
 
 
 def check_grad_out_meta(grad_out, out: torch.Tensor) -> None:

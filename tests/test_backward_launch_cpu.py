@@ -19,8 +19,7 @@ LAUNCH_PARAMS = 9  # grid x/y/z, stream, function, packed metadata, launch metad
 def log(monkeypatch):
     entries = []
     monkeypatch.setattr(backward_kernels, "attention_backward_kernel", FakeJIT(entries))
-    monkeypatch.setattr(plan_backward, "bwd_preprocess", lambda *a: None)
-    monkeypatch.setattr(plan_backward, "bwd_postprocess", lambda *a, **k: None)
+    monkeypatch.setattr(plan_backward.SmallLaunch, "__call__", lambda self, pointers: None)
     monkeypatch.setattr(plan, "driver", FakeDriver)
     monkeypatch.setattr(plan_backward, "_COMPILED", {})
     return entries
@@ -90,3 +89,56 @@ def test_fast_arguments_are_the_jit_arguments_in_signature_order(monkeypatch, lo
             assert got == want, name
     # The fast launch wrote to the caller's dk/dv (its own call's tensors).
     assert fast_args[ARG_NAMES.index("dk_desc")].base is dk and fast_args[ARG_NAMES.index("dv_desc")].base is dv
+
+
+def _plain(x):
+    """A launch argument as comparable data: descriptors by geometry, tensors
+    by dtype and shape (the workspace is a fresh allocation per call)."""
+    if isinstance(x, launcher.TmaArg):
+        return ("desc", x.base.dtype, tuple(x.shape), tuple(x.strides), x.padding)
+    if isinstance(x, torch.Tensor):
+        return ("tensor", x.dtype, tuple(x.shape))
+    return x
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_planned_launches_take_what_the_looked_up_ones_take(monkeypatch, deterministic):
+    """Once a plan knows its three compiled kernels (``BackwardPlan.compiled``)
+    its calls launch them directly: the same kernels, with the arguments the
+    per-launch lookups give on the same tensors."""
+    from hopper_flash.kernels import backward_pre
+
+    log = []
+    monkeypatch.setattr(backward_kernels, "attention_backward_kernel", FakeJIT(log))
+    monkeypatch.setattr(backward_pre, "_bwd_preprocess_kernel", FakeJIT(log))
+    monkeypatch.setattr(backward_pre, "_bwd_postprocess_kernel", FakeJIT(log))
+    monkeypatch.setattr(plan, "driver", FakeDriver)
+    monkeypatch.setattr(plan, "_TRITON_COMPILED", {})
+    monkeypatch.setattr(plan, "FAST_LAUNCH", True)
+    monkeypatch.setattr(plan, "_launch_hooked", lambda: False)
+    monkeypatch.setattr(plan_backward, "_COMPILED", {})
+    monkeypatch.setattr(plan_backward, "_PLANS", {})
+    monkeypatch.setattr(plan_backward, "FAST_LAUNCH", True)
+    q = torch.randn(2, 129, 4, 128).to(torch.bfloat16)
+    k = torch.randn(2, 200, 2, 128).to(torch.bfloat16)
+    lse = torch.zeros(2, 4, 129)
+    grads = [torch.empty_like(t) for t in (q, k, k)]
+
+    def call():
+        plan_backward.launch_backward(q, q, k, k, q, lse, *grads, 0.125, True, deterministic)
+
+    call()
+    assert [e[0] for e in log] == ["jit"] * 3
+    (lp,) = plan_backward._PLANS.values()
+    assert lp.compiled is not None
+    call()  # the plan's kernels, launched directly
+    monkeypatch.setattr(plan_backward, "_PLANS", {})
+    call()  # a new plan: every kernel looked up again
+    assert [e[0] for e in log[3:]] == ["fast"] * 6
+    planned, looked_up = log[3:6], log[6:9]
+    for (_, a), (_, b) in zip(planned, looked_up):
+        assert [_plain(x) for x in a] == [_plain(x) for x in b]
+    # The caller's gradients are written, not copies.
+    main_args = planned[1][1][LAUNCH_PARAMS:]
+    assert main_args[ARG_NAMES.index("dk_ptr")] is grads[1] and main_args[ARG_NAMES.index("dv_ptr")] is grads[2]
+    assert planned[2][1][LAUNCH_PARAMS + 1] is grads[0]  # the postprocess's dq

@@ -9,6 +9,7 @@ import torch
 
 from hopper_flash import plan_backward
 from hopper_flash.kernels import backward as backward_kernels
+from hopper_flash.kernels import backward_pre
 from launch_fakes import FakeCompiled
 
 
@@ -17,23 +18,23 @@ def captured(monkeypatch):
     """The workspace tensors each launch received, kernels not run."""
     seen = {}
 
-    def preprocess(out, dout, lse, delta, lse2, dq_accum, block_m):
-        seen["delta"], seen["lse2"], seen["pre_dq_accum"] = delta, lse2, dq_accum
-
-    def postprocess(dq_accum, dq, scale, block_m, varlen=None):
-        seen["dq_accum"] = dq_accum
+    def small_launch(self, pointers):
+        if self.kernel is backward_pre._bwd_preprocess_kernel:
+            seen["pre"] = pointers  # out, dout, lse, delta, lse2, dq_accum, cu, used
+        else:
+            seen["post"] = pointers  # dq_accum, dq, cu, used
 
     class FakeKernel:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 seen["grid"] = grid
+                seen["descs"] = args[:9]
                 seen["sem"] = args[9]  # after the nine descriptors
                 seen["deterministic"] = kwargs["DETERMINISTIC"]
                 return FakeCompiled([])
             return launch
 
-    monkeypatch.setattr(plan_backward, "bwd_preprocess", preprocess)
-    monkeypatch.setattr(plan_backward, "bwd_postprocess", postprocess)
+    monkeypatch.setattr(plan_backward.SmallLaunch, "__call__", small_launch)
     monkeypatch.setattr(backward_kernels, "attention_backward_kernel", FakeKernel())
     monkeypatch.setattr(plan_backward, "_descriptor", lambda t, block: t)
     monkeypatch.setattr(plan_backward, "_fp32_descriptor", lambda t, block: t)
@@ -53,18 +54,26 @@ def test_workspace_is_what_launch_backward_allocates(captured, batch, sq, sk, h,
     plan_backward.launch_backward(dout, q, k, k, out, lse, dq, dk, dv, d ** -0.5, True, deterministic)
     tile = plan_backward.BACKWARD_CONFIGS[d].block_m  # the query tile: 128 at D=64, else 64
     sq_r = -(-sq // tile) * tile
-    assert captured["dq_accum"].shape == (batch, h, sq_r, d) and captured["dq_accum"].dtype == torch.float32
-    assert captured["pre_dq_accum"] is captured["dq_accum"]  # the preprocess zeroes it
-    for name in ("delta", "lse2"):
-        assert captured[name].shape == (batch, h, sq_r) and captured[name].dtype == torch.float32
-    tensors = [captured["dq_accum"], captured["delta"], captured["lse2"]]
+    rows = batch * h * sq_r
+    delta, lse2, dq_accum = captured["pre"][3:6]
+    # The preprocess zeroes the dq_accum the main kernel adds into and the postprocess reads.
+    assert captured["post"][0] is dq_accum and captured["post"][1] is dq
+    assert captured["descs"][6] is dq_accum and captured["descs"][7] is lse2 and captured["descs"][8] is delta
+    assert dq_accum.shape == (rows, d) and dq_accum.dtype == torch.float32 and dq_accum.is_contiguous()
+    for t in (delta, lse2):
+        assert t.shape == (rows,) and t.dtype == torch.float32
+    # dq_accum, then delta, then lse2: one allocation, nothing else in it.
+    storage = dq_accum.untyped_storage()
+    assert delta.untyped_storage().data_ptr() == lse2.untyped_storage().data_ptr() == storage.data_ptr()
+    assert delta.data_ptr() == dq_accum.data_ptr() + 4 * rows * d and lse2.data_ptr() == delta.data_ptr() + 4 * rows
+    allocated = storage.nbytes()
+    assert allocated == 4 * rows * (d + 2)
     if deterministic:
         sem = captured["sem"]
         assert sem.dtype == torch.int32 and sem.shape == (batch, h, sq_r // tile)
-        tensors.append(sem)
+        allocated += sem.numel() * sem.element_size()
     else:
-        assert captured["sem"] is captured["delta"]  # a placeholder, never read
-    allocated = sum(t.numel() * t.element_size() for t in tensors)
+        assert captured["sem"] is delta  # a placeholder, never read
     assert plan_backward.workspace_bytes(batch, h, sq, d, deterministic) == allocated
 
 

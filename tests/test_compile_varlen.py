@@ -125,7 +125,7 @@ def test_backward_pre_and_postprocess_compile(varlen, seqused, head_dim):
 
     flags = {"BLOCK": 64, "HEAD_DIM": head_dim, "BLOCK_M": 64, "VARLEN": varlen, "SEQUSED": seqused}
     pre = {"o_ptr": "*bf16", "do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "lse2_ptr": "*fp32",
-           "cu_ptr": "*i32", "used_ptr": "*i32", **{n: "i32" for n in (
+           "acc_ptr": "*fp32", "cu_ptr": "*i32", "used_ptr": "*i32", **{n: "i32" for n in (
                "so8_b", "so8_s", "so8_h", "sdo8_b", "sdo8_s", "sdo8_h", "slse_b", "slse_h", "seqlen_q",
                "seqlen_q_rounded", "num_heads")}, **{n: "constexpr" for n in flags}}
     post = {"acc_ptr": "*fp32", "dq_ptr": "*bf16", "cu_ptr": "*i32", "used_ptr": "*i32",

@@ -123,6 +123,7 @@ def bwd_jit_launches(monkeypatch):
 
     monkeypatch.setattr(backward_kernels.attention_backward_kernel, "run", counting_run)
     monkeypatch.setattr(plan_backward, "_COMPILED", {})
+    monkeypatch.setattr(plan_backward, "_PLANS", {})
     return calls
 
 
@@ -158,12 +159,17 @@ def test_backward_fast_path_matches_public_launch(monkeypatch, bwd_jit_launches,
         jit_count = len(bwd_jit_launches)
         monkeypatch.setattr(plan_backward, "FAST_LAUNCH", True)
         got = launch_bwd(q, k, v, do, out, lse, causal, deterministic)
-        assert len(bwd_jit_launches) == jit_count, "the second launch went through the JIT, not the fast path"
+        # The third call launches the plan's compiled kernels without lookups (BackwardPlan.compiled).
+        planned = launch_bwd(q, k, v, do, out, lse, causal, deterministic)
+        assert len(bwd_jit_launches) == jit_count, "a later launch went through the JIT, not the fast path"
+        assert plan_backward.plan_for(do, q, k, out, lse, *planned, q.shape[-1] ** -0.5, causal,
+                                      deterministic).compiled is not None
         torch.cuda.synchronize()
-        for name, a, b in zip(("dq", "dk", "dv"), got, ref):
-            assert torch.isfinite(b).all(), f"public launch left NaN/inf in {name} (seed {seed})"
-            if deterministic or name != "dq":
-                assert torch.equal(a, b), (f"fast path {name} differs (deterministic={deterministic}): max |diff| "
-                                           f"{(a.float() - b.float()).abs().max().item()} (seed {seed})")
-            else:
-                assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max(), f"dq (seed {seed})"
+        for path, grads in (("fast path", got), ("planned path", planned)):
+            for name, a, b in zip(("dq", "dk", "dv"), grads, ref):
+                assert torch.isfinite(b).all(), f"public launch left NaN/inf in {name} (seed {seed})"
+                if deterministic or name != "dq":
+                    assert torch.equal(a, b), (f"{path} {name} differs (deterministic={deterministic}): max |diff| "
+                                               f"{(a.float() - b.float()).abs().max().item()} (seed {seed})")
+                else:
+                    assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max(), f"dq (seed {seed})"

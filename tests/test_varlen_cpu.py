@@ -629,8 +629,7 @@ def test_backward_varlen_fast_launch_binds_what_the_jit_binds(monkeypatch, d, de
 
     log = []
     monkeypatch.setattr(_bk, "attention_backward_kernel", FakeJIT(log))
-    monkeypatch.setattr(plan_backward, "bwd_preprocess", lambda *a, **k: None)
-    monkeypatch.setattr(plan_backward, "bwd_postprocess", lambda *a, **k: None)
+    monkeypatch.setattr(plan_backward.SmallLaunch, "__call__", lambda self, pointers: None)
     monkeypatch.setattr(plan, "driver", FakeDriver)
     monkeypatch.setattr(plan_backward, "_COMPILED", {})
     monkeypatch.setattr(plan_backward, "FAST_LAUNCH", True)
