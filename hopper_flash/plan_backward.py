@@ -66,12 +66,13 @@ class BackwardConfig:
     # warpgroups (168); setmaxnreg then moves registers between partitions.
     maxnreg = launch_maxnreg(2)
 
-    def shared_bytes(self, elem_bytes: int = 2) -> int:
+    def shared_bytes(self, elem_bytes: int = 2, deterministic: bool = False) -> int:
         """K, V, the Q and dO rings, two [keys, queries] tiles (dSᵀ stages,
         or Pᵀ and dSᵀ), the fp32 dQ staging (two tiles when the warpgroups
-        split the keys, one for split_d) and the L2/Δ rings."""
+        split the keys, one for split_d and in deterministic mode) and the
+        L2/Δ rings."""
         d, bm, bn = self.head_dim, self.block_m, self.block_n
-        dq_tiles = 1 if self.split_d else 2
+        dq_tiles = 1 if self.split_d or deterministic else 2
         return (elem_bytes * (2 * bn * d + (self.stages + self.do_ring) * bm * d + 2 * bn * bm)
                 + 4 * bm * self.dq_cols * dq_tiles + 4 * (self.stages + self.do_ring) * bm)
 

@@ -178,10 +178,12 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
 * (``bwd-dq-double``, ``bwd-thread-arrive``: two dQ staging tiles, and every
   consumer thread arriving on the Q/dO empty barriers; shipped together in
   the nineteenth session, df202c8.)
-* ``bwd-d256-arrive`` (nineteenth session, CPU only, not timed): the D = 256
-  consumers release Q per thread (``release_each``) after the barrier they
-  pass anyway: 8 -> 7 ``BAR.SYNC`` per step, census as shipped. Releasing dO
-  the same way without its barrier (8 -> 5) spilled 28 ``LDL`` per step.
+* ``bwd-d256-arrive`` (nineteenth session): the D = 256 consumers release
+  Q per thread (``release_each``) after the barrier they pass anyway: 8 -> 7
+  ``BAR.SYNC`` per step, census as shipped. Releasing dO the same way
+  without its barrier (8 -> 5) spilled 28 ``LDL`` per step. Twentieth
+  session on the H200 (two rounds beside the shipped kernel): 0.5-1%
+  slower at S = 8192, causal and not. Not shipped.
 * ``bwd-dq-sts128`` (nineteenth session, CPU only, not timed): the
   split-keys consumers stage dQ with rows and columns permuted so each
   thread writes 128-bit stores (8 STS.128 per step where 16 STS.64 were;
@@ -190,11 +192,8 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   the staging at ~7% of the consumers' samples (mio). D = 64's
   deterministic stack grows 48 -> 64 bytes (over the census allowance);
   D = 256 keeps the old staging (the new one spilled there).
-* ``bwd-det-one-tile`` (nineteenth session, CPU only, not run): one dQ
-  staging tile in deterministic mode (its reduce completes within the step,
-  so a second tile buys nothing there); under triton 3.9 the D = 128
-  deterministic stack falls from 48-72 to 8-16 bytes. Needs the backward
-  GPU tests (deterministic ones above all), then it can ship.
+* (``bwd-det-one-tile``: one dQ staging tile in deterministic mode; shipped
+  in the twentieth session after 109 backward and launch GPU tests.)
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.

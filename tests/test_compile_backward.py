@@ -18,13 +18,12 @@ SPECS = list(ccb.shipped_specialisations())
 # 3.9; the D=256 step loop also reloads a few of them, see below). The
 # deterministic modes spill around the semaphore spin: D=64 48-56 bytes,
 # D=256 208-224 under 3.6 (dK, dV and both dQ halves are live there; 64-72
-# under 3.9), D=128 0 under 3.6 and 48-72 under 3.9 since the two dQ staging
-# tiles (nineteenth session; the variant bwd-det-one-tile, one tile in
-# deterministic mode, where each reduce completes within its step anyway,
-# takes 3.9 back to 8-16 and awaits its GPU run), a cost of the slow mode
-# pinned here so that it cannot grow unnoticed.
+# under 3.9), D=128 0 under 3.6 and 3.7.1, 8-16 under 3.9 (48-72 while
+# deterministic mode had two dQ staging tiles, nineteenth session; it has one
+# since the twentieth: each reduce completes within its step anyway), a cost
+# of the slow mode pinned here so that it cannot grow unnoticed.
 # test_no_spills_in_the_step_loop checks where they are.
-STACK_ALLOWANCE = {(64, False): 48, (64, True): 56, (128, False): 32, (128, True): 72, (256, False): 48,
+STACK_ALLOWANCE = {(64, False): 48, (64, True): 56, (128, False): 32, (128, True): 32, (256, False): 48,
                    (256, True): 240}
 
 
@@ -119,17 +118,21 @@ def test_split_keys_step_releases_per_thread(report):
 
 
 def test_split_keys_stage_dq_in_two_tiles(report):
-    # Two fp32 dQ staging tiles at D=64/128 (a step waits for the reduce of
-    # two steps before): K and V, the Q/dO rings, the dSᵀ stages and the
-    # statistics, counted here from the tile sizes, plus two staging tiles
-    # fit in what the kernel allocates; and the plan counts what it allocates.
+    # Two fp32 dQ staging tiles at D=64/128 in fast mode (a step waits for
+    # the reduce of two steps before): K and V, the Q/dO rings, the dSᵀ
+    # stages and the statistics, counted here from the tile sizes, plus two
+    # staging tiles fit in what the kernel allocates; and the plan counts
+    # what it allocates. Deterministic mode has one (its reduce completes
+    # within the step).
     cfg = BACKWARD_CONFIGS[report.head_dim]
-    assert cfg.shared_bytes() <= report.shared_bytes <= cfg.shared_bytes() + 1024
+    det = report.write_lse  # census records det as write_lse
+    assert cfg.shared_bytes(deterministic=det) <= report.shared_bytes <= cfg.shared_bytes(deterministic=det) + 1024
     if cfg.split_d:
         return
     d, bm, bn, rings = cfg.head_dim, cfg.block_m, cfg.block_n, 2 * cfg.stages
     others = 2 * (2 * bn * d + rings * bm * d + 2 * bn * bm) + 4 * rings * bm
-    assert report.shared_bytes >= others + 2 * (4 * bm * cfg.dq_cols)
+    tiles = 1 if det else 2
+    assert others + tiles * (4 * bm * cfg.dq_cols) <= report.shared_bytes < others + (tiles + 1) * (4 * bm * cfg.dq_cols)
 
 
 def test_register_split(report):

@@ -543,6 +543,7 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, mo
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=DQ_WARPS,
                                                         instr_shape=[16, DQ_N, 16])
     NUM_WARPS: gl.constexpr = 8
+    DQ_BUFS: gl.constexpr = rings.dq_smem.shape[0]
 
     k_t = rings.k_bufs.index(0).reshape([mode.BLOCK_N, mode.HEAD_DIM])
     v_t = rings.v_bufs.index(0).reshape([mode.BLOCK_N, mode.HEAD_DIM])
@@ -569,8 +570,9 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, mo
             fence_async_shared()
             # The dQ reduce of two steps before has finished reading this
             # step's staging tile (two tiles alternate; the last step's
-            # reduce may still be reading the other).
-            tma.store_wait(1)
+            # reduce may still be reading the other). Deterministic mode has
+            # one tile: its reduce completes within the step (_dq_pass_turn).
+            tma.store_wait(DQ_BUFS - 1)
             # Every warp's part of dSᵀ is in shared memory. Passing this
             # barrier also means both warpgroups finished the previous step
             # (each waits for all its wgmmas by the end of a step), so that
@@ -588,7 +590,7 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, mo
             dk = warpgroup_mma(dst_op, q_t, dk, is_async=True)
             # dV and dQ are done, dK may still run while dQ goes out.
             dv, dq, pt_op = warpgroup_mma_wait(1, deps=[dv, dq, pt_op])
-            dq_buf = rings.dq_smem.index(step % 2)
+            dq_buf = rings.dq_smem.index(step % DQ_BUFS)
             _stage_dq(dq_buf, dq)
             fence_async_shared()
             thread_barrier()
@@ -834,8 +836,10 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     # fp32 staging of one step's dQ share (SPLIT_D: half of it) for the TMA
     # reduce-add. The split-keys consumers alternate two tiles, so a step waits
     # for the reduce of two steps before rather than the last one (+1-3%,
-    # BENCHMARKS.md, nineteenth session); SPLIT_D has no room for a second.
-    DQ_BUFS: gl.constexpr = 1 if SPLIT_D else 2
+    # BENCHMARKS.md, nineteenth session); SPLIT_D has no room for a second,
+    # and deterministic mode no use for one (each reduce completes within its
+    # step; a second tile grew its stack under triton 3.9).
+    DQ_BUFS: gl.constexpr = 1 if SPLIT_D or DETERMINISTIC else 2
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS] + dq_desc.block_type.shape, dq_desc.layout)
 
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
