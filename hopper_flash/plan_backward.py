@@ -383,6 +383,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         small = (delta, delta)  # never read (fp32 in every mode: one compiled pre/postprocess)
     else:
         # THD as [1, total, H, D]: the sequence start is a row coordinate.
+        # dK and dV rows share one pair of strides (the plan's stride_kv).
+        assert dk.stride() == dv.stride()
         descs = (*(t.unsqueeze(0) for t in (q, k, v, dout, dk, dv)), dq_accum, lse2, delta)
         cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
         used_q = varlen.seqused_q if varlen.seqused_q is not None else cu_q
