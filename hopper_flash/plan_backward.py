@@ -21,6 +21,7 @@ a plan's compiled kernels are launched without lookups.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -575,6 +576,17 @@ def _gradients(q, k, v, grads, alloc):
     return tuple(alloc(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
+_CURRENT = contextlib.nullcontext()
+
+
+def _on_device(q: torch.Tensor):
+    """A guard making q's device current, or none where it is already (as on
+    autograd's device thread): the guard's switch and restore are host time
+    on every call."""
+    device = q.device
+    return _CURRENT if device.index == torch.cuda.current_device() else torch.cuda.device(device)
+
+
 def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, deterministic: bool = False,
              grads=None, window=None):
     """dq, dk, dv (contiguous BSHD, like q, k, v) of the attention that
@@ -597,7 +609,7 @@ def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, de
     if seqlen_k == 0:
         dq.zero_()
         return dq, dk, dv
-    with torch.cuda.device(q.device):
+    with _on_device(q):
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
                         window=window)
     return dq, dk, dv
@@ -625,7 +637,7 @@ def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_sc
     if not _tma_addressable(out.unsqueeze(0)):
         out = out.contiguous()
     lse = lse.contiguous()
-    with torch.cuda.device(q.device):
+    with _on_device(q):
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
                         varlen=varlen, window=window)
     return dq, dk, dv
