@@ -184,14 +184,15 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   without its barrier (8 -> 5) spilled 28 ``LDL`` per step. Twentieth
   session on the H200 (two rounds beside the shipped kernel): 0.5-1%
   slower at S = 8192, causal and not. Not shipped.
-* ``bwd-dq-sts128`` (nineteenth session, CPU only, not timed): the
-  split-keys consumers stage dQ with rows and columns permuted so each
-  thread writes 128-bit stores (8 STS.128 per step where 16 STS.64 were;
-  conflict-free in the 128-byte swizzle by construction), the postprocess
-  reading the order back (``STS128``). The ncu samples put 16 STS.64 of
-  the staging at ~7% of the consumers' samples (mio). D = 64's
-  deterministic stack grows 48 -> 64 bytes (over the census allowance);
-  D = 256 keeps the old staging (the new one spilled there).
+* ``bwd-dq-sts128`` (nineteenth session): the split-keys consumers stage
+  dQ with rows and columns permuted so each thread writes 128-bit stores (8
+  STS.128 per step where 16 STS.64 were; conflict-free in the 128-byte
+  swizzle by construction), the postprocess reading the order back
+  (``STS128``). The ncu samples put 16 STS.64 of the staging at ~7% of the
+  consumers' samples (mio). D = 64's deterministic stack grows 48 -> 64
+  bytes (over the census allowance); D = 256 keeps the old staging (the new
+  one spilled there). Twentieth session on the H200: **2-5% slower** at
+  D = 64 and 128, causal and not. Refused.
 * (``bwd-det-one-tile``: one dQ staging tile in deterministic mode; shipped
   in the twentieth session after 109 backward and launch GPU tests.)
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
