@@ -50,11 +50,7 @@ def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=Non
         # num_splits=0, pack_gqa=None: the decode heuristics (split-KV,
         # PackGQA) take over when seqlen_q is small next to seqlen_k; large
         # problems get the plain prefill kernel.
-        if q.device.index != torch.cuda.current_device():
-            with torch.cuda.device(q.device):
-                plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None,
-                                    window=window)
-        else:
+        with plan.on_device(q):
             plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None,
                                 window=window)
     return (out, lse) if return_lse else out
@@ -122,7 +118,7 @@ def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         if lse is not None:
             lse.fill_(-math.inf)
         return out, lse
-    with torch.cuda.device(q.device):
+    with plan.on_device(q):
         plan.launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                    max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), window=window)
     return out, lse

@@ -6,6 +6,7 @@ Kept apart from ``hopper_flash.kernels`` (device code) and from
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -411,6 +412,17 @@ def _sm_count(device: int) -> int:
 
 def sm_count(device: int | None = None) -> int:
     return _sm_count(torch.cuda.current_device() if device is None else device)
+
+
+_CURRENT_DEVICE = contextlib.nullcontext()
+
+
+def on_device(t: torch.Tensor):
+    """A guard making ``t``'s device current for a launch, or none where it
+    is current already (the common case, and autograd's device thread): the
+    guard's switch and restore are host time on every call."""
+    device = t.device
+    return _CURRENT_DEVICE if device.index == torch.cuda.current_device() else torch.cuda.device(device)
 
 
 def triton_cdiv(a: int, b: int) -> int:

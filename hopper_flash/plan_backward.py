@@ -21,7 +21,6 @@ a plan's compiled kernels are launched without lookups.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -211,6 +210,12 @@ class SmallLaunch:
     ints: tuple
     constexprs: dict
 
+    @property
+    def tail(self) -> tuple:
+        """The arguments after the pointers as a compiled kernel's launcher
+        takes them: the integers, then the constexpr values."""
+        return (*self.ints, *self.constexprs.values())
+
     def __call__(self, pointers: tuple):
         """Launch (``plan.launch_triton``); returns the compiled kernel's
         ``KernelLaunch`` where one was used or made."""
@@ -230,7 +235,7 @@ class BackwardPlan:
     """
 
     __slots__ = ("cfg", "rows", "acc_elems", "stat_elems", "sem_shape", "grid", "ints", "constexprs", "key",
-                 "pre", "post", "compiled")
+                 "pre", "post", "compiled", "pre_tail", "post_tail")
 
     def __init__(self, cfg, rows, sem_shape, grid, ints, constexprs, key, pre, post):
         self.cfg = cfg
@@ -247,6 +252,7 @@ class BackwardPlan:
         self.pre: SmallLaunch = pre
         self.post: SmallLaunch = post
         self.compiled: tuple | None = None  # (preprocess, main, postprocess) KernelLaunch
+        self.pre_tail, self.post_tail = pre.tail, post.tail  # built once, not per call
 
     @property
     def workspace_elems(self) -> int:
@@ -398,9 +404,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     if lp.compiled is not None and fast:
         stream = plan.driver.active.get_current_stream(dev.index)
         pre, main, post = lp.compiled
-        pre(lp.pre.grid, stream, (), (*pre_ptrs, *lp.pre.ints, *lp.pre.constexprs.values()))
-        main(lp.grid, stream, descs, (*ptrs, *lp.ints))
-        post(lp.post.grid, stream, (), (*post_ptrs, *lp.post.ints, *lp.post.constexprs.values()))
+        pre(lp.pre.grid, stream, (), pre_ptrs + lp.pre_tail)
+        main(lp.grid, stream, descs, ptrs + lp.ints)
+        post(lp.post.grid, stream, (), post_ptrs + lp.post_tail)
         return
 
     pre = lp.pre(pre_ptrs)
@@ -576,17 +582,6 @@ def _gradients(q, k, v, grads, alloc):
     return tuple(alloc(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
-_CURRENT = contextlib.nullcontext()
-
-
-def _on_device(q: torch.Tensor):
-    """A guard making q's device current, or none where it is already (as on
-    autograd's device thread): the guard's switch and restore are host time
-    on every call."""
-    device = q.device
-    return _CURRENT if device.index == torch.cuda.current_device() else torch.cuda.device(device)
-
-
 def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, deterministic: bool = False,
              grads=None, window=None):
     """dq, dk, dv (contiguous BSHD, like q, k, v) of the attention that
@@ -609,7 +604,7 @@ def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, de
     if seqlen_k == 0:
         dq.zero_()
         return dq, dk, dv
-    with _on_device(q):
+    with plan.on_device(q):
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
                         window=window)
     return dq, dk, dv
@@ -637,7 +632,7 @@ def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_sc
     if not _tma_addressable(out.unsqueeze(0)):
         out = out.contiguous()
     lse = lse.contiguous()
-    with _on_device(q):
+    with plan.on_device(q):
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
                         varlen=varlen, window=window)
     return dq, dk, dv
