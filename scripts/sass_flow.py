@@ -20,18 +20,12 @@ import argparse
 import re
 from collections import Counter
 
+from hopper_flash.compile_check import exps_in_flight, instructions, steady_loops
+
 KEY_OPS = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "F2FP", "SHFL", "BAR", "SYNCS", "LDS", "STS",
            "LDL", "STL")
 
 
-def instructions(sass: str) -> list[tuple[int, str]]:
-    """(address, instruction text without the trailing ';') of every SASS line."""
-    out = []
-    for line in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,6})\*/\s+(.*?)\s*;", line)
-        if m:
-            out.append((int(m.group(1), 16), m.group(2)))
-    return out
 
 
 def opcode(text: str) -> str:
@@ -40,20 +34,6 @@ def opcode(text: str) -> str:
     return op.split(".")[0]
 
 
-def steady_loops(ins: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
-    """Loop bodies (back-edge target .. branch) holding HGMMA and MUFU.EX2."""
-    loops = []
-    for addr, text in ins:
-        m = re.search(r"\bBRA\s+(?:\S+,\s*)?(0x[0-9a-f]+)", text)
-        if not m or not text.startswith("@"):
-            continue
-        target = int(m.group(1), 16)
-        if target >= addr:
-            continue
-        body = [(a, t) for a, t in ins if target <= a <= addr]
-        if any("HGMMA" in t for _, t in body) and any("MUFU.EX2" in t for _, t in body):
-            loops.append(body)
-    return loops
 
 
 def flow(body: list[tuple[int, str]]) -> list[str]:
@@ -80,17 +60,6 @@ def flow(body: list[tuple[int, str]]) -> list[str]:
     return events
 
 
-def exps_in_flight(body: list[tuple[int, str]]) -> int:
-    """MUFU.EX2 issued between a ``DEPBAR.LE gsb0, 0x1`` and the next ``0x0``."""
-    count, open_ = 0, False
-    for _, text in body:
-        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in text:
-            open_ = True
-        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in text:
-            open_ = False
-        elif open_ and "MUFU.EX2" in text:
-            count += 1
-    return count
 
 
 def main() -> None:
