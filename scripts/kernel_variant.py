@@ -24,9 +24,11 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
 * ``k-ahead-of-v``: the producer issues K[it + 1] before V[it] (FA3's order,
   shared/notes/fa3-forward.md section 7) instead of K[it], V[it].
 * (``fa3-pingpong``, FA3's ping-pong, the two consumers taking turns to
-  issue their steady-state QK + PV pair: measured 1-2% slower at S>=8192
-  causal in the fifth session; removed in the twelfth, whose offset start
-  conflicted with it. Its last text: ``git show d0b8571:scripts/variants/fa3-pingpong.patch``.)
+  issue their steady-state QK + PV pair through an mbarrier: measured 1-2%
+  slower at S>=8192 causal in the fifth session; removed in the twelfth,
+  whose offset start conflicted with it. Its last text: ``git show
+  d0b8571:scripts/variants/fa3-pingpong.patch``. ``fwd-pingpong-overlap``
+  below is its named-barrier form on the current kernel.)
 * ``timeline``: the consumers write the SM's clock at seven points of each
   work item into a buffer (plan.TRACE); ``scripts/timeline.py`` runs it and
   prints where an item's time goes (waiting for Q or the first K, the
@@ -56,14 +58,26 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
 * (``bwd-st-early`` and ``fwd-d256-rescale-early`` were timed in the twelfth
   session, both slower than the shipped kernels, and removed: BENCHMARKS.md;
   their text is in d0b8571.)
-* (``fwd-offset-first-item``, ``fwd-softmax-overlap`` and
-  ``bwd-exp-overlap`` were timed in the thirteenth session and removed:
-  BENCHMARKS.md. The first took the offset start at a CTA's first item only,
-  causal items too: within noise. The other two move a wgmma wait that
-  ptxas hoists to the top of its basic block, so that the softmax (forward)
-  or Pᵀ's exponentials (backward) overlap the warpgroup's own PV or dPᵀ in
-  the SASS: the forward within +-2%, the backward 3-4% slower. Their text:
-  ``git show a5d7a1a:scripts/variants/NAME.patch``.)
+* (``fwd-offset-first-item`` and ``bwd-exp-overlap`` were timed in the
+  thirteenth session and removed: BENCHMARKS.md. The first took the offset
+  start at a CTA's first item only, causal items too: within noise. The
+  second moves the backward's dPᵀ wait, which ptxas hoists to the top of
+  its basic block, after Pᵀ's exponentials: 3-4% slower. Its text: ``git
+  show a5d7a1a:scripts/variants/bwd-exp-overlap.patch``.)
+* ``fwd-softmax-overlap``: the forward's ``PV_AFTER_SOFTMAX`` (the PV wait
+  after the exponentials; shipped for head dim 256 and the wide tiles in the
+  twenty-first session) in every specialisation. At D = 128 and the
+  two-consumer D = 64 it timed within +-2% in the thirteenth session and
+  2% slower at D128 S2048 causal in the twenty-first (BENCHMARKS.md).
+* ``fwd-pingpong-overlap`` (twenty-first session): FA3's schedule, its
+  ping-pong and its intra-warpgroup overlap together. Every GEMM issue of an
+  item (the first QK, each steady QK + PV pair, the last PV) is a turn
+  passed between the two consumers through named barriers 8 and 9
+  (``bar.sync`` / ``bar.arrive`` over 256 threads, inline PTX; consumer 1
+  passes first), with ``PV_AFTER_SOFTMAX`` everywhere and the offset start
+  off (the turns subsume it); plain modes with two consumers only. Within
+  +-2% of the shipped kernel on every D = 128 row (BENCHMARKS.md): the
+  schedule FA3 runs is not what its D = 128 forward has over ours.
 * (``fwd-kv192``, fourteenth session: a 192-key KV step for plain D = 128
   prefill as two score tiles, 128 + 64 keys; correct (302 GPU tests) but
   2-14% slower than the shipped 128-key step, BENCHMARKS.md. Its text:

@@ -156,3 +156,26 @@ def test_offset_start_hand_off_is_compiled_in_for_non_causal_prefill_only(head_d
     waits = {causal: len(re.findall(r"mbarrier\.try_wait", _census((cfg, "bfloat16", causal, False, plan.PREFILL)).ptx))
              for causal in (False, True)}
     assert waits[False] == waits[True] + 2 * (cfg.consumers - 1), waits
+
+
+def _step_loop(sass: str):
+    """The innermost loop holding both wgmmas and exponentials: the steady step."""
+    loops = compile_check.steady_loops(compile_check.instructions(sass))
+    assert loops, "no loop with HGMMA and MUFU.EX2 in the SASS"
+    return min(loops, key=len)
+
+
+def test_softmax_runs_beside_pv_where_the_kernel_asks_for_it(report):
+    """``PV_AFTER_SOFTMAX`` (kernels/forward.py: head dim 256 and the
+    three-consumer tiles) waits for the next V after the softmax so that the
+    PV wait, which ptxas hoists to the top of its basic block, follows every
+    exponential of the step: all of them issue while PV is in flight. The
+    other specialisations keep the plain form, where (triton 3.6's ptxas)
+    none does."""
+    body = _step_loop(report.sass)
+    exps = sum("MUFU.EX2" in text for _, text in body)
+    in_flight = compile_check.exps_in_flight(body)
+    if report.head_dim == 256 or report.block_m == 192:
+        assert in_flight == exps > 0, f"{in_flight} of {exps} exponentials issued with PV in flight"
+    else:
+        assert in_flight < exps, f"{in_flight} of {exps}: the plain form's PV wait moved (update the docstring)"

@@ -39,12 +39,17 @@ tile (and, for an unaligned diagonal, the second) needs a mask. In the steady
 state a consumer issues QK of tile ``it`` and PV of tile ``it - 1`` as two
 async wgmma groups, waits for the QK group alone, releases the K slot at once,
 then runs the softmax and waits for PV. The source waits for PV after the
-softmax, but the SASS does not: ptxas (triton 3.6's) hoists a wgmma wait to
-the top of its basic block, so in every specialisation the softmax starts
-once PV has completed, and what hides it is the other consumers' GEMMs. A
-variant that ended the block after the softmax (the PV wait then fell after
-the exponentials) measured within +-2% of this (BENCHMARKS.md, thirteenth
-session), so the plain form stays.
+softmax, but ptxas (triton 3.6's) hoists a wgmma wait to the top of its basic
+block, so unless something ends the block after the softmax, the softmax
+starts once PV has completed and only the other consumers' GEMMs hide it.
+``PV_AFTER_SOFTMAX`` (head dim 256, and the three-consumer tiles of head dim
+64) ends it there: the step waits for the *next* PV's V tile after its
+softmax (the wait is a retry loop, hence a branch), so the PV wait follows
+the exponentials and PV runs beside them. On the H200 that is +2-6% at head
+dim 256 and +2-3% on the wide tiles, but 2% slower at D=128 S=2048 causal
+and within noise at D=128 S=8192 (BENCHMARKS.md, thirteenth and
+twenty-first sessions), so head dims 64 (two consumers) and 128 keep the
+plain form.
 
 Decode and chunked prefill run the same kernel in other *modes*
 (constexpr switches; ``plan.py`` picks them):
@@ -155,6 +160,9 @@ class Mode:
     # the tensor-core work (_consumer_idle).
     SKIP_IDLE: gl.constexpr
     OFFSET_START: gl.constexpr  # _offset_start
+    # The steady step waits for the next PV's V after its softmax, so that
+    # ptxas's hoisted PV wait falls after the exponentials (module docstring).
+    PV_AFTER_SOFTMAX: gl.constexpr
     # A sliding window (mask.py): the keys row r sees are r + off - WINDOW_LEFT
     # .. r + off + WINDOW_RIGHT; -1 leaves that side unbounded (both: none).
     WINDOW_LEFT: gl.constexpr
@@ -167,6 +175,7 @@ class Mode:
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
         self.OFFSET_START = gl.constexpr(_offset_start(IS_CAUSAL, PACK_G, SPLIT, SEQUSED, VARLEN))
+        self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.NC == 3)
 
 
 @aggregate
@@ -541,6 +550,10 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     # The output accumulator is born after the prologue so it does not share
     # the prologue's live range with S.
     acc_o = gl.zeros([WG_M, mode.HEAD_DIM], gl.float32, o_layout)
+    if mode.PV_AFTER_SOFTMAX:
+        # V of the first tile, for the first PV (each step then waits for the
+        # V of the next PV after its softmax).
+        wait_full(rings.v_full, kv0, mode.V_STAGES)
 
     # ---- Steady state: QK[it] and PV[it - 1] as two async groups. ----
     for it in range(1, n_kv):
@@ -551,7 +564,8 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         # 1.02-1.04x for this one (BENCHMARKS.md, development runs).
         wait_full(rings.k_full, kv0 + it, mode.K_STAGES)
         k = rings.k_bufs.index(ring_slot(kv0 + it, mode.K_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
-        wait_full(rings.v_full, kv0 + it - 1, mode.V_STAGES)
+        if not mode.PV_AFTER_SOFTMAX:
+            wait_full(rings.v_full, kv0 + it - 1, mode.V_STAGES)
         v = rings.v_bufs.index(ring_slot(kv0 + it - 1, mode.V_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
         qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
         pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
@@ -566,6 +580,11 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
             s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G,
                            mode.WINDOW_LEFT, mode.WINDOW_RIGHT)
         p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, prob.qk_scale)
+        if mode.PV_AFTER_SOFTMAX:
+            # The next PV's V, waited here for ptxas's sake: the wait's retry
+            # loop ends the basic block, so the PV wait below stays after the
+            # exponentials instead of being hoisted above them.
+            wait_full(rings.v_full, kv0 + it, mode.V_STAGES)
 
         # p_op is a register operand of the PV in flight: keep it alive until
         # the group completes, then overwrite it with this tile's P.
@@ -580,7 +599,8 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
 
     # ---- Final PV, overlapped with the row-sum finalisation. ----
-    wait_full(rings.v_full, kv0 + n_kv - 1, mode.V_STAGES)
+    if not mode.PV_AFTER_SOFTMAX:  # else waited for by the last step, or before the loop
+        wait_full(rings.v_full, kv0 + n_kv - 1, mode.V_STAGES)
     v = rings.v_bufs.index(ring_slot(kv0 + n_kv - 1, mode.V_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
     pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
     inv_logsum, lse = softmax_finish(scores_max, logsum, prob.softmax_scale)
