@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from functools import lru_cache
 
 import torch
 
@@ -191,31 +192,55 @@ def check_device(t: torch.Tensor, name: str = "q") -> None:
                          f"'{torch.cuda.get_device_name(t.device)}' with compute capability {major}.{minor}")
 
 
-def check_tma_addressable(name: str, t: torch.Tensor) -> None:
-    """TMA rules for a BSHD operand. Axes of extent 1 are never stepped by the
-    kernel, so their strides are free (``plan.tma_strides`` replaces them)."""
-    if not t.numel():
-        return  # nothing is loaded or stored
-    shape, strides, elem = t.shape, t.stride(), t.element_size()
+_LAST_DIM_PROBLEM = ("{name} must be contiguous in its last (headdim) dimension, got strides {strides}; "
+                     "call .contiguous() first")
+
+
+@lru_cache(maxsize=4096)
+def _tma_stride_problem(shape: tuple[int, ...], strides: tuple[int, ...], elem_bytes: int) -> str | None:
+    """Why TMA cannot address a BSHD tensor of this shape and these strides
+    (a message template over ``{name}``), or None. Axes of extent 1 are never
+    stepped by the kernel, so their strides are free (``plan.tma_strides``
+    replaces them). Cached: a training loop meets the same few layouts."""
     if strides[3] != 1:
-        raise ValueError(f"{name} must be contiguous in its last (headdim) dimension, got strides {strides}; "
-                         f"call .contiguous() first")
-    if t.data_ptr() % _TMA_ALIGN_BYTES:
-        raise ValueError(f"{name}'s data pointer must be {_TMA_ALIGN_BYTES}-byte aligned for TMA, "
-                         f"got address {t.data_ptr():#x} (storage offset {t.storage_offset()})")
+        return _LAST_DIM_PROBLEM.replace("{strides}", str(strides))
     for dim in range(3):
         if shape[dim] == 1:
             continue
-        stride_bytes = strides[dim] * elem
+        stride_bytes = strides[dim] * elem_bytes
         if stride_bytes <= 0 or stride_bytes % _TMA_ALIGN_BYTES or stride_bytes >= _TMA_MAX_STRIDE_BYTES:
             what = ("an expanded (stride 0) axis: pass the unexpanded tensor; k/v with fewer heads than q are "
                     "read natively (GQA/MQA)") if stride_bytes == 0 else (
                         f"strides must be positive multiples of {_TMA_ALIGN_BYTES} bytes below 2**40 bytes; "
                         f"call .contiguous() first")
-            raise ValueError(f"{name}.stride({dim}) = {strides[dim]} elements ({stride_bytes} bytes) cannot be "
-                             f"addressed by TMA: {what}")
+            return (f"{{name}}.stride({dim}) = {strides[dim]} elements ({stride_bytes} bytes) cannot be "
+                    f"addressed by TMA: {what}")
         if shape[dim] > _TMA_MAX_DIM:
-            raise ValueError(f"{name}.shape[{dim}] = {shape[dim]} exceeds TMA's 2**31 - 1 limit per axis")
+            return f"{{name}}.shape[{dim}] = {shape[dim]} exceeds TMA's 2**31 - 1 limit per axis"
+    return None
+
+
+def tma_problem(name: str, t: torch.Tensor) -> str | None:
+    """Why TMA cannot address the BSHD operand ``t`` (the message names it
+    ``name``), or None; an empty tensor is never loaded or stored. The one
+    statement of the rules: ``check_tma_addressable`` raises on it, and the
+    backward copies a ``grad_out`` it rejects (``plan_backward``)."""
+    if not t.numel():
+        return None
+    problem = _tma_stride_problem(tuple(t.shape), t.stride(), t.element_size())
+    if problem is not None and problem.startswith(_LAST_DIM_PROBLEM[:20]):
+        return problem.format(name=name)
+    if t.data_ptr() % _TMA_ALIGN_BYTES:
+        return (f"{name}'s data pointer must be {_TMA_ALIGN_BYTES}-byte aligned for TMA, "
+                f"got address {t.data_ptr():#x} (storage offset {t.storage_offset()})")
+    return None if problem is None else problem.format(name=name)
+
+
+def check_tma_addressable(name: str, t: torch.Tensor) -> None:
+    """TMA rules for a BSHD operand (``tma_problem``), as a ValueError."""
+    problem = tma_problem(name, t)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def validate(q, k, v, softmax_scale, causal) -> float:

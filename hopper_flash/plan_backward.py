@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import torch
 
-from . import plan
+from . import checks, plan
 from .kernels import backward_pre as _pre
 from .launcher import KernelLaunch
 from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, launch_maxnreg, triton_cdiv
@@ -539,17 +539,9 @@ def check_head_dim(head_dim: int) -> None:
                                   f"(the forward supports it; run it under torch.no_grad())")
 
 
-@lru_cache(maxsize=4096)
-def _tma_strides_ok(shape: tuple[int, ...], strides: tuple[int, ...], elem_bytes: int) -> bool:
-    if strides[3] != 1:
-        return False
-    return all(shape[d] == 1 or (strides[d] > 0 and strides[d] * elem_bytes % 16 == 0) for d in range(3))
-
-
 def _tma_addressable(t: torch.Tensor) -> bool:
-    """The rules ``interface`` applies to q/k/v: unit last stride, 16-byte
-    aligned base and strides (axes of extent 1 excepted)."""
-    return t.data_ptr() % 16 == 0 and _tma_strides_ok(t.shape, t.stride(), t.element_size())
+    """The rules ``interface`` applies to q/k/v (``checks.tma_problem``)."""
+    return checks.tma_problem("grad_out", t) is None
 
 
 def check_grad_out_meta(grad_out, out: torch.Tensor) -> None:
