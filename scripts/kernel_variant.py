@@ -69,6 +69,16 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   twenty-first session) in every specialisation. At D = 128 and the
   two-consumer D = 64 it timed within +-2% in the thirteenth session and
   2% slower at D128 S2048 causal in the twenty-first (BENCHMARKS.md).
+* ``fwd-next-item-early`` (twenty-first session, CPU only, not timed): the
+  consumers receive (dynamic order) or count (static deal) their next item
+  and decode its coordinates right after issuing the item's last PV, inside
+  an ``if`` so that ptxas cannot hoist the PV wait above them, instead of
+  after the epilogue. The timeline (BENCHMARKS.md, twenty-first session)
+  has ~600 cycles per item (static) and ~830 (dynamic) between items, most
+  of it the run-time integer divisions of that decoding; in the variant's
+  SASS 46-78 integer instructions of it sit between the last PV's HGMMAs
+  and their wait (D=128). Spill-free but for D=256 varlen (a measurement
+  variant: its varlen D=256 rows would time a spilling kernel).
 * ``fwd-pingpong-overlap`` (twenty-first session): FA3's schedule, its
   ping-pong and its intra-warpgroup overlap together. Every GEMM issue of an
   item (the first QK, each steady QK + PV pair, the last PV) is a turn
