@@ -192,18 +192,19 @@ def check_device(t: torch.Tensor, name: str = "q") -> None:
                          f"'{torch.cuda.get_device_name(t.device)}' with compute capability {major}.{minor}")
 
 
-_LAST_DIM_PROBLEM = ("{name} must be contiguous in its last (headdim) dimension, got strides {strides}; "
-                     "call .contiguous() first")
-
-
 @lru_cache(maxsize=4096)
-def _tma_stride_problem(shape: tuple[int, ...], strides: tuple[int, ...], elem_bytes: int) -> str | None:
-    """Why TMA cannot address a BSHD tensor of this shape and these strides
-    (a message template over ``{name}``), or None. Axes of extent 1 are never
-    stepped by the kernel, so their strides are free (``plan.tma_strides``
-    replaces them). Cached: a training loop meets the same few layouts."""
+def _tma_stride_problems(shape: tuple[int, ...], strides: tuple[int, ...],
+                         elem_bytes: int) -> tuple[str | None, str | None]:
+    """What stops TMA from addressing a BSHD tensor of this shape and these
+    strides: ``(last, other)``, the last dimension's problem and the first of
+    the other axes', as message templates over ``{name}`` (None where there
+    is none). Axes of extent 1 are never stepped by the kernel, so their
+    strides are free (``plan.tma_strides`` replaces them). Cached: a training
+    loop meets the same few layouts."""
+    last = None
     if strides[3] != 1:
-        return _LAST_DIM_PROBLEM.replace("{strides}", str(strides))
+        last = (f"{{name}} must be contiguous in its last (headdim) dimension, got strides {strides}; "
+                f"call .contiguous() first")
     for dim in range(3):
         if shape[dim] == 1:
             continue
@@ -213,27 +214,29 @@ def _tma_stride_problem(shape: tuple[int, ...], strides: tuple[int, ...], elem_b
                     "read natively (GQA/MQA)") if stride_bytes == 0 else (
                         f"strides must be positive multiples of {_TMA_ALIGN_BYTES} bytes below 2**40 bytes; "
                         f"call .contiguous() first")
-            return (f"{{name}}.stride({dim}) = {strides[dim]} elements ({stride_bytes} bytes) cannot be "
-                    f"addressed by TMA: {what}")
+            return last, (f"{{name}}.stride({dim}) = {strides[dim]} elements ({stride_bytes} bytes) cannot be "
+                          f"addressed by TMA: {what}")
         if shape[dim] > _TMA_MAX_DIM:
-            return f"{{name}}.shape[{dim}] = {shape[dim]} exceeds TMA's 2**31 - 1 limit per axis"
-    return None
+            return last, f"{{name}}.shape[{dim}] = {shape[dim]} exceeds TMA's 2**31 - 1 limit per axis"
+    return last, None
 
 
 def tma_problem(name: str, t: torch.Tensor) -> str | None:
     """Why TMA cannot address the BSHD operand ``t`` (the message names it
     ``name``), or None; an empty tensor is never loaded or stored. The one
-    statement of the rules: ``check_tma_addressable`` raises on it, and the
-    backward copies a ``grad_out`` it rejects (``plan_backward``)."""
+    statement of the rules, checked in this order: the last dimension's
+    stride, the data pointer's alignment, the other axes. ``check_tma_addressable``
+    raises on it, and the backward copies a ``grad_out`` it rejects
+    (``plan_backward``)."""
     if not t.numel():
         return None
-    problem = _tma_stride_problem(tuple(t.shape), t.stride(), t.element_size())
-    if problem is not None and problem.startswith(_LAST_DIM_PROBLEM[:20]):
-        return problem.format(name=name)
+    last, other = _tma_stride_problems(tuple(t.shape), t.stride(), t.element_size())
+    if last is not None:
+        return last.format(name=name)
     if t.data_ptr() % _TMA_ALIGN_BYTES:
         return (f"{name}'s data pointer must be {_TMA_ALIGN_BYTES}-byte aligned for TMA, "
                 f"got address {t.data_ptr():#x} (storage offset {t.storage_offset()})")
-    return None if problem is None else problem.format(name=name)
+    return None if other is None else other.format(name=name)
 
 
 def check_tma_addressable(name: str, t: torch.Tensor) -> None:

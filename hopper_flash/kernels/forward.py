@@ -46,10 +46,10 @@ starts once PV has completed and only the other consumers' GEMMs hide it.
 64) ends it there: the step waits for the *next* PV's V tile after its
 softmax (the wait is a retry loop, hence a branch), so the PV wait follows
 the exponentials and PV runs beside them. On the H200 that is +2-6% at head
-dim 256 and +2-3% on the wide tiles, but 2% slower at D=128 S=2048 causal
-and within noise at D=128 S=8192 (BENCHMARKS.md, thirteenth and
-twenty-first sessions), so head dims 64 (two consumers) and 128 keep the
-plain form.
+dim 256 and +2-3% on the wide tiles, but 3-4% slower on the two-consumer
+tiles of head dim 64, 2% slower at D=128 S=2048 causal and within noise at
+D=128 S=8192 (BENCHMARKS.md, thirteenth and twenty-first sessions), so those
+keep the plain form.
 
 Decode and chunked prefill run the same kernel in other *modes*
 (constexpr switches; ``plan.py`` picks them):
