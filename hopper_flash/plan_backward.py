@@ -559,11 +559,13 @@ def check_grad_out_meta(grad_out, out: torch.Tensor) -> None:
 
 def check_grad_out(grad_out, out: torch.Tensor) -> torch.Tensor:
     """``grad_out`` as the kernel takes it: checked by ``check_grad_out_meta``;
-    strides TMA cannot address (e.g. the stride-0 expansion that
-    ``out.sum().backward()`` produces) are made contiguous with a copy."""
+    a layout TMA cannot address (e.g. the stride-0 expansion that
+    ``out.sum().backward()`` produces, or a view starting off a 16-byte
+    boundary) is copied into fresh contiguous memory. (``.contiguous()``
+    would return a misaligned but contiguous view unchanged.)"""
     check_grad_out_meta(grad_out, out)
     if grad_out.numel() and not _tma_addressable(grad_out):
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out.clone(memory_format=torch.contiguous_format)
     return grad_out
 
 
@@ -606,7 +608,7 @@ def check_grad_out_thd(grad_out, out: torch.Tensor) -> torch.Tensor:
     """``check_grad_out`` for THD tensors."""
     check_grad_out_meta(grad_out, out)
     if grad_out.numel() and not _tma_addressable(grad_out.unsqueeze(0)):
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out.clone(memory_format=torch.contiguous_format)
     return grad_out
 
 

@@ -523,3 +523,28 @@ def test_checks_before_the_op_trace_without_graph_breaks(dynamic, scale):
     q, k, v = qkv(q_shape=(B, 300, 8, 128), kv_shape=(B, 200, 2, 128))
     out = torch.compile(f, fullgraph=True, dynamic=dynamic, backend="eager")(q, k, v, scale)
     assert torch.equal(out, q * (scale or 1 / math.sqrt(128)))
+
+
+def test_grad_out_that_tma_cannot_address_is_copied_and_the_rest_kept():
+    """The backward takes ``grad_out`` as autograd hands it: layouts TMA can
+    address (``checks.tma_problem`` is None) go to the kernel as they are,
+    others (the all-stride-0 expansion ``out.sum().backward()`` produces, a
+    head axis expanded, a misaligned start) are copied first."""
+    from hopper_flash import plan_backward
+
+    out = torch.empty(2, 8, 4, 64, dtype=torch.bfloat16)
+    kept = torch.randn(8, 2, 4, 64, dtype=torch.bfloat16).transpose(0, 1)  # batch-major view: addressable
+    assert plan_backward.check_grad_out(kept, out) is kept
+    buf = torch.randn(2 * 8 * 4 * 64 + 1, dtype=torch.bfloat16)
+    for g in (torch.ones((), dtype=torch.bfloat16).expand(2, 8, 4, 64),
+              torch.randn(2, 8, 1, 64, dtype=torch.bfloat16).expand(2, 8, 4, 64),
+              buf[1:].view(2, 8, 4, 64)):
+        assert checks.tma_problem("grad_out", g) is not None
+        copied = plan_backward.check_grad_out(g, out)
+        assert copied is not g and copied.is_contiguous() and torch.equal(copied, g)
+        assert checks.tma_problem("grad_out", copied) is None
+    thd_out = torch.empty(16, 4, 64, dtype=torch.bfloat16)
+    misaligned_thd = buf[1:1 + 16 * 4 * 64].view(16, 4, 64)
+    copied = plan_backward.check_grad_out_thd(misaligned_thd, thd_out)
+    assert copied is not misaligned_thd and torch.equal(copied, misaligned_thd)
+    assert checks.tma_problem("grad_out", copied.unsqueeze(0)) is None
