@@ -593,7 +593,7 @@ def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, de
         dv.zero_()
         return dq, dk, dv
     if not _tma_addressable(out):
-        out = out.contiguous()
+        out = out.clone(memory_format=torch.contiguous_format)  # see check_grad_out
     lse = lse.contiguous()
     if seqlen_k == 0:
         dq.zero_()
@@ -624,7 +624,7 @@ def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_sc
     if q.numel() == 0 or k.numel() == 0:
         return dq, dk, dv
     if not _tma_addressable(out.unsqueeze(0)):
-        out = out.contiguous()
+        out = out.clone(memory_format=torch.contiguous_format)  # see check_grad_out
     lse = lse.contiguous()
     with plan.on_device(q):
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
