@@ -69,6 +69,23 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   twenty-first session) in every specialisation. At D = 128 and the
   two-consumer D = 64 it timed within +-2% in the thirteenth session and
   2% slower at D128 S2048 causal in the twenty-first (BENCHMARKS.md).
+* ``fwd-split-merge`` (twenty-first session, CPU only, not run): split-KV
+  without the combine kernel. After writing its partials, each consumer
+  warpgroup of a split counts its arrival on an int64 counter per row
+  block, kept after the partials in the per-call workspace (``sched_ptr``,
+  unused in split mode); the counter's high half carries a per-launch
+  token (``section``, unused too), so a fresh workspace's garbage counts as
+  no arrival and no memset is needed; the last split merges every split's
+  partials for its live rows (four rows and 16 splits per load, so one L2
+  round trip per four rows), writes O (``cu_q_ptr``, i.e. O, contiguous
+  BSHD; the host gives a non-contiguous ``out`` a temporary) and the LSE,
+  and resets the counter to 0, which keeps CUDA-graph replays (their token
+  is fixed) correct. Fences: ``fence.acq_rel.gpu`` around a warpgroup
+  barrier before the arrive and after it; partials loaded with ``.cg``.
+  Spill-free at D = 128 with PackGQA 4 (issue 10's rows); D = 256 and
+  paged PackGQA 8 spill 8-16 bytes. What it should save: the 2.3-3.5 us
+  the combine costs a one-row decode call (BENCHMARKS.md, twenty-first
+  session) and its launch's host time.
 * ``fwd-next-item-early`` (twenty-first session, CPU only, not timed): the
   consumers receive (dynamic order) or count (static deal) their next item
   and decode its coordinates right after issuing the item's last PV, inside
