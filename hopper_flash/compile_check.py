@@ -117,6 +117,8 @@ def instructions(sass: str) -> list[tuple[int, str]]:
         if m:
             out.append((int(m.group(1), 16), m.group(2)))
     return out
+
+
 def steady_loops(ins: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
     """Loop bodies (back-edge target .. branch) holding HGMMA and MUFU.EX2."""
     loops = []
@@ -131,6 +133,8 @@ def steady_loops(ins: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
         if any("HGMMA" in t for _, t in body) and any("MUFU.EX2" in t for _, t in body):
             loops.append(body)
     return loops
+
+
 def exps_in_flight(body: list[tuple[int, str]]) -> int:
     """MUFU.EX2 issued between a ``DEPBAR.LE gsb0, 0x1`` and the next ``0x0``."""
     count, open_ = 0, False

@@ -9,7 +9,13 @@ The question it answers: whether the one-row rows, which read K/V at
 smallest count within 0.85 of the best wave efficiency: 15 splits of one
 batch's 8 KV heads run on 120 of 132 SMs) rather than per-SM speed.
 
-    PYTHONPATH=. python -P scripts/decode_splits.py [--rep-ms 300]
+``--combine-cost`` asks instead what the split-KV combine costs each row at
+the heuristic's count: the call as shipped, the same with
+``plan.launch_combine`` patched out (the split kernel alone; its output is
+then wrong, only the time means anything) and the combine alone on one
+call's partials (BENCHMARKS.md, twenty-first session).
+
+    PYTHONPATH=. python -P scripts/decode_splits.py [--rep-ms 300] [--combine-cost]
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import torch
 
 from hopper_flash import flash_attn_with_kvcache, plan
 from hopper_flash.bench.timing import cuda_graph_timer
-from hopper_flash.reference import check_kvcache
+from hopper_flash.reference import check_kvcache, random_qkv
 
 # (batch, seqlen_k, split counts to time); 32 query heads on 8 KV heads, D=128, bf16.
 ROWS = [
@@ -28,43 +34,71 @@ ROWS = [
     (1, 65536, [8, 15, 16, 22, 33, 64]),
     (64, 2048, [1, 2, 4]),
 ]
+H, HKV, D = 32, 8, 128
+SCALE = D ** -0.5
+
+
+def split_counts(timer, name, call, judge, kv_bytes, splits) -> None:
+    """Each count (0: the heuristic's) judged, then timed."""
+    for s in [0] + splits:
+        out = call(s)
+        bad = [x.message for x in judge(out) if not x]
+        t = timer(lambda: call(s)).median_ms * 1e-3
+        label = "heur." if s == 0 else str(s)
+        print(f"{name:>16} {label:>7} {t * 1e6:8.1f} {kv_bytes / t / 1e12:9.2f}  "
+              f"{'ok' if not bad else 'FAIL ' + bad[0]}", flush=True)
+
+
+def combine_cost(timer, name, call, judge) -> None:
+    """The heuristic's count: the whole call, the split kernel alone, the combine alone (us)."""
+    bad = [x.message for x in judge(call(0)) if not x]
+    full = timer(lambda: call(0)).median_ms * 1e3
+    shipped_combine, seen = plan.launch_combine, []
+    plan.launch_combine = lambda *a: seen.append(a)
+    try:
+        call(0)
+        split_only = timer(lambda: call(0)).median_ms * 1e3
+    finally:
+        plan.launch_combine = shipped_combine
+    combine_only = timer(lambda: shipped_combine(*seen[0])).median_ms * 1e3 if seen else float("nan")
+    print(f"{name:>16} {full:8.1f} {split_only:11.1f} {combine_only:13.1f}  {'ok' if not bad else 'FAIL ' + bad[0]}",
+          flush=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rep-ms", type=float, default=300)
+    p.add_argument("--combine-cost", action="store_true")
     args = p.parse_args()
     timer = cuda_graph_timer(args.rep_ms)
-    H, HKV, D = 32, 8, 128
-    scale = D ** -0.5
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, SMs {plan.sm_count()}")
-    print(f"{'row':>16} {'splits':>7} {'us':>8} {'K/V TB/s':>9}  judged")
+    if args.combine_cost:
+        print(f"{'row':>16} {'full':>8} {'split only':>11} {'combine only':>13}  judged (us; cuDNN below)")
+    else:
+        print(f"{'row':>16} {'splits':>7} {'us':>8} {'K/V TB/s':>9}  judged")
     for B, S, splits in ROWS:
-        gen = torch.Generator(device="cuda").manual_seed(B * S)
-        q = torch.randn(B, 1, H, D, device="cuda", generator=gen).to(torch.bfloat16)
-        k = torch.randn(B, S, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
-        v = torch.randn(B, S, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
+        q, k, v = random_qkv(B, 1, S, H, HKV, D, seed=B * S)
         lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
         kv_bytes = 2 * k.numel() * k.element_size()
         name = f"B{B} Sk{S}"
-        for s in [0] + splits:
-            def call(s=s):
-                return flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, softmax_scale=scale, causal=True,
-                                               num_splits=s)
 
-            out = call()
-            bad = [x.message for x in check_kvcache(out, q, k, v, [S] * B, causal=True, softmax_scale=scale)
-                   if not x]
-            t = timer(call).median_ms * 1e-3
-            label = "heur." if s == 0 else str(s)
-            print(f"{name:>16} {label:>7} {t * 1e6:8.1f} {kv_bytes / t / 1e12:9.2f}  "
-                  f"{'ok' if not bad else 'FAIL ' + bad[0]}", flush=True)
+        def call(s):
+            return flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, softmax_scale=SCALE, causal=True,
+                                           num_splits=s)
+
+        def judge(out):
+            return check_kvcache(out, q, k, v, [S] * B, causal=True, softmax_scale=SCALE)
+
+        if args.combine_cost:
+            combine_cost(timer, name, call, judge)
+        else:
+            split_counts(timer, name, call, judge, kv_bytes, splits)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         def cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True)
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, scale=SCALE, enable_gqa=True)
 
         cudnn()
         t = timer(cudnn).median_ms * 1e-3

@@ -26,14 +26,10 @@ KEY_OPS = ("HGMMA", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "F2FP", "SH
            "LDL", "STL")
 
 
-
-
 def opcode(text: str) -> str:
     words = text.split()
     op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
     return op.split(".")[0]
-
-
 
 
 def flow(body: list[tuple[int, str]]) -> list[str]:
@@ -58,8 +54,6 @@ def flow(body: list[tuple[int, str]]) -> list[str]:
     if run > 1:
         events[-1] += f"  x{run}"
     return events
-
-
 
 
 def main() -> None:
