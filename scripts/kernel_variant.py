@@ -69,7 +69,8 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   twenty-first session) in every specialisation. At D = 128 and the
   two-consumer D = 64 it timed within +-2% in the thirteenth session and
   2% slower at D128 S2048 causal in the twenty-first (BENCHMARKS.md).
-* ``fwd-split-merge`` (twenty-first session, CPU only, not run): split-KV
+* ``fwd-split-merge`` (twenty-first session; timed in the twenty-second:
+  correct, 0.6-4 us slower than the shipped split + combine, BENCHMARKS.md): split-KV
   without the combine kernel. After writing its partials, each consumer
   warpgroup of a split counts its arrival on an int64 counter per row
   block, kept after the partials in the per-call workspace (``sched_ptr``,
@@ -85,8 +86,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   Spill-free at D = 128 with PackGQA 4 (issue 10's rows); D = 256 and
   paged PackGQA 8 spill 8-16 bytes. What it should save: the 2.3-3.5 us
   the combine costs a one-row decode call (BENCHMARKS.md, twenty-first
-  session) and its launch's host time.
-* ``fwd-next-item-early`` (twenty-first session, CPU only, not timed): the
+  session) and its launch's host time. What it did instead: the merge runs
+  on one SM after the slowest split of its row block.
+* ``fwd-next-item-early`` (twenty-first session; timed in the twenty-second:
+  within noise, 3% slower at D128 causal S8192, BENCHMARKS.md): the
   consumers receive (dynamic order) or count (static deal) their next item
   and decode its coordinates right after issuing the item's last PV, inside
   an ``if`` so that ptxas cannot hoist the PV wait above them, instead of
