@@ -246,12 +246,50 @@ def check_tma_addressable(name: str, t: torch.Tensor) -> None:
         raise ValueError(problem)
 
 
+# Argument signatures ``validate`` has passed, and the scale each resolved to;
+# only for tensors on devices of this type (the CPU tests stub the device
+# check for CPU tensors, which must not be remembered as passing).
+_PASSED: dict[tuple, float] = {}
+_PASSED_LIMIT = 1024
+_PASSED_DEVICE_TYPE = "cuda"
+
+
+def _signature(q, k, v, softmax_scale, causal) -> tuple | None:
+    """Everything ``validate``'s verdict depends on: the three tensors'
+    shapes, strides, dtypes, devices and data pointers' 16-byte alignment,
+    and the Python values (with their types: ``causal=1`` fails where
+    ``True`` passes, though the two are equal as keys). None where it cannot
+    be read (not tensors, sparse layouts): the checks then say what is wrong
+    (``validate`` also leaves unhashable Python values to them)."""
+    try:
+        return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+                q.device, k.device, v.device, q.data_ptr() % _TMA_ALIGN_BYTES, k.data_ptr() % _TMA_ALIGN_BYTES,
+                v.data_ptr() % _TMA_ALIGN_BYTES, type(softmax_scale), softmax_scale, type(causal), causal)
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
 def validate(q, k, v, softmax_scale, causal) -> float:
-    """All checks of the forward's arguments, in order; returns the softmax scale."""
+    """All checks of the forward's arguments, in order; returns the softmax scale.
+
+    A signature that passed once (``_signature``: the checks read nothing
+    else) passes again without the checks: this is host time on every
+    eager call, and a model's layers repeat a few signatures."""
+    key = _signature(q, k, v, softmax_scale, causal)
+    try:
+        scale = _PASSED.get(key)
+    except TypeError:  # an unhashable softmax_scale or causal: the checks name it
+        key = scale = None
+    if scale is not None:
+        return scale
     softmax_scale = check_arguments(q, k, v, softmax_scale, causal)
     check_device(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tma_addressable(name, t)
+    if key is not None and q.device.type == _PASSED_DEVICE_TYPE:
+        if len(_PASSED) >= _PASSED_LIMIT:
+            _PASSED.clear()
+        _PASSED[key] = softmax_scale
     return softmax_scale
 
 

@@ -200,6 +200,22 @@ class KernelLaunch:
         flat.extend(args)
         for i in slots:
             flat[base + i] = flat[base + i].data_ptr()
+        self._c_launch(grid, stream, flat)
+
+    def launch_addresses(self, grid: tuple[int, int, int], stream: int, descs: tuple, args: tuple) -> None:
+        """``__call__`` for a caller that passes every pointer argument as its
+        address (an int) already: no per-argument conversion, and pointers
+        that are not a tensor's start (a partials buffer's second half) need
+        no view. Only where ``direct`` is set (``CompiledKernel.run`` wants
+        tensors for the pointers the JIT specialised on alignment)."""
+        flat = []
+        for slot, t in enumerate(descs):
+            flat.extend(self._descriptor_args(slot, t))
+        flat.extend(args)
+        self._c_launch(grid, stream, flat)
+
+    def _c_launch(self, grid, stream, flat: list) -> None:
+        d = self.direct
         if d.new_convention:
             d.c_launch(grid[0], grid[1], grid[2], stream, self.function, d.cooperative, d.pdl, self.packed_metadata,
                        None, None, None, None, None, d.annotations, d.signature, flat)

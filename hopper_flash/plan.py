@@ -557,6 +557,11 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
                       k.shape[1] if paged else 0, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
                       bool(causal), write_lse, window)
     cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
+    kernel = _COMPILED.get(lp.key)
+    if kernel is not None and kernel.direct is not None and FAST_LAUNCH and not _launch_hooked():
+        _launch_forward_direct(kernel, lp, q, k, v, out, lse, softmax_scale, seqused_k, kv_batch, page_table,
+                               seqlen_k)
+        return
     if mode.split:
         # One allocation for both partials: fp32 O [splits, B, Sq, H, D], then LSE [splits, B, H, Sq].
         n_o = num_splits * batch * seqlen_q * nheads * head_dim
@@ -572,7 +577,6 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     page_stride = page_table.stride(0) if paged else 0
     scalars = (seqlen_q, seqlen_k, nheads, nheads // k.shape[2], batch, softmax_scale * LOG2E, softmax_scale,
                num_splits, lp.pair, page_stride, 0, lp.section)
-    kernel = _COMPILED.get(lp.key)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
         # First launch, an unchecked triton, or a profiler hook is installed
         # (it wants the JIT's launch metadata): take Triton's regular path.
@@ -587,7 +591,68 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (q, k, v, out),
                (*ptrs, *scalars, *lp.constexpr_values))
     if mode.split:
-        launch_combine(o_part, lse_part, out, lse)
+        combine = launch_combine(o_part, lse_part, out, lse)
+        if combine is not None:
+            _COMBINE_OF[_combine_key(lp, out, lse)] = combine
+
+
+# The split-KV combine's compiled launch per forward plan, for the direct
+# path. ``launch_triton``'s key for it holds the device, the dtypes, the head
+# dim (``lp.key``), the split count's power of two (``S_MAX``; ``lp.key``'s
+# mode says only "split"), whether an LSE is written, and the alignment of
+# ``out`` and ``lse`` (the partials are a fresh allocation, 16-byte aligned).
+_COMBINE_OF: dict[tuple, KernelLaunch] = {}
+
+
+def _combine_key(lp: LaunchPlan, out, lse) -> tuple:
+    return lp.key, lp.num_splits, out.data_ptr() % 16 == 0, None if lse is None else lse.data_ptr() % 16 == 0
+
+
+def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, lse, softmax_scale: float,
+                           seqused_k, kv_batch, page_table, seqlen_k: int) -> None:
+    """``launch_forward`` once its kernel is compiled and can be called
+    directly (``KernelLaunch.direct``): the same launch with every pointer
+    passed as an address, so the split partials need no views, and the
+    combine (once it has run through ``launch_combine``) launched directly
+    too. This is the host time of every decode step; keep it short."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    mode, num_splits = lp.mode, lp.num_splits
+    stream = driver.active.get_current_stream(q.device.index)
+    out_ptr = out.data_ptr()
+    if mode.split:
+        n_o = num_splits * batch * seqlen_q * nheads * head_dim
+        part = torch.empty(n_o + num_splits * batch * nheads * seqlen_q, dtype=torch.float32, device=q.device)
+        o_part = part.data_ptr()
+        lse_part = o_part + 4 * n_o
+    else:
+        part = None
+        o_part = lse_part = out_ptr
+    lse_ptr = lse.data_ptr() if lse is not None else None
+    paged = page_table is not None
+    ptrs = (lse_ptr if lse_ptr is not None else out_ptr,
+            seqused_k.data_ptr() if seqused_k is not None else out_ptr,
+            kv_batch.data_ptr() if kv_batch is not None else out_ptr,
+            page_table.data_ptr() if paged else out_ptr, o_part, lse_part,
+            out_ptr, out_ptr, out_ptr,  # cu_seqlens_q/k, seqused_q: varlen only
+            _item_counter(q.device).data_ptr() if mode.dynamic else out_ptr)
+    scalars = (seqlen_q, seqlen_k, nheads, nheads // k.shape[2], batch, softmax_scale * LOG2E, softmax_scale,
+               num_splits, lp.pair, page_table.stride(0) if paged else 0, 0, lp.section)
+    kernel.launch_addresses((lp.n_ctas, 1, 1), stream, (q, k, v, out), (*ptrs, *scalars, *lp.constexpr_values))
+    if not mode.split:
+        return
+    combine = _COMBINE_OF.get(_combine_key(lp, out, lse))
+    if combine is None or combine.direct is None:
+        o_view = part[:n_o].view(num_splits, batch, seqlen_q, nheads, head_dim)
+        lse_view = part[n_o:].view(num_splits, batch, nheads, seqlen_q)
+        combine = launch_combine(o_view, lse_view, out, lse)
+        if combine is not None:
+            _COMBINE_OF[_combine_key(lp, out, lse)] = combine
+        return
+    s_b, s_s, s_h = out.stride(0), out.stride(1), out.stride(2)
+    combine.launch_addresses((batch * seqlen_q * nheads, 1, 1), stream, (),
+                             (o_part, lse_part, out_ptr, lse_ptr if lse_ptr is not None else lse_part, num_splits,
+                              batch, seqlen_q, nheads, s_b, s_s, s_h,
+                              *_combine_constexprs(head_dim, num_splits, lse is not None).values()))
 
 
 def _item_counter(device: torch.device) -> torch.Tensor:
@@ -627,20 +692,25 @@ def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: d
     return compiled
 
 
-def launch_combine(o_part, lse_part, out, lse) -> None:
+def launch_combine(o_part, lse_part, out, lse) -> KernelLaunch:
     """Merge split partials ``o_part`` [splits, B, Sq, H, D] fp32 and
     ``lse_part`` [splits, B, H, Sq] into ``out`` (BSHD, head dim contiguous)
-    and ``lse`` [B, H, Sq] (or None)."""
+    and ``lse`` [B, H, Sq] (or None). Returns the combine's ``KernelLaunch``."""
     from .kernels.combine import combine_kernel
 
     num_splits, batch, seqlen_q, nheads, head_dim = o_part.shape
     lse_arg = lse if lse is not None else lse_part
     args = (o_part, lse_part, out, lse_arg, num_splits, batch, seqlen_q, nheads,
             out.stride(0), out.stride(1), out.stride(2))
-    constexprs = dict(HEAD_DIM=head_dim, S_MAX=max(16, 1 << (num_splits - 1).bit_length()),
-                      WRITE_LSE=lse is not None)
-    launch_triton(combine_kernel, (batch * seqlen_q * nheads, 1, 1), args, constexprs,
-                  num_warps=1 if head_dim <= 128 else 2)
+    return launch_triton(combine_kernel, (batch * seqlen_q * nheads, 1, 1), args,
+                         _combine_constexprs(head_dim, num_splits, lse is not None),
+                         num_warps=1 if head_dim <= 128 else 2)
+
+
+@lru_cache(maxsize=None)
+def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool) -> dict:
+    """The combine kernel's constexprs, in its parameter order."""
+    return dict(HEAD_DIM=head_dim, S_MAX=max(16, 1 << (num_splits - 1).bit_length()), WRITE_LSE=write_lse)
 
 
 @lru_cache(maxsize=4096)

@@ -11,7 +11,8 @@ batch's 8 KV heads run on 120 of 132 SMs) rather than per-SM speed.
 
 ``--combine-cost`` asks instead what the split-KV combine costs each row at
 the heuristic's count: the call as shipped, the same with
-``plan.launch_combine`` patched out (the split kernel alone; its output is
+``plan.launch_combine`` patched out (the split kernel alone, launched the
+tensor-passing way; its output is
 then wrong, only the time means anything) and the combine alone on one
 call's partials (BENCHMARKS.md, twenty-first session).
 
@@ -53,13 +54,16 @@ def combine_cost(timer, name, call, judge) -> None:
     """The heuristic's count: the whole call, the split kernel alone, the combine alone (us)."""
     bad = [x.message for x in judge(call(0)) if not x]
     full = timer(lambda: call(0)).median_ms * 1e3
-    shipped_combine, seen = plan.launch_combine, []
-    plan.launch_combine = lambda *a: seen.append(a)
+    shipped_combine, fast_launch, seen = plan.launch_combine, plan.FAST_LAUNCH, []
+    # The tensor-passing launch path (host time does not count under graph
+    # replay): the direct one launches a combine it has seen without
+    # launch_combine.
+    plan.launch_combine, plan.FAST_LAUNCH = (lambda *a: seen.append(a)), False
     try:
         call(0)
         split_only = timer(lambda: call(0)).median_ms * 1e3
     finally:
-        plan.launch_combine = shipped_combine
+        plan.launch_combine, plan.FAST_LAUNCH = shipped_combine, fast_launch
     combine_only = timer(lambda: shipped_combine(*seen[0])).median_ms * 1e3 if seen else float("nan")
     print(f"{name:>16} {full:8.1f} {split_only:11.1f} {combine_only:13.1f}  {'ok' if not bad else 'FAIL ' + bad[0]}",
           flush=True)

@@ -328,6 +328,63 @@ def test_validate_accepts_packed_qkv(no_device_check):
     assert checks.validate(q, k, v, None, True) == pytest.approx(1 / math.sqrt(D))
 
 
+@pytest.fixture
+def remembered(no_device_check, monkeypatch):
+    """validate's memory of passed signatures, for CPU tensors, fresh; the
+    number of times the checks themselves ran."""
+    monkeypatch.setattr(checks, "_PASSED", {})
+    monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
+    runs = []
+    real = checks.check_arguments
+    monkeypatch.setattr(checks, "check_arguments", lambda *a: runs.append(1) or real(*a))
+    return runs
+
+
+def test_validate_remembers_a_passed_signature(remembered):
+    q, k, v = qkv()
+    assert checks.validate(q, k, v, None, True) == pytest.approx(1 / math.sqrt(D))
+    # Other tensors of the same signature: the checks do not run again.
+    q2, k2, v2 = qkv()
+    assert checks.validate(q2, k2, v2, None, True) == pytest.approx(1 / math.sqrt(D))
+    assert len(remembered) == 1
+    assert checks.validate(q, k, v, 0.5, True) == 0.5
+    assert len(remembered) == 2
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(causal=1), TypeError, r"^causal must be a bool"),  # 1 == True as a dict key
+    (dict(softmax_scale=True), TypeError, r"^softmax_scale must be a positive float"),  # True == 1.0
+    (dict(k="fp16"), ValueError, r"^q, k and v must have the same dtype"),
+    (dict(v="misaligned"), ValueError, r"^v's data pointer must be 16-byte aligned"),
+    (dict(q="strided"), ValueError, r"^q must be contiguous in its last \(headdim\) dimension"),
+])
+def test_a_remembered_signature_still_refuses_what_differs(remembered, change, error, match):
+    q, k, v = qkv()
+    assert checks.validate(q, k, v, 1.0, True) == 1.0
+    args = dict(q=q, k=k, v=v, softmax_scale=1.0, causal=True)
+    for name, how in change.items():
+        if how == "fp16":
+            args[name] = args[name].to(torch.float16)
+        elif how == "misaligned":
+            buf = torch.randn(args[name].numel() + 1).to(BF16)
+            args[name] = buf[1:].view(args[name].shape)  # 2 bytes past a 16-byte boundary
+        elif how == "strided":
+            args[name] = torch.randn(B, S, D, H).to(BF16).transpose(2, 3)
+        else:
+            args[name] = how
+    with pytest.raises(error, match=match):
+        checks.validate(args["q"], args["k"], args["v"], args["softmax_scale"], args["causal"])
+
+
+def test_validate_remembers_no_cpu_tensors(no_device_check, monkeypatch):
+    # The shipped cache is for CUDA tensors only: a stubbed device check in a
+    # CPU test must not leave a CPU signature passing for later tests.
+    monkeypatch.setattr(checks, "_PASSED", {})
+    q, k, v = qkv()
+    checks.validate(q, k, v, None, True)
+    assert checks._PASSED == {}
+
+
 # Regression: validation skips size-1 axes, and plan.tma_strides makes their
 # strides aligned, so a descriptor is always buildable after validation.
 def test_whatever_validation_accepts_triton_descriptor_accepts():

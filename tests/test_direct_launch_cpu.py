@@ -1,0 +1,179 @@
+"""``plan.launch_forward``'s direct path on the CPU: once the forward kernel
+and the split-KV combine have been compiled (here: stand-ins), later calls
+pass every pointer as an address (``KernelLaunch.launch_addresses``) instead
+of tensors and views. Each launch must hand the C launch function what the
+first, tensor-passing launch handed the JIT, tensor for address; the split
+partials, a fresh allocation per call, may sit elsewhere, but in the same
+layout (O's partials first, the LSEs ``4 * splits * B * Sq * H * D`` bytes
+after them), and the combine must read exactly what the kernel wrote.
+The GPU half (the decode outputs through this path, graph replay with
+changing lengths) is tests/test_decode_gpu.py, whose calls after the first
+take it."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hopper_flash import launcher, plan
+from hopper_flash.kernels import combine, forward
+from launch_fakes import FakeDriver, FakeJIT
+
+META = {"swizzle": 3, "elem_size": 2, "elem_type": 10, "block_size": [1, 64, 1, 128], "fp4_padded": False}
+
+
+def _recording_launch(calls: list, descriptors: int) -> launcher.KernelLaunch:
+    """A compiled kernel whose C launch function (triton 3.6's convention)
+    records the kernel arguments, and whose TMA encoder returns a marker."""
+    run = SimpleNamespace(launch_cooperative_grid=False, launch_pdl=False)
+    direct = launcher._Direct(lambda *a: calls.append(a[13:]), lambda *a: "map", {10: 9}, [META] * descriptors,
+                              False, run)
+    compiled = SimpleNamespace(function=1, packed_metadata=(4, 1, 1))
+    return launcher.KernelLaunch(compiled, direct=direct)
+
+
+def _addresses(args) -> list:
+    return [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    log = []
+    monkeypatch.setattr(forward, "attention_forward_kernel", FakeJIT(log, forward.attention_forward_kernel))
+    monkeypatch.setattr(combine, "combine_kernel", FakeJIT(log, combine.combine_kernel))
+    monkeypatch.setattr(plan, "driver", FakeDriver)
+    monkeypatch.setattr(plan, "sm_count", lambda device=None: 132)
+    monkeypatch.setattr(plan, "FAST_LAUNCH", True)
+    monkeypatch.setattr(plan, "_launch_hooked", lambda: False)
+    for name in ("_COMPILED", "_TRITON_COMPILED", "_COMBINE_OF"):
+        monkeypatch.setattr(plan, name, {})
+    return log
+
+
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_split_decode_direct_launch_matches_the_first(fakes, with_lse):
+    batch, nheads, nheads_kv, seqlen_k, head_dim = 2, 8, 2, 8192, 128
+    q = torch.randn(batch, 1, nheads, head_dim).to(torch.bfloat16)
+    k = torch.randn(batch, seqlen_k, nheads_kv, head_dim).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, nheads, 1) if with_lse else None
+    plan.launch_forward(q, k, v, out, lse, 0.1, True, num_splits=0, pack_gqa=None)
+    (_, grid, jit_args, jit_kwargs), (_, c_grid, c_args, c_kwargs) = fakes
+    [key] = plan._COMPILED
+    splits = c_args[4]
+    assert key[5].split and splits > 1  # the case under test: split-KV, the combine after it
+    # From now on both launches are direct.
+    calls, c_calls = [], []
+    plan._COMPILED[key] = _recording_launch(calls, 4)
+    [c_key] = plan._COMBINE_OF
+    plan._COMBINE_OF[c_key] = _recording_launch(c_calls, 0)
+    plan.launch_forward(q, k, v, out, lse, 0.1, True, num_splits=0, pack_gqa=None)
+    assert len(calls) == len(c_calls) == 1
+
+    # The kernel: four descriptors (map, shape, strides), then its arguments.
+    descs = jit_args[:4]
+    flat = list(calls[0])
+    n_desc = sum(1 + len(d.shape) + len(d.strides) for d in descs)
+    assert flat[:n_desc:9] == ["map"] * 4
+    names = forward.attention_forward_kernel.real.arg_names
+    first = _addresses(jit_args[4:]) + [jit_kwargs[name] for name in names[len(jit_args):]]
+    got = flat[n_desc:]
+    names = names[4:]
+    assert len(got) == len(first) == len(names)
+    o_slot, lse_slot = names.index("o_part_ptr"), names.index("lse_part_ptr")
+    n_o = splits * batch * 1 * nheads * head_dim
+    assert got[lse_slot] - got[o_slot] == 4 * n_o == first[lse_slot] - first[o_slot]
+    for i, name in enumerate(names):
+        if i not in (o_slot, lse_slot):
+            assert got[i] == first[i], name
+
+    # The combine reads the partials the kernel wrote, and writes out / lse.
+    c_names = combine.combine_kernel.real.arg_names
+    c_first = _addresses(c_args) + [c_kwargs[n] for n in c_names[len(c_args):]]
+    c_got = list(c_calls[0])
+    assert len(c_got) == len(c_first) == len(c_names)
+    assert c_got[0] == got[o_slot] and c_got[1] == got[lse_slot]
+    assert c_got[2] == c_first[2] == out.data_ptr()
+    # The LSE goes to lse, or (not asked for) the kernel reads its own partials' slot.
+    assert c_got[3] == (lse.data_ptr() if with_lse else c_got[1])
+    assert c_first[3] == (lse.data_ptr() if with_lse else c_first[1])
+    assert c_got[4:] == c_first[4:]
+
+
+@pytest.mark.parametrize("case", ["static", "dynamic", "seqused"])
+def test_unsplit_direct_launch_matches_the_first(fakes, case):
+    # Plain prefill dealt statically (B2 H8 S130) or drawn from the counter
+    # (B4 H32 S2048 causal: a fresh zeroed counter per call, so its address
+    # may move), and a KV-cache call with per-batch lengths and cache rows.
+    batch, nheads, seqlen = (4, 32, 2048) if case == "dynamic" else (2, 8, 130)
+    q = torch.randn(batch, seqlen, nheads, 128).to(torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, nheads, seqlen)
+    extra = {}
+    if case == "seqused":
+        extra = dict(seqused_k=torch.tensor([100, 7], dtype=torch.int32),
+                     kv_batch=torch.tensor([1, 0], dtype=torch.int32))
+    plan.launch_forward(q, k, v, out, lse, 0.1, True, **extra)
+    [(_, grid, jit_args, jit_kwargs)] = fakes
+    [key] = plan._COMPILED
+    assert key[5].dynamic == (case == "dynamic") and not key[5].split
+    calls = []
+    plan._COMPILED[key] = _recording_launch(calls, 4)
+    plan.launch_forward(q, k, v, out, lse, 0.1, True, **extra)
+    names = forward.attention_forward_kernel.real.arg_names
+    first = _addresses(jit_args[4:]) + [jit_kwargs[name] for name in names[len(jit_args):]]
+    got = list(calls[0])[sum(1 + len(d.shape) + len(d.strides) for d in jit_args[:4]):]
+    names = names[4:]
+    assert len(got) == len(first) == len(names)
+    for i, name in enumerate(names):
+        if name != "sched_ptr" or case != "dynamic":
+            assert got[i] == first[i], name
+    assert got[names.index("lse_ptr")] == lse.data_ptr()
+    assert got[names.index("o_part_ptr")] == out.data_ptr()
+    if case == "seqused":
+        assert got[names.index("seqused_ptr")] == extra["seqused_k"].data_ptr()
+        assert got[names.index("kv_batch_ptr")] == extra["kv_batch"].data_ptr()
+
+
+class _TaggingJIT:
+    """A kernel whose compiled form remembers the constexprs it was compiled
+    with, and whose direct launches (``launcher.direct_parts`` patched)
+    record them beside the constexpr values the launch passed."""
+
+    def __init__(self, log, real):
+        self.log, self.real = log, real
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            return SimpleNamespace(function=1, packed_metadata=(4, 1, 1), compiled_with=kwargs,
+                                   arg_names=self.real.arg_names, log=self.log)
+        return launch
+
+
+def _direct_parts(compiled, utils=None):
+    names = compiled.arg_names
+
+    def c_launch(*a):
+        args = a[13:]
+        flat = args[-len(names):] if names[0] != "q_desc" else None  # the combine has no descriptors
+        if flat is not None:
+            compiled.log.append((compiled.compiled_with, dict(zip(names, flat))))
+    run = SimpleNamespace(launch_cooperative_grid=False, launch_pdl=False)
+    return launcher._Direct(c_launch, lambda *a: "map", {10: 9}, [META] * 4, False, run)
+
+
+def test_the_combine_is_compiled_per_split_bound(fakes, monkeypatch):
+    # The combine specialises on S_MAX, the split count's power of two (at
+    # least 16): a direct launch must not reuse one compiled for fewer splits.
+    log = []
+    monkeypatch.setattr(forward, "attention_forward_kernel", _TaggingJIT(log, forward.attention_forward_kernel.real))
+    monkeypatch.setattr(combine, "combine_kernel", _TaggingJIT(log, combine.combine_kernel.real))
+    monkeypatch.setattr(launcher, "direct_parts", _direct_parts)
+    q = torch.randn(1, 1, 8, 128).to(torch.bfloat16)
+    k = torch.randn(1, 8192, 2, 128).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    for splits in (4, 4, 4, 20, 20, 20, 40, 40, 4):
+        plan.launch_forward(q, k, k, out, None, 0.1, True, num_splits=splits, pack_gqa=None)
+    direct = [(compiled_with["S_MAX"], args["S_MAX"], args["n_splits"]) for compiled_with, args in log]
+    assert direct == [(16, 16, 4)] * 2 + [(32, 32, 20)] * 2 + [(64, 64, 40), (16, 16, 4)]
