@@ -11,7 +11,9 @@ argument that is wrong:
 - ``check_tma``: strides and data pointers TMA can address; needs real
   tensors (a data pointer), so it runs where the kernel is launched.
 
-``validate`` runs all three. This module imports only ``plan``; the public
+``validate`` runs all three, and remembers the CUDA argument signatures
+that passed them (``_signature``: everything the three read), so a model's
+repeated calls skip them. This module imports only ``plan``; the public
 API (``interface``), the custom ops (``ops``) and the eager entry points
 (``dispatch``) sit above it.
 """
