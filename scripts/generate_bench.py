@@ -11,6 +11,8 @@ random weights greedy tokens diverge at near-ties even between those two.
     PYTHONPATH=. python scripts/generate_bench.py --context 32768 --steps 64
 Random weights, GQA 32/8, head dim 128 (hidden 4096); ``--layers`` sets the
 depth (attention's share of the step time grows with the context).
+``--backends ... no_attention`` adds a step that computes no attention at all:
+each backend's time above it is what attention costs inside a model step.
 """
 from __future__ import annotations
 
@@ -60,6 +62,21 @@ def decode(model, impls, cache, first_token, tokens, sync) -> dict:
     return result
 
 
+def register_no_attention() -> None:
+    """An attention "backend" that computes nothing (an uninitialised output
+    of the right shape): the step time without attention, against which
+    each backend's in-model cost is read (its logits are garbage, and the
+    logit columns say so)."""
+    import transformers
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def no_attention(module, query, key, value, attention_mask, **kwargs):
+        return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
+
+    transformers.AttentionInterface.register("no_attention", no_attention)
+    AttentionMaskInterface.register("no_attention", lambda *args, **kwargs: None)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=32768)
@@ -80,6 +97,8 @@ def main(argv=None) -> None:
         from hopper_flash.integrations import transformers as hft
 
         hft.register()
+    if "no_attention" in args.backends:
+        register_no_attention()
     model = build_model(args.layers, device, dtype)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.context), generator=gen).to(device)
