@@ -190,17 +190,13 @@ class KernelLaunch:
             self.compiled.run(grid[0], grid[1], grid[2], stream, self.function, self.packed_metadata, None, None,
                               None, *(TmaArg(t) for t in descs), *args)
             return
-        flat = []
-        for slot, t in enumerate(descs):
-            flat.extend(self._descriptor_args(slot, t))
         slots = self._tensor_slots
         if slots is None:
             slots = self._tensor_slots = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        base = len(flat)
-        flat.extend(args)
+        args = list(args)
         for i in slots:
-            flat[base + i] = flat[base + i].data_ptr()
-        self._c_launch(grid, stream, flat)
+            args[i] = args[i].data_ptr()
+        self.launch_addresses(grid, stream, descs, args)
 
     def launch_addresses(self, grid: tuple[int, int, int], stream: int, descs: tuple, args: tuple) -> None:
         """``__call__`` for a caller that passes every pointer argument as its
@@ -212,9 +208,6 @@ class KernelLaunch:
         for slot, t in enumerate(descs):
             flat.extend(self._descriptor_args(slot, t))
         flat.extend(args)
-        self._c_launch(grid, stream, flat)
-
-    def _c_launch(self, grid, stream, flat: list) -> None:
         d = self.direct
         if d.new_convention:
             d.c_launch(grid[0], grid[1], grid[2], stream, self.function, d.cooperative, d.pdl, self.packed_metadata,

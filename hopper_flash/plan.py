@@ -558,25 +558,18 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
                       bool(causal), write_lse, window)
     cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
     kernel = _COMPILED.get(lp.key)
+    page_stride = page_table.stride(0) if paged else 0
     if kernel is not None and kernel.direct is not None and FAST_LAUNCH and not _launch_hooked():
         _launch_forward_direct(kernel, lp, q, k, v, out, lse, softmax_scale, seqused_k, kv_batch, page_table,
-                               seqlen_k)
+                               seqlen_k, page_stride)
         return
     if mode.split:
-        # One allocation for both partials: fp32 O [splits, B, Sq, H, D], then LSE [splits, B, H, Sq].
-        n_o = num_splits * batch * seqlen_q * nheads * head_dim
-        part = torch.empty(n_o + num_splits * batch * nheads * seqlen_q, dtype=torch.float32, device=q.device)
-        o_part = part[:n_o].view(num_splits, batch, seqlen_q, nheads, head_dim)
-        lse_part = part[n_o:].view(num_splits, batch, nheads, seqlen_q)
+        part, n_o = _partials(lp, q)
+        o_part, lse_part = _partial_views(part, n_o, lp, q)
     else:
         o_part = lse_part = out
-    ptrs = (lse if write_lse else out, seqused_k if seqused_k is not None else out,
-            kv_batch if kv_batch is not None else out, page_table if paged else out, o_part, lse_part,
-            out, out, out,  # cu_seqlens_q/k, seqused_q: varlen only
-            _item_counter(q.device) if mode.dynamic else out)
-    page_stride = page_table.stride(0) if paged else 0
-    scalars = (seqlen_q, seqlen_k, nheads, nheads // k.shape[2], batch, softmax_scale * LOG2E, softmax_scale,
-               num_splits, lp.pair, page_stride, 0, lp.section)
+    args = _kernel_args(lp, q, seqlen_k, k.shape[2], softmax_scale, out, lse, seqused_k, kv_batch, page_table,
+                        page_stride, o_part, lse_part, _item_counter(q.device) if mode.dynamic else None)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
         # First launch, an unchecked triton, or a profiler hook is installed
         # (it wants the JIT's launch metadata): take Triton's regular path.
@@ -586,14 +579,45 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         descs = (_descriptor(q, blocks["q"]), _descriptor(k, blocks["k"]), _descriptor(v, blocks["v"]),
                  _descriptor(out, blocks["o"]))
         _COMPILED[lp.key] = KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
-            *descs, *ptrs, *scalars, **lp.constexprs, **compile_options(cfg)))
+            *descs, *args, **lp.constexprs, **compile_options(cfg)))
     else:
         kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (q, k, v, out),
-               (*ptrs, *scalars, *lp.constexpr_values))
+               (*args, *lp.constexpr_values))
     if mode.split:
         combine = launch_combine(o_part, lse_part, out, lse)
         if combine is not None:
             _COMBINE_OF[_combine_key(lp, out, lse)] = combine
+
+
+def _partials(lp: LaunchPlan, q) -> tuple[torch.Tensor, int]:
+    """A split launch's partials, one allocation: fp32 O [splits, B, Sq, H,
+    D], then LSE [splits, B, H, Sq]. Returns it and O's element count."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    n_o = lp.num_splits * batch * seqlen_q * nheads * head_dim
+    return torch.empty(n_o + lp.num_splits * batch * nheads * seqlen_q, dtype=torch.float32, device=q.device), n_o
+
+
+def _partial_views(part: torch.Tensor, n_o: int, lp: LaunchPlan, q) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_partials``'s O and LSE as the combine reads them."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    return (part[:n_o].view(lp.num_splits, batch, seqlen_q, nheads, head_dim),
+            part[n_o:].view(lp.num_splits, batch, nheads, seqlen_q))
+
+
+def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale: float, out, lse, seqused_k,
+                 kv_batch, page_table, page_stride: int, o_part, lse_part, sched) -> tuple:
+    """``attention_forward_kernel``'s arguments after its descriptors and
+    before its constexprs, for the fixed-length modes: the pointers (tensors,
+    or addresses on the direct path; ``out`` stands in for those the mode
+    does not read, None marking them), then the scalars. The one statement
+    of that order for ``launch_forward``'s two paths."""
+    batch, seqlen_q, nheads, _ = q.shape
+    return (lse if lse is not None else out, seqused_k if seqused_k is not None else out,
+            kv_batch if kv_batch is not None else out, page_table if page_table is not None else out,
+            o_part, lse_part, out, out, out,  # cu_seqlens_q/k, seqused_q: varlen only
+            sched if sched is not None else out,
+            seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, softmax_scale * LOG2E, softmax_scale,
+            lp.num_splits, lp.pair, page_stride, 0, lp.section)
 
 
 # The split-KV combine's compiled launch per forward plan, for the direct
@@ -609,50 +633,42 @@ def _combine_key(lp: LaunchPlan, out, lse) -> tuple:
 
 
 def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, lse, softmax_scale: float,
-                           seqused_k, kv_batch, page_table, seqlen_k: int) -> None:
+                           seqused_k, kv_batch, page_table, seqlen_k: int, page_stride: int) -> None:
     """``launch_forward`` once its kernel is compiled and can be called
     directly (``KernelLaunch.direct``): the same launch with every pointer
     passed as an address, so the split partials need no views, and the
     combine (once it has run through ``launch_combine``) launched directly
     too. This is the host time of every decode step; keep it short."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    mode, num_splits = lp.mode, lp.num_splits
+    split = lp.mode.split
     stream = driver.active.get_current_stream(q.device.index)
     out_ptr = out.data_ptr()
-    if mode.split:
-        n_o = num_splits * batch * seqlen_q * nheads * head_dim
-        part = torch.empty(n_o + num_splits * batch * nheads * seqlen_q, dtype=torch.float32, device=q.device)
+    if split:
+        part, n_o = _partials(lp, q)
         o_part = part.data_ptr()
         lse_part = o_part + 4 * n_o
     else:
-        part = None
         o_part = lse_part = out_ptr
     lse_ptr = lse.data_ptr() if lse is not None else None
-    paged = page_table is not None
-    ptrs = (lse_ptr if lse_ptr is not None else out_ptr,
-            seqused_k.data_ptr() if seqused_k is not None else out_ptr,
-            kv_batch.data_ptr() if kv_batch is not None else out_ptr,
-            page_table.data_ptr() if paged else out_ptr, o_part, lse_part,
-            out_ptr, out_ptr, out_ptr,  # cu_seqlens_q/k, seqused_q: varlen only
-            _item_counter(q.device).data_ptr() if mode.dynamic else out_ptr)
-    scalars = (seqlen_q, seqlen_k, nheads, nheads // k.shape[2], batch, softmax_scale * LOG2E, softmax_scale,
-               num_splits, lp.pair, page_table.stride(0) if paged else 0, 0, lp.section)
-    kernel.launch_addresses((lp.n_ctas, 1, 1), stream, (q, k, v, out), (*ptrs, *scalars, *lp.constexpr_values))
-    if not mode.split:
+    args = _kernel_args(lp, q, seqlen_k, k.shape[2], softmax_scale, out_ptr, lse_ptr,
+                        seqused_k.data_ptr() if seqused_k is not None else None,
+                        kv_batch.data_ptr() if kv_batch is not None else None,
+                        page_table.data_ptr() if page_table is not None else None, page_stride, o_part, lse_part,
+                        _item_counter(q.device).data_ptr() if lp.mode.dynamic else None)
+    kernel.launch_addresses((lp.n_ctas, 1, 1), stream, (q, k, v, out), (*args, *lp.constexpr_values))
+    if not split:
         return
     combine = _COMBINE_OF.get(_combine_key(lp, out, lse))
     if combine is None or combine.direct is None:
-        o_view = part[:n_o].view(num_splits, batch, seqlen_q, nheads, head_dim)
-        lse_view = part[n_o:].view(num_splits, batch, nheads, seqlen_q)
-        combine = launch_combine(o_view, lse_view, out, lse)
+        combine = launch_combine(*_partial_views(part, n_o, lp, q), out, lse)
         if combine is not None:
             _COMBINE_OF[_combine_key(lp, out, lse)] = combine
         return
+    batch, seqlen_q, nheads, head_dim = q.shape
     s_b, s_s, s_h = out.stride(0), out.stride(1), out.stride(2)
     combine.launch_addresses((batch * seqlen_q * nheads, 1, 1), stream, (),
-                             (o_part, lse_part, out_ptr, lse_ptr if lse_ptr is not None else lse_part, num_splits,
-                              batch, seqlen_q, nheads, s_b, s_s, s_h,
-                              *_combine_constexprs(head_dim, num_splits, lse is not None).values()))
+                             (o_part, lse_part, out_ptr, lse_ptr if lse_ptr is not None else lse_part,
+                              lp.num_splits, batch, seqlen_q, nheads, s_b, s_s, s_h,
+                              *_combine_constexprs(head_dim, lp.num_splits, lse is not None).values()))
 
 
 def _item_counter(device: torch.device) -> torch.Tensor:
