@@ -20,15 +20,29 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None):
     """Validated forward; ``out`` lets tests hand in a poisoned buffer;
     ``window``: ``checks.window_bounds``'s ``(left, right)`` or None.
 
-    Returns ``(out, lse)`` when ``return_lse`` else ``out``."""
+    Returns ``(out, lse)`` when ``return_lse`` else ``out``.
+
+    A call whose argument signature (``checks._signature``, the flags and
+    the window) was validated and launched directly before takes the call
+    prepared then (``plan.PreparedForward``): the checks and the plan are
+    what they were, so only the outputs are allocated and the kernels
+    launched. This is most of a decode step's host time."""
+    key = checks._signature(q, k, v, softmax_scale, causal) if out is None else None
+    if key is not None:
+        key = (key, bool(return_lse), window)
+        call = plan.prepared(key)
+        if call is not None:
+            return call(q, k, v)
     softmax_scale = checks.validate(q, k, v, softmax_scale, causal)
-    return forward_validated(q, k, v, softmax_scale, causal, return_lse, out, window)
+    return forward_validated(q, k, v, softmax_scale, causal, return_lse, out, window, prepare_key=key)
 
 
-def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=None, window=None):
+def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=None, window=None, prepare_key=None):
     """``forward`` on arguments that passed ``checks.validate`` (which
     resolved ``softmax_scale``): the eager autograd Functions (``ops``) are
-    applied to arguments checked once, before ``apply``."""
+    applied to arguments checked once, before ``apply``. ``prepare_key``:
+    where the launch is direct, remember it as a prepared call under this
+    key (``forward`` only, whose outputs this function allocates)."""
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
     causal = bool(causal)
@@ -51,8 +65,10 @@ def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=Non
         # PackGQA) take over when seqlen_q is small next to seqlen_k; large
         # problems get the plain prefill kernel.
         with plan.on_device(q):
-            plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None,
-                                window=window)
+            direct = plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None,
+                                         window=window)
+        if direct is not None and prepare_key is not None and q.device.type == checks._PASSED_DEVICE_TYPE:
+            plan.remember_prepared(prepare_key, plan.PreparedForward(direct, q, softmax_scale, bool(return_lse)))
     return (out, lse) if return_lse else out
 
 

@@ -9,12 +9,13 @@ after them), and the combine must read exactly what the kernel wrote.
 The GPU half (the decode outputs through this path, graph replay with
 changing lengths) is tests/test_decode_gpu.py, whose calls after the first
 take it."""
+import contextlib
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from hopper_flash import launcher, plan
+from hopper_flash import checks, dispatch, launcher, plan
 from hopper_flash.kernels import combine, forward
 from launch_fakes import FakeDriver, FakeJIT
 
@@ -146,6 +147,7 @@ class _TaggingJIT:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            self.log.append(("jit", self.real.__name__))
             return SimpleNamespace(function=1, packed_metadata=(4, 1, 1), compiled_with=kwargs,
                                    arg_names=self.real.arg_names, log=self.log)
         return launch
@@ -156,9 +158,10 @@ def _direct_parts(compiled, utils=None):
 
     def c_launch(*a):
         args = a[13:]
-        flat = args[-len(names):] if names[0] != "q_desc" else None  # the combine has no descriptors
-        if flat is not None:
-            compiled.log.append((compiled.compiled_with, dict(zip(names, flat))))
+        if names[0] == "q_desc":  # the forward: descriptors expand; its scalars and constexprs close the list
+            compiled.log.append(("direct", "forward", args[names.index("seqlen_q") - len(names):]))
+        else:
+            compiled.log.append((compiled.compiled_with, dict(zip(names, args))))
     run = SimpleNamespace(launch_cooperative_grid=False, launch_pdl=False)
     return launcher._Direct(c_launch, lambda *a: "map", {10: 9}, [META] * 4, False, run)
 
@@ -175,5 +178,92 @@ def test_the_combine_is_compiled_per_split_bound(fakes, monkeypatch):
     out = torch.empty_like(q)
     for splits in (4, 4, 4, 20, 20, 20, 40, 40, 4):
         plan.launch_forward(q, k, k, out, None, 0.1, True, num_splits=splits, pack_gqa=None)
-    direct = [(compiled_with["S_MAX"], args["S_MAX"], args["n_splits"]) for compiled_with, args in log]
+    direct = [(entry[0]["S_MAX"], entry[1]["S_MAX"], entry[1]["n_splits"]) for entry in log
+              if isinstance(entry[0], dict)]
     assert direct == [(16, 16, 4)] * 2 + [(32, 32, 20)] * 2 + [(64, 64, 40), (16, 16, 4)]
+
+
+@pytest.fixture
+def tagged(fakes, monkeypatch):
+    """Every launch after a kernel's first (JIT) one is direct; the log says
+    which path each took. Validation passes for CPU tensors and is
+    remembered, as for CUDA ones on the GPU machine; the calls counted."""
+    log = []
+    monkeypatch.setattr(forward, "attention_forward_kernel", _TaggingJIT(log, forward.attention_forward_kernel.real))
+    monkeypatch.setattr(combine, "combine_kernel", _TaggingJIT(log, combine.combine_kernel.real))
+    monkeypatch.setattr(launcher, "direct_parts", _direct_parts)
+    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
+    monkeypatch.setattr(checks, "_PASSED", {})
+    monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(plan, "_PREPARED", {})
+    monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
+    real = checks.validate
+    monkeypatch.setattr(checks, "validate", lambda *a: log.append(("validate",)) or real(*a))
+    return log
+
+
+def _paths(log):
+    return [entry[0] if isinstance(entry[0], str) else "direct" for entry in log]
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_launched_signature_is_prepared_and_replayed(tagged, return_lse):
+    q = torch.randn(2, 1, 8, 128).to(torch.bfloat16)
+    k = torch.randn(2, 8192, 2, 128).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    results = [dispatch.forward(q, k, v, None, True, return_lse) for _ in range(4)]
+    # 1: validated, both kernels compiled (JIT); 2: validated (remembered),
+    # launched directly, prepared; 3 and 4: the prepared call, no validation.
+    assert _paths(tagged) == (["validate", "jit", "jit", "validate", "direct", "direct"]
+                              + ["direct", "direct"] * 2)
+    assert len(plan._PREPARED) == 1
+    forward_launches = [entry[2] for entry in tagged if entry[:2] == ("direct", "forward")]
+    combines = [entry[1] for entry in tagged if isinstance(entry[0], dict)]
+    # The same scalars and constexprs every time; the combine's split count and strides too.
+    assert forward_launches[0] == forward_launches[1] == forward_launches[2]
+    assert all({n: c[n] for n in c if not n.endswith("_ptr")} == {n: combines[0][n] for n in c if not n.endswith("_ptr")}
+               for c in combines)
+    for result in results[2:]:
+        out, lse = result if return_lse else (result, None)
+        assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+        assert (lse is None) == (not return_lse)
+        if return_lse:
+            assert lse.shape == (2, 8, 1) and lse.dtype == torch.float32
+    assert combines[-1]["WRITE_LSE"] == return_lse
+
+
+def test_a_prepared_call_never_skips_a_check_that_differs(tagged):
+    q = torch.randn(2, 1, 8, 128).to(torch.bfloat16)
+    k = torch.randn(2, 8192, 2, 128).to(torch.bfloat16)
+    for _ in range(3):
+        dispatch.forward(q, k, k, None, True, False)
+    assert len(plan._PREPARED) == 1
+    with pytest.raises(TypeError, match=r"^causal must be a bool"):
+        dispatch.forward(q, k, k, None, 1, False)
+    with pytest.raises(TypeError, match=r"^softmax_scale must be a positive float"):
+        dispatch.forward(q, k, k, [0.1], True, False)  # unhashable: no key at all
+
+
+def test_a_prepared_call_stands_only_while_its_sources_do(tagged, monkeypatch):
+    q = torch.randn(2, 1, 8, 128).to(torch.bfloat16)
+    k = torch.randn(2, 8192, 2, 128).to(torch.bfloat16)
+    for _ in range(3):
+        dispatch.forward(q, k, k, None, True, False)
+    tagged.clear()
+    # A profiler hook wants Triton's own launch (the JIT's path, here its compiled forms).
+    monkeypatch.setattr(plan, "_launch_hooked", lambda: True)
+    dispatch.forward(q, k, k, None, True, False)
+    assert "validate" in _paths(tagged)
+    monkeypatch.setattr(plan, "_launch_hooked", lambda: False)
+    # A new compiled-kernel table (the tests' way to force the JIT) is compiled into again.
+    tagged.clear()
+    monkeypatch.setattr(plan, "_COMPILED", {})
+    dispatch.forward(q, k, k, None, True, False)
+    assert _paths(tagged)[:2] == ["validate", "jit"]
+    # Another config for the head dim (use_variant).
+    for _ in range(2):
+        dispatch.forward(q, k, k, None, True, False)
+    tagged.clear()
+    monkeypatch.setitem(plan.CONFIGS, 128, plan.replace(plan.CONFIGS[128]))
+    dispatch.forward(q, k, k, None, True, False)
+    assert "validate" in _paths(tagged)
