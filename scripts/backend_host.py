@@ -64,7 +64,34 @@ def main():
         calls["fa3 flash_attn_func"] = lambda: fa3.flash_attn_func(qb, kb, vb, causal=False)
     except ImportError:
         pass
+    # As in a model: a DynamicCache's K/V move every step (torch.cat) and grow
+    # by one key, so layer 1 of a step meets a new argument signature and
+    # every layer new K/V addresses (TMA descriptors to encode). Views of one
+    # buffer stand in for them: keys [:, :, :s + i] (a new signature per call)
+    # and [:, :, i:i + s] (the signature of the last layer, new addresses).
+    big_k = torch.randn(1, 8, s + 1200, 128, device="cuda", dtype=torch.bfloat16)
+    big_v = torch.randn_like(big_k)
+    grow = [(big_k[:, :, :s + i], big_v[:, :, :s + i]) for i in range(1200)]
+    moved = [(big_k[:, :, i:i + s], big_v[:, :, i:i + s]) for i in range(1200)]
+
+    def cycling(views, backend):
+        state = {"i": 0}
+
+        def call():
+            kk, vv = views[state["i"] % len(views)]
+            state["i"] += 1
+            return backend(module, q, kk, vv, None, scaling=128 ** -0.5)
+        return call
+    pattern_calls = {
+        "hopper_flash, new length": cycling(grow, hf_backend.hopper_flash_attention_forward),
+        "hopper_flash, moved K/V": cycling(moved, hf_backend.hopper_flash_attention_forward),
+        "sdpa (warm), moved K/V": cycling(moved, sdpa_attention_forward),
+    }
     with torch.inference_mode():
+        for name, fn in pattern_calls.items():
+            fn()
+            # enqueue_us makes 1000 calls: each "new length" call is a signature not seen before
+            print(f"{name:32s} enqueue {enqueue_us(fn):7.1f} us/call")
         ref = calls["backend sdpa (warm)"]()[0].float()
         got = calls["backend hopper_flash"]()[0].float()
         print(f"context {s}: max |ours - sdpa| = {(got - ref).abs().max().item():.3e}")
