@@ -12,8 +12,9 @@ argument that is wrong:
   tensors (a data pointer), so it runs where the kernel is launched.
 
 ``validate`` runs all three, and remembers the CUDA argument signatures
-that passed them (``_signature``: everything the three read), so a model's
-repeated calls skip them. This module imports only ``plan``; the public
+that passed them (``_signature``: everything the three read, the key
+length and K/V strides only by class, ``_kv_class``), so a model's repeated
+calls, and a decode loop's growing cache, skip them. This module imports only ``plan``; the public
 API (``interface``), the custom ops (``ops``) and the eager entry points
 (``dispatch``) sit above it.
 """
@@ -256,18 +257,43 @@ _PASSED_LIMIT = 1024
 _PASSED_DEVICE_TYPE = "cuda"
 
 
+def _kv_class(shape, strides, elem_bytes: int) -> tuple:
+    """What ``validate``'s checks read of k or v, without the key length or
+    the strides themselves, which a growing KV cache changes every step (a
+    ``torch.cat`` to one more key): batch, heads and head dim; the length's
+    class (0: nothing to launch; 1: its stride is never stepped; past TMA's
+    per-axis limit; any other); the last stride; and per other axis whether
+    TMA can step it (``_tma_stride_problems``' rule: an extent-1 axis, or a
+    positive multiple of 16 bytes below 2**40). Every tensor of one class
+    passes the checks if one does. The launch reads the length and the
+    strides per call (the plan by the KV tile count, the descriptors), so a
+    prepared call (``plan.PreparedForward``) serves the whole class."""
+    batch, n, heads, _ = shape  # not 4-D: a ValueError, and no signature
+    s0, s1, s2, _ = strides
+    # Unrolled (host time on every call): per axis, extent 1 or a steppable stride.
+    return (shape[3], strides[3], batch, heads,
+            batch == 1 or (0 < s0 * elem_bytes < _TMA_MAX_STRIDE_BYTES and not s0 * elem_bytes % _TMA_ALIGN_BYTES),
+            n == 1 or (0 < s1 * elem_bytes < _TMA_MAX_STRIDE_BYTES and not s1 * elem_bytes % _TMA_ALIGN_BYTES),
+            heads == 1 or (0 < s2 * elem_bytes < _TMA_MAX_STRIDE_BYTES and not s2 * elem_bytes % _TMA_ALIGN_BYTES),
+            0 if n == 0 else 1 if n == 1 else 3 if n > _TMA_MAX_DIM else 2)
+
+
 def _signature(q, k, v, softmax_scale, causal) -> tuple | None:
-    """Everything ``validate``'s verdict depends on: the three tensors'
-    shapes, strides, dtypes, devices and data pointers' 16-byte alignment,
-    and the Python values (with their types: ``causal=1`` fails where
-    ``True`` passes, though the two are equal as keys). None where it cannot
-    be read (not tensors, sparse layouts): the checks then say what is wrong
-    (``validate`` also leaves unhashable Python values to them)."""
+    """Everything ``validate``'s verdict depends on: q's shape, strides,
+    dtype and device; k's and v's class (``_kv_class``), whether their
+    lengths agree, their dtypes and devices; the three data pointers'
+    16-byte alignment; and the Python values (with their types: ``causal=1``
+    fails where ``True`` passes, though the two are equal as keys). None
+    where it cannot be read (not tensors, too few dimensions, sparse
+    layouts): the checks then say what is wrong (``validate`` also leaves
+    unhashable Python values to them)."""
     try:
-        return (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-                q.device, k.device, v.device, q.data_ptr() % _TMA_ALIGN_BYTES, k.data_ptr() % _TMA_ALIGN_BYTES,
+        ks, vs, dtype = k.shape, v.shape, k.dtype
+        return (q.shape, q.stride(), q.dtype, dtype, v.dtype, q.device, k.device, v.device,
+                _kv_class(ks, k.stride(), dtype.itemsize), _kv_class(vs, v.stride(), dtype.itemsize),
+                ks[1] == vs[1], q.data_ptr() % _TMA_ALIGN_BYTES, k.data_ptr() % _TMA_ALIGN_BYTES,
                 v.data_ptr() % _TMA_ALIGN_BYTES, type(softmax_scale), softmax_scale, type(causal), causal)
-    except (AttributeError, RuntimeError, TypeError):
+    except (AttributeError, RuntimeError, TypeError, ValueError):
         return None
 
 

@@ -23,16 +23,20 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None):
     Returns ``(out, lse)`` when ``return_lse`` else ``out``.
 
     A call whose argument signature (``checks._signature``, the flags and
-    the window) was validated and launched directly before takes the call
-    prepared then (``plan.PreparedForward``): the checks and the plan are
-    what they were, so only the outputs are allocated and the kernels
-    launched. This is most of a decode step's host time."""
+    the window) was validated and launched directly before, with as many KV
+    tiles, takes the call prepared then (``plan.PreparedForward``): the
+    checks and the plan are what they were, so only the outputs are
+    allocated and the kernels launched. The signature leaves the key length
+    free, so a decode step's growing cache keeps its prepared call. This is
+    most of a decode step's host time."""
     key = checks._signature(q, k, v, softmax_scale, causal) if out is None else None
     if key is not None:
         key = (key, bool(return_lse), window)
         call = plan.prepared(key)
         if call is not None:
-            return call(q, k, v)
+            result = call(q, k, v)
+            if result is not None:
+                return result
     softmax_scale = checks.validate(q, k, v, softmax_scale, causal)
     return forward_validated(q, k, v, softmax_scale, causal, return_lse, out, window, prepare_key=key)
 
@@ -68,7 +72,7 @@ def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=Non
             direct = plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None,
                                          window=window)
         if direct is not None and prepare_key is not None and q.device.type == checks._PASSED_DEVICE_TYPE:
-            plan.remember_prepared(prepare_key, plan.PreparedForward(direct, q, softmax_scale, bool(return_lse)))
+            plan.remember_prepared(prepare_key, direct, q, seqlen_k, softmax_scale, bool(return_lse))
     return (out, lse) if return_lse else out
 
 

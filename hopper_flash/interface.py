@@ -28,7 +28,9 @@ def _needs_op(*tensors) -> bool:
     op, which torch.compile can trace and autograd knows about."""
     if torch.compiler.is_compiling():
         return True
-    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
+    if not torch.is_grad_enabled():  # inference: no per-tensor look (host time per call)
+        return False
+    return any(getattr(t, "requires_grad", False) for t in tensors)
 
 
 def _is_zero(x) -> bool:

@@ -23,8 +23,10 @@ calls the C launch function itself:
   address, shape, strides): the encoding is a pure function of those and of
   the kernel's box, swizzle and element type, which are fixed per compiled
   kernel, so a cached entry is exactly what a fresh encoding would give (a
-  decode loop passes the same cache tensors every step, and the caching
-  allocator hands the same addresses back for the per-call tensors);
+  static KV cache is passed again every step, and the caching allocator
+  hands the same addresses back for the per-call tensors; a growing cache
+  is a new tensor every step, so a miss costs only the encoding and the
+  arguments, with the kernel's part precomputed, ``_Direct.encode``);
 * with tensors passed as their addresses (Python ints), which both launch
   functions accept as they are. Callers pass only CUDA tensors that were
   validated already (``hopper_flash.checks``).
@@ -108,6 +110,9 @@ class _Direct:
         self.fill = fill
         self.host_dtypes = host_dtypes
         self.meta = meta
+        # Per descriptor slot, the encoder's arguments after the address that
+        # the compiled kernel fixes: swizzle, element size and type, box.
+        self.encode = [(m["swizzle"], m["elem_size"], host_dtypes[m["elem_type"]], m["block_size"]) for m in meta]
         self.new_convention = new_convention
         self.cooperative = run.launch_cooperative_grid
         self.pdl = run.launch_pdl
@@ -167,14 +172,16 @@ class KernelLaunch:
         self._tensor_slots: tuple[int, ...] | None = None
 
     def _descriptor_args(self, slot: int, t: torch.Tensor) -> tuple:
-        key = (slot, t.data_ptr(), t.shape, t.stride())
+        shape, strides, address = t.shape, t.stride(), t.data_ptr()
+        key = (slot, address, shape, strides)
         args = self._descriptors.get(key)
         if args is None:
-            d, m = self.direct, self.direct.meta[slot]
-            strides = tma_strides(t)
-            tensor_map = d.fill(t.data_ptr(), m["swizzle"], m["elem_size"], d.host_dtypes[m["elem_type"]],
-                                m["block_size"], list(t.shape), list(strides), 0)
-            args = (tensor_map, *t.shape, *strides)
+            # A miss is on every call's path too: a decode step's K/V move
+            # (a growing cache is a new tensor every step).
+            if 1 in shape[:-1]:
+                strides = tma_strides(t)
+            args = (self.direct.fill(address, *self.direct.encode[slot], list(shape), list(strides), 0),
+                    *shape, *strides)
             if len(self._descriptors) >= DESCRIPTOR_CACHE_LIMIT:
                 self._descriptors.clear()
             self._descriptors[key] = args

@@ -597,7 +597,7 @@ def _partials(lp: LaunchPlan, q) -> tuple[torch.Tensor, int]:
     D], then LSE [splits, B, H, Sq]. Returns it and O's element count."""
     batch, seqlen_q, nheads, head_dim = q.shape
     n_o = lp.num_splits * batch * seqlen_q * nheads * head_dim
-    return torch.empty(n_o + lp.num_splits * batch * nheads * seqlen_q, dtype=torch.float32, device=q.device), n_o
+    return q.new_empty(n_o + lp.num_splits * batch * nheads * seqlen_q, dtype=torch.float32), n_o
 
 
 def _partial_views(part: torch.Tensor, n_o: int, lp: LaunchPlan, q) -> tuple[torch.Tensor, torch.Tensor]:
@@ -667,7 +667,7 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
             _COMBINE_OF[_combine_key(lp, out, lse)] = combine
         return
     batch, seqlen_q, nheads, head_dim = q.shape
-    s_b, s_s, s_h = out.stride(0), out.stride(1), out.stride(2)
+    s_b, s_s, s_h, _ = out.stride()
     combine.launch_addresses((batch * seqlen_q * nheads, 1, 1), stream, (),
                              (o_part, lse_part, out_ptr, lse_ptr if lse_ptr is not None else lse_part,
                               lp.num_splits, batch, seqlen_q, nheads, s_b, s_s, s_h,
@@ -675,37 +675,51 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
 
 
 class PreparedForward:
-    """An eager ``flash_attn_func`` call prepared once per argument signature
-    (``dispatch.forward``: arguments with this signature passed
-    ``checks.validate`` and ``launch_forward`` took the direct path): per
-    call, allocate the outputs and run ``_launch_forward_direct`` with the
-    plan found then, skipping the checks and the plan lookup. It stands only
-    while what it was built from does (``usable``): the compiled-kernel table
-    (tests replace it to force the JIT), the kernel's direct launch, the
-    head dim's config (``use_variant``), and no profiler hook."""
+    """Eager ``flash_attn_func`` calls prepared once per argument signature
+    (``dispatch.forward``: arguments of this signature, ``checks._signature``,
+    passed ``checks.validate``): per call, allocate the outputs and run
+    ``_launch_forward_direct`` with a plan found before, skipping the checks
+    and the plan lookup. A signature leaves the key length free (a decode
+    step grows the cache by one key), and the plan depends on it through the
+    KV tile count only, so the plans are kept by that count (``add``, after a
+    direct launch): a call whose count has none returns None and takes the
+    full path, which adds it. It stands only while what it was built from
+    does (``usable``): the compiled-kernel table (tests replace it to force
+    the JIT), the head dim's config (``use_variant``), and no profiler hook;
+    and a plan only while its kernel's direct launch does."""
 
-    __slots__ = ("lp", "kernel", "table", "config", "head_dim", "softmax_scale", "out_shape", "dtype", "lse_shape")
+    __slots__ = ("table", "config", "head_dim", "block_n", "softmax_scale", "lse_shape", "launches")
 
-    def __init__(self, lp: LaunchPlan, q, softmax_scale: float, return_lse: bool):
-        self.lp, self.table = lp, _COMPILED
-        self.kernel = _COMPILED[lp.key]
+    def __init__(self, q, softmax_scale: float, return_lse: bool):
+        self.table = _COMPILED
         self.head_dim = q.shape[3]
         self.config = CONFIGS.get(self.head_dim)
+        self.block_n = self.config.block_n  # launch_forward counts KV tiles of the head dim's config
         self.softmax_scale = softmax_scale
-        self.out_shape, self.dtype = q.shape, q.dtype
         self.lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if return_lse else None
+        self.launches: dict[int, tuple[LaunchPlan, KernelLaunch]] = {}
+
+    def add(self, lp: LaunchPlan, seqlen_k: int) -> None:
+        """Keep ``lp`` (just launched directly) for key lengths of its KV tile count."""
+        if len(self.launches) >= _PREPARED_LIMIT:
+            self.launches.clear()
+        self.launches[-(-seqlen_k // self.block_n)] = (lp, self.table[lp.key])
 
     def usable(self) -> bool:
-        return (self.table is _COMPILED and FAST_LAUNCH and self.kernel.direct is not None
-                and CONFIGS.get(self.head_dim) is self.config and not _launch_hooked())
+        return (self.table is _COMPILED and FAST_LAUNCH and CONFIGS.get(self.head_dim) is self.config
+                and not _launch_hooked())
 
     def __call__(self, q, k, v):
-        device = q.device
-        out = torch.empty(self.out_shape, dtype=self.dtype, device=device)
-        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        seqlen_k = k.shape[1]
+        launch = self.launches.get(-(-seqlen_k // self.block_n))
+        if launch is None or launch[1].direct is None:
+            return None
+        # empty_like: half torch.empty's host time; q's layout is BSHD, not its memory order
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         with on_device(q):
-            _launch_forward_direct(self.kernel, self.lp, q, k, v, out, lse, self.softmax_scale, None, None, None,
-                                   k.shape[1], 0)
+            _launch_forward_direct(launch[1], launch[0], q, k, v, out, lse, self.softmax_scale, None, None, None,
+                                   seqlen_k, 0)
         return out if lse is None else (out, lse)
 
 
@@ -723,10 +737,15 @@ def prepared(key) -> PreparedForward | None:
     return call if call is not None and call.usable() else None
 
 
-def remember_prepared(key, call: PreparedForward) -> None:
-    if len(_PREPARED) >= _PREPARED_LIMIT:
-        _PREPARED.clear()
-    _PREPARED[key] = call
+def remember_prepared(key, lp: LaunchPlan, q, seqlen_k: int, softmax_scale: float, return_lse: bool) -> None:
+    """After a direct launch of ``lp`` on arguments of signature ``key``:
+    prepare the signature's calls for this key length's KV tile count."""
+    call = _PREPARED.get(key)
+    if call is None or not call.usable():
+        if len(_PREPARED) >= _PREPARED_LIMIT:
+            _PREPARED.clear()
+        call = _PREPARED[key] = PreparedForward(q, softmax_scale, return_lse)
+    call.add(lp, seqlen_k)
 
 
 def _item_counter(device: torch.device) -> torch.Tensor:

@@ -30,7 +30,9 @@ def build_model(layers: int, device: str, dtype: torch.dtype):
         hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=8,
         num_hidden_layers=layers, vocab_size=32000, max_position_embeddings=1 << 17, attention_dropout=0.0)
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    # Initialised on the device: 32 layers (Llama-2-7B's depth) take minutes on the host.
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(cfg).to(dtype=dtype).eval()
 
 
 @torch.inference_mode()

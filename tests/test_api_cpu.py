@@ -376,6 +376,46 @@ def test_a_remembered_signature_still_refuses_what_differs(remembered, change, e
         checks.validate(args["q"], args["k"], args["v"], args["softmax_scale"], args["causal"])
 
 
+def _head_major(length: int, pad: int = 0) -> torch.Tensor:
+    """k/v as transformers' KV cache holds them, [B, Hkv, length, D], seen as
+    BSHD: every stride but the head dim's depends on the length. ``pad``
+    elements after each head's keys (as_strided over a larger buffer)."""
+    per_head = length * D + pad
+    buf = torch.randn(B * H * per_head).to(BF16)
+    return buf.as_strided((B, length, H, D), (H * per_head, D, per_head, 1))
+
+
+def test_validate_remembers_a_class_of_key_lengths(remembered):
+    # A decode step grows the cache by one key: a new length, new strides,
+    # the same verdict (checks._kv_class). The checks run once for them all.
+    q = torch.randn(B, 1, H, D).to(BF16)
+    for length in (1000, 1001, 1002, 4097):
+        k, v = _head_major(length), _head_major(length)
+        assert checks.validate(q, k, v, None, True) == pytest.approx(1 / math.sqrt(D))
+    assert len(remembered) == 1
+    # Not the same class: k and v of different lengths, an empty cache, one key.
+    with pytest.raises(ValueError, match=r"^k and v must have the same shape"):
+        checks.validate(q, _head_major(1003), _head_major(1004), None, True)
+    for length in (0, 1):
+        checks.validate(q, _head_major(length), _head_major(length), None, True)
+    assert len(remembered) == 4
+    # A stride TMA cannot step (heads 1001 * 128 + 1 elements apart: not a
+    # multiple of 16 bytes) is refused, though the length's class passed.
+    with pytest.raises(ValueError, match=r"^k\.stride\(\d\) = \d+ elements .* cannot be addressed by TMA"):
+        checks.validate(q, _head_major(1001, pad=1), _head_major(1001), None, True)
+
+
+def test_kv_class_is_what_the_tma_rule_reads():
+    # checks._kv_class keeps, per axis, _tma_stride_problems' verdict: the
+    # two must agree on every layout (an extent-1 axis is never stepped).
+    for shape, strides in [((2, 5, 4, 128), (2560, 128, 640, 1)), ((1, 5, 4, 128), (7, 128, 640, 1)),
+                           ((2, 5, 4, 128), (2561, 128, 641, 1)), ((2, 5, 1, 128), (640, 128, 3, 1)),
+                           ((2, 1, 4, 128), (512, 3, 128, 1)), ((2, 5, 4, 128), (0, 128, 640, 1))]:
+        steppable = checks._kv_class(torch.Size(shape), strides, 2)[4:7]
+        _, other = checks._tma_stride_problems(shape, strides, 2)
+        assert all(steppable) == (other is None), (shape, strides)
+
+
 def test_validate_remembers_no_cpu_tensors(no_device_check, monkeypatch):
     # The shipped cache is for CUDA tensors only: a stubbed device check in a
     # CPU test must not leave a CPU signature passing for later tests.

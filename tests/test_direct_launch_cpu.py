@@ -232,6 +232,34 @@ def test_a_launched_signature_is_prepared_and_replayed(tagged, return_lse):
     assert combines[-1]["WRITE_LSE"] == return_lse
 
 
+def test_a_growing_cache_keeps_its_prepared_call(tagged):
+    # transformers' decode: k/v [B, Hkv, L, D] seen as BSHD, one key longer
+    # every step. The prepared call serves every length of one KV tile count
+    # (the plan depends on nothing else) with the length it is given; a new
+    # count takes the full path once.
+    q = torch.randn(2, 1, 8, 128).to(torch.bfloat16)
+    cache = torch.randn(2, 2, 8300, 128).to(torch.bfloat16)
+    block_n = plan.CONFIGS[128].block_n
+    lengths = [63 * block_n - 3, 63 * block_n - 2, 63 * block_n - 1, 63 * block_n, 63 * block_n + 1,
+               63 * block_n + 2]
+    paths = []
+    for length in lengths:
+        tagged.clear()
+        kv = cache[:, :, :length].transpose(1, 2)
+        dispatch.forward(q, kv, kv, None, True, False)
+        paths.append(_paths(tagged))
+        forward_launches = [entry[2] for entry in tagged if entry[:2] == ("direct", "forward")]
+        if forward_launches:
+            assert forward_launches[0][1] == length  # seqlen_k
+    assert paths[0] == ["validate", "jit", "jit"]
+    assert paths[1] == ["validate", "direct", "direct"]  # the class passed before: prepared now
+    assert paths[2] == paths[3] == ["direct", "direct"]
+    assert paths[4][0] == "validate"  # 64 tiles: the full path, once
+    assert paths[5] == ["direct", "direct"]
+    [call] = plan._PREPARED.values()
+    assert sorted(call.launches) == [63, 64]
+
+
 def test_a_prepared_call_never_skips_a_check_that_differs(tagged):
     q = torch.randn(2, 1, 8, 128).to(torch.bfloat16)
     k = torch.randn(2, 8192, 2, 128).to(torch.bfloat16)
