@@ -166,6 +166,7 @@ class KernelLaunch:
         self.packed_metadata = compiled.packed_metadata
         self.direct = direct_parts(compiled) if direct is True else (direct or None)
         self._descriptors: dict[tuple, tuple] = {}
+        self._layouts: dict[int, tuple] = {}
         # Positions of the tensor arguments in ``args``: taken from the first
         # direct call (every call site passes tensors in the same parameters;
         # anything else fails loudly, in ``data_ptr`` or in the C parser).
@@ -177,15 +178,25 @@ class KernelLaunch:
         args = self._descriptors.get(key)
         if args is None:
             # A miss is on every call's path too: a decode step's K/V move
-            # (a growing cache is a new tensor every step).
-            if 1 in shape[:-1]:
-                strides = tma_strides(t)
-            args = (self.direct.fill(address, *self.direct.encode[slot], list(shape), list(strides), 0),
-                    *shape, *strides)
+            # (a growing cache is a new tensor every step), in the same
+            # layout for every layer of the step (``_layouts``: the last per slot).
+            layout = self._layouts.get(slot)
+            if layout is None or layout[0] != shape or layout[1] != strides:
+                layout = self._layouts[slot] = self._layout(slot, t)
+            args = (self.direct.fill(address, *layout[2]), *layout[3])
             if len(self._descriptors) >= DESCRIPTOR_CACHE_LIMIT:
                 self._descriptors.clear()
             self._descriptors[key] = args
         return args
+
+    def _layout(self, slot: int, t: torch.Tensor) -> tuple:
+        """What a descriptor of ``slot`` takes from ``t`` but its address:
+        the shape and strides it was made for, the encoder's arguments after
+        the address (the kernel's box, swizzle and element type, the shape
+        and TMA strides), and the kernel arguments after the map."""
+        strides = tma_strides(t)
+        return (t.shape, t.stride(), (*self.direct.encode[slot], list(t.shape), list(strides), 0),
+                (*t.shape, *strides))
 
     def __call__(self, grid: tuple[int, int, int], stream: int, descs: tuple, args: tuple) -> None:
         """Launch on ``stream`` with kernel arguments ``(*descs, *args)``:

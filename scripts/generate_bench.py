@@ -79,6 +79,27 @@ def register_no_attention() -> None:
     AttentionMaskInterface.register("no_attention", lambda *args, **kwargs: None)
 
 
+def time_calls(impls) -> dict:
+    """Wrap each backend's registered attention function to record the host
+    time of every call (no sync: the time to enqueue, as the step meets it)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    times = {}
+    for impl in impls:
+        fn = ALL_ATTENTION_FUNCTIONS.get(impl)
+        if fn is None:
+            continue
+        record = times.setdefault(impl, [])
+
+        def timed(*args, _fn=fn, _record=record, **kwargs):
+            t0 = time.perf_counter()
+            result = _fn(*args, **kwargs)
+            _record.append(time.perf_counter() - t0)
+            return result
+        ALL_ATTENTION_FUNCTIONS._global_mapping[impl] = timed
+    return times
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=32768)
@@ -86,6 +107,9 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--backends", nargs="+", default=["sdpa", "eager", "hopper_flash"])
+    p.add_argument("--time-calls", action="store_true",
+                   help="also the host time of each attention call inside the timed steps (median per backend; "
+                        "not for eager, which transformers calls directly)")
     p.add_argument("--profile", action="store_true",
                    help="after the timing, a torch.profiler table of four steps per backend")
     args = p.parse_args(argv)
@@ -130,6 +154,7 @@ def main(argv=None) -> None:
     # generate call does.
     steady_first = sorted(first_visit[2:]) or first_visit
 
+    call_times = time_calls(args.backends) if args.time_calls else {}
     runs = decode(model, args.backends, cache, first, tokens, sync)
     ref = runs["sdpa"][0] if "sdpa" in runs else None
     print(f"context {args.context}, batch {args.batch}, {args.layers} layers, {args.steps} steps, "
@@ -145,6 +170,10 @@ def main(argv=None) -> None:
             diff = (a - b).abs().max().item()
             rel = ((a - b).norm() / b.norm()).item()
         print(f"{impl:>14} {sec * 1e3:9.3f} {diff:19.4f} {rel:12.3e}")
+    for impl, times in call_times.items():
+        steady = sorted(times[2 * args.layers:])  # after the two warm-up steps
+        print(f"{impl:>14} attention call inside a step: median {steady[len(steady) // 2] * 1e6:.1f} us host time "
+              f"({len(steady)} calls)")
     if args.profile:
         for impl in args.backends:
             profile_steps(model, impl, cache, first, tokens[:6], sync)
