@@ -14,9 +14,9 @@ argument that is wrong:
 ``validate`` runs all three, and remembers the CUDA argument signatures
 that passed them (``_signature``: everything the three read, the key
 length and K/V strides only by class, ``_kv_class``), so a model's repeated
-calls, and a decode loop's growing cache, skip them. This module imports only ``plan``; the public
-API (``interface``), the custom ops (``ops``) and the eager entry points
-(``dispatch``) sit above it.
+calls, and a decode loop's growing cache, skip them. This module imports
+only ``plan``; the public API (``interface``), the custom ops (``ops``) and
+the eager entry points (``dispatch``) sit above it.
 """
 from __future__ import annotations
 
