@@ -393,7 +393,11 @@ def choose_num_splits(tiles: int, n_blocks: int, sms: int) -> int:
     """Split count for ``tiles`` (query tile, head, batch) items over
     ``n_blocks`` KV tiles: none when the items (nearly) fill the GPU or the
     keys are few; else the smallest count whose wave efficiency is within
-    0.85 of the best."""
+    0.85 of the best (FA3's rule), raised, where that count runs in one
+    partial wave, to the most that still fit in one: a one-wave split
+    streams K/V at the rate of the SMs it occupies (B=1, 8 KV heads at
+    65536 keys: 16 splits on 128 SMs ran 2.5% faster than 15 on 120,
+    BENCHMARKS.md, seventeenth session)."""
     if tiles >= 0.8 * sms or n_blocks <= 4:
         return 1
     max_splits = min(128, sms, n_blocks)
@@ -402,7 +406,10 @@ def choose_num_splits(tiles: int, n_blocks: int, sms: int) -> int:
         waves = tiles * s / sms
         effs.append(waves / math.ceil(waves))
     best = max(effs)
-    return next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
+    splits = next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
+    if tiles * splits <= sms:
+        splits = max(splits, min(max_splits, sms // tiles))
+    return splits
 
 
 @lru_cache(maxsize=None)

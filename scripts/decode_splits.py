@@ -28,14 +28,24 @@ from hopper_flash import flash_attn_with_kvcache, plan
 from hopper_flash.bench.timing import cuda_graph_timer
 from hopper_flash.reference import check_kvcache, random_qkv
 
-# (batch, seqlen_k, split counts to time); 32 query heads on 8 KV heads, D=128, bf16.
+# (batch, seqlen_k, query heads, KV heads, split counts to time); D=128, bf16.
 ROWS = [
-    (8, 4096, [1, 2, 3, 4, 8]),
-    (8, 16384, [2, 3, 4, 8]),
-    (1, 65536, [8, 15, 16, 22, 33, 64]),
-    (64, 2048, [1, 2, 4]),
+    (8, 4096, 32, 8, [1, 2, 3, 4, 8]),
+    (8, 16384, 32, 8, [2, 3, 4, 8]),
+    (1, 65536, 32, 8, [8, 15, 16, 22, 33, 64]),
+    (64, 2048, 32, 8, [1, 2, 4]),
 ]
-H, HKV, D = 32, 8, 128
+# --fill: rows whose items fit one partial wave, at FA3's count and at the
+# fullest single wave (plan.choose_num_splits, twenty-third session): 8, 4,
+# 2 and 1 packed items (GQA groups of 4 and 8).
+FILL_ROWS = [
+    (1, 65536, 32, 8, [15, 16]),
+    (1, 65536, 16, 4, [29, 33]),
+    (1, 65536, 16, 2, [57, 66]),
+    (1, 65536, 8, 1, [109, 128]),
+    (1, 16384, 32, 8, [15, 16]),
+]
+D = 128
 SCALE = D ** -0.5
 
 
@@ -73,6 +83,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rep-ms", type=float, default=300)
     p.add_argument("--combine-cost", action="store_true")
+    p.add_argument("--fill", action="store_true", help="the single-wave rows (FILL_ROWS) instead")
     args = p.parse_args()
     timer = cuda_graph_timer(args.rep_ms)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, SMs {plan.sm_count()}")
@@ -80,11 +91,11 @@ def main() -> None:
         print(f"{'row':>16} {'full':>8} {'split only':>11} {'combine only':>13}  judged (us; cuDNN below)")
     else:
         print(f"{'row':>16} {'splits':>7} {'us':>8} {'K/V TB/s':>9}  judged")
-    for B, S, splits in ROWS:
-        q, k, v = random_qkv(B, 1, S, H, HKV, D, seed=B * S)
+    for B, S, H, HKV, splits in FILL_ROWS if args.fill else ROWS:
+        q, k, v = random_qkv(B, 1, S, H, HKV, D, seed=B * S + (HKV if args.fill else 0))
         lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
         kv_bytes = 2 * k.numel() * k.element_size()
-        name = f"B{B} Sk{S}"
+        name = f"B{B} Sk{S}" + (f" {H}/{HKV}" if args.fill else "")
 
         def call(s):
             return flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, softmax_scale=SCALE, causal=True,
