@@ -394,10 +394,7 @@ def choose_num_splits(tiles: int, n_blocks: int, sms: int) -> int:
     ``n_blocks`` KV tiles: none when the items (nearly) fill the GPU or the
     keys are few; else the smallest count whose wave efficiency is within
     0.85 of the best (FA3's rule), raised, where that count runs in one
-    partial wave, to the most that still fit in one: a one-wave split
-    streams K/V at the rate of the SMs it occupies (B=1, 8 KV heads at
-    65536 keys: 16 splits on 128 SMs ran 2.5% faster than 15 on 120,
-    BENCHMARKS.md, seventeenth session)."""
+    partial wave, to the most that still fit in one (``_fill_splits``)."""
     if tiles >= 0.8 * sms or n_blocks <= 4:
         return 1
     max_splits = min(128, sms, n_blocks)
@@ -407,9 +404,24 @@ def choose_num_splits(tiles: int, n_blocks: int, sms: int) -> int:
         effs.append(waves / math.ceil(waves))
     best = max(effs)
     splits = next(s for s, e in enumerate(effs, 1) if e >= 0.85 * best)
-    if tiles * splits <= sms:
-        splits = max(splits, min(max_splits, sms // tiles))
-    return splits
+    return max(splits, _fill_splits(tiles, n_blocks, sms, max_splits)) if tiles * splits <= sms else splits
+
+
+# KV tiles each split must keep for the single-wave fill (_fill_splits).
+FILL_MIN_TILES_PER_SPLIT = 16
+
+
+def _fill_splits(tiles: int, n_blocks: int, sms: int, max_splits: int) -> int:
+    """The most splits of ``tiles`` items that fit one wave, where each
+    split keeps at least ``FILL_MIN_TILES_PER_SPLIT`` KV tiles; else 0.
+    Timed on the H200 (BENCHMARKS.md, twenty-third session,
+    ``scripts/decode_splits.py --fill``): B=1, 8 KV heads at 65536 keys, 16
+    splits (32 tiles each, 128 SMs) ran 2.5% faster than FA3's 15 (120
+    SMs); where the splits were shorter (4 to 15 tiles: fewer heads, or
+    16384 keys) the fuller wave gained nothing, and at 4 tiles a split it
+    lost 4%."""
+    fill = min(max_splits, sms // tiles)
+    return fill if n_blocks >= FILL_MIN_TILES_PER_SPLIT * fill else 0
 
 
 @lru_cache(maxsize=None)

@@ -65,12 +65,14 @@ def test_split_heuristic_follows_wave_efficiency():
     assert plan.choose_num_splits(tiles=8, n_blocks=4, sms=132) == 1
     # B=8, Hkv=8, one packed tile each: 64 items -> 2 splits fill 128 of 132 SMs.
     assert plan.choose_num_splits(tiles=64, n_blocks=128, sms=132) == 2
-    # B=1: 8 items -> within 0.85 of the best wave efficiency, in one wave
-    # as full as it goes: 16 splits on 128 of 132 SMs (FA3's rule stops at 15).
+    # B=1: 8 items -> within 0.85 of the best wave efficiency (FA3's rule: 15
+    # splits on 120 SMs), then as full a single wave as keeps 16 KV tiles a
+    # split: 16 splits on 128 SMs at 512 tiles, FA3's 15 at 128 tiles.
     assert plan.choose_num_splits(tiles=8, n_blocks=512, sms=132) == 16
-    # One item: as many splits as fit (at most 128), or as the keys have tiles.
-    assert plan.choose_num_splits(tiles=1, n_blocks=512, sms=132) == 128
-    assert plan.choose_num_splits(tiles=1, n_blocks=40, sms=132) == 40
+    assert plan.choose_num_splits(tiles=8, n_blocks=128, sms=132) == 15
+    # One item: FA3's rule (109 splits) unless the keys fill 128 splits of 16 tiles.
+    assert plan.choose_num_splits(tiles=1, n_blocks=512, sms=132) == 109
+    assert plan.choose_num_splits(tiles=1, n_blocks=2048, sms=132) == 128
     # 20 items: 6 splits (120 CTAs) is already the fullest single wave.
     assert plan.choose_num_splits(tiles=20, n_blocks=512, sms=132) == 6
     # Past one wave the rule is FA3's: 50 items -> 5 splits (1.9 waves).
