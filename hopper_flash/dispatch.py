@@ -29,15 +29,16 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None):
     allocated and the kernels launched. The signature leaves the key length
     free, so a decode step's growing cache keeps its prepared call. This is
     most of a decode step's host time."""
-    key = checks._signature(q, k, v, softmax_scale, causal) if out is None else None
-    if key is not None:
-        key = (key, bool(return_lse), window)
+    signature = checks._signature(q, k, v, softmax_scale, causal)
+    key = None
+    if signature is not None and out is None:
+        key = (signature, bool(return_lse), window)
         call = plan.prepared(key)
         if call is not None:
             result = call(q, k, v)
             if result is not None:
                 return result
-    softmax_scale = checks.validate(q, k, v, softmax_scale, causal)
+    softmax_scale = checks.validate(q, k, v, softmax_scale, causal, signature)
     return forward_validated(q, k, v, softmax_scale, causal, return_lse, out, window, prepare_key=key)
 
 

@@ -686,10 +686,8 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
             _COMBINE_OF[_combine_key(lp, out, lse)] = combine
         return
     batch, seqlen_q, nheads, head_dim = q.shape
-    s_b, s_s, s_h, _ = out.stride()
     combine.launch_addresses((batch * seqlen_q * nheads, 1, 1), stream, (),
-                             (o_part, lse_part, out_ptr, lse_ptr if lse_ptr is not None else lse_part,
-                              lp.num_splits, batch, seqlen_q, nheads, s_b, s_s, s_h,
+                             (*_combine_args(o_part, lse_part, out_ptr, lse_ptr, lp.num_splits, q.shape, out.stride()),
                               *_combine_constexprs(head_dim, lp.num_splits, lse is not None).values()))
 
 
@@ -722,7 +720,7 @@ class PreparedForward:
         """Keep ``lp`` (just launched directly) for key lengths of its KV tile count."""
         if len(self.launches) >= _PREPARED_LIMIT:
             self.launches.clear()
-        self.launches[-(-seqlen_k // self.block_n)] = (lp, self.table[lp.key])
+        self.launches[triton_cdiv(seqlen_k, self.block_n)] = (lp, self.table[lp.key])
 
     def usable(self) -> bool:
         return (self.table is _COMPILED and FAST_LAUNCH and CONFIGS.get(self.head_dim) is self.config
@@ -730,7 +728,7 @@ class PreparedForward:
 
     def __call__(self, q, k, v):
         seqlen_k = k.shape[1]
-        launch = self.launches.get(-(-seqlen_k // self.block_n))
+        launch = self.launches.get(triton_cdiv(seqlen_k, self.block_n))
         if launch is None or launch[1].direct is None:
             return None
         # empty_like: half torch.empty's host time; q's layout is BSHD, not its memory order
@@ -811,12 +809,20 @@ def launch_combine(o_part, lse_part, out, lse) -> KernelLaunch:
     from .kernels.combine import combine_kernel
 
     num_splits, batch, seqlen_q, nheads, head_dim = o_part.shape
-    lse_arg = lse if lse is not None else lse_part
-    args = (o_part, lse_part, out, lse_arg, num_splits, batch, seqlen_q, nheads,
-            out.stride(0), out.stride(1), out.stride(2))
+    args = _combine_args(o_part, lse_part, out, lse, num_splits, out.shape, out.stride())
     return launch_triton(combine_kernel, (batch * seqlen_q * nheads, 1, 1), args,
                          _combine_constexprs(head_dim, num_splits, lse is not None),
                          num_warps=1 if head_dim <= 128 else 2)
+
+
+def _combine_args(o_part, lse_part, out, lse, num_splits: int, out_shape, out_strides) -> tuple:
+    """``combine_kernel``'s arguments before its constexprs (tensors, or
+    addresses on the direct path): the LSE goes to ``lse``, or (not asked
+    for) to the partials' own slot. The one statement of their order
+    (``launch_combine``, ``_launch_forward_direct``)."""
+    batch, seqlen_q, nheads, _ = out_shape
+    return (o_part, lse_part, out, lse if lse is not None else lse_part, num_splits, batch, seqlen_q, nheads,
+            out_strides[0], out_strides[1], out_strides[2])
 
 
 @lru_cache(maxsize=None)
