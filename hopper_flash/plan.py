@@ -611,12 +611,19 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     return None
 
 
-def _partials(lp: LaunchPlan, q) -> tuple[torch.Tensor, int]:
-    """A split launch's partials, one allocation: fp32 O [splits, B, Sq, H,
-    D], then LSE [splits, B, H, Sq]. Returns it and O's element count."""
+def _partials_size(lp: LaunchPlan, q) -> tuple[int, int]:
+    """A split launch's partials' element counts: fp32 O [splits, B, Sq, H,
+    D], then LSE [splits, B, H, Sq], in one allocation. Returns O's and the
+    whole's."""
     batch, seqlen_q, nheads, head_dim = q.shape
     n_o = lp.num_splits * batch * seqlen_q * nheads * head_dim
-    return q.new_empty(n_o + lp.num_splits * batch * nheads * seqlen_q, dtype=torch.float32), n_o
+    return n_o, n_o + lp.num_splits * batch * nheads * seqlen_q
+
+
+def _partials(lp: LaunchPlan, q) -> tuple[torch.Tensor, int]:
+    """A split launch's partials (``_partials_size``), and O's element count."""
+    n_o, n_part = _partials_size(lp, q)
+    return q.new_empty(n_part, dtype=torch.float32), n_o
 
 
 def _partial_views(part: torch.Tensor, n_o: int, lp: LaunchPlan, q) -> tuple[torch.Tensor, torch.Tensor]:
@@ -720,7 +727,7 @@ class _PreparedLaunch:
     rebuilding the same arguments every call."""
 
     __slots__ = ("lp", "kernel", "combine", "template", "slots", "combine_grid", "combine_template",
-                 "combine_slots")
+                 "combine_slots", "n_o", "n_part")
 
     def __init__(self, lp: LaunchPlan, kernel: KernelLaunch, combine: KernelLaunch | None, q, nheads_kv: int,
                  softmax_scale: float, return_lse: bool):
@@ -734,6 +741,7 @@ class _PreparedLaunch:
         self.slots = _slots(self.template)
         if split:
             batch, seqlen_q, nheads, head_dim = q.shape
+            self.n_o, self.n_part = _partials_size(lp, q)
             # Prepared calls allocate out contiguous (PreparedForward.__call__).
             strides = (seqlen_q * nheads * head_dim, nheads * head_dim, head_dim, 1)
             self.combine_grid = (batch * seqlen_q * nheads, 1, 1)
@@ -746,9 +754,9 @@ class _PreparedLaunch:
         stream = driver.active.get_current_stream(q.device.index)
         out_ptr = out.data_ptr()
         if self.combine is not None:
-            part, n_o = _partials(lp, q)
+            part = q.new_empty(self.n_part, dtype=torch.float32)
             o_part = part.data_ptr()
-            lse_part = o_part + 4 * n_o
+            lse_part = o_part + 4 * self.n_o
         else:
             o_part = lse_part = out_ptr
         values = (out_ptr, lse.data_ptr() if lse is not None else None, o_part, lse_part, seqlen_k,
