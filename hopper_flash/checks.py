@@ -195,6 +195,13 @@ def check_device(t: torch.Tensor, name: str = "q") -> None:
                          f"'{torch.cuda.get_device_name(t.device)}' with compute capability {major}.{minor}")
 
 
+def _steppable(stride_bytes: int) -> bool:
+    """TMA can step an axis by this stride: positive, a multiple of 16 bytes,
+    below 2**40 bytes. The one statement of the rule
+    (``_tma_stride_problems``, ``_kv_class``)."""
+    return 0 < stride_bytes < _TMA_MAX_STRIDE_BYTES and not stride_bytes % _TMA_ALIGN_BYTES
+
+
 @lru_cache(maxsize=4096)
 def _tma_stride_problems(shape: tuple[int, ...], strides: tuple[int, ...],
                          elem_bytes: int) -> tuple[str | None, str | None]:
@@ -212,7 +219,7 @@ def _tma_stride_problems(shape: tuple[int, ...], strides: tuple[int, ...],
         if shape[dim] == 1:
             continue
         stride_bytes = strides[dim] * elem_bytes
-        if stride_bytes <= 0 or stride_bytes % _TMA_ALIGN_BYTES or stride_bytes >= _TMA_MAX_STRIDE_BYTES:
+        if not _steppable(stride_bytes):
             what = ("an expanded (stride 0) axis: pass the unexpanded tensor; k/v with fewer heads than q are "
                     "read natively (GQA/MQA)") if stride_bytes == 0 else (
                         f"strides must be positive multiples of {_TMA_ALIGN_BYTES} bytes below 2**40 bytes; "
@@ -270,11 +277,8 @@ def _kv_class(shape, strides, elem_bytes: int) -> tuple:
     prepared call (``plan.PreparedForward``) serves the whole class."""
     batch, n, heads, _ = shape  # not 4-D: a ValueError, and no signature
     s0, s1, s2, _ = strides
-    # Unrolled (host time on every call): per axis, extent 1 or a steppable stride.
-    return (shape[3], strides[3], batch, heads,
-            batch == 1 or (0 < s0 * elem_bytes < _TMA_MAX_STRIDE_BYTES and not s0 * elem_bytes % _TMA_ALIGN_BYTES),
-            n == 1 or (0 < s1 * elem_bytes < _TMA_MAX_STRIDE_BYTES and not s1 * elem_bytes % _TMA_ALIGN_BYTES),
-            heads == 1 or (0 < s2 * elem_bytes < _TMA_MAX_STRIDE_BYTES and not s2 * elem_bytes % _TMA_ALIGN_BYTES),
+    return (shape[3], strides[3], batch, heads, batch == 1 or _steppable(s0 * elem_bytes),
+            n == 1 or _steppable(s1 * elem_bytes), heads == 1 or _steppable(s2 * elem_bytes),
             0 if n == 0 else 1 if n == 1 else 3 if n > _TMA_MAX_DIM else 2)
 
 
@@ -288,22 +292,26 @@ def _signature(q, k, v, softmax_scale, causal) -> tuple | None:
     layouts): the checks then say what is wrong (``validate`` also leaves
     unhashable Python values to them)."""
     try:
-        ks, vs, dtype = k.shape, v.shape, k.dtype
-        return (q.shape, q.stride(), q.dtype, dtype, v.dtype, q.device, k.device, v.device,
-                _kv_class(ks, k.stride(), dtype.itemsize), _kv_class(vs, v.stride(), dtype.itemsize),
+        ks, vs, kst, vst, dtype = k.shape, v.shape, k.stride(), v.stride(), k.dtype
+        k_class = _kv_class(ks, kst, dtype.itemsize)
+        # v laid out as k (transformers' caches, flash-attn's): one class, read once
+        v_class = k_class if vs == ks and vst == kst else _kv_class(vs, vst, dtype.itemsize)
+        return (q.shape, q.stride(), q.dtype, dtype, v.dtype, q.device, k.device, v.device, k_class, v_class,
                 ks[1] == vs[1], q.data_ptr() % _TMA_ALIGN_BYTES, k.data_ptr() % _TMA_ALIGN_BYTES,
                 v.data_ptr() % _TMA_ALIGN_BYTES, type(softmax_scale), softmax_scale, type(causal), causal)
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return None
 
 
-def validate(q, k, v, softmax_scale, causal) -> float:
+def validate(q, k, v, softmax_scale, causal, key=None) -> float:
     """All checks of the forward's arguments, in order; returns the softmax scale.
 
     A signature that passed once (``_signature``: the checks read nothing
     else) passes again without the checks: this is host time on every
-    eager call, and a model's layers repeat a few signatures."""
-    key = _signature(q, k, v, softmax_scale, causal)
+    eager call, and a model's layers repeat a few signatures. ``key``: the
+    arguments' ``_signature``, where the caller has it already."""
+    if key is None:
+        key = _signature(q, k, v, softmax_scale, causal)
     try:
         scale = _PASSED.get(key)
     except TypeError:  # an unhashable softmax_scale or causal: the checks name it

@@ -29,12 +29,13 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None):
     allocated and the kernels launched. The signature leaves the key length
     free, so a decode step's growing cache keeps its prepared call. This is
     most of a decode step's host time."""
-    key = None
+    key = signature = None
     if out is None:
         result, key = prepared_forward(q, k, v, softmax_scale, causal, return_lse, window)
         if result is not None:
             return result
-    softmax_scale = checks.validate(q, k, v, softmax_scale, causal)
+        signature = key[0] if key is not None else None  # validate's key: computed once
+    softmax_scale = checks.validate(q, k, v, softmax_scale, causal, signature)
     return forward_validated(q, k, v, softmax_scale, causal, return_lse, out, window, prepare_key=key)
 
 

@@ -814,7 +814,7 @@ class PreparedForward:
                 return
         if len(self.launches) >= _PREPARED_LIMIT:
             self.launches.clear()
-        self.launches[-(-k.shape[1] // self.block_n)] = _PreparedLaunch(
+        self.launches[triton_cdiv(k.shape[1], self.block_n)] = _PreparedLaunch(
             lp, self.table[lp.key], combine, q, k.shape[2], self.softmax_scale, self.return_lse)
 
     def usable(self) -> bool:
@@ -823,7 +823,7 @@ class PreparedForward:
 
     def __call__(self, q, k, v):
         seqlen_k = k.shape[1]
-        launch = self.launches.get(-(-seqlen_k // self.block_n))
+        launch = self.launches.get(triton_cdiv(seqlen_k, self.block_n))
         if launch is None or launch.kernel.direct is None:
             return None
         # empty_like: half torch.empty's host time; q's layout is BSHD, not its memory order
@@ -913,7 +913,8 @@ def launch_combine(o_part, lse_part, out, lse) -> KernelLaunch:
 def _combine_args(o_part, lse_part, out, lse, num_splits: int, out_shape, out_strides) -> tuple:
     """``combine_kernel``'s arguments before its constexprs (tensors, or
     addresses on the direct path): the LSE goes to ``lse``, or (not asked
-    for) to the partials' own slot. The one statement of their order."""
+    for) to the partials' own slot. The one statement of their order
+    (``launch_combine``, ``_launch_forward_direct``, ``_PreparedLaunch``)."""
     batch, seqlen_q, nheads, _ = out_shape
     return (o_part, lse_part, out, lse if lse is not None else lse_part, num_splits, batch, seqlen_q, nheads,
             out_strides[0], out_strides[1], out_strides[2])
