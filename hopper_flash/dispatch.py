@@ -29,17 +29,28 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None):
     allocated and the kernels launched. The signature leaves the key length
     free, so a decode step's growing cache keeps its prepared call. This is
     most of a decode step's host time."""
-    signature = checks._signature(q, k, v, softmax_scale, causal)
-    key = None
-    if signature is not None and out is None:
-        key = (signature, bool(return_lse), window)
-        call = plan.prepared(key)
-        if call is not None:
-            result = call(q, k, v)
-            if result is not None:
-                return result
+    key = signature = None
+    if out is None:
+        result, key = prepared_forward(q, k, v, softmax_scale, causal, return_lse, window)
+        if result is not None:
+            return result
+        signature = key[0] if key is not None else None  # validate's key: computed once
     softmax_scale = checks.validate(q, k, v, softmax_scale, causal, signature)
     return forward_validated(q, k, v, softmax_scale, causal, return_lse, out, window, prepare_key=key)
+
+
+def prepared_forward(q, k, v, softmax_scale, causal, return_lse, window=None):
+    """``forward``'s prepared call alone: ``(result, key)``, the result None
+    where these arguments' signature has no prepared call for their KV tile
+    count (the key, None where there is no signature, is what the full path
+    prepares under). For a caller that has already done ``flash_attn_func``'s
+    part (the transformers backend's decode step)."""
+    key = checks._signature(q, k, v, softmax_scale, causal)
+    if key is None:
+        return None, None
+    key = (key, bool(return_lse), window)
+    call = plan.prepared(key)
+    return (call(q, k, v) if call is not None else None), key
 
 
 def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=None, window=None, prepare_key=None):
@@ -73,7 +84,7 @@ def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=Non
             direct = plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None,
                                          window=window)
         if direct is not None and prepare_key is not None and q.device.type == checks._PASSED_DEVICE_TYPE:
-            plan.remember_prepared(prepare_key, direct, q, seqlen_k, softmax_scale, bool(return_lse))
+            plan.remember_prepared(prepare_key, direct, q, k, out, lse, softmax_scale)
     return (out, lse) if return_lse else out
 
 

@@ -226,6 +226,13 @@ class KernelLaunch:
         for slot, t in enumerate(descs):
             flat.extend(self._descriptor_args(slot, t))
         flat.extend(args)
+        self.launch_flat(grid, stream, flat)
+
+    def launch_flat(self, grid: tuple[int, int, int], stream: int, flat: list) -> None:
+        """Launch with the kernel's arguments flattened as the C launch
+        function takes them: each descriptor's encoded arguments
+        (``_descriptor_args``), then the rest, pointers as addresses. For a
+        caller that keeps the flattened list as a template (``plan.PreparedForward``)."""
         d = self.direct
         if d.new_convention:
             d.c_launch(grid[0], grid[1], grid[2], stream, self.function, d.cooperative, d.pdl, self.packed_metadata,

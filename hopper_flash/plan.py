@@ -611,12 +611,19 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     return None
 
 
-def _partials(lp: LaunchPlan, q) -> tuple[torch.Tensor, int]:
-    """A split launch's partials, one allocation: fp32 O [splits, B, Sq, H,
-    D], then LSE [splits, B, H, Sq]. Returns it and O's element count."""
+def _partials_size(lp: LaunchPlan, q) -> tuple[int, int]:
+    """A split launch's partials' element counts: fp32 O [splits, B, Sq, H,
+    D], then LSE [splits, B, H, Sq], in one allocation. Returns O's and the
+    whole's."""
     batch, seqlen_q, nheads, head_dim = q.shape
     n_o = lp.num_splits * batch * seqlen_q * nheads * head_dim
-    return q.new_empty(n_o + lp.num_splits * batch * nheads * seqlen_q, dtype=torch.float32), n_o
+    return n_o, n_o + lp.num_splits * batch * nheads * seqlen_q
+
+
+def _partials(lp: LaunchPlan, q) -> tuple[torch.Tensor, int]:
+    """A split launch's partials (``_partials_size``), and O's element count."""
+    n_o, n_part = _partials_size(lp, q)
+    return q.new_empty(n_part, dtype=torch.float32), n_o
 
 
 def _partial_views(part: torch.Tensor, n_o: int, lp: LaunchPlan, q) -> tuple[torch.Tensor, torch.Tensor]:
@@ -691,21 +698,99 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
                               *_combine_constexprs(head_dim, lp.num_splits, lse is not None).values()))
 
 
+class _Slot:
+    """A per-call value's place in a prepared launch's argument template."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+# The per-call values a prepared launch patches into its templates, in the
+# order of ``_PreparedLaunch.__call__``'s ``values``.
+_OUT, _LSE, _O_PART, _LSE_PART, _SEQLEN_K, _SCHED = (_Slot(i) for i in range(6))
+
+
+def _slots(template) -> tuple[tuple[int, int], ...]:
+    return tuple((i, a.index) for i, a in enumerate(template) if isinstance(a, _Slot))
+
+
+class _PreparedLaunch:
+    """One KV tile count's launches for a prepared call: the forward kernel's
+    and (split-KV) the combine's arguments after the descriptors, built once
+    by ``_kernel_args`` and ``_combine_args`` (the one statement of their
+    order) with ``_Slot`` placeholders where a call's own values go (its
+    output, LSE, partials, key length, item counter). A call copies the
+    templates, patches those in and hands the lists to the C launch
+    function: the direct launch of ``_launch_forward_direct`` without
+    rebuilding the same arguments every call."""
+
+    __slots__ = ("lp", "kernel", "combine", "template", "slots", "combine_grid", "combine_template",
+                 "combine_slots", "n_o", "n_part")
+
+    def __init__(self, lp: LaunchPlan, kernel: KernelLaunch, combine: KernelLaunch | None, q, nheads_kv: int,
+                 softmax_scale: float, return_lse: bool):
+        self.lp, self.kernel, self.combine = lp, kernel, combine
+        lse = _LSE if return_lse else None
+        split = lp.mode.split
+        args = _kernel_args(lp, q, _SEQLEN_K, nheads_kv, softmax_scale, _OUT, lse, None, None, None, 0,
+                            _O_PART if split else _OUT, _LSE_PART if split else _OUT,
+                            _SCHED if lp.mode.dynamic else None)
+        self.template = [*args, *lp.constexpr_values]
+        self.slots = _slots(self.template)
+        if split:
+            batch, seqlen_q, nheads, head_dim = q.shape
+            self.n_o, self.n_part = _partials_size(lp, q)
+            # Prepared calls allocate out contiguous (PreparedForward.__call__).
+            strides = (seqlen_q * nheads * head_dim, nheads * head_dim, head_dim, 1)
+            self.combine_grid = (batch * seqlen_q * nheads, 1, 1)
+            self.combine_template = [*_combine_args(_O_PART, _LSE_PART, _OUT, lse, lp.num_splits, q.shape, strides),
+                                     *_combine_constexprs(head_dim, lp.num_splits, return_lse).values()]
+            self.combine_slots = _slots(self.combine_template)
+
+    def __call__(self, q, k, v, out, lse, seqlen_k: int) -> None:
+        kernel, lp = self.kernel, self.lp
+        stream = driver.active.get_current_stream(q.device.index)
+        out_ptr = out.data_ptr()
+        if self.combine is not None:
+            part = q.new_empty(self.n_part, dtype=torch.float32)
+            o_part = part.data_ptr()
+            lse_part = o_part + 4 * self.n_o
+        else:
+            o_part = lse_part = out_ptr
+        values = (out_ptr, lse.data_ptr() if lse is not None else None, o_part, lse_part, seqlen_k,
+                  _item_counter(q.device).data_ptr() if lp.mode.dynamic else None)
+        flat = [*kernel._descriptor_args(0, q), *kernel._descriptor_args(1, k), *kernel._descriptor_args(2, v),
+                *kernel._descriptor_args(3, out)]
+        base = len(flat)
+        flat.extend(self.template)
+        for i, which in self.slots:
+            flat[base + i] = values[which]
+        kernel.launch_flat((lp.n_ctas, 1, 1), stream, flat)
+        if self.combine is not None:
+            flat = list(self.combine_template)
+            for i, which in self.combine_slots:
+                flat[i] = values[which]
+            self.combine.launch_flat(self.combine_grid, stream, flat)
+
+
 class PreparedForward:
     """Eager ``flash_attn_func`` calls prepared once per argument signature
     (``dispatch.forward``: arguments of this signature, ``checks._signature``,
-    passed ``checks.validate``): per call, allocate the outputs and run
-    ``_launch_forward_direct`` with a plan found before, skipping the checks
-    and the plan lookup. A signature leaves the key length free (a decode
-    step grows the cache by one key), and the plan depends on it through the
-    KV tile count only, so the plans are kept by that count (``add``, after a
-    direct launch): a call whose count has none returns None and takes the
-    full path, which adds it. It stands only while what it was built from
-    does (``usable``): the compiled-kernel table (tests replace it to force
-    the JIT), the head dim's config (``use_variant``), and no profiler hook;
-    and a plan only while its kernel's direct launch does."""
+    passed ``checks.validate``): per call, allocate the outputs and launch
+    with a plan found before (``_PreparedLaunch``), skipping the checks, the
+    plan lookup and the argument building. A signature leaves the key length
+    free (a decode step grows the cache by one key), and the plan depends on
+    it through the KV tile count only, so the launches are kept by that
+    count (``add``, after a direct launch): a call whose count has none
+    returns None and takes the full path, which adds it. It stands only
+    while what it was built from does (``usable``): the compiled-kernel
+    table (tests replace it to force the JIT), the head dim's config
+    (``use_variant``), and no profiler hook; and a launch only while its
+    kernels' direct launches do."""
 
-    __slots__ = ("table", "config", "head_dim", "block_n", "softmax_scale", "lse_shape", "launches")
+    __slots__ = ("table", "config", "head_dim", "block_n", "softmax_scale", "return_lse", "lse_shape", "launches")
 
     def __init__(self, q, softmax_scale: float, return_lse: bool):
         self.table = _COMPILED
@@ -713,14 +798,24 @@ class PreparedForward:
         self.config = CONFIGS.get(self.head_dim)
         self.block_n = self.config.block_n  # launch_forward counts KV tiles of the head dim's config
         self.softmax_scale = softmax_scale
+        self.return_lse = return_lse
         self.lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if return_lse else None
-        self.launches: dict[int, tuple[LaunchPlan, KernelLaunch]] = {}
+        self.launches: dict[int, _PreparedLaunch] = {}
 
-    def add(self, lp: LaunchPlan, seqlen_k: int) -> None:
-        """Keep ``lp`` (just launched directly) for key lengths of its KV tile count."""
+    def add(self, lp: LaunchPlan, q, k, out, lse) -> None:
+        """Prepare the launches of ``lp``, just launched directly on these
+        arguments (``out`` and ``lse`` fresh, as a prepared call's are), for
+        key lengths of its KV tile count; not while a split's combine has no
+        direct launch yet (the next full call gives it one)."""
+        combine = None
+        if lp.mode.split:
+            combine = _COMBINE_OF.get(_combine_key(lp, out, lse))
+            if combine is None or combine.direct is None:
+                return
         if len(self.launches) >= _PREPARED_LIMIT:
             self.launches.clear()
-        self.launches[triton_cdiv(seqlen_k, self.block_n)] = (lp, self.table[lp.key])
+        self.launches[triton_cdiv(k.shape[1], self.block_n)] = _PreparedLaunch(
+            lp, self.table[lp.key], combine, q, k.shape[2], self.softmax_scale, self.return_lse)
 
     def usable(self) -> bool:
         return (self.table is _COMPILED and FAST_LAUNCH and CONFIGS.get(self.head_dim) is self.config
@@ -729,14 +824,13 @@ class PreparedForward:
     def __call__(self, q, k, v):
         seqlen_k = k.shape[1]
         launch = self.launches.get(triton_cdiv(seqlen_k, self.block_n))
-        if launch is None or launch[1].direct is None:
+        if launch is None or launch.kernel.direct is None:
             return None
         # empty_like: half torch.empty's host time; q's layout is BSHD, not its memory order
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         with on_device(q):
-            _launch_forward_direct(launch[1], launch[0], q, k, v, out, lse, self.softmax_scale, None, None, None,
-                                   seqlen_k, 0)
+            launch(q, k, v, out, lse, seqlen_k)
         return out if lse is None else (out, lse)
 
 
@@ -754,15 +848,16 @@ def prepared(key) -> PreparedForward | None:
     return call if call is not None and call.usable() else None
 
 
-def remember_prepared(key, lp: LaunchPlan, q, seqlen_k: int, softmax_scale: float, return_lse: bool) -> None:
-    """After a direct launch of ``lp`` on arguments of signature ``key``:
-    prepare the signature's calls for this key length's KV tile count."""
+def remember_prepared(key, lp: LaunchPlan, q, k, out, lse, softmax_scale: float) -> None:
+    """After a direct launch of ``lp`` on arguments of signature ``key``
+    (``out`` and ``lse`` allocated for the call): prepare the signature's
+    calls for this key length's KV tile count."""
     call = _PREPARED.get(key)
     if call is None or not call.usable():
         if len(_PREPARED) >= _PREPARED_LIMIT:
             _PREPARED.clear()
-        call = _PREPARED[key] = PreparedForward(q, softmax_scale, return_lse)
-    call.add(lp, seqlen_k)
+        call = _PREPARED[key] = PreparedForward(q, softmax_scale, lse is not None)
+    call.add(lp, q, k, out, lse)
 
 
 def _item_counter(device: torch.device) -> torch.Tensor:
@@ -819,7 +914,7 @@ def _combine_args(o_part, lse_part, out, lse, num_splits: int, out_shape, out_st
     """``combine_kernel``'s arguments before its constexprs (tensors, or
     addresses on the direct path): the LSE goes to ``lse``, or (not asked
     for) to the partials' own slot. The one statement of their order
-    (``launch_combine``, ``_launch_forward_direct``)."""
+    (``launch_combine``, ``_launch_forward_direct``, ``_PreparedLaunch``)."""
     batch, seqlen_q, nheads, _ = out_shape
     return (o_part, lse_part, out, lse if lse is not None else lse_part, num_splits, batch, seqlen_q, nheads,
             out_strides[0], out_strides[1], out_strides[2])

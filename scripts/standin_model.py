@@ -16,8 +16,9 @@ time. Beside ``hopper_flash``:
   partials allocated, two launches of the stub, their addresses): the cost
   a Python launch path cannot go under;
 * ``launch_only``: the floor plus ``plan._launch_forward_direct`` on the
-  prepared plan (descriptors, arguments, the combine): what the checks,
-  the signature and the API layers add is ``hopper_flash`` minus this.
+  prepared plan (descriptors, arguments, the combine), the full path's
+  launch: what the prepared call's templates save is this minus
+  ``hopper_flash``'s launch.
 
     python scripts/standin_model.py [LAYERS] [--steps N]
 
@@ -73,7 +74,8 @@ def main() -> None:
     def launch_only(module, query, key, value, attention_mask, scaling=None, **kwargs):
         q, k, v = transposed(query, key, value)
         prepared = list(plan._PREPARED.values())[-1]  # hopper_flash's, from its round before
-        lp, kernel = prepared.launches[-(-k.shape[1] // prepared.block_n)]
+        launch = prepared.launches[-(-k.shape[1] // prepared.block_n)]
+        lp, kernel = launch.lp, launch.kernel
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         plan._launch_forward_direct(kernel, lp, q, k, v, out, None, scaling, None, None, None, k.shape[1], 0)
         return out, None

@@ -260,6 +260,65 @@ def test_a_growing_cache_keeps_its_prepared_call(tagged):
     assert sorted(call.launches) == [63, 64]
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_a_prepared_launch_hands_over_what_the_direct_launch_does(fakes, monkeypatch, return_lse):
+    # The prepared call's templates (plan._PreparedLaunch) against
+    # _launch_forward_direct on the same tensors: the same flattened
+    # arguments for both kernels, but for the call's own output, LSE and
+    # partials, which are where the direct launch puts its own.
+    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
+    monkeypatch.setattr(checks, "_PASSED", {})
+    monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(plan, "_PREPARED", {})
+    monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
+    q = torch.randn(2, 1, 8, 128).to(torch.bfloat16)
+    k = torch.randn(2, 8192, 2, 128).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    dispatch.forward(q, k, v, 0.1, True, return_lse)  # compiles (JIT stand-ins)
+    [key] = plan._COMPILED
+    [c_key] = plan._COMBINE_OF
+    calls, c_calls = [], []
+    plan._COMPILED[key] = _recording_launch(calls, 4)
+    plan._COMBINE_OF[c_key] = _recording_launch(c_calls, 0)
+    outs = [dispatch.forward(q, k, v, 0.1, True, return_lse) for _ in range(2)]  # direct, then prepared
+    assert len(plan._PREPARED) == 1 and len(calls) == len(c_calls) == 2
+
+    def own(i):
+        out, lse = outs[i] if return_lse else (outs[i], None)
+        o_part = c_calls[i][0]
+        return {out.data_ptr(): "out", o_part: "o_part", c_calls[i][1]: "lse_part",
+                **({lse.data_ptr(): "lse"} if lse is not None else {})}
+
+    def named(flat, i):
+        names = own(i)
+        return [names.get(a, a) if isinstance(a, int) and not isinstance(a, bool) else a for a in flat]
+    assert named(calls[1], 1) == named(calls[0], 0)
+    assert named(c_calls[1], 1) == named(c_calls[0], 0)
+    assert "out" in named(calls[1], 1) and "o_part" in named(c_calls[1], 1)
+
+
+def test_the_backend_takes_the_prepared_call(tagged):
+    # transformers' decode call: the first goes through flash_attn_func (its
+    # checks, the JIT, then a direct launch that prepares); later ones take
+    # the prepared call without the checks.
+    from hopper_flash.integrations import transformers as hft
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    query = torch.randn(2, 8, 1, 128).to(torch.bfloat16)
+    cache = torch.randn(2, 2, 8192, 128).to(torch.bfloat16)
+    results = []
+    with torch.inference_mode():
+        for _ in range(4):
+            tagged.clear()
+            results.append(hft.hopper_flash_attention_forward(Module(), query, cache, cache, None,
+                                                              scaling=0.1)[0])
+    assert _paths(tagged) == ["direct", "direct"]
+    assert len(plan._PREPARED) == 1
+    assert results[-1].shape == (2, 1, 8, 128) and results[-1].is_contiguous()
+
+
 def test_a_prepared_call_never_skips_a_check_that_differs(tagged):
     q = torch.randn(2, 1, 8, 128).to(torch.bfloat16)
     k = torch.randn(2, 8192, 2, 128).to(torch.bfloat16)

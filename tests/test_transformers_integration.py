@@ -629,6 +629,47 @@ def test_llama_chunked_prefill_matches_sdpa_gpu():
     assert rel < 2e-2
 
 
+@pytest.mark.gpu
+def test_backend_decode_steps_take_the_prepared_call_gpu(monkeypatch):
+    # A decode loop as a DynamicCache runs it (K/V a new tensor each step,
+    # one key longer, across a KV tile boundary): after the first call per
+    # tile count the backend takes the prepared call, without the checks,
+    # and gives flash_attn_func's bits; one step judged against float64.
+    from hopper_flash import checks, plan
+    from hopper_flash.reference import check_kvcache
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    monkeypatch.setattr(plan, "_PREPARED", {})  # nothing prepared by earlier tests
+    validated = []
+    real_validate = checks.validate
+    monkeypatch.setattr(checks, "validate", lambda *a: validated.append(1) or real_validate(*a))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(1, 8, 4090, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    scale = 128 ** -0.5
+    with torch.inference_mode():
+        for step in range(12):  # 4091 .. 4102 keys: 32, then 33 tiles of 128
+            q = torch.randn(1, 32, 1, 128, device="cuda", generator=gen).to(torch.bfloat16)
+            k = torch.cat([k, torch.randn(1, 8, 1, 128, device="cuda", generator=gen).to(torch.bfloat16)], dim=2)
+            v = torch.cat([v, torch.randn(1, 8, 1, 128, device="cuda", generator=gen).to(torch.bfloat16)], dim=2)
+            before = len(validated)
+            out = hft.hopper_flash_attention_forward(Module(), q, k, v, None, scaling=scale)[0]
+            took_prepared = len(validated) == before
+            ref = hopper_flash.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               softmax_scale=scale)
+            assert torch.equal(out, ref), step
+            # The first call of a tile count takes the full path, and it (or
+            # the flash_attn_func call after it) prepares; the rest are prepared.
+            assert took_prepared == (k.shape[2] not in (4091, 4097)), (step, k.shape[2])
+            if step == 11:
+                bad = [r.message for r in check_kvcache(out, q.transpose(1, 2), k.transpose(1, 2),
+                                                        v.transpose(1, 2), [k.shape[2]], causal=False,
+                                                        softmax_scale=scale) if not r]
+                assert not bad, bad
+
+
 # --------------------------------------------------------------------------
 # GPU: padded and packed batches through the varlen kernel
 # --------------------------------------------------------------------------
