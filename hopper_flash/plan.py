@@ -875,7 +875,7 @@ _TRITON_COMPILED: dict[tuple, object] = {}
 
 
 def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: dict,
-                  num_warps: int) -> KernelLaunch:
+                  num_warps: int, launch_pdl: bool = False) -> KernelLaunch:
     """Launch a plain Triton kernel whose integer arguments are all
     ``do_not_specialize`` (so one compiled kernel serves every value) on the
     current stream of the first argument's device. As the forward's launch:
@@ -883,15 +883,19 @@ def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: d
     compiled kernel's launcher (``FAST_LAUNCH``, no profiler hook). The key
     holds what Triton still specialises on: the tensors' dtypes and 16-byte
     pointer alignment, and the constexprs. The first argument is a tensor.
-    Returns the compiled kernel's ``KernelLaunch``."""
+    ``launch_pdl``: launch by programmatic dependent launch (the kernel
+    waits for the grid before it with ``gdc_wait``); the compiled kernel
+    keeps it, so its direct launches do too. Returns the compiled kernel's
+    ``KernelLaunch``."""
     device = args[0].device.index
     # id(kernel): the kernels are module globals, and hashing a JITFunction
     # computes its cache key in Python on every call.
-    key = (id(kernel), device, num_warps, *constexprs.values(),
+    key = (id(kernel), device, num_warps, launch_pdl, *constexprs.values(),
            *[(a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor)])
     compiled = _TRITON_COMPILED.get(key)
     if compiled is None or not FAST_LAUNCH or _launch_hooked():
-        compiled = _TRITON_COMPILED[key] = KernelLaunch(kernel[grid](*args, **constexprs, num_warps=num_warps))
+        compiled = _TRITON_COMPILED[key] = KernelLaunch(kernel[grid](*args, **constexprs, num_warps=num_warps,
+                                                                     launch_pdl=launch_pdl))
         return compiled
     compiled(grid, driver.active.get_current_stream(device), (), (*args, *constexprs.values()))
     return compiled
@@ -907,7 +911,7 @@ def launch_combine(o_part, lse_part, out, lse) -> KernelLaunch:
     args = _combine_args(o_part, lse_part, out, lse, num_splits, out.shape, out.stride())
     return launch_triton(combine_kernel, (batch * seqlen_q * nheads, 1, 1), args,
                          _combine_constexprs(head_dim, num_splits, lse is not None),
-                         num_warps=1 if head_dim <= 128 else 2)
+                         num_warps=1 if head_dim <= 128 else 2, launch_pdl=True)
 
 
 def _combine_args(o_part, lse_part, out, lse, num_splits: int, out_shape, out_strides) -> tuple:
@@ -922,8 +926,10 @@ def _combine_args(o_part, lse_part, out, lse, num_splits: int, out_shape, out_st
 
 @lru_cache(maxsize=None)
 def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool) -> dict:
-    """The combine kernel's constexprs, in its parameter order."""
-    return dict(HEAD_DIM=head_dim, S_MAX=max(16, 1 << (num_splits - 1).bit_length()), WRITE_LSE=write_lse)
+    """The combine kernel's constexprs, in its parameter order: launched
+    dependent on the split grid (``launch_combine``'s ``launch_pdl``)."""
+    return dict(HEAD_DIM=head_dim, S_MAX=max(16, 1 << (num_splits - 1).bit_length()), WRITE_LSE=write_lse,
+                DEPENDENT=True)
 
 
 @lru_cache(maxsize=4096)

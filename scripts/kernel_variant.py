@@ -88,16 +88,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   the combine costs a one-row decode call (BENCHMARKS.md, twenty-first
   session) and its launch's host time. What it did instead: the merge runs
   on one SM after the slowest split of its row block.
-* ``fwd-split-pdl`` (twenty-third session; CPU-compiled only): the split-KV
-  combine launched with programmatic dependent launch (``launch_pdl``,
-  ``tl.extra.cuda.gdc_wait`` first in the combine), and the split kernel
-  issuing ``griddepcontrol.launch_dependents`` at its start, so the combine's
-  launch and scheduling overlap the split kernel's run and it starts
-  the moment the split grid is done. The seventh session's PDL combine (no
-  gain) had no such trigger in the split kernel, as far as BENCHMARKS.md
-  says, so the dependent could launch only as the split kernel's CTAs
-  exited. What it should save: part of the 2.3-3.5 us the combine costs a
-  one-row decode call (the whole gap to cuDNN on the split rows).
+* (``fwd-split-pdl``, written in the twenty-third session, timed in the
+  twenty-fourth and shipped: the combine by programmatic dependent launch,
+  triggered at the split kernel's start; -0.8 us on the B=1 split row,
+  BENCHMARKS.md.)
 * ``fwd-next-item-early`` (twenty-first session; timed in the twenty-second:
   within noise, 3% slower at D128 causal S8192, BENCHMARKS.md): the
   consumers receive (dynamic order) or count (static deal) their next item

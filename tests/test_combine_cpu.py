@@ -46,7 +46,7 @@ CHILD = textwrap.dedent("""
         lse_out = torch.full((batch, heads, seqlen_q), float("nan")) if write_lse else lse  # as plan.launch_combine
         combine_kernel[(batch * seqlen_q * heads,)](
             o, lse, out, lse_out, n_splits, batch, seqlen_q, heads, out.stride(0), out.stride(1), out.stride(2),
-            **_combine_constexprs(head_dim, n_splits, write_lse))
+            **{**_combine_constexprs(head_dim, n_splits, write_lse), "DEPENDENT": False})  # no PDL here
         results.append((out, lse_out if write_lse else None))
     torch.save(results, sys.argv[3])
 """)

@@ -103,6 +103,9 @@ def test_instructions(spec):
         assert counts["UTMASTG"] == 0, "varlen O goes out in row-predicated stores (a box would cross sequences)"
     else:
         assert counts["UTMASTG"] > 0, "O goes out through a TMA store"
+    # The combine follows a split grid by programmatic dependent launch; the
+    # split kernel lets it be scheduled from its start (plan.launch_combine).
+    assert ("griddepcontrol.launch_dependents" in _census(spec).ptx) == mode.split
 
 
 def test_shared_memory_fits(spec):
@@ -119,7 +122,10 @@ def test_combine_kernel_compiles():
     sig = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
            "n_splits": "i32", "batch": "i32", "seqlen_q": "i32", "num_heads": "i32",
            "stride_ob": "i32", "stride_oq": "i32", "stride_oh": "i32",
-           "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr"}
-    src = ASTSource(combine_kernel, sig, constexprs={"HEAD_DIM": 128, "S_MAX": 16, "WRITE_LSE": True})
+           "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr", "DEPENDENT": "constexpr"}
+    src = ASTSource(combine_kernel, sig, constexprs={"HEAD_DIM": 128, "S_MAX": 16, "WRITE_LSE": True,
+                                                     "DEPENDENT": True})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
     assert "ex2.approx" in k.asm["ptx"] or "ex2" in k.asm["ptx"]
+    # Launched dependent on the split grid: it must wait for that grid's partials.
+    assert "griddepcontrol.wait" in k.asm["ptx"]

@@ -16,7 +16,15 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["n_splits", "batch", "seqlen_q", "num_heads", "stride_ob", "stride_oq", "stride_oh"])
 def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_splits, batch, seqlen_q, num_heads,
                    stride_ob, stride_oq, stride_oh,
-                   HEAD_DIM: tl.constexpr, S_MAX: tl.constexpr, WRITE_LSE: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, S_MAX: tl.constexpr, WRITE_LSE: tl.constexpr,
+                   DEPENDENT: tl.constexpr):
+    if DEPENDENT:
+        # Launched by programmatic dependent launch right after the split
+        # kernel, which triggers it at its start (forward.py): the launch and
+        # the scheduling overlap the split grid's run. Wait for that grid to
+        # finish, its partials written and visible, before reading them.
+        # (False only where nothing can launch it so: Triton's interpreter.)
+        tl.extra.cuda.gdc_wait()
     # One program per output row (b, q, h), in the partials' [B, Sq, H] order.
     row = tl.program_id(0)
     h = row % num_heads

@@ -745,6 +745,14 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT)
+    if SPLIT:
+        # The combine follows this grid by programmatic dependent launch
+        # (plan.launch_combine) and may be scheduled from now on: its
+        # griddepcontrol.wait holds it until this grid is done and its
+        # writes visible. Hides the combine's launch, 0.8 us of a B=1 decode
+        # call (BENCHMARKS.md, twenty-fourth session).
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
     # Work items are (query tile, split, head, batch), flattened with the tile
     # fastest: the seed's 3-D grid order without the 65535 limit of grid axes
