@@ -264,6 +264,7 @@ _PASSED_LIMIT = 1024
 _PASSED_DEVICE_TYPE = "cuda"
 
 
+@lru_cache(maxsize=1024)  # every layer of a decode step meets its step's shape and strides
 def _kv_class(shape, strides, elem_bytes: int) -> tuple:
     """What ``validate``'s checks read of k or v, without the key length or
     the strides themselves, which a growing KV cache changes every step (a

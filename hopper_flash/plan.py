@@ -436,12 +436,18 @@ def sm_count(device: int | None = None) -> int:
 _CURRENT_DEVICE = contextlib.nullcontext()
 
 
+# torch.cuda.current_device() without its lazy-init check (a CUDA tensor to
+# launch on means CUDA is initialised): two Python frames fewer per launch.
+# CPU builds of torch have no _cuda_getDevice and keep the public function.
+current_device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
+
+
 def on_device(t: torch.Tensor):
     """A guard making ``t``'s device current for a launch, or none where it
     is current already (the common case, and autograd's device thread): the
     guard's switch and restore are host time on every call."""
     device = t.device
-    return _CURRENT_DEVICE if device.index == torch.cuda.current_device() else torch.cuda.device(device)
+    return _CURRENT_DEVICE if device.index == current_device() else torch.cuda.device(device)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -727,11 +733,12 @@ class _PreparedLaunch:
     rebuilding the same arguments every call."""
 
     __slots__ = ("lp", "kernel", "combine", "template", "slots", "combine_grid", "combine_template",
-                 "combine_slots", "n_o", "n_part")
+                 "combine_slots", "n_o", "n_part", "current_stream")
 
     def __init__(self, lp: LaunchPlan, kernel: KernelLaunch, combine: KernelLaunch | None, q, nheads_kv: int,
                  softmax_scale: float, return_lse: bool):
         self.lp, self.kernel, self.combine = lp, kernel, combine
+        self.current_stream = driver.active.get_current_stream
         lse = _LSE if return_lse else None
         split = lp.mode.split
         args = _kernel_args(lp, q, _SEQLEN_K, nheads_kv, softmax_scale, _OUT, lse, None, None, None, 0,
@@ -749,9 +756,9 @@ class _PreparedLaunch:
                                      *_combine_constexprs(head_dim, lp.num_splits, return_lse).values()]
             self.combine_slots = _slots(self.combine_template)
 
-    def __call__(self, q, k, v, out, lse, seqlen_k: int) -> None:
+    def __call__(self, q, k, v, out, lse, seqlen_k: int, device_index: int) -> None:
         kernel, lp = self.kernel, self.lp
-        stream = driver.active.get_current_stream(q.device.index)
+        stream = self.current_stream(device_index)
         out_ptr = out.data_ptr()
         if self.combine is not None:
             part = q.new_empty(self.n_part, dtype=torch.float32)
@@ -790,10 +797,12 @@ class PreparedForward:
     (``use_variant``), and no profiler hook; and a launch only while its
     kernels' direct launches do."""
 
-    __slots__ = ("table", "config", "head_dim", "block_n", "softmax_scale", "return_lse", "lse_shape", "launches")
+    __slots__ = ("table", "config", "head_dim", "block_n", "softmax_scale", "return_lse", "lse_shape", "launches",
+                 "device_index")
 
     def __init__(self, q, softmax_scale: float, return_lse: bool):
         self.table = _COMPILED
+        self.device_index = q.device.index  # the signature holds the device
         self.head_dim = q.shape[3]
         self.config = CONFIGS.get(self.head_dim)
         self.block_n = self.config.block_n  # launch_forward counts KV tiles of the head dim's config
@@ -822,15 +831,23 @@ class PreparedForward:
                 and not _launch_hooked())
 
     def __call__(self, q, k, v):
+        """The outputs, or None where this call cannot serve (not ``usable``,
+        or no launch for this key length's KV tile count). Every line is host
+        time of every layer of a decode step, run cold between the layer's
+        other code: the fewer Python frames the better."""
         seqlen_k = k.shape[1]
-        launch = self.launches.get(triton_cdiv(seqlen_k, self.block_n))
-        if launch is None or launch.kernel.direct is None:
+        launch = self.launches.get(-(-seqlen_k // self.block_n))  # triton_cdiv
+        if launch is None or launch.kernel.direct is None or not self.usable():
             return None
         # empty_like: half torch.empty's host time; q's layout is BSHD, not its memory order
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
-        with on_device(q):
-            launch(q, k, v, out, lse, seqlen_k)
+        device = self.device_index
+        if current_device() == device:  # on_device's test, without a guard to enter and leave
+            launch(q, k, v, out, lse, seqlen_k, device)
+        else:
+            with on_device(q):
+                launch(q, k, v, out, lse, seqlen_k, device)
         return out if lse is None else (out, lse)
 
 
@@ -840,12 +857,12 @@ _PREPARED_LIMIT = 1024
 
 
 def prepared(key) -> PreparedForward | None:
-    """The usable prepared call for ``key``, or None."""
+    """The prepared call for ``key``, or None; it returns None itself where
+    it is no longer usable."""
     try:
-        call = _PREPARED.get(key)
+        return _PREPARED.get(key)
     except TypeError:  # an unhashable argument value: the checks will name it
         return None
-    return call if call is not None and call.usable() else None
 
 
 def remember_prepared(key, lp: LaunchPlan, q, k, out, lse, softmax_scale: float) -> None:

@@ -197,6 +197,7 @@ def tagged(fakes, monkeypatch):
     monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(plan, "_PREPARED", {})
     monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # a CPU tensor's device index
     real = checks.validate
     monkeypatch.setattr(checks, "validate", lambda *a: log.append(("validate",)) or real(*a))
     return log
@@ -271,6 +272,7 @@ def test_a_prepared_launch_hands_over_what_the_direct_launch_does(fakes, monkeyp
     monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(plan, "_PREPARED", {})
     monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # a CPU tensor's device index
     q = torch.randn(2, 1, 8, 128).to(torch.bfloat16)
     k = torch.randn(2, 8192, 2, 128).to(torch.bfloat16)
     v = torch.randn_like(k)

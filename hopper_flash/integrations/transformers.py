@@ -99,6 +99,10 @@ _UNSUPPORTED_KWARGS = {
     "head_mask": "a head mask",
     "cu_seqlens": "packed sequences given as `cu_seqlens` (pass cu_seq_lens_q/cu_seq_lens_k)",
 }
+# Their names, and the packed-sequence kwargs': one set test per call finds
+# none of them (a decode step passes position_ids and use_cache).
+_UNSUPPORTED_NAMES = frozenset(_UNSUPPORTED_KWARGS)
+_PACKED_NAMES = frozenset(("cu_seq_lens_q", "cu_seq_lens_k"))
 
 
 def _import_transformers():
@@ -203,10 +207,11 @@ def hopper_flash_attention_forward(
             f"hopper_flash has no attention dropout (got dropout={dropout}): set the config's "
             "attention_dropout to 0 to train with it, or call model.eval()"
         )
-    for name, what in _UNSUPPORTED_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"hopper_flash does not support {what} (got `{name}`); use another "
-                                      "attn_implementation for this model")
+    if not _UNSUPPORTED_NAMES.isdisjoint(kwargs):
+        for name, what in _UNSUPPORTED_KWARGS.items():
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(f"hopper_flash does not support {what} (got `{name}`); use another "
+                                          "attn_implementation for this model")
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError("query, key and value must be 4-D [batch, heads, seq, head_dim], got shapes "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
@@ -215,10 +220,11 @@ def hopper_flash_attention_forward(
     # As transformers' sdpa/flash backends: the call's is_causal wins over the module's.
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
 
-    packed = _packed_from_kwargs(kwargs, query, key)
-    if packed is None and attention_mask is None:
+    # (Each helper only where it can find something: this runs per layer of every decode step.)
+    packed = None if _PACKED_NAMES.isdisjoint(kwargs) else _packed_from_kwargs(kwargs, query, key)
+    if packed is None and attention_mask is None and seqlen_q == seqlen_k:
         packed = _packed_from_position_ids(kwargs.get("position_ids"), query, key)
-    window_size = _window_size(sliding_window, seqlen_k)
+    window_size = (-1, -1) if sliding_window is None else _window_size(sliding_window, seqlen_k)
     if packed is not None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
         if packed is not None:
             return _run_packed(query, key, value, packed, bool(is_causal), scaling, window_size), None
@@ -245,7 +251,8 @@ def hopper_flash_attention_forward(
         # arguments' signature, if flash_attn_func has made one, which it
         # does for CUDA tensors on their first direct launch; its option
         # checks are for values this call never passes. Host time per layer.
-        out, _ = dispatch.prepared_forward(q, k, v, scaling, causal, False, checks.window_bounds(window_size, causal))
+        window = None if window_size == (-1, -1) else checks.window_bounds(window_size, causal)
+        out, _ = dispatch.prepared_forward(q, k, v, scaling, causal, False, window)
         if out is not None:
             return out, None
 
