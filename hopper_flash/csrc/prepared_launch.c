@@ -4,10 +4,12 @@
    arguments and (split-KV) the combine's as templates. On the Python path a
    call encodes four TMA descriptors, builds both argument lists and hands
    each to Triton's launcher, which parses ~45 Python objects back into C
-   values: most of a decode step's host time (BENCHMARKS.md, twenty-fourth
+   values: about half the backend call's host time in a decode step (BENCHMARKS.md, twenty-fourth
    session). Here the templates become kernel-parameter storage once
    (``make``), and a call (``launch``) takes the handful of values that change
-   (addresses, the key length, K's and V's strides), encodes the descriptors
+   (addresses, the key length, K's and V's strides), fills a copy of that
+   storage on its own stack (so that calls from several threads, each with
+   the GIL released around its launch, never share one), encodes the descriptors
    with cuTensorMapEncodeTiled as Triton's fill_tma_descriptor does, and
    calls cuLaunchKernelEx as Triton's launcher does (same grid, block,
    shared memory, programmatic-dependent-launch and cooperative attributes,
@@ -41,6 +43,7 @@ enum { P_CONST = 0, P_VALUE = 1, P_MAP = 2, P_DIM = 3, P_STRIDE = 4 };
 #define MAX_PARAMS 160
 #define MAX_DESCS 4
 #define RANK 4
+#define STORAGE_MAX 2048  /* bytes of one launch's parameters: 8 per scalar, 128 per map */
 
 typedef struct {
   int kind, size;   /* size in bytes: 1, 2, 4, 8, or 128 for a map */
@@ -63,9 +66,9 @@ typedef struct {
   int n_params, n_descs;
   Param params[MAX_PARAMS];
   Desc descs[MAX_DESCS];
-  void *ptrs[MAX_PARAMS + 2];
-  unsigned char *storage;
-  CUdeviceptr scratch[2];  /* Triton's global and profile scratch parameters: null */
+  size_t size;                    /* bytes of storage in use */
+  _Alignas(128) unsigned char storage[STORAGE_MAX];  /* the template: constants written, the rest 0 */
+  _Alignas(128) unsigned char last[STORAGE_MAX];     /* what the last call passed (``params``, for tests) */
 } Launch;
 
 typedef struct {
@@ -90,7 +93,6 @@ static PyObject *init(PyObject *self, PyObject *args) {
 static void free_state(PyObject *capsule) {
   State *s = (State *)PyCapsule_GetPointer(capsule, CAPSULE);
   if (!s) return;
-  for (int i = 0; i < s->n; ++i) free(s->launches[i].storage);
   free(s);
 }
 
@@ -148,14 +150,14 @@ static int build(Launch *l, PyObject *spec) {
       goto done;
     }
   }
-  if (posix_memalign((void **)&l->storage, 128, offset ? offset : 128) != 0) {
-    PyErr_NoMemory();
+  if (offset > STORAGE_MAX) {
+    PyErr_SetString(PyExc_ValueError, "kernel parameters too large");
     goto done;
   }
-  memset(l->storage, 0, offset ? offset : 128);
+  l->size = offset;
+  memset(l->storage, 0, sizeof(l->storage));
   for (int i = 0; i < l->n_params; ++i) {
     Param *q = &l->params[i];
-    l->ptrs[i] = l->storage + q->offset;
     if (q->kind == P_CONST) {
       /* Python hands every constant as its bits (floats packed, pointers as addresses). */
       unsigned long long v = PyLong_AsUnsignedLongLongMask(values[i]);
@@ -163,9 +165,6 @@ static int build(Launch *l, PyObject *spec) {
       memcpy(l->storage + q->offset, &v, q->size);  /* little-endian: the low bytes */
     }
   }
-  l->scratch[0] = l->scratch[1] = 0;
-  l->ptrs[l->n_params] = &l->scratch[0];
-  l->ptrs[l->n_params + 1] = &l->scratch[1];
   for (Py_ssize_t d = 0; d < nd; ++d) {
     PyObject *spec_d = PySequence_GetItem(descs, d);
     if (!spec_d) goto done;
@@ -198,24 +197,21 @@ static PyObject *make(PyObject *self, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "one or two launches");
     return NULL;
   }
-  State *s = calloc(1, sizeof(State));
+  State *s = aligned_alloc(128, (sizeof(State) + 127) / 128 * 128);
   if (!s) return PyErr_NoMemory();
+  memset(s, 0, sizeof(State));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject *spec = PySequence_GetItem(specs, i);
     int bad = !spec || build(&s->launches[i], spec) != 0;
     Py_XDECREF(spec);
     s->n = (int)i + 1;  /* freed below on failure, the failed one included */
     if (bad) {
-      for (int j = 0; j < s->n; ++j) free(s->launches[j].storage);
       free(s);
       return NULL;
     }
   }
   PyObject *capsule = PyCapsule_New(s, CAPSULE, free_state);
-  if (!capsule) {
-    for (int j = 0; j < s->n; ++j) free(s->launches[j].storage);
-    free(s);
-  }
+  if (!capsule) free(s);
   return capsule;
 }
 
@@ -262,6 +258,10 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 
   for (int li = 0; li < s->n; ++li) {
     Launch *l = &s->launches[li];
+    _Alignas(128) unsigned char storage[STORAGE_MAX];
+    void *ptrs[MAX_PARAMS + 2];
+    CUdeviceptr scratch[2] = {0, 0};  /* Triton's global and profile scratch parameters: null */
+    memcpy(storage, l->storage, l->size);
     /* This call's shapes and TMA strides per descriptor. */
     int64_t shape[MAX_DESCS][RANK], strides[MAX_DESCS][RANK];
     for (int d = 0; d < l->n_descs; ++d) {
@@ -278,7 +278,8 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     for (int i = 0; i < l->n_params; ++i) {
       Param *q = &l->params[i];
-      unsigned char *dst = l->storage + q->offset;
+      unsigned char *dst = storage + q->offset;
+      ptrs[i] = dst;
       if (q->kind == P_VALUE) {
         memcpy(dst, &values[q->a], q->size);
       } else if (q->kind == P_DIM) {
@@ -310,6 +311,8 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
       }
     }
+    ptrs[l->n_params] = &scratch[0];
+    ptrs[l->n_params + 1] = &scratch[1];
     CUlaunchAttribute attrs[2];
     CUlaunchConfig config;
     memset(&config, 0, sizeof(config));
@@ -330,17 +333,18 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     CUresult r;
     Py_BEGIN_ALLOW_THREADS;
-    r = launch_fn(&config, l->function, l->ptrs, NULL);
+    r = launch_fn(&config, l->function, ptrs, NULL);
     Py_END_ALLOW_THREADS;
     if (r != CUDA_SUCCESS) {
       set_cuda_error("cuLaunchKernelEx", r);
       return NULL;
     }
+    memcpy(l->last, storage, l->size);
   }
   Py_RETURN_NONE;
 }
 
-/* params(state, i): launch i's parameters as bytes, in order (tests read back what the last call wrote). */
+/* params(state, i): launch i's parameters as bytes, in order, as the last call passed them (tests). */
 static PyObject *params(PyObject *self, PyObject *args) {
   PyObject *capsule;
   int i;
@@ -357,7 +361,7 @@ static PyObject *params(PyObject *self, PyObject *args) {
   for (int p = 0; p < l->n_params; ++p) {
     Param *q = &l->params[p];
     Py_ssize_t size = q->kind == P_MAP ? (Py_ssize_t)sizeof(CUtensorMap) : q->size;
-    PyObject *b = PyBytes_FromStringAndSize((const char *)l->storage + q->offset, size);
+    PyObject *b = PyBytes_FromStringAndSize((const char *)l->last + q->offset, size);
     if (!b) { Py_DECREF(out); return NULL; }
     PyList_SET_ITEM(out, p, b);
   }
