@@ -55,31 +55,43 @@ def standin(tmp_path_factory):
     return SimpleNamespace(path=path, lib=lib, mod=mod, launches=launches)
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    """The real kernels of the case under test compiled for sm_90a (before
-    any test patches them out): their signatures and descriptor metadata are
-    what the launchers read (the combine's signature is the same for every
-    split count)."""
-    return _compiled(plan.CONFIGS[128], plan.Mode(pack_g=4, split=True))
+_KERNELS: dict = {}
 
 
-def _compiled(cfg, mode, dtype="bfloat16"):
+def _compiled(key):
+    """The real forward kernel of plan key ``key`` (and for a split mode the
+    combine) compiled for sm_90a, with the real kernels restored for the
+    compile where a test has patched them out: their signatures and
+    descriptor metadata are what the launchers read (the combine's
+    signature is the same for every split count)."""
+    if key in _KERNELS:
+        return _KERNELS[key]
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from hopper_flash import compile_check
-    from hopper_flash.kernels.combine import combine_kernel
+    from hopper_flash.kernels import combine, forward
 
-    fwd = compile_check.compile_forward(cfg, dtype, True, False, mode)
-    sig = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-           "n_splits": "i32", "batch": "i32", "seqlen_q": "i32", "num_heads": "i32",
-           "stride_ob": "i32", "stride_oq": "i32", "stride_oh": "i32",
-           "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr", "DEPENDENT": "constexpr"}
-    constexprs = plan._combine_constexprs(cfg.head_dim, 16, False)
-    comb = triton.compile(ASTSource(combine_kernel, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 1})
+    _, dtype, causal, write_lse, cfg, mode = key
+    name = str(dtype).removeprefix("torch.")
+    patched = forward.attention_forward_kernel
+    forward.attention_forward_kernel = getattr(patched, "real", patched)
+    try:
+        fwd = compile_check.compile_forward(cfg, name, causal, write_lse, mode)
+    finally:
+        forward.attention_forward_kernel = patched
+    comb = None
+    if mode.split:
+        real = getattr(combine.combine_kernel, "real", combine.combine_kernel)
+        sig = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16" if name == "bfloat16" else "*fp16",
+               "lse_ptr": "*fp32", "n_splits": "i32", "batch": "i32", "seqlen_q": "i32", "num_heads": "i32",
+               "stride_ob": "i32", "stride_oq": "i32", "stride_oh": "i32",
+               "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr", "DEPENDENT": "constexpr"}
+        constexprs = plan._combine_constexprs(cfg.head_dim, 16, write_lse)
+        comb = triton.compile(ASTSource(real, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 1 if cfg.head_dim <= 128 else 2})
+    _KERNELS[key] = fwd, comb
     return fwd, comb
 
 
@@ -135,14 +147,15 @@ def _decoded_map(raw):
                 "box": list(v[10:14]), "unit": v[14], "interleave": v[15], "swizzle": v[16], "l2": v[17], "oob": v[18]}
 
 
-def _signature_types(real):
-    """The flat argument list's types: each descriptor as its map, four i32
-    (shape) and four i64 (strides); constexprs stay (they are no
-    parameters)."""
-    types = []
-    for ty in real.src.signature.values():
-        types += ["map"] + ["i32"] * 4 + ["i64"] * 4 if ty.startswith("tensordesc") else [ty]
-    return types
+def _signature(real):
+    """The flat argument list's (name, type) pairs: each descriptor as its
+    map, four i32 (shape) and four i64 (strides); constexprs stay (they are
+    no parameters)."""
+    out = []
+    for name, ty in real.src.signature.items():
+        out += ([(name, "map")] + [(name, "i32")] * 4 + [(name, "i64")] * 4 if ty.startswith("tensordesc")
+                else [(name, ty)])
+    return out
 
 
 @pytest.fixture
@@ -155,92 +168,122 @@ def prepared(fakes, monkeypatch):  # noqa: F811
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
 
 
-@pytest.mark.parametrize("batch", [2, 1])
-def test_the_c_launch_hands_the_driver_what_the_python_path_does(kernels, standin, prepared, monkeypatch, batch):
+def _decode_kv(batch, nheads_kv, length, head_dim, dtype=torch.bfloat16):
+    """transformers' decode layout: [B, Hkv, L, D] seen as BSHD, in a longer buffer."""
+    return torch.randn(batch, nheads_kv, length + 110, head_dim).to(dtype)[:, :, :length].transpose(1, 2)
+
+
+# name: (q, k, v, causal, return_lse, the mode's split)
+CASES = {
+    # the backend's decode call; batch 1 has an extent-1 axis, whose stride TMA gets as the contiguous one
+    "decode-b2": lambda: (torch.randn(2, 1, 8, 128).to(torch.bfloat16), _decode_kv(2, 2, 8190, 128),
+                          _decode_kv(2, 2, 8190, 128), True, False, True),
+    "decode-b1": lambda: (torch.randn(1, 1, 8, 128).to(torch.bfloat16), _decode_kv(1, 2, 8190, 128),
+                          _decode_kv(1, 2, 8190, 128), True, False, True),
+    "decode-d256-fp16-lse": lambda: (torch.randn(1, 1, 16, 256).to(torch.float16),
+                                     _decode_kv(1, 4, 5000, 256, torch.float16),
+                                     _decode_kv(1, 4, 5000, 256, torch.float16), True, True, True),
+    "decode-d64": lambda: (torch.randn(2, 1, 8, 64).to(torch.bfloat16), _decode_kv(2, 2, 3000, 64),
+                           _decode_kv(2, 2, 3000, 64), True, False, True),
+    # prefill: O through its map (no combine), with the LSE; and the dynamic order's item counter
+    "prefill-lse": lambda: (*(torch.randn(2, 130, 8, 128).to(torch.bfloat16) for _ in range(3)), False, True, False),
+    "prefill-dynamic": lambda: (*(torch.randn(4, 2048, 32, 128).to(torch.bfloat16) for _ in range(3)), True, False,
+                                False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_c_launch_hands_the_driver_what_the_python_path_does(standin, prepared, monkeypatch, case):
     monkeypatch.setattr(c_launch, "module", lambda libcuda=None: standin.mod)
-    # transformers' decode layout: k/v [B, Hkv, L, D] seen as BSHD, strides of a longer buffer
-    # (batch 1: an extent-1 axis, whose stride TMA gets as the contiguous one).
-    q = torch.randn(batch, 1, 8, 128).to(torch.bfloat16)
-    k = torch.randn(batch, 2, 8300, 128).to(torch.bfloat16)[:, :, :8190].transpose(1, 2)
-    v = torch.randn(batch, 2, 8300, 128).to(torch.bfloat16)[:, :, :8190].transpose(1, 2)
+    q, k, v, causal, return_lse, split = CASES[case]()
     monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", "0")
-    dispatch.forward(q, k, v, 0.1, True, False)  # compiles (JIT stand-ins)
+    dispatch.forward(q, k, v, 0.1, causal, return_lse)  # compiles (JIT stand-ins)
     [key] = plan._COMPILED
-    [c_key] = plan._COMBINE_OF
-    mode = key[5]
-    assert mode == plan.Mode(pack_g=4, split=True)  # the case under test
-    fwd, comb = kernels
+    assert key[5].split == split  # the case under test
+    if case == "prefill-dynamic":
+        assert key[5].dynamic
+    fwd, comb = _compiled(key)
     calls, fills, c_calls = [], [], []
     plan._COMPILED[key] = _kernel_launch(fwd, calls, fills, False, 123456)
-    plan._COMBINE_OF[c_key] = _kernel_launch(comb, c_calls, [], True, 0)
-    out_py = dispatch.forward(q, k, v, 0.1, True, False)  # direct: the Python path, prepared after it
-    assert len(calls) == len(c_calls) == 1 and len(fills) == 4
+    if split:
+        [c_key] = plan._COMBINE_OF
+        plan._COMBINE_OF[c_key] = _kernel_launch(comb, c_calls, [], True, 0)
+    res_py = dispatch.forward(q, k, v, 0.1, causal, return_lse)  # direct: the Python path, prepared after it
+    assert len(calls) == 1 and len(c_calls) == int(split) and len(fills) == 4
     [call] = plan._PREPARED.values()
-    [launch] = call.launches.values()
+    [(tiles, launch)] = call.launches.items()
     assert launch.c_state is None  # prepared while the C path was off
     monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", "1")
-    [(tiles, launch)] = call.launches.items()
-    call.launches[tiles] = type(launch)(launch.lp, launch.kernel, launch.combine, q, k.shape[2], 0.1, False)
-    assert call.launches[tiles].c_state is not None, "no C state for the decode launch"
-    standin.lib.standin_reset(0, 0)
-    out_c = dispatch.forward(q, k, v, 0.1, True, False)  # the prepared call, launched from C
-    assert len(calls) == len(c_calls) == 1, "the prepared call took the Python path"
-    rec = standin.launches()
-    assert len(rec) == 2
+    call.launches[tiles] = type(launch)(launch.lp, launch.kernel, launch.combine, q, k.shape[2], 0.1, return_lse)
     state = call.launches[tiles].c_state
+    assert state is not None, "no C state"
+    standin.lib.standin_reset(0, 0)
+    res_c = dispatch.forward(q, k, v, 0.1, causal, return_lse)  # the prepared call, launched from C
+    assert len(calls) == 1 and len(c_calls) == int(split), "the prepared call took the Python path"
+    rec = standin.launches()
+    assert len(rec) == 1 + int(split)
+    (out_py, lse_py), (out_c, lse_c) = [r if return_lse else (r, None) for r in (res_py, res_c)]
 
-    # Per-call values: this call's out and partials stand where the Python call had its own.
-    params_f = standin.mod.params(state, 0)
-    params_c = standin.mod.params(state, 1)
-    c_types = [t for t in _signature_types(comb) if t != "constexpr"]
-    o_part_c = struct.unpack("<Q", params_c[0])[0]
-    lse_part_c = struct.unpack("<Q", params_c[1])[0]
-    o_part_py, lse_part_py = c_calls[0][13], c_calls[0][14]
-    rename = {out_py.data_ptr(): out_c.data_ptr(), o_part_py: o_part_c, lse_part_py: lse_part_c}
+    # Each call's own buffers (out, LSE, partials, item counter) stand where
+    # the other had its own: rename the Python call's to the C call's.
+    f_sig = _signature(fwd)
+    f_params = standin.mod.params(state, 0)
+    flat = list(calls[0][13:])
+    assert len(flat) == len(f_sig)
+    c_index = [i for i, (_, ty) in enumerate(f_sig) if ty != "constexpr"]
+    assert len(f_params) == len(c_index)
+    c_value = {f_sig[i][0]: struct.unpack("<Q", f_params[j])[0] for j, i in enumerate(c_index)
+               if f_sig[i][1].startswith("*")}
+    py_value = {name: flat[i] for i, (name, ty) in enumerate(f_sig) if ty.startswith("*")}
+    rename = {out_py.data_ptr(): out_c.data_ptr()}
+    if lse_py is not None:
+        rename[lse_py.data_ptr()] = lse_c.data_ptr()
+    for name in ("o_part_ptr", "lse_part_ptr", "sched_ptr"):
+        rename.setdefault(py_value[name], c_value[name])
+    # (a buffer of the call's own: partials of a split, the dynamic order's counter)
+    for name, own in (("o_part_ptr", split), ("sched_ptr", key[5].dynamic)):
+        assert (c_value[name] not in (0, out_c.data_ptr())) == own, name
+    if split:
+        assert c_value["lse_part_ptr"] - c_value["o_part_ptr"] == py_value["lse_part_ptr"] - py_value["o_part_ptr"]
 
-    def expected(types, flat, maps):
+    def expected(sig, flat, maps):
         got = []
-        for ty, value in zip(types, flat):
+        for (_, ty), value in zip(sig, flat):
             if ty == "constexpr":
                 continue
-            if ty == "map":
-                got.append(maps.pop(0))
-            else:
-                got.append(_pack(ty, rename.get(value, value) if ty.startswith("*") else value))
+            got.append(maps.pop(0) if ty == "map" else
+                       _pack(ty, rename.get(value, value) if ty.startswith("*") else value))
         return got
 
     # The forward kernel: its maps as the encoder's arguments, the rest byte for byte.
-    f_types = _signature_types(fwd)
-    flat = list(calls[0][13:])
-    assert len(flat) == len(f_types)
     maps_py = []
-    for slot, t in enumerate((q, k, v, out_py)):
+    for slot in range(4):
         args = list(fills[slot])
-        args[0] = {0: q.data_ptr(), 1: k.data_ptr(), 2: v.data_ptr(), 3: out_c.data_ptr()}[slot]
+        args[0] = (q, k, v, out_c)[slot].data_ptr()
         maps_py.append(_expected_map(args))
-    want = expected(f_types, flat, maps_py)
-    assert len(params_f) == len(want)
-    for i, (got, exp) in enumerate(zip(params_f, want)):
+    for i, (got, exp) in enumerate(zip(f_params, expected(f_sig, flat, maps_py))):
         if isinstance(exp, dict):
             assert _decoded_map(got) == exp, f"map of parameter {i}"
         else:
             assert got[:len(exp)] == exp, f"parameter {i}"
-    # The combine.
-    want_c = expected(c_types, list(c_calls[0][13:]), [])
-    assert [g[:len(e)] for g, e in zip(params_c, want_c)] == want_c
-
-    # The launches: grid, block, shared memory, stream, function, the combine by PDL (attribute 6).
-    f, c = rec
+    f = rec[0]
     lp = call.launches[tiles].lp
     assert list(f.grid) == [lp.n_ctas, 1, 1] and list(f.block) == [32 * fwd.metadata.num_warps, 1, 1]
     assert f.shared == 123456 and f.stream == 7 and f.n_attrs == 0
     assert f.function == plan._COMPILED[key].function
-    assert list(c.grid) == [batch * 1 * 8, 1, 1] and c.n_attrs == 1 and c.attr_ids[0] == 6 and c.attr_values[0] == 1
-    assert out_c.shape == q.shape and out_c.data_ptr() != 0
+    if split:
+        # The combine: byte for byte, by PDL (attribute 6), reading the forward's partials.
+        c_params = standin.mod.params(state, 1)
+        want = expected(_signature(comb), list(c_calls[0][13:]), [])
+        assert [g[:len(e)] for g, e in zip(c_params, want)] == want
+        assert struct.unpack("<Q", c_params[0])[0] == c_value["o_part_ptr"]
+        c = rec[1]
+        batch, seqlen_q, nheads, _ = q.shape
+        assert list(c.grid) == [batch * seqlen_q * nheads, 1, 1]
+        assert c.n_attrs == 1 and c.attr_ids[0] == 6 and c.attr_values[0] == 1
 
 
-
-def test_a_refused_encode_or_launch_raises(kernels, standin, prepared, monkeypatch):
+def test_a_refused_encode_or_launch_raises(standin, prepared, monkeypatch):
     # The driver's error comes back as a Python error naming the call, not a silent skip.
     monkeypatch.setattr(c_launch, "module", lambda libcuda=None: standin.mod)
     q = torch.randn(2, 1, 8, 128).to(torch.bfloat16)
@@ -248,7 +291,7 @@ def test_a_refused_encode_or_launch_raises(kernels, standin, prepared, monkeypat
     dispatch.forward(q, k, k, 0.1, True, False)  # compiles (JIT stand-ins)
     [key] = plan._COMPILED
     [c_key] = plan._COMBINE_OF
-    fwd, comb = kernels
+    fwd, comb = _compiled(key)
     plan._COMPILED[key] = _kernel_launch(fwd, [], [], False, 1000)
     plan._COMBINE_OF[c_key] = _kernel_launch(comb, [], [], True, 0)
     dispatch.forward(q, k, k, 0.1, True, False)  # direct, and prepared with its C state
