@@ -64,11 +64,11 @@ typedef struct {
   unsigned grid[3], block, shared;
   int pdl, cooperative;
   int n_params, n_descs;
-  Param params[MAX_PARAMS];
+  Param *params;
   Desc descs[MAX_DESCS];
-  size_t size;                    /* bytes of storage in use */
-  _Alignas(128) unsigned char storage[STORAGE_MAX];  /* the template: constants written, the rest 0 */
-  _Alignas(128) unsigned char last[STORAGE_MAX];     /* what the last call passed (``params``, for tests) */
+  size_t size;             /* bytes of storage */
+  unsigned char *storage;  /* 128-aligned: the template, constants written, the rest 0 */
+  unsigned char *last;     /* what the last call passed (``params``, for tests) */
 } Launch;
 
 typedef struct {
@@ -90,10 +90,18 @@ static PyObject *init(PyObject *self, PyObject *args) {
   Py_RETURN_TRUE;
 }
 
+static void free_launches(State *s) {
+  for (int i = 0; i < 2; ++i) {
+    free(s->launches[i].params);
+    free(s->launches[i].storage);
+    free(s->launches[i].last);
+  }
+  free(s);
+}
+
 static void free_state(PyObject *capsule) {
   State *s = (State *)PyCapsule_GetPointer(capsule, CAPSULE);
-  if (!s) return;
-  free(s);
+  if (s) free_launches(s);
 }
 
 static int as_i64(PyObject *seq, Py_ssize_t i, int64_t *out) {
@@ -126,8 +134,9 @@ static int build(Launch *l, PyObject *spec) {
     return -1;
   }
   l->n_params = (int)np, l->n_descs = (int)nd;
-  PyObject **values = calloc(np, sizeof(PyObject *));
-  if (!values) { PyErr_NoMemory(); return -1; }
+  l->params = calloc(np ? np : 1, sizeof(Param));
+  PyObject **values = calloc(np ? np : 1, sizeof(PyObject *));
+  if (!values || !l->params) { free(values); PyErr_NoMemory(); return -1; }
   size_t offset = 0;
   int status = -1;
   for (Py_ssize_t i = 0; i < np; ++i) {
@@ -154,8 +163,13 @@ static int build(Launch *l, PyObject *spec) {
     PyErr_SetString(PyExc_ValueError, "kernel parameters too large");
     goto done;
   }
-  l->size = offset;
-  memset(l->storage, 0, sizeof(l->storage));
+  l->size = offset ? (offset + 127) / 128 * 128 : 128;
+  if (posix_memalign((void **)&l->storage, 128, l->size) != 0 || posix_memalign((void **)&l->last, 128, l->size) != 0) {
+    PyErr_NoMemory();
+    goto done;
+  }
+  memset(l->storage, 0, l->size);
+  memset(l->last, 0, l->size);
   for (int i = 0; i < l->n_params; ++i) {
     Param *q = &l->params[i];
     if (q->kind == P_CONST) {
@@ -197,21 +211,20 @@ static PyObject *make(PyObject *self, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "one or two launches");
     return NULL;
   }
-  State *s = aligned_alloc(128, (sizeof(State) + 127) / 128 * 128);
+  State *s = calloc(1, sizeof(State));
   if (!s) return PyErr_NoMemory();
-  memset(s, 0, sizeof(State));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject *spec = PySequence_GetItem(specs, i);
     int bad = !spec || build(&s->launches[i], spec) != 0;
     Py_XDECREF(spec);
     s->n = (int)i + 1;  /* freed below on failure, the failed one included */
     if (bad) {
-      free(s);
+      free_launches(s);
       return NULL;
     }
   }
   PyObject *capsule = PyCapsule_New(s, CAPSULE, free_state);
-  if (!capsule) free(s);
+  if (!capsule) free_launches(s);
   return capsule;
 }
 
