@@ -184,7 +184,19 @@ def test_the_combine_is_compiled_per_split_bound(fakes, monkeypatch):
 
 
 @pytest.fixture
-def tagged(fakes, monkeypatch):
+def remembering(monkeypatch):
+    """Validation passes for CPU tensors and is remembered, and calls are
+    prepared, as for CUDA ones on the GPU machine; no device switch."""
+    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
+    monkeypatch.setattr(checks, "_PASSED", {})
+    monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
+    monkeypatch.setattr(plan, "_PREPARED", {})
+    monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # a CPU tensor's device index
+
+
+@pytest.fixture
+def tagged(fakes, remembering, monkeypatch):
     """Every launch after a kernel's first (JIT) one is direct; the log says
     which path each took. Validation passes for CPU tensors and is
     remembered, as for CUDA ones on the GPU machine; the calls counted."""
@@ -192,12 +204,6 @@ def tagged(fakes, monkeypatch):
     monkeypatch.setattr(forward, "attention_forward_kernel", _TaggingJIT(log, forward.attention_forward_kernel.real))
     monkeypatch.setattr(combine, "combine_kernel", _TaggingJIT(log, combine.combine_kernel.real))
     monkeypatch.setattr(launcher, "direct_parts", _direct_parts)
-    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
-    monkeypatch.setattr(checks, "_PASSED", {})
-    monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
-    monkeypatch.setattr(plan, "_PREPARED", {})
-    monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # a CPU tensor's device index
     real = checks.validate
     monkeypatch.setattr(checks, "validate", lambda *a: log.append(("validate",)) or real(*a))
     return log
@@ -262,17 +268,11 @@ def test_a_growing_cache_keeps_its_prepared_call(tagged):
 
 
 @pytest.mark.parametrize("return_lse", [False, True])
-def test_a_prepared_launch_hands_over_what_the_direct_launch_does(fakes, monkeypatch, return_lse):
+def test_a_prepared_launch_hands_over_what_the_direct_launch_does(fakes, remembering, return_lse):
     # The prepared call's templates (plan._PreparedLaunch) against
     # _launch_forward_direct on the same tensors: the same flattened
     # arguments for both kernels, but for the call's own output, LSE and
     # partials, which are where the direct launch puts its own.
-    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
-    monkeypatch.setattr(checks, "_PASSED", {})
-    monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
-    monkeypatch.setattr(plan, "_PREPARED", {})
-    monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # a CPU tensor's device index
     q = torch.randn(2, 1, 8, 128).to(torch.bfloat16)
     k = torch.randn(2, 8192, 2, 128).to(torch.bfloat16)
     v = torch.randn_like(k)
