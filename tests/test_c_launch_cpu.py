@@ -14,7 +14,6 @@ taken from the module under test), and every encoded map with the
 encoder's arguments as Triton's ``fill_tma_descriptor`` derives them. The
 GPU half (outputs through the C path bit-equal to the Python path's, graph
 capture) is in tests/test_decode_gpu.py."""
-import contextlib
 import ctypes
 import os
 import shutil
@@ -24,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_direct_launch_cpu import fakes  # noqa: F401  (a fixture)
+from test_direct_launch_cpu import fakes, remembering  # noqa: F401  (fixtures)
 
 from hopper_flash import c_launch, checks, dispatch, launcher, plan
 
@@ -159,13 +158,8 @@ def _signature(real):
 
 
 @pytest.fixture
-def prepared(fakes, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
-    monkeypatch.setattr(checks, "_PASSED", {})
-    monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
-    monkeypatch.setattr(plan, "_PREPARED", {})
-    monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+def prepared(fakes, remembering):  # noqa: F811
+    """The stand-in kernels, and CPU calls validated, remembered and prepared as CUDA ones are."""
 
 
 def _decode_kv(batch, nheads_kv, length, head_dim, dtype=torch.bfloat16):
