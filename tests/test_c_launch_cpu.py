@@ -25,7 +25,7 @@ import pytest
 import torch
 from test_direct_launch_cpu import fakes, remembering  # noqa: F401  (fixtures)
 
-from hopper_flash import c_launch, checks, dispatch, launcher, plan
+from hopper_flash import c_launch, dispatch, launcher, plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
