@@ -15,7 +15,7 @@ import torch
 from triton import knobs
 from triton.runtime.driver import driver
 
-from . import _triton_support
+from . import _triton_support, c_launch
 from .launcher import KernelLaunch, tma_strides
 
 LOG2E = math.log2(math.e)
@@ -733,7 +733,7 @@ class _PreparedLaunch:
     rebuilding the same arguments every call."""
 
     __slots__ = ("lp", "kernel", "combine", "template", "slots", "combine_grid", "combine_template",
-                 "combine_slots", "n_o", "n_part", "current_stream")
+                 "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch")
 
     def __init__(self, lp: LaunchPlan, kernel: KernelLaunch, combine: KernelLaunch | None, q, nheads_kv: int,
                  softmax_scale: float, return_lse: bool):
@@ -755,6 +755,31 @@ class _PreparedLaunch:
             self.combine_template = [*_combine_args(_O_PART, _LSE_PART, _OUT, lse, lp.num_splits, q.shape, strides),
                                      *_combine_constexprs(head_dim, lp.num_splits, return_lse).values()]
             self.combine_slots = _slots(self.combine_template)
+        self.c_state = self._c_state(q, nheads_kv) if c_launch.enabled() else None
+        self.c_launch = c_launch.module().launch if self.c_state is not None else None
+
+    def _c_state(self, q, nheads_kv: int):
+        """The templates as ``c_launch``'s state, or None (the Python path).
+        The descriptors' tensors: q and out fixed by the signature (out
+        contiguous), k and v of ``[batch, length, heads, dim]`` with the
+        length and the strides given per call."""
+        kernel, lp = self.kernel, self.lp
+        if kernel.direct is None or len(kernel.direct.encode) != 4:
+            return None
+        batch, seqlen_q, nheads, head_dim = q.shape
+        kv_shape = (batch, 0, nheads_kv, head_dim)
+        out_strides = (seqlen_q * nheads * head_dim, nheads * head_dim, head_dim, 1)
+        layouts = ((tuple(q.shape), tma_strides(q)), (kv_shape, (0,) * 4), (kv_shape, (0,) * 4),
+                   (tuple(q.shape), out_strides))
+        descs = [(slot, enc[2], enc[1], enc[0], list(enc[3]), list(shape), list(strides))
+                 for slot, (enc, (shape, strides)) in enumerate(zip(kernel.direct.encode, layouts))]
+        leading = 9 * len(descs)  # per descriptor: the map, its shape, its strides
+        specs = [c_launch.launch_spec(kernel, (lp.n_ctas, 1, 1), [None] * leading + self.template,
+                                      [(leading + i, which) for i, which in self.slots], descs)]
+        if self.combine is not None:
+            specs.append(c_launch.launch_spec(self.combine, self.combine_grid, self.combine_template,
+                                              self.combine_slots, []))
+        return c_launch.prepare(specs)
 
     def __call__(self, q, k, v, out, lse, seqlen_k: int, device_index: int) -> None:
         kernel, lp = self.kernel, self.lp
@@ -766,8 +791,13 @@ class _PreparedLaunch:
             lse_part = o_part + 4 * self.n_o
         else:
             o_part = lse_part = out_ptr
-        values = (out_ptr, lse.data_ptr() if lse is not None else None, o_part, lse_part, seqlen_k,
-                  _item_counter(q.device).data_ptr() if lp.mode.dynamic else None)
+        lse_ptr = lse.data_ptr() if lse is not None else None
+        sched = _item_counter(q.device).data_ptr() if lp.mode.dynamic else None
+        if self.c_state is not None:
+            self.c_launch(self.c_state, stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out_ptr, lse_ptr, o_part,
+                          lse_part, seqlen_k, sched, k.stride(), v.stride())
+            return
+        values = (out_ptr, lse_ptr, o_part, lse_part, seqlen_k, sched)
         flat = [*kernel._descriptor_args(0, q), *kernel._descriptor_args(1, k), *kernel._descriptor_args(2, v),
                 *kernel._descriptor_args(3, out)]
         base = len(flat)
