@@ -243,6 +243,15 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   D = 64 and 128, causal and not. Refused.
 * (``bwd-det-one-tile``: one dQ staging tile in deterministic mode; shipped
   in the twentieth session after 109 backward and launch GPU tests.)
+* ``fwd-causal-offset`` (twenty-fifth session): the offset start
+  (``forward._offset_start``) under a causal mask too, for the chunked-prefill
+  rows (seqlen_q much shorter than seqlen_k: long items with one masked
+  tile, where the non-causal rows gained 4-5% from it). Forward GPU tests
+  215 passed. On the H200 (``benchmarks/causal-offset.json``, two rounds
+  beside the shipped kernel): +1-3% at Sq 128 and 1024 against Sk 8192,
+  0-1% at Sq 512 Sk 32768 and Sq 4096 Sk 8192, 3% slower at Sq 2048 Sk
+  4096, noise on square causal. Not shipped (BENCHMARKS.md, twenty-fifth
+  session).
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
