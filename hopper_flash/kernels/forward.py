@@ -59,9 +59,10 @@ Decode and chunked prefill run the same kernel in other *modes*
   ``[B_cache, S_cache, Hkv, D]`` (``KV_BATCH``: row ``cache_batch_idx[b]``),
   or pages ``[num_pages, PAGE_SIZE, Hkv, D]`` addressed through a page table
   (the page is the TMA batch coordinate; a page of 32 to ``BLOCK_N / 2``
-  keys is one TMA box, and a tile loads one per page). What lies past a row's live length is never trusted: scores
-  there are masked (``where`` also drops NaN) and V rows there are zeroed in
-  shared memory before PV, since 0 * NaN = NaN.
+  keys is one TMA box, and a tile loads one per page). What lies past a
+  row's live length is never trusted: scores there are masked (``where``
+  also drops NaN) and V rows there are zeroed in shared memory before PV,
+  since 0 * NaN = NaN.
 * ``PACK_G`` > 1 (PackGQA): the query rows of the ``PACK_G`` heads that share
   a KV head share one tile, head fastest: the TMA box ``[1, 64 / G, G, D]``
   over BSHD is exactly that tile, so K and V are read once per KV head.
