@@ -70,7 +70,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
     def desc_sig(block):
         return f"tensordesc<{sig_dtype}[{', '.join(map(str, block))}],{smem_layout(block, tdtype)!r}>"
 
-    blocks = block_shapes(cfg, mode.pack_g)
+    blocks = block_shapes(cfg, mode.pack_g, mode.page_size)
     constexprs = kernel_constexprs(cfg, causal, write_lse, mode)
     signature = {
         "q_desc": desc_sig(blocks["q"]),

@@ -33,13 +33,12 @@ from .checks import check_device
 from .checks import check_tma_addressable as _check_tma_addressable
 
 # Page sizes served by TMA straight from the pages (the page is the TMA batch
-# coordinate): multiples of a config's block_n. 64 uses a block_n = 64 config.
-# Other sizes are gathered into a contiguous per-batch cache first (correct,
+# coordinate): multiples of a config's block_n, and powers of two from 32 up
+# to block_n / 2, which load a tile as one box per page (kernels/forward.py,
+# _load_kv_tile), so they keep the contiguous cache's tiles. Smaller pages
+# are gathered into a contiguous per-batch cache first (correct,
 # graph-capturable, not at memory speed).
-_BLOCK_N64_CONFIGS: dict[int, plan.ForwardConfig] = {
-    64: plan.ForwardConfig(head_dim=64, block_n=64, k_stages=4, v_stages=4),
-    128: plan.ForwardConfig(head_dim=128, block_n=64, k_stages=4, v_stages=4),
-}
+MIN_TMA_PAGE = 32
 
 
 def _dtype_name(dtype):
@@ -64,15 +63,10 @@ def _check_index(name, t, shape_desc, expect_shape, device):
         raise ValueError(f"{name} must have shape {shape_desc} = {tuple(expect_shape)}, got {tuple(t.shape)}")
 
 
-def _page_plan(page_size: int, head_dim: int):
-    """(config, use TMA) for a paged cache of ``page_size``."""
-    cfg = plan.CONFIGS[head_dim]
-    if page_size % cfg.block_n == 0:
-        return cfg, True
-    small = _BLOCK_N64_CONFIGS.get(head_dim)
-    if small is not None and page_size % small.block_n == 0:
-        return small, True
-    return cfg, False
+def _page_plan(page_size: int, head_dim: int) -> bool:
+    """Whether a paged cache of ``page_size`` is read by TMA from its pages."""
+    block_n = plan.CONFIGS[head_dim].block_n
+    return page_size % block_n == 0 or (page_size >= MIN_TMA_PAGE and block_n % page_size == 0)
 
 
 def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
@@ -244,8 +238,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     cfg = plan.CONFIGS[head_dim]
     kc, vc, pt = k_cache, v_cache, page_table
     if page_table is not None:
-        cfg, tma_pages = _page_plan(k_cache.shape[1], head_dim)
-        if not tma_pages:
+        if not _page_plan(k_cache.shape[1], head_dim):
             # Small pages: gather each batch's pages into a contiguous cache.
             nkv = k_cache.shape[2]
             # Entries past a row's live pages may be anything: clamp them.

@@ -197,7 +197,8 @@ class Mode:
     seqused: bool = False
     # cache_batch_idx: batch b reads cache row kv_batch[b].
     kv_batch: bool = False
-    # Paged K/V [num_pages, page_size, Hkv, D] (page_size a multiple of block_n); 0 = not paged.
+    # Paged K/V [num_pages, page_size, Hkv, D]: page_size a multiple of block_n, or a power of two
+    # from 16 up dividing it (one TMA box per page, plan.block_shapes); 0 = not paged.
     page_size: int = 0
     # Packed (THD) batches: per-sequence offsets from cu_seqlens (flash_attn_varlen_func);
     # ``seqused`` then means seqused_k, ``seqused_q`` the query side's.
@@ -243,15 +244,19 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
     )
 
 
-def block_shapes(cfg: ForwardConfig, pack_g: int = 1) -> dict[str, list[int]]:
+def block_shapes(cfg: ForwardConfig, pack_g: int = 1, page_size: int = 0) -> dict[str, list[int]]:
     """TMA boxes over the rank-4 ``[B, S, H, D]`` view: one head, ``rows`` of
     the sequence, the whole head dim. Q and O move per consumer warpgroup (64
     rows); under PackGQA a Q/O box holds ``64 / g`` query rows of ``g``
-    adjacent heads, which in BSHD is exactly the packed (head-fastest) tile."""
+    adjacent heads, which in BSHD is exactly the packed (head-fastest) tile.
+    K and V move a tile at a time, or a page at a time where pages are
+    shorter than a tile (``page_size``; the kernel then loads one box per
+    page of a tile)."""
+    kv_rows = min(cfg.block_n, page_size) if page_size else cfg.block_n
     return {
         "q": [1, WG_ROWS // pack_g, pack_g, cfg.head_dim],
-        "k": [1, cfg.block_n, 1, cfg.head_dim],
-        "v": [1, cfg.block_n, 1, cfg.head_dim],
+        "k": [1, kv_rows, 1, cfg.head_dim],
+        "v": [1, kv_rows, 1, cfg.head_dim],
         "o": [1, WG_ROWS // pack_g, pack_g, cfg.head_dim],
     }
 
@@ -558,7 +563,8 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     Decode modes: ``seqused_k`` (int32 [B], live keys per batch; k and v are
     then a cache of any length), ``kv_batch`` (int32 [B], cache row per
     batch), ``page_table`` (int32 [B, max_pages]; k and v are
-    [num_pages, page_size, Hkv, D] with page_size a multiple of block_n),
+    [num_pages, page_size, Hkv, D] with page_size a multiple of block_n or
+    a power of two of at least 16 dividing it),
     ``num_splits`` (0: heuristic) and ``pack_gqa`` (None: heuristic).
     ``window``: a sliding window's ``(left, right)``, from
     ``checks.window_bounds`` (None: none); each distinct window is a
@@ -602,7 +608,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         # (it wants the JIT's launch metadata): take Triton's regular path.
         from .kernels.forward import attention_forward_kernel
 
-        blocks = block_shapes(cfg, mode.pack_g)
+        blocks = block_shapes(cfg, mode.pack_g, mode.page_size)
         descs = (_descriptor(q, blocks["q"]), _descriptor(k, blocks["k"]), _descriptor(v, blocks["v"]),
                  _descriptor(out, blocks["o"]))
         _COMPILED[lp.key] = KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](

@@ -11,11 +11,10 @@ import functools
 
 import pytest
 
-from hopper_flash import compile_check, kvcache, plan
+from hopper_flash import compile_check, plan
 from hopper_flash.plan import Mode
 
 C = plan.CONFIGS
-N64 = kvcache._BLOCK_N64_CONFIGS
 
 # (config, dtype, causal, write_lse, mode)
 SPECS = [
@@ -32,8 +31,12 @@ SPECS = [
     # Paged K/V through TMA (the page is the batch coordinate).
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=128)),
     (C[128], "bfloat16", False, False, Mode(pack_g=4, seqused=True, page_size=256)),
-    (N64[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
     (C[256], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
+    # Pages shorter than a tile: one TMA box per page (kvcache.MIN_TMA_PAGE up).
+    (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
+    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, page_size=32)),
+    (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=32)),
+    (C[256], "bfloat16", True, False, Mode(pack_g=4, seqused=True, page_size=32)),
     # Sliding windows (window_size): decode with a split cache, and prefill both ways.
     (C[128], "bfloat16", True, True, Mode(pack_g=4, split=True, seqused=True, window_left=4095, window_right=0)),
     (C[128], "bfloat16", True, False, Mode(window_left=1023, window_right=0)),

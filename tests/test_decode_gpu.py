@@ -130,7 +130,7 @@ def paged_copy(kc, vc, page_size, lens, seed=0):
     return kp, vp, pt
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 64, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 16, 32, 64, 128, 256])
 @pytest.mark.parametrize("seqlen_q", [1, 5])
 def test_paged_equals_contiguous(page_size, seqlen_q):
     lens = [1, 700, 3001]
@@ -141,7 +141,7 @@ def test_paged_equals_contiguous(page_size, seqlen_q):
     out = hopper_flash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=cs, page_table=pt, causal=True)
     contig = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True)
     assert_close(out, q, kc, vc, lens, True)
-    if page_size >= 128:  # same tiles, same splits: bitwise equal
+    if page_size >= 32:  # read by TMA on the same tiles (pages under 128 keys one box each), same splits: bitwise
         assert torch.equal(out, contig)
 
 

@@ -111,3 +111,23 @@ def test_a_window_reaches_the_device_check():
     q, kc, vc = args()
     with pytest.raises(ValueError, match="CUDA"):
         call(q, kc, vc, cache_seqlens=10, causal=True, window_size=(4, 0))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_pages_of_32_keys_and_more_are_read_by_tma_on_the_contiguous_tiles(head_dim):
+    """Which paged caches the kernel reads in place (kvcache._page_plan) and
+    with what TMA box (plan.block_shapes): whole tiles for pages of a tile or
+    more, one page per box for 32 keys up to half a tile, and a gathered
+    copy below 32 (the producer warp spilled with 8 boxes per tile)."""
+    from hopper_flash import kvcache
+
+    cfg = plan.CONFIGS[head_dim]
+    for page_size in (1, 2, 8, 16):
+        assert not kvcache._page_plan(page_size, head_dim), page_size
+    for page_size in (32, 64, 128, 256, 512):
+        assert kvcache._page_plan(page_size, head_dim), page_size
+        boxes = plan.block_shapes(cfg, 1, page_size)
+        rows = min(page_size, cfg.block_n)
+        assert boxes["k"] == boxes["v"] == [1, rows, 1, head_dim]
+        assert (cfg.block_n // rows) * rows == cfg.block_n  # whole boxes per tile
+    assert plan.block_shapes(cfg)["k"] == [1, cfg.block_n, 1, head_dim]  # contiguous caches: one box per tile

@@ -58,10 +58,11 @@ Decode and chunked prefill run the same kernel in other *modes*
   (``cache_seqlens`` after the append), K/V may be a larger cache
   ``[B_cache, S_cache, Hkv, D]`` (``KV_BATCH``: row ``cache_batch_idx[b]``),
   or pages ``[num_pages, PAGE_SIZE, Hkv, D]`` addressed through a page table
-  (``PAGE_SIZE`` a multiple of ``BLOCK_N``: the page is the TMA batch
-  coordinate). What lies past a row's live length is never trusted: scores
-  there are masked (``where`` also drops NaN) and V rows there are zeroed in
-  shared memory before PV, since 0 * NaN = NaN.
+  (the page is the TMA batch coordinate; a page of 32 to ``BLOCK_N / 2``
+  keys is one TMA box, and a tile loads one per page). What lies past a
+  row's live length is never trusted: scores there are masked (``where``
+  also drops NaN) and V rows there are zeroed in shared memory before PV,
+  since 0 * NaN = NaN.
 * ``PACK_G`` > 1 (PackGQA): the query rows of the ``PACK_G`` heads that share
   a KV head share one tile, head fastest: the TMA box ``[1, 64 / G, G, D]``
   over BSHD is exactly that tile, so K and V are read once per KV head.
@@ -332,14 +333,38 @@ def _item_bounds(b, bm, split, h, lq, k_start, prob: Problem, mode: Mode):
 @gluon.jit
 def _kv_coords(b, kb, bn, hk, k_start, prob: Problem, mode: Mode):
     """TMA coordinates of KV tile ``bn``: a cache row, or a page of the page
-    table (``k_start``: the sequence's first key row, 0 unless VARLEN)."""
+    table (``k_start``: the sequence's first key row, 0 unless VARLEN). Pages
+    shorter than a tile are looked up per box by ``_load_kv_tile``."""
     row = bn * mode.BLOCK_N
-    if mode.PAGE_SIZE > 0:
+    if mode.PAGE_SIZE > 0 and mode.PAGE_SIZE < mode.BLOCK_N:
+        coords = [0, 0, hk, 0]
+    elif mode.PAGE_SIZE > 0:
         page = gl.load(prob.page_table_ptr + b.to(gl.int64) * prob.page_stride + row // mode.PAGE_SIZE)
         coords = [page, row % mode.PAGE_SIZE, hk, 0]
     else:
         coords = [kb, k_start + row, hk, 0]
     return coords
+
+
+@gluon.jit
+def _load_kv_tile(desc, coords, bar, buf, b, bn, seqlen_k, prob: Problem, mode: Mode):
+    """Issue the TMA loads of KV tile ``bn`` into slot ``buf`` on barrier
+    ``bar``: one box at ``coords``, or, where pages are shorter than a tile
+    (the host's box is then one page, ``plan.block_shapes``), one box per
+    page, each at the page its rows live in. So pages of 32-64 keys keep the
+    128-key tiles of contiguous caches. A page that holds no live key
+    (``seqlen_k``: this batch's) may have any table entry, even one past
+    the table's row: it is not read, page 0 stands in, and its keys are
+    masked and their V rows zeroed as for any key past the live length."""
+    BOX: gl.constexpr = desc.block_type.shape[1]
+    if BOX == mode.BLOCK_N:
+        tma_load(desc, coords, bar, buf)
+    else:
+        for j in gl.static_range(mode.BLOCK_N // BOX):
+            row = bn * mode.BLOCK_N + j * BOX
+            page = gl.load(prob.page_table_ptr + b.to(gl.int64) * prob.page_stride + row // BOX,
+                           mask=row < seqlen_k, other=0)
+            tma_load(desc, [page, 0, coords[2], 0], bar, buf.slice(j * BOX, BOX, dim=1))
 
 
 @gluon.jit
@@ -395,6 +420,7 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
 
         # K and V in separate rings: QK of tile `it` may start while V of tile
         # `it` is still in flight, since PV of `it` only runs one step later.
+        KV_BOXES: gl.constexpr = mode.BLOCK_N // k_desc.block_type.shape[1]  # TMA boxes per tile (_load_kv_tile)
         n_kv = n_hi - n_lo
         for it in range(n_kv):
             bn = n_hi - 1 - it  # diagonal (or tail) first
@@ -402,13 +428,15 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
             order = kv0 + it
             wait_empty(rings.k_empty, order, mode.K_STAGES)
             k_slot = ring_slot(order, mode.K_STAGES)
-            mbarrier.expect(rings.k_full.index(k_slot), k_desc.block_type.nbytes)
-            tma_load(k_desc, coords, rings.k_full.index(k_slot), rings.k_bufs.index(k_slot))
+            mbarrier.expect(rings.k_full.index(k_slot), k_desc.block_type.nbytes * KV_BOXES)
+            _load_kv_tile(k_desc, coords, rings.k_full.index(k_slot), rings.k_bufs.index(k_slot), b, bn, lk, prob,
+                          mode)
 
             wait_empty(rings.v_empty, order, mode.V_STAGES)
             v_slot = ring_slot(order, mode.V_STAGES)
-            mbarrier.expect(rings.v_full.index(v_slot), v_desc.block_type.nbytes)
-            tma_load(v_desc, coords, rings.v_full.index(v_slot), rings.v_bufs.index(v_slot))
+            mbarrier.expect(rings.v_full.index(v_slot), v_desc.block_type.nbytes * KV_BOXES)
+            _load_kv_tile(v_desc, coords, rings.v_full.index(v_slot), rings.v_bufs.index(v_slot), b, bn, lk, prob,
+                          mode)
         kv0 += n_kv
         qi += 1
     return kv0, qi
@@ -742,6 +770,9 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH or PAGE_SIZE > 0)),
                      "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle two warpgroups")
+    gl.static_assert(PAGE_SIZE % BLOCK_N == 0 or (BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE >= 32
+                                                  and k_desc.block_type.shape[1] == PAGE_SIZE),
+                     "pages of whole tiles, or of 32 keys and more loaded one TMA box per page")
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT)
@@ -764,8 +795,9 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # consumer warpgroup, for Q_STAGES items: part c of the item in slot j is
     # buffer NC·j + c (_q_slot).
     q_smem = gl.allocate_shared_memory(dtype, [NC * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    # A K/V slot holds a whole tile, whose TMA box may be a page of fewer rows (_load_kv_tile).
+    k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, 1, BLOCK_N, 1, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [V_STAGES, 1, BLOCK_N, 1, HEAD_DIM], v_desc.layout)
     if O_IN_Q or SPLIT:
         o_smem = q_smem  # O is staged in its own Q rows (see _consumer_tile), or not at all (SPLIT)
     else:
