@@ -198,7 +198,7 @@ class Mode:
     # cache_batch_idx: batch b reads cache row kv_batch[b].
     kv_batch: bool = False
     # Paged K/V [num_pages, page_size, Hkv, D]: page_size a multiple of block_n, or a power of two
-    # from 16 up dividing it (one TMA box per page, plan.block_shapes); 0 = not paged.
+    # from 32 up dividing it (one TMA box per page, plan.block_shapes); 0 = not paged.
     page_size: int = 0
     # Packed (THD) batches: per-sequence offsets from cu_seqlens (flash_attn_varlen_func);
     # ``seqused`` then means seqused_k, ``seqused_q`` the query side's.
@@ -564,7 +564,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     then a cache of any length), ``kv_batch`` (int32 [B], cache row per
     batch), ``page_table`` (int32 [B, max_pages]; k and v are
     [num_pages, page_size, Hkv, D] with page_size a multiple of block_n or
-    a power of two of at least 16 dividing it),
+    a power of two of at least 32 dividing it),
     ``num_splits`` (0: heuristic) and ``pack_gqa`` (None: heuristic).
     ``window``: a sliding window's ``(left, right)``, from
     ``checks.window_bounds`` (None: none); each distinct window is a
