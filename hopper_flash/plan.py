@@ -739,12 +739,15 @@ class _PreparedLaunch:
     rebuilding the same arguments every call."""
 
     __slots__ = ("lp", "kernel", "combine", "template", "slots", "combine_grid", "combine_template",
-                 "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch")
+                 "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch", "out_strides")
 
     def __init__(self, lp: LaunchPlan, kernel: KernelLaunch, combine: KernelLaunch | None, q, nheads_kv: int,
                  softmax_scale: float, return_lse: bool):
         self.lp, self.kernel, self.combine = lp, kernel, combine
         self.current_stream = driver.active.get_current_stream
+        batch, seqlen_q, nheads, head_dim = q.shape
+        # Prepared calls allocate out contiguous (PreparedForward.__call__).
+        self.out_strides = (seqlen_q * nheads * head_dim, nheads * head_dim, head_dim, 1)
         lse = _LSE if return_lse else None
         split = lp.mode.split
         args = _kernel_args(lp, q, _SEQLEN_K, nheads_kv, softmax_scale, _OUT, lse, None, None, None, 0,
@@ -753,12 +756,10 @@ class _PreparedLaunch:
         self.template = [*args, *lp.constexpr_values]
         self.slots = _slots(self.template)
         if split:
-            batch, seqlen_q, nheads, head_dim = q.shape
             self.n_o, self.n_part = _partials_size(lp, q)
-            # Prepared calls allocate out contiguous (PreparedForward.__call__).
-            strides = (seqlen_q * nheads * head_dim, nheads * head_dim, head_dim, 1)
             self.combine_grid = (batch * seqlen_q * nheads, 1, 1)
-            self.combine_template = [*_combine_args(_O_PART, _LSE_PART, _OUT, lse, lp.num_splits, q.shape, strides),
+            self.combine_template = [*_combine_args(_O_PART, _LSE_PART, _OUT, lse, lp.num_splits, q.shape,
+                                                    self.out_strides),
                                      *_combine_constexprs(head_dim, lp.num_splits, return_lse).values()]
             self.combine_slots = _slots(self.combine_template)
         self.c_state = self._c_state(q, nheads_kv) if c_launch.enabled() else None
@@ -772,11 +773,10 @@ class _PreparedLaunch:
         kernel, lp = self.kernel, self.lp
         if kernel.direct is None or len(kernel.direct.encode) != 4:
             return None
-        batch, seqlen_q, nheads, head_dim = q.shape
+        batch, _, _, head_dim = q.shape
         kv_shape = (batch, 0, nheads_kv, head_dim)
-        out_strides = (seqlen_q * nheads * head_dim, nheads * head_dim, head_dim, 1)
         layouts = ((tuple(q.shape), tma_strides(q)), (kv_shape, (0,) * 4), (kv_shape, (0,) * 4),
-                   (tuple(q.shape), out_strides))
+                   (tuple(q.shape), self.out_strides))
         descs = [(slot, enc[2], enc[1], enc[0], list(enc[3]), list(shape), list(strides))
                  for slot, (enc, (shape, strides)) in enumerate(zip(kernel.direct.encode, layouts))]
         leading = 9 * len(descs)  # per descriptor: the map, its shape, its strides

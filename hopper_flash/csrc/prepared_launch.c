@@ -4,8 +4,8 @@
    arguments and (split-KV) the combine's as templates. On the Python path a
    call encodes four TMA descriptors, builds both argument lists and hands
    each to Triton's launcher, which parses ~45 Python objects back into C
-   values: about half the backend call's host time in a decode step (BENCHMARKS.md, twenty-fourth
-   session). Here the templates become kernel-parameter storage once
+   values: about half the backend call's host time in a decode step
+   (BENCHMARKS.md, twenty-fourth session). Here the templates become kernel-parameter storage once
    (``make``), and a call (``launch``) takes the handful of values that change
    (addresses, the key length, K's and V's strides), fills a copy of that
    storage on its own stack (so that calls from several threads, each with
