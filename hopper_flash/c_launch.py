@@ -14,9 +14,16 @@ this module reads rather than restates where it can: the expanded signature
 (a host TensorDescriptor with its metadata becomes the map, then its shape as
 i32 and its strides as i64; constexprs are no parameters; two null scratch
 pointers close the list), the kernel metadata (warps, CTAs, shared memory),
-and the launch flags. Only the calling convention this was checked against
-is taken (``_Direct.new_convention`` False: triton 3.6, which torch 2.10 and
-2.11 pin); elsewhere, and wherever anything is unexpected, ``prepare``
+and the launch flags. Both launcher conventions are taken: triton 3.6's
+(``_Direct.new_convention`` False; torch 2.10 and 2.11 pin it) and the
+generic launcher of 3.7 to 3.9 (torch 2.12 and 2.13 pin 3.7). They hand the
+kernel the same parameters (the compiled kernels' parameter lists are the
+same under 3.6.0, 3.7.1, 3.8.0 and 3.9.0, read from their PTX on the CPU),
+encode maps with the same cuTensorMapEncodeTiled arguments
+(``fill_tma_descriptor`` and ``fill_tma_descriptor_tiled``) and launch with
+the same attributes for one-CTA clusters under 228 KB of shared memory; they
+differ in how an ``i1`` parameter is stored (one byte in 3.6, four from 3.7),
+which ``param_size`` follows. Wherever anything is unexpected, ``prepare``
 returns None and the Python path runs. ``HOPPER_FLASH_C_LAUNCH=0`` turns it
 off.
 
@@ -91,8 +98,18 @@ def expanded_signature(compiled) -> list[tuple] | None:
     return out if d == len(meta) else None
 
 
-def _const_bits(ty: str, value) -> int | None:
-    """A constant argument's bits as Triton's launcher packs it, or None."""
+def param_size(ty: str, new_convention: bool) -> int | None:
+    """Bytes Triton's launcher stores a scalar parameter of type ``ty`` in:
+    its C type's size, but an ``i1``, which 3.7's generic launcher extracts
+    as an int32 (3.6 as an int8). None for a type not in the table."""
+    if ty == "i1" and new_convention:
+        return 4
+    return _SIZES.get(ty)
+
+
+def _const_bits(ty: str, value, size: int | None = None) -> int | None:
+    """A constant argument's bits as Triton's launcher packs it (an integer
+    in ``size`` bytes, default its type's), or None."""
     if ty.startswith("*"):
         return 0 if value is None else value if isinstance(value, int) and not isinstance(value, bool) else None
     if value is None or ty not in _SIZES:
@@ -106,7 +123,7 @@ def _const_bits(ty: str, value) -> int | None:
     if ty == "fp64":
         return struct.unpack("<Q", struct.pack("<d", value))[0]
     if isinstance(value, int):  # bools too
-        return int(value) & ((1 << (8 * _SIZES[ty])) - 1)
+        return int(value) & ((1 << (8 * (size or _SIZES[ty]))) - 1)
     return None
 
 
@@ -119,7 +136,7 @@ def launch_spec(kernel, grid, flat: list, slots, descs) -> tuple | None:
     3 out; k's and v's length and strides come with each call). None where
     anything is unexpected."""
     d = kernel.direct
-    if d is None or d.new_convention:
+    if d is None:
         return None
     entries = expanded_signature(kernel.compiled)
     if entries is None or len(entries) != len(flat):
@@ -139,14 +156,17 @@ def launch_spec(kernel, grid, flat: list, slots, descs) -> tuple | None:
             continue
         elif i in slot_of:
             ty = e[1]
-            if not ty.startswith("*") and ty not in _SIZES:
+            size = 8 if ty.startswith("*") else param_size(ty, d.new_convention)
+            if size is None:
                 return None
-            params.append((P_VALUE, 8 if ty.startswith("*") else _SIZES[ty], slot_of[i], 0, 0))
+            params.append((P_VALUE, size, slot_of[i], 0, 0))
         else:
-            bits = _const_bits(e[1], flat[i])
+            ty = e[1]
+            size = 8 if ty.startswith("*") else param_size(ty, d.new_convention)
+            bits = None if size is None else _const_bits(ty, flat[i], size)
             if bits is None:
                 return None
-            params.append((P_CONST, 8 if e[1].startswith("*") else _SIZES[e[1]], 0, 0, bits))
+            params.append((P_CONST, size, 0, 0, bits))
     if n_maps != len(descs):
         return None
     return (kernel.function, tuple(grid), 32 * num_warps, shared, bool(d.pdl), bool(d.cooperative), params,

@@ -94,9 +94,10 @@ def _compiled(key):
     return fwd, comb
 
 
-def _kernel_launch(real, calls, fills, pdl, shared):
+def _kernel_launch(real, calls, fills, pdl, shared, new_convention=False):
     """A KernelLaunch of ``real``'s signature whose Python path records the
-    flat argument list and the TMA encoder's arguments."""
+    flat argument list and the TMA encoder's arguments, in triton 3.6's
+    launcher convention or (``new_convention``) 3.7's generic one."""
     from triton.backends.nvidia import driver as nvidia_driver
 
     def fill(*a):
@@ -105,21 +106,23 @@ def _kernel_launch(real, calls, fills, pdl, shared):
     run = SimpleNamespace(launch_cooperative_grid=False, launch_pdl=pdl)
     meta = list(getattr(real.metadata, "tensordesc_meta", None) or [])
     direct = launcher._Direct(lambda *a: calls.append(a), fill, nvidia_driver.TMA_DTYPE_DEVICE_TO_HOST, meta,
-                              False, run)
+                              new_convention, run)
     compiled = SimpleNamespace(function=0xF00 + len(meta), packed_metadata=(real.metadata.num_warps, 1, shared),
                                src=real.src, metadata=real.metadata)
     return launcher.KernelLaunch(compiled, direct=direct)
 
 
-def _pack(ty, value):
-    """A parameter as Triton 3.6's launcher stores it (make_launcher: ints by
-    C type, pointers as 64-bit addresses, fp32 as its bits, bf16 truncated)."""
+def _pack(ty, value, new_convention=False):
+    """A parameter as Triton's launcher stores it (3.6's make_launcher, and
+    3.7-3.9's generic launcher alike: ints by C type, pointers as 64-bit
+    addresses, fp32 as its bits; but an i1 is an int8 in 3.6 and an int32
+    from 3.7, whose extractor table lists "i1" under int32)."""
     if ty.startswith("*"):
         return struct.pack("<Q", value or 0)
     if ty == "fp32":
         return struct.pack("<f", value)
     if ty == "i1":
-        return struct.pack("<b", int(value))
+        return struct.pack("<i" if new_convention else "<b", int(value))
     if ty == "i32":
         return struct.pack("<i", value)
     if ty == "i64":
@@ -186,8 +189,16 @@ CASES = {
 }
 
 
+def _flat(call, new_convention):
+    """The flat argument list of a recorded launcher call: after 13 leading
+    arguments in 3.6's convention, the last argument in 3.7's."""
+    return list(call[-1]) if new_convention else list(call[13:])
+
+
+@pytest.mark.parametrize("convention", ["3.6", "3.7+"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_c_launch_hands_the_driver_what_the_python_path_does(standin, prepared, monkeypatch, case):
+def test_the_c_launch_hands_the_driver_what_the_python_path_does(standin, prepared, monkeypatch, case, convention):
+    new = convention == "3.7+"
     monkeypatch.setattr(c_launch, "module", lambda libcuda=None: standin.mod)
     q, k, v, causal, return_lse, split = CASES[case]()
     monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", "0")
@@ -198,10 +209,10 @@ def test_the_c_launch_hands_the_driver_what_the_python_path_does(standin, prepar
         assert key[5].dynamic
     fwd, comb = _compiled(key)
     calls, fills, c_calls = [], [], []
-    plan._COMPILED[key] = _kernel_launch(fwd, calls, fills, False, 123456)
+    plan._COMPILED[key] = _kernel_launch(fwd, calls, fills, False, 123456, new)
     if split:
         [c_key] = plan._COMBINE_OF
-        plan._COMBINE_OF[c_key] = _kernel_launch(comb, c_calls, [], True, 0)
+        plan._COMBINE_OF[c_key] = _kernel_launch(comb, c_calls, [], True, 0, new)
     res_py = dispatch.forward(q, k, v, 0.1, causal, return_lse)  # direct: the Python path, prepared after it
     assert len(calls) == 1 and len(c_calls) == int(split) and len(fills) == 4
     [call] = plan._PREPARED.values()
@@ -222,7 +233,7 @@ def test_the_c_launch_hands_the_driver_what_the_python_path_does(standin, prepar
     # the other had its own: rename the Python call's to the C call's.
     f_sig = _signature(fwd)
     f_params = standin.mod.params(state, 0)
-    flat = list(calls[0][13:])
+    flat = _flat(calls[0], new)
     assert len(flat) == len(f_sig)
     c_index = [i for i, (_, ty) in enumerate(f_sig) if ty != "constexpr"]
     assert len(f_params) == len(c_index)
@@ -246,7 +257,7 @@ def test_the_c_launch_hands_the_driver_what_the_python_path_does(standin, prepar
             if ty == "constexpr":
                 continue
             got.append(maps.pop(0) if ty == "map" else
-                       _pack(ty, rename.get(value, value) if ty.startswith("*") else value))
+                       _pack(ty, rename.get(value, value) if ty.startswith("*") else value, new))
         return got
 
     # The forward kernel: its maps as the encoder's arguments, the rest byte for byte.
@@ -268,7 +279,7 @@ def test_the_c_launch_hands_the_driver_what_the_python_path_does(standin, prepar
     if split:
         # The combine: byte for byte, by PDL (attribute 6), reading the forward's partials.
         c_params = standin.mod.params(state, 1)
-        want = expected(_signature(comb), list(c_calls[0][13:]), [])
+        want = expected(_signature(comb), _flat(c_calls[0], new), [])
         assert [g[:len(e)] for g, e in zip(c_params, want)] == want
         assert struct.unpack("<Q", c_params[0])[0] == c_value["o_part_ptr"]
         c = rec[1]
@@ -300,3 +311,14 @@ def test_a_refused_encode_or_launch_raises(standin, prepared, monkeypatch):
             dispatch.forward(q, k, k, 0.1, True, False)
     finally:
         standin.lib.standin_reset(0, 0)
+
+
+def test_an_i1_parameter_is_stored_as_each_launcher_stores_it():
+    # Triton 3.6's make_launcher stores an i1 in an int8, 3.7's generic
+    # launcher in an int32 (its extractor table lists "i1" with "i32"); every
+    # other scalar type keeps its C size under both.
+    assert c_launch.param_size("i1", False) == 1 and c_launch.param_size("i1", True) == 4
+    for ty, size in (("i32", 4), ("i64", 8), ("fp32", 4), ("fp16", 2), ("bf16", 2), ("i8", 1)):
+        assert c_launch.param_size(ty, False) == c_launch.param_size(ty, True) == size
+    assert c_launch.param_size("tuple", True) is None
+    assert c_launch._const_bits("i1", True, 4) == 1 and c_launch._const_bits("i32", -1, 4) == 0xFFFFFFFF

@@ -10,7 +10,8 @@
    (addresses, the key length, K's and V's strides), fills a copy of that
    storage on its own stack (so that calls from several threads, each with
    the GIL released around its launch, never share one), encodes the descriptors
-   with cuTensorMapEncodeTiled as Triton's fill_tma_descriptor does, and
+   with cuTensorMapEncodeTiled as Triton's fill_tma_descriptor (3.6) and
+   fill_tma_descriptor_tiled (3.7 to 3.9) do, and
    calls cuLaunchKernelEx as Triton's launcher does (same grid, block,
    shared memory, programmatic-dependent-launch and cooperative attributes,
    and the two scratch pointers Triton appends, here null: prepared calls are
