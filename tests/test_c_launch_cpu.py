@@ -322,3 +322,15 @@ def test_an_i1_parameter_is_stored_as_each_launcher_stores_it():
         assert c_launch.param_size(ty, False) == c_launch.param_size(ty, True) == size
     assert c_launch.param_size("tuple", True) is None
     assert c_launch._const_bits("i1", True, 4) == 1 and c_launch._const_bits("i32", -1, 4) == 0xFFFFFFFF
+
+
+def test_the_37_convention_takes_the_c_path_only_on_request(monkeypatch):
+    # Under triton 3.7-3.9 the C path is opt-in until a GPU run checks it
+    # (c_launch's docstring); under 3.6 it is on unless turned off.
+    kernel = SimpleNamespace(direct=SimpleNamespace(new_convention=True), compiled=None)
+    monkeypatch.delenv("HOPPER_FLASH_C_LAUNCH", raising=False)
+    assert c_launch.launch_spec(kernel, (1, 1, 1), [], [], []) is None
+    monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", "1")
+    assert c_launch.new_convention_allowed()
+    monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", "0")
+    assert not c_launch.new_convention_allowed() and not c_launch.enabled()
