@@ -252,6 +252,18 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   0-1% at Sq 512 Sk 32768 and Sq 4096 Sk 8192, 3% slower at Sq 2048 Sk
   4096, noise on square causal. Not shipped (BENCHMARKS.md, twenty-fifth
   session).
+* ``fwd-carry-qk`` (twenty-sixth session, branch ``carry-qk``): an item's
+  first QK goes out with the last PV of the item before it
+  (``_consumer_carried``: plain prefill with two Q slots and two consumers,
+  the boundary between items as one more step; the consumer's item in
+  pieces ``_first_scores``, ``_steps``, ``_store_item``). Forward and window
+  GPU tests 321 passed. On the H200 (``benchmarks/carry.json``, two rounds
+  beside the shipped kernel): 2-6% slower on short causal items (B4 H32
+  S1024 401-403 against 410-413 TFLOP/s, S2048 499-507 against 532-533, B16
+  H16 S512 266-272 against 284-288), level from S8192 on; without its wait
+  for the next item's first V (which keeps the last PV's wait after the
+  next item's exponentials) still 3-6% slower at S512-S2048. Not shipped
+  (BENCHMARKS.md, twenty-sixth session).
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
