@@ -262,7 +262,7 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   S1024 401-403 against 410-413 TFLOP/s, S2048 499-507 against 532-533, B16
   H16 S512 266-272 against 284-288), level from S8192 on; without its wait
   for the next item's first V (which keeps the last PV's wait after the
-  next item's exponentials) still 3-6% slower at S512-S2048. Not shipped
+  next item's exponentials) still 2-6% slower at S512-S2048. Not shipped
   (BENCHMARKS.md, twenty-sixth session).
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
