@@ -110,9 +110,12 @@ def expanded_signature(compiled) -> list[tuple] | None:
 
 
 def param_size(ty: str, new_convention: bool) -> int | None:
-    """Bytes Triton's launcher stores a scalar parameter of type ``ty`` in:
-    its C type's size, but an ``i1``, which 3.7's generic launcher extracts
-    as an int32 (3.6 as an int8). None for a type not in the table."""
+    """Bytes Triton's launcher stores a parameter of type ``ty`` in: 8 for
+    a pointer, a scalar's C type's size, but an ``i1``, which 3.7's generic
+    launcher extracts as an int32 (3.6 as an int8). None for a type not in
+    the table."""
+    if ty.startswith("*"):
+        return 8
     if ty == "i1" and new_convention:
         return 4
     return _SIZES.get(ty)
@@ -165,19 +168,17 @@ def launch_spec(kernel, grid, flat: list, slots, descs) -> tuple | None:
             params.append((P_DIM if e[0] == "dim" else P_STRIDE, _SIZES[e[3]], e[1], e[2], 0))
         elif e[1] == "constexpr":
             continue
-        elif i in slot_of:
-            ty = e[1]
-            size = 8 if ty.startswith("*") else param_size(ty, d.new_convention)
+        else:
+            size = param_size(e[1], d.new_convention)
             if size is None:
                 return None
-            params.append((P_VALUE, size, slot_of[i], 0, 0))
-        else:
-            ty = e[1]
-            size = 8 if ty.startswith("*") else param_size(ty, d.new_convention)
-            bits = None if size is None else _const_bits(ty, flat[i], size)
-            if bits is None:
-                return None
-            params.append((P_CONST, size, 0, 0, bits))
+            if i in slot_of:
+                params.append((P_VALUE, size, slot_of[i], 0, 0))
+            else:
+                bits = _const_bits(e[1], flat[i], size)
+                if bits is None:
+                    return None
+                params.append((P_CONST, size, 0, 0, bits))
     if n_maps != len(descs):
         return None
     return (kernel.function, tuple(grid), 32 * num_warps, shared, bool(d.pdl), bool(d.cooperative), params,
