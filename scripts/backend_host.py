@@ -123,9 +123,11 @@ def main():
         m = meta[1]
         from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
         host_type = TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]]
-        fill = lambda: utils.fill_tma_descriptor(kb.data_ptr(), m["swizzle"], m["elem_size"], host_type,
-                                                 m["block_size"], list(kb.shape), list(plan.tma_strides(kb)), 0)
-        print(f"fill_tma_descriptor alone: {per_call(fill, 20000):.2f} us")
+        if hasattr(utils, "fill_tma_descriptor"):  # triton 3.6; 3.7+ encode inside their generic launcher
+            fill = lambda: utils.fill_tma_descriptor(kb.data_ptr(), m["swizzle"], m["elem_size"], host_type,
+                                                     m["block_size"], list(kb.shape), list(plan.tma_strides(kb)),
+                                                     0)
+            print(f"fill_tma_descriptor alone: {per_call(fill, 20000):.2f} us")
         print(f"TmaArg(k): {per_call(lambda: launcher.TmaArg(kb), 20000):.2f} us")
         print(f"torch.empty(part): {per_call(lambda: torch.empty(1 << 20, device='cuda'), 20000):.2f} us")
         print(f"current stream: {per_call(lambda: driver.active.get_current_stream(0), 20000):.2f} us")

@@ -3,8 +3,9 @@
 # there, Python 3.12, no network) in ONE carry of the 64 MiB limit, instead of
 # scripts/triton39_gpu.sh's five gathered parts: the cp312 wheel without what
 # a CUDA run of hopper_flash never loads (the AMD backend, Blackwell's ptxas,
-# proton and CUPTI, instrumentation, FileCheck) and with libtriton.so's debug
-# sections stripped, as one tar.xz (triton 3.7.1: 198 MB wheel -> 51 MB).
+# which 3.8+ only look up by name, proton, CUPTI, instrumentation, FileCheck)
+# and with libtriton.so's debug sections stripped, as one tar.xz (triton
+# 3.7.1: 198 MB wheel -> 51 MB; 3.9.0: 55 MB).
 #
 #   CPU:    bash scripts/triton_gpu_tarball.sh prepare 3.7.1
 #           (writes .whltar/triton-3.7.1-cp312.tar.xz; add /.whltar/ to .git/info/exclude)
@@ -13,9 +14,8 @@
 #
 # Without the AMD backend, triton's entry-point discovery fails (the dist-info
 # still names it), so the run sets TRITON_BACKENDS_IN_TREE=1: only backends
-# present in the tree load. Status: prepared and carried in the twenty-sixth
-# session; its first device run stopped at that discovery error (since
-# fixed here), and the session had no device time left to run it again.
+# present in the tree load. The twenty-seventh session ran the whole GPU
+# suite under 3.7.1 this way (BENCHMARKS.md).
 set -euo pipefail
 cmd=${1:?usage: $0 prepare VERSION | run VERSION [pytest args]}
 version=${2:?triton version, e.g. 3.7.1}
@@ -31,8 +31,13 @@ case $cmd in
     mkdir "$work/x"
     python -m zipfile -e "$work"/triton-"$version"-*.whl "$work/x"
     (cd "$work/x" && rm -rf triton/backends/amd triton/backends/nvidia/bin/ptxas-blackwell triton/_C/libproton.so \
-      triton/backends/nvidia/lib/cupti triton/instrumentation triton/FileCheck)
+      triton/backends/nvidia/lib/cupti triton/backends/nvidia/lib/cupti-blackwell triton/instrumentation \
+      triton/FileCheck)
     strip --strip-unneeded "$work/x/triton/_C/libtriton.so"
+    # zipfile drops the mode bits: ptxas and friends must stay executable.
+    chmod +x "$work"/x/triton/backends/nvidia/bin/*
+    # 3.8+ look Blackwell's ptxas up by name on every compile, sm_90 included.
+    ln -s ptxas "$work/x/triton/backends/nvidia/bin/ptxas-blackwell"
     mkdir -p .whltar
     (cd "$work/x" && tar -cf - triton "triton-$version.dist-info") | xz -6 -T0 > "$tarball"
     ls -l "$tarball"
@@ -40,6 +45,10 @@ case $cmd in
   run)
     site=/tmp/triton-$version
     [ -d "$site/triton" ] || { mkdir -p "$site" && tar -xJf "$tarball" -C "$site"; }
+    # (for tarballs prepared before the prepare step's chmod and link)
+    chmod +x "$site"/triton/backends/nvidia/bin/ptxas "$site"/triton/backends/nvidia/bin/nvdisasm \
+      "$site"/triton/backends/nvidia/bin/cuobjdump
+    [ -e "$site/triton/backends/nvidia/bin/ptxas-blackwell" ] || ln -s ptxas "$site/triton/backends/nvidia/bin/ptxas-blackwell"
     export TRITON_BACKENDS_IN_TREE=1 PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
     python -c "import triton, torch; print('triton', triton.__version__, 'from', triton.__file__, '| torch', torch.__version__)"
     python -m pytest -m gpu -q -rs --timeout 300 -p no:cacheprovider -p no:benchmark "${@:-tests/test_c_launch_gpu.py}"
