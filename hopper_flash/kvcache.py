@@ -33,12 +33,13 @@ from .checks import check_device
 from .checks import check_tma_addressable as _check_tma_addressable
 
 # Page sizes served by TMA straight from the pages (the page is the TMA batch
-# coordinate): multiples of a config's block_n, and powers of two from 32 up
+# coordinate): multiples of a config's block_n, and powers of two from 16 up
 # to block_n / 2, which load a tile as one box per page (kernels/forward.py,
-# _load_kv_tile), so they keep the contiguous cache's tiles. Smaller pages
-# are gathered into a contiguous per-batch cache first (correct,
+# _load_kv_tile), so they keep the contiguous cache's tiles (pages of 16 keys
+# with more producer registers, plan.register_split). Smaller pages are
+# gathered into a contiguous per-batch cache first (correct,
 # graph-capturable, not at memory speed).
-MIN_TMA_PAGE = 32
+MIN_TMA_PAGE = 16
 
 
 def _dtype_name(dtype):

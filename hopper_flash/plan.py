@@ -198,7 +198,7 @@ class Mode:
     # cache_batch_idx: batch b reads cache row kv_batch[b].
     kv_batch: bool = False
     # Paged K/V [num_pages, page_size, Hkv, D]: page_size a multiple of block_n, or a power of two
-    # from 32 up dividing it (one TMA box per page, plan.block_shapes); 0 = not paged.
+    # from 16 up dividing it (one TMA box per page, plan.block_shapes); 0 = not paged.
     page_size: int = 0
     # Packed (THD) batches: per-sequence offsets from cu_seqlens (flash_attn_varlen_func);
     # ``seqused`` then means seqused_k, ``seqused_q`` the query side's.
@@ -215,9 +215,27 @@ class Mode:
 PREFILL = Mode()
 
 
+# Pages shorter than this many keys are loaded as more TMA boxes per KV tile
+# than the producer's 24 registers hold the page lookups of (register_split).
+SMALL_PAGE_KEYS = 32
+
+
+def register_split(cfg: ForwardConfig, mode: Mode = PREFILL) -> tuple[int, int]:
+    """``(CONSUMER_REGS, PRODUCER_REGS)`` for a config in a mode: the
+    config's, except for pages of fewer than ``SMALL_PAGE_KEYS`` keys, where
+    the producer issues a box per page (eight per 128-key tile at 16 keys)
+    and spilled at 24 registers (8-24 bytes at head dims 128 and 256 on the
+    CPU census): it gets 16 more and each consumer 8 fewer, the same total
+    under the launch's maxnreg, spill-free at every head dim."""
+    if 0 < mode.page_size < SMALL_PAGE_KEYS:
+        return cfg.consumer_regs - 8, cfg.producer_regs + 16
+    return cfg.consumer_regs, cfg.producer_regs
+
+
 @lru_cache(maxsize=None)
 def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: Mode = PREFILL) -> dict:
     """The constexpr arguments of ``attention_forward_kernel`` for a config."""
+    consumer_regs, producer_regs = register_split(cfg, mode)
     return dict(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -226,8 +244,8 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         V_STAGES=cfg.v_stages,
         IS_CAUSAL=bool(causal),
         WRITE_LSE=bool(write_lse),
-        CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs,
+        CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs,
         PERSISTENT=cfg.persistent,
         O_IN_Q=cfg.o_in_q,
         PACK_G=mode.pack_g,

@@ -114,20 +114,32 @@ def test_a_window_reaches_the_device_check():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_pages_of_32_keys_and_more_are_read_by_tma_on_the_contiguous_tiles(head_dim):
+def test_pages_of_16_keys_and_more_are_read_by_tma_on_the_contiguous_tiles(head_dim):
     """Which paged caches the kernel reads in place (kvcache._page_plan) and
     with what TMA box (plan.block_shapes): whole tiles for pages of a tile or
-    more, one page per box for 32 keys up to half a tile, and a gathered
-    copy below 32 (the producer warp spilled with 8 boxes per tile)."""
+    more, one page per box for 16 keys up to half a tile, and a gathered
+    copy below 16."""
     from hopper_flash import kvcache
 
     cfg = plan.CONFIGS[head_dim]
     tile = {64: 128, 128: 128, 256: 64}[head_dim]  # the configs' KV tile (plan.CONFIGS)
-    box_rows = {32: 32, 64: 64, 128: tile, 256: tile, 512: tile}  # a page, or a whole tile
-    for page_size in (1, 2, 8, 16):
+    box_rows = {16: 16, 32: 32, 64: 64, 128: tile, 256: tile, 512: tile}  # a page, or a whole tile
+    for page_size in (1, 2, 4, 8):
         assert not kvcache._page_plan(page_size, head_dim), page_size
     for page_size, rows in box_rows.items():
         assert kvcache._page_plan(page_size, head_dim), page_size
         boxes = plan.block_shapes(cfg, 1, page_size)
         assert boxes["k"] == boxes["v"] == [1, rows, 1, head_dim], page_size
     assert plan.block_shapes(cfg)["k"] == [1, tile, 1, head_dim]  # contiguous caches: one box per tile
+
+
+def test_pages_of_16_keys_move_registers_to_the_producer():
+    # Eight page boxes per tile spilled the producer's 24 registers; pages of
+    # 16 keys take 8 from each consumer warpgroup for it (16 more), so the
+    # launch's register file is shared out as before: 2 x 240 + 24 = 2 x 232 + 40.
+    cfg = plan.CONFIGS[128]
+    regs = {ps: plan.register_split(cfg, plan.Mode(pack_g=4, seqused=True, page_size=ps)) for ps in (16, 32, 128)}
+    assert regs == {16: (232, 40), 32: (240, 24), 128: (240, 24)}
+    assert plan.register_split(cfg) == (240, 24)
+    consts = plan.kernel_constexprs(cfg, True, False, plan.Mode(pack_g=4, seqused=True, page_size=16))
+    assert (consts["CONSUMER_REGS"], consts["PRODUCER_REGS"]) == (232, 40)

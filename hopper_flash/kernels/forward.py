@@ -58,7 +58,7 @@ Decode and chunked prefill run the same kernel in other *modes*
   (``cache_seqlens`` after the append), K/V may be a larger cache
   ``[B_cache, S_cache, Hkv, D]`` (``KV_BATCH``: row ``cache_batch_idx[b]``),
   or pages ``[num_pages, PAGE_SIZE, Hkv, D]`` addressed through a page table
-  (the page is the TMA batch coordinate; a page of 32 to ``BLOCK_N / 2``
+  (the page is the TMA batch coordinate; a page of 16 to ``BLOCK_N / 2``
   keys is one TMA box, and a tile loads one per page). What lies past a
   row's live length is never trusted: scores there are masked (``where``
   also drops NaN) and V rows there are zeroed in shared memory before PV,
@@ -351,7 +351,7 @@ def _load_kv_tile(desc, coords, bar, buf, b, bn, seqlen_k, prob: Problem, mode: 
     """Issue the TMA loads of KV tile ``bn`` into slot ``buf`` on barrier
     ``bar``: one box at ``coords``, or, where pages are shorter than a tile
     (the host's box is then one page, ``plan.block_shapes``), one box per
-    page, each at the page its rows live in. So pages of 32-64 keys keep the
+    page, each at the page its rows live in. So pages of 16-64 keys keep the
     128-key tiles of contiguous caches. A page that holds no live key
     (``seqlen_k``: this batch's) may have any table entry, even one past
     the table's row: it is not read, page 0 stands in, and its keys are
@@ -770,9 +770,9 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH or PAGE_SIZE > 0)),
                      "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle two warpgroups")
-    gl.static_assert(PAGE_SIZE % BLOCK_N == 0 or (BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE >= 32
+    gl.static_assert(PAGE_SIZE % BLOCK_N == 0 or (BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE >= 16
                                                   and k_desc.block_type.shape[1] == PAGE_SIZE),
-                     "pages of whole tiles, or of 32 keys and more loaded one TMA box per page")
+                     "pages of whole tiles, or of 16 keys and more loaded one TMA box per page")
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT)
