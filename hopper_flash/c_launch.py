@@ -23,12 +23,11 @@ encode maps with the same cuTensorMapEncodeTiled arguments
 (``fill_tma_descriptor`` and ``fill_tma_descriptor_tiled``) and launch with
 the same attributes for one-CTA clusters under 228 KB of shared memory; they
 differ in how an ``i1`` parameter is stored (one byte in 3.6, four from 3.7),
-which ``param_size`` follows. Under 3.6 the C path is on by default
-(``HOPPER_FLASH_C_LAUNCH=0`` turns it off); under 3.7-3.9 it runs only when
-``HOPPER_FLASH_C_LAUNCH=1`` asks for it, until a GPU run under one of them
-confirms what the CPU checks show (``new_convention_allowed``; the H200 has
-triton 3.6, and the twenty-sixth session ran out of device time before
-running tests/test_c_launch_gpu.py under 3.7.1). Wherever anything is
+which ``param_size`` follows. The C path is on by default under every
+supported triton (``HOPPER_FLASH_C_LAUNCH=0`` turns it off): under 3.6 since
+the twenty-fifth session, under 3.7-3.9 since the whole GPU suite passed on
+the H200 under triton 3.7.1 with it forced on (twenty-seventh session,
+BENCHMARKS.md). Wherever anything is
 unexpected, ``prepare`` returns None and the Python path runs.
 
 The module is compiled at first use with Triton's own helper (the C compiler
@@ -52,13 +51,6 @@ _SIZES = {"i1": 1, "i8": 1, "u1": 1, "u8": 1, "i16": 2, "u16": 2, "fp16": 2, "bf
 
 def enabled() -> bool:
     return os.environ.get("HOPPER_FLASH_C_LAUNCH", "1") not in ("", "0")
-
-
-def new_convention_allowed() -> bool:
-    """Whether prepared calls under triton 3.7-3.9's launcher convention go
-    through C: only on request (``HOPPER_FLASH_C_LAUNCH=1``), as no GPU run
-    has checked them yet (module docstring)."""
-    return os.environ.get("HOPPER_FLASH_C_LAUNCH") == "1"
 
 
 @cache
@@ -150,7 +142,7 @@ def launch_spec(kernel, grid, flat: list, slots, descs) -> tuple | None:
     3 out; k's and v's length and strides come with each call). None where
     anything is unexpected."""
     d = kernel.direct
-    if d is None or (d.new_convention and not new_convention_allowed()):
+    if d is None:
         return None
     entries = expanded_signature(kernel.compiled)
     if entries is None or len(entries) != len(flat):

@@ -325,20 +325,21 @@ def test_an_i1_parameter_is_stored_as_each_launcher_stores_it():
 
 
 @pytest.mark.parametrize("new_convention", [False, True])
-def test_the_37_convention_takes_the_c_path_only_on_request(monkeypatch, new_convention):
-    # Under triton 3.7-3.9 the C path is opt-in until a GPU run checks it
-    # (c_launch's docstring); under 3.6 it is on unless turned off. Whether
+def test_both_conventions_take_the_c_path_unless_turned_off(monkeypatch, new_convention):
+    # Under triton 3.6 and 3.7-3.9 alike the C path is on by default and off
+    # with HOPPER_FLASH_C_LAUNCH=0 (c_launch's docstring). Whether
     # launch_spec goes on to read the kernel's signature tells which.
     read = []
     monkeypatch.setattr(c_launch, "expanded_signature", lambda compiled: read.append(compiled))
     kernel = SimpleNamespace(direct=SimpleNamespace(new_convention=new_convention), compiled="kernel")
-    for env, reads in ((None, not new_convention), ("1", True)):
+    for env in (None, "1"):
         if env is None:
             monkeypatch.delenv("HOPPER_FLASH_C_LAUNCH", raising=False)
         else:
             monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", env)
         read.clear()
+        assert c_launch.enabled()
         assert c_launch.launch_spec(kernel, (1, 1, 1), [], [], []) is None  # (the stand-in signature reads None)
-        assert read == (["kernel"] if reads else []), env
+        assert read == ["kernel"], env
     monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", "0")
     assert not c_launch.enabled()
