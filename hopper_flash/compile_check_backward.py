@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from .compile_check import SASS_OPS, CompileReport, _TORCH_TO_SIG, read_census
 from .plan import smem_layout
-from .plan_backward import BACKWARD_CONFIGS, fp32_smem_layout, BackwardConfig, block_shapes, kernel_constexprs
+from .plan_backward import (BACKWARD_CONFIGS, BackwardConfig, block_shapes, compile_options, fp32_smem_layout,
+                            kernel_constexprs)
 
 BWD_SASS_OPS = SASS_OPS + ("RED", "ATOM", "BAR")
 
@@ -46,8 +47,7 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
                       "qk_scale": "fp32", "softmax_scale": "fp32"})
     signature.update({name: "constexpr" for name in constexprs})
     src = GluonASTSource(attention_backward_kernel, signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(cfg))
 
 
 def census(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool = True,

@@ -966,7 +966,7 @@ def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: d
     compiled = _TRITON_COMPILED.get(key)
     if compiled is None or not FAST_LAUNCH or _launch_hooked():
         compiled = _TRITON_COMPILED[key] = KernelLaunch(kernel[grid](*args, **constexprs, num_warps=num_warps,
-                                                                     launch_pdl=launch_pdl))
+                                                                     launch_pdl=launch_pdl, enable_fp_fusion=True))
         return compiled
     compiled(grid, driver.active.get_current_stream(device), (), (*args, *constexprs.values()))
     return compiled

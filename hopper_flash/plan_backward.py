@@ -123,6 +123,12 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
     )
 
 
+def compile_options(cfg: BackwardConfig) -> dict:
+    """Triton compile options of a backward config, for the launch and
+    compile_check_backward (fusion spelled out as in plan.compile_options)."""
+    return dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, enable_fp_fusion=True)
+
+
 def block_shapes(cfg: BackwardConfig) -> dict[str, list[int]]:
     """TMA boxes over the rank-4 ``[B, S, H, D]`` views (see plan.block_shapes)."""
     q = [1, cfg.block_m, 1, cfg.head_dim]
@@ -422,8 +428,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         tmas = [_descriptor(t, blocks[name]) for name, t in zip(names[:6], descs[:6])]
         tmas += [_fp32_descriptor(t, blocks[name]) for name, t in zip(names[6:], descs[6:])]
         main = _COMPILED[key] = KernelLaunch(attention_backward_kernel[lp.grid](
-            *tmas, *ptrs, *lp.ints[:-len(lp.constexprs)], **lp.constexprs, num_warps=lp.cfg.num_warps,
-            maxnreg=lp.cfg.maxnreg))
+            *tmas, *ptrs, *lp.ints[:-len(lp.constexprs)], **lp.constexprs, **compile_options(lp.cfg)))
     else:
         main(lp.grid, plan.driver.active.get_current_stream(dev.index), descs, (*ptrs, *lp.ints))
     post = lp.post(post_ptrs)
