@@ -226,7 +226,9 @@ def register_split(cfg: ForwardConfig, mode: Mode = PREFILL) -> tuple[int, int]:
     the producer issues a box per page (eight per 128-key tile at 16 keys)
     and spilled at 24 registers (8-24 bytes at head dims 128 and 256 on the
     CPU census): it gets 16 more and each consumer 8 fewer, the same total
-    under the launch's maxnreg, spill-free at every head dim."""
+    under the launch's maxnreg (consumer 0, the default partition, gets what
+    the workers leave: 168 * 3 - 232 - 40 = 232), spill-free at every head
+    dim."""
     if 0 < mode.page_size < SMALL_PAGE_KEYS:
         return cfg.consumer_regs - 8, cfg.producer_regs + 16
     return cfg.consumer_regs, cfg.producer_regs
