@@ -25,10 +25,11 @@ the same attributes for one-CTA clusters under 228 KB of shared memory; they
 differ in how an ``i1`` parameter is stored (one byte in 3.6, four from 3.7),
 which ``param_size`` follows. The C path is on by default under every
 supported triton (``HOPPER_FLASH_C_LAUNCH=0`` turns it off): under 3.6 since
-the twenty-fifth session, under 3.7-3.9 since the whole GPU suite passed on
-the H200 under triton 3.7.1 with it forced on (twenty-seventh session,
-BENCHMARKS.md). Wherever anything is
-unexpected, ``prepare`` returns None and the Python path runs.
+the twenty-fifth session, under 3.7-3.9 since the twenty-seventh, when the
+whole GPU suite passed on the H200 under triton 3.7.1 with it forced on and
+a model's generation under 3.9.0 ran through it (3.8 is checked on the CPU
+only; BENCHMARKS.md). Wherever anything is unexpected, ``prepare`` returns
+None and the Python path runs.
 
 The module is compiled at first use with Triton's own helper (the C compiler
 Triton needs for its launchers, Python's headers, Triton's ``cuda.h``) and
