@@ -8,9 +8,8 @@ shipped backward specialisation.
 from __future__ import annotations
 
 from .compile_check import SASS_OPS, CompileReport, _TORCH_TO_SIG, read_census
-from .plan import smem_layout
-from .plan_backward import (BACKWARD_CONFIGS, BackwardConfig, block_shapes, compile_options, fp32_smem_layout,
-                            kernel_constexprs)
+from .plan import compile_options, smem_layout
+from .plan_backward import BACKWARD_CONFIGS, fp32_smem_layout, BackwardConfig, block_shapes, kernel_constexprs
 
 BWD_SASS_OPS = SASS_OPS + ("RED", "ATOM", "BAR")
 

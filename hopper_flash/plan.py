@@ -497,8 +497,9 @@ def _launch_hooked() -> bool:
 FAST_LAUNCH = _triton_support.fast_launch_supported()
 
 
-def compile_options(cfg: ForwardConfig) -> dict:
-    """Triton compile options of a config, for the launch and compile_check.
+def compile_options(cfg) -> dict:
+    """Triton compile options of a config (forward, or the backward's
+    ``plan_backward.BackwardConfig``), for the launches and the compile checks.
 
     ``enable_fp_fusion`` is spelled out: triton 3.6-3.9 fuse multiply-adds by
     default (what the kernels were tuned and checked with), 3.9 warns that the

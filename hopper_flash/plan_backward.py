@@ -29,7 +29,7 @@ import torch
 from . import checks, plan
 from .kernels import backward_pre as _pre
 from .launcher import KernelLaunch
-from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, launch_maxnreg, triton_cdiv
+from .plan import LOG2E, SMEM_BUDGET_BYTES, _descriptor, compile_options, launch_maxnreg, triton_cdiv
 
 @dataclass(frozen=True)
 class BackwardConfig:
@@ -121,12 +121,6 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
         WINDOW_LEFT=window[0] if window else -1,
         WINDOW_RIGHT=window[1] if window else -1,
     )
-
-
-def compile_options(cfg: BackwardConfig) -> dict:
-    """Triton compile options of a backward config, for the launch and
-    compile_check_backward (fusion spelled out as in plan.compile_options)."""
-    return dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, enable_fp_fusion=True)
 
 
 def block_shapes(cfg: BackwardConfig) -> dict[str, list[int]]:

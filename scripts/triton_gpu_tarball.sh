@@ -45,10 +45,6 @@ case $cmd in
   run)
     site=/tmp/triton-$version
     [ -d "$site/triton" ] || { mkdir -p "$site" && tar -xJf "$tarball" -C "$site"; }
-    # (for tarballs prepared before the prepare step's chmod and link)
-    chmod +x "$site"/triton/backends/nvidia/bin/ptxas "$site"/triton/backends/nvidia/bin/nvdisasm \
-      "$site"/triton/backends/nvidia/bin/cuobjdump
-    [ -e "$site/triton/backends/nvidia/bin/ptxas-blackwell" ] || ln -s ptxas "$site/triton/backends/nvidia/bin/ptxas-blackwell"
     export TRITON_BACKENDS_IN_TREE=1 PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
     python -c "import triton, torch; print('triton', triton.__version__, 'from', triton.__file__, '| torch', torch.__version__)"
     python -m pytest -m gpu -q -rs --timeout 300 -p no:cacheprovider -p no:benchmark "${@:-tests/test_c_launch_gpu.py}"

@@ -25,4 +25,4 @@ def test_the_backward_is_compiled_with_fusion(fusion_off_by_default):
     cfg = plan_backward.BACKWARD_CONFIGS[64]
     compiled = compile_check_backward.compile_backward(cfg, "bfloat16", True)
     assert compiled.metadata.enable_fp_fusion is True
-    assert plan_backward.compile_options(cfg)["enable_fp_fusion"] is True  # what the launch passes
+    assert plan.compile_options(cfg)["enable_fp_fusion"] is True  # what the launch passes
