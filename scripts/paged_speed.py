@@ -77,7 +77,7 @@ def main() -> None:
     p.add_argument("--rep-ms", type=float, default=200)
     p.add_argument("--small", action="store_true", help="also page size 1 (the gathering path)")
     args = p.parse_args()
-    sizes = [16, 32, 64, 128, 256] + ([1] if args.small else [])
+    sizes = [16, 32, 64, 128, 256] + ([8, 1] if args.small else [])
     timer = cuda_graph_timer(args.rep_ms)
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; GQA {H}/{HKV}, D {D}, bf16, causal, "
