@@ -73,7 +73,7 @@ def _page_plan(page_size: int, head_dim: int, k_cache=None, v_cache=None) -> boo
     block_n = plan.CONFIGS[head_dim].block_n
     if page_size % block_n == 0 or (page_size >= MIN_TMA_PAGE and block_n % page_size == 0):
         return True
-    return (plan.gathers(page_size) and k_cache is not None and k_cache.is_contiguous()
+    return (plan.gathers(page_size, head_dim) and k_cache is not None and k_cache.is_contiguous()
             and v_cache.is_contiguous())
 
 

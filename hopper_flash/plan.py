@@ -225,9 +225,11 @@ SMALL_PAGE_KEYS = 32
 GATHER_PAGE = 16
 
 
-def gathers(page_size: int) -> bool:
-    """Whether a paged cache of ``page_size`` keys per page is gathered."""
-    return 0 < page_size < GATHER_PAGE
+def gathers(page_size: int, head_dim: int) -> bool:
+    """Whether a paged cache of ``page_size`` keys per page is gathered by
+    the kernel: head dims 64 and 128 (at 256, with the LSE, ptxas spills a
+    value across the four-warp producer's entry; those pages stay copied)."""
+    return 0 < page_size < GATHER_PAGE and head_dim <= 128
 
 
 def register_split(cfg: ForwardConfig, mode: Mode = PREFILL) -> tuple[int, int]:
@@ -284,7 +286,7 @@ def block_shapes(cfg: ForwardConfig, pack_g: int = 1, page_size: int = 0) -> dic
     shorter than a tile (``page_size``; the kernel then loads one box per
     page of a tile); gathered pages (``gathers``) keep a tile's box, which
     then only lays out the tile in shared memory."""
-    kv_rows = min(cfg.block_n, page_size) if page_size and not gathers(page_size) else cfg.block_n
+    kv_rows = min(cfg.block_n, page_size) if page_size and not gathers(page_size, cfg.head_dim) else cfg.block_n
     return {
         "q": [1, WG_ROWS // pack_g, pack_g, cfg.head_dim],
         "k": [1, kv_rows, 1, cfg.head_dim],
@@ -618,7 +620,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     # Paged: the page table's extent bounds the key length; seqused_k holds the lengths.
     seqlen_k = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
     page_size = k.shape[1] if paged else 0
-    gather = (k, v) if gathers(page_size) else None
+    gather = (k, v) if gathers(page_size, head_dim) else None
     if gather is not None:
         # The kernel copies rows from the pools itself; its K/V descriptors
         # (over the pools as one sequence) only lay out the tiles.

@@ -147,7 +147,7 @@ def test_paged_equals_contiguous(page_size, seqlen_q):
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])
-@pytest.mark.parametrize("page_size", [1, 4, 16, 32])
+@pytest.mark.parametrize("page_size", [1, 4, 16, 32])  # (D=256: pages under 16 copied first)
 def test_paged_boxes_at_other_head_dims(head_dim, page_size):
     # One TMA box per page, or rows gathered, at the head dims whose tiles
     # differ from D=128's (D=64: 128-key tiles at half the row width; D=256:

@@ -829,6 +829,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH or PAGE_SIZE > 0)),
                      "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle two warpgroups")
+    gl.static_assert(not (0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE) or (HEAD_DIM <= 128 and BLOCK_M == 128),
+                     "pages are gathered at head dims 64 and 128, two consumers (plan.gathers)")
     gl.static_assert(PAGE_SIZE % BLOCK_N == 0 or (BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE >= GATHER_MIN_PAGE
                                                   and k_desc.block_type.shape[1] == PAGE_SIZE)
                      or (PAGE_SIZE < GATHER_MIN_PAGE and k_desc.block_type.shape[1] == BLOCK_N),
