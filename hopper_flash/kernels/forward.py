@@ -111,7 +111,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .compat import aggregate, init_fields, thread_barrier, tma_load, tma_store
+from .compat import aggregate, cp_async_load, init_fields, thread_barrier, tma_load, tma_store
 from .mask import apply_mask, kv_split_range, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
 from .scheduler import (SCHED_STAGES, draw_item, first_item, publish_item, receive_item, section_coords,
@@ -403,8 +403,8 @@ def _gather_kv_tile(base, bar, buf, b, bn, hk, seqlen_k, prob: Problem, mode: Mo
     page = gl.load(prob.page_table_ptr + b.to(gl.int64) * prob.page_stride + rows // mode.PAGE_SIZE, mask=live,
                    other=0)
     row = (page.to(gl.int64) * mode.PAGE_SIZE + rows % mode.PAGE_SIZE) * num_kv_heads + hk
-    async_copy.async_copy_global_to_shared(buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]),
-                                           base + row[:, None] * mode.HEAD_DIM + cols[None, :], mask=live[:, None])
+    cp_async_load(buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]), base + row[:, None] * mode.HEAD_DIM + cols[None, :],
+                  mask=live[:, None])
     async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
