@@ -409,6 +409,19 @@ def _gather_kv_tile(base, bar, buf, b, bn, hk, seqlen_k, prob: Problem, mode: Mo
 
 
 @gluon.jit
+def _issue_kv_tile(desc, pool, coords, bar, buf, b, bn, hk, seqlen_k, prob: Problem, mode: Mode):
+    """Producer: the loads of one K or V tile into slot ``buf``, landing on
+    ``bar``: by TMA (``desc``; one box, or one per page), or gathered row by
+    row from the page pool at ``pool`` (GATHER)."""
+    if mode.GATHER:
+        _gather_kv_tile(pool, bar, buf, b, bn, hk, seqlen_k, prob, mode)
+    else:
+        KV_BOXES: gl.constexpr = mode.BLOCK_N // desc.block_type.shape[1]  # TMA boxes per tile (_load_kv_tile)
+        mbarrier.expect(bar, desc.block_type.nbytes * KV_BOXES)
+        _load_kv_tile(desc, coords, bar, buf, b, bn, seqlen_k, prob, mode)
+
+
+@gluon.jit
 def _wait_tile(full_bars, order, STAGES: gl.constexpr, mode: Mode):
     """Consumer side: wait until K or V tile ``order`` has landed. A GATHER
     tile was written by the producer's cp.async (the generic proxy) and is
@@ -471,7 +484,6 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
 
         # K and V in separate rings: QK of tile `it` may start while V of tile
         # `it` is still in flight, since PV of `it` only runs one step later.
-        KV_BOXES: gl.constexpr = mode.BLOCK_N // k_desc.block_type.shape[1]  # TMA boxes per tile (_load_kv_tile)
         n_kv = n_hi - n_lo
         for it in range(n_kv):
             bn = n_hi - 1 - it  # diagonal (or tail) first
@@ -479,23 +491,13 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
             order = kv0 + it
             wait_empty(rings.k_empty, order, mode.K_STAGES)
             k_slot = ring_slot(order, mode.K_STAGES)
-            if mode.GATHER:
-                _gather_kv_tile(prob.k_ptr, rings.k_full.index(k_slot), rings.k_bufs.index(k_slot), b, bn, hk, lk,
-                                prob, mode)
-            else:
-                mbarrier.expect(rings.k_full.index(k_slot), k_desc.block_type.nbytes * KV_BOXES)
-                _load_kv_tile(k_desc, coords, rings.k_full.index(k_slot), rings.k_bufs.index(k_slot), b, bn, lk,
-                              prob, mode)
+            _issue_kv_tile(k_desc, prob.k_ptr, coords, rings.k_full.index(k_slot), rings.k_bufs.index(k_slot), b, bn,
+                           hk, lk, prob, mode)
 
             wait_empty(rings.v_empty, order, mode.V_STAGES)
             v_slot = ring_slot(order, mode.V_STAGES)
-            if mode.GATHER:
-                _gather_kv_tile(prob.v_ptr, rings.v_full.index(v_slot), rings.v_bufs.index(v_slot), b, bn, hk, lk,
-                                prob, mode)
-            else:
-                mbarrier.expect(rings.v_full.index(v_slot), v_desc.block_type.nbytes * KV_BOXES)
-                _load_kv_tile(v_desc, coords, rings.v_full.index(v_slot), rings.v_bufs.index(v_slot), b, bn, lk,
-                              prob, mode)
+            _issue_kv_tile(v_desc, prob.v_ptr, coords, rings.v_full.index(v_slot), rings.v_bufs.index(v_slot), b, bn,
+                           hk, lk, prob, mode)
         kv0 += n_kv
         qi += 1
     return kv0, qi
