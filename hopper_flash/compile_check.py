@@ -87,6 +87,8 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "cu_k_ptr": "*i32",
         "used_q_ptr": "*i32",
         "sched_ptr": "*i32",
+        "k_ptr": f"*{sig_dtype}",
+        "v_ptr": f"*{sig_dtype}",
         "seqlen_q": "i32",
         "seqlen_k": "i32",
         "num_heads": "i32",
@@ -101,7 +103,12 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "section": "i32",
     }
     signature.update({name: "constexpr" for name in constexprs})
-    src = GluonASTSource(attention_forward_kernel, signature, constexprs=constexprs)
+    # The JIT specialises pointers on 16-byte alignment; the page pools'
+    # (k_ptr, v_ptr: a gathered tile's cp.async width) are always aligned, as
+    # TMA requires of them too.
+    names = attention_forward_kernel.arg_names
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("k_ptr", "v_ptr")}
+    src = GluonASTSource(attention_forward_kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(cfg))
 
 

@@ -36,10 +36,12 @@ from .checks import check_tma_addressable as _check_tma_addressable
 # coordinate): multiples of a config's block_n, and powers of two from 16 up
 # to block_n / 2, which load a tile as one box per page (kernels/forward.py,
 # _load_kv_tile), so they keep the contiguous cache's tiles (pages of 16 keys
-# with more producer registers, plan.register_split). Smaller pages are
-# gathered into a contiguous per-batch cache first (correct,
-# graph-capturable, not at memory speed).
-MIN_TMA_PAGE = 16
+# with more producer registers, plan.register_split). Smaller pages are read
+# from the pages too, the kernel's producer warpgroup copying each tile row
+# by row (plan.gathers, the kernel's GATHER mode), where the pools are
+# contiguous; other small-page pools are gathered into a contiguous per-batch
+# cache first (correct, graph-capturable, not at memory speed).
+MIN_TMA_PAGE = plan.GATHER_PAGE
 
 
 def _dtype_name(dtype):
@@ -64,10 +66,15 @@ def _check_index(name, t, shape_desc, expect_shape, device):
         raise ValueError(f"{name} must have shape {shape_desc} = {tuple(expect_shape)}, got {tuple(t.shape)}")
 
 
-def _page_plan(page_size: int, head_dim: int) -> bool:
-    """Whether a paged cache of ``page_size`` is read by TMA from its pages."""
+def _page_plan(page_size: int, head_dim: int, k_cache=None, v_cache=None) -> bool:
+    """Whether a paged cache of ``page_size`` is read by the kernel from its
+    pages: by TMA, or (smaller pages) gathered row by row from contiguous
+    pools (``k_cache``, ``v_cache``; without them: by TMA only)."""
     block_n = plan.CONFIGS[head_dim].block_n
-    return page_size % block_n == 0 or (page_size >= MIN_TMA_PAGE and block_n % page_size == 0)
+    if page_size % block_n == 0 or (page_size >= MIN_TMA_PAGE and block_n % page_size == 0):
+        return True
+    return (plan.gathers(page_size, head_dim) and k_cache is not None and k_cache.is_contiguous()
+            and v_cache.is_contiguous())
 
 
 def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
@@ -239,8 +246,8 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     cfg = plan.CONFIGS[head_dim]
     kc, vc, pt = k_cache, v_cache, page_table
     if page_table is not None:
-        if not _page_plan(k_cache.shape[1], head_dim):
-            # Small pages: gather each batch's pages into a contiguous cache.
+        if not _page_plan(k_cache.shape[1], head_dim, k_cache, v_cache):
+            # Small pages in pools with gaps: gather each batch's pages into a contiguous cache.
             nkv = k_cache.shape[2]
             # Entries past a row's live pages may be anything: clamp them.
             idx = page_table.long().clamp(0, k_cache.shape[0] - 1)

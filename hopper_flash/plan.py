@@ -197,8 +197,9 @@ class Mode:
     seqused: bool = False
     # cache_batch_idx: batch b reads cache row kv_batch[b].
     kv_batch: bool = False
-    # Paged K/V [num_pages, page_size, Hkv, D]: page_size a multiple of block_n, or a power of two
-    # from 16 up dividing it (one TMA box per page, plan.block_shapes); 0 = not paged.
+    # Paged K/V [num_pages, page_size, Hkv, D]: page_size a multiple of block_n, a power of two
+    # from 16 up dividing it (one TMA box per page, plan.block_shapes), or a smaller power of two
+    # (GATHER_PAGE: tiles copied row by row); 0 = not paged.
     page_size: int = 0
     # Packed (THD) batches: per-sequence offsets from cu_seqlens (flash_attn_varlen_func);
     # ``seqused`` then means seqused_k, ``seqused_q`` the query side's.
@@ -218,6 +219,17 @@ PREFILL = Mode()
 # Pages shorter than this many keys are loaded as more TMA boxes per KV tile
 # than the producer's 24 registers hold the page lookups of (register_split).
 SMALL_PAGE_KEYS = 32
+# Pages shorter than this many keys are gathered row by row by a producer
+# warpgroup (kernels/forward.py, Mode.GATHER): a box per page would be 16 or
+# more per tile (pages of 8 spilled the producer even at 56 registers).
+GATHER_PAGE = 16
+
+
+def gathers(page_size: int, head_dim: int) -> bool:
+    """Whether a paged cache of ``page_size`` keys per page is gathered by
+    the kernel: head dims 64 and 128 (at 256, with the LSE, ptxas spills a
+    value across the four-warp producer's entry; those pages stay copied)."""
+    return 0 < page_size < GATHER_PAGE and head_dim <= 128
 
 
 def register_split(cfg: ForwardConfig, mode: Mode = PREFILL) -> tuple[int, int]:
@@ -225,7 +237,8 @@ def register_split(cfg: ForwardConfig, mode: Mode = PREFILL) -> tuple[int, int]:
     config's, except for pages of fewer than ``SMALL_PAGE_KEYS`` keys, where
     the producer issues a box per page (eight per 128-key tile at 16 keys)
     and spilled at 24 registers (8-24 bytes at head dims 128 and 256 on the
-    CPU census): it gets 16 more and each consumer 8 fewer, the same total
+    CPU census), or gathers rows (a warpgroup of address arithmetic): it
+    gets 16 more and each consumer 8 fewer, the same total
     under the launch's maxnreg (consumer 0, the default partition, gets what
     the workers leave: 168 * 3 - 232 - 40 = 232), spill-free at every head
     dim."""
@@ -271,8 +284,9 @@ def block_shapes(cfg: ForwardConfig, pack_g: int = 1, page_size: int = 0) -> dic
     adjacent heads, which in BSHD is exactly the packed (head-fastest) tile.
     K and V move a tile at a time, or a page at a time where pages are
     shorter than a tile (``page_size``; the kernel then loads one box per
-    page of a tile)."""
-    kv_rows = min(cfg.block_n, page_size) if page_size else cfg.block_n
+    page of a tile); gathered pages (``gathers``) keep a tile's box, which
+    then only lays out the tile in shared memory."""
+    kv_rows = min(cfg.block_n, page_size) if page_size and not gathers(page_size, cfg.head_dim) else cfg.block_n
     return {
         "q": [1, WG_ROWS // pack_g, pack_g, cfg.head_dim],
         "k": [1, kv_rows, 1, cfg.head_dim],
@@ -605,17 +619,23 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     paged = page_table is not None
     # Paged: the page table's extent bounds the key length; seqused_k holds the lengths.
     seqlen_k = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
+    page_size = k.shape[1] if paged else 0
+    gather = (k, v) if gathers(page_size, head_dim) else None
+    if gather is not None:
+        # The kernel copies rows from the pools itself; its K/V descriptors
+        # (over the pools as one sequence) only lay out the tiles.
+        k, v = k.view(1, -1, *k.shape[2:]), v.view(1, -1, *v.shape[2:])
     write_lse = lse is not None
     cfg = cfg or CONFIGS[head_dim]
     lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
-                      k.shape[1] if paged else 0, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
+                      page_size, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
                       bool(causal), write_lse, window)
     cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
     kernel = _COMPILED.get(lp.key)
     page_stride = page_table.stride(0) if paged else 0
     if kernel is not None and kernel.direct is not None and FAST_LAUNCH and not _launch_hooked():
         _launch_forward_direct(kernel, lp, q, k, v, out, lse, softmax_scale, seqused_k, kv_batch, page_table,
-                               seqlen_k, page_stride)
+                               seqlen_k, page_stride, gather)
         return lp
     if mode.split:
         part, n_o = _partials(lp, q)
@@ -623,7 +643,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     else:
         o_part = lse_part = out
     args = _kernel_args(lp, q, seqlen_k, k.shape[2], softmax_scale, out, lse, seqused_k, kv_batch, page_table,
-                        page_stride, o_part, lse_part, _item_counter(q.device) if mode.dynamic else None)
+                        page_stride, o_part, lse_part, _item_counter(q.device) if mode.dynamic else None, gather)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
         # First launch, an unchecked triton, or a profiler hook is installed
         # (it wants the JIT's launch metadata): take Triton's regular path.
@@ -667,17 +687,19 @@ def _partial_views(part: torch.Tensor, n_o: int, lp: LaunchPlan, q) -> tuple[tor
 
 
 def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale: float, out, lse, seqused_k,
-                 kv_batch, page_table, page_stride: int, o_part, lse_part, sched) -> tuple:
+                 kv_batch, page_table, page_stride: int, o_part, lse_part, sched, gather=None) -> tuple:
     """``attention_forward_kernel``'s arguments after its descriptors and
     before its constexprs, for the fixed-length modes: the pointers (tensors,
     or addresses on the direct path; ``out`` stands in for those the mode
-    does not read, None marking them), then the scalars. The one statement
-    of that order for ``launch_forward``'s two paths."""
+    does not read, None marking them; ``gather``: the page pools a gathering
+    launch copies from), then the scalars. The one statement of that order
+    for ``launch_forward``'s two paths."""
     batch, seqlen_q, nheads, _ = q.shape
+    k_pool, v_pool = gather if gather is not None else (out, out)
     return (lse if lse is not None else out, seqused_k if seqused_k is not None else out,
             kv_batch if kv_batch is not None else out, page_table if page_table is not None else out,
             o_part, lse_part, out, out, out,  # cu_seqlens_q/k, seqused_q: varlen only
-            sched if sched is not None else out,
+            sched if sched is not None else out, k_pool, v_pool,
             seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, softmax_scale * LOG2E, softmax_scale,
             lp.num_splits, lp.pair, page_stride, 0, lp.section)
 
@@ -695,7 +717,7 @@ def _combine_key(lp: LaunchPlan, out, lse) -> tuple:
 
 
 def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, lse, softmax_scale: float,
-                           seqused_k, kv_batch, page_table, seqlen_k: int, page_stride: int) -> None:
+                           seqused_k, kv_batch, page_table, seqlen_k: int, page_stride: int, gather=None) -> None:
     """``launch_forward`` once its kernel is compiled and can be called
     directly (``KernelLaunch.direct``): the same launch with every pointer
     passed as an address, so the split partials need no views, and the
@@ -715,7 +737,8 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
                         seqused_k.data_ptr() if seqused_k is not None else None,
                         kv_batch.data_ptr() if kv_batch is not None else None,
                         page_table.data_ptr() if page_table is not None else None, page_stride, o_part, lse_part,
-                        _item_counter(q.device).data_ptr() if lp.mode.dynamic else None)
+                        _item_counter(q.device).data_ptr() if lp.mode.dynamic else None,
+                        None if gather is None else (gather[0].data_ptr(), gather[1].data_ptr()))
     kernel.launch_addresses((lp.n_ctas, 1, 1), stream, (q, k, v, out), (*args, *lp.constexpr_values))
     if not split:
         return
@@ -1048,7 +1071,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     used_k = seqused_k.contiguous() if seqused_k is not None else cu_k
     # o_part_ptr carries O itself (row-predicated stores, not a TMA box).
     ptrs = (lse if write_lse else out, used_k, out, out, out, out, cu_q, cu_k, used_q,
-            _item_counter(q.device) if lp.mode.dynamic else out)
+            _item_counter(q.device) if lp.mode.dynamic else out, out, out)  # (no page pools to gather)
     scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], batch, softmax_scale * LOG2E,
                softmax_scale, 1, lp.pair, 0, total_q, lp.section)
     q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out))

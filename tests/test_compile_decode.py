@@ -42,6 +42,10 @@ SPECS = [
     (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, page_size=16)),
     (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=16)),
     (C[256], "bfloat16", True, True, Mode(pack_g=4, seqused=True, page_size=16)),
+    # Pages under 16 keys gathered row by row (a four-warp producer, cp.async).
+    (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=1)),
+    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, page_size=8)),
+    (C[64], "bfloat16", True, True, Mode(pack_g=4, split=True, seqused=True, page_size=4)),
     # Sliding windows (window_size): decode with a split cache, and prefill both ways.
     (C[128], "bfloat16", True, True, Mode(pack_g=4, split=True, seqused=True, window_left=4095, window_right=0)),
     (C[128], "bfloat16", True, False, Mode(window_left=1023, window_right=0)),

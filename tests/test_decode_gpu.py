@@ -130,7 +130,7 @@ def paged_copy(kc, vc, page_size, lens, seed=0):
     return kp, vp, pt
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 32, 64, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 2, 8, 16, 32, 64, 128, 256])
 @pytest.mark.parametrize("seqlen_q", [1, 5])
 def test_paged_equals_contiguous(page_size, seqlen_q):
     lens = [1, 700, 3001]
@@ -141,16 +141,18 @@ def test_paged_equals_contiguous(page_size, seqlen_q):
     out = hopper_flash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=cs, page_table=pt, causal=True)
     contig = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True)
     assert_close(out, q, kc, vc, lens, True)
-    if page_size >= 16:  # read by TMA on the same tiles (pages under 128 keys one box each), same splits: bitwise
-        assert torch.equal(out, contig)
+    # Read on the same tiles (by TMA, pages under 128 keys one box each, or
+    # gathered row by row under 16), same splits: bitwise.
+    assert torch.equal(out, contig)
 
 
 @pytest.mark.parametrize("head_dim", [64, 256])
-@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("page_size", [1, 4, 16, 32])  # (D=256: pages under 16 copied first)
 def test_paged_boxes_at_other_head_dims(head_dim, page_size):
-    # One TMA box per page at the head dims whose tiles differ from D=128's
-    # (D=64: 128-key tiles at half the row width; D=256: 64-key tiles, so
-    # four pages of 16 per tile), NaN-filled pages and garbage table entries.
+    # One TMA box per page, or rows gathered, at the head dims whose tiles
+    # differ from D=128's (D=64: 128-key tiles at half the row width; D=256:
+    # 64-key tiles, so four pages of 16 per tile), NaN-filled pages and
+    # garbage table entries.
     lens = [1, 129, 2000]
     kc, vc = nan_tailed_cache(3, 2100, 2, head_dim, lens, seed=head_dim + page_size)
     kp, vp, pt = paged_copy(kc, vc, page_size, lens, seed=page_size)
@@ -261,3 +263,22 @@ def test_contract_check_opt_in():
     cs = torch.tensor([10, 300], dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="cache_seqlens"):
         hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, check_contract=True)
+
+
+def test_small_pages_in_a_strided_pool_are_copied_first():
+    # Pages under 16 keys are gathered by the kernel from contiguous pools;
+    # a pool with gaps between its pages takes the copying path, still exact.
+    lens = [3, 1000]
+    kc, vc = nan_tailed_cache(2, 1100, 8, 128, lens, seed=21)
+    kp, vp, pt = paged_copy(kc, vc, 4, lens, seed=4)
+    wide_k = torch.full((kp.shape[0], 8, *kp.shape[2:]), float("nan"), device=DEV, dtype=kp.dtype)
+    wide_v = wide_k.clone()
+    wide_k[:, :4], wide_v[:, :4] = kp, vp
+    ks, vs = wide_k[:, :4], wide_v[:, :4]  # pages of 4 keys, 8 apart
+    assert not ks.is_contiguous()
+    q = rnd(2, 1, 32, 128, seed=22)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = hopper_flash.flash_attn_with_kvcache(q, ks, vs, cache_seqlens=cs, page_table=pt, causal=True)
+    assert_close(out, q, kc, vc, lens, True)
+    assert torch.equal(out, hopper_flash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=cs, page_table=pt,
+                                                                 causal=True))

@@ -125,7 +125,13 @@ def test_pages_of_16_keys_and_more_are_read_by_tma_on_the_contiguous_tiles(head_
     tile = {64: 128, 128: 128, 256: 64}[head_dim]  # the configs' KV tile (plan.CONFIGS)
     box_rows = {16: 16, 32: 32, 64: 64, 128: tile, 256: tile, 512: tile}  # a page, or a whole tile
     for page_size in (1, 2, 4, 8):
-        assert not kvcache._page_plan(page_size, head_dim), page_size
+        assert not kvcache._page_plan(page_size, head_dim), page_size  # (no pools: by TMA only)
+        # Gathered in the kernel from contiguous pools at head dims 64 and 128,
+        # copied first from strided ones (and at 256).
+        pool = torch.empty(3, page_size, 2, head_dim)
+        assert kvcache._page_plan(page_size, head_dim, pool, pool) == (head_dim <= 128), (page_size, head_dim)
+        assert not kvcache._page_plan(page_size, head_dim, pool[:, :, :1], pool[:, :, :1])
+        assert plan.block_shapes(cfg, 1, page_size)["k"] == [1, tile if head_dim <= 128 else page_size, 1, head_dim]
     for page_size, rows in box_rows.items():
         assert kvcache._page_plan(page_size, head_dim), page_size
         boxes = plan.block_shapes(cfg, 1, page_size)

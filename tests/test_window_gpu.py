@@ -165,7 +165,7 @@ def test_kvcache_windows(seqlen_q, num_splits, pack_gqa, window_size):
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize("page_size", [2, 16, 128])
 def test_kvcache_window_paged_equals_contiguous(page_size):
     lens = [3000, 130, 1]
     B, H, Hkv, D = len(lens), 16, 4, 128

@@ -9,6 +9,7 @@ resolved here, once, so kernel code never tests a version.
 | --- | --- | --- |
 | TMA load global -> shared | ``tma.async_copy_global_to_shared`` | ``tma.async_load`` (the old name raises) |
 | TMA store shared -> global | ``tma.async_copy_shared_to_global`` | ``tma.async_store`` (the old name raises) |
+| cp.async global -> shared | ``async_copy.async_copy_global_to_shared`` | ``async_copy.async_load`` (3.9: the old name raises) |
 | barrier over the partition's threads | ``gl.thread_barrier`` | ``gl.barrier`` (the old name is gone) |
 | TMA reduce-add shared -> global | no Gluon builtin; the builder's ``create_async_tma_reduce`` backs ``tma_atomic_add`` below | ``tma.async_atomic_add`` |
 | aggregates (structs a jit function takes and passes on) | ``triton.language.core._aggregate`` | ``gluon.aggregate`` |
@@ -16,6 +17,7 @@ resolved here, once, so kernel code never tests a version.
 The names below are Gluon builtins, re-bound: a ``@gluon.jit`` function calls
 ``tma_load(desc, coord, bar, buf)`` exactly as it would call the original.
 """
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as _async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 # 3.8 added async_load/async_store; 3.9 turned the old names into errors.
@@ -24,9 +26,11 @@ HAS_ASYNC_LOAD = hasattr(tma, "async_load")
 if HAS_ASYNC_LOAD:
     tma_load = tma.async_load
     tma_store = tma.async_store
+    cp_async_load = _async_copy.async_load
 else:  # triton 3.6, 3.7
     tma_load = tma.async_copy_global_to_shared
     tma_store = tma.async_copy_shared_to_global
+    cp_async_load = _async_copy.async_copy_global_to_shared
 
 
 if hasattr(tma, "async_atomic_add"):  # triton >= 3.8
@@ -85,5 +89,5 @@ def init_fields(obj, args, constexpr=False):
 # bar.sync over the calling partition's warps (all warps outside warp_specialize).
 thread_barrier = _gl.barrier if hasattr(_gl, "barrier") else _gl.thread_barrier
 
-__all__ = ["HAS_ASYNC_LOAD", "aggregate", "init_fields", "tma_load", "tma_store", "tma_atomic_add", "tma_store_wait_complete",
-           "thread_barrier"]
+__all__ = ["HAS_ASYNC_LOAD", "aggregate", "cp_async_load", "init_fields", "tma_load", "tma_store", "tma_atomic_add",
+           "tma_store_wait_complete", "thread_barrier"]

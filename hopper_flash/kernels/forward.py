@@ -59,7 +59,10 @@ Decode and chunked prefill run the same kernel in other *modes*
   ``[B_cache, S_cache, Hkv, D]`` (``KV_BATCH``: row ``cache_batch_idx[b]``),
   or pages ``[num_pages, PAGE_SIZE, Hkv, D]`` addressed through a page table
   (the page is the TMA batch coordinate; a page of 16 to ``BLOCK_N / 2``
-  keys is one TMA box, and a tile loads one per page). What lies past a
+  keys is one TMA box, and a tile loads one per page). Pages of fewer than
+  16 keys (``GATHER``) are too many boxes per tile: there the producer is a
+  whole warpgroup that copies a tile row by row with ``cp.async``, each row
+  from the page the table names (``_gather_kv_tile``). What lies past a
   row's live length is never trusted: scores there are masked (``where``
   also drops NaN) and V rows there are zeroed in shared memory before PV,
   since 0 * NaN = NaN.
@@ -99,6 +102,7 @@ any 16-byte-aligned batch/sequence/head strides work without a copy.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -107,7 +111,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .compat import aggregate, init_fields, thread_barrier, tma_load, tma_store
+from .compat import aggregate, cp_async_load, init_fields, thread_barrier, tma_load, tma_store
 from .mask import apply_mask, kv_split_range, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
 from .scheduler import (SCHED_STAGES, draw_item, first_item, publish_item, receive_item, section_coords,
@@ -116,6 +120,9 @@ from .softmax import softmax_finish, softmax_first, softmax_step
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
 WG_M = gl.constexpr(64)
+# The smallest page read by TMA, one box per page (kvcache.MIN_TMA_PAGE);
+# smaller pages are gathered row by row (Mode.GATHER).
+GATHER_MIN_PAGE = gl.constexpr(16)
 
 
 @gluon.jit
@@ -168,6 +175,10 @@ class Mode:
     # .. r + off + WINDOW_RIGHT; -1 leaves that side unbounded (both: none).
     WINDOW_LEFT: gl.constexpr
     WINDOW_RIGHT: gl.constexpr
+    # Pages of fewer than GATHER_MIN_PAGE keys: K/V tiles copied row by row by
+    # a producer warpgroup (_gather_kv_tile) instead of by TMA.
+    GATHER: gl.constexpr
+    PRODUCER_WARPS: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
@@ -177,6 +188,8 @@ class Mode:
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
         self.OFFSET_START = gl.constexpr(_offset_start(IS_CAUSAL, PACK_G, SPLIT, SEQUSED, VARLEN))
         self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.NC == 3)
+        self.GATHER = gl.constexpr(0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE)
+        self.PRODUCER_WARPS = gl.constexpr(4 if self.GATHER else 1)
 
 
 @aggregate
@@ -207,11 +220,13 @@ class Problem:
     cu_k_ptr: gl.tensor
     used_q_ptr: gl.tensor
     sched_ptr: gl.tensor
+    k_ptr: gl.tensor  # GATHER: the page pools, [num_pages, PAGE_SIZE, Hkv, D] contiguous
+    v_ptr: gl.tensor
 
     @gluon.constexpr_function
     def __init__(self, seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, pair, section, total_tiles,
                  page_stride, total_q, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr, page_table_ptr,
-                 o_part_ptr, lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr):
+                 o_part_ptr, lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, k_ptr, v_ptr):
         init_fields(self, locals())
 
 
@@ -368,6 +383,55 @@ def _load_kv_tile(desc, coords, bar, buf, b, bn, seqlen_k, prob: Problem, mode: 
 
 
 @gluon.jit
+def _gather_kv_tile(base, bar, buf, b, bn, hk, seqlen_k, prob: Problem, mode: Mode):
+    """GATHER: copy KV tile ``bn`` of batch ``b``, KV head ``hk``, from the
+    page pool at ``base`` into slot ``buf`` row by row with cp.async, each
+    row from the page the page table names for it, and arrive on ``bar``
+    once this thread's copies have landed (the full barriers count one
+    arrive per producer thread). Keys at or past ``seqlen_k`` (this batch's)
+    are neither looked up nor read: cp.async fills their rows with zeros,
+    so no table entry past the live pages is trusted and no NaN there
+    reaches PV."""
+    # Two threads per row, 16 bytes each per copy: every copy instruction
+    # reads whole 32-byte sectors, and a thread keeps the offsets of only
+    # BLOCK_N / (16 * PRODUCER_WARPS) rows (two), whatever the head dim.
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [mode.PRODUCER_WARPS, 1], [1, 0])
+    num_kv_heads = prob.num_heads // prob.kv_group
+    cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    rows = bn * mode.BLOCK_N + gl.arange(0, mode.BLOCK_N, layout=gl.SliceLayout(1, layout))
+    live = rows < seqlen_k
+    page = gl.load(prob.page_table_ptr + b.to(gl.int64) * prob.page_stride + rows // mode.PAGE_SIZE, mask=live,
+                   other=0)
+    row = (page.to(gl.int64) * mode.PAGE_SIZE + rows % mode.PAGE_SIZE) * num_kv_heads + hk
+    cp_async_load(buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]), base + row[:, None] * mode.HEAD_DIM + cols[None, :],
+                  mask=live[:, None])
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _issue_kv_tile(desc, pool, coords, bar, buf, b, bn, hk, seqlen_k, prob: Problem, mode: Mode):
+    """Producer: the loads of one K or V tile into slot ``buf``, landing on
+    ``bar``: by TMA (``desc``; one box, or one per page), or gathered row by
+    row from the page pool at ``pool`` (GATHER)."""
+    if mode.GATHER:
+        _gather_kv_tile(pool, bar, buf, b, bn, hk, seqlen_k, prob, mode)
+    else:
+        KV_BOXES: gl.constexpr = mode.BLOCK_N // desc.block_type.shape[1]  # TMA boxes per tile (_load_kv_tile)
+        mbarrier.expect(bar, desc.block_type.nbytes * KV_BOXES)
+        _load_kv_tile(desc, coords, bar, buf, b, bn, seqlen_k, prob, mode)
+
+
+@gluon.jit
+def _wait_tile(full_bars, order, STAGES: gl.constexpr, mode: Mode):
+    """Consumer side: wait until K or V tile ``order`` has landed. A GATHER
+    tile was written by the producer's cp.async (the generic proxy) and is
+    read by wgmma (the async proxy): the proxy fence orders the two."""
+    wait_full(full_bars, order, STAGES)
+    if mode.GATHER:
+        fence_async_shared()
+
+
+@gluon.jit
 def _zero_v_tail(v, col0, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Zero the rows of V tile ``v`` (keys ``col0 ..``) at or past ``seqlen_k``.
 
@@ -420,7 +484,6 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
 
         # K and V in separate rings: QK of tile `it` may start while V of tile
         # `it` is still in flight, since PV of `it` only runs one step later.
-        KV_BOXES: gl.constexpr = mode.BLOCK_N // k_desc.block_type.shape[1]  # TMA boxes per tile (_load_kv_tile)
         n_kv = n_hi - n_lo
         for it in range(n_kv):
             bn = n_hi - 1 - it  # diagonal (or tail) first
@@ -428,15 +491,13 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
             order = kv0 + it
             wait_empty(rings.k_empty, order, mode.K_STAGES)
             k_slot = ring_slot(order, mode.K_STAGES)
-            mbarrier.expect(rings.k_full.index(k_slot), k_desc.block_type.nbytes * KV_BOXES)
-            _load_kv_tile(k_desc, coords, rings.k_full.index(k_slot), rings.k_bufs.index(k_slot), b, bn, lk, prob,
-                          mode)
+            _issue_kv_tile(k_desc, prob.k_ptr, coords, rings.k_full.index(k_slot), rings.k_bufs.index(k_slot), b, bn,
+                           hk, lk, prob, mode)
 
             wait_empty(rings.v_empty, order, mode.V_STAGES)
             v_slot = ring_slot(order, mode.V_STAGES)
-            mbarrier.expect(rings.v_full.index(v_slot), v_desc.block_type.nbytes * KV_BOXES)
-            _load_kv_tile(v_desc, coords, rings.v_full.index(v_slot), rings.v_bufs.index(v_slot), b, bn, lk, prob,
-                          mode)
+            _issue_kv_tile(v_desc, prob.v_ptr, coords, rings.v_full.index(v_slot), rings.v_bufs.index(v_slot), b, bn,
+                           hk, lk, prob, mode)
         kv0 += n_kv
         qi += 1
     return kv0, qi
@@ -549,7 +610,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     # ---- QK prologue: the first tile visited (the diagonal; non-causal: the
     # tail tile), always masked. ----
     bn = n_hi - 1
-    wait_full(rings.k_full, kv0, mode.K_STAGES)
+    _wait_tile(rings.k_full, kv0, mode.K_STAGES, mode)
     k = rings.k_bufs.index(ring_slot(kv0, mode.K_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
     if mode.OFFSET_START and CID > 0:
         _take_turn(rings.turn_full, rings.turn_empty, i, CID)
@@ -571,7 +632,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         # barriers would otherwise cost every item (the condition is uniform
         # across the warpgroup, so its barriers stay matched).
         if (bn + 1) * mode.BLOCK_N > seqlen_k:
-            wait_full(rings.v_full, kv0, mode.V_STAGES)
+            _wait_tile(rings.v_full, kv0, mode.V_STAGES, mode)
             v_tail = rings.v_bufs.index(ring_slot(kv0, mode.V_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
             _zero_v_tail(v_tail, bn * mode.BLOCK_N, seqlen_k, mode.BLOCK_N, mode.HEAD_DIM)
 
@@ -581,7 +642,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     if mode.PV_AFTER_SOFTMAX:
         # V of the first tile, for the first PV (each step then waits for the
         # V of the next PV after its softmax).
-        wait_full(rings.v_full, kv0, mode.V_STAGES)
+        _wait_tile(rings.v_full, kv0, mode.V_STAGES, mode)
 
     # ---- Steady state: QK[it] and PV[it - 1] as two async groups. ----
     for it in range(1, n_kv):
@@ -590,10 +651,10 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         # groups are issued back to back once K and V have landed: on the H200
         # the seed's order measured 0.99-1.00x cuDNN at S=8192/16384 against
         # 1.02-1.04x for this one (BENCHMARKS.md, development runs).
-        wait_full(rings.k_full, kv0 + it, mode.K_STAGES)
+        _wait_tile(rings.k_full, kv0 + it, mode.K_STAGES, mode)
         k = rings.k_bufs.index(ring_slot(kv0 + it, mode.K_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
         if not mode.PV_AFTER_SOFTMAX:
-            wait_full(rings.v_full, kv0 + it - 1, mode.V_STAGES)
+            _wait_tile(rings.v_full, kv0 + it - 1, mode.V_STAGES, mode)
         v = rings.v_bufs.index(ring_slot(kv0 + it - 1, mode.V_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
         qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
         pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
@@ -612,7 +673,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
             # The next PV's V, waited here for ptxas's sake: the wait's retry
             # loop ends the basic block, so the PV wait below stays after the
             # exponentials instead of being hoisted above them.
-            wait_full(rings.v_full, kv0 + it, mode.V_STAGES)
+            _wait_tile(rings.v_full, kv0 + it, mode.V_STAGES, mode)
 
         # p_op is a register operand of the PV in flight: keep it alive until
         # the group completes, then overwrite it with this tile's P.
@@ -628,7 +689,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
 
     # ---- Final PV, overlapped with the row-sum finalisation. ----
     if not mode.PV_AFTER_SOFTMAX:  # else waited for by the last step, or before the loop
-        wait_full(rings.v_full, kv0 + n_kv - 1, mode.V_STAGES)
+        _wait_tile(rings.v_full, kv0 + n_kv - 1, mode.V_STAGES, mode)
     v = rings.v_bufs.index(ring_slot(kv0 + n_kv - 1, mode.V_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
     pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
     inv_logsum, lse = softmax_finish(scores_max, logsum, prob.softmax_scale)
@@ -749,7 +810,7 @@ def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode
                               "page_stride", "total_q", "section"])
 def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              seqused_ptr, kv_batch_ptr, page_table_ptr, o_part_ptr, lse_part_ptr,
-                             cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr,
+                             cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, k_ptr, v_ptr,
                              seqlen_q, seqlen_k, num_heads, kv_group, batch, qk_scale, softmax_scale,
                              num_splits, pair, page_stride, total_q, section,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -770,9 +831,13 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH or PAGE_SIZE > 0)),
                      "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle two warpgroups")
-    gl.static_assert(PAGE_SIZE % BLOCK_N == 0 or (BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE >= 16
-                                                  and k_desc.block_type.shape[1] == PAGE_SIZE),
-                     "pages of whole tiles, or of 16 keys and more loaded one TMA box per page")
+    gl.static_assert(not (0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE) or (HEAD_DIM <= 128 and BLOCK_M == 128),
+                     "pages are gathered at head dims 64 and 128, two consumers (plan.gathers)")
+    gl.static_assert(PAGE_SIZE % BLOCK_N == 0 or (BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE >= GATHER_MIN_PAGE
+                                                  and k_desc.block_type.shape[1] == PAGE_SIZE)
+                     or (PAGE_SIZE < GATHER_MIN_PAGE and k_desc.block_type.shape[1] == BLOCK_N),
+                     "pages of whole tiles, of 16 keys and more loaded one TMA box per page, or smaller ones "
+                     "gathered (the descriptors then only lay out the tiles)")
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT)
@@ -813,11 +878,13 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     for c in gl.static_range(NC * Q_STAGES):
         mbarrier.init(q_full.index(c), count=1)  # the producer's expect-tx arrive
         mbarrier.init(q_empty.index(c), count=1)  # the consumer's arrive
+    # Full: the producer's expect-tx arrive, or (GATHER) one cp.async arrive per producer thread.
+    kv_arrivals: gl.constexpr = 32 * mode.PRODUCER_WARPS if mode.GATHER else 1
     for i in gl.static_range(K_STAGES):
-        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(k_full.index(i), count=kv_arrivals)
         mbarrier.init(k_empty.index(i), count=NC)  # one arrive per consumer warpgroup
     for i in gl.static_range(V_STAGES):
-        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=kv_arrivals)
         mbarrier.init(v_empty.index(i), count=NC)
     # DYNAMIC: the ring through which the producer hands out the next item
     # (scheduler.py); a slot is full after the producer's arrive, empty after
@@ -843,19 +910,19 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                   sched_full, sched_empty, turn_full, turn_empty)
     prob = Problem(seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, pair, section, total_tiles, page_stride,
                    total_q, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr, page_table_ptr, o_part_ptr,
-                   lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr)
+                   lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, k_ptr, v_ptr)
     # The default partition is consumer 0 (the launch's num_warps = 4).
     if NC == 2:
         gl.warp_specialize(
             [(_consumer, (rings, prob, o_desc, 0, mode)), (_consumer, (rings, prob, o_desc, 1, mode)),
              (_producer, (q_desc, k_desc, v_desc, rings, prob, mode))],
-            [4, 1],
+            [4, mode.PRODUCER_WARPS],
             [CONSUMER_REGS, PRODUCER_REGS],
         )
     else:
         gl.warp_specialize(
             [(_consumer, (rings, prob, o_desc, 0, mode)), (_consumer, (rings, prob, o_desc, 1, mode)),
              (_consumer, (rings, prob, o_desc, 2, mode)), (_producer, (q_desc, k_desc, v_desc, rings, prob, mode))],
-            [4, 4, 1],
+            [4, 4, mode.PRODUCER_WARPS],
             [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS],
         )
