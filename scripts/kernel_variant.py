@@ -264,6 +264,12 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   for the next item's first V (which keeps the last PV's wait after the
   next item's exponentials) still 2-6% slower at S512-S2048. Not shipped
   (BENCHMARKS.md, twenty-sixth session).
+* ``gather-whole-lines`` (twenty-eighth session): gathered pages (1-8
+  keys) read eight threads to a row (whole 128-byte lines per copy
+  instruction) instead of four, the producer given 56 registers and the
+  consumers 224 (8 bytes of spill with the LSE). Pages of 8 0.90-0.95x the
+  contiguous cache against the shipped 0.85-0.92x, pages of 1 0.71-0.82x
+  against 0.84-0.91x (BENCHMARKS.md, twenty-eighth session).
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.

@@ -76,8 +76,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rep-ms", type=float, default=200)
     p.add_argument("--small", action="store_true", help="also page sizes 8 and 1 (gathered by the kernel)")
+    p.add_argument("--sizes", type=int, nargs="+", help="these page sizes instead")
     args = p.parse_args()
-    sizes = [16, 32, 64, 128, 256] + ([8, 1] if args.small else [])
+    sizes = args.sizes or [16, 32, 64, 128, 256] + ([8, 1] if args.small else [])
     timer = cuda_graph_timer(args.rep_ms)
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; GQA {H}/{HKV}, D {D}, bf16, causal, "

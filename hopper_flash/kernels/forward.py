@@ -392,18 +392,22 @@ def _gather_kv_tile(base, bar, buf, b, bn, hk, seqlen_k, prob: Problem, mode: Mo
     are neither looked up nor read: cp.async fills their rows with zeros,
     so no table entry past the live pages is trusted and no NaN there
     reaches PV."""
-    # Two threads per row, 16 bytes each per copy: every copy instruction
-    # reads whole 32-byte sectors, and a thread keeps the offsets of only
-    # BLOCK_N / (16 * PRODUCER_WARPS) rows (two), whatever the head dim.
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [mode.PRODUCER_WARPS, 1], [1, 0])
+    # Four threads per row, 16 bytes each per copy: a copy instruction of a
+    # warp reads 64 contiguous bytes (two sectors of one line) from each of
+    # eight rows, and a thread keeps the offsets of BLOCK_N / (8 *
+    # PRODUCER_WARPS) rows (four), as int32 row numbers of the pool (rows,
+    # not elements: no pool has 2**31 of them). Eight threads per row (whole
+    # lines) spilled the producer's 40 registers.
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [mode.PRODUCER_WARPS, 1], [1, 0])
     num_kv_heads = prob.num_heads // prob.kv_group
     cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, layout))
     rows = bn * mode.BLOCK_N + gl.arange(0, mode.BLOCK_N, layout=gl.SliceLayout(1, layout))
     live = rows < seqlen_k
     page = gl.load(prob.page_table_ptr + b.to(gl.int64) * prob.page_stride + rows // mode.PAGE_SIZE, mask=live,
                    other=0)
-    row = (page.to(gl.int64) * mode.PAGE_SIZE + rows % mode.PAGE_SIZE) * num_kv_heads + hk
-    cp_async_load(buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]), base + row[:, None] * mode.HEAD_DIM + cols[None, :],
+    row = (page * mode.PAGE_SIZE + rows % mode.PAGE_SIZE) * num_kv_heads + hk
+    cp_async_load(buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]),
+                  base + row.to(gl.int64)[:, None] * mode.HEAD_DIM + cols[None, :],
                   mask=live[:, None])
     async_copy.mbarrier_arrive(bar, increment_count=False)
 
