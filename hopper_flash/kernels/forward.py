@@ -429,7 +429,10 @@ def _issue_kv_tile(desc, pool, coords, bar, buf, b, bn, hk, seqlen_k, prob: Prob
 def _wait_tile(full_bars, order, STAGES: gl.constexpr, mode: Mode):
     """Consumer side: wait until K or V tile ``order`` has landed. A GATHER
     tile was written by the producer's cp.async (the generic proxy) and is
-    read by wgmma (the async proxy): the proxy fence orders the two."""
+    read by wgmma (the async proxy): the proxy fence orders the two, as the
+    PTX memory model asks. (CUTLASS's sm90 cp.async + GMMA mainloops and
+    FA3's PagedKVNonTMA path go from the barrier wait to the wgmma without
+    it; not timed without it here.)"""
     wait_full(full_bars, order, STAGES)
     if mode.GATHER:
         fence_async_shared()
