@@ -149,3 +149,13 @@ def test_pages_of_16_keys_move_registers_to_the_producer():
     assert plan.register_split(cfg) == (240, 24)
     consts = plan.kernel_constexprs(cfg, True, False, plan.Mode(pack_g=4, seqused=True, page_size=16))
     assert (consts["CONSUMER_REGS"], consts["PRODUCER_REGS"]) == (232, 40)
+
+
+def test_host_and_kernel_agree_on_page_and_row_constants():
+    """plan.py keeps clear of the kernels' module, so it restates two of
+    their constants: the smallest page read by TMA (smaller ones are
+    gathered) and the rows per consumer warpgroup. They must not drift."""
+    from hopper_flash.kernels import forward
+
+    assert plan.GATHER_PAGE == forward.GATHER_MIN_PAGE.value
+    assert plan.WG_ROWS == forward.WG_M.value
