@@ -41,10 +41,11 @@ SUPPORTED_TEXT = ">=3.6,<3.10"
 # round_f32_to_tf32. Sources read for 3.6.0, 3.7.1, 3.8.0 and 3.9.0
 # (compiler/compiler.py CompiledKernel.run, backends/nvidia/driver.py
 # CudaLauncher.__call__): the convention is the same in all four. Run on the
-# H200: 3.6.0, 3.7.1 and 3.9.0 (the whole GPU suite; 3.7.1 in the
-# twenty-seventh session and 3.9.0 in the twenty-eighth, through
-# scripts/triton_gpu_tarball.sh); tests/test_launch_gpu.py compares the fast
-# path with the public launch bitwise. 3.8 is read, not run.
+# H200: 3.6.0, 3.7.1, 3.8.0 and 3.9.0 (the whole GPU suite; 3.7.1 in the
+# twenty-seventh session, 3.9.0 in the twenty-eighth and 3.8.0 in the
+# twenty-ninth, through scripts/triton_gpu_tarball.sh);
+# tests/test_launch_gpu.py compares the fast path with the public launch
+# bitwise.
 # Add a minor version here only after reading its sources the same way.
 FAST_LAUNCH_MINORS = frozenset({(3, 6), (3, 7), (3, 8), (3, 9)})
 
@@ -52,8 +53,8 @@ FAST_LAUNCH_MINORS = frozenset({(3, 6), (3, 7), (3, 8), (3, 9)})
 # kernel's C launch function itself (``launcher``'s docstring gives the two
 # conventions, 3.6 and 3.7-3.9). tests/test_launcher_cpu.py checks the call
 # against the installed triton's own launch wrapper (CI: 3.7.1; 3.6.0, 3.8.0
-# and 3.9.0 by hand); the GPU suite ran it on the H200 under 3.6.0, 3.7.1
-# and 3.9.0.
+# and 3.9.0 by hand); the GPU suite ran it on the H200 under 3.6.0, 3.7.1,
+# 3.8.0 and 3.9.0.
 # Elsewhere a fast launch goes through ``CompiledKernel.run``.
 DIRECT_LAUNCH_MINORS = frozenset({(3, 6), (3, 7), (3, 8), (3, 9)})
 

@@ -28,8 +28,8 @@ supported triton (``HOPPER_FLASH_C_LAUNCH=0`` turns it off): under 3.6 since
 the twenty-fifth session, under 3.7-3.9 since the twenty-seventh, when the
 whole GPU suite passed on the H200 under triton 3.7.1 with it forced on and
 a model's generation under 3.9.0 ran through it; the whole suite passed
-under 3.9.0 with it on in the twenty-eighth (3.8 is checked on the CPU
-only; BENCHMARKS.md). Wherever anything is unexpected, ``prepare`` returns
+under 3.9.0 with it on in the twenty-eighth, and under 3.8.0 in the
+twenty-ninth (BENCHMARKS.md). Wherever anything is unexpected, ``prepare`` returns
 None and the Python path runs.
 
 The module is compiled at first use with Triton's own helper (the C compiler

@@ -622,6 +622,12 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     page_size = k.shape[1] if paged else 0
     gather = (k, v) if gathers(page_size, head_dim) else None
     if gather is not None:
+        if not (k.is_contiguous() and v.is_contiguous()):
+            # The kernel computes pool rows as (page * page_size + key) * Hkv
+            # + head: a strided pool (a slice of a wider one) would be read
+            # at the wrong rows. kvcache._page_plan copies such pools first.
+            raise ValueError("launch_forward: gathered pages (page_size "
+                             f"{page_size}) need contiguous k and v pools; copy them first")
         # The kernel copies rows from the pools itself; its K/V descriptors
         # (over the pools as one sequence) only lay out the tiles.
         k, v = k.view(1, -1, *k.shape[2:]), v.view(1, -1, *v.shape[2:])

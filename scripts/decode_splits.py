@@ -16,7 +16,11 @@ tensor-passing way; its output is
 then wrong, only the time means anything) and the combine alone on one
 call's partials (BENCHMARKS.md, twenty-first session).
 
-    PYTHONPATH=. python -P scripts/decode_splits.py [--rep-ms 300] [--combine-cost]
+``--no-pack-gqa`` times the same counts with PackGQA off: one item per
+query head, each re-reading its KV head's keys (from L2 where the heads of
+a group run together), as cuDNN's decode does.
+
+    PYTHONPATH=. python -P scripts/decode_splits.py [--rep-ms 300] [--combine-cost] [--no-pack-gqa]
 """
 from __future__ import annotations
 
@@ -84,9 +88,11 @@ def main() -> None:
     p.add_argument("--rep-ms", type=float, default=300)
     p.add_argument("--combine-cost", action="store_true")
     p.add_argument("--fill", action="store_true", help="the single-wave rows (FILL_ROWS) instead")
+    p.add_argument("--no-pack-gqa", action="store_true", help="PackGQA off (pack_gqa=False)")
     args = p.parse_args()
     timer = cuda_graph_timer(args.rep_ms)
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, SMs {plan.sm_count()}")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, SMs {plan.sm_count()}"
+          f"{', PackGQA off' if args.no_pack_gqa else ''}")
     if args.combine_cost:
         print(f"{'row':>16} {'full':>8} {'split only':>11} {'combine only':>13}  judged (us; cuDNN below)")
     else:
@@ -99,7 +105,7 @@ def main() -> None:
 
         def call(s):
             return flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, softmax_scale=SCALE, causal=True,
-                                           num_splits=s)
+                                           num_splits=s, pack_gqa=False if args.no_pack_gqa else None)
 
         def judge(out):
             return check_kvcache(out, q, k, v, [S] * B, causal=True, softmax_scale=SCALE)

@@ -158,10 +158,13 @@ def test_paged_boxes_at_other_head_dims(head_dim, page_size):
     kp, vp, pt = paged_copy(kc, vc, page_size, lens, seed=page_size)
     q = rnd(3, 2, 8, head_dim, seed=4)
     cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    out = hopper_flash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=cs, page_table=pt, causal=True)
-    contig = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True)
+    out, lse = hopper_flash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=cs, page_table=pt, causal=True,
+                                                    return_softmax_lse=True)
+    contig, contig_lse = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True,
+                                                              return_softmax_lse=True)
     assert_close(out, q, kc, vc, lens, True)
     assert torch.equal(out, contig)
+    assert torch.equal(lse, contig_lse)  # the LSE kernels' producers too (plan.register_split)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

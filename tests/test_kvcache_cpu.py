@@ -159,3 +159,15 @@ def test_host_and_kernel_agree_on_page_and_row_constants():
 
     assert plan.GATHER_PAGE == forward.GATHER_MIN_PAGE.value
     assert plan.WG_ROWS == forward.WG_M.value
+
+
+def test_launch_forward_refuses_gathered_pages_from_strided_pools():
+    """The gathering kernel reads pool rows as if the pools were contiguous;
+    kvcache copies strided pools first, and plan.launch_forward (its own
+    entry point) refuses them rather than read the wrong rows."""
+    q = torch.randn(1, 1, 4, 128, dtype=torch.bfloat16)
+    pool = torch.randn(3, 8, 4, 128, dtype=torch.bfloat16)[:, :, :2]  # a slice of a wider pool
+    table = torch.zeros(1, 3, dtype=torch.int32)
+    lens = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="contiguous k and v"):
+        plan.launch_forward(q, pool, pool, torch.empty_like(q), None, 1.0, True, seqused_k=lens, page_table=table)

@@ -382,30 +382,43 @@ def _load_kv_tile(desc, coords, bar, buf, b, bn, seqlen_k, prob: Problem, mode: 
             tma_load(desc, [page, 0, coords[2], 0], bar, buf.slice(j * BOX, BOX, dim=1))
 
 
+@gluon.constexpr_function
+def _gather_layout(producer_warps):
+    """GATHER's register layout of a K/V tile: four threads per row, 16
+    bytes each per copy, so a copy instruction of a warp reads 64 contiguous
+    bytes (two sectors of one line) from each of eight rows, and a thread
+    keeps BLOCK_N / (8 * PRODUCER_WARPS) rows (four). Eight threads per row
+    (whole lines) spilled the producer's 40 registers."""
+    return gl.BlockedLayout([1, 8], [8, 4], [producer_warps, 1], [1, 0])
+
+
 @gluon.jit
-def _gather_kv_tile(base, bar, buf, b, bn, hk, seqlen_k, prob: Problem, mode: Mode):
-    """GATHER: copy KV tile ``bn`` of batch ``b``, KV head ``hk``, from the
-    page pool at ``base`` into slot ``buf`` row by row with cp.async, each
-    row from the page the page table names for it, and arrive on ``bar``
-    once this thread's copies have landed (the full barriers count one
-    arrive per producer thread). Keys at or past ``seqlen_k`` (this batch's)
-    are neither looked up nor read: cp.async fills their rows with zeros,
-    so no table entry past the live pages is trusted and no NaN there
-    reaches PV."""
-    # Four threads per row, 16 bytes each per copy: a copy instruction of a
-    # warp reads 64 contiguous bytes (two sectors of one line) from each of
-    # eight rows, and a thread keeps the offsets of BLOCK_N / (8 *
-    # PRODUCER_WARPS) rows (four), as int32 row numbers of the pool (rows,
-    # not elements: no pool has 2**31 of them). Eight threads per row (whole
-    # lines) spilled the producer's 40 registers.
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [mode.PRODUCER_WARPS, 1], [1, 0])
+def _gather_rows(b, bn, hk, seqlen_k, prob: Problem, mode: Mode):
+    """GATHER: ``(row, live)`` of KV tile ``bn`` of batch ``b``, KV head
+    ``hk``: the pool row (an int32 row number of the pool ``[num_pages *
+    PAGE_SIZE * Hkv, D]``: rows, not elements, so no pool has 2**31) each key
+    is copied from, looked up in the page table, and whether the key is live
+    (below ``seqlen_k``, this batch's). Keys past it are not looked up: no
+    table entry past the live pages is trusted. The K and V tiles of one
+    step share the lookup."""
+    layout: gl.constexpr = _gather_layout(mode.PRODUCER_WARPS)
     num_kv_heads = prob.num_heads // prob.kv_group
-    cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, layout))
     rows = bn * mode.BLOCK_N + gl.arange(0, mode.BLOCK_N, layout=gl.SliceLayout(1, layout))
     live = rows < seqlen_k
     page = gl.load(prob.page_table_ptr + b.to(gl.int64) * prob.page_stride + rows // mode.PAGE_SIZE, mask=live,
                    other=0)
-    row = (page * mode.PAGE_SIZE + rows % mode.PAGE_SIZE) * num_kv_heads + hk
+    return (page * mode.PAGE_SIZE + rows % mode.PAGE_SIZE) * num_kv_heads + hk, live
+
+
+@gluon.jit
+def _gather_kv_tile(base, row, live, bar, buf, mode: Mode):
+    """GATHER: copy a K or V tile from the page pool at ``base`` into slot
+    ``buf`` row by row with cp.async (``row``, ``live``: ``_gather_rows``),
+    and arrive on ``bar`` once this thread's copies have landed (the full
+    barriers count one arrive per producer thread). cp.async fills the rows
+    of keys that are not live with zeros, so no NaN there reaches PV."""
+    layout: gl.constexpr = _gather_layout(mode.PRODUCER_WARPS)
+    cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, layout))
     cp_async_load(buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]),
                   base + row.to(gl.int64)[:, None] * mode.HEAD_DIM + cols[None, :],
                   mask=live[:, None])
@@ -413,16 +426,18 @@ def _gather_kv_tile(base, bar, buf, b, bn, hk, seqlen_k, prob: Problem, mode: Mo
 
 
 @gluon.jit
-def _issue_kv_tile(desc, pool, coords, bar, buf, b, bn, hk, seqlen_k, prob: Problem, mode: Mode):
+def _issue_kv_tile(desc, pool, where, bar, buf, b, bn, seqlen_k, prob: Problem, mode: Mode):
     """Producer: the loads of one K or V tile into slot ``buf``, landing on
-    ``bar``: by TMA (``desc``; one box, or one per page), or gathered row by
-    row from the page pool at ``pool`` (GATHER)."""
+    ``bar``: by TMA (``desc`` at coordinates ``where``; one box, or one per
+    page), or gathered row by row from the page pool at ``pool`` (GATHER;
+    ``where`` is the tile's ``_gather_rows``)."""
     if mode.GATHER:
-        _gather_kv_tile(pool, bar, buf, b, bn, hk, seqlen_k, prob, mode)
+        row, live = where
+        _gather_kv_tile(pool, row, live, bar, buf, mode)
     else:
         KV_BOXES: gl.constexpr = mode.BLOCK_N // desc.block_type.shape[1]  # TMA boxes per tile (_load_kv_tile)
         mbarrier.expect(bar, desc.block_type.nbytes * KV_BOXES)
-        _load_kv_tile(desc, coords, bar, buf, b, bn, seqlen_k, prob, mode)
+        _load_kv_tile(desc, where, bar, buf, b, bn, seqlen_k, prob, mode)
 
 
 @gluon.jit
@@ -494,17 +509,22 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
         n_kv = n_hi - n_lo
         for it in range(n_kv):
             bn = n_hi - 1 - it  # diagonal (or tail) first
-            coords = _kv_coords(b, kb, bn, hk, k_start, prob, mode)
+            if mode.GATHER:
+                # One page lookup for the K and the V tile, in flight while
+                # the producer waits for a free K slot.
+                where = _gather_rows(b, bn, hk, lk, prob, mode)
+            else:
+                where = _kv_coords(b, kb, bn, hk, k_start, prob, mode)
             order = kv0 + it
             wait_empty(rings.k_empty, order, mode.K_STAGES)
             k_slot = ring_slot(order, mode.K_STAGES)
-            _issue_kv_tile(k_desc, prob.k_ptr, coords, rings.k_full.index(k_slot), rings.k_bufs.index(k_slot), b, bn,
-                           hk, lk, prob, mode)
+            _issue_kv_tile(k_desc, prob.k_ptr, where, rings.k_full.index(k_slot), rings.k_bufs.index(k_slot), b, bn,
+                           lk, prob, mode)
 
             wait_empty(rings.v_empty, order, mode.V_STAGES)
             v_slot = ring_slot(order, mode.V_STAGES)
-            _issue_kv_tile(v_desc, prob.v_ptr, coords, rings.v_full.index(v_slot), rings.v_bufs.index(v_slot), b, bn,
-                           hk, lk, prob, mode)
+            _issue_kv_tile(v_desc, prob.v_ptr, where, rings.v_full.index(v_slot), rings.v_bufs.index(v_slot), b, bn,
+                           lk, prob, mode)
         kv0 += n_kv
         qi += 1
     return kv0, qi
