@@ -46,6 +46,8 @@ SPECS = [
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=1)),
     (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, page_size=8)),
     (C[64], "bfloat16", True, True, Mode(pack_g=4, split=True, seqused=True, page_size=4)),
+    # (MHA decode, no PackGQA: where gathering at D=256 spilled its consumers; scripts/gather_census.py)
+    (C[128], "bfloat16", False, True, Mode(pack_g=1, split=True, seqused=True, page_size=2)),
     # Sliding windows (window_size): decode with a split cache, and prefill both ways.
     (C[128], "bfloat16", True, True, Mode(pack_g=4, split=True, seqused=True, window_left=4095, window_right=0)),
     (C[128], "bfloat16", True, False, Mode(window_left=1023, window_right=0)),
