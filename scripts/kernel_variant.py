@@ -270,6 +270,19 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   consumers 224 (8 bytes of spill with the LSE). Pages of 8 0.90-0.95x the
   contiguous cache against the shipped 0.85-0.92x, pages of 1 0.71-0.82x
   against 0.84-0.91x (BENCHMARKS.md, twenty-eighth session).
+* ``varlen-skip-dead`` (twenty-ninth session, CPU only, not run): the
+  varlen forward's dynamic order covers ``max_seqlen_q``'s tiles for every
+  sequence, so a mixed batch's short sequences leave runs of dead items
+  (34% of the items of issue 12's batch) that the producer draws and skips
+  one atomic at a time while its consumers may wait. Here a producer that
+  draws a dead item moves the shared counter past the rest of its run with
+  one atomic max (``_skip_dead_run``: a section of one sequence holds them
+  contiguously, its tiles counting down), and a varlen section never spans
+  two sequences (``plan._plan_varlen``). Spill-free on the CPU census (D
+  64/128/256, with and without seqused; ``REDG.E.MAX`` in the SASS). Time
+  it with ``scripts/varlen_profile.py --max-scale`` first (what the dead
+  items cost), then ``--varlen 512:8192 --batch 16`` beside the shipped
+  kernel after ``tests/test_varlen_gpu.py``.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
