@@ -73,8 +73,8 @@ def _page_plan(page_size: int, head_dim: int, k_cache=None, v_cache=None) -> boo
     block_n = plan.CONFIGS[head_dim].block_n
     if page_size % block_n == 0 or (page_size >= MIN_TMA_PAGE and block_n % page_size == 0):
         return True
-    return (plan.gathers(page_size, head_dim) and k_cache is not None and k_cache.is_contiguous()
-            and v_cache.is_contiguous())
+    return (plan.gathers(page_size, head_dim) and k_cache is not None
+            and plan.contiguous_pools(k_cache, v_cache))
 
 
 def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,

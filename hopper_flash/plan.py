@@ -232,6 +232,14 @@ def gathers(page_size: int, head_dim: int) -> bool:
     return 0 < page_size < GATHER_PAGE and head_dim <= 128
 
 
+def contiguous_pools(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether paged K and V pools can be gathered from in place: the kernel
+    reads pool rows as ``(page * page_size + key) * Hkv + head``, so a
+    strided pool (a slice of a wider one) cannot (``kvcache._page_plan``
+    copies those first; ``launch_forward`` refuses them)."""
+    return k.is_contiguous() and v.is_contiguous()
+
+
 def register_split(cfg: ForwardConfig, mode: Mode = PREFILL) -> tuple[int, int]:
     """``(CONSUMER_REGS, PRODUCER_REGS)`` for a config in a mode: the
     config's, except for pages of fewer than ``SMALL_PAGE_KEYS`` keys, where
@@ -622,10 +630,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     page_size = k.shape[1] if paged else 0
     gather = (k, v) if gathers(page_size, head_dim) else None
     if gather is not None:
-        if not (k.is_contiguous() and v.is_contiguous()):
-            # The kernel computes pool rows as (page * page_size + key) * Hkv
-            # + head: a strided pool (a slice of a wider one) would be read
-            # at the wrong rows. kvcache._page_plan copies such pools first.
+        if not contiguous_pools(k, v):
             raise ValueError("launch_forward: gathered pages (page_size "
                              f"{page_size}) need contiguous k and v pools; copy them first")
         # The kernel copies rows from the pools itself; its K/V descriptors
