@@ -256,3 +256,38 @@ def test_forward_writes_exactly_the_live_rows(d):
     ref, _ = varlen_reference(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)
     base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)
     assert_judged("out", out[live], ref[live].to(out.device), base[live])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "kvpacked"])
+def test_backward_zeroes_rows_past_the_last_sequence(packed):
+    """Tensors longer than ``cu_seqlens[-1]`` (a static buffer with a live
+    prefix): the rows past it are NaN, never read, and get exactly zero
+    gradients (the gradients are allocated empty; plan_backward zeroes that
+    tail on the device); the live rows' gradients equal those of the same
+    call on the trimmed tensors, bitwise (deterministic mode)."""
+    lq, lk, tail_q, tail_k = [300, 129, 77], [310, 1, 200], 37, 100
+    q, k, v, cq, ck, _, _ = make(lq, lk, 8, 2, 128, seed=11)
+    nq, nk = q.shape[0], k.shape[0]
+
+    def nan_rows(t, n):
+        return torch.cat([t, torch.full((n, *t.shape[1:]), math.nan, dtype=t.dtype, device=DEV)])
+
+    gen = torch.Generator(device=DEV).manual_seed(111)
+    dout = torch.randn(q.shape, generator=gen, device=DEV).to(q.dtype)
+
+    def grads(q, k, v, dout):
+        if packed:
+            qg, kvg = q.detach().clone().requires_grad_(), torch.stack([k, v], 1).detach().requires_grad_()
+            out = hopper_flash.flash_attn_varlen_kvpacked_func(qg, kvg, cq, ck, 300, 310, causal=True,
+                                                               deterministic=True)
+            dq, dkv = torch.autograd.grad(out, (qg, kvg), dout)
+            return dq, dkv[:, 0], dkv[:, 1]
+        qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out = hopper_flash.flash_attn_varlen_func(qg, kg, vg, cq, ck, 300, 310, causal=True, deterministic=True)
+        return torch.autograd.grad(out, (qg, kg, vg), dout)
+
+    live = grads(q, k, v, dout)
+    long = grads(nan_rows(q, tail_q), nan_rows(k, tail_k), nan_rows(v, tail_k), nan_rows(dout, tail_q))
+    for name, g, g_live, n in zip(("dq", "dk", "dv"), long, live, (nq, nk, nk)):
+        assert bool((g[n:] == 0).all()), f"{name}: a row past cu_seqlens[-1] is not zero"
+        assert torch.equal(g[:n], g_live), f"{name}: the live rows differ from the trimmed call's"
