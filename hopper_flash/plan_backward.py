@@ -624,9 +624,15 @@ def _zero_unwritten(dq, dk, dv, varlen: VarlenBatch) -> None:
     a sequence's live part is written (the postprocess writes dQ's, zeros
     where no key is seen; a KV tile that no query sees stores zero dK and
     dV), and without ``seqused`` the sequences tile the tensor up to
-    ``cu_seqlens[-1]``: only the rows past it are left, zeroed on the device
+    ``cu_seqlens[-1]``: only the rows past it are left (K/V buffers longer
+    than the batch; for q the contract has none), zeroed on the device
     (``zero_tail``). With ``seqused`` the gaps inside the slots are not
-    written either: that side is zero-filled whole."""
+    written either: that side is zero-filled whole.
+
+    This leans on the caller's contract (``interface.flash_attn_varlen_func``):
+    a sequence longer than ``max_seqlen_*`` or a ``cu_seqlens[0]`` other than
+    0 leaves rows unwritten, which now hold whatever the allocation held
+    rather than zeros (``check_contract=True`` catches both)."""
     if varlen.seqused_q is not None:
         dq.zero_()
     else:
@@ -659,11 +665,11 @@ def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_sc
         for g in (dq, dk, dv):
             g.zero_()
         return dq, dk, dv
-    _zero_unwritten(dq, dk, dv, varlen)
     if not _tma_addressable(out.unsqueeze(0)):
         out = out.clone(memory_format=torch.contiguous_format)  # see check_grad_out
     lse = lse.contiguous()
-    with plan.on_device(q):
+    with plan.on_device(q):  # (zero_tail launches a kernel: on q's device too)
+        _zero_unwritten(dq, dk, dv, varlen)
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
                         varlen=varlen, window=window)
     return dq, dk, dv

@@ -4,7 +4,7 @@
 The gradients are allocated empty; the rows no kernel writes are zeroed
 afterwards: with ``seqused`` on a side, that side whole (gaps inside the
 slots); without, only the rows past ``cu_seqlens[-1]``, by
-``backward_pre._zero_tail_kernel``, run here through Triton's interpreter
+``plan_backward.zero_tail`` (``backward_pre._zero_tail_kernel``), run here through Triton's interpreter
 (``TRITON_INTERPRET=1``, in a child process: the variable must be set before
 the kernel's module is imported) on NaN-filled tensors, packed views
 included."""
@@ -50,21 +50,44 @@ def test_unwritten_rows_are_zeroed_by_side(monkeypatch, used_q, used_k):
         assert x is ex and y is ey and cu is ecu
 
 
+def test_backward_varlen_zeroes_on_the_device_before_launching(monkeypatch):
+    """backward_varlen hands its (empty) gradients to _zero_unwritten, and
+    does it under q's device guard, as the launches (zero_tail starts a
+    kernel: outside the guard it would run on whichever GPU is current)."""
+    import contextlib
+
+    from hopper_flash import plan
+
+    events = []
+
+    @contextlib.contextmanager
+    def guard(t):
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    monkeypatch.setattr(plan, "on_device", guard)
+    monkeypatch.setattr(plan_backward, "zero_tail", lambda x, y, cu: events.append(("zero_tail", y is None)))
+    monkeypatch.setattr(plan_backward, "launch_backward", lambda *a, **kw: events.append("launch"))
+    q = torch.randn(7, 2, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(9, 1, 64, dtype=torch.bfloat16), torch.randn(9, 1, 64, dtype=torch.bfloat16)
+    out, lse = torch.randn_like(q), torch.randn(2, 7)
+    plan_backward.backward_varlen(torch.randn_like(q), q, k, v, out, lse, _batch(), 0.125, True)
+    assert events == ["enter", ("zero_tail", True), ("zero_tail", False), "launch", "exit"]
+
+
 CHILD = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, sys.argv[1])
     import torch
-    from hopper_flash import plan_backward
-    from hopper_flash.kernels import backward_pre
+    from hopper_flash import plan, plan_backward
 
-    def launch(x, y, cu):
-        total, nheads, head_dim = x.shape
-        grid = ((total + 63) // 64,)
-        # (strides in units of 8 elements, as plan_backward.zero_tail passes them)
-        backward_pre._zero_tail_kernel[grid](x, x if y is None else y, cu, cu.shape[0] - 1, total, x.stride(0) // 8,
-                                             x.stride(1) // 8, nheads, BLOCK=64, HEAD_DIM=head_dim,
-                                             PAIR=y is not None)
+    # The host wrapper itself (grid, arguments, strides in units of 8), with
+    # the launch helper reduced to the interpreter's plain call.
+    plan.launch_triton = lambda kernel, grid, args, constexprs, num_warps, launch_pdl=False: (
+        kernel[grid](*args, **constexprs))
+    launch = plan_backward.zero_tail
 
     failures = []
     for total, ends in ((200, [0, 50, 130]), (200, [0, 200]), (37, [0, 10, 20]), (64, [0, 64]), (130, [0, 0, 0])):
