@@ -296,10 +296,10 @@ class EagerPackedAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, packed, out, lse = ctx.saved_tensors
         axis, varlen, softmax_scale, causal, deterministic, window = ctx.args
-        # Varlen gradients are zero outside the live rows, which the kernels do not write.
-        alloc = torch.empty if varlen is None else torch.zeros
-        d_packed = alloc(packed.shape, dtype=packed.dtype, device=packed.device)
-        dq = None if q is None else alloc(q.shape, dtype=q.dtype, device=q.device)
+        # (Varlen: rows outside the live parts, which the kernels do not
+        # write, are zeroed by plan_backward.backward_varlen.)
+        d_packed = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
+        dq = None if q is None else torch.empty(q.shape, dtype=q.dtype, device=q.device)
         grads = _unpacked(dq, d_packed, axis)
         qv, k, v = _unpacked(q, packed, axis)
         if varlen is None:

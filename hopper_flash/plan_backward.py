@@ -359,8 +359,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     ``window``: the forward's sliding window (``checks.window_bounds``), or None.
 
     With ``varlen``: THD ``[total, H, D]`` tensors, ``lse`` ``[H, total_q]``
-    (contiguous), and dq/dk/dv zero-initialised by the caller (rows outside
-    every sequence's live part are not written); dk/dv with equal strides
+    (contiguous); rows of dq/dk/dv outside every sequence's live part are
+    not written (``backward_varlen`` zeroes them); dk/dv with equal strides
     and a contiguous head dim.
 
     Three launches: the preprocess (Δ, L2, and dq_accum zeroed), the main
@@ -520,6 +520,22 @@ def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, bloc
     launch((dq_accum, dq, *_small_ptrs(dq_accum, varlen)))
 
 
+def zero_tail(x: torch.Tensor, y: torch.Tensor | None, cu_seqlens: torch.Tensor) -> None:
+    """Zero the rows of THD gradients ``x`` (and ``y``, with x's strides)
+    from ``cu_seqlens[-1]`` to their end, on the device
+    (``backward_pre._zero_tail_kernel``): no kernel of the backward writes
+    them, and the host never learns how many there are. ``x`` has a
+    contiguous head dim."""
+    total, nheads, head_dim = x.shape
+    if total == 0:
+        return
+    assert x.stride(2) == 1 and (y is None or y.stride() == x.stride())
+    block = 64
+    SmallLaunch(_pre._zero_tail_kernel, (triton_cdiv(total, block), 1, 1),
+                (cu_seqlens.shape[0] - 1, total, *_strides8(x.stride(0), x.stride(1)), nheads),
+                dict(BLOCK=block, HEAD_DIM=head_dim, PAIR=y is not None))((x, x if y is None else y, cu_seqlens))
+
+
 def workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int, deterministic: bool = False) -> int:
     """Bytes of fp32/int32 workspace one backward call allocates."""
     cfg = BACKWARD_CONFIGS[head_dim]
@@ -603,6 +619,31 @@ def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, de
     return dq, dk, dv
 
 
+def _zero_unwritten(dq, dk, dv, varlen: VarlenBatch) -> None:
+    """Zero the gradient rows the varlen kernels do not write. Every row of
+    a sequence's live part is written (the postprocess writes dQ's, zeros
+    where no key is seen; a KV tile that no query sees stores zero dK and
+    dV), and without ``seqused`` the sequences tile the tensor up to
+    ``cu_seqlens[-1]``: only the rows past it are left (K/V buffers longer
+    than the batch; for q the contract has none), zeroed on the device
+    (``zero_tail``). With ``seqused`` the gaps inside the slots are not
+    written either: that side is zero-filled whole.
+
+    This leans on the caller's contract (``interface.flash_attn_varlen_func``):
+    a sequence longer than ``max_seqlen_*`` or a ``cu_seqlens[0]`` other than
+    0 leaves rows unwritten, which now hold whatever the allocation held
+    rather than zeros (``check_contract=True`` catches both)."""
+    if varlen.seqused_q is not None:
+        dq.zero_()
+    else:
+        zero_tail(dq, None, varlen.cu_seqlens_q)
+    if varlen.seqused_k is not None:
+        dk.zero_()
+        dv.zero_()
+    else:
+        zero_tail(dk, dv, varlen.cu_seqlens_k)
+
+
 def check_grad_out_thd(grad_out, out: torch.Tensor) -> torch.Tensor:
     """``check_grad_out`` for THD tensors."""
     check_grad_out_meta(grad_out, out)
@@ -615,17 +656,20 @@ def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_sc
                     deterministic: bool = False, grads=None, window=None):
     """dq, dk, dv (contiguous THD, like q, k, v) of a varlen forward; rows
     outside every sequence's live part get zero gradients. ``grads``:
-    zero-filled ``(dq, dk, dv)`` to write instead (dk and dv with equal
+    ``(dq, dk, dv)`` to write instead, of any content (dk and dv with equal
     strides; views of one packed gradient, say)."""
     check_head_dim(q.shape[2])
     grad_out = check_grad_out_thd(grad_out, out)
-    dq, dk, dv = _gradients(q, k, v, grads, torch.zeros)
+    dq, dk, dv = _gradients(q, k, v, grads, torch.empty)
     if q.numel() == 0 or k.numel() == 0:
+        for g in (dq, dk, dv):
+            g.zero_()
         return dq, dk, dv
     if not _tma_addressable(out.unsqueeze(0)):
         out = out.clone(memory_format=torch.contiguous_format)  # see check_grad_out
     lse = lse.contiguous()
-    with plan.on_device(q):
+    with plan.on_device(q):  # (zero_tail launches a kernel: on q's device too)
+        _zero_unwritten(dq, dk, dv, varlen)
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
                         varlen=varlen, window=window)
     return dq, dk, dv

@@ -295,7 +295,6 @@ def test_varlen_packed_backward_hands_zeroed_views_and_the_metadata(monkeypatch,
     def backward_varlen(grad_out, q, k, v, out, lse, varlen, scale, causal, deterministic, grads=None,
                         window=None):
         seen["windows"].append(window)
-        seen["zeroed"] = all(bool((g == 0).all()) for g in grads)
         seen["batch"] = (varlen.max_seqlen_q, varlen.max_seqlen_k, varlen.batch, deterministic)
         grads[0].copy_(grad_out * 2)
         grads[1].fill_(1.0)
@@ -311,7 +310,8 @@ def test_varlen_packed_backward_hands_zeroed_views_and_the_metadata(monkeypatch,
     (dqkv,) = torch.autograd.grad(out.sum(), (qkv,))
     # A sliding window reaches the forward and the backward (causal folds its right side to 0).
     assert seen.pop("windows") == [window, window]
-    assert seen == {"forward": (True, 4, 4, True, 0.5, True), "zeroed": True, "batch": (4, 4, 2, True)}
+    # (The gradients come in uninitialised: backward_varlen zeroes the rows no kernel writes.)
+    assert seen == {"forward": (True, 4, 4, True, 0.5, True), "batch": (4, 4, 2, True)}
     torch.testing.assert_close(dqkv[:, 0], torch.full_like(dqkv[:, 0], 2.0))
     assert bool((dqkv[:, 1] == 1).all()) and bool((dqkv[:, 2] == 3).all())
 

@@ -256,3 +256,43 @@ def test_forward_writes_exactly_the_live_rows(d):
     ref, _ = varlen_reference(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)
     base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)
     assert_judged("out", out[live], ref[live].to(out.device), base[live])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "kvpacked"])
+def test_backward_zeroes_rows_past_the_last_sequence(packed):
+    """K and V longer than ``cu_seqlens_k[-1]`` (a buffer with a live
+    prefix; the contract allows it for k): their rows past it are NaN and
+    never read, and ``backward_varlen``, handed NaN-filled gradients (as
+    uninitialised memory may hold), leaves exactly zero there; every live
+    row equals the same call's on the trimmed tensors, bitwise
+    (deterministic mode). ``packed``: dK and dV as views of one [total, 2,
+    Hkv, D] gradient, as the kvpacked function hands them in."""
+    from hopper_flash import dispatch, plan_backward
+
+    lq, lk, tail = [300, 129, 77], [310, 1, 200], 100
+    q, k, v, cq, ck, _, _ = make(lq, lk, 8, 2, 128, seed=11)
+    gen = torch.Generator(device=DEV).manual_seed(111)
+    dout = torch.randn(q.shape, generator=gen, device=DEV).to(q.dtype)
+    batch = plan_backward.VarlenBatch(cq, ck, None, None, 300, 310)
+
+    def grads(k, v):
+        out, lse = dispatch.forward_varlen(q, k, v, cq, ck, 300, 310, None, None, None, True, True)
+        dq = torch.full_like(q, math.nan)
+        if packed:
+            dkv = torch.full((k.shape[0], 2, *k.shape[1:]), math.nan, dtype=k.dtype, device=DEV)
+            dk, dv = dkv.unbind(1)
+        else:
+            dk, dv = torch.full_like(k, math.nan), torch.full_like(v, math.nan)
+        plan_backward.backward_varlen(dout, q, k, v, out, lse, batch, 128 ** -0.5, True, deterministic=True,
+                                      grads=(dq, dk, dv))
+        return dq, dk, dv
+
+    live = grads(k, v)
+    nan_tail = torch.full((tail, *k.shape[1:]), math.nan, dtype=k.dtype, device=DEV)
+    long = grads(torch.cat([k, nan_tail]), torch.cat([v, nan_tail]))
+    n = k.shape[0]
+    for name, g in zip(("dk", "dv"), long[1:]):
+        assert bool((g[n:] == 0).all()), f"{name}: a row past cu_seqlens_k[-1] is not zero"
+    for name, g, g_live in zip(("dq", "dk", "dv"), long, live):
+        assert not bool(g_live.isnan().any()), f"{name}: a live row left unwritten"
+        assert torch.equal(g[:g_live.shape[0]], g_live), f"{name}: the live rows differ from the trimmed call's"
