@@ -278,7 +278,7 @@ def test_kvpacked_backward_writes_dk_dv_into_the_packed_gradient(eager):
 
 
 @pytest.mark.parametrize("window_size,window", [((-1, -1), None), ((3, 5), (3, 0))])
-def test_varlen_packed_backward_hands_zeroed_views_and_the_metadata(monkeypatch, window_size, window):
+def test_varlen_packed_backward_hands_its_views_and_the_metadata(monkeypatch, window_size, window):
     from hopper_flash import checks, dispatch, ops, plan_backward
 
     seen = {}
