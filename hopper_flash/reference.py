@@ -276,6 +276,42 @@ def softcap_eager(q, k, v, *, causal: bool = False, softmax_scale: float | None 
     return (p @ vt).transpose(1, 2)
 
 
+def softcap_eager_grads(q, k, v, dout, *, causal: bool = False, softmax_scale: float | None = None,
+                        softcap: float, window: tuple[int, int] | None = None):
+    """``(dq, dk, dv)`` of :func:`softcap_eager` computed as a flash-style
+    backward does it in q's dtype (the baseline for soft-capped gradients):
+    products of 16-bit operands, P and dS in float32, ``Δ = rowsum(dO ⊙ O)``
+    from the rounded output O, dS rounded before its products. Autograd
+    through ``softcap_eager`` would take Δ from P and dP instead and so
+    escape the cancellation every flash backward (and cuDNN's) has in rows
+    whose weight sits on one key: a baseline that no such kernel can match
+    there."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
+    scale = _scale(softmax_scale, headdim)
+    group = nheads // nheads_kv
+    dt = q.dtype
+    qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, dout))
+    kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    t = torch.tanh(s / softcap)
+    rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+    if window is not None:
+        visible &= window_visible(rows, cols, seqlen_q, seqlen_k, window)
+    z = (softcap * t).float().masked_fill(~visible, -math.inf)
+    p = torch.softmax(z, dim=-1).nan_to_num(0.0)
+    o = p.to(dt) @ vt
+    dp = (dot @ vt.transpose(-1, -2)).float()
+    delta = (dot.float() * o.float()).sum(-1, keepdim=True)
+    ds = (p * (dp - delta) * (1 - t.float() ** 2)).to(dt)
+    dq = (ds @ kt).float() * scale
+    dk = ((ds.transpose(-1, -2) @ qt).float() * scale).unflatten(1, (nheads_kv, group)).sum(2)
+    dv = (p.to(dt).transpose(-1, -2) @ dot).float().unflatten(1, (nheads_kv, group)).sum(2)
+    return tuple(x.transpose(1, 2).to(dt) for x in (dq, dk, dv))
+
+
 def _mask_scores(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,
                  causal: bool, window: tuple[int, int] | None) -> None:
     """Set to -inf, in place, the scores ``s`` ``[..., len(rows), len(cols)]``
@@ -484,6 +520,15 @@ def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_sca
     _, seqlen_q, seqlen_k, _, _, _ = _check_inputs(q, k, v)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    if softcap:
+        dq, dk, dv = softcap_eager_grads(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
+                                         window=window)
+        if rows is not None:
+            dq = dq[:, _row_index(rows, seqlen_q, q.device)]
+        if key_rows is not None:
+            key_idx = _row_index(key_rows, seqlen_k, q.device)
+            dk, dv = dk[:, key_idx], dv[:, key_idx]
+        return dq, dk, dv
     blind = seqlen_q - seqlen_k if causal and seqlen_q > seqlen_k else 0
     if window is not None and window[1] >= 0:
         blind = max(blind, seqlen_q - seqlen_k - window[1])
