@@ -531,12 +531,13 @@ def test_a_window_under_autograd_goes_on_to_the_device_check():
             flash_attn_func(q, k, v, causal=True, window_size=(16, 0))
 
 
-def test_the_ops_take_a_window():
+def test_the_ops_take_a_window_and_a_softcap():
+    import hopper_flash.kvcache as kvcache
     import hopper_flash.ops as ops
 
-    for op in (ops.fwd, ops.bwd, ops.varlen_fwd, ops.varlen_bwd):
+    for op in (ops.fwd, ops.bwd, ops.varlen_fwd, ops.varlen_bwd, kvcache.fwd_kvcache):
         names = [a.name for a in op._opoverload._schema.arguments]
-        assert names[-2:] == ["window_left", "window_right"], names
+        assert names[-3:] == ["window_left", "window_right", "softcap"], names
 
 
 def test_window_bounds_fold_causal_and_unbounded_sides():
