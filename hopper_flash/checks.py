@@ -59,6 +59,20 @@ def check_causal(causal) -> bool:
     return bool(causal)
 
 
+def check_softcap(softcap) -> float:
+    """flash-attn's ``softcap``: 0 for none, else a finite positive real, the
+    cap of ``cap * tanh(score / cap)`` (kernels/softmax.py). Returns a float.
+    The default returns at once: this runs on every attention call."""
+    if softcap == 0.0 and type(softcap) is float:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (numbers.Real, torch.SymFloat)):
+        raise TypeError(f"softcap must be a real number (0.0 for none), got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"softcap must be finite and >= 0 (0.0 for none), got {softcap!r}")
+    return softcap
+
+
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     """The scale to use: ``1/sqrt(head_dim)`` for None, else a finite positive real."""
     if softmax_scale is None:

@@ -15,7 +15,8 @@ BWD_SASS_OPS = SASS_OPS + ("RED", "ATOM", "BAR")
 
 
 def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool = True,
-                     deterministic: bool = False, varlen: bool = False, seqused: bool = False, window=None):
+                     deterministic: bool = False, varlen: bool = False, seqused: bool = False, window=None,
+                     softcap: bool = False):
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -30,7 +31,7 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
         return f"tensordesc<{sig_dtype}[{', '.join(map(str, block))}],{smem_layout(block, tdtype)!r}>"
 
     blocks = block_shapes(cfg)
-    constexprs = kernel_constexprs(cfg, causal, deterministic, varlen, seqused, seqused, window)
+    constexprs = kernel_constexprs(cfg, causal, deterministic, varlen, seqused, seqused, window, softcap)
     signature = {f"{name}_desc": desc_sig(blocks[name]) for name in ("q", "k", "v", "do", "dk", "dv")}
     dq_block = blocks["dq_accum"]
     signature["dq_desc"] = (f"tensordesc<fp32[{', '.join(map(str, dq_block))}],"
@@ -50,8 +51,11 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
 
 
 def census(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool = True,
-           deterministic: bool = False, varlen: bool = False, seqused: bool = False, window=None) -> CompileReport:
-    compiled = compile_backward(cfg, dtype, causal, deterministic, varlen, seqused, window)
+           deterministic: bool = False, varlen: bool = False, seqused: bool = False, window=None,
+           softcap: bool = False) -> CompileReport:
+    """``softcap``: the soft-capped specialisation (run with
+    ``plan_backward.softcap_config(cfg)``, as the plan does)."""
+    compiled = compile_backward(cfg, dtype, causal, deterministic, varlen, seqused, window, softcap)
     return read_census(compiled, BWD_SASS_OPS, head_dim=cfg.head_dim, dtype=dtype, causal=causal,
                        write_lse=deterministic)
 

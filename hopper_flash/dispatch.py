@@ -16,9 +16,10 @@ import torch
 from . import checks, plan
 
 
-def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None):
+def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None, softcap=0.0):
     """Validated forward; ``out`` lets tests hand in a poisoned buffer;
-    ``window``: ``checks.window_bounds``'s ``(left, right)`` or None.
+    ``window``: ``checks.window_bounds``'s ``(left, right)`` or None;
+    ``softcap``: ``checks.check_softcap``'s cap (0.0: none).
 
     Returns ``(out, lse)`` when ``return_lse`` else ``out``.
 
@@ -31,15 +32,16 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None):
     most of a decode step's host time."""
     key = signature = None
     if out is None:
-        result, key = prepared_forward(q, k, v, softmax_scale, causal, return_lse, window)
+        result, key = prepared_forward(q, k, v, softmax_scale, causal, return_lse, window, softcap)
         if result is not None:
             return result
         signature = key[0] if key is not None else None  # validate's key: computed once
     softmax_scale = checks.validate(q, k, v, softmax_scale, causal, signature)
-    return forward_validated(q, k, v, softmax_scale, causal, return_lse, out, window, prepare_key=key)
+    return forward_validated(q, k, v, softmax_scale, causal, return_lse, out, window, prepare_key=key,
+                             softcap=softcap)
 
 
-def prepared_forward(q, k, v, softmax_scale, causal, return_lse, window=None):
+def prepared_forward(q, k, v, softmax_scale, causal, return_lse, window=None, softcap=0.0):
     """``forward``'s prepared call alone: ``(result, key)``, the result None
     where these arguments' signature has no prepared call for their KV tile
     count (the key, None where there is no signature, is what the full path
@@ -48,12 +50,13 @@ def prepared_forward(q, k, v, softmax_scale, causal, return_lse, window=None):
     key = checks._signature(q, k, v, softmax_scale, causal)
     if key is None:
         return None, None
-    key = (key, bool(return_lse), window)
+    key = (key, bool(return_lse), window, softcap)
     call = plan.prepared(key)
     return (call(q, k, v) if call is not None else None), key
 
 
-def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=None, window=None, prepare_key=None):
+def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=None, window=None, prepare_key=None,
+                      softcap=0.0):
     """``forward`` on arguments that passed ``checks.validate`` (which
     resolved ``softmax_scale``): the eager autograd Functions (``ops``) are
     applied to arguments checked once, before ``apply``. ``prepare_key``:
@@ -82,9 +85,9 @@ def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=Non
         # problems get the plain prefill kernel.
         with plan.on_device(q):
             direct = plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None,
-                                         window=window)
+                                         window=window, softcap=softcap)
         if direct is not None and prepare_key is not None and q.device.type == checks._PASSED_DEVICE_TYPE:
-            plan.remember_prepared(prepare_key, direct, q, k, out, lse, softmax_scale)
+            plan.remember_prepared(prepare_key, direct, q, k, out, lse, softmax_scale, softcap)
     return (out, lse) if return_lse else out
 
 
@@ -112,7 +115,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                   softmax_scale, causal, return_lse, check_contract=None, out=None, window=None):
+                   softmax_scale, causal, return_lse, check_contract=None, out=None, window=None, softcap=0.0):
     """Validated varlen forward on THD tensors; returns ``(out, lse)`` with
     ``lse`` ``[nheads, total_q]`` (None unless ``return_lse``).
 
@@ -123,11 +126,11 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
         causal, check_contract)
     return forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
-                                    seqused_k, softmax_scale, causal, return_lse, out, window)
+                                    seqused_k, softmax_scale, causal, return_lse, out, window, softcap)
 
 
 def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                             softmax_scale: float, causal, return_lse, out=None, window=None):
+                             softmax_scale: float, causal, return_lse, out=None, window=None, softcap=0.0):
     """``forward_varlen`` on arguments that passed ``validate_varlen``."""
     total_q, nheads, _ = q.shape
     # Gaps (rows past seqused_q) are never written by the kernel: zero them up
@@ -152,5 +155,6 @@ def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return out, lse
     with plan.on_device(q):
         plan.launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                                   max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), window=window)
+                                   max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), window=window,
+                                   softcap=softcap)
     return out, lse

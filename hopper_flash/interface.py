@@ -44,8 +44,7 @@ def check_flash_attn_options(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0
     if not _is_zero(dropout_p):
         raise NotImplementedError(f"dropout_p must be 0.0 (hopper_flash has no dropout), got {dropout_p!r}")
     checks.window_bounds(window_size, False)  # a pair of ints >= -1 (what it means is the caller's business)
-    if not _is_zero(softcap):
-        raise NotImplementedError(f"softcap must be 0.0 (logit soft-capping is not supported), got {softcap!r}")
+    checks.check_softcap(softcap)
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes must be None (ALiBi is not supported)")
     if not isinstance(deterministic, bool):
@@ -58,16 +57,17 @@ def check_flash_attn_options(*, dropout_p=0.0, window_size=(-1, -1), softcap=0.0
 
 
 # The common call passes none of them: one tuple comparison instead of the checks (host time per call).
-_FLASH_ATTN_DEFAULTS = (0.0, 0.0, None, False, False)
+_FLASH_ATTN_DEFAULTS = (0.0, None, False, False)
 
 
 def _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs) -> None:
-    """``check_flash_attn_options`` but for ``window_size``, after one tuple
-    comparison that passes the common call. Every caller resolves
-    ``window_size`` with ``checks.window_bounds`` (which checks it), so a
-    sliding-window model's every call does not check it twice."""
-    if (dropout_p, softcap, alibi_slopes, deterministic, return_attn_probs) != _FLASH_ATTN_DEFAULTS:
-        check_flash_attn_options(dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes,
+    """``check_flash_attn_options`` but for ``window_size`` and ``softcap``,
+    after one tuple comparison that passes the common call. Every caller
+    resolves ``window_size`` with ``checks.window_bounds`` and ``softcap``
+    with ``checks.check_softcap`` (which check them), so a sliding-window or
+    soft-capped model's every call does not check them twice."""
+    if (dropout_p, alibi_slopes, deterministic, return_attn_probs) != _FLASH_ATTN_DEFAULTS:
+        check_flash_attn_options(dropout_p=dropout_p, alibi_slopes=alibi_slopes,
                                  deterministic=deterministic, return_attn_probs=return_attn_probs)
 
 
@@ -109,9 +109,14 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
             makes ``right`` 0). Differentiable, and traced by torch.compile,
             as without a window. Each distinct window compiles a
             specialisation (forward and backward) on first use.
-        dropout_p, softcap, alibi_slopes, deterministic,
+        softcap: logit soft-capping, flash-attn's (Gemma 2): each scaled
+            score ``x`` becomes ``softcap * tanh(x / softcap)`` before the
+            mask and the softmax; 0.0 (default) for none. The LSE is that of
+            the capped scores. Differentiable; forward, backward and every
+            mode compile a soft-capped specialisation on first use.
+        dropout_p, alibi_slopes, deterministic,
             return_attn_probs: flash-attn 2's options, accepted at their
-            no-op values (0.0, 0.0, None, any bool, False); other values
+            no-op values (0.0, None, any bool, False); other values
             raise ``NotImplementedError``.
 
     Everything after ``v`` is keyword-only: flash-attn 2's positional order
@@ -130,12 +135,14 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     """
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     window = checks.window_bounds(window_size, causal)
+    softcap = checks.check_softcap(softcap)
     if _needs_op(q, k, v):
         if ops.plain_eager(q, k, v):
             # The op's autograd without its dispatch (host time per call),
             # on arguments validated once, here.
             softmax_scale = checks.validate(q, k, v, softmax_scale, causal)
-            out, lse = ops.EagerAttention.apply(q, k, v, softmax_scale, bool(causal), bool(deterministic), window)
+            out, lse = ops.EagerAttention.apply(q, k, v, softmax_scale, bool(causal), bool(deterministic), window,
+                                                softcap)
             return (out, lse) if return_lse else out
         # The op's schema takes a float and a bool: check the Python values
         # here, as the eager path does, before they are converted.
@@ -146,9 +153,10 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
             checks.check_cuda(q)
         else:
             checks.check_device(q)
-        out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic), *(window or (-1, -1)))
+        out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic), *(window or (-1, -1)),
+                           softcap)
         return (out, lse) if return_lse else out
-    return dispatch.forward(q, k, v, softmax_scale, causal, return_lse, window=window)
+    return dispatch.forward(q, k, v, softmax_scale, causal, return_lse, window=window, softcap=softcap)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -221,7 +229,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             variable, off).
         window_size: a sliding window as in ``flash_attn_func`` (per
             sequence).
-        dropout_p, softcap, alibi_slopes, return_attn_probs,
+        softcap: logit soft-capping as in ``flash_attn_func``.
+        dropout_p, alibi_slopes, return_attn_probs,
             block_table: flash-attn's options, accepted at their no-op values
             only.
 
@@ -244,6 +253,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         raise NotImplementedError("block_table must be None (paged K/V is served by flash_attn_with_kvcache)")
     window = checks.window_bounds(window_size, causal)
+    softcap = checks.check_softcap(softcap)
     if _needs_op(q, k, v):
         if ops.plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
             # The op's autograd without its dispatch (host time per call), on
@@ -253,7 +263,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 causal, check_contract)
             out, lse = ops.EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                                       max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
-                                                      bool(deterministic), window)
+                                                      bool(deterministic), window, softcap)
             return (out, lse) if return_lse else out
         softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
@@ -268,8 +278,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                              seqused_q, seqused_k)
         out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, bool(causal), bool(deterministic),
-                                  *(window or (-1, -1)))
+                                  *(window or (-1, -1)), softcap)
         return (out, lse) if return_lse else out
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
-                                       seqused_k, softmax_scale, causal, return_lse, check_contract, window=window)
+                                       seqused_k, softmax_scale, causal, return_lse, check_contract, window=window,
+                                       softcap=softcap)
     return (out, lse) if return_lse else out

@@ -205,9 +205,10 @@ def _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table):
 
 
 def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                    num_splits, pack_gqa, return_lse, check=None, window=None):
+                    num_splits, pack_gqa, return_lse, check=None, window=None, softcap=0.0):
     """Validated append + attention; returns ``(out, lse or None)``.
-    ``window``: ``checks.window_bounds``'s ``(left, right)`` or None."""
+    ``window``: ``checks.window_bounds``'s ``(left, right)`` or None;
+    ``softcap``: ``checks.check_softcap``'s float."""
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa)
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -256,7 +257,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
             pt = None
     args = (q, kc, vc, out, lse, softmax_scale, causal, cfg)
     kwargs = dict(seqused_k=seqused, kv_batch=cache_batch_idx if pt is None else None, page_table=pt,
-                  num_splits=num_splits, pack_gqa=pack_gqa, window=window)
+                  num_splits=num_splits, pack_gqa=pack_gqa, window=window, softcap=softcap)
     with plan.on_device(q):
         plan.launch_forward(*args, **kwargs)
     return out, lse
@@ -266,19 +267,23 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
 def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                 page_table: torch.Tensor | None, softmax_scale: float, causal: bool, num_splits: int,
-                pack_gqa: int, window_left: int = -1, window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                pack_gqa: int, window_left: int = -1, window_right: int = -1,
+                softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Append + attention; returns ``(out, lse)``. ``pack_gqa``: -1 auto, 0 off, 1 on;
-    ``window_left``/``window_right``: ``checks.window_bounds``'s, -1 -1 for none."""
+    ``window_left``/``window_right``: ``checks.window_bounds``'s, -1 -1 for none;
+    ``softcap``: logit soft-capping, 0.0 for none."""
     window = checks.op_window(window_left, window_right, causal)
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                               causal, num_splits, None if pack_gqa < 0 else bool(pack_gqa), True, window=window)
+                               causal, num_splits, None if pack_gqa < 0 else bool(pack_gqa), True, window=window,
+                               softcap=checks.check_softcap(softcap))
     return out, lse
 
 
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                      num_splits, pack_gqa, window_left=-1, window_right=-1):
+                      num_splits, pack_gqa, window_left=-1, window_right=-1, softcap=0.0):
     checks.op_window(window_left, window_right, causal)
+    checks.check_softcap(softcap)
     batch, seqlen_q, nheads, _ = q.shape
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device))
@@ -286,8 +291,8 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                             page_table=None, block_table=None, softmax_scale=None, causal=False,
-                            window_size=(-1, -1), num_splits=0, pack_gqa=None, return_softmax_lse=False,
-                            check_contract=None):
+                            window_size=(-1, -1), softcap=0.0, num_splits=0, pack_gqa=None,
+                            return_softmax_lse=False, check_contract=None):
     """Attention of ``q`` over a KV cache, with an optional in-place append.
 
     Args:
@@ -308,6 +313,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
             ``i`` sees keys ``i + off - left .. i + off + right`` (``off =
             seqlen_k - seqlen_q`` per row, -1 = no bound; ``causal`` makes
             ``right`` 0). Each distinct window compiles once.
+        softcap: logit soft-capping as in ``flash_attn_func`` (0.0: none).
         num_splits: KV splits (0: heuristic); pack_gqa: None = heuristic.
         return_softmax_lse: also return the LSE ``[batch, nheads, seqlen_q]``.
         check_contract: validate the device values (lengths within the cache,
@@ -321,14 +327,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
     window = checks.window_bounds(window_size, causal)
+    softcap = checks.check_softcap(softcap)
     if torch.compiler.is_compiling() or torch.is_grad_enabled() and getattr(q, "requires_grad", False):
         if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
             cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         out, lse = fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, float(scale),
                                bool(causal), int(num_splits), -1 if pack_gqa is None else int(bool(pack_gqa)),
-                               *(window or (-1, -1)))
+                               *(window or (-1, -1)), softcap)
         return (out, lse) if return_softmax_lse else out
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                               causal, num_splits, pack_gqa, return_softmax_lse, check_contract, window)
+                               causal, num_splits, pack_gqa, return_softmax_lse, check_contract, window, softcap)
     return (out, lse) if return_softmax_lse else out

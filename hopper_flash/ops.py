@@ -34,22 +34,24 @@ from . import checks, dispatch, plan_backward
 @torch.library.custom_op("hopper_flash::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
         causal: bool, deterministic: bool = False, window_left: int = -1,
-        window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on BSHD tensors; returns ``(out, lse)``.
     ``deterministic`` only selects the backward's dQ summation order;
     ``window_left``/``window_right``: ``checks.window_bounds``'s sliding
-    window, -1 -1 for none."""
+    window, -1 -1 for none; ``softcap``: logit soft-capping (0.0: none)."""
     return dispatch.forward(q, k, v, softmax_scale, causal, True,
-                            window=checks.op_window(window_left, window_right, causal))
+                            window=checks.op_window(window_left, window_right, causal),
+                            softcap=checks.check_softcap(softcap))
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1):
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
     # The same checks as the eager path, so a traced call fails at trace time
     # with the same message. Meta tensors ask for shapes only (no device to
     # check); the TMA rules need data pointers: the real implementation has them.
     checks.check_arguments(q, k, v, softmax_scale, causal)
     checks.op_window(window_left, window_right, causal)
+    checks.check_softcap(softcap)
     if q.device.type != "meta":
         checks.check_device(q)
     batch, seqlen_q, nheads, _ = q.shape
@@ -62,15 +64,18 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-
 def bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, softmax_scale: float, causal: bool,
         deterministic: bool, window_left: int = -1,
-        window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward: ``(dq, dk, dv)`` from the forward's saved tensors."""
     return plan_backward.backward(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic,
-                                  window=checks.op_window(window_left, window_right, causal))
+                                  window=checks.op_window(window_left, window_right, causal),
+                                  softcap=checks.check_softcap(softcap))
 
 
 @bwd.register_fake
-def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
+def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
+              softcap=0.0):
     checks.op_window(window_left, window_right, causal)
+    checks.check_softcap(softcap)
     plan_backward.check_head_dim(q.shape[3])
     plan_backward.check_grad_out_meta(grad_out, out)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
@@ -108,16 +113,18 @@ def _setup_context(ctx, inputs, output):
     ctx.causal = causal
     ctx.deterministic = deterministic
     ctx.window = (inputs[6] if len(inputs) > 6 else -1, inputs[7] if len(inputs) > 7 else -1)
+    ctx.softcap = inputs[8] if len(inputs) > 8 else 0.0
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
     args = (grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
     if _plain_eager_backward(grad_out, q, k, v, out, lse):
-        dq, dk, dv = plan_backward.backward(*args, window=checks.op_window(*ctx.window, ctx.causal))
+        dq, dk, dv = plan_backward.backward(*args, window=checks.op_window(*ctx.window, ctx.causal),
+                                            softcap=checks.check_softcap(ctx.softcap))
     else:
-        dq, dk, dv = bwd(*args, *ctx.window)
-    return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = bwd(*args, *ctx.window, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -133,22 +140,24 @@ def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
                cu_seqlens_k: torch.Tensor, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                deterministic: bool = False, window_left: int = -1,
-               window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+               window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention forward on THD tensors; returns ``(out, lse)`` with
     ``lse`` ``[nheads, total_q]``. ``deterministic`` only selects the
     backward's dQ summation order."""
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k, softmax_scale, causal, True,
-                                       window=checks.op_window(window_left, window_right, causal))
+                                       window=checks.op_window(window_left, window_right, causal),
+                                       softcap=checks.check_softcap(softcap))
     return out, lse
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1):
+                     softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
     checks.check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                   seqused_k, softmax_scale, causal)
     checks.op_window(window_left, window_right, causal)
+    checks.check_softcap(softcap)
     if q.device.type != "meta":
         checks.check_device(q)
     total_q, nheads, _ = q.shape
@@ -162,27 +171,31 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None, max_seqlen_q: int,
                max_seqlen_k: int, softmax_scale: float, causal: bool,
                deterministic: bool, window_left: int = -1,
-               window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Varlen attention backward: ``(dq, dk, dv)``, zero outside the live rows."""
     return _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                             max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
-                            window=checks.op_window(window_left, window_right, causal))
+                            window=checks.op_window(window_left, window_right, causal),
+                            softcap=checks.check_softcap(softcap))
 
 
 def _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, deterministic, window=None):
+                     max_seqlen_k, softmax_scale, causal, deterministic, window=None, softcap=0.0):
     """``varlen_bwd``'s work; ``window``: ``checks.window_bounds``'s pair,
-    already checked (the op checks its ints, the eager path its forward's)."""
+    already checked (the op checks its ints, the eager path its forward's),
+    ``softcap`` a checked float."""
     varlen = plan_backward.VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                        max_seqlen_k)
     return plan_backward.backward_varlen(grad_out, q, k, v, out, lse, varlen, softmax_scale, causal, deterministic,
-                                         window=window)
+                                         window=window, softcap=softcap)
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1, window_right=-1):
+                     max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
+                     softcap=0.0):
     checks.op_window(window_left, window_right, causal)
+    checks.check_softcap(softcap)
     plan_backward.check_head_dim(q.shape[2])
     plan_backward.check_grad_out_meta(grad_out, out)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
@@ -199,6 +212,7 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.causal = causal
     ctx.deterministic = inputs[11] if len(inputs) > 11 else False
     ctx.window = (inputs[12] if len(inputs) > 12 else -1, inputs[13] if len(inputs) > 13 else -1)
+    ctx.softcap = inputs[14] if len(inputs) > 14 else 0.0
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
@@ -206,10 +220,11 @@ def _varlen_backward(ctx, grad_out, grad_lse):
     args = (grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.max_seqlens, ctx.softmax_scale, ctx.causal,
             ctx.deterministic)
     if _plain_eager_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k):
-        dq, dk, dv = _varlen_bwd_impl(*args, window=checks.op_window(*ctx.window, ctx.causal))
+        dq, dk, dv = _varlen_bwd_impl(*args, window=checks.op_window(*ctx.window, ctx.causal),
+                                      softcap=checks.check_softcap(ctx.softcap))
     else:
-        dq, dk, dv = varlen_bwd(*args, *ctx.window)
-    return dq, dk, dv, *(None,) * 11
+        dq, dk, dv = varlen_bwd(*args, *ctx.window, ctx.softcap)
+    return dq, dk, dv, *(None,) * 12
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -226,11 +241,12 @@ class EagerAttention(torch.autograd.Function):
     differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale: float, causal: bool, deterministic: bool, window=None):
-        out, lse = dispatch.forward_validated(q, k, v, softmax_scale, causal, True, window=window)
+    def forward(ctx, q, k, v, softmax_scale: float, causal: bool, deterministic: bool, window=None, softcap=0.0):
+        out, lse = dispatch.forward_validated(q, k, v, softmax_scale, causal, True, window=window, softcap=softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (softmax_scale, causal, deterministic)
         ctx.window = window
+        ctx.softcap = softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -238,8 +254,9 @@ class EagerAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = plan_backward.backward(grad_out, q, k, v, out, lse, *ctx.args, window=ctx.window)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = plan_backward.backward(grad_out, q, k, v, out, lse, *ctx.args, window=ctx.window,
+                                            softcap=ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None
 
 
 class EagerVarlenAttention(torch.autograd.Function):
@@ -249,20 +266,24 @@ class EagerVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
-                max_seqlen_k: int, softmax_scale: float, causal: bool, deterministic: bool, window=None):
+                max_seqlen_k: int, softmax_scale: float, causal: bool, deterministic: bool, window=None,
+                softcap=0.0):
         out, lse = dispatch.forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                     seqused_q, seqused_k, softmax_scale, causal, True, window=window)
+                                                     seqused_q, seqused_k, softmax_scale, causal, True, window=window,
+                                                     softcap=softcap)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic)
         ctx.window = window
+        ctx.softcap = softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        dq, dk, dv = _varlen_bwd_impl(grad_out, *ctx.saved_tensors, *ctx.args, window=ctx.window)
-        return dq, dk, dv, *(None,) * 10
+        dq, dk, dv = _varlen_bwd_impl(grad_out, *ctx.saved_tensors, *ctx.args, window=ctx.window,
+                                      softcap=ctx.softcap)
+        return dq, dk, dv, *(None,) * 11
 
 
 class EagerPackedAttention(torch.autograd.Function):
@@ -279,15 +300,16 @@ class EagerPackedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, packed, axis: int, varlen, softmax_scale: float, causal: bool, deterministic: bool,
-                window=None):
+                window=None, softcap=0.0):
         qv, k, v = _unpacked(q, packed, axis)
         if varlen is None:
-            out, lse = dispatch.forward_validated(qv, k, v, softmax_scale, causal, True, window=window)
+            out, lse = dispatch.forward_validated(qv, k, v, softmax_scale, causal, True, window=window,
+                                                  softcap=softcap)
         else:
             out, lse = dispatch.forward_varlen_validated(qv, k, v, *varlen[:2], *varlen[4:], *varlen[2:4],
-                                                         softmax_scale, causal, True, window=window)
+                                                         softmax_scale, causal, True, window=window, softcap=softcap)
         ctx.save_for_backward(q, packed, out, lse)
-        ctx.args = (axis, varlen, softmax_scale, causal, deterministic, window)
+        ctx.args = (axis, varlen, softmax_scale, causal, deterministic, window, softcap)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -295,7 +317,7 @@ class EagerPackedAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, packed, out, lse = ctx.saved_tensors
-        axis, varlen, softmax_scale, causal, deterministic, window = ctx.args
+        axis, varlen, softmax_scale, causal, deterministic, window, softcap = ctx.args
         # (Varlen: rows outside the live parts, which the kernels do not
         # write, are zeroed by plan_backward.backward_varlen.)
         d_packed = torch.empty(packed.shape, dtype=packed.dtype, device=packed.device)
@@ -304,12 +326,12 @@ class EagerPackedAttention(torch.autograd.Function):
         qv, k, v = _unpacked(q, packed, axis)
         if varlen is None:
             plan_backward.backward(grad_out, qv, k, v, out, lse, softmax_scale, causal, deterministic, grads=grads,
-                                   window=window)
+                                   window=window, softcap=softcap)
         else:
             batch = plan_backward.VarlenBatch(*varlen)
             plan_backward.backward_varlen(grad_out, qv, k, v, out, lse, batch, softmax_scale, causal, deterministic,
-                                          grads=grads, window=window)
-        return dq, d_packed, None, None, None, None, None, None
+                                          grads=grads, window=window, softcap=softcap)
+        return dq, d_packed, None, None, None, None, None, None, None
 
 
 def _unpacked(q, packed, axis):

@@ -33,7 +33,7 @@ def _unpack(name: str, t, rank: int, axis: int, parts: int, layout: str) -> tupl
 
 
 def _eager_autograd(q, packed, axis, views, varlen, softmax_scale, causal, deterministic, window_size,
-                    check_contract=None):
+                    check_contract=None, softcap=0.0):
     """``(out, lse)`` through ``ops.EagerPackedAttention`` where plain eager
     autograd records the call (checked as the unpacked call checks it), else
     None. ``varlen``: None or ``(cu_seqlens_q, cu_seqlens_k, seqused_q,
@@ -50,7 +50,7 @@ def _eager_autograd(q, packed, axis, views, varlen, softmax_scale, causal, deter
                                                                softmax_scale, causal, check_contract)
         varlen = (cu_q, cu_k, used_q, used_k, max_q, max_k)
     return ops.EagerPackedAttention.apply(q, packed, axis, varlen, softmax_scale, bool(causal), bool(deterministic),
-                                          checks.window_bounds(window_size, causal))
+                                          checks.window_bounds(window_size, causal), checks.check_softcap(softcap))
 
 
 def _fixed(q, packed, views, softmax_scale, causal, return_lse, options):
@@ -59,7 +59,8 @@ def _fixed(q, packed, views, softmax_scale, causal, return_lse, options):
     flash-attn's (dropout_p, window_size, softcap, alibi_slopes,
     deterministic, return_attn_probs)."""
     interface._check_options(*options)
-    got = _eager_autograd(q, packed, 2, views, None, softmax_scale, causal, options[4], options[1])
+    got = _eager_autograd(q, packed, 2, views, None, softmax_scale, causal, options[4], options[1],
+                          softcap=options[2])
     if got is not None:
         return got if return_lse else got[0]
     dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs = options
@@ -73,7 +74,8 @@ def _varlen(q, packed, views, varlen, softmax_scale, causal, return_lse, check_c
     """``_fixed`` for THD tensors; ``varlen``: (cu_seqlens_q, cu_seqlens_k,
     seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)."""
     interface._check_options(*options)
-    got = _eager_autograd(q, packed, 1, views, varlen, softmax_scale, causal, options[4], options[1], check_contract)
+    got = _eager_autograd(q, packed, 1, views, varlen, softmax_scale, causal, options[4], options[1], check_contract,
+                          options[2])
     if got is not None:
         return got if return_lse else got[0]
     cu_q, cu_k, used_q, used_k, max_q, max_k = varlen

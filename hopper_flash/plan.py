@@ -211,9 +211,22 @@ class Mode:
     # r + off - window_left .. r + off + window_right; -1 leaves a side unbounded.
     window_left: int = -1
     window_right: int = -1
+    # Logit soft-capping (flash-attn's softcap > 0; kernel_scales gives the scalars).
+    softcap: bool = False
 
 
 PREFILL = Mode()
+
+
+def kernel_scales(softmax_scale: float, softcap: float = 0.0) -> tuple[float, float]:
+    """The forward kernel's ``(qk_scale, softmax_scale)`` scalars:
+    ``(scale * log2(e), scale)``, or with logit soft-capping at ``softcap``
+    (``Mode.softcap``; the scores are ``cap * tanh(scale * s / cap)``)
+    ``(scale / cap, cap)``: tanh's argument scale, and the scale of its output
+    (kernels/softmax.py)."""
+    if softcap:
+        return softmax_scale / softcap, softcap
+    return softmax_scale * LOG2E, softmax_scale
 
 
 # Pages shorter than this many keys are loaded as more TMA boxes per KV tile
@@ -282,6 +295,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         Q_STAGES=cfg.q_ring,
         WINDOW_LEFT=mode.window_left,
         WINDOW_RIGHT=mode.window_right,
+        SOFTCAP=mode.softcap,
     )
 
 
@@ -552,11 +566,12 @@ class LaunchPlan:
 
 @lru_cache(maxsize=4096)
 def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cfg, page_size, seqused, kv_batch,
-                 num_splits, pack_gqa, causal, write_lse, window=None) -> LaunchPlan:
+                 num_splits, pack_gqa, causal, write_lse, window=None, softcap=False) -> LaunchPlan:
     """Mode, split count and grid for a launch. Cached, and keyed by the KV
     tile count rather than the key length: a decode loop grows the cache by
     one key per step, and this is host time on every step. ``window``:
-    ``(left, right)`` of a sliding window (``checks.window_bounds``) or None."""
+    ``(left, right)`` of a sliding window (``checks.window_bounds``) or None;
+    ``softcap``: whether scores are soft-capped (``Mode.softcap``)."""
     group = nheads // nheads_kv
     if pack_gqa is None:
         pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m)
@@ -583,7 +598,7 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
                and (choose_dynamic(tiles, triton_cdiv(seqlen_q, cfg.block_m), causal, False, sms)
                     or (causal and cfg.consumers == 3 and tiles > sms)))
     mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
-                dynamic=dynamic, window_left=window_left, window_right=window_right)
+                dynamic=dynamic, window_left=window_left, window_right=window_right, softcap=bool(softcap))
     n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
     section = l2_section(n_blocks * cfg.block_n, cfg.head_dim, dtype.itemsize, group)
     kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
@@ -594,7 +609,8 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
 
 def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: ForwardConfig | None = None,
                    *, seqused_k=None, kv_batch=None, page_table=None, num_splits: int = 1,
-                   pack_gqa: bool | None = False, window: tuple[int, int] | None = None) -> LaunchPlan | None:
+                   pack_gqa: bool | None = False, window: tuple[int, int] | None = None,
+                   softcap: float = 0.0) -> LaunchPlan | None:
     """Launch the forward kernel on the current stream of q's device.
     Returns the plan where the launch was direct (``_launch_forward_direct``;
     ``PreparedForward`` replays it), else None.
@@ -611,7 +627,8 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     ``num_splits`` (0: heuristic) and ``pack_gqa`` (None: heuristic).
     ``window``: a sliding window's ``(left, right)``, from
     ``checks.window_bounds`` (None: none); each distinct window is a
-    specialisation of its own (compiled on first use).
+    specialisation of its own (compiled on first use). ``softcap``: logit
+    soft-capping at that cap (0: none; ``kernel_scales``).
 
     The first launch of a specialisation goes through Triton's JIT (compile,
     cache). Later launches skip the JIT (``launcher.KernelLaunch``: the
@@ -640,13 +657,13 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     cfg = cfg or CONFIGS[head_dim]
     lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
                       page_size, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
-                      bool(causal), write_lse, window)
+                      bool(causal), write_lse, window, softcap > 0)
     cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
     kernel = _COMPILED.get(lp.key)
     page_stride = page_table.stride(0) if paged else 0
     if kernel is not None and kernel.direct is not None and FAST_LAUNCH and not _launch_hooked():
         _launch_forward_direct(kernel, lp, q, k, v, out, lse, softmax_scale, seqused_k, kv_batch, page_table,
-                               seqlen_k, page_stride, gather)
+                               seqlen_k, page_stride, gather, softcap)
         return lp
     if mode.split:
         part, n_o = _partials(lp, q)
@@ -654,7 +671,8 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     else:
         o_part = lse_part = out
     args = _kernel_args(lp, q, seqlen_k, k.shape[2], softmax_scale, out, lse, seqused_k, kv_batch, page_table,
-                        page_stride, o_part, lse_part, _item_counter(q.device) if mode.dynamic else None, gather)
+                        page_stride, o_part, lse_part, _item_counter(q.device) if mode.dynamic else None, gather,
+                        softcap)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
         # First launch, an unchecked triton, or a profiler hook is installed
         # (it wants the JIT's launch metadata): take Triton's regular path.
@@ -698,7 +716,8 @@ def _partial_views(part: torch.Tensor, n_o: int, lp: LaunchPlan, q) -> tuple[tor
 
 
 def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale: float, out, lse, seqused_k,
-                 kv_batch, page_table, page_stride: int, o_part, lse_part, sched, gather=None) -> tuple:
+                 kv_batch, page_table, page_stride: int, o_part, lse_part, sched, gather=None,
+                 softcap: float = 0.0) -> tuple:
     """``attention_forward_kernel``'s arguments after its descriptors and
     before its constexprs, for the fixed-length modes: the pointers (tensors,
     or addresses on the direct path; ``out`` stands in for those the mode
@@ -711,7 +730,7 @@ def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale
             kv_batch if kv_batch is not None else out, page_table if page_table is not None else out,
             o_part, lse_part, out, out, out,  # cu_seqlens_q/k, seqused_q: varlen only
             sched if sched is not None else out, k_pool, v_pool,
-            seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, softmax_scale * LOG2E, softmax_scale,
+            seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, *kernel_scales(softmax_scale, softcap),
             lp.num_splits, lp.pair, page_stride, 0, lp.section)
 
 
@@ -728,7 +747,8 @@ def _combine_key(lp: LaunchPlan, out, lse) -> tuple:
 
 
 def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, lse, softmax_scale: float,
-                           seqused_k, kv_batch, page_table, seqlen_k: int, page_stride: int, gather=None) -> None:
+                           seqused_k, kv_batch, page_table, seqlen_k: int, page_stride: int, gather=None,
+                           softcap: float = 0.0) -> None:
     """``launch_forward`` once its kernel is compiled and can be called
     directly (``KernelLaunch.direct``): the same launch with every pointer
     passed as an address, so the split partials need no views, and the
@@ -749,7 +769,7 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
                         kv_batch.data_ptr() if kv_batch is not None else None,
                         page_table.data_ptr() if page_table is not None else None, page_stride, o_part, lse_part,
                         _item_counter(q.device).data_ptr() if lp.mode.dynamic else None,
-                        None if gather is None else (gather[0].data_ptr(), gather[1].data_ptr()))
+                        None if gather is None else (gather[0].data_ptr(), gather[1].data_ptr()), softcap)
     kernel.launch_addresses((lp.n_ctas, 1, 1), stream, (q, k, v, out), (*args, *lp.constexpr_values))
     if not split:
         return
@@ -797,7 +817,7 @@ class _PreparedLaunch:
                  "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch", "out_strides")
 
     def __init__(self, lp: LaunchPlan, kernel: KernelLaunch, combine: KernelLaunch | None, q, nheads_kv: int,
-                 softmax_scale: float, return_lse: bool):
+                 softmax_scale: float, return_lse: bool, softcap: float = 0.0):
         self.lp, self.kernel, self.combine = lp, kernel, combine
         self.current_stream = driver.active.get_current_stream
         batch, seqlen_q, nheads, head_dim = q.shape
@@ -807,7 +827,7 @@ class _PreparedLaunch:
         split = lp.mode.split
         args = _kernel_args(lp, q, _SEQLEN_K, nheads_kv, softmax_scale, _OUT, lse, None, None, None, 0,
                             _O_PART if split else _OUT, _LSE_PART if split else _OUT,
-                            _SCHED if lp.mode.dynamic else None)
+                            _SCHED if lp.mode.dynamic else None, softcap=softcap)
         self.template = [*args, *lp.constexpr_values]
         self.slots = _slots(self.template)
         if split:
@@ -888,16 +908,17 @@ class PreparedForward:
     (``use_variant``), and no profiler hook; and a launch only while its
     kernels' direct launches do."""
 
-    __slots__ = ("table", "config", "head_dim", "block_n", "softmax_scale", "return_lse", "lse_shape", "launches",
-                 "device_index")
+    __slots__ = ("table", "config", "head_dim", "block_n", "softmax_scale", "softcap", "return_lse", "lse_shape",
+                 "launches", "device_index")
 
-    def __init__(self, q, softmax_scale: float, return_lse: bool):
+    def __init__(self, q, softmax_scale: float, return_lse: bool, softcap: float = 0.0):
         self.table = _COMPILED
         self.device_index = q.device.index  # the signature holds the device
         self.head_dim = q.shape[3]
         self.config = CONFIGS.get(self.head_dim)
         self.block_n = self.config.block_n  # launch_forward counts KV tiles of the head dim's config
         self.softmax_scale = softmax_scale
+        self.softcap = softcap
         self.return_lse = return_lse
         self.lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if return_lse else None
         self.launches: dict[int, _PreparedLaunch] = {}
@@ -915,7 +936,7 @@ class PreparedForward:
         if len(self.launches) >= _PREPARED_LIMIT:
             self.launches.clear()
         self.launches[triton_cdiv(k.shape[1], self.block_n)] = _PreparedLaunch(
-            lp, self.table[lp.key], combine, q, k.shape[2], self.softmax_scale, self.return_lse)
+            lp, self.table[lp.key], combine, q, k.shape[2], self.softmax_scale, self.return_lse, self.softcap)
 
     def usable(self) -> bool:
         return (self.table is _COMPILED and FAST_LAUNCH and CONFIGS.get(self.head_dim) is self.config
@@ -956,7 +977,7 @@ def prepared(key) -> PreparedForward | None:
         return None
 
 
-def remember_prepared(key, lp: LaunchPlan, q, k, out, lse, softmax_scale: float) -> None:
+def remember_prepared(key, lp: LaunchPlan, q, k, out, lse, softmax_scale: float, softcap: float = 0.0) -> None:
     """After a direct launch of ``lp`` on arguments of signature ``key``
     (``out`` and ``lse`` allocated for the call): prepare the signature's
     calls for this key length's KV tile count."""
@@ -964,7 +985,7 @@ def remember_prepared(key, lp: LaunchPlan, q, k, out, lse, softmax_scale: float)
     if call is None or not call.usable():
         if len(_PREPARED) >= _PREPARED_LIMIT:
             _PREPARED.clear()
-        call = _PREPARED[key] = PreparedForward(q, softmax_scale, lse is not None)
+        call = _PREPARED[key] = PreparedForward(q, softmax_scale, lse is not None, softcap)
     call.add(lp, q, k, out, lse)
 
 
@@ -1042,7 +1063,7 @@ def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool) -> dict
 
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
-                 write_lse, window=None) -> LaunchPlan:
+                 write_lse, window=None, softcap=False) -> LaunchPlan:
     """``_plan_launch`` for a packed batch: no PackGQA, no split; the grid
     covers ``max_seqlen_q`` for every sequence (items past a sequence's rows
     exit at once)."""
@@ -1051,7 +1072,7 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     dynamic = cfg.persistent and choose_dynamic(items, triton_cdiv(max_seqlen_q, cfg.block_m), causal, True, sms)
     window_left, window_right = window or (-1, -1)
     mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic, window_left=window_left,
-                window_right=window_right)
+                window_right=window_right, softcap=bool(softcap))
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items, cfg, device)
     section = l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group)
     constexprs = kernel_constexprs(cfg, causal, write_lse, mode)
@@ -1061,8 +1082,10 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
 
 def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: float, causal: bool,
-                          cfg: ForwardConfig | None = None, window: tuple[int, int] | None = None) -> None:
-    """Launch the forward kernel's VARLEN mode on THD tensors.
+                          cfg: ForwardConfig | None = None, window: tuple[int, int] | None = None,
+                          softcap: float = 0.0) -> None:
+    """Launch the forward kernel's VARLEN mode on THD tensors (``window``
+    and ``softcap`` as in ``launch_forward``).
 
     Arguments are assumed validated (``checks.check_varlen_arguments``):
     q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` (TMA-addressable views),
@@ -1075,7 +1098,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     write_lse = lse is not None
     cfg = cfg or CONFIGS[head_dim]
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], cfg,
-                      seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window)
+                      seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q
@@ -1083,8 +1106,8 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     # o_part_ptr carries O itself (row-predicated stores, not a TMA box).
     ptrs = (lse if write_lse else out, used_k, out, out, out, out, cu_q, cu_k, used_q,
             _item_counter(q.device) if lp.mode.dynamic else out, out, out)  # (no page pools to gather)
-    scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], batch, softmax_scale * LOG2E,
-               softmax_scale, 1, lp.pair, 0, total_q, lp.section)
+    scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], batch,
+               *kernel_scales(softmax_scale, softcap), 1, lp.pair, 0, total_q, lp.section)
     q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out))
     # Triton specialises pointer arguments on 16-byte alignment: a cu_seqlens
     # view at an odd offset must not reuse a kernel compiled for aligned ones.

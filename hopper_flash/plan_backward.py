@@ -21,7 +21,7 @@ a plan's compiled kernels are launched without lookups.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -102,7 +102,7 @@ for _cfg in BACKWARD_CONFIGS.values():
 
 @lru_cache(maxsize=None)
 def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, varlen: bool = False,
-                      seqused_q: bool = False, seqused_k: bool = False, window=None) -> dict:
+                      seqused_q: bool = False, seqused_k: bool = False, window=None, softcap: bool = False) -> dict:
     """The constexpr arguments of ``attention_backward_kernel``."""
     # In the kernel's parameter order: the fast launch passes them positionally.
     return dict(
@@ -120,6 +120,7 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
         SEQUSED_K=bool(seqused_k),
         WINDOW_LEFT=window[0] if window else -1,
         WINDOW_RIGHT=window[1] if window else -1,
+        SOFTCAP=bool(softcap),
     )
 
 
@@ -269,14 +270,15 @@ def _aligned(t) -> bool:
     return t is None or t.data_ptr() % 16 == 0
 
 
-def _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window):
+def _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window,
+              softcap=0.0):
     """Everything a plan depends on: shapes; the strides the small kernels
     and the varlen dK/dV rows take; the flags; and the 16-byte alignment of
     every pointer argument that is not a fresh allocation (the compiled
     kernels are specialised on it). The descriptors' tensors are not in it:
     ``KernelLaunch`` caches their encodings by address, shape and strides."""
     key = (q.shape, k.shape, q.dtype, q.device.index, out.stride(), dout.stride(), dq.stride(), lse.stride(),
-           softmax_scale, causal, deterministic, cfg, window, _aligned(lse), _aligned(dq), _aligned(dk),
+           softmax_scale, causal, deterministic, cfg, window, softcap, _aligned(lse), _aligned(dq), _aligned(dk),
            _aligned(dv))
     if varlen is None:
         return key
@@ -287,19 +289,31 @@ def _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, determini
 
 
 def plan_for(dout, q, k, out, lse, dq, dk, dv, softmax_scale: float, causal: bool, deterministic: bool = False,
-             cfg: BackwardConfig | None = None, varlen: VarlenBatch | None = None, window=None) -> BackwardPlan:
+             cfg: BackwardConfig | None = None, varlen: VarlenBatch | None = None, window=None,
+             softcap: float = 0.0) -> BackwardPlan:
     """The plan of ``launch_backward``'s call with these arguments (cached)."""
-    key = _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window)
+    key = _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window,
+                    softcap)
     lp = _PLANS.get(key)
     if lp is None:
-        lp = _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministic, cfg, varlen, window)
+        lp = _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministic, cfg, varlen, window,
+                        softcap)
         if len(_PLANS) >= PLAN_CACHE_LIMIT:
             _PLANS.clear()
         _PLANS[key] = lp
     return lp
 
 
-def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministic, cfg, varlen, window):
+def softcap_config(cfg: BackwardConfig) -> BackwardConfig:
+    """The config a soft-capped backward runs: ``cfg``, but 64-query steps
+    where it takes 128 (D = 64): tanh needs the raw scores, so the per-query
+    statistics cannot ride in the score accumulators there
+    (``kernels/backward.py``, ``_p_and_ds``), and the capped scores stay
+    live over the dP wait."""
+    return replace(cfg, block_m=64) if cfg.block_m == 128 else cfg
+
+
+def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministic, cfg, varlen, window, softcap=0.0):
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -309,6 +323,8 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
         nheads_kv = k.shape[1]
         seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
     cfg = cfg or BACKWARD_CONFIGS[head_dim]
+    if softcap:
+        cfg = softcap_config(cfg)
     m_tiles = triton_cdiv(seqlen_q, cfg.block_m)
     if varlen is None:
         seqlen_q_rounded = m_tiles * cfg.block_m
@@ -337,10 +353,10 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
         stride_kv = (dk.stride(0), dk.stride(1))
     section = l2_section(seqlen_q, head_dim, q.element_size(), nheads // nheads_kv)
     scalars = (seqlen_q, seqlen_k, seqlen_q_rounded, nheads, nheads // nheads_kv, kv_tiles(seqlen_k, cfg), batch,
-               section, softmax_scale * LOG2E, softmax_scale)
+               section, (softcap if softcap else softmax_scale) * LOG2E, softmax_scale)
     constexprs = kernel_constexprs(cfg, causal, deterministic, varlen is not None,
                                    varlen is not None and varlen.seqused_q is not None,
-                                   varlen is not None and varlen.seqused_k is not None, window)
+                                   varlen is not None and varlen.seqused_k is not None, window, softcap > 0)
     key = (q.device.index, q.dtype, bool(causal), bool(deterministic), cfg, tuple(constexprs.values()))
     return BackwardPlan(cfg, rows, sem_shape, (ctas, 1, 1), (*stride_kv, *scalars, *constexprs.values()),
                         constexprs, key, preprocess_launch(out, dout, lse, seqlen_q_rounded, cfg.block_m, small),
@@ -349,14 +365,16 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
 
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
                     deterministic: bool = False, cfg: BackwardConfig | None = None,
-                    varlen: VarlenBatch | None = None, window: tuple[int, int] | None = None) -> None:
+                    varlen: VarlenBatch | None = None, window: tuple[int, int] | None = None,
+                    softcap: float = 0.0) -> None:
     """Compute dq, dk, dv (written in place; any TMA-addressable BSHD views).
 
     Arguments are assumed validated: BSHD, same dtype, supported head dim,
     ``lse`` the forward's fp32 ``[B, H, Sq]`` (contiguous), non-empty, and
     q's device current.
 
-    ``window``: the forward's sliding window (``checks.window_bounds``), or None.
+    ``window``: the forward's sliding window (``checks.window_bounds``), or None;
+    ``softcap``: the forward's logit soft-capping (0.0: none).
 
     With ``varlen``: THD ``[total, H, D]`` tensors, ``lse`` ``[H, total_q]``
     (contiguous); rows of dq/dk/dv outside every sequence's live part are
@@ -376,7 +394,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     three compiled kernels are known, its calls launch them without the
     lookups (``BackwardPlan.compiled``).
     """
-    lp = plan_for(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window)
+    lp = plan_for(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window,
+                  softcap)
     dev = q.device
     # One allocation: dq_accum [rows, D] (zeroed by the preprocess), then Δ and L2.
     ws = torch.empty(lp.workspace_elems, dtype=torch.float32, device=dev)
@@ -592,7 +611,7 @@ def _gradients(q, k, v, grads, alloc):
 
 
 def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, deterministic: bool = False,
-             grads=None, window=None):
+             grads=None, window=None, softcap: float = 0.0):
     """dq, dk, dv (contiguous BSHD, like q, k, v) of the attention that
     produced ``out`` and ``lse`` from ``q, k, v`` (already validated by the
     forward). ``grad_out`` is checked here (see ``check_grad_out``).
@@ -615,7 +634,7 @@ def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, de
         return dq, dk, dv
     with plan.on_device(q):
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
-                        window=window)
+                        window=window, softcap=softcap)
     return dq, dk, dv
 
 
@@ -653,7 +672,7 @@ def check_grad_out_thd(grad_out, out: torch.Tensor) -> torch.Tensor:
 
 
 def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_scale: float, causal: bool,
-                    deterministic: bool = False, grads=None, window=None):
+                    deterministic: bool = False, grads=None, window=None, softcap: float = 0.0):
     """dq, dk, dv (contiguous THD, like q, k, v) of a varlen forward; rows
     outside every sequence's live part get zero gradients. ``grads``:
     ``(dq, dk, dv)`` to write instead, of any content (dk and dv with equal
@@ -671,5 +690,5 @@ def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_sc
     with plan.on_device(q):  # (zero_tail launches a kernel: on q's device too)
         _zero_unwritten(dq, dk, dv, varlen)
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
-                        varlen=varlen, window=window)
+                        varlen=varlen, window=window, softcap=softcap)
     return dq, dk, dv

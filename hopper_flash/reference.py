@@ -121,8 +121,12 @@ def attention_reference(
     dtype: torch.dtype = torch.float64,
     rows=None,
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(scale * q k^T + mask) v`` and its LSE.
+
+    ``softcap`` (> 0): logit soft-capping, each scaled score ``x`` replaced
+    by ``softcap * tanh(x / softcap)`` before the mask (flash-attn's).
 
     ``window``: a sliding window ``(left, right)`` (flash-attn's
     ``window_size``, -1 = no bound on that side): row ``r`` sees keys
@@ -169,6 +173,8 @@ def attention_reference(
         for r0 in range(0, n_rows, rows_per_chunk):
             r = row_idx[r0:r0 + rows_per_chunk]
             s = (qh[b[:, None], h[:, None], r[None, :]].to(dtype) @ kc.transpose(-1, -2)) * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
             _mask_scores(s, r, cols, seqlen_q, seqlen_k, causal, window)
             row_lse = torch.logsumexp(s, dim=-1)  # -inf for rows with no visible key
             # exp(-inf - 0) = 0 keeps empty rows at 0 instead of exp(-inf + inf) = NaN.
@@ -188,9 +194,13 @@ def attention_baseline(
     rows=None,
     cudnn: bool = True,
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The same attention from PyTorch, in q's dtype: the error a judged value
     is allowed (a multiple of) is this one's.
+
+    With ``softcap`` (which SDPA does not express): :func:`softcap_eager`,
+    the bf16/fp16 PyTorch path of transformers' eager Gemma 2 attention.
 
     SDPA's cuDNN backend where it expresses the problem (CUDA, one kv head per
     q head, causal only with equal lengths); else SDPA restricted to the
@@ -202,6 +212,9 @@ def attention_baseline(
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+    if softcap:
+        out = softcap_eager(q, k, v, causal=causal, softmax_scale=softmax_scale, softcap=softcap, window=window)
+        return out if rows is None else out[:, _row_index(rows, q.shape[1], q.device)]
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
     scale = _scale(softmax_scale, headdim)
     group = nheads // nheads_kv
@@ -236,6 +249,67 @@ def attention_baseline(
     if mask is not None:
         out = torch.where(mask.any(dim=1)[None, :, None, None], out, 0.0)
     return out
+
+
+def softcap_eager(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, softcap: float,
+                  window: tuple[int, int] | None = None) -> torch.Tensor:
+    """Soft-capped attention as transformers' eager Gemma 2 layer computes it,
+    in q's dtype (differentiable): the scores ``q k^T * scale`` rounded to
+    that dtype, capped there (``softcap * tanh(s / softcap)``), masked, a
+    float32 softmax rounded back, then ``p v``. Rows that see no key give
+    0. The baseline whose error a soft-capped kernel is judged against."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
+    scale = _scale(softmax_scale, headdim)
+    group = nheads // nheads_kv
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    s = softcap * torch.tanh(s / softcap)
+    rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+    if window is not None:
+        visible &= window_visible(rows, cols, seqlen_q, seqlen_k, window)
+    s = s.masked_fill(~visible, -math.inf)
+    p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+    return (p @ vt).transpose(1, 2)
+
+
+def softcap_eager_grads(q, k, v, dout, *, causal: bool = False, softmax_scale: float | None = None,
+                        softcap: float, window: tuple[int, int] | None = None):
+    """``(dq, dk, dv)`` of :func:`softcap_eager` computed as a flash-style
+    backward does it in q's dtype (the baseline for soft-capped gradients):
+    products of 16-bit operands, P and dS in float32, ``Δ = rowsum(dO ⊙ O)``
+    from the rounded output O, dS rounded before its products. Autograd
+    through ``softcap_eager`` would take Δ from P and dP instead and so
+    escape the cancellation every flash backward (and cuDNN's) has in rows
+    whose weight sits on one key: a baseline that no such kernel can match
+    there."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
+    scale = _scale(softmax_scale, headdim)
+    group = nheads // nheads_kv
+    dt = q.dtype
+    qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, dout))
+    kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    t = torch.tanh(s / softcap)
+    rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+    if window is not None:
+        visible &= window_visible(rows, cols, seqlen_q, seqlen_k, window)
+    z = (softcap * t).float().masked_fill(~visible, -math.inf)
+    p = torch.softmax(z, dim=-1).nan_to_num(0.0)
+    o = p.to(dt) @ vt
+    dp = (dot @ vt.transpose(-1, -2)).float()
+    delta = (dot.float() * o.float()).sum(-1, keepdim=True)
+    ds = (p * (dp - delta) * (1 - t.float() ** 2)).to(dt)
+    dq = (ds @ kt).float() * scale
+    dk = ((ds.transpose(-1, -2) @ qt).float() * scale).unflatten(1, (nheads_kv, group)).sum(2)
+    dv = (p.to(dt).transpose(-1, -2) @ dot).float().unflatten(1, (nheads_kv, group)).sum(2)
+    return tuple(x.transpose(1, 2).to(dt) for x in (dq, dk, dv))
 
 
 def _mask_scores(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,
@@ -286,6 +360,7 @@ def attention_reference_grads(
     rows=None,
     key_rows=None,
     window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact float64 ``(dq, dk, dv)`` (BSHD, shaped like q, k, v) of
     :func:`attention_reference`'s output for the output gradient ``dout``
@@ -310,12 +385,15 @@ def attention_reference_grads(
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
     if rows is not None or key_rows is not None:
+        if softcap:
+            raise NotImplementedError("sampled reference gradients with softcap")
         return _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_rows, window)
     f64 = torch.float64
     scale = _scale(softmax_scale, headdim)
     group = nheads // nheads_kv
     device = q.device
-    _, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
+    _, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                 softcap=softcap)
     qh, kh, vh, doh = (x.transpose(1, 2) for x in (q, k, v, dout))
     dq = torch.zeros(batch, nheads, seqlen_q, headdim, dtype=f64, device=device)
     dk = torch.zeros(batch, nheads_kv, seqlen_k, headdim, dtype=f64, device=device)
@@ -334,10 +412,15 @@ def attention_reference_grads(
             idx = (b[:, None], h[:, None], r[None, :])
             qc, doc, row_lse = qh[idx].to(f64), doh[idx].to(f64), lse[idx]
             s = (qc @ kc.transpose(-1, -2)) * scale
+            if softcap:
+                t = torch.tanh(s / softcap)
+                s = softcap * t
             _mask_scores(s, r, cols, seqlen_q, seqlen_k, causal, window)
             p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
             dvc += p.transpose(-1, -2) @ doc
             ds = _ds(p, doc @ vc.transpose(-1, -2))
+            if softcap:
+                ds = ds * (1 - t * t)  # d(cap tanh(x / cap))/dx
             dq[idx] = (ds @ kc) * scale
             dkc += (ds.transpose(-1, -2) @ qc) * scale
         dk.index_put_((b, h // group), dkc, accumulate=True)
@@ -416,7 +499,8 @@ def _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_row
 
 
 def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_scale: float | None = None,
-                             rows=None, key_rows=None, window: tuple[int, int] | None = None):
+                             rows=None, key_rows=None, window: tuple[int, int] | None = None,
+                             softcap: float = 0.0):
     """``(dq, dk, dv)`` of :func:`attention_baseline` (SDPA's backward on the
     same bf16/fp16 inputs), in the inputs' dtype: the baseline for judging a
     backward kernel's gradients. ``rows`` / ``key_rows`` select dq rows and
@@ -436,6 +520,15 @@ def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_sca
     _, seqlen_q, seqlen_k, _, _, _ = _check_inputs(q, k, v)
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    if softcap:
+        dq, dk, dv = softcap_eager_grads(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
+                                         window=window)
+        if rows is not None:
+            dq = dq[:, _row_index(rows, seqlen_q, q.device)]
+        if key_rows is not None:
+            key_idx = _row_index(key_rows, seqlen_k, q.device)
+            dk, dv = dk[:, key_idx], dv[:, key_idx]
+        return dq, dk, dv
     blind = seqlen_q - seqlen_k if causal and seqlen_q > seqlen_k else 0
     if window is not None and window[1] >= 0:
         blind = max(blind, seqlen_q - seqlen_k - window[1])
@@ -444,7 +537,7 @@ def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_sca
 
     def fn(use_cudnn):
         return lambda q, k, v: attention_baseline(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                                  cudnn=use_cudnn, window=window)
+                                                  cudnn=use_cudnn, window=window, softcap=softcap)
 
     try:
         grads = _grads(fn(True), q[:, blind:], k, v, dout[:, blind:])
@@ -699,13 +792,16 @@ def assert_judged(name: str, value: torch.Tensor, reference: torch.Tensor, basel
 
 def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                     softmax_scale: float | None = None, lse: torch.Tensor | None = None,
-                    name: str = "out", window: tuple[int, int] | None = None) -> list[Verdict]:
+                    name: str = "out", window: tuple[int, int] | None = None,
+                    softcap: float = 0.0) -> list[Verdict]:
     """Verdicts on a forward's ``out`` (and ``lse``, when given) for the
     problem ``(q, k, v, causal, softmax_scale)``: :func:`judge` against the
     float64 reference and :func:`attention_baseline`, :func:`judge_lse` with
     :func:`score_scale`. ``all(verdicts)`` is the pass."""
-    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
-    baseline = attention_baseline(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                       softcap=softcap)
+    baseline = attention_baseline(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                  softcap=softcap)
     verdicts = [judge(name, out, ref, baseline)]
     if lse is not None:
         if lse.dtype != torch.float32 or lse.shape != ref_lse.shape:
@@ -719,7 +815,8 @@ def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
 def check_kvcache(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens, *,
                   causal: bool, rows=None, softmax_scale: float | None = None,
-                  lse: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> list[Verdict]:
+                  lse: torch.Tensor | None = None, window: tuple[int, int] | None = None,
+                  softcap: float = 0.0) -> list[Verdict]:
     """Verdicts on a KV-cache attention's ``out`` ``[B, Sq, H, D]`` (and its
     ``lse``): batch row ``b`` attends to the first ``lens[b]`` keys of cache
     row ``rows[b]`` (default ``b``) of a contiguous ``[B_cache, S_cache, Hkv,
@@ -738,7 +835,7 @@ def check_kvcache(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
             continue
         verdicts += check_attention(out[b:b + 1], q[b:b + 1], k_cache[r:r + 1, :length], v_cache[r:r + 1, :length],
                                     causal=causal, softmax_scale=softmax_scale, lse=row_lse, name=name,
-                                    window=window)
+                                    window=window, softcap=softcap)
     return verdicts
 
 
@@ -757,7 +854,7 @@ def grads_abs_tol(reference_grads, dtype: torch.dtype) -> float:
 def check_attention_grads(grads, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
                           causal: bool, softmax_scale: float | None = None, rows=None, key_rows=None,
                           names: tuple[str, str, str] = GRAD_NAMES,
-                          window: tuple[int, int] | None = None) -> list[Verdict]:
+                          window: tuple[int, int] | None = None, softcap: float = 0.0) -> list[Verdict]:
     """Verdicts on a backward's ``grads = (dq, dk, dv)`` (full BSHD tensors,
     shaped like q, k, v) for the problem and the output gradient ``dout``:
     each :func:`judge`'d against :func:`attention_reference_grads` relative
@@ -768,9 +865,9 @@ def check_attention_grads(grads, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     non-finite element anywhere (sampled or not) fails. ``all(verdicts)``
     is the pass."""
     ref = attention_reference_grads(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, rows=rows,
-                                    key_rows=key_rows, window=window)
+                                    key_rows=key_rows, window=window, softcap=softcap)
     base = attention_baseline_grads(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, rows=rows,
-                                    key_rows=key_rows, window=window)
+                                    key_rows=key_rows, window=window, softcap=softcap)
     return judge_grads(grads, ref, base, shapes=(q.shape, k.shape, v.shape), rows=rows, key_rows=key_rows,
                        abs_tol=grads_abs_tol(ref, q.dtype), names=names)
 
@@ -920,21 +1017,21 @@ def varlen_apply(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seq
 
 
 def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seqused_k=None, causal=False,
-                     softmax_scale=None, window=None):
+                     softmax_scale=None, window=None, softcap=0.0):
     """float64 ``(out [total_q, H, D], lse [H, total_q])`` of a varlen batch:
     :func:`attention_reference` per sequence (bottom-right causal per
     sequence), zeros and -inf outside the live rows."""
     return varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=causal, softmax_scale=softmax_scale,
-                                                            window=window),
+                                                            window=window, softcap=softcap),
                         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
                         out_dtype=torch.float64, with_lse=True)
 
 
 def varlen_baseline(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seqused_k=None, causal=False,
-                    softmax_scale=None, window=None):
+                    softmax_scale=None, window=None, softcap=0.0):
     """:func:`attention_baseline` per sequence (q's dtype), zeros outside."""
     return varlen_apply(lambda a, b, c: attention_baseline(a, b, c, causal=causal, softmax_scale=softmax_scale,
-                                                           window=window),
+                                                           window=window, softcap=softcap),
                         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k)
 
 

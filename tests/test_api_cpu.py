@@ -465,7 +465,6 @@ def test_flash_attn_options_at_their_no_op_values_pass():
 
 @pytest.mark.parametrize("option, value, message", [
     ("dropout_p", 0.1, r"dropout_p must be 0\.0 \(hopper_flash has no dropout\), got 0\.1"),
-    ("softcap", 30.0, r"softcap must be 0\.0 \(logit soft-capping is not supported\), got 30\.0"),
     ("alibi_slopes", torch.ones(H), r"alibi_slopes must be None \(ALiBi is not supported\)"),
     ("return_attn_probs", True, r"return_attn_probs must be False .* use return_lse=True"),
 ])
@@ -473,6 +472,33 @@ def test_flash_attn_options_refused_by_name(option, value, message):
     q, k, v = qkv()
     with pytest.raises(NotImplementedError, match=message):
         flash_attn_func(q, k, v, **{option: value})
+
+
+@pytest.mark.parametrize("softcap, error, message", [
+    (-1.0, ValueError, r"softcap must be finite and >= 0 \(0\.0 for none\), got -1\.0"),
+    (float("inf"), ValueError, r"softcap must be finite and >= 0"),
+    (float("nan"), ValueError, r"softcap must be finite and >= 0"),
+    (True, TypeError, r"softcap must be a real number \(0\.0 for none\), got bool"),
+    ("30", TypeError, r"softcap must be a real number"),
+    (torch.tensor(30.0), TypeError, r"softcap must be a real number"),
+])
+def test_bad_softcap_is_refused_by_name(softcap, error, message):
+    q, k, v = qkv()
+    with pytest.raises(error, match=message):
+        flash_attn_func(q, k, v, softcap=softcap)
+    q.requires_grad_()  # the autograd path checks it too, before the device
+    with pytest.raises(error, match=message):
+        flash_attn_func(q, k, v, softcap=softcap)
+
+
+@pytest.mark.parametrize("softcap", [30.0, 50, 0.5])
+def test_a_softcap_is_accepted_and_reaches_the_device_check(softcap):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=DEVICE_ERROR):
+        flash_attn_func(q, k, v, causal=True, softcap=softcap)
+    q.requires_grad_()
+    with pytest.raises(ValueError, match=DEVICE_ERROR):
+        flash_attn_func(q, k, v, causal=True, softcap=softcap)
 
 
 @pytest.mark.parametrize("window_size, error, message", [
@@ -505,12 +531,13 @@ def test_a_window_under_autograd_goes_on_to_the_device_check():
             flash_attn_func(q, k, v, causal=True, window_size=(16, 0))
 
 
-def test_the_ops_take_a_window():
+def test_the_ops_take_a_window_and_a_softcap():
+    import hopper_flash.kvcache as kvcache
     import hopper_flash.ops as ops
 
-    for op in (ops.fwd, ops.bwd, ops.varlen_fwd, ops.varlen_bwd):
+    for op in (ops.fwd, ops.bwd, ops.varlen_fwd, ops.varlen_bwd, kvcache.fwd_kvcache):
         names = [a.name for a in op._opoverload._schema.arguments]
-        assert names[-2:] == ["window_left", "window_right"], names
+        assert names[-3:] == ["window_left", "window_right", "softcap"], names
 
 
 def test_window_bounds_fold_causal_and_unbounded_sides():

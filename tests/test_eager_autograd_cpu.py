@@ -28,12 +28,14 @@ def calls(monkeypatch):
     log of (name, args) they were called with."""
     log = []
 
-    def forward(q, k, v, scale, causal, return_lse, window=None):
-        log.append(("forward", scale, causal, return_lse) + ((window,) if window else ()))
+    def forward(q, k, v, scale, causal, return_lse, window=None, softcap=0.0):
+        log.append(("forward", scale, causal, return_lse) + ((window,) if window else ())
+                   + ((("softcap", softcap),) if softcap else ()))
         return math_attention(q, k, v, scale, causal)
 
-    def backward(grad_out, q, k, v, out, lse, scale, causal, deterministic, window=None):
-        log.append(("backward", scale, causal, deterministic) + ((window,) if window else ()))
+    def backward(grad_out, q, k, v, out, lse, scale, causal, deterministic, window=None, softcap=0.0):
+        log.append(("backward", scale, causal, deterministic) + ((window,) if window else ())
+                   + ((("softcap", softcap),) if softcap else ()))
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in (q, k, v)]
             o, _ = math_attention(*leaves, scale, causal)
@@ -94,15 +96,18 @@ def test_flash_attn_func_routes_plain_eager_autograd_past_the_op(calls, monkeypa
 def test_eager_varlen_attention_passes_its_arguments(monkeypatch):
     seen = {}
 
-    def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse, window=None):
+    def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse, window=None,
+                       softcap=0.0):
         seen["forward"] = (max_q, max_k, used_q, used_k, scale, causal, return_lse)
         seen["forward window"] = window
+        seen["forward softcap"] = softcap
         return q * 2, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
 
     def bwd_impl(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, det,
-                 window=None):
+                 window=None, softcap=0.0):
         seen["backward"] = (cu_q.tolist(), used_q, used_k, max_q, max_k, scale, causal, det)
         seen["backward window"] = window
+        seen["backward softcap"] = softcap
         return grad_out * 2, torch.zeros_like(k), torch.zeros_like(v)
 
     monkeypatch.setattr(dispatch, "forward_varlen_validated", forward_varlen)
@@ -119,6 +124,10 @@ def test_eager_varlen_attention_passes_its_arguments(monkeypatch):
     out, _ = ops.EagerVarlenAttention.apply(q, k, v, cu, cu, None, None, 4, 4, 0.5, True, False, (9, 0))
     torch.autograd.grad(out.sum(), (q,))
     assert seen["forward window"] == (9, 0) and seen["backward window"] == (9, 0)
+    assert seen["forward softcap"] == 0.0 and seen["backward softcap"] == 0.0
+    out, _ = ops.EagerVarlenAttention.apply(q, k, v, cu, cu, None, None, 4, 4, 0.5, True, False, None, 30.0)
+    torch.autograd.grad(out.sum(), (q,))
+    assert seen["forward softcap"] == 30.0 and seen["backward softcap"] == 30.0
 
 
 def test_eager_attention_passes_the_window_to_forward_and_backward(calls):
@@ -126,6 +135,14 @@ def test_eager_attention_passes_the_window_to_forward_and_backward(calls):
     out, _ = ops.EagerAttention.apply(q, k, v, 0.3, True, False, (7, 0))
     torch.autograd.grad(out.sum(), (q, k, v))
     assert calls == [("forward", 0.3, True, True, (7, 0)), ("backward", 0.3, True, False, (7, 0))]
+
+
+def test_eager_attention_passes_the_softcap_to_forward_and_backward(calls):
+    q, k, v = inputs()
+    out, _ = ops.EagerAttention.apply(q, k, v, 0.3, True, False, None, 50.0)
+    torch.autograd.grad(out.sum(), (q, k, v))
+    assert calls == [("forward", 0.3, True, True, ("softcap", 50.0)),
+                     ("backward", 0.3, True, False, ("softcap", 50.0))]
 
 
 def test_plain_eager_predicate():

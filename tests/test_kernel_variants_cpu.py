@@ -25,5 +25,19 @@ def test_variant_applies_and_changes_the_kernel(patch, tmp_path):
         variant = (tmp_path / "hopper_flash" / "kernels" / shipped_file.name).read_text()
         if variant != shipped_file.read_text():
             changed.append(shipped_file.name)
-            compile(variant, str(patch), "exec")
     assert changed, "the patch changed no kernel source"
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.stem)
+def test_variant_is_valid_python(patch, tmp_path):
+    # Every file the patch touches, host planning included: fwd-split-merge's
+    # plan.py part stayed a syntax error for sessions while only its kernel
+    # was checked.
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_variant.py"), patch.stem, str(tmp_path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for variant_file in sorted((tmp_path / "hopper_flash").rglob("*.py")):
+        shipped = ROOT / variant_file.relative_to(tmp_path)
+        source = variant_file.read_text()
+        if not shipped.exists() or source != shipped.read_text():
+            compile(source, str(variant_file), "exec")

@@ -230,9 +230,10 @@ def eager(monkeypatch):
     monkeypatch.setattr(checks, "check_arguments", lambda q, k, v, scale, causal: scale)
     monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
     monkeypatch.setattr(dispatch, "forward_validated",
-                        lambda q, k, v, scale, causal, lse, window=None: math_attention(q, k, v, scale, causal))
+                        lambda q, k, v, scale, causal, lse, window=None, softcap=0.0: math_attention(q, k, v, scale,
+                                                                                                     causal))
 
-    def backward(grad_out, q, k, v, out, lse, scale, causal, deterministic, grads=None, window=None):
+    def backward(grad_out, q, k, v, out, lse, scale, causal, deterministic, grads=None, window=None, softcap=0.0):
         assert grads is not None, "the packed path hands its gradient views in"
         handed.append(grads)
         with torch.enable_grad():
@@ -287,13 +288,14 @@ def test_varlen_packed_backward_hands_its_views_and_the_metadata(monkeypatch, wi
     monkeypatch.setattr(checks, "check_varlen_arguments",
                         lambda q, k, v, cq, ck, mq, mk, uq, uk, scale, causal: (scale, mq, mk))
 
-    def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse, window=None):
+    def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse, window=None,
+                       softcap=0.0):
         seen["forward"] = (cu_q is cu_k, max_q, max_k, used_q is used_k, scale, causal)
         seen["windows"] = [window]
         return q * 2, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
 
     def backward_varlen(grad_out, q, k, v, out, lse, varlen, scale, causal, deterministic, grads=None,
-                        window=None):
+                        window=None, softcap=0.0):
         seen["windows"].append(window)
         seen["batch"] = (varlen.max_seqlen_q, varlen.max_seqlen_k, varlen.batch, deterministic)
         grads[0].copy_(grad_out * 2)

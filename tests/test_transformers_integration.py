@@ -60,10 +60,12 @@ def fake_kernel(monkeypatch):
     """Replace hopper_flash.flash_attn_func by the float64 reference; record the calls."""
     calls = []
 
-    def fake(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, window_size=(-1, -1)):
-        calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, window_size=window_size))
+    def fake(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, window_size=(-1, -1), softcap=0.0):
+        calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                          softcap=softcap))
         window = window_bounds(window_size, causal)
-        out, _ = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window)
+        out, _ = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
+                                     softcap=softcap)
         return out.to(q.dtype)
 
     monkeypatch.setattr(hopper_flash, "flash_attn_func", fake)
@@ -411,7 +413,7 @@ def test_half_of_the_packed_kwargs_raises():
         hft.hopper_flash_attention_forward(_Module(), q, k, v, None, cu_seq_lens_q=torch.tensor([0, 8, 16]))
 
 
-@pytest.mark.parametrize("kwarg,value", [("softcap", 30.0), ("s_aux", torch.zeros(4)),
+@pytest.mark.parametrize("kwarg,value", [("s_aux", torch.zeros(4)),
                                          ("cu_seqlens", torch.tensor([0, 8, 16]))])
 def test_unsupported_features_raise(kwarg, value):
     q, k, v = _qkv()
@@ -446,6 +448,21 @@ def test_call_contract_views_gqa_scale(fake_kernel):
     assert call["q"].data_ptr() == q.data_ptr() and call["k"].data_ptr() == k.data_ptr()
     assert call["q"].stride() == q.transpose(1, 2).stride()
     assert out.shape == (2, 16, 4, 128)  # [batch, seq, heads, head_dim]
+
+
+def test_softcap_reaches_the_call(fake_kernel):
+    """Gemma 2's layers pass softcap=attn_logit_softcapping: it becomes flash-attn's softcap (None: 0.0)."""
+    q, k, v = _qkv(seqlen_q=16, seqlen_k=16)
+    out, _ = hft.hopper_flash_attention_forward(_Module(), q, k, v, None, scaling=0.125, softcap=50.0)
+    hft.hopper_flash_attention_forward(_Module(), q, k, v, None, scaling=0.125, softcap=None)
+    assert [c["softcap"] for c in fake_kernel] == [50.0, 0.0]
+    s = (q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.125
+    s = 50.0 * torch.tanh(s / 50.0)
+    s = s.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    expected = (s.softmax(-1) @ v.double().repeat_interleave(2, dim=1)).transpose(1, 2)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
+    with pytest.raises(ValueError, match="softcap must be finite and >= 0"):
+        hft.hopper_flash_attention_forward(_Module(), q, k, v, None, softcap=-1.0)
 
 
 @pytest.mark.parametrize("module_causal,kwarg_causal,expected", [

@@ -161,7 +161,7 @@ def test_tensor_checks_shared_with_the_fixed_length_path():
         call(q, k, v, cq, ck, softmax_scale=-1.0)
 
 
-@pytest.mark.parametrize("kw", [dict(dropout_p=0.1), dict(softcap=1.0),
+@pytest.mark.parametrize("kw", [dict(dropout_p=0.1),
                                 dict(return_attn_probs=True), dict(block_table=torch.zeros(1))])
 def test_flash_attn_options_refused_by_name(kw):
     with pytest.raises(NotImplementedError, match=list(kw)[0]):
@@ -177,6 +177,13 @@ def test_a_window_is_checked_then_reaches_the_device_check():
     q.requires_grad_()
     with pytest.raises(ValueError, match=DEVICE_ERROR):
         call(q, k, v, cq, ck, causal=True, window_size=(4, 0))
+
+
+def test_a_softcap_is_checked_then_reaches_the_device_check():
+    with pytest.raises(ValueError, match="softcap must be finite and >= 0"):
+        call(*problem(), softcap=-2.0)
+    with pytest.raises(ValueError, match=DEVICE_ERROR):
+        call(*problem(), causal=True, softcap=30.0)
 
 
 def test_flash_attn_no_op_options_accepted():

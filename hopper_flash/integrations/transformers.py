@@ -60,8 +60,10 @@ The backend computes exactly what SDPA computes, or raises:
   the window, as transformers' own FlashAttention path sets it (with the
   causal mask: a query sees itself and the ``w - 1`` keys before it),
   forward and backward, eager or compiled;
-* dropout > 0, logit soft-capping, attention sinks and position biases
-  raise ``NotImplementedError``;
+* a layer's ``softcap`` (Gemma 2's ``attn_logit_softcapping``) becomes
+  flash-attn's ``softcap``, forward and backward;
+* dropout > 0, attention sinks and position biases raise
+  ``NotImplementedError``;
 * ``query``/``key``/``value`` arrive as ``[batch, heads, seq, head_dim]`` and
   are handed to :func:`hopper_flash.flash_attn_func` as BSHD views
   (``.transpose(1, 2)``, no copy); k/v keep their own number of heads (GQA is
@@ -92,7 +94,6 @@ _PADDING_MESSAGE = (
 # Keyword arguments of transformers' attention calls that change the result and
 # that the hopper_flash kernel cannot honour: present and not None -> raise.
 _UNSUPPORTED_KWARGS = {
-    "softcap": "logit soft-capping",
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
     "position_bias": "an additive position bias",
@@ -193,6 +194,7 @@ def hopper_flash_attention_forward(
     scaling: float | None = None,
     is_causal: bool | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers ``AttentionInterface`` function backed by :func:`hopper_flash.flash_attn_func`.
@@ -225,10 +227,12 @@ def hopper_flash_attention_forward(
     if packed is None and attention_mask is None and seqlen_q == seqlen_k:
         packed = _packed_from_position_ids(kwargs.get("position_ids"), query, key)
     window_size = (-1, -1) if sliding_window is None else _window_size(sliding_window, seqlen_k)
+    softcap = 0.0 if softcap is None else checks.check_softcap(softcap)
     if packed is not None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
         if packed is not None:
-            return _run_packed(query, key, value, packed, bool(is_causal), scaling, window_size), None
-        return _run_padded(query, key, value, attention_mask, bool(is_causal), scaling, window_size), None
+            return _run_packed(query, key, value, packed, bool(is_causal), scaling, window_size, softcap), None
+        return _run_padded(query, key, value, attention_mask, bool(is_causal), scaling, window_size,
+                           softcap), None
 
     mask_causal = None
     if attention_mask is not None:
@@ -252,13 +256,14 @@ def hopper_flash_attention_forward(
         # does for CUDA tensors on their first direct launch; its option
         # checks are for values this call never passes. Host time per layer.
         window = None if window_size == (-1, -1) else checks.window_bounds(window_size, causal)
-        out, _ = dispatch.prepared_forward(q, k, v, scaling, causal, False, window)
+        out, _ = dispatch.prepared_forward(q, k, v, scaling, causal, False, window, softcap)
         if out is not None:
             return out, None
 
     import hopper_flash  # attribute looked up per call: the public entry point
 
-    return hopper_flash.flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window_size), None
+    return hopper_flash.flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window_size,
+                                        softcap=softcap), None
 
 
 def _window_size(sliding_window, seqlen_k: int) -> tuple[int, int]:
@@ -285,7 +290,7 @@ def _thd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
-def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1)):
+def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1), softcap=0.0):
     """A padded batch as one varlen call, with no host sync (see the module docstring)."""
     import hopper_flash
 
@@ -313,7 +318,7 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
         used_q = None
     out = hopper_flash.flash_attn_varlen_func(
         _thd(query), _thd(key), _thd(value), cu_q, cu_k, seqlen_q, seqlen_k, seqused_q=used_q, seqused_k=lens_k,
-        softmax_scale=scaling, causal=is_causal and seqlen_q > 1, window_size=window_size)
+        softmax_scale=scaling, causal=is_causal and seqlen_q > 1, window_size=window_size, softcap=softcap)
     return out.view(batch, seqlen_q, nheads, head_dim)
 
 
@@ -365,14 +370,14 @@ def _packed_from_position_ids(position_ids, query, key):
     return result
 
 
-def _run_packed(query, key, value, packed, is_causal, scaling, window_size=(-1, -1)):
+def _run_packed(query, key, value, packed, is_causal, scaling, window_size=(-1, -1), softcap=0.0):
     import hopper_flash
 
     batch, nheads, seqlen_q, head_dim = query.shape
     cu_q, cu_k, max_q, max_k = packed
     out = hopper_flash.flash_attn_varlen_func(
         _thd(query), _thd(key), _thd(value), cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=is_causal,
-        window_size=window_size)
+        window_size=window_size, softcap=softcap)
     return out.view(batch, seqlen_q, nheads, head_dim)
 
 

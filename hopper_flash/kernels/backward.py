@@ -13,6 +13,10 @@ saved LSE rather than by rerunning the forward. Then
 The scale never multiplies S or dS: it is in ``c``, in dK once after the
 loop, and in dQ in the postprocess (``backward_pre.py``).
 
+Logit soft-capping (``SOFTCAP``, kernels/softmax.py): S becomes
+``T = tanh(S · scale/cap)`` before the mask, ``c = cap·log2(e)``, and dS
+gains the factor ``1 − T²`` (``softcap_grad``); dK and dQ keep ``scale``.
+
 One CTA owns one tile of ``BLOCK_N`` keys of one KV head and walks the
 query tiles that see those keys, for every query head that shares the KV
 head (GQA/MQA: the group's dK and dV sums stay in registers, with no fp32
@@ -84,6 +88,7 @@ from .compat import aggregate, init_fields, thread_barrier, tma_atomic_add, tma_
 from .scheduler import section_coords
 from .mask import apply_mask_keys_by_queries, tile_needs_mask
 from .pipeline import release, release_each, ring_slot, wait_empty, wait_full
+from .softmax import LOG2E, softcap, softcap_grad
 
 
 # The consumer partition: two warpgroups (each arrives on the Q/dO empty
@@ -296,10 +301,11 @@ class BwdMode:
     SPLIT_D: gl.constexpr  # D = 256: the warpgroups split the head dim, not the keys
     WINDOW_LEFT: gl.constexpr  # a sliding window (mask.py); -1: no bound on that side
     WINDOW_RIGHT: gl.constexpr
+    SOFTCAP: gl.constexpr  # logit soft-capping (module docstring)
 
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D,
-                 WINDOW_LEFT, WINDOW_RIGHT):
+                 WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP):
         init_fields(self, locals(), constexpr=True)
 
 
@@ -324,7 +330,7 @@ class BwdProblem:
     stride_kv_head: gl.tensor
     seqlen_q_rounded: gl.tensor  # rows per head of the padded fp32 buffers
     kv_group: gl.tensor  # query heads per KV head
-    qk_scale: gl.tensor  # softmax_scale · log2(e)
+    qk_scale: gl.tensor  # softmax_scale · log2(e); SOFTCAP: cap · log2(e)
     softmax_scale: gl.tensor
 
     @gluon.constexpr_function
@@ -404,12 +410,14 @@ def _wait_kv(k_t, v_t, rings: BwdRings, tile: KvTile, mode: BwdMode, NUM_WARPS: 
                 thread_barrier()
 
 @gluon.jit
-def _p_and_ds(k_t, v_t, rings: BwdRings, tile: KvTile, step, q_slot, do_slot, m, qk_scale, st_zero, mode: BwdMode,
-              NUM_WARPS: gl.constexpr):
+def _p_and_ds(k_t, v_t, rings: BwdRings, tile: KvTile, step, q_slot, do_slot, m, qk_scale, tanh_scale, st_zero,
+              mode: BwdMode, NUM_WARPS: gl.constexpr):
     """A step's first half, the same for both consumers: wait for Q and dO,
     Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (in ``st_zero``'s layout), then Pᵀ (fp32,
     masked) and dSᵀ = Pᵀ ⊙ (dPᵀ − Δ) from fp32 P before any rounding.
-    Returns ``(q_t, do_t, pt, dst)``.
+    Returns ``(q_t, do_t, pt, dst)``. SOFTCAP: Sᵀ is capped first
+    (``tanh_scale`` = scale/cap) and dSᵀ gains the factor 1 − Tᵀ², which
+    keeps the capped Sᵀ alive over the dPᵀ wait.
 
     128-query tiles (D = 64) keep the per-query statistics out of the
     registers: L2 and Δ (32 values per thread each at 128 queries) would
@@ -421,7 +429,8 @@ def _p_and_ds(k_t, v_t, rings: BwdRings, tile: KvTile, step, q_slot, do_slot, m,
     subtraction: loading L2 before Sᵀ is issued made D = 128 2-3% slower
     (BENCHMARKS.md, seventh session)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)  # one value per query
-    STATS_IN_ACC: gl.constexpr = mode.BLOCK_M == 128
+    # (Not under SOFTCAP: tanh needs the raw Sᵀ; plan_backward gives it 64-query tiles.)
+    STATS_IN_ACC: gl.constexpr = mode.BLOCK_M == 128 and not mode.SOFTCAP
     wait_full(rings.q_full, step, mode.STAGES)
     if mode.VARLEN:
         # The last query tile of a varlen sequence reads rows of the next one
@@ -444,6 +453,8 @@ def _p_and_ds(k_t, v_t, rings: BwdRings, tile: KvTile, step, q_slot, do_slot, m,
         dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
         lse2 = rings.lse2_bufs.index(q_slot).load(col_layout)
     st = warpgroup_mma_wait(1, deps=[st])
+    if mode.SOFTCAP:
+        st = softcap(st, tanh_scale)
     if tile_needs_mask(tile.n, m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, 1, mode.WINDOW_LEFT,
                        mode.WINDOW_RIGHT):
         st = apply_mask_keys_by_queries(st, tile.n * mode.BLOCK_N, m * mode.BLOCK_M, tile.lq, tile.lk, mode.IS_CAUSAL,
@@ -453,12 +464,14 @@ def _p_and_ds(k_t, v_t, rings: BwdRings, tile: KvTile, step, q_slot, do_slot, m,
         dpt = warpgroup_mma_wait(0, deps=[dpt])
         dst = pt * dpt
     else:
-        pt, dst = _p_and_ds_from_stats(st, dpt, lse2, rings.delta_bufs, do_slot, qk_scale)
+        pt, dst = _p_and_ds_from_stats(st, dpt, lse2, rings.delta_bufs, do_slot, qk_scale, mode.SOFTCAP,
+                                       k_t.dtype)
     return q_t, do_t, pt, dst
 
 
 @gluon.jit
-def _p_and_ds_from_stats(st, dpt, lse2, delta_bufs, do_slot, qk_scale):
+def _p_and_ds_from_stats(st, dpt, lse2, delta_bufs, do_slot, qk_scale, SOFTCAP: gl.constexpr,
+                         dtype: gl.constexpr):
     """Pᵀ = exp2(c·Sᵀ − L2) from the masked Sᵀ, then dSᵀ = Pᵀ ⊙ (dPᵀ − Δ)
     once the in-flight dPᵀ wgmma completes (Δ loaded while it runs): the
     64-query steps' statistics path (see _p_and_ds), also the D = 256
@@ -471,9 +484,17 @@ def _p_and_ds_from_stats(st, dpt, lse2, delta_bufs, do_slot, qk_scale):
     (thirteenth session, BENCHMARKS.md)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, st.type.layout)  # one value per query
     pt = gl.exp2(st * qk_scale - lse2[None, :])
+    if SOFTCAP:
+        # Pᵀ ⊙ (1 − Tᵀ²) and Pᵀ rounded for its wgmma, before the wait: what
+        # stays live over it is one fp32 tile and one 16-bit one (keeping Tᵀ
+        # instead, two fp32 tiles, spilled 24-232 bytes at D = 128 and 256).
+        pt_d = softcap_grad(pt, st)
+        pt = pt.to(dtype)
+    else:
+        pt_d = pt
     delta = delta_bufs.index(do_slot).load(col_layout)
     dpt = warpgroup_mma_wait(0, deps=[dpt])
-    return pt, pt * (dpt - delta[None, :])
+    return pt, pt_d * (dpt - delta[None, :])
 
 
 @gluon.jit
@@ -553,14 +574,15 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, mo
     dv = gl.zeros([mode.BLOCK_N, mode.HEAD_DIM], gl.float32, kv_layout)
 
     _wait_kv(k_t, v_t, rings, tile, mode, NUM_WARPS)
+    tanh_scale = prob.softmax_scale * LOG2E / prob.qk_scale  # SOFTCAP: scale / cap (else unused)
     step = 0
     for g in range(prob.kv_group):
         h = tile.hk * prob.kv_group + g
         stat_base = tile.stat0 + h * prob.seqlen_q_rounded
         for m in range(tile.m_lo, tile.m_hi):
             slot = ring_slot(step, mode.STAGES)
-            q_t, do_t, pt, dst = _p_and_ds(k_t, v_t, rings, tile, step, slot, slot, m, prob.qk_scale, st_zero, mode,
-                                           NUM_WARPS)
+            q_t, do_t, pt, dst = _p_and_ds(k_t, v_t, rings, tile, step, slot, slot, m, prob.qk_scale, tanh_scale,
+                                           st_zero, mode, NUM_WARPS)
             pt_op = gl.convert_layout(pt.to(dtype), op_layout)
             dv = warpgroup_mma(pt_op, do_t, dv, is_async=True)
 
@@ -688,6 +710,7 @@ def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode:
     dv = gl.zeros([mode.BLOCK_N, mode.HEAD_DIM], gl.float32, acc_layout)
 
     _wait_kv(k_t, v_t, rings, tile, mode, NUM_WARPS)
+    tanh_scale = prob.softmax_scale * LOG2E / prob.qk_scale  # SOFTCAP: scale / cap (else unused)
     # One flat loop over (query head of the group, query tile) steps, so that
     # each step can issue the next step's Sᵀ (below).
     n_m = tile.m_hi - tile.m_lo
@@ -717,11 +740,14 @@ def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode:
         do_t = rings.do_bufs.index(do_slot).reshape([mode.BLOCK_M, mode.HEAD_DIM])
         dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
         lse2 = rings.lse2_bufs.index(q_slot).load(col_layout)
+        if mode.SOFTCAP:
+            st = softcap(st, tanh_scale)
         if tile_needs_mask(tile.n, m, tile.lq, tile.lk, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, 1,
                            mode.WINDOW_LEFT, mode.WINDOW_RIGHT):
             st = apply_mask_keys_by_queries(st, tile.n * mode.BLOCK_N, m * mode.BLOCK_M, tile.lq, tile.lk,
                                             mode.IS_CAUSAL, mode.WINDOW_LEFT, mode.WINDOW_RIGHT)
-        pt, dst = _p_and_ds_from_stats(st, dpt, lse2, rings.delta_bufs, do_slot, prob.qk_scale)
+        pt, dst = _p_and_ds_from_stats(st, dpt, lse2, rings.delta_bufs, do_slot, prob.qk_scale, mode.SOFTCAP,
+                                       dtype)
         pt_smem.store(pt.to(dtype))
         ds_smem.store(dst.to(dtype))
         fence_async_shared()
@@ -797,7 +823,7 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                               DETERMINISTIC: gl.constexpr, SPLIT_D: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                               VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
                               SEQUSED_K: gl.constexpr = False, WINDOW_LEFT: gl.constexpr = -1,
-                              WINDOW_RIGHT: gl.constexpr = -1):
+                              WINDOW_RIGHT: gl.constexpr = -1, SOFTCAP: gl.constexpr = False):
     """VARLEN: q/k/v/dO are THD tensors viewed as ``[1, total, H, D]``,
     sequence ``b`` = grid axis 2 (see ``bwd_sequence``), ``seqlen_q`` and
     ``seqlen_k`` unused (the grid covers ``max_seqlen_k``; a CTA past its
@@ -859,7 +885,7 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
             mbarrier.init(do_empty.index(i), count=1 if SPLIT_D else CONSUMER_THREADS)
 
     mode = BwdMode(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D,
-                   WINDOW_LEFT, WINDOW_RIGHT)
+                   WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP)
     prob = BwdProblem(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_desc, delta_desc, sem_ptr,
                       dk_ptr, dv_ptr, stride_kv_row, stride_kv_head, seqlen_q_rounded, kv_group, qk_scale,
                       softmax_scale)

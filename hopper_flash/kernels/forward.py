@@ -116,7 +116,7 @@ from .mask import apply_mask, kv_split_range, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
 from .scheduler import (SCHED_STAGES, draw_item, first_item, publish_item, receive_item, section_coords,
                         work_coords)
-from .softmax import softmax_finish, softmax_first, softmax_step
+from .softmax import LOG2E, softcap, softmax_finish, softmax_first, softmax_step
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
 WG_M = gl.constexpr(64)
@@ -179,10 +179,14 @@ class Mode:
     # a producer warpgroup (_gather_kv_tile) instead of by TMA.
     GATHER: gl.constexpr
     PRODUCER_WARPS: gl.constexpr
+    # Logit soft-capping (softmax.softcap): scores become cap * tanh(s * scale / cap)
+    # before the mask; Problem's two scales then mean scale / cap and cap.
+    SOFTCAP: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
-                 PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT):
+                 PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT,
+                 SOFTCAP):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -208,6 +212,8 @@ class Problem:
     total_tiles: gl.tensor  # work items
     page_stride: gl.tensor
     total_q: gl.tensor  # varlen: rows of the packed Q (the LSE's row stride)
+    # softmax_scale * log2(e) and softmax_scale; under SOFTCAP softmax_scale / cap
+    # (tanh's argument scale) and cap (plan.kernel_scales).
     qk_scale: gl.tensor
     softmax_scale: gl.tensor
     lse_ptr: gl.tensor
@@ -627,6 +633,11 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     n_kv = n_hi - n_lo
+    # The exponentials' scale: softmax_scale * log2(e), or cap * log2(e) on tanh's output.
+    if mode.SOFTCAP:
+        exp_scale = prob.softmax_scale * LOG2E
+    else:
+        exp_scale = prob.qk_scale
     q_idx = _q_slot(rings.q_full, i, CID, mode.NC)
     q = rings.q_smem.index(q_idx).reshape([WG_M, mode.HEAD_DIM])
     row0 = bm * mode.BLOCK_M + CID * WG_M
@@ -646,9 +657,11 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     if mode.OFFSET_START and CID < mode.NC - 1:
         _pass_turn(rings.turn_full, rings.turn_empty, i, CID)
     release(rings.k_empty, kv0, mode.K_STAGES)
+    if mode.SOFTCAP:
+        s = softcap(s, prob.qk_scale)  # before the mask: tanh(-inf) would be -1
     s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G, mode.WINDOW_LEFT,
                    mode.WINDOW_RIGHT)
-    p, scores_max, logsum = softmax_first(s, prob.qk_scale)
+    p, scores_max, logsum = softmax_first(s, exp_scale)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     if mode.SEQUSED or mode.VARLEN:
         # The first tile visited is the only one that can reach past the live
@@ -691,11 +704,13 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         # QK no longer reads K: release the slot while softmax and PV run.
         release(rings.k_empty, kv0 + it, mode.K_STAGES)
 
+        if mode.SOFTCAP:
+            s = softcap(s, prob.qk_scale)
         if tile_needs_mask(bn, bm, seqlen_q, seqlen_k, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, mode.PACK_G,
                            mode.WINDOW_LEFT, mode.WINDOW_RIGHT):
             s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G,
                            mode.WINDOW_LEFT, mode.WINDOW_RIGHT)
-        p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, prob.qk_scale)
+        p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, exp_scale)
         if mode.PV_AFTER_SOFTMAX:
             # The next PV's V, waited here for ptxas's sake: the wait's retry
             # loop ends the basic block, so the PV wait below stays after the
@@ -849,7 +864,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              KV_BATCH: gl.constexpr, PAGE_SIZE: gl.constexpr,
                              VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
                              DYNAMIC: gl.constexpr = False, Q_STAGES: gl.constexpr = 1,
-                             WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1):
+                             WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1,
+                             SOFTCAP: gl.constexpr = False):
     # Consumer warpgroups of 64 rows each: two, or three (FA3's 192-row tiles at head dim 64).
     NC: gl.constexpr = BLOCK_M // WG_M
     gl.static_assert(BLOCK_M == NC * WG_M and (NC == 2 or NC == 3), "two or three consumer warpgroups of 64 rows")
@@ -867,7 +883,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                      "gathered (the descriptors then only lay out the tiles)")
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
-                SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT)
+                SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP)
     if SPLIT:
         # The combine follows this grid by programmatic dependent launch
         # (plan.launch_combine) and may be scheduled from now on: its

@@ -11,9 +11,40 @@ shares a row in the wgmma accumulator layout, summed across the quad only in
 A row that has seen only masked scores has ``scores_max == -inf``; its scaled
 maximum is taken as 0 so that ``exp2(-inf - 0) = 0`` instead of NaN. Such a row
 ends with ``logsum == 0`` and is written as zeros (LSE -inf).
+
+Logit soft-capping (flash-attn's ``softcap``, Gemma 2's attention) replaces a
+score ``scale * s`` by ``cap * tanh(scale * s / cap)``. The kernels apply
+``softcap`` to the raw scores before the mask, with ``scale / cap`` as its
+argument scale, and then run the softmax above on ``t = tanh(...)`` with
+``cap`` in place of ``softmax_scale`` (``qk_scale = cap * log2(e)``): the same
+instructions plus one MUFU.TANH per score. The backward's chain rule adds a
+factor ``1 - t^2`` to dS (``softcap_grad``); dQ and dK keep ``softmax_scale``,
+since d(cap * tanh(scale * s / cap))/ds = scale * (1 - t^2).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def softcap(s, arg_scale):
+    """``tanh(s * arg_scale)`` elementwise, by the SFU's ``tanh.approx.f32``
+    (FA3's choice; its relative error, about 2^-11, is below the bf16 rounding
+    of the scores it replaces)."""
+    return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [s * arg_scale], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def softcap_grad(x, t):
+    """``x * (1 - t^2)``, the chain rule's factor for capped scores ``t``
+    (the backward applies it to P before P's product with dP - Δ). ``t`` is
+    taken after the mask: masked entries hold -inf, clamped to -1 here so
+    that their factor is 0, not 0 * inf = NaN (tanh's output is in [-1, 1]
+    elsewhere)."""
+    t = gl.maximum(t, -1.0)
+    return x * (1.0 - t * t)
 
 
 @gluon.jit
