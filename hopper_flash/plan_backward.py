@@ -228,7 +228,11 @@ class BackwardPlan:
     everything ``launch_backward`` derives from shapes, strides and flags,
     computed once per key (``plan_for``), as the forward's ``LaunchPlan``.
 
-    ``compiled`` is filled after a call whose three launches all went through
+    ``zero_tails``: varlen, per side (dQ; dK and dV), the launch that zeroes
+    the gradient rows past ``cu_seqlens[-1]`` (``zero_tail_launch``), or
+    None (fixed length; a side with ``seqused``, zero-filled whole; no rows).
+
+    ``compiled`` is filled after a call whose launches all went through
     cached compiled kernels (``KernelLaunch``); later calls of the key then
     launch them directly, without looking them up. That is valid because the
     key holds everything their compiled keys hold: dtypes, constexprs and the
@@ -236,9 +240,9 @@ class BackwardPlan:
     """
 
     __slots__ = ("cfg", "rows", "acc_elems", "stat_elems", "sem_shape", "grid", "ints", "constexprs", "key",
-                 "pre", "post", "compiled", "pre_tail", "post_tail")
+                 "pre", "post", "zero_tails", "compiled", "pre_tail", "post_tail", "zero_tail_args")
 
-    def __init__(self, cfg, rows, sem_shape, grid, ints, constexprs, key, pre, post):
+    def __init__(self, cfg, rows, sem_shape, grid, ints, constexprs, key, pre, post, zero_tails=(None, None)):
         self.cfg = cfg
         self.rows = rows  # the fp32 statistics' shape; dq_accum's is rows + (head_dim,)
         self.stat_elems = 1
@@ -252,8 +256,11 @@ class BackwardPlan:
         self.key = key  # the compiled main kernel's, less the pointers' alignment
         self.pre: SmallLaunch = pre
         self.post: SmallLaunch = post
-        self.compiled: tuple | None = None  # (preprocess, main, postprocess) KernelLaunch
+        self.zero_tails: tuple = zero_tails
+        # (preprocess, main, postprocess, dQ tail, dK/dV tail) KernelLaunch (None: no tail launch)
+        self.compiled: tuple | None = None
         self.pre_tail, self.post_tail = pre.tail, post.tail  # built once, not per call
+        self.zero_tail_args = tuple(None if z is None else z.tail for z in zero_tails)
 
     @property
     def workspace_elems(self) -> int:
@@ -358,9 +365,13 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
                                    varlen is not None and varlen.seqused_q is not None,
                                    varlen is not None and varlen.seqused_k is not None, window, softcap > 0)
     key = (q.device.index, q.dtype, bool(causal), bool(deterministic), cfg, tuple(constexprs.values()))
+    zero_tails = (None, None)
+    if varlen is not None:
+        zero_tails = (None if varlen.seqused_q is not None else zero_tail_launch(dq, False, batch),
+                      None if varlen.seqused_k is not None else zero_tail_launch(dk, True, batch))
     return BackwardPlan(cfg, rows, sem_shape, (ctas, 1, 1), (*stride_kv, *scalars, *constexprs.values()),
                         constexprs, key, preprocess_launch(out, dout, lse, seqlen_q_rounded, cfg.block_m, small),
-                        postprocess_launch(dq, seqlen_q_rounded, softmax_scale, cfg.block_m, small))
+                        postprocess_launch(dq, seqlen_q_rounded, softmax_scale, cfg.block_m, small), zero_tails)
 
 
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
@@ -378,11 +389,12 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
 
     With ``varlen``: THD ``[total, H, D]`` tensors, ``lse`` ``[H, total_q]``
     (contiguous); rows of dq/dk/dv outside every sequence's live part are
-    not written (``backward_varlen`` zeroes them); dk/dv with equal strides
-    and a contiguous head dim.
+    zeroed first (``_zero_unwritten``); dk/dv with equal strides and a
+    contiguous head dim.
 
     Three launches: the preprocess (Δ, L2, and dq_accum zeroed), the main
-    Gluon kernel, the postprocess (dQ from dq_accum). What they take apart
+    Gluon kernel, the postprocess (dQ from dq_accum); varlen adds the
+    zeroing's (up to two small launches). What they take apart
     from addresses is the call's ``BackwardPlan`` (cached by shapes, strides
     and flags). The main kernel launches as the forward's does
     (``plan.launch_forward``): the first launch of a specialisation through
@@ -422,12 +434,15 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     fast = FAST_LAUNCH and not plan._launch_hooked()
     if lp.compiled is not None and fast:
         stream = plan.driver.active.get_current_stream(dev.index)
-        pre, main, post = lp.compiled
+        pre, main, post, *_ = lp.compiled
+        if varlen is not None:
+            _zero_unwritten(lp, dq, dk, dv, varlen, stream)
         pre(lp.pre.grid, stream, (), pre_ptrs + lp.pre_tail)
         main(lp.grid, stream, descs, ptrs + lp.ints)
         post(lp.post.grid, stream, (), post_ptrs + lp.post_tail)
         return
 
+    zeros = (None, None) if varlen is None else _zero_unwritten(lp, dq, dk, dv, varlen)
     pre = lp.pre(pre_ptrs)
     # Varlen's int32 vectors are the caller's tensors: Triton specialises
     # pointers on 16-byte alignment, so that is part of the key.
@@ -445,8 +460,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     else:
         main(lp.grid, plan.driver.active.get_current_stream(dev.index), descs, (*ptrs, *lp.ints))
     post = lp.post(post_ptrs)
-    if fast and all(isinstance(x, KernelLaunch) for x in (pre, main, post)):
-        lp.compiled = (pre, main, post)
+    launched = (pre, main, post, *(z for z, planned in zip(zeros, lp.zero_tails) if planned is not None))
+    if fast and all(isinstance(x, KernelLaunch) for x in launched):
+        lp.compiled = (pre, main, post, *zeros)
 
 
 def _strides8(*strides: int) -> tuple[int, ...]:
@@ -539,20 +555,30 @@ def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, bloc
     launch((dq_accum, dq, *_small_ptrs(dq_accum, varlen)))
 
 
-def zero_tail(x: torch.Tensor, y: torch.Tensor | None, cu_seqlens: torch.Tensor) -> None:
-    """Zero the rows of THD gradients ``x`` (and ``y``, with x's strides)
-    from ``cu_seqlens[-1]`` to their end, on the device
-    (``backward_pre._zero_tail_kernel``): no kernel of the backward writes
-    them, and the host never learns how many there are. ``x`` has a
-    contiguous head dim."""
+def zero_tail_launch(x: torch.Tensor, pair: bool, batch: int) -> SmallLaunch | None:
+    """The launch that zeroes the rows of a THD gradient ``x`` (and, with
+    ``pair``, of a second one with x's strides) from ``cu_seqlens[-1]`` to
+    their end, on the device (``backward_pre._zero_tail_kernel``): no kernel
+    of the backward writes them, and the host never learns how many there
+    are. Its pointers are ``(x, y or x, cu_seqlens)``, ``cu_seqlens`` int32
+    ``[batch + 1]``. ``x`` has a contiguous head dim. None when ``x`` has no
+    rows."""
     total, nheads, head_dim = x.shape
     if total == 0:
-        return
-    assert x.stride(2) == 1 and (y is None or y.stride() == x.stride())
+        return None
+    assert x.stride(2) == 1
     block = 64
-    SmallLaunch(_pre._zero_tail_kernel, (triton_cdiv(total, block), 1, 1),
-                (cu_seqlens.shape[0] - 1, total, *_strides8(x.stride(0), x.stride(1)), nheads),
-                dict(BLOCK=block, HEAD_DIM=head_dim, PAIR=y is not None))((x, x if y is None else y, cu_seqlens))
+    return SmallLaunch(_pre._zero_tail_kernel, (triton_cdiv(total, block), 1, 1),
+                       (batch, total, *_strides8(x.stride(0), x.stride(1)), nheads),
+                       dict(BLOCK=block, HEAD_DIM=head_dim, PAIR=pair))
+
+
+def zero_tail(x: torch.Tensor, y: torch.Tensor | None, cu_seqlens: torch.Tensor) -> None:
+    """``zero_tail_launch``'s launch alone (for scripts and tests)."""
+    launch = zero_tail_launch(x, y is not None, cu_seqlens.shape[0] - 1)
+    if launch is not None:
+        assert y is None or y.stride() == x.stride()
+        launch((x, x if y is None else y, cu_seqlens))
 
 
 def workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int, deterministic: bool = False) -> int:
@@ -638,15 +664,20 @@ def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, de
     return dq, dk, dv
 
 
-def _zero_unwritten(dq, dk, dv, varlen: VarlenBatch) -> None:
+def _zero_unwritten(lp: BackwardPlan, dq, dk, dv, varlen: VarlenBatch, stream=None) -> tuple:
     """Zero the gradient rows the varlen kernels do not write. Every row of
     a sequence's live part is written (the postprocess writes dQ's, zeros
     where no key is seen; a KV tile that no query sees stores zero dK and
     dV), and without ``seqused`` the sequences tile the tensor up to
     ``cu_seqlens[-1]``: only the rows past it are left (K/V buffers longer
-    than the batch; for q the contract has none), zeroed on the device
-    (``zero_tail``). With ``seqused`` the gaps inside the slots are not
-    written either: that side is zero-filled whole.
+    than the batch; for q the contract has none), zeroed on the device by
+    the plan's launches (``BackwardPlan.zero_tails``). With ``seqused`` the
+    gaps inside the slots are not written either: that side is zero-filled
+    whole.
+
+    ``stream``: the plan's compiled launches are known (``lp.compiled``);
+    launch them directly on it. Returns what each side's launch returned
+    (None where it launched nothing), for ``lp.compiled``.
 
     This leans on the caller's contract (``interface.flash_attn_varlen_func``):
     a sequence longer than ``max_seqlen_*`` or a ``cu_seqlens[0]`` other than
@@ -654,13 +685,20 @@ def _zero_unwritten(dq, dk, dv, varlen: VarlenBatch) -> None:
     rather than zeros (``check_contract=True`` catches both)."""
     if varlen.seqused_q is not None:
         dq.zero_()
-    else:
-        zero_tail(dq, None, varlen.cu_seqlens_q)
     if varlen.seqused_k is not None:
         dk.zero_()
         dv.zero_()
-    else:
-        zero_tail(dk, dv, varlen.cu_seqlens_k)
+    sides = ((dq, dq, varlen.cu_seqlens_q), (dk, dv, varlen.cu_seqlens_k))
+    launched = []
+    for i, (launch, ptrs) in enumerate(zip(lp.zero_tails, sides)):
+        if launch is None:
+            launched.append(None)
+        elif stream is not None:
+            launched.append(lp.compiled[3 + i])
+            launched[-1](launch.grid, stream, (), ptrs + lp.zero_tail_args[i])
+        else:
+            launched.append(launch(ptrs))
+    return tuple(launched)
 
 
 def check_grad_out_thd(grad_out, out: torch.Tensor) -> torch.Tensor:
@@ -687,8 +725,7 @@ def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_sc
     if not _tma_addressable(out.unsqueeze(0)):
         out = out.clone(memory_format=torch.contiguous_format)  # see check_grad_out
     lse = lse.contiguous()
-    with plan.on_device(q):  # (zero_tail launches a kernel: on q's device too)
-        _zero_unwritten(dq, dk, dv, varlen)
+    with plan.on_device(q):
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
                         varlen=varlen, window=window, softcap=softcap)
     return dq, dk, dv

@@ -142,3 +142,57 @@ def test_planned_launches_take_what_the_looked_up_ones_take(monkeypatch, determi
     main_args = planned[1][1][LAUNCH_PARAMS:]
     assert main_args[ARG_NAMES.index("dk_ptr")] is grads[1] and main_args[ARG_NAMES.index("dv_ptr")] is grads[2]
     assert planned[2][1][LAUNCH_PARAMS + 1] is grads[0]  # the postprocess's dq
+
+
+@pytest.mark.parametrize("seqused", [False, True], ids=["tails", "seqused"])
+def test_planned_varlen_launches_take_what_the_looked_up_ones_take(monkeypatch, seqused):
+    """Varlen adds the zeroing of the rows no kernel writes: without
+    ``seqused`` two planned tail launches (dQ; dK and dV) before the
+    preprocess, launched from the plan like the other three; with it, whole
+    zero fills and no tail launch."""
+    from hopper_flash.kernels import backward_pre
+
+    log = []
+    for name in ("_bwd_preprocess_kernel", "_bwd_postprocess_kernel", "_zero_tail_kernel"):
+        monkeypatch.setattr(backward_pre, name, FakeJIT(log))
+    monkeypatch.setattr(backward_kernels, "attention_backward_kernel", FakeJIT(log))
+    monkeypatch.setattr(plan, "driver", FakeDriver)
+    monkeypatch.setattr(plan, "_TRITON_COMPILED", {})
+    monkeypatch.setattr(plan, "FAST_LAUNCH", True)
+    monkeypatch.setattr(plan, "_launch_hooked", lambda: False)
+    monkeypatch.setattr(plan_backward, "_COMPILED", {})
+    monkeypatch.setattr(plan_backward, "_PLANS", {})
+    monkeypatch.setattr(plan_backward, "FAST_LAUNCH", True)
+    q = torch.randn(40, 4, 128).to(torch.bfloat16)
+    k = torch.randn(70, 2, 128).to(torch.bfloat16)
+    cu_q = torch.tensor([0, 17, 33], dtype=torch.int32)
+    cu_k = torch.tensor([0, 30, 61], dtype=torch.int32)
+    used = torch.tensor([10, 12], dtype=torch.int32) if seqused else None
+    varlen = plan_backward.VarlenBatch(cu_q, cu_k, used, used, 20, 31)
+    lse = torch.zeros(4, 40)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, k)]
+
+    def call():
+        plan_backward.launch_backward(q, q, k, k, q, lse, *grads, 0.125, True, False, varlen=varlen)
+
+    n = 3 if seqused else 5
+    call()
+    assert [e[0] for e in log] == ["jit"] * n
+    if seqused:
+        assert all(bool((g == 0).all()) for g in grads)
+    else:
+        # dQ's tail, then dK/dV's, then the preprocess: the tails are
+        # zeroed before anything else runs.
+        assert log[0][2][:3] == (grads[0], grads[0], cu_q) and log[1][2][:3] == (grads[1], grads[2], cu_k)
+    (lp,) = plan_backward._PLANS.values()
+    assert lp.compiled is not None
+    call()  # the plan's kernels, launched directly
+    monkeypatch.setattr(plan_backward, "_PLANS", {})
+    call()  # a new plan: every kernel looked up again
+    assert [e[0] for e in log[n:]] == ["fast"] * (2 * n)
+    planned, looked_up = log[n:2 * n], log[2 * n:3 * n]
+    for (_, a), (_, b) in zip(planned, looked_up):
+        assert [_plain(x) for x in a] == [_plain(x) for x in b]
+    if not seqused:
+        assert planned[0][1][LAUNCH_PARAMS:LAUNCH_PARAMS + 3] == (grads[0], grads[0], cu_q)
+        assert planned[1][1][LAUNCH_PARAMS:LAUNCH_PARAMS + 3] == (grads[1], grads[2], cu_k)

@@ -1,5 +1,5 @@
 """The varlen backward's unwritten gradient rows (``plan_backward``'s
-``_zero_unwritten`` and ``zero_tail``) on the CPU.
+``_zero_unwritten``, the plan's ``zero_tails`` and ``zero_tail``) on the CPU.
 
 The gradients are allocated empty; the rows no kernel writes are zeroed
 afterwards: with ``seqused`` on a side, that side whole (gaps inside the
@@ -26,34 +26,62 @@ def _batch(used_q=None, used_k=None):
     return plan_backward.VarlenBatch(cu, cu.clone(), used_q, used_k, 4, 4)
 
 
+class _Recorded:
+    """A stand-in for a planned zero-tail launch: records its pointers."""
+
+    def __init__(self, calls, name):
+        self.calls, self.name = calls, name
+
+    def __call__(self, pointers):
+        self.calls.append((self.name, pointers))
+
+
 @pytest.mark.parametrize("used_q", [None, torch.tensor([2, 4], dtype=torch.int32)], ids=["no-seqused_q", "seqused_q"])
 @pytest.mark.parametrize("used_k", [None, torch.tensor([3, 1], dtype=torch.int32)], ids=["no-seqused_k", "seqused_k"])
-def test_unwritten_rows_are_zeroed_by_side(monkeypatch, used_q, used_k):
-    calls = []
-    monkeypatch.setattr(plan_backward, "zero_tail", lambda x, y, cu: calls.append((x, y, cu)))
-    dq, dk, dv = (torch.full((9, 2, 8), float("nan")) for _ in range(3))
+def test_unwritten_rows_are_zeroed_by_side(used_q, used_k):
+    """A side with seqused is zero-filled whole; one without is left to its
+    planned tail launch, which gets that side's gradients and cu_seqlens."""
+    dq, dk, dv = (torch.full((9, 2, 64), float("nan")) for _ in range(3))
     batch = _batch(used_q, used_k)
-    plan_backward._zero_unwritten(dq, dk, dv, batch)
+    lp = plan_backward._make_plan(dq, dq, dk, dq, torch.zeros(2, 9), dq, dk, 0.125, True, False, None, batch, None)
+    assert (lp.zero_tails[0] is None) == (used_q is not None)
+    assert (lp.zero_tails[1] is None) == (used_k is not None)
+    calls = []
+    lp.zero_tails = tuple(None if z is None else _Recorded(calls, name) for z, name in zip(lp.zero_tails, "qk"))
+    plan_backward._zero_unwritten(lp, dq, dk, dv, batch)
     expected = []
     if used_q is None:
-        expected.append((dq, None, batch.cu_seqlens_q))
+        expected.append(("q", (dq, dq, batch.cu_seqlens_q)))
         assert bool(dq.isnan().all())  # left to the tail kernel
     else:
         assert bool((dq == 0).all())
     if used_k is None:
-        expected.append((dk, dv, batch.cu_seqlens_k))
+        expected.append(("k", (dk, dv, batch.cu_seqlens_k)))
         assert bool(dk.isnan().all()) and bool(dv.isnan().all())
     else:
         assert bool((dk == 0).all()) and bool((dv == 0).all())
     assert len(calls) == len(expected)
-    for (x, y, cu), (ex, ey, ecu) in zip(calls, expected):
-        assert x is ex and y is ey and cu is ecu
+    for (name, ptrs), (ename, eptrs) in zip(calls, expected):
+        assert name == ename and all(a is b for a, b in zip(ptrs, eptrs))
 
 
-def test_backward_varlen_zeroes_on_the_device_before_launching(monkeypatch):
-    """backward_varlen hands its (empty) gradients to _zero_unwritten, and
-    does it under q's device guard, as the launches (zero_tail starts a
-    kernel: outside the guard it would run on whichever GPU is current)."""
+def test_planned_tail_launch_is_zero_tails():
+    """The plan's tail launch is the one ``zero_tail`` makes: same kernel,
+    grid and arguments (the interpreter test below runs ``zero_tail``)."""
+    dq, dk = torch.empty(9, 2, 64), torch.empty(11, 1, 64)
+    batch = _batch()
+    lp = plan_backward._make_plan(dq, dq, dk, dq, torch.zeros(2, 9), dq, dk, 0.125, True, False, None, batch, None)
+    for planned, (x, pair) in zip(lp.zero_tails, ((dq, False), (dk, True))):
+        made = plan_backward.zero_tail_launch(x, pair, batch.batch)
+        assert (planned.kernel, planned.grid, planned.ints, planned.constexprs) == (
+            made.kernel, made.grid, made.ints, made.constexprs)
+        assert made.ints[:2] == (2, x.shape[0])  # sequences, rows
+
+
+def test_backward_varlen_launches_under_the_device_guard(monkeypatch):
+    """backward_varlen runs launch_backward, which zeroes the unwritten rows
+    first, under q's device guard (the zeroing starts a kernel: outside the
+    guard it would run on whichever GPU is current)."""
     import contextlib
 
     from hopper_flash import plan
@@ -67,13 +95,12 @@ def test_backward_varlen_zeroes_on_the_device_before_launching(monkeypatch):
         events.append("exit")
 
     monkeypatch.setattr(plan, "on_device", guard)
-    monkeypatch.setattr(plan_backward, "zero_tail", lambda x, y, cu: events.append(("zero_tail", y is None)))
     monkeypatch.setattr(plan_backward, "launch_backward", lambda *a, **kw: events.append("launch"))
     q = torch.randn(7, 2, 64, dtype=torch.bfloat16)
     k, v = torch.randn(9, 1, 64, dtype=torch.bfloat16), torch.randn(9, 1, 64, dtype=torch.bfloat16)
     out, lse = torch.randn_like(q), torch.randn(2, 7)
     plan_backward.backward_varlen(torch.randn_like(q), q, k, v, out, lse, _batch(), 0.125, True)
-    assert events == ["enter", ("zero_tail", True), ("zero_tail", False), "launch", "exit"]
+    assert events == ["enter", "launch", "exit"]
 
 
 CHILD = textwrap.dedent("""
