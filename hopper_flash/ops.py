@@ -31,6 +31,16 @@ from torch.autograd.function import once_differentiable
 from . import checks, dispatch, plan_backward
 
 
+def needs_op(*tensors) -> bool:
+    """Tracing, or autograd would record the call: go through the registered
+    op, which torch.compile can trace and autograd knows about."""
+    if torch.compiler.is_compiling():
+        return True
+    if not torch.is_grad_enabled():  # inference: no per-tensor look (host time per call)
+        return False
+    return any(getattr(t, "requires_grad", False) for t in tensors)
+
+
 @torch.library.custom_op("hopper_flash::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
         causal: bool, deterministic: bool = False, window_left: int = -1,

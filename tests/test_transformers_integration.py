@@ -60,12 +60,13 @@ def fake_kernel(monkeypatch):
     """Replace hopper_flash.flash_attn_func by the float64 reference; record the calls."""
     calls = []
 
-    def fake(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, window_size=(-1, -1), softcap=0.0):
+    def fake(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, window_size=(-1, -1), softcap=0.0,
+             learnable_sink=None):
         calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                          softcap=softcap))
+                          softcap=softcap, learnable_sink=learnable_sink))
         window = window_bounds(window_size, causal)
         out, _ = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
-                                     softcap=softcap)
+                                     softcap=softcap, sink=learnable_sink)
         return out.to(q.dtype)
 
     monkeypatch.setattr(hopper_flash, "flash_attn_func", fake)
@@ -413,7 +414,7 @@ def test_half_of_the_packed_kwargs_raises():
         hft.hopper_flash_attention_forward(_Module(), q, k, v, None, cu_seq_lens_q=torch.tensor([0, 8, 16]))
 
 
-@pytest.mark.parametrize("kwarg,value", [("s_aux", torch.zeros(4)),
+@pytest.mark.parametrize("kwarg,value", [("position_bias", torch.zeros(4)),
                                          ("cu_seqlens", torch.tensor([0, 8, 16]))])
 def test_unsupported_features_raise(kwarg, value):
     q, k, v = _qkv()
@@ -463,6 +464,35 @@ def test_softcap_reaches_the_call(fake_kernel):
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
     with pytest.raises(ValueError, match="softcap must be finite and >= 0"):
         hft.hopper_flash_attention_forward(_Module(), q, k, v, None, softcap=-1.0)
+
+
+def test_attention_sinks_reach_the_call(fake_kernel):
+    """gpt-oss's layers pass s_aux=self.sinks: it becomes flash-attn's
+    learnable_sink, and the result is gpt-oss's eager attention with sinks."""
+    q, k, v = _qkv(seqlen_q=16, seqlen_k=16)
+    sink = torch.randn(4)
+    out, _ = hft.hopper_flash_attention_forward(_Module(), q, k, v, None, scaling=0.125, s_aux=sink)
+    assert fake_kernel[-1]["learnable_sink"] is sink
+    hft.hopper_flash_attention_forward(_Module(), q, k, v, None, scaling=0.125)
+    assert fake_kernel[-1]["learnable_sink"] is None
+    s = (q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.125
+    s = s.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    logits = torch.cat([s, sink.double().view(1, -1, 1, 1).expand(2, -1, 16, 1)], dim=-1)
+    expected = (logits.softmax(-1)[..., :-1] @ v.double().repeat_interleave(2, dim=1)).transpose(1, 2)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
+
+
+def test_attention_sinks_reach_the_varlen_call(monkeypatch):
+    """A padded batch with sinks: the varlen call gets them."""
+    calls = []
+    monkeypatch.setattr(hopper_flash, "flash_attn_varlen_func",
+                        lambda q, *a, **kw: calls.append(kw) or torch.zeros_like(q))
+    q, k, v = _qkv()
+    sink = torch.randn(4)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    hft.hopper_flash_attention_forward(_Module(), q, k, v, mask, s_aux=sink)
+    assert calls[-1]["learnable_sink"] is sink
 
 
 @pytest.mark.parametrize("module_causal,kwarg_causal,expected", [

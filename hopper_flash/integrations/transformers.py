@@ -62,8 +62,9 @@ The backend computes exactly what SDPA computes, or raises:
   forward and backward, eager or compiled;
 * a layer's ``softcap`` (Gemma 2's ``attn_logit_softcapping``) becomes
   flash-attn's ``softcap``, forward and backward;
-* dropout > 0, attention sinks and position biases raise
-  ``NotImplementedError``;
+* attention sinks (gpt-oss's ``s_aux``) become flash-attn's
+  ``learnable_sink``, forward and backward (the sink's gradient included);
+* dropout > 0 and position biases raise ``NotImplementedError``;
 * ``query``/``key``/``value`` arrive as ``[batch, heads, seq, head_dim]`` and
   are handed to :func:`hopper_flash.flash_attn_func` as BSHD views
   (``.transpose(1, 2)``, no copy); k/v keep their own number of heads (GQA is
@@ -94,8 +95,6 @@ _PADDING_MESSAGE = (
 # Keyword arguments of transformers' attention calls that change the result and
 # that the hopper_flash kernel cannot honour: present and not None -> raise.
 _UNSUPPORTED_KWARGS = {
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "position_bias": "an additive position bias",
     "head_mask": "a head mask",
     "cu_seqlens": "packed sequences given as `cu_seqlens` (pass cu_seq_lens_q/cu_seq_lens_k)",
@@ -103,6 +102,8 @@ _UNSUPPORTED_KWARGS = {
 # Their names, and the packed-sequence kwargs': one set test per call finds
 # none of them (a decode step passes position_ids and use_cache).
 _UNSUPPORTED_NAMES = frozenset(_UNSUPPORTED_KWARGS)
+# Attention sinks (gpt-oss passes ``s_aux``): flash-attn's ``learnable_sink``.
+_SINK_NAMES = frozenset(("s_aux", "sinks"))
 _PACKED_NAMES = frozenset(("cu_seq_lens_q", "cu_seq_lens_k"))
 
 
@@ -228,11 +229,15 @@ def hopper_flash_attention_forward(
         packed = _packed_from_position_ids(kwargs.get("position_ids"), query, key)
     window_size = (-1, -1) if sliding_window is None else _window_size(sliding_window, seqlen_k)
     softcap = 0.0 if softcap is None else checks.check_softcap(softcap)
+    sink = None
+    if not _SINK_NAMES.isdisjoint(kwargs):
+        sink = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
     if packed is not None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
         if packed is not None:
-            return _run_packed(query, key, value, packed, bool(is_causal), scaling, window_size, softcap), None
+            return _run_packed(query, key, value, packed, bool(is_causal), scaling, window_size, softcap,
+                               sink), None
         return _run_padded(query, key, value, attention_mask, bool(is_causal), scaling, window_size,
-                           softcap), None
+                           softcap, sink), None
 
     mask_causal = None
     if attention_mask is not None:
@@ -250,7 +255,7 @@ def hopper_flash_attention_forward(
         causal = bool(is_causal) and seqlen_q > 1
 
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if not interface._needs_op(q, k, v):
+    if sink is None and not interface._needs_op(q, k, v):
         # Inference (every decode step): the call prepared for these
         # arguments' signature, if flash_attn_func has made one, which it
         # does for CUDA tensors on their first direct launch; its option
@@ -263,7 +268,7 @@ def hopper_flash_attention_forward(
     import hopper_flash  # attribute looked up per call: the public entry point
 
     return hopper_flash.flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window_size,
-                                        softcap=softcap), None
+                                        softcap=softcap, learnable_sink=sink), None
 
 
 def _window_size(sliding_window, seqlen_k: int) -> tuple[int, int]:
@@ -290,7 +295,7 @@ def _thd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
-def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1), softcap=0.0):
+def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1), softcap=0.0, sink=None):
     """A padded batch as one varlen call, with no host sync (see the module docstring)."""
     import hopper_flash
 
@@ -318,7 +323,8 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
         used_q = None
     out = hopper_flash.flash_attn_varlen_func(
         _thd(query), _thd(key), _thd(value), cu_q, cu_k, seqlen_q, seqlen_k, seqused_q=used_q, seqused_k=lens_k,
-        softmax_scale=scaling, causal=is_causal and seqlen_q > 1, window_size=window_size, softcap=softcap)
+        softmax_scale=scaling, causal=is_causal and seqlen_q > 1, window_size=window_size, softcap=softcap,
+        learnable_sink=sink)
     return out.view(batch, seqlen_q, nheads, head_dim)
 
 
@@ -370,14 +376,14 @@ def _packed_from_position_ids(position_ids, query, key):
     return result
 
 
-def _run_packed(query, key, value, packed, is_causal, scaling, window_size=(-1, -1), softcap=0.0):
+def _run_packed(query, key, value, packed, is_causal, scaling, window_size=(-1, -1), softcap=0.0, sink=None):
     import hopper_flash
 
     batch, nheads, seqlen_q, head_dim = query.shape
     cu_q, cu_k, max_q, max_k = packed
     out = hopper_flash.flash_attn_varlen_func(
         _thd(query), _thd(key), _thd(value), cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=is_causal,
-        window_size=window_size, softcap=softcap)
+        window_size=window_size, softcap=softcap, learnable_sink=sink)
     return out.view(batch, seqlen_q, nheads, head_dim)
 
 
