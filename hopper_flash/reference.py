@@ -354,6 +354,43 @@ def softcap_eager_grads(q, k, v, dout, *, causal: bool = False, softmax_scale: f
     return tuple(x.transpose(1, 2).to(dt) for x in (dq, dk, dv))
 
 
+def sink_eager_grads(q, k, v, sink: torch.Tensor, dout, *, causal: bool = False,
+                     softmax_scale: float | None = None, window: tuple[int, int] | None = None):
+    """``(dq, dk, dv, dsink)`` of :func:`sink_eager` computed as a flash-style
+    backward does it in q's dtype (the baseline for gradients with sinks; see
+    :func:`softcap_eager_grads` for why not autograd): P with the sink's
+    column in float32, ``Δ = rowsum(dO ⊙ O)`` from the rounded output O, dS
+    rounded before its products, ``dsink = -sum over rows of p_sink · Δ``.
+    With a sink even a one-key row has a nonzero dS, ``p (1 - p) dO·v``,
+    which that cancellation resolves only to O's rounding."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
+    scale = _scale(softmax_scale, headdim)
+    group = nheads // nheads_kv
+    dt = q.dtype
+    qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, dout))
+    kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+    s = (qt @ kt.transpose(-1, -2)).float() * scale
+    rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+    if window is not None:
+        visible &= window_visible(rows, cols, seqlen_q, seqlen_k, window)
+    s = s.masked_fill(~visible, -math.inf)
+    column = sink.float().view(1, -1, 1, 1).expand(batch, -1, seqlen_q, 1)
+    p_all = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)
+    p, p_sink = p_all[..., :-1], p_all[..., -1]
+    o = p.to(dt) @ vt
+    dp = (dot @ vt.transpose(-1, -2)).float()
+    delta = (dot.float() * o.float()).sum(-1, keepdim=True)
+    ds = (p * (dp - delta)).to(dt)
+    dq = (ds @ kt).float() * scale
+    dk = ((ds.transpose(-1, -2) @ qt).float() * scale).unflatten(1, (nheads_kv, group)).sum(2)
+    dv = (p.to(dt).transpose(-1, -2) @ dot).float().unflatten(1, (nheads_kv, group)).sum(2)
+    dsink = -(p_sink * delta[..., 0]).sum(dim=(0, 2))
+    return (*(x.transpose(1, 2).to(dt) for x in (dq, dk, dv)), dsink.to(sink.dtype))
+
+
 def _mask_scores(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,
                  causal: bool, window: tuple[int, int] | None) -> None:
     """Set to -inf, in place, the scores ``s`` ``[..., len(rows), len(cols)]``
