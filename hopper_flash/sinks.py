@@ -13,12 +13,18 @@ log-sum-exp without the sink and ``L' = logaddexp(L, s)``,
 
     out' = out * exp(L - L'),    LSE' = L'.
 
-The backward is the kernels' own run on ``out'`` and ``L'``: it rebuilds
-``P' = exp(x - L')``, exactly the sink-normalised weights, and its
-``Δ = rowsum(dO · out')`` is the softmax Jacobian's row term (the sink
-column has no value, so it adds nothing to ``dP``). The sink's gradient is
-``ds_h = -sum over rows of head h of exp(s_h - L') · Δ``. Rows that see no
-key (``L = -inf``) give zeros and ``LSE' = s``, and add nothing to ``ds``.
+The backward is the kernels' own, with ``P' = exp(x - L')``, exactly the
+sink-normalised weights, and ``Δ' = rowsum(dO · out')``, the softmax
+Jacobian's row term (the sink column has no value, so it adds nothing to
+``dP``). Both come from the backward's preprocess (``kernels/backward_pre``),
+which gets the kernels' own ``out`` and ``L`` and the sink: it takes ``L'``
+there and ``Δ' = exp(L - L') · rowsum(dO · out)``, so Δ' carries only the
+kernel's rounding of ``out``, not the second rounding of ``out'`` (in rows
+that see one key, where ``out`` is a value row exactly, Δ' is then exact;
+from ``out'`` it failed the gradient tests' row check, thirty-first
+session). The sink's gradient is ``ds_h = -sum over rows of head h of
+exp(s_h - L') · Δ'``. Rows that see no key (``L = -inf``) give zeros and
+``LSE' = s``, and add nothing to ``ds``.
 
 Cost: the renormalisation reads and writes the output once more, and the
 sink's gradient reads ``dO`` and ``out'`` once more (a few elementwise
@@ -62,11 +68,12 @@ def renormalise(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> tup
 
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, lse_sink: torch.Tensor,
               sink: torch.Tensor) -> torch.Tensor:
-    """``ds`` (``sink``'s shape and dtype) from the renormalised ``out`` and
-    its ``lse_sink``; ``lse`` (the kernels' own) marks the rows that saw no
-    key, which add nothing (their ``dO`` may hold anything)."""
+    """``ds`` (``sink``'s shape and dtype) from the kernels' own ``out`` and
+    ``lse`` and the renormalised ``lse_sink`` (module docstring); rows that
+    saw no key add nothing (their ``dO`` may hold anything)."""
     delta = (dout.float() * out.float()).sum(-1)  # [B, Sq, H] or [T, H]
     delta = delta.transpose(1, 2) if lse.dim() == 3 else delta.t()
+    delta = delta * torch.exp(lse - lse_sink)  # Δ' of the renormalised output
     p_sink = torch.exp(_sink_shaped(sink, lse) - lse_sink)
     terms = torch.where(lse == -math.inf, 0.0, p_sink * delta)
     ds = -(terms.sum(dim=(0, 2)) if lse.dim() == 3 else terms.sum(dim=1))
@@ -89,16 +96,16 @@ class SinkAttention(torch.autograd.Function):
                 window_right: int, softcap: float):
         out, lse = ops.fwd(q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap)
         out_sink, lse_sink = renormalise(out, lse, sink)
-        ctx.save_for_backward(q, k, v, out_sink, lse, lse_sink, sink)
+        ctx.save_for_backward(q, k, v, out, lse, lse_sink, sink)
         ctx.args = (softmax_scale, causal, deterministic, window_left, window_right, softcap)
         ctx.mark_non_differentiable(lse_sink)
         return out_sink, lse_sink
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out_sink, lse, lse_sink, sink = ctx.saved_tensors
-        dq, dk, dv = ops.bwd(dout, q, k, v, out_sink, lse_sink, *ctx.args)
-        ds = sink_grad(dout, out_sink, lse, lse_sink, sink) if ctx.needs_input_grad[3] else None
+        q, k, v, out, lse, lse_sink, sink = ctx.saved_tensors
+        dq, dk, dv = ops.bwd(dout, q, k, v, out, lse, *ctx.args, sink)
+        ds = sink_grad(dout, out, lse, lse_sink, sink) if ctx.needs_input_grad[3] else None
         return dq, dk, dv, ds, None, None, None, None, None, None
 
 
@@ -113,7 +120,7 @@ class SinkVarlenAttention(torch.autograd.Function):
                                   max_seqlen_k, softmax_scale, causal, deterministic, window_left, window_right,
                                   softcap)
         out_sink, lse_sink = renormalise(out, lse, sink)
-        ctx.save_for_backward(q, k, v, out_sink, lse, lse_sink, sink, cu_seqlens_q, cu_seqlens_k, seqused_q,
+        ctx.save_for_backward(q, k, v, out, lse, lse_sink, sink, cu_seqlens_q, cu_seqlens_k, seqused_q,
                               seqused_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic, window_left, window_right,
                     softcap)
@@ -122,9 +129,9 @@ class SinkVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out_sink, lse, lse_sink, sink, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
-        dq, dk, dv = ops.varlen_bwd(dout, q, k, v, out_sink, lse_sink, cu_q, cu_k, used_q, used_k, *ctx.args)
-        ds = sink_grad(dout, out_sink, lse, lse_sink, sink) if ctx.needs_input_grad[3] else None
+        q, k, v, out, lse, lse_sink, sink, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
+        dq, dk, dv = ops.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.args, sink)
+        ds = sink_grad(dout, out, lse, lse_sink, sink) if ctx.needs_input_grad[3] else None
         return (dq, dk, dv, ds) + (None,) * 12
 
 

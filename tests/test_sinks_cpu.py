@@ -53,8 +53,8 @@ def test_sink_gradient_is_autograds(causal):
     dout[:, :2] = math.nan  # rows that see no key (causal): their dO must not reach ds
     (expected,) = torch.autograd.grad(ref_out, s, dout.nan_to_num(0.0) if causal else dout.nan_to_num(1.0))
     out, lse = attention_reference(q, k, v, causal=causal)
-    out_sink, lse_sink = sinks.renormalise(out, lse, s.detach())
-    got = sinks.sink_grad(dout if causal else dout.nan_to_num(1.0), out_sink, lse, lse_sink, s.detach())
+    _, lse_sink = sinks.renormalise(out, lse, s.detach())
+    got = sinks.sink_grad(dout if causal else dout.nan_to_num(1.0), out, lse, lse_sink, s.detach())
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -66,9 +66,16 @@ def _fwd_stand_in(q, k, v, softmax_scale, causal, deterministic, window_left, wi
 
 
 def _bwd_stand_in(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left, window_right,
-                  softcap):
+                  softcap, sink=None):
     """A flash backward: P rebuilt from the LSE it is given, Δ from the
-    output it is given (as the kernels do), GQA heads summed."""
+    output it is given, and with ``sink`` both renormalised first, as the
+    op's contract says (``backward_pre``: LSE' = logaddexp(LSE, s), Δ' =
+    exp(LSE - LSE') · rowsum(dO · out)); GQA heads summed."""
+    delta = (dout * out).sum(-1).transpose(1, 2)
+    if sink is not None:
+        lse_sink = torch.logaddexp(lse, sink.view(1, -1, 1))
+        delta = delta * torch.exp(lse - lse_sink)
+        lse = lse_sink
     group = q.shape[2] // k.shape[2]
     kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * softmax_scale
@@ -77,7 +84,6 @@ def _bwd_stand_in(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
         s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq).logical_not(), -math.inf)
     p = torch.exp(s - lse[..., None])
     dp = torch.einsum("bqhd,bkhd->bhqk", dout, vv)
-    delta = (dout * out).sum(-1).transpose(1, 2)
     ds = p * (dp - delta[..., None])
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * softmax_scale
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * softmax_scale
@@ -87,11 +93,12 @@ def _bwd_stand_in(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_sink_attention_hands_the_backward_the_renormalised_output_and_lse(monkeypatch, causal):
-    """The kernels' backward must run on out' and LSE' (sinks.py): with
-    stand-in ops, the composition's gradients (the sink's included) equal
-    autograd through the float64 reference with the sink as a column. Handing
-    it the kernel's own output or LSE instead fails here."""
+def test_sink_attention_hands_the_backward_the_kernels_output_lse_and_sink(monkeypatch, causal):
+    """The kernels' backward gets the kernels' own output and LSE and the
+    sink (sinks.py): with stand-in ops that honour that contract, the
+    composition's gradients (the sink's included) equal autograd through the
+    float64 reference with the sink as a column. Handing it the renormalised
+    output or LSE, or no sink, fails here."""
     monkeypatch.setattr(ops, "fwd", _fwd_stand_in)
     monkeypatch.setattr(ops, "bwd", _bwd_stand_in)
     q, k, v, s = (t.requires_grad_() for t in _problem(seqlen_q=11, seqlen_k=7))
