@@ -191,6 +191,23 @@ def test_flash_preload_wrapper_skips_only_our_name(registered):
     assert preload.__wrapped__ is modeling_flash_attention_utils.lazy_import_flash_attention
 
 
+def test_modeling_utils_does_not_take_our_name_for_flash_attention(registered):
+    """Else models listing compatible FlashAttention builds (gpt-oss) swap
+    hopper_flash for one of them; every other name is answered as before."""
+    from transformers import modeling_utils
+    from transformers.utils.generic import is_flash_attention_requested
+
+    check = modeling_utils.is_flash_attention_requested
+    if getattr(check, "_hopper_flash_skips", None) != NAME:
+        pytest.skip("this transformers asks no such question in modeling_utils")
+    assert check(requested_attention_implementation=NAME) is False
+    assert check(requested_attention_implementation=f"paged|{NAME}") is False
+    assert check(config=_llama_config(attn_implementation=NAME)) is False
+    for other in ("flash_attention_2", "kernels-community/vllm-flash-attn3", "sdpa", "eager"):
+        assert check(requested_attention_implementation=other) == is_flash_attention_requested(
+            requested_attention_implementation=other)
+
+
 def test_set_attn_implementation_on_cpu_without_gpu(registered):
     model = _llama(num_hidden_layers=1)
     model = _set_attn(model, NAME)
@@ -480,6 +497,32 @@ def test_attention_sinks_reach_the_call(fake_kernel):
     logits = torch.cat([s, sink.double().view(1, -1, 1, 1).expand(2, -1, 16, 1)], dim=-1)
     expected = (logits.softmax(-1)[..., :-1] @ v.double().repeat_interleave(2, dim=1)).transpose(1, 2)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
+
+
+@pytest.mark.skipif(not hasattr(transformers, "GptOssForCausalLM"), reason="transformers without gpt-oss")
+def test_gpt_oss_logits_equal_eager_cpu(registered, fake_kernel):
+    """A tiny gpt-oss (a sliding-window layer and a full one, each with
+    sinks) gives eager's logits with hopper_flash (the float64 stand-in
+    kernel): the sinks and the window reach every layer's call."""
+    import logging
+
+    config = transformers.GptOssConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"])
+    logging.getLogger("transformers").setLevel(logging.ERROR)  # the tiny config's RoPE-scaling note
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)  # sinks that take a real share (init: std 0.02)
+    ids = torch.randint(1, 1000, (2, 24), generator=torch.Generator().manual_seed(7))
+    eager = _logits(_set_attn(model, "eager"), ids)
+    ours = _logits(_set_attn(model, NAME), ids)
+    assert len(fake_kernel) == 2
+    assert [c["window_size"] for c in fake_kernel] == [(7, 7), (-1, -1)]
+    assert all(c["learnable_sink"] is layer.self_attn.sinks for c, layer in zip(fake_kernel, model.model.layers))
+    torch.testing.assert_close(ours, eager, atol=1e-4, rtol=1e-4)
 
 
 def test_attention_sinks_reach_the_varlen_call(monkeypatch):

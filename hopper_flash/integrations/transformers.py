@@ -396,7 +396,9 @@ def _allow_flash_named_backend(transformers) -> None:
     ``PreTrainedModel._check_and_adjust_attn_implementation`` calls
     ``lazy_import_flash_attention(name)`` for every name with "flash" in it,
     which looks for a FlashAttention kernel of that name and raises. The
-    wrapper skips that pre-import for NAME only.
+    wrapper skips that pre-import for NAME only. Models that list the
+    FlashAttention builds they work with are redirected to one of them
+    (below). Both wrappers act on NAME only and are installed once.
     """
     try:
         from transformers import modeling_utils
@@ -406,17 +408,40 @@ def _allow_flash_named_backend(transformers) -> None:
     if not is_flash_attention_requested(requested_attention_implementation=NAME):
         return
     original = getattr(modeling_utils, "lazy_import_flash_attention", None)
-    if original is None or getattr(original, "_hopper_flash_skips", None) == NAME:
+    if original is not None and getattr(original, "_hopper_flash_skips", None) != NAME:
+        @functools.wraps(original)
+        def lazy_import_flash_attention(implementation, *args, **kwargs):
+            if implementation == NAME:
+                return None  # hopper_flash is no FlashAttention kernel: nothing to pre-import
+            return original(implementation, *args, **kwargs)
+
+        lazy_import_flash_attention._hopper_flash_skips = NAME
+        modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+
+    # Models that list FlashAttention builds they work with (gpt-oss's
+    # ``_compatible_flash_implementations``) are redirected from any "flash"
+    # name to the first of them when the model is set up
+    # (``_check_and_adjust_attn_implementation``): hopper_flash would become
+    # kernels-community/vllm-flash-attn3. modeling_utils asks
+    # ``is_flash_attention_requested`` only about FlashAttention builds
+    # (that redirect, the pre-import above, FA2/FA3 availability checks): in
+    # its namespace the answer for NAME is no.
+    check = getattr(modeling_utils, "is_flash_attention_requested", None)
+    if check is None or getattr(check, "_hopper_flash_skips", None) == NAME:
         return
 
-    @functools.wraps(original)
-    def lazy_import_flash_attention(implementation, *args, **kwargs):
-        if implementation == NAME:
-            return None  # hopper_flash is no FlashAttention kernel: nothing to pre-import
-        return original(implementation, *args, **kwargs)
+    @functools.wraps(check)
+    def is_flash_attention_requested_unless_ours(*args, **kwargs):
+        config = kwargs.get("config", args[0] if args else None)
+        name = kwargs.get("requested_attention_implementation")
+        if name is None and config is not None:
+            name = getattr(config, "_attn_implementation", None)
+        if isinstance(name, str) and name.split("|")[-1] == NAME:
+            return False
+        return check(*args, **kwargs)
 
-    lazy_import_flash_attention._hopper_flash_skips = NAME
-    modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+    is_flash_attention_requested_unless_ours._hopper_flash_skips = NAME
+    modeling_utils.is_flash_attention_requested = is_flash_attention_requested_unless_ours
 
 
 def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
