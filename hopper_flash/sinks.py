@@ -26,12 +26,15 @@ session). The sink's gradient is ``ds_h = -sum over rows of head h of
 exp(s_h - L') · Δ'``. Rows that see no key (``L = -inf``) give zeros and
 ``LSE' = s``, and add nothing to ``ds``.
 
-Cost: the renormalisation reads and writes the output once more, and the
-sink's gradient reads ``dO`` and ``out'`` once more (a few elementwise
-kernels eagerly; torch.compile fuses them). That is small next to prefill
-and training, but several launches next to a decode step's few
-microseconds; folding the sink into the kernels' epilogue (and the split-KV
-combine) is the way to remove it.
+Cost: the renormalisation reads the output and writes it once more, and
+the sink's gradient reads ``dO`` and ``out`` once more: one Triton kernel
+each (``kernels/sink.py``) on CUDA tensors outside tracing; torch's
+elementwise ops (below) on the CPU and under torch.compile, which fuses
+them. That is small next to long prefill and training, but a launch next to
+a decode step's few microseconds and a pass over O next to a short
+prefill's (BENCHMARKS.md, thirty-first session); folding the sink into the
+forward kernel's epilogue (and the split-KV combine) is the way to remove
+it.
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ import math
 
 import torch
 
-from . import checks, dispatch, ops
+from . import checks, dispatch, ops, plan
+from .kernels.sink import _sink_grad_kernel, _sink_renorm_kernel
 
 # ---------------------------------------------------------------------------
 # The renormalisation and the sink's gradient, for both LSE layouts:
@@ -58,9 +62,40 @@ def _rows_of_out(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return (x.transpose(1, 2) if x.dim() == 3 else x.t()).unsqueeze(-1)
 
 
+_BLOCK = 64  # rows per program of kernels/sink.py
+
+
+def _fused(t: torch.Tensor) -> bool:
+    """Run kernels/sink.py (CUDA, not tracing) rather than torch's ops."""
+    return t.is_cuda and not torch.compiler.is_compiling()
+
+
+def _row_layout(x: torch.Tensor, lse: torch.Tensor):
+    """``(batch, rows, (stride_b, stride_s, stride_h))`` of ``x`` (an output
+    or its gradient) in ``lse``'s layout: varlen THD as batch 1."""
+    if lse.dim() == 3:
+        return x.shape[0], x.shape[1], (x.stride(0), x.stride(1), x.stride(2))
+    return 1, x.shape[0], (0, x.stride(0), x.stride(1))
+
+
+def _lse_strides(lse: torch.Tensor) -> tuple[int, int]:
+    assert lse.stride(-1) == 1
+    return (lse.stride(0), lse.stride(1)) if lse.dim() == 3 else (0, lse.stride(0))
+
+
 def renormalise(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out', LSE')`` with the sink in every row's normaliser (module
-    docstring). ``out`` and ``lse`` as a forward returned them."""
+    docstring). ``out`` and ``lse`` as a forward returned them (head dim
+    contiguous; the LSE's rows contiguous)."""
+    if _fused(out):
+        batch, rows, so = _row_layout(out, lse)
+        out_sink, lse_sink = torch.empty_like(out), torch.empty_like(lse)
+        if out.numel():
+            plan.launch_triton(_sink_renorm_kernel, (plan.triton_cdiv(rows, _BLOCK), out.shape[-2], batch),
+                               (out, lse, sink.detach().float().contiguous(), out_sink, lse_sink, rows, *so,
+                                0, 0, 0, *_lse_strides(lse)), dict(BLOCK=_BLOCK, HEAD_DIM=out.shape[-1]),
+                               num_warps=4)
+        return out_sink, lse_sink
     lse_sink = torch.logaddexp(lse, _sink_shaped(sink, lse))
     factor = torch.exp(lse - lse_sink)  # 0 where lse is -inf
     return (out.float() * _rows_of_out(factor, out)).to(out.dtype), lse_sink
@@ -71,6 +106,18 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, lse_sink
     """``ds`` (``sink``'s shape and dtype) from the kernels' own ``out`` and
     ``lse`` and the renormalised ``lse_sink`` (module docstring); rows that
     saw no key add nothing (their ``dO`` may hold anything)."""
+    if _fused(out):
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()  # (an expanded gradient, say)
+        batch, rows, so = _row_layout(out, lse)
+        blocks = plan.triton_cdiv(rows, _BLOCK)
+        part = torch.empty(batch, blocks, out.shape[-2], dtype=torch.float32, device=out.device)
+        if out.numel():
+            plan.launch_triton(_sink_grad_kernel, (blocks, out.shape[-2], batch),
+                               (out, dout, lse, sink.detach().float().contiguous(), part, rows, *so,
+                                *_row_layout(dout, lse)[2], *_lse_strides(lse)),
+                               dict(BLOCK=_BLOCK, HEAD_DIM=out.shape[-1]), num_warps=4)
+        return (-part.sum(dim=(0, 1))).to(sink.dtype)
     delta = (dout.float() * out.float()).sum(-1)  # [B, Sq, H] or [T, H]
     delta = delta.transpose(1, 2) if lse.dim() == 3 else delta.t()
     delta = delta * torch.exp(lse - lse_sink)  # Δ' of the renormalised output

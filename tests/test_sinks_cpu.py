@@ -152,3 +152,25 @@ def test_a_good_sink_reaches_the_device_check():
     q, k = _bf16(2, 8, 4, 64), _bf16(2, 8, 2, 64)
     with pytest.raises(ValueError, match="must be a CUDA tensor on a Hopper GPU"):
         hopper_flash.flash_attn_func(q, k, k, learnable_sink=torch.zeros(4))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_sink_kernels_compile_for_sm90(head_dim, dtype):
+    """kernels/sink.py's two row passes compile for sm_90a (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hopper_flash.kernels.sink import _INTS, _sink_grad_kernel, _sink_renorm_kernel
+
+    consts = {"BLOCK": 64, "HEAD_DIM": head_dim}
+    ints = {n: "i32" for n in _INTS}
+    renorm = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "sink_ptr": "*fp32", "o2_ptr": f"*{dtype}",
+              "lse2_ptr": "*fp32", **ints, **{n: "constexpr" for n in consts}}
+    grad = {"o_ptr": f"*{dtype}", "do_ptr": f"*{dtype}", "lse_ptr": "*fp32", "sink_ptr": "*fp32",
+            "part_ptr": "*fp32", **ints, **{n: "constexpr" for n in consts}}
+    for kernel, sig in ((_sink_renorm_kernel, renorm), (_sink_grad_kernel, grad)):
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4})
+        assert compiled.asm["cubin"]

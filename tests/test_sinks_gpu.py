@@ -262,3 +262,40 @@ def test_kvcache_sink_decode_in_a_cuda_graph():
     expected = step()
     assert torch.equal(captured, expected)
     assert not torch.equal(captured, eager)
+
+
+# ---- the fused row passes (kernels/sink.py) against torch's ops ----------------
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("d", [64, 256])
+def test_fused_row_passes_equal_torch_ops(varlen, d):
+    """sinks.renormalise and sinks.sink_grad run kernels/sink.py on CUDA
+    tensors and torch's ops elsewhere (CPU here; torch.compile on the GPU):
+    the two agree, NaN-carrying rows that saw no key included."""
+    from hopper_flash import sinks as sink_mod
+
+    h = 8
+    shape = (700, h, d) if varlen else (3, 333, h, d)
+    out, dout = rnd(*shape, seed=71), rnd(*shape, seed=72)
+    lse = (rnd(h, 700, seed=73) if varlen else rnd(3, h, 333, seed=73)).float() * 4
+    lse[..., :5] = -math.inf  # rows with no key: their dO may be anything
+    if varlen:
+        dout[:5] = math.nan
+    else:
+        dout[:, :5] = math.nan
+    s = sinks(h, 74)
+    got_out, got_lse = sink_mod.renormalise(out, lse, s)
+    want_out, want_lse = sink_mod.renormalise(out.cpu(), lse.cpu(), s.cpu())
+    # (the same formula; exp and log may differ in an ulp: torch's dtype tolerances)
+    torch.testing.assert_close(got_out.cpu(), want_out)
+    torch.testing.assert_close(got_lse.cpu(), want_lse)
+    assert bool((got_out[:5] == 0).all()) if varlen else bool((got_out[:, :5] == 0).all())
+    got = sink_mod.sink_grad(dout, out, lse, got_lse, s)
+    want = sink_mod.sink_grad(dout.cpu(), out.cpu(), lse.cpu(), want_lse, s.cpu())
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    # An expanded output gradient (stride 0) is read as its values.
+    ones = torch.ones(1, device=DEV, dtype=out.dtype).expand(out.shape)
+    torch.testing.assert_close(sink_mod.sink_grad(ones, out, lse, got_lse, s).cpu(),
+                               sink_mod.sink_grad(ones.cpu(), out.cpu(), lse.cpu(), want_lse, s.cpu()),
+                               rtol=1e-4, atol=1e-4)
