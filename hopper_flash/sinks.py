@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 
 from . import checks, dispatch, ops, plan
 from .kernels.sink import _sink_grad_kernel, _sink_renorm_kernel
@@ -62,7 +63,10 @@ def _rows_of_out(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return (x.transpose(1, 2) if x.dim() == 3 else x.t()).unsqueeze(-1)
 
 
-_BLOCK = 64  # rows per program of kernels/sink.py
+def _block(rows: int) -> int:
+    """Rows per program of kernels/sink.py: 64, or the rows' power of two
+    below that (a decode step's one row per sequence)."""
+    return min(64, triton.next_power_of_2(max(rows, 1)))
 
 
 def _fused(t: torch.Tensor) -> bool:
@@ -71,11 +75,15 @@ def _fused(t: torch.Tensor) -> bool:
 
 
 def _row_layout(x: torch.Tensor, lse: torch.Tensor):
-    """``(batch, rows, (stride_b, stride_s, stride_h))`` of ``x`` (an output
-    or its gradient) in ``lse``'s layout: varlen THD as batch 1."""
-    if lse.dim() == 3:
-        return x.shape[0], x.shape[1], (x.stride(0), x.stride(1), x.stride(2))
-    return 1, x.shape[0], (0, x.stride(0), x.stride(1))
+    """``(batch, rows, strides8)`` of ``x`` (an output or its gradient) in
+    ``lse``'s layout, varlen THD as batch 1; ``strides8``: ``(b, s, h)`` in
+    units of 8 elements (kernels/sink.py), None when one is not a multiple
+    of 8."""
+    batch, rows, strides = ((x.shape[0], x.shape[1], (x.stride(0), x.stride(1), x.stride(2))) if lse.dim() == 3
+                            else (1, x.shape[0], (0, x.stride(0), x.stride(1))))
+    if x.stride(-1) != 1 or any(st % 8 for st in strides):
+        return batch, rows, None
+    return batch, rows, tuple(st // 8 for st in strides)
 
 
 def _lse_strides(lse: torch.Tensor) -> tuple[int, int]:
@@ -88,12 +96,14 @@ def renormalise(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> tup
     docstring). ``out`` and ``lse`` as a forward returned them (head dim
     contiguous; the LSE's rows contiguous)."""
     if _fused(out):
+        out = out if _row_layout(out, lse)[2] is not None else out.contiguous()
         batch, rows, so = _row_layout(out, lse)
         out_sink, lse_sink = torch.empty_like(out), torch.empty_like(lse)
         if out.numel():
-            plan.launch_triton(_sink_renorm_kernel, (plan.triton_cdiv(rows, _BLOCK), out.shape[-2], batch),
+            block = _block(rows)
+            plan.launch_triton(_sink_renorm_kernel, (plan.triton_cdiv(rows, block), out.shape[-2], batch),
                                (out, lse, sink.detach().float().contiguous(), out_sink, lse_sink, rows, *so,
-                                0, 0, 0, *_lse_strides(lse)), dict(BLOCK=_BLOCK, HEAD_DIM=out.shape[-1]),
+                                0, 0, 0, *_lse_strides(lse)), dict(BLOCK=block, HEAD_DIM=out.shape[-1]),
                                num_warps=4)
         return out_sink, lse_sink
     lse_sink = torch.logaddexp(lse, _sink_shaped(sink, lse))
@@ -107,16 +117,17 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, lse_sink
     ``lse`` and the renormalised ``lse_sink`` (module docstring); rows that
     saw no key add nothing (their ``dO`` may hold anything)."""
     if _fused(out):
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()  # (an expanded gradient, say)
+        out = out if _row_layout(out, lse)[2] is not None else out.contiguous()
+        dout = dout if _row_layout(dout, lse)[2] is not None else dout.contiguous()
         batch, rows, so = _row_layout(out, lse)
-        blocks = plan.triton_cdiv(rows, _BLOCK)
+        block = _block(rows)
+        blocks = plan.triton_cdiv(rows, block)
         part = torch.empty(batch, blocks, out.shape[-2], dtype=torch.float32, device=out.device)
         if out.numel():
             plan.launch_triton(_sink_grad_kernel, (blocks, out.shape[-2], batch),
                                (out, dout, lse, sink.detach().float().contiguous(), part, rows, *so,
                                 *_row_layout(dout, lse)[2], *_lse_strides(lse)),
-                               dict(BLOCK=_BLOCK, HEAD_DIM=out.shape[-1]), num_warps=4)
+                               dict(BLOCK=block, HEAD_DIM=out.shape[-1]), num_warps=4)
         return (-part.sum(dim=(0, 1))).to(sink.dtype)
     delta = (dout.float() * out.float()).sum(-1)  # [B, Sq, H] or [T, H]
     delta = delta.transpose(1, 2) if lse.dim() == 3 else delta.t()

@@ -156,12 +156,19 @@ def test_a_good_sink_reaches_the_device_check():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_sink_kernels_compile_for_sm90(head_dim, dtype):
-    """kernels/sink.py's two row passes compile for sm_90a (no GPU needed)."""
+def test_sink_kernels_compile_for_sm90_with_vector_loads(head_dim, dtype):
+    """kernels/sink.py's two row passes compile for sm_90a (no GPU needed),
+    and with the JIT's 16-byte pointer specialisation their rows move in
+    128-bit loads and stores (plain strides had them element by element)."""
+    import os
+    import subprocess
+    import tempfile
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from hopper_flash.compile_check import _bindir
     from hopper_flash.kernels.sink import _INTS, _sink_grad_kernel, _sink_renorm_kernel
 
     consts = {"BLOCK": 64, "HEAD_DIM": head_dim}
@@ -170,7 +177,15 @@ def test_sink_kernels_compile_for_sm90(head_dim, dtype):
               "lse2_ptr": "*fp32", **ints, **{n: "constexpr" for n in consts}}
     grad = {"o_ptr": f"*{dtype}", "do_ptr": f"*{dtype}", "lse_ptr": "*fp32", "sink_ptr": "*fp32",
             "part_ptr": "*fp32", **ints, **{n: "constexpr" for n in consts}}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}  # the five pointers
     for kernel, sig in ((_sink_renorm_kernel, renorm), (_sink_grad_kernel, grad)):
-        compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4})
-        assert compiled.asm["cubin"]
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=aligned),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(compiled.asm["cubin"])
+        try:
+            sass = subprocess.run([os.path.join(_bindir(), "cuobjdump"), "--dump-sass", f.name],
+                                  capture_output=True, text=True, check=True).stdout
+        finally:
+            os.unlink(f.name)
+        assert "LDG.E.128" in sass and "LDG.E.U16" not in sass, kernel.__name__
