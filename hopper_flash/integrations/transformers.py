@@ -24,6 +24,12 @@ What ``register()`` does, for the installed transformers:
   which fails for ``"hopper_flash"``. ``register()`` wraps that pre-import
   (``transformers.modeling_utils.lazy_import_flash_attention``) so that it
   skips ``"hopper_flash"`` only; every other name goes through unchanged.
+  Models that list the FlashAttention builds they work with (gpt-oss's
+  ``_compatible_flash_implementations``) would also swap any "flash" name
+  for the first of them: ``register()`` makes modeling_utils'
+  ``is_flash_attention_requested`` answer no for ``"hopper_flash"`` (and
+  only for it). There is no supported route to either: the name is the
+  public one, and transformers reads "flash" in it.
 
 The backend computes exactly what SDPA computes, or raises:
 
