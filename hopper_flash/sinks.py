@@ -162,7 +162,9 @@ class SinkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, lse_sink, sink = ctx.saved_tensors
-        dq, dk, dv = ops.bwd(dout, q, k, v, out, lse, *ctx.args, sink)
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):  # (not when only the sink is trained)
+            dq, dk, dv = ops.bwd(dout, q, k, v, out, lse, *ctx.args, sink)
         ds = sink_grad(dout, out, lse, lse_sink, sink) if ctx.needs_input_grad[3] else None
         return dq, dk, dv, ds, None, None, None, None, None, None
 
@@ -188,7 +190,9 @@ class SinkVarlenAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, lse_sink, sink, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
-        dq, dk, dv = ops.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.args, sink)
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = ops.varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.args, sink)
         ds = sink_grad(dout, out, lse, lse_sink, sink) if ctx.needs_input_grad[3] else None
         return (dq, dk, dv, ds) + (None,) * 12
 

@@ -189,3 +189,14 @@ def test_sink_kernels_compile_for_sm90_with_vector_loads(head_dim, dtype):
         finally:
             os.unlink(f.name)
         assert "LDG.E.128" in sass and "LDG.E.U16" not in sass, kernel.__name__
+
+
+def test_training_only_the_sink_runs_no_attention_backward(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ops, "fwd", _fwd_stand_in)
+    monkeypatch.setattr(ops, "bwd", lambda *a: calls.append(a) or _bwd_stand_in(*a))
+    q, k, v, s = _problem()
+    s.requires_grad_()
+    out, _ = sinks.SinkAttention.apply(q, k, v, s, 0.25, True, False, -1, -1, 0.0)
+    (ds,) = torch.autograd.grad(out, s, torch.randn_like(out))
+    assert calls == [] and ds.shape == s.shape
