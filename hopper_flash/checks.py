@@ -73,6 +73,21 @@ def check_softcap(softcap) -> float:
     return softcap
 
 
+def check_learnable_sink(sink, nheads: int, device) -> None:
+    """flash-attn's ``learnable_sink``: a floating tensor ``[nheads]`` (one
+    logit per query head) on q's device. Safe on fake tensors."""
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor of one logit per query head, or None; "
+                        f"got {type(sink).__name__}")
+    if not sink.is_floating_point():
+        raise ValueError(f"learnable_sink must be a floating-point tensor, got dtype {dtype_name(sink.dtype)}")
+    if sink.dim() != 1 or sink.shape[0] != nheads:
+        raise ValueError(f"learnable_sink must have shape [nheads] = ({nheads},) (one logit per query head), "
+                         f"got {tuple(sink.shape)}")
+    if sink.device != device:
+        raise ValueError(f"learnable_sink must be on q's device {device}, got {sink.device}")
+
+
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     """The scale to use: ``1/sqrt(head_dim)`` for None, else a finite positive real."""
     if softmax_scale is None:

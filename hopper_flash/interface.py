@@ -20,17 +20,10 @@ from typing import Literal, overload
 
 import torch
 
-from . import checks, dispatch, ops
+from . import checks, dispatch, ops, sinks
 
 
-def _needs_op(*tensors) -> bool:
-    """Tracing, or autograd would record the call: go through the registered
-    op, which torch.compile can trace and autograd knows about."""
-    if torch.compiler.is_compiling():
-        return True
-    if not torch.is_grad_enabled():  # inference: no per-tensor look (host time per call)
-        return False
-    return any(getattr(t, "requires_grad", False) for t in tensors)
+_needs_op = ops.needs_op
 
 
 def _is_zero(x) -> bool:
@@ -75,20 +68,21 @@ def _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic,
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = ...,
                     causal: bool = ..., return_lse: Literal[False] = ..., dropout_p: float = ...,
                     window_size: tuple[int, int] = ..., softcap: float = ..., alibi_slopes: None = ...,
-                    deterministic: bool = ..., return_attn_probs: Literal[False] = ...) -> torch.Tensor: ...
+                    deterministic: bool = ..., return_attn_probs: Literal[False] = ...,
+                    learnable_sink: torch.Tensor | None = ...) -> torch.Tensor: ...
 
 
 @overload
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = ...,
                     causal: bool = ..., return_lse: Literal[True], dropout_p: float = ...,
                     window_size: tuple[int, int] = ..., softcap: float = ..., alibi_slopes: None = ...,
-                    deterministic: bool = ...,
-                    return_attn_probs: Literal[False] = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                    deterministic: bool = ..., return_attn_probs: Literal[False] = ...,
+                    learnable_sink: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, dropout_p=0.0,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False):
+                    return_attn_probs=False, learnable_sink=None):
     """Exact attention forward on Hopper, flash-attn compatible.
 
     Args:
@@ -114,6 +108,13 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
             mask and the softmax; 0.0 (default) for none. The LSE is that of
             the capped scores. Differentiable; forward, backward and every
             mode compile a soft-capped specialisation on first use.
+        learnable_sink: attention sinks, flash-attn's (gpt-oss): a floating
+            tensor ``[nheads]``, one logit per query head that joins every
+            row's softmax as a key with no value (not scaled by
+            ``softmax_scale``); the LSE then includes it, and rows that see
+            no key return zeros with an LSE equal to the sink. Differentiable
+            in the sink too. Applied to the kernel's output and LSE
+            (``sinks.py``: one more elementwise pass).
         dropout_p, alibi_slopes, deterministic,
             return_attn_probs: flash-attn 2's options, accepted at their
             no-op values (0.0, None, any bool, False); other values
@@ -136,6 +137,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
+    if learnable_sink is not None:
+        out, lse = sinks.attention(q, k, v, learnable_sink, softmax_scale, causal, deterministic, window, softcap)
+        return (out, lse) if return_lse else out
     if _needs_op(q, k, v):
         if ops.plain_eager(q, k, v):
             # The op's autograd without its dispatch (host time per call),
@@ -199,7 +203,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, deterministic=False, return_lse=False,
                            check_contract=None, dropout_p=0.0, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, return_attn_probs=False, block_table=None):
+                           alibi_slopes=None, return_attn_probs=False, block_table=None, learnable_sink=None):
     """Exact attention over a packed batch of sequences of different lengths,
     flash-attn compatible (``flash_attn_varlen_func``).
 
@@ -230,6 +234,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         window_size: a sliding window as in ``flash_attn_func`` (per
             sequence).
         softcap: logit soft-capping as in ``flash_attn_func``.
+        learnable_sink: attention sinks as in ``flash_attn_func``; rows past
+            ``seqused_q`` then get an LSE equal to their head's sink.
         dropout_p, alibi_slopes, return_attn_probs,
             block_table: flash-attn's options, accepted at their no-op values
             only.
@@ -254,6 +260,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise NotImplementedError("block_table must be None (paged K/V is served by flash_attn_with_kvcache)")
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
+    if learnable_sink is not None:
+        out, lse = sinks.varlen_attention(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, seqused_q, seqused_k, softmax_scale, causal, deterministic,
+                                          check_contract, window, softcap)
+        return (out, lse) if return_lse else out
     if _needs_op(q, k, v):
         if ops.plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
             # The op's autograd without its dispatch (host time per call), on

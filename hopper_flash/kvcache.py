@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from . import checks, plan
+from . import checks, plan, sinks
 from .checks import check_device
 from .checks import check_tma_addressable as _check_tma_addressable
 
@@ -292,7 +292,7 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                             page_table=None, block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, num_splits=0, pack_gqa=None,
-                            return_softmax_lse=False, check_contract=None):
+                            return_softmax_lse=False, check_contract=None, learnable_sink=None):
     """Attention of ``q`` over a KV cache, with an optional in-place append.
 
     Args:
@@ -314,6 +314,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
             seqlen_k - seqlen_q`` per row, -1 = no bound; ``causal`` makes
             ``right`` 0). Each distinct window compiles once.
         softcap: logit soft-capping as in ``flash_attn_func`` (0.0: none).
+        learnable_sink: attention sinks as in ``flash_attn_func`` (a
+            floating ``[nheads]`` tensor; inference: no gradient).
         num_splits: KV splits (0: heuristic); pack_gqa: None = heuristic.
         return_softmax_lse: also return the LSE ``[batch, nheads, seqlen_q]``.
         check_contract: validate the device values (lengths within the cache,
@@ -328,6 +330,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
+    if learnable_sink is not None:
+        # Checked before anything runs (the append mutates the cache); a bad
+        # q is reported by q's own checks below.
+        if isinstance(q, torch.Tensor) and q.dim() == 4:
+            checks.check_learnable_sink(learnable_sink, q.shape[2], q.device)
+        out, lse = flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+            page_table=page_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+            softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, return_softmax_lse=True,
+            check_contract=check_contract)
+        out, lse = sinks.renormalise(out, lse, learnable_sink)
+        return (out, lse) if return_softmax_lse else out
     if torch.compiler.is_compiling() or torch.is_grad_enabled() and getattr(q, "requires_grad", False):
         if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
             cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)

@@ -31,6 +31,16 @@ from torch.autograd.function import once_differentiable
 from . import checks, dispatch, plan_backward
 
 
+def needs_op(*tensors) -> bool:
+    """Tracing, or autograd would record the call: go through the registered
+    op, which torch.compile can trace and autograd knows about."""
+    if torch.compiler.is_compiling():
+        return True
+    if not torch.is_grad_enabled():  # inference: no per-tensor look (host time per call)
+        return False
+    return any(getattr(t, "requires_grad", False) for t in tensors)
+
+
 @torch.library.custom_op("hopper_flash::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
         causal: bool, deterministic: bool = False, window_left: int = -1,
@@ -64,16 +74,18 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-
 def bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, softmax_scale: float, causal: bool,
         deterministic: bool, window_left: int = -1,
-        window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward: ``(dq, dk, dv)`` from the forward's saved tensors."""
+        window_right: int = -1, softcap: float = 0.0,
+        sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward: ``(dq, dk, dv)`` from the forward's saved tensors;
+    ``sink``: attention sinks (``out``/``lse`` without them, ``sinks.py``)."""
     return plan_backward.backward(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic,
                                   window=checks.op_window(window_left, window_right, causal),
-                                  softcap=checks.check_softcap(softcap))
+                                  softcap=checks.check_softcap(softcap), sink=sink)
 
 
 @bwd.register_fake
 def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
-              softcap=0.0):
+              softcap=0.0, sink=None):
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
     plan_backward.check_head_dim(q.shape[3])
@@ -171,29 +183,30 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None, max_seqlen_q: int,
                max_seqlen_k: int, softmax_scale: float, causal: bool,
                deterministic: bool, window_left: int = -1,
-               window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               window_right: int = -1, softcap: float = 0.0,
+               sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Varlen attention backward: ``(dq, dk, dv)``, zero outside the live rows."""
     return _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                             max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
                             window=checks.op_window(window_left, window_right, causal),
-                            softcap=checks.check_softcap(softcap))
+                            softcap=checks.check_softcap(softcap), sink=sink)
 
 
 def _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, deterministic, window=None, softcap=0.0):
+                     max_seqlen_k, softmax_scale, causal, deterministic, window=None, softcap=0.0, sink=None):
     """``varlen_bwd``'s work; ``window``: ``checks.window_bounds``'s pair,
     already checked (the op checks its ints, the eager path its forward's),
     ``softcap`` a checked float."""
     varlen = plan_backward.VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                        max_seqlen_k)
     return plan_backward.backward_varlen(grad_out, q, k, v, out, lse, varlen, softmax_scale, causal, deterministic,
-                                         window=window, softcap=softcap)
+                                         window=window, softcap=softcap, sink=sink)
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
-                     softcap=0.0):
+                     softcap=0.0, sink=None):
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
     plan_backward.check_head_dim(q.shape[2])

@@ -122,11 +122,18 @@ def attention_reference(
     rows=None,
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(scale * q k^T + mask) v`` and its LSE.
 
     ``softcap`` (> 0): logit soft-capping, each scaled score ``x`` replaced
     by ``softcap * tanh(x / softcap)`` before the mask (flash-attn's).
+
+    ``sink`` (``[nheads]``): attention sinks (flash-attn's
+    ``learnable_sink``, gpt-oss's): head ``h``'s logit joins every row's
+    softmax as one more column with no value, unscaled; the LSE includes it
+    and rows with no visible key give 0 and an LSE of ``sink[h]``.
+    Differentiable in ``sink`` (and in q, k, v) when it requires grad.
 
     ``window``: a sliding window ``(left, right)`` (flash-attn's
     ``window_size``, -1 = no bound on that side): row ``r`` sees keys
@@ -176,7 +183,11 @@ def attention_reference(
             if softcap:
                 s = softcap * torch.tanh(s / softcap)
             _mask_scores(s, r, cols, seqlen_q, seqlen_k, causal, window)
-            row_lse = torch.logsumexp(s, dim=-1)  # -inf for rows with no visible key
+            if sink is not None:
+                column = sink.to(dtype)[h][:, None, None].expand(-1, s.shape[1], 1)
+                row_lse = torch.logsumexp(torch.cat([s, column], dim=-1), dim=-1)  # finite
+            else:
+                row_lse = torch.logsumexp(s, dim=-1)  # -inf for rows with no visible key
             # exp(-inf - 0) = 0 keeps empty rows at 0 instead of exp(-inf + inf) = NaN.
             p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
             out[b, h, r0:r0 + len(r)] = p @ vc
@@ -276,6 +287,37 @@ def softcap_eager(q, k, v, *, causal: bool = False, softmax_scale: float | None 
     return (p @ vt).transpose(1, 2)
 
 
+def sink_eager(q, k, v, sink: torch.Tensor, *, causal: bool = False, softmax_scale: float | None = None,
+               window: tuple[int, int] | None = None, softcap: float = 0.0) -> torch.Tensor:
+    """Attention with sinks as transformers' eager gpt-oss layer computes it,
+    in q's dtype (differentiable, the sink included): the scores ``q k^T *
+    scale`` in that dtype, masked, the sink appended as a column (in that
+    dtype), the row maximum subtracted, the softmax, the sink's column
+    dropped, then ``p v``. The baseline whose error a kernel with sinks is
+    judged against. ``softcap``: the scores capped first, as
+    :func:`softcap_eager` does."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
+    scale = _scale(softmax_scale, headdim)
+    group = nheads // nheads_kv
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+    s = (qt @ kt.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+    if window is not None:
+        visible &= window_visible(rows, cols, seqlen_q, seqlen_k, window)
+    s = s.masked_fill(~visible, -math.inf)
+    column = sink.to(q.dtype).view(1, -1, 1, 1).expand(batch, -1, seqlen_q, 1)
+    logits = torch.cat([s, column], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    p = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(q.dtype)
+    return (p @ vt).transpose(1, 2)
+
+
 def softcap_eager_grads(q, k, v, dout, *, causal: bool = False, softmax_scale: float | None = None,
                         softcap: float, window: tuple[int, int] | None = None):
     """``(dq, dk, dv)`` of :func:`softcap_eager` computed as a flash-style
@@ -310,6 +352,43 @@ def softcap_eager_grads(q, k, v, dout, *, causal: bool = False, softmax_scale: f
     dk = ((ds.transpose(-1, -2) @ qt).float() * scale).unflatten(1, (nheads_kv, group)).sum(2)
     dv = (p.to(dt).transpose(-1, -2) @ dot).float().unflatten(1, (nheads_kv, group)).sum(2)
     return tuple(x.transpose(1, 2).to(dt) for x in (dq, dk, dv))
+
+
+def sink_eager_grads(q, k, v, sink: torch.Tensor, dout, *, causal: bool = False,
+                     softmax_scale: float | None = None, window: tuple[int, int] | None = None):
+    """``(dq, dk, dv, dsink)`` of :func:`sink_eager` computed as a flash-style
+    backward does it in q's dtype (the baseline for gradients with sinks; see
+    :func:`softcap_eager_grads` for why not autograd): P with the sink's
+    column in float32, ``Δ = rowsum(dO ⊙ O)`` from the rounded output O, dS
+    rounded before its products, ``dsink = -sum over rows of p_sink · Δ``.
+    With a sink even a one-key row has a nonzero dS, ``p (1 - p) dO·v``,
+    which that cancellation resolves only to O's rounding."""
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
+    scale = _scale(softmax_scale, headdim)
+    group = nheads // nheads_kv
+    dt = q.dtype
+    qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, dout))
+    kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+    s = (qt @ kt.transpose(-1, -2)).float() * scale
+    rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    if causal:
+        visible &= cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+    if window is not None:
+        visible &= window_visible(rows, cols, seqlen_q, seqlen_k, window)
+    s = s.masked_fill(~visible, -math.inf)
+    column = sink.float().view(1, -1, 1, 1).expand(batch, -1, seqlen_q, 1)
+    p_all = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)
+    p, p_sink = p_all[..., :-1], p_all[..., -1]
+    o = p.to(dt) @ vt
+    dp = (dot @ vt.transpose(-1, -2)).float()
+    delta = (dot.float() * o.float()).sum(-1, keepdim=True)
+    ds = (p * (dp - delta)).to(dt)
+    dq = (ds @ kt).float() * scale
+    dk = ((ds.transpose(-1, -2) @ qt).float() * scale).unflatten(1, (nheads_kv, group)).sum(2)
+    dv = (p.to(dt).transpose(-1, -2) @ dot).float().unflatten(1, (nheads_kv, group)).sum(2)
+    dsink = -(p_sink * delta[..., 0]).sum(dim=(0, 2))
+    return (*(x.transpose(1, 2).to(dt) for x in (dq, dk, dv)), dsink.to(sink.dtype))
 
 
 def _mask_scores(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,

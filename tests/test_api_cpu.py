@@ -535,9 +535,13 @@ def test_the_ops_take_a_window_and_a_softcap():
     import hopper_flash.kvcache as kvcache
     import hopper_flash.ops as ops
 
-    for op in (ops.fwd, ops.bwd, ops.varlen_fwd, ops.varlen_bwd, kvcache.fwd_kvcache):
+    for op in (ops.fwd, ops.varlen_fwd, kvcache.fwd_kvcache):
         names = [a.name for a in op._opoverload._schema.arguments]
         assert names[-3:] == ["window_left", "window_right", "softcap"], names
+    # The backward ops take the attention sinks after them (sinks.py).
+    for op in (ops.bwd, ops.varlen_bwd):
+        names = [a.name for a in op._opoverload._schema.arguments]
+        assert names[-4:] == ["window_left", "window_right", "softcap", "sink"], names
 
 
 def test_window_bounds_fold_causal_and_unbounded_sides():

@@ -60,12 +60,13 @@ def fake_kernel(monkeypatch):
     """Replace hopper_flash.flash_attn_func by the float64 reference; record the calls."""
     calls = []
 
-    def fake(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, window_size=(-1, -1), softcap=0.0):
+    def fake(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, window_size=(-1, -1), softcap=0.0,
+             learnable_sink=None):
         calls.append(dict(q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                          softcap=softcap))
+                          softcap=softcap, learnable_sink=learnable_sink))
         window = window_bounds(window_size, causal)
         out, _ = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
-                                     softcap=softcap)
+                                     softcap=softcap, sink=learnable_sink)
         return out.to(q.dtype)
 
     monkeypatch.setattr(hopper_flash, "flash_attn_func", fake)
@@ -188,6 +189,23 @@ def test_flash_preload_wrapper_skips_only_our_name(registered):
     assert preload(NAME) is None
     # every other name goes to transformers' own function
     assert preload.__wrapped__ is modeling_flash_attention_utils.lazy_import_flash_attention
+
+
+def test_modeling_utils_does_not_take_our_name_for_flash_attention(registered):
+    """Else models listing compatible FlashAttention builds (gpt-oss) swap
+    hopper_flash for one of them; every other name is answered as before."""
+    from transformers import modeling_utils
+    from transformers.utils.generic import is_flash_attention_requested
+
+    check = modeling_utils.is_flash_attention_requested
+    if getattr(check, "_hopper_flash_skips", None) != NAME:
+        pytest.skip("this transformers asks no such question in modeling_utils")
+    assert check(requested_attention_implementation=NAME) is False
+    assert check(requested_attention_implementation=f"paged|{NAME}") is False
+    assert check(config=_llama_config(attn_implementation=NAME)) is False
+    for other in ("flash_attention_2", "kernels-community/vllm-flash-attn3", "sdpa", "eager"):
+        assert check(requested_attention_implementation=other) == is_flash_attention_requested(
+            requested_attention_implementation=other)
 
 
 def test_set_attn_implementation_on_cpu_without_gpu(registered):
@@ -413,7 +431,7 @@ def test_half_of_the_packed_kwargs_raises():
         hft.hopper_flash_attention_forward(_Module(), q, k, v, None, cu_seq_lens_q=torch.tensor([0, 8, 16]))
 
 
-@pytest.mark.parametrize("kwarg,value", [("s_aux", torch.zeros(4)),
+@pytest.mark.parametrize("kwarg,value", [("position_bias", torch.zeros(4)),
                                          ("cu_seqlens", torch.tensor([0, 8, 16]))])
 def test_unsupported_features_raise(kwarg, value):
     q, k, v = _qkv()
@@ -463,6 +481,61 @@ def test_softcap_reaches_the_call(fake_kernel):
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
     with pytest.raises(ValueError, match="softcap must be finite and >= 0"):
         hft.hopper_flash_attention_forward(_Module(), q, k, v, None, softcap=-1.0)
+
+
+def test_attention_sinks_reach_the_call(fake_kernel):
+    """gpt-oss's layers pass s_aux=self.sinks: it becomes flash-attn's
+    learnable_sink, and the result is gpt-oss's eager attention with sinks."""
+    q, k, v = _qkv(seqlen_q=16, seqlen_k=16)
+    sink = torch.randn(4)
+    out, _ = hft.hopper_flash_attention_forward(_Module(), q, k, v, None, scaling=0.125, s_aux=sink)
+    assert fake_kernel[-1]["learnable_sink"] is sink
+    hft.hopper_flash_attention_forward(_Module(), q, k, v, None, scaling=0.125)
+    assert fake_kernel[-1]["learnable_sink"] is None
+    s = (q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2)) * 0.125
+    s = s.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    logits = torch.cat([s, sink.double().view(1, -1, 1, 1).expand(2, -1, 16, 1)], dim=-1)
+    expected = (logits.softmax(-1)[..., :-1] @ v.double().repeat_interleave(2, dim=1)).transpose(1, 2)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
+
+
+@pytest.mark.skipif(not hasattr(transformers, "GptOssForCausalLM"), reason="transformers without gpt-oss")
+def test_gpt_oss_logits_equal_eager_cpu(registered, fake_kernel):
+    """A tiny gpt-oss (a sliding-window layer and a full one, each with
+    sinks) gives eager's logits with hopper_flash (the float64 stand-in
+    kernel): the sinks and the window reach every layer's call."""
+    import logging
+
+    config = transformers.GptOssConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"])
+    logging.getLogger("transformers").setLevel(logging.ERROR)  # the tiny config's RoPE-scaling note
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)  # sinks that take a real share (init: std 0.02)
+    ids = torch.randint(1, 1000, (2, 24), generator=torch.Generator().manual_seed(7))
+    eager = _logits(_set_attn(model, "eager"), ids)
+    ours = _logits(_set_attn(model, NAME), ids)
+    assert len(fake_kernel) == 2
+    assert [c["window_size"] for c in fake_kernel] == [(7, 7), (-1, -1)]
+    assert all(c["learnable_sink"] is layer.self_attn.sinks for c, layer in zip(fake_kernel, model.model.layers))
+    torch.testing.assert_close(ours, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_sinks_reach_the_varlen_call(monkeypatch):
+    """A padded batch with sinks: the varlen call gets them."""
+    calls = []
+    monkeypatch.setattr(hopper_flash, "flash_attn_varlen_func",
+                        lambda q, *a, **kw: calls.append(kw) or torch.zeros_like(q))
+    q, k, v = _qkv()
+    sink = torch.randn(4)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    hft.hopper_flash_attention_forward(_Module(), q, k, v, mask, s_aux=sink)
+    assert calls[-1]["learnable_sink"] is sink
 
 
 @pytest.mark.parametrize("module_causal,kwarg_causal,expected", [

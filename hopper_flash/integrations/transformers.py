@@ -24,6 +24,12 @@ What ``register()`` does, for the installed transformers:
   which fails for ``"hopper_flash"``. ``register()`` wraps that pre-import
   (``transformers.modeling_utils.lazy_import_flash_attention``) so that it
   skips ``"hopper_flash"`` only; every other name goes through unchanged.
+  Models that list the FlashAttention builds they work with (gpt-oss's
+  ``_compatible_flash_implementations``) would also swap any "flash" name
+  for the first of them: ``register()`` makes modeling_utils'
+  ``is_flash_attention_requested`` answer no for ``"hopper_flash"`` (and
+  only for it). There is no supported route to either: the name is the
+  public one, and transformers reads "flash" in it.
 
 The backend computes exactly what SDPA computes, or raises:
 
@@ -62,8 +68,9 @@ The backend computes exactly what SDPA computes, or raises:
   forward and backward, eager or compiled;
 * a layer's ``softcap`` (Gemma 2's ``attn_logit_softcapping``) becomes
   flash-attn's ``softcap``, forward and backward;
-* dropout > 0, attention sinks and position biases raise
-  ``NotImplementedError``;
+* attention sinks (gpt-oss's ``s_aux``) become flash-attn's
+  ``learnable_sink``, forward and backward (the sink's gradient included);
+* dropout > 0 and position biases raise ``NotImplementedError``;
 * ``query``/``key``/``value`` arrive as ``[batch, heads, seq, head_dim]`` and
   are handed to :func:`hopper_flash.flash_attn_func` as BSHD views
   (``.transpose(1, 2)``, no copy); k/v keep their own number of heads (GQA is
@@ -94,8 +101,6 @@ _PADDING_MESSAGE = (
 # Keyword arguments of transformers' attention calls that change the result and
 # that the hopper_flash kernel cannot honour: present and not None -> raise.
 _UNSUPPORTED_KWARGS = {
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "position_bias": "an additive position bias",
     "head_mask": "a head mask",
     "cu_seqlens": "packed sequences given as `cu_seqlens` (pass cu_seq_lens_q/cu_seq_lens_k)",
@@ -103,6 +108,8 @@ _UNSUPPORTED_KWARGS = {
 # Their names, and the packed-sequence kwargs': one set test per call finds
 # none of them (a decode step passes position_ids and use_cache).
 _UNSUPPORTED_NAMES = frozenset(_UNSUPPORTED_KWARGS)
+# Attention sinks (gpt-oss passes ``s_aux``): flash-attn's ``learnable_sink``.
+_SINK_NAMES = frozenset(("s_aux", "sinks"))
 _PACKED_NAMES = frozenset(("cu_seq_lens_q", "cu_seq_lens_k"))
 
 
@@ -228,11 +235,15 @@ def hopper_flash_attention_forward(
         packed = _packed_from_position_ids(kwargs.get("position_ids"), query, key)
     window_size = (-1, -1) if sliding_window is None else _window_size(sliding_window, seqlen_k)
     softcap = 0.0 if softcap is None else checks.check_softcap(softcap)
+    sink = None
+    if not _SINK_NAMES.isdisjoint(kwargs):
+        sink = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
     if packed is not None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
         if packed is not None:
-            return _run_packed(query, key, value, packed, bool(is_causal), scaling, window_size, softcap), None
+            return _run_packed(query, key, value, packed, bool(is_causal), scaling, window_size, softcap,
+                               sink), None
         return _run_padded(query, key, value, attention_mask, bool(is_causal), scaling, window_size,
-                           softcap), None
+                           softcap, sink), None
 
     mask_causal = None
     if attention_mask is not None:
@@ -250,7 +261,7 @@ def hopper_flash_attention_forward(
         causal = bool(is_causal) and seqlen_q > 1
 
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if not interface._needs_op(q, k, v):
+    if sink is None and not interface._needs_op(q, k, v):
         # Inference (every decode step): the call prepared for these
         # arguments' signature, if flash_attn_func has made one, which it
         # does for CUDA tensors on their first direct launch; its option
@@ -263,7 +274,7 @@ def hopper_flash_attention_forward(
     import hopper_flash  # attribute looked up per call: the public entry point
 
     return hopper_flash.flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal, window_size=window_size,
-                                        softcap=softcap), None
+                                        softcap=softcap, learnable_sink=sink), None
 
 
 def _window_size(sliding_window, seqlen_k: int) -> tuple[int, int]:
@@ -290,7 +301,7 @@ def _thd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
-def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1), softcap=0.0):
+def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1), softcap=0.0, sink=None):
     """A padded batch as one varlen call, with no host sync (see the module docstring)."""
     import hopper_flash
 
@@ -318,7 +329,8 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
         used_q = None
     out = hopper_flash.flash_attn_varlen_func(
         _thd(query), _thd(key), _thd(value), cu_q, cu_k, seqlen_q, seqlen_k, seqused_q=used_q, seqused_k=lens_k,
-        softmax_scale=scaling, causal=is_causal and seqlen_q > 1, window_size=window_size, softcap=softcap)
+        softmax_scale=scaling, causal=is_causal and seqlen_q > 1, window_size=window_size, softcap=softcap,
+        learnable_sink=sink)
     return out.view(batch, seqlen_q, nheads, head_dim)
 
 
@@ -370,14 +382,14 @@ def _packed_from_position_ids(position_ids, query, key):
     return result
 
 
-def _run_packed(query, key, value, packed, is_causal, scaling, window_size=(-1, -1), softcap=0.0):
+def _run_packed(query, key, value, packed, is_causal, scaling, window_size=(-1, -1), softcap=0.0, sink=None):
     import hopper_flash
 
     batch, nheads, seqlen_q, head_dim = query.shape
     cu_q, cu_k, max_q, max_k = packed
     out = hopper_flash.flash_attn_varlen_func(
         _thd(query), _thd(key), _thd(value), cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=is_causal,
-        window_size=window_size, softcap=softcap)
+        window_size=window_size, softcap=softcap, learnable_sink=sink)
     return out.view(batch, seqlen_q, nheads, head_dim)
 
 
@@ -390,7 +402,9 @@ def _allow_flash_named_backend(transformers) -> None:
     ``PreTrainedModel._check_and_adjust_attn_implementation`` calls
     ``lazy_import_flash_attention(name)`` for every name with "flash" in it,
     which looks for a FlashAttention kernel of that name and raises. The
-    wrapper skips that pre-import for NAME only.
+    wrapper skips that pre-import for NAME only. Models that list the
+    FlashAttention builds they work with are redirected to one of them
+    (below). Both wrappers act on NAME only and are installed once.
     """
     try:
         from transformers import modeling_utils
@@ -400,17 +414,40 @@ def _allow_flash_named_backend(transformers) -> None:
     if not is_flash_attention_requested(requested_attention_implementation=NAME):
         return
     original = getattr(modeling_utils, "lazy_import_flash_attention", None)
-    if original is None or getattr(original, "_hopper_flash_skips", None) == NAME:
+    if original is not None and getattr(original, "_hopper_flash_skips", None) != NAME:
+        @functools.wraps(original)
+        def lazy_import_flash_attention(implementation, *args, **kwargs):
+            if implementation == NAME:
+                return None  # hopper_flash is no FlashAttention kernel: nothing to pre-import
+            return original(implementation, *args, **kwargs)
+
+        lazy_import_flash_attention._hopper_flash_skips = NAME
+        modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+
+    # Models that list FlashAttention builds they work with (gpt-oss's
+    # ``_compatible_flash_implementations``) are redirected from any "flash"
+    # name to the first of them when the model is set up
+    # (``_check_and_adjust_attn_implementation``): hopper_flash would become
+    # kernels-community/vllm-flash-attn3. modeling_utils asks
+    # ``is_flash_attention_requested`` only about FlashAttention builds
+    # (that redirect, the pre-import above, FA2/FA3 availability checks): in
+    # its namespace the answer for NAME is no.
+    check = getattr(modeling_utils, "is_flash_attention_requested", None)
+    if check is None or getattr(check, "_hopper_flash_skips", None) == NAME:
         return
 
-    @functools.wraps(original)
-    def lazy_import_flash_attention(implementation, *args, **kwargs):
-        if implementation == NAME:
-            return None  # hopper_flash is no FlashAttention kernel: nothing to pre-import
-        return original(implementation, *args, **kwargs)
+    @functools.wraps(check)
+    def is_flash_attention_requested_unless_ours(*args, **kwargs):
+        config = kwargs.get("config", args[0] if args else None)
+        name = kwargs.get("requested_attention_implementation")
+        if name is None and config is not None:
+            name = getattr(config, "_attn_implementation", None)
+        if isinstance(name, str) and name.split("|")[-1] == NAME:
+            return False
+        return check(*args, **kwargs)
 
-    lazy_import_flash_attention._hopper_flash_skips = NAME
-    modeling_utils.lazy_import_flash_attention = lazy_import_flash_attention
+    is_flash_attention_requested_unless_ours._hopper_flash_skips = NAME
+    modeling_utils.is_flash_attention_requested = is_flash_attention_requested_unless_ours
 
 
 def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
