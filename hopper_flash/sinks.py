@@ -58,14 +58,15 @@ def _sink_shaped(sink: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return s.view(1, -1, 1) if lse.dim() == 3 else s.view(-1, 1)
 
 
-def _rows_of_out(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """A per-row ``[.., H, rows]`` tensor in ``out``'s row order, with a trailing unit axis."""
+def _rows_of_out(x: torch.Tensor) -> torch.Tensor:
+    """A per-row ``[.., H, rows]`` tensor in the output's row order, with a trailing unit axis."""
     return (x.transpose(1, 2) if x.dim() == 3 else x.t()).unsqueeze(-1)
 
 
 def _block(rows: int) -> int:
-    """Rows per program of kernels/sink.py: 64, or the rows' power of two
-    below that (a decode step's one row per sequence)."""
+    """Rows per program of kernels/sink.py: 64, or fewer rows (the power of
+    two at or above their number) for short ones, such as a decode step's
+    one row per sequence."""
     return min(64, triton.next_power_of_2(max(rows, 1)))
 
 
@@ -108,7 +109,7 @@ def renormalise(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> tup
         return out_sink, lse_sink
     lse_sink = torch.logaddexp(lse, _sink_shaped(sink, lse))
     factor = torch.exp(lse - lse_sink)  # 0 where lse is -inf
-    return (out.float() * _rows_of_out(factor, out)).to(out.dtype), lse_sink
+    return (out.float() * _rows_of_out(factor)).to(out.dtype), lse_sink
 
 
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, lse_sink: torch.Tensor,
