@@ -210,6 +210,16 @@ def check_cuda(t: torch.Tensor, name: str = "q") -> None:
         raise ValueError(f"{name} must be a CUDA tensor on a Hopper GPU (sm_90), got device '{t.device}'")
 
 
+def check_op_device(q: torch.Tensor) -> None:
+    """Before a custom op's call: ``check_device``, or under tracing only
+    ``check_cuda`` (Dynamo cannot trace the driver's capability query; the
+    op's fake implementation runs the whole device check, outside Dynamo)."""
+    if torch.compiler.is_compiling():
+        check_cuda(q)
+    else:
+        check_device(q)
+
+
 def check_device(t: torch.Tensor, name: str = "q") -> None:
     """Raise unless ``t`` lives on a Hopper (sm_90) CUDA device. Reads only
     ``t.device``, so it works on fake tensors too."""

@@ -151,12 +151,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
         # The op's schema takes a float and a bool: check the Python values
         # here, as the eager path does, before they are converted.
         softmax_scale = checks.check_arguments(q, k, v, softmax_scale, causal)
-        if torch.compiler.is_compiling():
-            # Dynamo cannot trace the driver's capability query; the op's fake
-            # implementation runs the whole device check, outside Dynamo.
-            checks.check_cuda(q)
-        else:
-            checks.check_device(q)
+        checks.check_op_device(q)
         out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic), *(window or (-1, -1)),
                            softcap)
         return (out, lse) if return_lse else out
@@ -279,12 +274,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
             causal)
-        if torch.compiler.is_compiling():
-            checks.check_cuda(q)
-        else:
-            checks.check_device(q)
-            # The op's real implementation honours HOPPER_FLASH_CHECK_VARLEN itself.
-            if check_contract:
+        checks.check_op_device(q)
+        if check_contract and not torch.compiler.is_compiling():
+            # (The op's real implementation honours HOPPER_FLASH_CHECK_VARLEN itself.)
                 checks.check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              seqused_q, seqused_k)
         out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,

@@ -211,15 +211,16 @@ def attention(q, k, v, sink, softmax_scale, causal, deterministic, window, softc
     """``flash_attn_func`` with ``learnable_sink=sink``; returns ``(out, lse)``.
     ``window``/``softcap`` already resolved (``checks.window_bounds``,
     ``checks.check_softcap``)."""
-    softmax_scale = checks.check_arguments(q, k, v, softmax_scale, causal)
-    checks.check_learnable_sink(sink, q.shape[2], q.device)
     if ops.needs_op(q, k, v, sink):
-        if torch.compiler.is_compiling():
-            checks.check_cuda(q)
-        else:
-            checks.check_device(q)
+        softmax_scale = checks.check_arguments(q, k, v, softmax_scale, causal)
+        checks.check_learnable_sink(sink, q.shape[2], q.device)
+        checks.check_op_device(q)
         return SinkAttention.apply(q, k, v, sink, softmax_scale, bool(causal), bool(deterministic),
                                    *_window(window), softcap)
+    # Inference: dispatch.forward validates q, k, v (or takes a prepared call:
+    # a decode step's host time); the sink is checked before it launches.
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        checks.check_learnable_sink(sink, q.shape[2], q.device)
     out, lse = dispatch.forward(q, k, v, softmax_scale, causal, True, window=window, softcap=softcap)
     return renormalise(out, lse, sink)
 
@@ -227,21 +228,20 @@ def attention(q, k, v, sink, softmax_scale, causal, deterministic, window, softc
 def varlen_attention(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                      softmax_scale, causal, deterministic, check_contract, window, softcap: float):
     """``flash_attn_varlen_func`` with ``learnable_sink=sink``; returns ``(out, lse)``."""
-    softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
-        causal)
-    checks.check_learnable_sink(sink, q.shape[1], q.device)
     if ops.needs_op(q, k, v, sink):
-        if torch.compiler.is_compiling():
-            checks.check_cuda(q)
-        else:
-            checks.check_device(q)
-            if check_contract:
-                checks.check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                             seqused_q, seqused_k)
+        softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
+            causal)
+        checks.check_learnable_sink(sink, q.shape[1], q.device)
+        checks.check_op_device(q)
+        if check_contract and not torch.compiler.is_compiling():
+            checks.check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                         seqused_k)
         return SinkVarlenAttention.apply(q, k, v, sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                          max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
                                          bool(deterministic), *_window(window), softcap)
+    if isinstance(q, torch.Tensor) and q.dim() == 3:  # (q's own errors: dispatch.forward_varlen's)
+        checks.check_learnable_sink(sink, q.shape[1], q.device)
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k, softmax_scale, causal, True, check_contract, window=window,
                                        softcap=softcap)
