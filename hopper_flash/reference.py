@@ -262,6 +262,19 @@ def attention_baseline(
     return out
 
 
+def _visible(seqlen_q: int, seqlen_k: int, causal: bool, window, device) -> torch.Tensor:
+    """``[seqlen_q, seqlen_k]`` booleans: which keys each query row sees
+    (bottom-right causal, and a sliding window: ``window_visible``); the
+    eager baselines' mask."""
+    rows, cols = torch.arange(seqlen_q, device=device), torch.arange(seqlen_k, device=device)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if causal:
+        visible &= cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+    if window is not None:
+        visible &= window_visible(rows, cols, seqlen_q, seqlen_k, window)
+    return visible
+
+
 def softcap_eager(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, softcap: float,
                   window: tuple[int, int] | None = None) -> torch.Tensor:
     """Soft-capped attention as transformers' eager Gemma 2 layer computes it,
@@ -276,12 +289,7 @@ def softcap_eager(q, k, v, *, causal: bool = False, softmax_scale: float | None 
     kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
     s = (qt @ kt.transpose(-1, -2)) * scale
     s = softcap * torch.tanh(s / softcap)
-    rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
-    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
-    if causal:
-        visible &= cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
-    if window is not None:
-        visible &= window_visible(rows, cols, seqlen_q, seqlen_k, window)
+    visible = _visible(seqlen_q, seqlen_k, causal, window, q.device)
     s = s.masked_fill(~visible, -math.inf)
     p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
     return (p @ vt).transpose(1, 2)
@@ -304,12 +312,7 @@ def sink_eager(q, k, v, sink: torch.Tensor, *, causal: bool = False, softmax_sca
     s = (qt @ kt.transpose(-1, -2)) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
-    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
-    if causal:
-        visible &= cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
-    if window is not None:
-        visible &= window_visible(rows, cols, seqlen_q, seqlen_k, window)
+    visible = _visible(seqlen_q, seqlen_k, causal, window, q.device)
     s = s.masked_fill(~visible, -math.inf)
     column = sink.to(q.dtype).view(1, -1, 1, 1).expand(batch, -1, seqlen_q, 1)
     logits = torch.cat([s, column], dim=-1)
@@ -336,12 +339,7 @@ def softcap_eager_grads(q, k, v, dout, *, causal: bool = False, softmax_scale: f
     kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
     s = (qt @ kt.transpose(-1, -2)) * scale
     t = torch.tanh(s / softcap)
-    rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
-    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
-    if causal:
-        visible &= cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
-    if window is not None:
-        visible &= window_visible(rows, cols, seqlen_q, seqlen_k, window)
+    visible = _visible(seqlen_q, seqlen_k, causal, window, q.device)
     z = (softcap * t).float().masked_fill(~visible, -math.inf)
     p = torch.softmax(z, dim=-1).nan_to_num(0.0)
     o = p.to(dt) @ vt
@@ -370,12 +368,7 @@ def sink_eager_grads(q, k, v, sink: torch.Tensor, dout, *, causal: bool = False,
     qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, dout))
     kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
     s = (qt @ kt.transpose(-1, -2)).float() * scale
-    rows, cols = torch.arange(seqlen_q, device=q.device), torch.arange(seqlen_k, device=q.device)
-    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
-    if causal:
-        visible &= cols[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
-    if window is not None:
-        visible &= window_visible(rows, cols, seqlen_q, seqlen_k, window)
+    visible = _visible(seqlen_q, seqlen_k, causal, window, q.device)
     s = s.masked_fill(~visible, -math.inf)
     column = sink.float().view(1, -1, 1, 1).expand(batch, -1, seqlen_q, 1)
     p_all = torch.softmax(torch.cat([s, column], dim=-1), dim=-1)
