@@ -65,11 +65,20 @@ def _block(rows: int) -> int:
     return min(64, triton.next_power_of_2(max(rows, 1)))
 
 
+def _fused(*tensors) -> bool:
+    """Run kernels/sink.py: plain CUDA tensors, outside torch.compile and
+    any dispatch mode (an AOT-traced backward runs this under one, with
+    fake tensors that have no data: it gets torch's ops, which it fuses)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    return all(type(t) is torch.Tensor and t.is_cuda for t in tensors)
+
+
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """``ds`` (``sink``'s shape and dtype) from a forward's sink-normalised
     ``out`` and ``lse`` (fixed length: ``out [B, Sq, H, D]``, ``lse [B, H,
     Sq]``; varlen: ``out [T, H, D]``, ``lse [H, T]``; module docstring)."""
-    if out.is_cuda and not torch.compiler.is_compiling():
+    if _fused(dout, out, lse, sink):
         out = out if _row_layout(out, lse)[2] is not None else out.contiguous()
         dout = dout if _row_layout(dout, lse)[2] is not None else dout.contiguous()
         batch, rows, so = _row_layout(out, lse)

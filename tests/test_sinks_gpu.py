@@ -319,10 +319,10 @@ def test_a_prepared_call_does_not_serve_a_call_with_a_sink():
     """A plain call prepares its signature's launch (plan.PreparedForward);
     the same shapes with a sink must not take it."""
     q, k, v = rnd(2, 1, 8, 128, seed=91), rnd(2, 3000, 2, 128, seed=92), rnd(2, 3000, 2, 128, seed=93)
-    s = sinks(8, 94)
+    s = sinks(8, 94) + 8.0  # near the rows' LSE (~8.5 over 3000 keys): the sink takes a large share
     for _ in range(2):
         plain = hopper_flash.flash_attn_func(q, k, v, causal=True)
     out = hopper_flash.flash_attn_func(q, k, v, causal=True, learnable_sink=s)
     ref, _ = attention_reference(q, k, v, causal=True, sink=s)
     assert_judged("out", out, ref, sink_eager(q, k, v, s, causal=True))
-    assert (out.float() - plain.float()).abs().max() > 1e-3
+    assert (out.float() - plain.float()).abs().max() > 0.05
