@@ -8,7 +8,6 @@ the GEMMs), TMA loads, TMA stores only where O goes through shared memory
 (not for split partials), setmaxnreg, shared memory within the limit.
 """
 import functools
-import re
 
 import pytest
 
