@@ -89,6 +89,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "sched_ptr": "*i32",
         "k_ptr": f"*{sig_dtype}",
         "v_ptr": f"*{sig_dtype}",
+        "sink_ptr": "*fp32",
         "seqlen_q": "i32",
         "seqlen_k": "i32",
         "num_heads": "i32",

@@ -16,10 +16,11 @@ import torch
 from . import checks, plan
 
 
-def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None, softcap=0.0):
+def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None, softcap=0.0, sink=None):
     """Validated forward; ``out`` lets tests hand in a poisoned buffer;
     ``window``: ``checks.window_bounds``'s ``(left, right)`` or None;
-    ``softcap``: ``checks.check_softcap``'s cap (0.0: none).
+    ``softcap``: ``checks.check_softcap``'s cap (0.0: none); ``sink``:
+    attention sinks (``checks.check_learnable_sink``'s ``[H]``) or None.
 
     Returns ``(out, lse)`` when ``return_lse`` else ``out``.
 
@@ -29,16 +30,16 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None, s
     checks and the plan are what they were, so only the outputs are
     allocated and the kernels launched. The signature leaves the key length
     free, so a decode step's growing cache keeps its prepared call. This is
-    most of a decode step's host time."""
+    most of a decode step's host time. Calls with sinks take the full path."""
     key = signature = None
-    if out is None:
+    if out is None and sink is None:
         result, key = prepared_forward(q, k, v, softmax_scale, causal, return_lse, window, softcap)
         if result is not None:
             return result
         signature = key[0] if key is not None else None  # validate's key: computed once
     softmax_scale = checks.validate(q, k, v, softmax_scale, causal, signature)
     return forward_validated(q, k, v, softmax_scale, causal, return_lse, out, window, prepare_key=key,
-                             softcap=softcap)
+                             softcap=softcap, sink=sink)
 
 
 def prepared_forward(q, k, v, softmax_scale, causal, return_lse, window=None, softcap=0.0):
@@ -56,7 +57,7 @@ def prepared_forward(q, k, v, softmax_scale, causal, return_lse, window=None, so
 
 
 def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=None, window=None, prepare_key=None,
-                      softcap=0.0):
+                      softcap=0.0, sink=None):
     """``forward`` on arguments that passed ``checks.validate`` (which
     resolved ``softmax_scale``): the eager autograd Functions (``ops``) are
     applied to arguments checked once, before ``apply``. ``prepare_key``:
@@ -76,19 +77,28 @@ def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=Non
     if out.numel() == 0:
         pass  # nothing to compute: no launch
     elif seqlen_k == 0:
-        out.zero_()  # no key at all: zero output, -inf LSE, no launch
+        out.zero_()  # no key at all: zero output, -inf LSE (the sink's where given), no launch
         if lse is not None:
-            lse.fill_(-math.inf)
+            fill_empty_lse(lse, sink)
     else:
         # num_splits=0, pack_gqa=None: the decode heuristics (split-KV,
         # PackGQA) take over when seqlen_q is small next to seqlen_k; large
         # problems get the plain prefill kernel.
         with plan.on_device(q):
             direct = plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None,
-                                         window=window, softcap=softcap)
+                                         window=window, softcap=softcap, sink=plan.sink_f32(sink))
         if direct is not None and prepare_key is not None and q.device.type == checks._PASSED_DEVICE_TYPE:
             plan.remember_prepared(prepare_key, direct, q, k, out, lse, softmax_scale, softcap)
     return (out, lse) if return_lse else out
+
+
+def fill_empty_lse(lse, sink) -> None:
+    """The LSE of rows that saw no key: -inf, or with sinks their head's
+    logit (``lse`` ``[B, H, Sq]`` or ``[H, T]``)."""
+    if sink is None:
+        lse.fill_(-math.inf)
+    else:
+        lse.copy_(sink.detach().float().view(-1, 1).expand(lse.shape[-2:]).expand(lse.shape))
 
 
 def _check_contract_requested(check_contract) -> bool:
@@ -115,22 +125,25 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                   softmax_scale, causal, return_lse, check_contract=None, out=None, window=None, softcap=0.0):
+                   softmax_scale, causal, return_lse, check_contract=None, out=None, window=None, softcap=0.0,
+                   sink=None):
     """Validated varlen forward on THD tensors; returns ``(out, lse)`` with
     ``lse`` ``[nheads, total_q]`` (None unless ``return_lse``).
 
     Rows of q outside every sequence's live part (past ``seqused_q``) get a
-    zero output and an LSE of -inf. ``out`` lets tests hand in a poisoned
-    buffer (then those rows are left as they are)."""
+    zero output and an LSE of -inf (with sinks, ``sink``, their head's
+    logit). ``out`` lets tests hand in a poisoned buffer (then those rows
+    are left as they are)."""
     softmax_scale, max_seqlen_q, max_seqlen_k = validate_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
         causal, check_contract)
     return forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
-                                    seqused_k, softmax_scale, causal, return_lse, out, window, softcap)
+                                    seqused_k, softmax_scale, causal, return_lse, out, window, softcap, sink)
 
 
 def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                             softmax_scale: float, causal, return_lse, out=None, window=None, softcap=0.0):
+                             softmax_scale: float, causal, return_lse, out=None, window=None, softcap=0.0,
+                             sink=None):
     """``forward_varlen`` on arguments that passed ``validate_varlen``."""
     total_q, nheads, _ = q.shape
     # Gaps (rows past seqused_q) are never written by the kernel: zero them up
@@ -142,8 +155,9 @@ def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         raise ValueError(f"out must be contiguous and match q's shape, dtype and device, got {tuple(out.shape)} "
                          f"{out.dtype} on {out.device}")
     if return_lse:
-        lse = (torch.full((nheads, total_q), -math.inf, dtype=torch.float32, device=q.device) if gaps
-               else torch.empty((nheads, total_q), dtype=torch.float32, device=q.device))
+        lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
+        if gaps:
+            fill_empty_lse(lse, sink)
     else:
         lse = None
     if out.numel() == 0:
@@ -151,10 +165,10 @@ def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     if k.shape[0] == 0:
         out.zero_()  # no key in any sequence
         if lse is not None:
-            lse.fill_(-math.inf)
+            fill_empty_lse(lse, sink)
         return out, lse
     with plan.on_device(q):
         plan.launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                    max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), window=window,
-                                   softcap=softcap)
+                                   softcap=softcap, sink=plan.sink_f32(sink))
     return out, lse

@@ -20,7 +20,7 @@ from typing import Literal, overload
 
 import torch
 
-from . import checks, dispatch, ops, sinks
+from . import checks, dispatch, ops
 
 
 _needs_op = ops.needs_op
@@ -113,8 +113,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
             row's softmax as a key with no value (not scaled by
             ``softmax_scale``); the LSE then includes it, and rows that see
             no key return zeros with an LSE equal to the sink. Differentiable
-            in the sink too. Applied to the kernel's output and LSE
-            (``sinks.py``: one more elementwise pass).
+            in the sink too. Taken in the kernels' normaliser (``sinks.py``);
+            each mode compiles a specialisation with sinks on first use.
         dropout_p, alibi_slopes, deterministic,
             return_attn_probs: flash-attn 2's options, accepted at their
             no-op values (0.0, None, any bool, False); other values
@@ -137,25 +137,25 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
-    if learnable_sink is not None:
-        out, lse = sinks.attention(q, k, v, learnable_sink, softmax_scale, causal, deterministic, window, softcap)
-        return (out, lse) if return_lse else out
-    if _needs_op(q, k, v):
-        if ops.plain_eager(q, k, v):
+    sink = learnable_sink
+    if sink is not None and isinstance(q, torch.Tensor) and q.dim() == 4:  # (q's own errors: the checks below)
+        checks.check_learnable_sink(sink, q.shape[2], q.device)
+    if _needs_op(q, k, v, sink):
+        if ops.plain_eager(q, k, v, sink):
             # The op's autograd without its dispatch (host time per call),
             # on arguments validated once, here.
             softmax_scale = checks.validate(q, k, v, softmax_scale, causal)
             out, lse = ops.EagerAttention.apply(q, k, v, softmax_scale, bool(causal), bool(deterministic), window,
-                                                softcap)
+                                                softcap, sink)
             return (out, lse) if return_lse else out
         # The op's schema takes a float and a bool: check the Python values
         # here, as the eager path does, before they are converted.
         softmax_scale = checks.check_arguments(q, k, v, softmax_scale, causal)
         checks.check_op_device(q)
         out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic), *(window or (-1, -1)),
-                           softcap)
+                           softcap, sink)
         return (out, lse) if return_lse else out
-    return dispatch.forward(q, k, v, softmax_scale, causal, return_lse, window=window, softcap=softcap)
+    return dispatch.forward(q, k, v, softmax_scale, causal, return_lse, window=window, softcap=softcap, sink=sink)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -255,13 +255,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise NotImplementedError("block_table must be None (paged K/V is served by flash_attn_with_kvcache)")
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
-    if learnable_sink is not None:
-        out, lse = sinks.varlen_attention(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k, seqused_q, seqused_k, softmax_scale, causal, deterministic,
-                                          check_contract, window, softcap)
-        return (out, lse) if return_lse else out
-    if _needs_op(q, k, v):
-        if ops.plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    sink = learnable_sink
+    if sink is not None and isinstance(q, torch.Tensor) and q.dim() == 3:  # (q's own errors: the checks below)
+        checks.check_learnable_sink(sink, q.shape[1], q.device)
+    if _needs_op(q, k, v, sink):
+        if ops.plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink):
             # The op's autograd without its dispatch (host time per call), on
             # arguments validated once, here (the contract check included).
             softmax_scale, max_seqlen_q, max_seqlen_k = dispatch.validate_varlen(
@@ -269,7 +267,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 causal, check_contract)
             out, lse = ops.EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                                       max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
-                                                      bool(deterministic), window, softcap)
+                                                      bool(deterministic), window, softcap, sink)
             return (out, lse) if return_lse else out
         softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
@@ -281,9 +279,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                              seqused_q, seqused_k)
         out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, bool(causal), bool(deterministic),
-                                  *(window or (-1, -1)), softcap)
+                                  *(window or (-1, -1)), softcap, sink)
         return (out, lse) if return_lse else out
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k, softmax_scale, causal, return_lse, check_contract, window=window,
-                                       softcap=softcap)
+                                       softcap=softcap, sink=sink)
     return (out, lse) if return_lse else out

@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from . import checks, plan, sinks
+from . import checks, dispatch, plan
 from .checks import check_device
 from .checks import check_tma_addressable as _check_tma_addressable
 
@@ -205,10 +205,11 @@ def _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table):
 
 
 def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                    num_splits, pack_gqa, return_lse, check=None, window=None, softcap=0.0):
+                    num_splits, pack_gqa, return_lse, check=None, window=None, softcap=0.0, sink=None):
     """Validated append + attention; returns ``(out, lse or None)``.
     ``window``: ``checks.window_bounds``'s ``(left, right)`` or None;
-    ``softcap``: ``checks.check_softcap``'s float."""
+    ``softcap``: ``checks.check_softcap``'s float; ``sink``: attention
+    sinks (checked, ``checks.check_learnable_sink``) or None."""
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa)
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -242,7 +243,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
         # A cache with no rows at all (TMA cannot describe it): nothing to see.
         out.zero_()
         if lse is not None:
-            lse.fill_(-math.inf)
+            dispatch.fill_empty_lse(lse, sink)
         return out, lse
     cfg = plan.CONFIGS[head_dim]
     kc, vc, pt = k_cache, v_cache, page_table
@@ -257,7 +258,8 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
             pt = None
     args = (q, kc, vc, out, lse, softmax_scale, causal, cfg)
     kwargs = dict(seqused_k=seqused, kv_batch=cache_batch_idx if pt is None else None, page_table=pt,
-                  num_splits=num_splits, pack_gqa=pack_gqa, window=window, softcap=softcap)
+                  num_splits=num_splits, pack_gqa=pack_gqa, window=window, softcap=softcap,
+                  sink=plan.sink_f32(sink))
     with plan.on_device(q):
         plan.launch_forward(*args, **kwargs)
     return out, lse
@@ -268,22 +270,26 @@ def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                 page_table: torch.Tensor | None, softmax_scale: float, causal: bool, num_splits: int,
                 pack_gqa: int, window_left: int = -1, window_right: int = -1,
-                softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                softcap: float = 0.0, sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Append + attention; returns ``(out, lse)``. ``pack_gqa``: -1 auto, 0 off, 1 on;
     ``window_left``/``window_right``: ``checks.window_bounds``'s, -1 -1 for none;
-    ``softcap``: logit soft-capping, 0.0 for none."""
+    ``softcap``: logit soft-capping, 0.0 for none; ``sink``: attention sinks."""
     window = checks.op_window(window_left, window_right, causal)
+    if sink is not None:
+        checks.check_learnable_sink(sink, q.shape[2], q.device)
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                                causal, num_splits, None if pack_gqa < 0 else bool(pack_gqa), True, window=window,
-                               softcap=checks.check_softcap(softcap))
+                               softcap=checks.check_softcap(softcap), sink=sink)
     return out, lse
 
 
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                      num_splits, pack_gqa, window_left=-1, window_right=-1, softcap=0.0):
+                      num_splits, pack_gqa, window_left=-1, window_right=-1, softcap=0.0, sink=None):
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
+    if sink is not None:
+        checks.check_learnable_sink(sink, q.shape[2], q.device)
     batch, seqlen_q, nheads, _ = q.shape
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device))
@@ -330,26 +336,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
-    if learnable_sink is not None:
+    if learnable_sink is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
         # Checked before anything runs (the append mutates the cache); a bad
         # q is reported by q's own checks below.
-        if isinstance(q, torch.Tensor) and q.dim() == 4:
-            checks.check_learnable_sink(learnable_sink, q.shape[2], q.device)
-        out, lse = flash_attn_with_kvcache(
-            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-            page_table=page_table, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-            softcap=softcap, num_splits=num_splits, pack_gqa=pack_gqa, return_softmax_lse=True,
-            check_contract=check_contract)
-        out, lse = sinks.renormalise(out, lse, learnable_sink)
-        return (out, lse) if return_softmax_lse else out
+        checks.check_learnable_sink(learnable_sink, q.shape[2], q.device)
     if torch.compiler.is_compiling() or torch.is_grad_enabled() and getattr(q, "requires_grad", False):
         if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
             cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         out, lse = fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, float(scale),
                                bool(causal), int(num_splits), -1 if pack_gqa is None else int(bool(pack_gqa)),
-                               *(window or (-1, -1)), softcap)
+                               *(window or (-1, -1)), softcap,
+                               None if learnable_sink is None else learnable_sink.detach())  # (no gradient)
         return (out, lse) if return_softmax_lse else out
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                               causal, num_splits, pack_gqa, return_softmax_lse, check_contract, window, softcap)
+                               causal, num_splits, pack_gqa, return_softmax_lse, check_contract, window, softcap,
+                               learnable_sink)
     return (out, lse) if return_softmax_lse else out

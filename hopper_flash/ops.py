@@ -9,7 +9,10 @@ forward (``dispatch.forward``). Its autograd formula saves q, k, v, out and
 lse and calls ``hopper_flash::bwd``, a custom op of its own with its own fake
 implementation, so a compiled backward graph contains it as one opaque node.
 The gradient of ``lse`` itself is not propagated (as in flash-attn): only
-``out`` is differentiable.
+``out`` is differentiable. Attention sinks (``sink``, flash-attn's
+``learnable_sink``) are in the forward kernels' normaliser, so the saved
+``out`` and ``lse`` are the sink-normalised ones and the backward kernels
+run unchanged on them; the sink's own gradient is ``sinks.sink_grad``.
 
 Eager calls skip the dispatcher, whose cost in host time exceeds what a
 short attention call takes on the GPU: without autograd ``interface`` calls
@@ -28,7 +31,7 @@ import torch
 
 from torch.autograd.function import once_differentiable
 
-from . import checks, dispatch, plan_backward
+from . import checks, dispatch, plan_backward, sinks
 
 
 def needs_op(*tensors) -> bool:
@@ -44,24 +47,34 @@ def needs_op(*tensors) -> bool:
 @torch.library.custom_op("hopper_flash::fwd", mutates_args=(), device_types="cuda")
 def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
         causal: bool, deterministic: bool = False, window_left: int = -1,
-        window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        window_right: int = -1, softcap: float = 0.0,
+        sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on BSHD tensors; returns ``(out, lse)``.
     ``deterministic`` only selects the backward's dQ summation order;
     ``window_left``/``window_right``: ``checks.window_bounds``'s sliding
-    window, -1 -1 for none; ``softcap``: logit soft-capping (0.0: none)."""
+    window, -1 -1 for none; ``softcap``: logit soft-capping (0.0: none);
+    ``sink``: attention sinks, ``[H]`` (None: none)."""
+    _check_sink(sink, q, 2)
     return dispatch.forward(q, k, v, softmax_scale, causal, True,
                             window=checks.op_window(window_left, window_right, causal),
-                            softcap=checks.check_softcap(softcap))
+                            softcap=checks.check_softcap(softcap), sink=sink)
+
+
+def _check_sink(sink, q, head_axis: int) -> None:
+    if sink is not None:
+        checks.check_learnable_sink(sink, q.shape[head_axis], q.device)
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
+def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+              sink=None):
     # The same checks as the eager path, so a traced call fails at trace time
     # with the same message. Meta tensors ask for shapes only (no device to
     # check); the TMA rules need data pointers: the real implementation has them.
     checks.check_arguments(q, k, v, softmax_scale, causal)
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
+    _check_sink(sink, q, 2)
     if q.device.type != "meta":
         checks.check_device(q)
     batch, seqlen_q, nheads, _ = q.shape
@@ -74,18 +87,17 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-
 def bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, softmax_scale: float, causal: bool,
         deterministic: bool, window_left: int = -1,
-        window_right: int = -1, softcap: float = 0.0,
-        sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward: ``(dq, dk, dv)`` from the forward's saved tensors;
-    ``sink``: attention sinks (``out``/``lse`` without them, ``sinks.py``)."""
+        window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward: ``(dq, dk, dv)`` from the forward's saved tensors
+    (with attention sinks, the sink-normalised ``out`` and ``lse``)."""
     return plan_backward.backward(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic,
                                   window=checks.op_window(window_left, window_right, causal),
-                                  softcap=checks.check_softcap(softcap), sink=sink)
+                                  softcap=checks.check_softcap(softcap))
 
 
 @bwd.register_fake
 def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
-              softcap=0.0, sink=None):
+              softcap=0.0):
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
     plan_backward.check_head_dim(q.shape[3])
@@ -126,17 +138,27 @@ def _setup_context(ctx, inputs, output):
     ctx.deterministic = deterministic
     ctx.window = (inputs[6] if len(inputs) > 6 else -1, inputs[7] if len(inputs) > 7 else -1)
     ctx.softcap = inputs[8] if len(inputs) > 8 else 0.0
+    ctx.sink = inputs[9] if len(inputs) > 9 else None
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    args = (grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
-    if _plain_eager_backward(grad_out, q, k, v, out, lse):
-        dq, dk, dv = plan_backward.backward(*args, window=checks.op_window(*ctx.window, ctx.causal),
-                                            softcap=checks.check_softcap(ctx.softcap))
-    else:
-        dq, dk, dv = bwd(*args, *ctx.window, ctx.softcap)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq = dk = dv = None
+    if any(ctx.needs_input_grad[:3]):  # (not when only the sink is trained)
+        args = (grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
+        if _plain_eager_backward(grad_out, q, k, v, out, lse):
+            dq, dk, dv = plan_backward.backward(*args, window=checks.op_window(*ctx.window, ctx.causal),
+                                                softcap=checks.check_softcap(ctx.softcap))
+        else:
+            dq, dk, dv = bwd(*args, *ctx.window, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None, None, _sink_grad(ctx, 9, grad_out, out, lse)
+
+
+def _sink_grad(ctx, index: int, grad_out, out, lse):
+    """The sink's gradient where input ``index``, the sink, needs one."""
+    if ctx.sink is None or not ctx.needs_input_grad[index]:
+        return None
+    return sinks.sink_grad(grad_out, out, lse, ctx.sink)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -152,24 +174,28 @@ def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
                cu_seqlens_k: torch.Tensor, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None,
                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                deterministic: bool = False, window_left: int = -1,
-               window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+               window_right: int = -1, softcap: float = 0.0,
+               sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention forward on THD tensors; returns ``(out, lse)`` with
     ``lse`` ``[nheads, total_q]``. ``deterministic`` only selects the
     backward's dQ summation order."""
+    _check_sink(sink, q, 1)
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k, softmax_scale, causal, True,
                                        window=checks.op_window(window_left, window_right, causal),
-                                       softcap=checks.check_softcap(softcap))
+                                       softcap=checks.check_softcap(softcap), sink=sink)
     return out, lse
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                     softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0):
+                     softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+                     sink=None):
     checks.check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                   seqused_k, softmax_scale, causal)
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
+    _check_sink(sink, q, 1)
     if q.device.type != "meta":
         checks.check_device(q)
     total_q, nheads, _ = q.shape
@@ -183,30 +209,29 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None, max_seqlen_q: int,
                max_seqlen_k: int, softmax_scale: float, causal: bool,
                deterministic: bool, window_left: int = -1,
-               window_right: int = -1, softcap: float = 0.0,
-               sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Varlen attention backward: ``(dq, dk, dv)``, zero outside the live rows."""
     return _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                             max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
                             window=checks.op_window(window_left, window_right, causal),
-                            softcap=checks.check_softcap(softcap), sink=sink)
+                            softcap=checks.check_softcap(softcap))
 
 
 def _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, deterministic, window=None, softcap=0.0, sink=None):
+                     max_seqlen_k, softmax_scale, causal, deterministic, window=None, softcap=0.0):
     """``varlen_bwd``'s work; ``window``: ``checks.window_bounds``'s pair,
     already checked (the op checks its ints, the eager path its forward's),
     ``softcap`` a checked float."""
     varlen = plan_backward.VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                        max_seqlen_k)
     return plan_backward.backward_varlen(grad_out, q, k, v, out, lse, varlen, softmax_scale, causal, deterministic,
-                                         window=window, softcap=softcap, sink=sink)
+                                         window=window, softcap=softcap)
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
-                     softcap=0.0, sink=None):
+                     softcap=0.0):
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
     plan_backward.check_head_dim(q.shape[2])
@@ -226,18 +251,21 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.deterministic = inputs[11] if len(inputs) > 11 else False
     ctx.window = (inputs[12] if len(inputs) > 12 else -1, inputs[13] if len(inputs) > 13 else -1)
     ctx.softcap = inputs[14] if len(inputs) > 14 else 0.0
+    ctx.sink = inputs[15] if len(inputs) > 15 else None
 
 
 def _varlen_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
-    args = (grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.max_seqlens, ctx.softmax_scale, ctx.causal,
-            ctx.deterministic)
-    if _plain_eager_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k):
-        dq, dk, dv = _varlen_bwd_impl(*args, window=checks.op_window(*ctx.window, ctx.causal),
-                                      softcap=checks.check_softcap(ctx.softcap))
-    else:
-        dq, dk, dv = varlen_bwd(*args, *ctx.window, ctx.softcap)
-    return dq, dk, dv, *(None,) * 12
+    dq = dk = dv = None
+    if any(ctx.needs_input_grad[:3]):
+        args = (grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.max_seqlens, ctx.softmax_scale,
+                ctx.causal, ctx.deterministic)
+        if _plain_eager_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k):
+            dq, dk, dv = _varlen_bwd_impl(*args, window=checks.op_window(*ctx.window, ctx.causal),
+                                          softcap=checks.check_softcap(ctx.softcap))
+        else:
+            dq, dk, dv = varlen_bwd(*args, *ctx.window, ctx.softcap)
+    return dq, dk, dv, *(None,) * 12, _sink_grad(ctx, 15, grad_out, out, lse)
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -254,12 +282,15 @@ class EagerAttention(torch.autograd.Function):
     differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale: float, causal: bool, deterministic: bool, window=None, softcap=0.0):
-        out, lse = dispatch.forward_validated(q, k, v, softmax_scale, causal, True, window=window, softcap=softcap)
+    def forward(ctx, q, k, v, softmax_scale: float, causal: bool, deterministic: bool, window=None, softcap=0.0,
+                sink=None):
+        out, lse = dispatch.forward_validated(q, k, v, softmax_scale, causal, True, window=window, softcap=softcap,
+                                              sink=sink)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (softmax_scale, causal, deterministic)
         ctx.window = window
         ctx.softcap = softcap
+        ctx.sink = sink
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -267,9 +298,11 @@ class EagerAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = plan_backward.backward(grad_out, q, k, v, out, lse, *ctx.args, window=ctx.window,
-                                            softcap=ctx.softcap)
-        return dq, dk, dv, None, None, None, None, None
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = plan_backward.backward(grad_out, q, k, v, out, lse, *ctx.args, window=ctx.window,
+                                                softcap=ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None, _sink_grad(ctx, 8, grad_out, out, lse)
 
 
 class EagerVarlenAttention(torch.autograd.Function):
@@ -280,23 +313,26 @@ class EagerVarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
                 max_seqlen_k: int, softmax_scale: float, causal: bool, deterministic: bool, window=None,
-                softcap=0.0):
+                softcap=0.0, sink=None):
         out, lse = dispatch.forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                      seqused_q, seqused_k, softmax_scale, causal, True, window=window,
-                                                     softcap=softcap)
+                                                     softcap=softcap, sink=sink)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic)
         ctx.window = window
         ctx.softcap = softcap
+        ctx.sink = sink
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        dq, dk, dv = _varlen_bwd_impl(grad_out, *ctx.saved_tensors, *ctx.args, window=ctx.window,
-                                      softcap=ctx.softcap)
-        return dq, dk, dv, *(None,) * 11
+        saved = ctx.saved_tensors
+        dq = dk = dv = None
+        if any(ctx.needs_input_grad[:3]):
+            dq, dk, dv = _varlen_bwd_impl(grad_out, *saved, *ctx.args, window=ctx.window, softcap=ctx.softcap)
+        return dq, dk, dv, *(None,) * 11, _sink_grad(ctx, 14, grad_out, saved[3], saved[4])
 
 
 class EagerPackedAttention(torch.autograd.Function):

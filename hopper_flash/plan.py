@@ -213,6 +213,14 @@ class Mode:
     window_right: int = -1
     # Logit soft-capping (flash-attn's softcap > 0; kernel_scales gives the scalars).
     softcap: bool = False
+    # Attention sinks (flash-attn's learnable_sink, sinks.py): the kernel's
+    # normaliser takes them, or (split) the combine's.
+    sink: bool = False
+
+    @property
+    def kernel_sink(self) -> bool:
+        """The forward kernel's ``SINK``: a split run's sink is the combine's."""
+        return self.sink and not self.split
 
 
 PREFILL = Mode()
@@ -296,6 +304,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         WINDOW_LEFT=mode.window_left,
         WINDOW_RIGHT=mode.window_right,
         SOFTCAP=mode.softcap,
+        SINK=mode.kernel_sink,
     )
 
 
@@ -511,6 +520,16 @@ def on_device(t: torch.Tensor):
     return _CURRENT_DEVICE if device.index == current_device() else torch.cuda.device(device)
 
 
+def sink_f32(sink: torch.Tensor | None) -> torch.Tensor | None:
+    """Attention sinks as the kernels read them: a contiguous fp32 ``[H]``
+    starting 16-byte aligned (Triton specialises pointers on it, and the
+    compiled kernels are cached without that bit)."""
+    if sink is None:
+        return None
+    sink = sink.detach().float().contiguous()
+    return sink if sink.data_ptr() % 16 == 0 else sink.clone()
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -566,12 +585,13 @@ class LaunchPlan:
 
 @lru_cache(maxsize=4096)
 def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cfg, page_size, seqused, kv_batch,
-                 num_splits, pack_gqa, causal, write_lse, window=None, softcap=False) -> LaunchPlan:
+                 num_splits, pack_gqa, causal, write_lse, window=None, softcap=False, sink=False) -> LaunchPlan:
     """Mode, split count and grid for a launch. Cached, and keyed by the KV
     tile count rather than the key length: a decode loop grows the cache by
     one key per step, and this is host time on every step. ``window``:
     ``(left, right)`` of a sliding window (``checks.window_bounds``) or None;
-    ``softcap``: whether scores are soft-capped (``Mode.softcap``)."""
+    ``softcap``: whether scores are soft-capped (``Mode.softcap``); ``sink``:
+    whether attention sinks are given (``Mode.sink``)."""
     group = nheads // nheads_kv
     if pack_gqa is None:
         pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m)
@@ -598,7 +618,8 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
                and (choose_dynamic(tiles, triton_cdiv(seqlen_q, cfg.block_m), causal, False, sms)
                     or (causal and cfg.consumers == 3 and tiles > sms)))
     mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
-                dynamic=dynamic, window_left=window_left, window_right=window_right, softcap=bool(softcap))
+                dynamic=dynamic, window_left=window_left, window_right=window_right, softcap=bool(softcap),
+                sink=bool(sink))
     n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
     section = l2_section(n_blocks * cfg.block_n, cfg.head_dim, dtype.itemsize, group)
     kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
@@ -610,7 +631,7 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
 def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: ForwardConfig | None = None,
                    *, seqused_k=None, kv_batch=None, page_table=None, num_splits: int = 1,
                    pack_gqa: bool | None = False, window: tuple[int, int] | None = None,
-                   softcap: float = 0.0) -> LaunchPlan | None:
+                   softcap: float = 0.0, sink: torch.Tensor | None = None) -> LaunchPlan | None:
     """Launch the forward kernel on the current stream of q's device.
     Returns the plan where the launch was direct (``_launch_forward_direct``;
     ``PreparedForward`` replays it), else None.
@@ -628,7 +649,9 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     ``window``: a sliding window's ``(left, right)``, from
     ``checks.window_bounds`` (None: none); each distinct window is a
     specialisation of its own (compiled on first use). ``softcap``: logit
-    soft-capping at that cap (0: none; ``kernel_scales``).
+    soft-capping at that cap (0: none; ``kernel_scales``). ``sink``:
+    attention sinks, one logit per query head (``sink_f32``'s fp32 ``[H]``),
+    in every row's normaliser (``sinks.py``); None: none.
 
     The first launch of a specialisation goes through Triton's JIT (compile,
     cache). Later launches skip the JIT (``launcher.KernelLaunch``: the
@@ -657,13 +680,13 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     cfg = cfg or CONFIGS[head_dim]
     lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
                       page_size, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
-                      bool(causal), write_lse, window, softcap > 0)
+                      bool(causal), write_lse, window, softcap > 0, sink is not None)
     cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
     kernel = _COMPILED.get(lp.key)
     page_stride = page_table.stride(0) if paged else 0
     if kernel is not None and kernel.direct is not None and FAST_LAUNCH and not _launch_hooked():
         _launch_forward_direct(kernel, lp, q, k, v, out, lse, softmax_scale, seqused_k, kv_batch, page_table,
-                               seqlen_k, page_stride, gather, softcap)
+                               seqlen_k, page_stride, gather, softcap, sink)
         return lp
     if mode.split:
         part, n_o = _partials(lp, q)
@@ -672,7 +695,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         o_part = lse_part = out
     args = _kernel_args(lp, q, seqlen_k, k.shape[2], softmax_scale, out, lse, seqused_k, kv_batch, page_table,
                         page_stride, o_part, lse_part, _item_counter(q.device) if mode.dynamic else None, gather,
-                        softcap)
+                        softcap, sink)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
         # First launch, an unchecked triton, or a profiler hook is installed
         # (it wants the JIT's launch metadata): take Triton's regular path.
@@ -687,7 +710,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (q, k, v, out),
                (*args, *lp.constexpr_values))
     if mode.split:
-        combine = launch_combine(o_part, lse_part, out, lse)
+        combine = launch_combine(o_part, lse_part, out, lse, sink)
         if combine is not None:
             _COMBINE_OF[_combine_key(lp, out, lse)] = combine
     return None
@@ -717,7 +740,7 @@ def _partial_views(part: torch.Tensor, n_o: int, lp: LaunchPlan, q) -> tuple[tor
 
 def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale: float, out, lse, seqused_k,
                  kv_batch, page_table, page_stride: int, o_part, lse_part, sched, gather=None,
-                 softcap: float = 0.0) -> tuple:
+                 softcap: float = 0.0, sink=None) -> tuple:
     """``attention_forward_kernel``'s arguments after its descriptors and
     before its constexprs, for the fixed-length modes: the pointers (tensors,
     or addresses on the direct path; ``out`` stands in for those the mode
@@ -729,7 +752,7 @@ def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale
     return (lse if lse is not None else out, seqused_k if seqused_k is not None else out,
             kv_batch if kv_batch is not None else out, page_table if page_table is not None else out,
             o_part, lse_part, out, out, out,  # cu_seqlens_q/k, seqused_q: varlen only
-            sched if sched is not None else out, k_pool, v_pool,
+            sched if sched is not None else out, k_pool, v_pool, sink if sink is not None else out,
             seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, *kernel_scales(softmax_scale, softcap),
             lp.num_splits, lp.pair, page_stride, 0, lp.section)
 
@@ -748,7 +771,7 @@ def _combine_key(lp: LaunchPlan, out, lse) -> tuple:
 
 def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, lse, softmax_scale: float,
                            seqused_k, kv_batch, page_table, seqlen_k: int, page_stride: int, gather=None,
-                           softcap: float = 0.0) -> None:
+                           softcap: float = 0.0, sink=None) -> None:
     """``launch_forward`` once its kernel is compiled and can be called
     directly (``KernelLaunch.direct``): the same launch with every pointer
     passed as an address, so the split partials need no views, and the
@@ -764,25 +787,27 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
     else:
         o_part = lse_part = out_ptr
     lse_ptr = lse.data_ptr() if lse is not None else None
+    sink_ptr = sink.data_ptr() if sink is not None else None
     args = _kernel_args(lp, q, seqlen_k, k.shape[2], softmax_scale, out_ptr, lse_ptr,
                         seqused_k.data_ptr() if seqused_k is not None else None,
                         kv_batch.data_ptr() if kv_batch is not None else None,
                         page_table.data_ptr() if page_table is not None else None, page_stride, o_part, lse_part,
                         _item_counter(q.device).data_ptr() if lp.mode.dynamic else None,
-                        None if gather is None else (gather[0].data_ptr(), gather[1].data_ptr()), softcap)
+                        None if gather is None else (gather[0].data_ptr(), gather[1].data_ptr()), softcap, sink_ptr)
     kernel.launch_addresses((lp.n_ctas, 1, 1), stream, (q, k, v, out), (*args, *lp.constexpr_values))
     if not split:
         return
     combine = _COMBINE_OF.get(_combine_key(lp, out, lse))
     if combine is None or combine.direct is None:
-        combine = launch_combine(*_partial_views(part, n_o, lp, q), out, lse)
+        combine = launch_combine(*_partial_views(part, n_o, lp, q), out, lse, sink)
         if combine is not None:
             _COMBINE_OF[_combine_key(lp, out, lse)] = combine
         return
     batch, seqlen_q, nheads, head_dim = q.shape
     combine.launch_addresses((batch * seqlen_q * nheads, 1, 1), stream, (),
-                             (*_combine_args(o_part, lse_part, out_ptr, lse_ptr, lp.num_splits, q.shape, out.stride()),
-                              *_combine_constexprs(head_dim, lp.num_splits, lse is not None).values()))
+                             (*_combine_args(o_part, lse_part, out_ptr, lse_ptr, lp.num_splits, q.shape, out.stride(),
+                                             sink_ptr),
+                              *_combine_constexprs(head_dim, lp.num_splits, lse is not None, sink is not None).values()))
 
 
 class _Slot:
@@ -1030,40 +1055,42 @@ def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: d
     return compiled
 
 
-def launch_combine(o_part, lse_part, out, lse) -> KernelLaunch:
+def launch_combine(o_part, lse_part, out, lse, sink=None) -> KernelLaunch:
     """Merge split partials ``o_part`` [splits, B, Sq, H, D] fp32 and
     ``lse_part`` [splits, B, H, Sq] into ``out`` (BSHD, head dim contiguous)
-    and ``lse`` [B, H, Sq] (or None). Returns the combine's ``KernelLaunch``."""
+    and ``lse`` [B, H, Sq] (or None), with attention sinks ``sink`` (fp32
+    [H]) or None. Returns the combine's ``KernelLaunch``."""
     from .kernels.combine import combine_kernel
 
     num_splits, batch, seqlen_q, nheads, head_dim = o_part.shape
-    args = _combine_args(o_part, lse_part, out, lse, num_splits, out.shape, out.stride())
+    args = _combine_args(o_part, lse_part, out, lse, num_splits, out.shape, out.stride(), sink)
     return launch_triton(combine_kernel, (batch * seqlen_q * nheads, 1, 1), args,
-                         _combine_constexprs(head_dim, num_splits, lse is not None),
+                         _combine_constexprs(head_dim, num_splits, lse is not None, sink is not None),
                          num_warps=1 if head_dim <= 128 else 2, launch_pdl=True)
 
 
-def _combine_args(o_part, lse_part, out, lse, num_splits: int, out_shape, out_strides) -> tuple:
+def _combine_args(o_part, lse_part, out, lse, num_splits: int, out_shape, out_strides, sink=None) -> tuple:
     """``combine_kernel``'s arguments before its constexprs (tensors, or
     addresses on the direct path): the LSE goes to ``lse``, or (not asked
-    for) to the partials' own slot. The one statement of their order
-    (``launch_combine``, ``_launch_forward_direct``, ``_PreparedLaunch``)."""
+    for) to the partials' own slot; the sinks (unused without) alias the
+    partials' LSE. The one statement of their order (``launch_combine``,
+    ``_launch_forward_direct``, ``_PreparedLaunch``)."""
     batch, seqlen_q, nheads, _ = out_shape
-    return (o_part, lse_part, out, lse if lse is not None else lse_part, num_splits, batch, seqlen_q, nheads,
-            out_strides[0], out_strides[1], out_strides[2])
+    return (o_part, lse_part, out, lse if lse is not None else lse_part, sink if sink is not None else lse_part,
+            num_splits, batch, seqlen_q, nheads, out_strides[0], out_strides[1], out_strides[2])
 
 
 @lru_cache(maxsize=None)
-def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool) -> dict:
+def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: bool = False) -> dict:
     """The combine kernel's constexprs, in its parameter order: launched
     dependent on the split grid (``launch_combine``'s ``launch_pdl``)."""
     return dict(HEAD_DIM=head_dim, S_MAX=max(16, 1 << (num_splits - 1).bit_length()), WRITE_LSE=write_lse,
-                DEPENDENT=True)
+                DEPENDENT=True, SINK=sink)
 
 
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
-                 write_lse, window=None, softcap=False) -> LaunchPlan:
+                 write_lse, window=None, softcap=False, sink=False) -> LaunchPlan:
     """``_plan_launch`` for a packed batch: no PackGQA, no split; the grid
     covers ``max_seqlen_q`` for every sequence (items past a sequence's rows
     exit at once)."""
@@ -1072,7 +1099,7 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     dynamic = cfg.persistent and choose_dynamic(items, triton_cdiv(max_seqlen_q, cfg.block_m), causal, True, sms)
     window_left, window_right = window or (-1, -1)
     mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic, window_left=window_left,
-                window_right=window_right, softcap=bool(softcap))
+                window_right=window_right, softcap=bool(softcap), sink=bool(sink))
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items, cfg, device)
     section = l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group)
     constexprs = kernel_constexprs(cfg, causal, write_lse, mode)
@@ -1083,9 +1110,9 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
 def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: float, causal: bool,
                           cfg: ForwardConfig | None = None, window: tuple[int, int] | None = None,
-                          softcap: float = 0.0) -> None:
-    """Launch the forward kernel's VARLEN mode on THD tensors (``window``
-    and ``softcap`` as in ``launch_forward``).
+                          softcap: float = 0.0, sink: torch.Tensor | None = None) -> None:
+    """Launch the forward kernel's VARLEN mode on THD tensors (``window``,
+    ``softcap`` and ``sink`` as in ``launch_forward``).
 
     Arguments are assumed validated (``checks.check_varlen_arguments``):
     q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` (TMA-addressable views),
@@ -1098,14 +1125,16 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     write_lse = lse is not None
     cfg = cfg or CONFIGS[head_dim]
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], cfg,
-                      seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0)
+                      seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
+                      sink is not None)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q
     used_k = seqused_k.contiguous() if seqused_k is not None else cu_k
     # o_part_ptr carries O itself (row-predicated stores, not a TMA box).
     ptrs = (lse if write_lse else out, used_k, out, out, out, out, cu_q, cu_k, used_q,
-            _item_counter(q.device) if lp.mode.dynamic else out, out, out)  # (no page pools to gather)
+            _item_counter(q.device) if lp.mode.dynamic else out, out, out,  # (no page pools to gather)
+            sink if sink is not None else out)
     scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], batch,
                *kernel_scales(softmax_scale, softcap), 1, lp.pair, 0, total_q, lp.section)
     q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out))

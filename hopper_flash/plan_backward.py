@@ -278,7 +278,7 @@ def _aligned(t) -> bool:
 
 
 def _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window,
-              softcap=0.0, sink=None):
+              softcap=0.0):
     """Everything a plan depends on: shapes; the strides the small kernels
     and the varlen dK/dV rows take; the flags; and the 16-byte alignment of
     every pointer argument that is not a fresh allocation (the compiled
@@ -286,7 +286,7 @@ def _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, determini
     ``KernelLaunch`` caches their encodings by address, shape and strides."""
     key = (q.shape, k.shape, q.dtype, q.device.index, out.stride(), dout.stride(), dq.stride(), lse.stride(),
            softmax_scale, causal, deterministic, cfg, window, softcap, _aligned(lse), _aligned(dq), _aligned(dk),
-           _aligned(dv), None if sink is None else _aligned(sink))
+           _aligned(dv))
     if varlen is None:
         return key
     return key + (dk.stride(), varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k,
@@ -297,14 +297,14 @@ def _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, determini
 
 def plan_for(dout, q, k, out, lse, dq, dk, dv, softmax_scale: float, causal: bool, deterministic: bool = False,
              cfg: BackwardConfig | None = None, varlen: VarlenBatch | None = None, window=None,
-             softcap: float = 0.0, sink=None) -> BackwardPlan:
+             softcap: float = 0.0) -> BackwardPlan:
     """The plan of ``launch_backward``'s call with these arguments (cached)."""
     key = _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window,
-                    softcap, sink)
+                    softcap)
     lp = _PLANS.get(key)
     if lp is None:
         lp = _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministic, cfg, varlen, window,
-                        softcap, sink is not None)
+                        softcap)
         if len(_PLANS) >= PLAN_CACHE_LIMIT:
             _PLANS.clear()
         _PLANS[key] = lp
@@ -320,8 +320,7 @@ def softcap_config(cfg: BackwardConfig) -> BackwardConfig:
     return replace(cfg, block_m=64) if cfg.block_m == 128 else cfg
 
 
-def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministic, cfg, varlen, window, softcap=0.0,
-               sink=False):
+def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministic, cfg, varlen, window, softcap=0.0):
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -371,15 +370,14 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
         zero_tails = (None if varlen.seqused_q is not None else zero_tail_launch(dq, False, batch),
                       None if varlen.seqused_k is not None else zero_tail_launch(dk, True, batch))
     return BackwardPlan(cfg, rows, sem_shape, (ctas, 1, 1), (*stride_kv, *scalars, *constexprs.values()),
-                        constexprs, key,
-                        preprocess_launch(out, dout, lse, seqlen_q_rounded, cfg.block_m, small, sink),
+                        constexprs, key, preprocess_launch(out, dout, lse, seqlen_q_rounded, cfg.block_m, small),
                         postprocess_launch(dq, seqlen_q_rounded, softmax_scale, cfg.block_m, small), zero_tails)
 
 
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
                     deterministic: bool = False, cfg: BackwardConfig | None = None,
                     varlen: VarlenBatch | None = None, window: tuple[int, int] | None = None,
-                    softcap: float = 0.0, sink: torch.Tensor | None = None) -> None:
+                    softcap: float = 0.0) -> None:
     """Compute dq, dk, dv (written in place; any TMA-addressable BSHD views).
 
     Arguments are assumed validated: BSHD, same dtype, supported head dim,
@@ -387,9 +385,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     q's device current.
 
     ``window``: the forward's sliding window (``checks.window_bounds``), or None;
-    ``softcap``: the forward's logit soft-capping (0.0: none); ``sink``:
-    attention sinks, a contiguous fp32 ``[H]`` (``out`` and ``lse`` then the
-    kernels' own, without the sink: the preprocess adds it, ``backward_pre``).
+    ``softcap``: the forward's logit soft-capping (0.0: none).
 
     With ``varlen``: THD ``[total, H, D]`` tensors, ``lse`` ``[H, total_q]``
     (contiguous); rows of dq/dk/dv outside every sequence's live part are
@@ -411,7 +407,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     lookups (``BackwardPlan.compiled``).
     """
     lp = plan_for(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window,
-                  softcap, sink)
+                  softcap)
     dev = q.device
     # One allocation: dq_accum [rows, D] (zeroed by the preprocess), then Δ and L2.
     ws = torch.empty(lp.workspace_elems, dtype=torch.float32, device=dev)
@@ -433,7 +429,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         used_k = varlen.seqused_k if varlen.seqused_k is not None else cu_k
         small = (cu_q, used_q)
     ptrs = (sem, cu_q, cu_k, used_q, used_k, dk, dv)
-    pre_ptrs = (out, dout, lse, delta, lse2, dq_accum, *small, delta if sink is None else sink)
+    pre_ptrs = (out, dout, lse, delta, lse2, dq_accum, *small)
     post_ptrs = (dq_accum, dq, *small)
     fast = FAST_LAUNCH and not plan._launch_hooked()
     if lp.compiled is not None and fast:
@@ -476,10 +472,9 @@ def _strides8(*strides: int) -> tuple[int, ...]:
 
 
 def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, seqlen_q_rounded: int,
-                      block_m: int, varlen=None, sink: bool = False) -> SmallLaunch:
+                      block_m: int, varlen=None) -> SmallLaunch:
     """The preprocess's launch; its pointers are ``(out, dout, lse, delta,
-    lse2, dq_accum, cu_seqlens_q, seqused_q, sink)``; ``sink``: attention
-    sinks, an fp32 logit per head (``backward_pre``). Fixed length: BSHD
+    lse2, dq_accum, cu_seqlens_q, seqused_q)``. Fixed length: BSHD
     ``out``/``dout``, ``lse [B, H, Sq]``, stats ``[B, H, seqlen_q_rounded]``.
     ``varlen = (seqused_q given, batch, max_seqlen_q)``: THD ``out``/``dout``,
     ``lse [H, total_q]``, stats ``[H, seqlen_q_rounded]`` (the padded total).
@@ -501,7 +496,7 @@ def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, 
     return SmallLaunch(_pre._bwd_preprocess_kernel, (m_blocks, nheads, batch),
                        (*strides, seqlen_q, seqlen_q_rounded, nheads),
                        dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
-                            SEQUSED=varlen is not None and varlen[0], SINK=bool(sink)))
+                            SEQUSED=varlen is not None and varlen[0]))
 
 
 def postprocess_launch(dq: torch.Tensor, seqlen_q_rounded: int, scale: float, block_m: int,
@@ -541,13 +536,13 @@ def _small_ptrs(stats: torch.Tensor, varlen):
 
 
 def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-                   lse2: torch.Tensor, dq_accum: torch.Tensor, block_m: int, varlen=None, sink=None) -> None:
+                   lse2: torch.Tensor, dq_accum: torch.Tensor, block_m: int, varlen=None) -> None:
     """The preprocess alone (for scripts): stats ``delta``/``lse2`` of
     ``seqlen_q_rounded`` rows per head (their last axis) and ``dq_accum``
     zeroed on the same rows. ``varlen = (cu_seqlens_q, seqused_q, batch,
     max_seqlen_q)``; see ``preprocess_launch``."""
-    launch = preprocess_launch(out, dout, lse, delta.shape[-1], block_m, _small_varlen(varlen), sink is not None)
-    launch((out, dout, lse, delta, lse2, dq_accum, *_small_ptrs(delta, varlen), delta if sink is None else sink))
+    launch = preprocess_launch(out, dout, lse, delta.shape[-1], block_m, _small_varlen(varlen))
+    launch((out, dout, lse, delta, lse2, dq_accum, *_small_ptrs(delta, varlen)))
 
 
 def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, block_m: int, varlen=None) -> None:
@@ -642,14 +637,12 @@ def _gradients(q, k, v, grads, alloc):
 
 
 def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, deterministic: bool = False,
-             grads=None, window=None, softcap: float = 0.0, sink=None):
+             grads=None, window=None, softcap: float = 0.0):
     """dq, dk, dv (contiguous BSHD, like q, k, v) of the attention that
     produced ``out`` and ``lse`` from ``q, k, v`` (already validated by the
     forward). ``grad_out`` is checked here (see ``check_grad_out``).
     ``grads``: ``(dq, dk, dv)`` to write instead, shaped like q, k, v, with
-    TMA-addressable strides (views of one packed gradient, say). ``sink``:
-    attention sinks (``[H]``; ``out``/``lse`` without them, as the kernels
-    returned them: ``sinks.py``)."""
+    TMA-addressable strides (views of one packed gradient, say)."""
     check_head_dim(q.shape[3])
     grad_out = check_grad_out(grad_out, out)
     dq, dk, dv = _gradients(q, k, v, grads, torch.empty)
@@ -667,13 +660,8 @@ def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, de
         return dq, dk, dv
     with plan.on_device(q):
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
-                        window=window, softcap=softcap, sink=_sink_f32(sink))
+                        window=window, softcap=softcap)
     return dq, dk, dv
-
-
-def _sink_f32(sink):
-    """The sink logits as the preprocess reads them: contiguous fp32."""
-    return None if sink is None else sink.detach().float().contiguous()
 
 
 def _zero_unwritten(lp: BackwardPlan, dq, dk, dv, varlen: VarlenBatch, stream=None) -> tuple:
@@ -722,7 +710,7 @@ def check_grad_out_thd(grad_out, out: torch.Tensor) -> torch.Tensor:
 
 
 def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_scale: float, causal: bool,
-                    deterministic: bool = False, grads=None, window=None, softcap: float = 0.0, sink=None):
+                    deterministic: bool = False, grads=None, window=None, softcap: float = 0.0):
     """dq, dk, dv (contiguous THD, like q, k, v) of a varlen forward; rows
     outside every sequence's live part get zero gradients. ``grads``:
     ``(dq, dk, dv)`` to write instead, of any content (dk and dv with equal
@@ -739,5 +727,5 @@ def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_sc
     lse = lse.contiguous()
     with plan.on_device(q):
         launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
-                        varlen=varlen, window=window, softcap=softcap, sink=_sink_f32(sink))
+                        varlen=varlen, window=window, softcap=softcap)
     return dq, dk, dv

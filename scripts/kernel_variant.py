@@ -252,7 +252,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   0-1% at Sq 512 Sk 32768 and Sq 4096 Sk 8192, 3% slower at Sq 2048 Sk
   4096, noise on square causal. Not shipped (BENCHMARKS.md, twenty-fifth
   session).
-* ``fwd-carry-qk`` (twenty-sixth session, branch ``carry-qk``): an item's
+* (``fwd-carry-qk``, removed in the thirty-second session, when the
+  kernels took attention sinks in their epilogue, which the variant had cut
+  into pieces; its last text: ``git show
+  611da01:scripts/variants/fwd-carry-qk.patch``.) (twenty-sixth session, branch ``carry-qk``): an item's
   first QK goes out with the last PV of the item before it
   (``_consumer_carried``: plain prefill with two Q slots and two consumers,
   the boundary between items as one more step; the consumer's item in

@@ -3,8 +3,8 @@ sink and without, same inputs, do_bench medians (triton's L2 flush between
 calls). Prefill: the forward, and the backward (the sink's gradient
 included), causal, TFLOP/s by the usual count (half of 4·B·H·S²·D; the
 backward 2.5x). Decode: ``flash_attn_with_kvcache`` with one query row,
-replayed from a CUDA graph (a serving loop's way; the sink's renormalisation
-is a few small kernels, which eager launches would hide behind host time),
+replayed from a CUDA graph (a serving loop's way: small launches, which
+eager calls would hide behind host time),
 with the K/V read rate. FA3 as built here (``shared/tools/fa3``) and SDPA
 have no sinks, so the comparison is with our own kernel.
 

@@ -67,10 +67,22 @@ SPECS = [
     (C[128], "bfloat16", True, False, Mode(pack_g=4, seqused=True, page_size=16, softcap=True)),
     (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=4, softcap=True)),
     (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, dynamic=True, softcap=True)),
+    # Attention sinks (the kernel's normaliser; a split run leaves them to the combine).
+    (C[128], "bfloat16", True, True, Mode(sink=True)),
+    (C[128], "float16", False, False, Mode(sink=True)),
+    (C[64], "bfloat16", True, True, Mode(sink=True, dynamic=True)),
+    (C[256], "bfloat16", True, True, Mode(sink=True)),
+    (C[256], "bfloat16", False, True, Mode(sink=True, softcap=True)),
+    (C[128], "bfloat16", True, True, Mode(pack_g=4, seqused=True, sink=True)),
+    (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, sink=True)),
+    (C[64], "bfloat16", True, True, Mode(pack_g=4, seqused=True, page_size=4, sink=True)),
+    (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, seqused_q=True, dynamic=True, sink=True)),
+    (C[256], "bfloat16", True, True, Mode(varlen=True, sink=True)),
 ]
 if 64 in plan.WIDE_CONFIGS:  # none under triton 3.9 (plan.wide_configs)
     SPECS.append((plan.WIDE_CONFIGS[64], "bfloat16", True, False, Mode(window_left=4095, window_right=0)))
     SPECS.append((plan.WIDE_CONFIGS[64], "bfloat16", True, False, Mode(softcap=True)))
+    SPECS.append((plan.WIDE_CONFIGS[64], "bfloat16", True, True, Mode(sink=True, dynamic=True)))
 
 
 def spec_id(spec):
@@ -86,6 +98,8 @@ def spec_id(spec):
         parts.append(f"window{m.window_left}_{m.window_right}")
     if m.softcap:
         parts.append("softcap")
+    if m.sink:
+        parts.append("sink")
     if cfg.consumers == 3:
         parts.append("wide")
     return "-".join(parts)
@@ -132,6 +146,44 @@ def test_softcap_runs_tanh_on_the_sfu(spec):
     assert ("MUFU.TANH" in _census(spec).sass) == spec[-1].softcap
 
 
+def test_sinks_are_loaded_where_the_kernel_takes_them(spec):
+    # The kernel's normaliser reads its sinks (one fp32 load per row) only in
+    # a sink mode that is not split (the combine takes a split run's).
+    mode = spec[-1]
+    assert mode.kernel_sink == (mode.sink and not mode.split)
+    constexprs = plan.kernel_constexprs(*(spec[i] for i in (0, 2, 3)), mode)
+    assert constexprs["SINK"] == mode.kernel_sink
+
+
+def _steady_steps(sass):
+    """The innermost loops holding HGMMA and MUFU.EX2: the steady steps (the
+    outer ones are the item loops, epilogue included)."""
+    loops = compile_check.steady_loops(compile_check.instructions(sass))
+    inner = [body for body in loops
+             if not any(o is not body and body[0][0] <= o[0][0] and o[-1][0] <= body[-1][0] for o in loops)]
+    return sorted([[text for _, text in body] for body in inner], key=len)
+
+
+def test_a_sink_costs_the_steady_state_nothing(spec):
+    # The sink is read once per item, in the epilogue: the steady steps do
+    # the same arithmetic as the same mode's without it (ptxas may allocate
+    # a uniform register or two differently: a couple of instructions).
+    cfg, dtype, causal, lse, mode = spec
+    if not mode.sink:
+        return
+    from collections import Counter
+    from dataclasses import replace
+
+    work = ("HGMMA", "MUFU.EX2", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "SHFL", "SYNCS", "BAR")
+    steps = [_steady_steps(_census(s).sass) for s in (spec, (cfg, dtype, causal, lse, replace(mode, sink=False)))]
+    assert steps[0] and len(steps[0]) == len(steps[1])
+    for with_sink, without in zip(*steps):
+        assert abs(len(with_sink) - len(without)) <= 4, (len(with_sink), len(without))
+        count = [Counter(op for t in body for op in work if op in t.split(" ", 2)[t.startswith("@")])
+                 for body in (with_sink, without)]
+        assert count[0] == count[1]
+
+
 def test_instructions(spec):
     cfg, _, _, _, mode = spec
     counts = _census(spec).sass_counts
@@ -160,12 +212,14 @@ def test_combine_kernel_compiles():
     from hopper_flash.kernels.combine import combine_kernel
 
     sig = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-           "n_splits": "i32", "batch": "i32", "seqlen_q": "i32", "num_heads": "i32",
+           "sink_ptr": "*fp32", "n_splits": "i32", "batch": "i32", "seqlen_q": "i32", "num_heads": "i32",
            "stride_ob": "i32", "stride_oq": "i32", "stride_oh": "i32",
-           "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr", "DEPENDENT": "constexpr"}
-    src = ASTSource(combine_kernel, sig, constexprs={"HEAD_DIM": 128, "S_MAX": 16, "WRITE_LSE": True,
-                                                     "DEPENDENT": True})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
-    assert "ex2.approx" in k.asm["ptx"] or "ex2" in k.asm["ptx"]
-    # Launched dependent on the split grid: it must wait for that grid's partials.
-    assert "griddepcontrol.wait" in k.asm["ptx"]
+           "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr", "DEPENDENT": "constexpr",
+           "SINK": "constexpr"}
+    for sink in (False, True):
+        src = ASTSource(combine_kernel, sig, constexprs={"HEAD_DIM": 128, "S_MAX": 16, "WRITE_LSE": True,
+                                                         "DEPENDENT": True, "SINK": sink})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+        assert "ex2.approx" in k.asm["ptx"] or "ex2" in k.asm["ptx"]
+        # Launched dependent on the split grid: it must wait for that grid's partials.
+        assert "griddepcontrol.wait" in k.asm["ptx"]

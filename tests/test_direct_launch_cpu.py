@@ -61,7 +61,7 @@ def test_split_decode_direct_launch_matches_the_first(fakes, with_lse):
     plan.launch_forward(q, k, v, out, lse, 0.1, True, num_splits=0, pack_gqa=None)
     (_, grid, jit_args, jit_kwargs), (_, c_grid, c_args, c_kwargs) = fakes
     [key] = plan._COMPILED
-    splits = c_args[4]
+    splits = c_args[5]  # (o_part, lse_part, out, lse, sink, n_splits, ...): plan._combine_args
     assert key[5].split and splits > 1  # the case under test: split-KV, the combine after it
     # From now on both launches are direct.
     calls, c_calls = [], []
@@ -98,7 +98,9 @@ def test_split_decode_direct_launch_matches_the_first(fakes, with_lse):
     # The LSE goes to lse, or (not asked for) the kernel reads its own partials' slot.
     assert c_got[3] == (lse.data_ptr() if with_lse else c_got[1])
     assert c_first[3] == (lse.data_ptr() if with_lse else c_first[1])
-    assert c_got[4:] == c_first[4:]
+    # No sinks: their unread pointer aliases the partials' LSE.
+    assert c_got[4] == c_got[1] and c_first[4] == c_first[1]
+    assert c_got[5:] == c_first[5:]
 
 
 @pytest.mark.parametrize("case", ["static", "dynamic", "seqused"])

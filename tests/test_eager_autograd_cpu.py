@@ -28,7 +28,7 @@ def calls(monkeypatch):
     log of (name, args) they were called with."""
     log = []
 
-    def forward(q, k, v, scale, causal, return_lse, window=None, softcap=0.0):
+    def forward(q, k, v, scale, causal, return_lse, window=None, softcap=0.0, sink=None):
         log.append(("forward", scale, causal, return_lse) + ((window,) if window else ())
                    + ((("softcap", softcap),) if softcap else ()))
         return math_attention(q, k, v, scale, causal)
@@ -97,7 +97,7 @@ def test_eager_varlen_attention_passes_its_arguments(monkeypatch):
     seen = {}
 
     def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse, window=None,
-                       softcap=0.0):
+                       softcap=0.0, sink=None):
         seen["forward"] = (max_q, max_k, used_q, used_k, scale, causal, return_lse)
         seen["forward window"] = window
         seen["forward softcap"] = softcap

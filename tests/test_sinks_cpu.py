@@ -1,15 +1,20 @@
-"""Attention sinks (``sinks.py``) on the CPU: the renormalisation and the
-sink's gradient against the float64 reference that carries the sink as an
-explicit softmax column, the autograd composition (which output and LSE the
-backward gets) with the ops replaced by float64 stand-ins, and the argument
-checks on every entry point."""
+"""Attention sinks on the CPU: the sink's gradient (``sinks.sink_grad``)
+against autograd through the float64 reference that carries the sink as an
+explicit softmax column; the autograd plumbing (``ops.EagerAttention`` /
+``EagerVarlenAttention`` and the op's formula, ``ops._backward``) with the
+kernels replaced by float64 stand-ins: which output and LSE the backward
+gets, and the sink's gradient; the argument checks on every entry point;
+and the gradient's Triton kernel compiled for sm_90a. The kernels' own
+sink (in their normaliser, ``kernels/softmax.softmax_finish`` and the
+combine) is checked on the GPU (tests/test_sinks_gpu.py)."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import hopper_flash
-from hopper_flash import ops, sinks
+from hopper_flash import dispatch, ops, plan_backward, sinks
 from hopper_flash.reference import attention_reference
 
 
@@ -22,60 +27,42 @@ def _problem(batch=2, seqlen_q=7, seqlen_k=11, h=4, hkv=2, d=16, seed=0):
     return q, k, v, s
 
 
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(7, 11), (11, 7), (1, 5)])
-@pytest.mark.parametrize("causal", [True, False])
-def test_renormalised_output_and_lse_are_the_sink_softmax(seqlen_q, seqlen_k, causal):
-    # (11, 7) causal: the first four rows see no key: zeros and an LSE equal to the sink.
-    q, k, v, s = _problem(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-    out, lse = attention_reference(q, k, v, causal=causal)
-    got_out, got_lse = sinks.renormalise(out, lse, s)
-    ref_out, ref_lse = attention_reference(q, k, v, causal=causal, sink=s)
-    torch.testing.assert_close(got_out, ref_out, rtol=1e-6, atol=1e-6)  # renormalise works in float32
-    torch.testing.assert_close(got_lse.double(), ref_lse, rtol=1e-6, atol=1e-6)
-    assert torch.isfinite(got_lse).all()
-
-
-def test_varlen_layout_renormalises_per_head():
-    q, k, v, s = _problem(batch=1)
-    out, lse = attention_reference(q, k, v, causal=True)  # [1, S, H, D], [1, H, S]
-    got_out, got_lse = sinks.renormalise(out[0], lse[0], s)  # THD [S, H, D], [H, S]
-    ref_out, ref_lse = attention_reference(q, k, v, causal=True, sink=s)
-    torch.testing.assert_close(got_out, ref_out[0], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(got_lse.double(), ref_lse[0], rtol=1e-6, atol=1e-6)
-
-
 @pytest.mark.parametrize("causal", [True, False])
 def test_sink_gradient_is_autograds(causal):
+    # seqlen_q 11 > seqlen_k 7: causal, the first four rows see no key.
     q, k, v, s = _problem(seqlen_q=11, seqlen_k=7)
     s = s.requires_grad_()
-    ref_out, _ = attention_reference(q, k, v, causal=causal, sink=s)
+    ref_out, ref_lse = attention_reference(q, k, v, causal=causal, sink=s)
     dout = torch.randn_like(ref_out)
-    dout[:, :2] = math.nan  # rows that see no key (causal): their dO must not reach ds
-    (expected,) = torch.autograd.grad(ref_out, s, dout.nan_to_num(0.0) if causal else dout.nan_to_num(1.0))
-    out, lse = attention_reference(q, k, v, causal=causal)
-    _, lse_sink = sinks.renormalise(out, lse, s.detach())
-    got = sinks.sink_grad(dout if causal else dout.nan_to_num(1.0), out, lse, lse_sink, s.detach())
+    if causal:
+        dout[:, :4] = math.nan  # rows that see no key: their dO must not reach ds
+    (expected,) = torch.autograd.grad(ref_out, s, dout.nan_to_num(0.0))
+    got = sinks.sink_grad(dout, ref_out.detach(), ref_lse.detach(), s.detach())
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-# ---- the autograd composition, the ops replaced by float64 stand-ins ----------
+def test_sink_gradient_in_the_varlen_layout():
+    q, k, v, s = _problem(batch=1)
+    s = s.requires_grad_()
+    ref_out, ref_lse = attention_reference(q, k, v, causal=True, sink=s)  # [1, S, H, D], [1, H, S]
+    dout = torch.randn_like(ref_out)
+    (expected,) = torch.autograd.grad(ref_out, s, dout)
+    got = sinks.sink_grad(dout[0], ref_out[0].detach(), ref_lse[0].detach(), s.detach())  # THD [S, H, D], [H, S]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def _fwd_stand_in(q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap):
-    return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale)
+# ---- the autograd plumbing, the kernels replaced by float64 stand-ins --------
 
 
-def _bwd_stand_in(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left, window_right,
-                  softcap, sink=None):
+def _forward_stand_in(q, k, v, softmax_scale, causal, return_lse, window=None, softcap=0.0, sink=None):
+    """The forward kernels' contract: output and LSE with the sink in the normaliser."""
+    return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, sink=sink)
+
+
+def _flash_backward(dout, q, k, v, out, lse, softmax_scale, causal):
     """A flash backward: P rebuilt from the LSE it is given, Δ from the
-    output it is given, and with ``sink`` both renormalised first, as the
-    op's contract says (``backward_pre``: LSE' = logaddexp(LSE, s), Δ' =
-    exp(LSE - LSE') · rowsum(dO · out)); GQA heads summed."""
+    output it is given; GQA heads summed."""
     delta = (dout * out).sum(-1).transpose(1, 2)
-    if sink is not None:
-        lse_sink = torch.logaddexp(lse, sink.view(1, -1, 1))
-        delta = delta * torch.exp(lse - lse_sink)
-        lse = lse_sink
     group = q.shape[2] // k.shape[2]
     kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
     s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * softmax_scale
@@ -92,25 +79,64 @@ def _bwd_stand_in(dout, q, k, v, out, lse, softmax_scale, causal, deterministic,
     return dq, fold(dk), fold(dv)
 
 
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """The eager forward and backward implementations on float64 math;
+    returns the log of backward calls."""
+    calls = []
+
+    def backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window=None, softcap=0.0):
+        calls.append("backward")
+        return _flash_backward(dout, q, k, v, out, lse, softmax_scale, causal)
+
+    monkeypatch.setattr(dispatch, "forward_validated", _forward_stand_in)
+    monkeypatch.setattr(plan_backward, "backward", backward)
+    return calls
+
+
 @pytest.mark.parametrize("causal", [True, False])
-def test_sink_attention_hands_the_backward_the_kernels_output_lse_and_sink(monkeypatch, causal):
-    """The kernels' backward gets the kernels' own output and LSE and the
-    sink (sinks.py): with stand-in ops that honour that contract, the
-    composition's gradients (the sink's included) equal autograd through the
-    float64 reference with the sink as a column. Handing it the renormalised
-    output or LSE, or no sink, fails here."""
-    monkeypatch.setattr(ops, "fwd", _fwd_stand_in)
-    monkeypatch.setattr(ops, "bwd", _bwd_stand_in)
+def test_eager_attention_with_a_sink_has_the_reference_gradients(stand_ins, causal):
+    """The backward runs on the forward's own (sink-normalised) output and
+    LSE and the sink's gradient comes from them: every gradient, the sink's
+    included, equals autograd through the float64 reference with the sink
+    as a column."""
     q, k, v, s = (t.requires_grad_() for t in _problem(seqlen_q=11, seqlen_k=7))
-    out, lse = sinks.SinkAttention.apply(q, k, v, s, 0.25, causal, False, -1, -1, 0.0)
+    out, lse = ops.EagerAttention.apply(q, k, v, 0.25, causal, False, None, 0.0, s)
     ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=0.25, sink=s)
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(lse.double(), ref_lse.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, ref_lse.detach(), rtol=1e-6, atol=1e-6)
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v, s), dout)
     expected = torch.autograd.grad(ref_out, (q, k, v, s), dout)
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_ops_autograd_formula_gives_the_sinks_gradient(monkeypatch):
+    """``hopper_flash::fwd``'s registered backward (``ops._backward``) with
+    the backward op replaced: dq, dk, dv from the saved output and LSE, and
+    the sink's gradient, as the reference's."""
+    monkeypatch.setattr(ops, "bwd", lambda dout, q, k, v, out, lse, scale, causal, det, wl, wr, cap:
+                        _flash_backward(dout, q, k, v, out, lse, scale, causal))
+    q, k, v, s = (t.requires_grad_() for t in _problem(seqlen_q=5, seqlen_k=9))
+    ref_out, ref_lse = attention_reference(q, k, v, causal=True, softmax_scale=0.25, sink=s)
+    ctx = SimpleNamespace(needs_input_grad=(True,) * 3 + (False,) * 6 + (True,))
+    ctx.save_for_backward = lambda *t: setattr(ctx, "saved_tensors", tuple(x.detach() for x in t))
+    ops._setup_context(ctx, (q, k, v, 0.25, True, False, -1, -1, 0.0, s), (ref_out.detach(), ref_lse.detach()))
+    dout = torch.randn_like(ref_out)
+    grads = ops._backward(ctx, dout, None)
+    assert len(grads) == 10
+    expected = torch.autograd.grad(ref_out, (q, k, v, s), dout)
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), (*grads[:3], grads[9]), expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_training_only_the_sink_runs_no_attention_backward(stand_ins):
+    q, k, v, s = _problem()
+    s.requires_grad_()
+    out, _ = ops.EagerAttention.apply(q, k, v, 0.25, True, False, None, 0.0, s)
+    (ds,) = torch.autograd.grad(out, s, torch.randn_like(out))
+    assert stand_ins == [] and ds.shape == s.shape
 
 
 # ---- argument checks ---------------------------------------------------------
@@ -156,10 +182,10 @@ def test_a_good_sink_reaches_the_device_check():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_sink_kernels_compile_for_sm90_with_vector_loads(head_dim, dtype):
-    """kernels/sink.py's two row passes compile for sm_90a (no GPU needed),
-    and with the JIT's 16-byte pointer specialisation their rows move in
-    128-bit loads and stores (plain strides had them element by element)."""
+def test_sink_gradient_kernel_compiles_for_sm90_with_vector_loads(head_dim, dtype):
+    """kernels/sink.py's row pass compiles for sm_90a (no GPU needed), and
+    with the JIT's 16-byte pointer specialisation its rows move in 128-bit
+    loads (plain strides had them element by element)."""
     import os
     import subprocess
     import tempfile
@@ -169,34 +195,20 @@ def test_sink_kernels_compile_for_sm90_with_vector_loads(head_dim, dtype):
     from triton.compiler import ASTSource
 
     from hopper_flash.compile_check import _bindir
-    from hopper_flash.kernels.sink import _INTS, _sink_grad_kernel, _sink_renorm_kernel
+    from hopper_flash.kernels.sink import _INTS, _sink_grad_kernel
 
     consts = {"BLOCK": 64, "HEAD_DIM": head_dim}
     ints = {n: "i32" for n in _INTS}
-    renorm = {"o_ptr": f"*{dtype}", "lse_ptr": "*fp32", "sink_ptr": "*fp32", "o2_ptr": f"*{dtype}",
-              "lse2_ptr": "*fp32", **ints, **{n: "constexpr" for n in consts}}
     grad = {"o_ptr": f"*{dtype}", "do_ptr": f"*{dtype}", "lse_ptr": "*fp32", "sink_ptr": "*fp32",
             "part_ptr": "*fp32", **ints, **{n: "constexpr" for n in consts}}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}  # the five pointers
-    for kernel, sig in ((_sink_renorm_kernel, renorm), (_sink_grad_kernel, grad)):
-        compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=aligned),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(compiled.asm["cubin"])
-        try:
-            sass = subprocess.run([os.path.join(_bindir(), "cuobjdump"), "--dump-sass", f.name],
-                                  capture_output=True, text=True, check=True).stdout
-        finally:
-            os.unlink(f.name)
-        assert "LDG.E.128" in sass and "LDG.E.U16" not in sass, kernel.__name__
-
-
-def test_training_only_the_sink_runs_no_attention_backward(monkeypatch):
-    calls = []
-    monkeypatch.setattr(ops, "fwd", _fwd_stand_in)
-    monkeypatch.setattr(ops, "bwd", lambda *a: calls.append(a) or _bwd_stand_in(*a))
-    q, k, v, s = _problem()
-    s.requires_grad_()
-    out, _ = sinks.SinkAttention.apply(q, k, v, s, 0.25, True, False, -1, -1, 0.0)
-    (ds,) = torch.autograd.grad(out, s, torch.randn_like(out))
-    assert calls == [] and ds.shape == s.shape
+    compiled = triton.compile(ASTSource(_sink_grad_kernel, grad, constexprs=consts, attrs=aligned),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run([os.path.join(_bindir(), "cuobjdump"), "--dump-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    assert "LDG.E.128" in sass and "LDG.E.U16" not in sass

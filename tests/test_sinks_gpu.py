@@ -208,8 +208,10 @@ def test_varlen_sink_forward_backward_with_seqused_and_nan_gaps():
             assert not bad, f"sequence {b}: " + "\n".join(bad)
             ds_ref += r[3]
             ds_base += base[3].float()
-        # Rows past seqused: zero output, no gradient.
+        # Rows past seqused: zero output, the sink as LSE, no gradient.
         assert bool((out[a + n:cql[b + 1]] == 0).all()) and bool((dq[a + n:cql[b + 1]] == 0).all())
+        gap = cql[b + 1] - a - n
+        assert torch.equal(lse[:, a + n:cql[b + 1]], s.detach().float().view(-1, 1).expand(-1, gap))
     assert_judged("dsink", ds, ds_ref, ds_base)
 
 
@@ -264,38 +266,63 @@ def test_kvcache_sink_decode_in_a_cuda_graph():
     assert not torch.equal(captured, eager)
 
 
-# ---- the fused row passes (kernels/sink.py) against torch's ops ----------------
+# ---- the sink's gradient pass (kernels/sink.py) against torch's ops ----------
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 @pytest.mark.parametrize("d", [64, 256])
-def test_fused_row_passes_equal_torch_ops(varlen, d):
-    """sinks.renormalise and sinks.sink_grad run kernels/sink.py on CUDA
-    tensors and torch's ops elsewhere (CPU here; torch.compile on the GPU):
-    the two agree, NaN-carrying rows that saw no key included."""
+def test_fused_sink_grad_equals_torch_ops(varlen, d):
+    """sinks.sink_grad runs kernels/sink.py on CUDA tensors and torch's ops
+    elsewhere (CPU here; torch.compile on the GPU): the two agree, NaN-carrying
+    rows that saw no key (LSE equal to the sink) included."""
     from hopper_flash import sinks as sink_mod
 
     h = 8
     shape = (700, h, d) if varlen else (3, 333, h, d)
     out, dout = rnd(*shape, seed=71), rnd(*shape, seed=72)
-    lse = (rnd(h, 700, seed=73) if varlen else rnd(3, h, 333, seed=73)).float() * 4
-    lse[..., :5] = -math.inf  # rows with no key: their dO may be anything
+    s = sinks(h, 74)
+    above = (rnd(h, 700, seed=73) if varlen else rnd(3, h, 333, seed=73)).float().abs() * 4
+    lse = (s.view(-1, 1) if varlen else s.view(1, -1, 1)) + above  # LSE' >= the sink: logaddexp(L, s)
+    lse[..., :5] = (s.view(-1, 1) if varlen else s.view(1, -1, 1))  # rows with no key: LSE' = s, dO anything
     if varlen:
         dout[:5] = math.nan
+        out[:5] = 0
     else:
         dout[:, :5] = math.nan
-    s = sinks(h, 74)
-    got_out, got_lse = sink_mod.renormalise(out, lse, s)
-    want_out, want_lse = sink_mod.renormalise(out.cpu(), lse.cpu(), s.cpu())
-    # (the same formula; exp and log may differ in an ulp: torch's dtype tolerances)
-    torch.testing.assert_close(got_out.cpu(), want_out)
-    torch.testing.assert_close(got_lse.cpu(), want_lse)
-    assert bool((got_out[:5] == 0).all()) if varlen else bool((got_out[:, :5] == 0).all())
-    got = sink_mod.sink_grad(dout, out, lse, got_lse, s)
-    want = sink_mod.sink_grad(dout.cpu(), out.cpu(), lse.cpu(), want_lse, s.cpu())
+        out[:, :5] = 0
+    got = sink_mod.sink_grad(dout, out, lse, s)
+    want = sink_mod.sink_grad(dout.cpu(), out.cpu(), lse.cpu(), s.cpu())
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
     # An expanded output gradient (stride 0) is read as its values.
     ones = torch.ones(1, device=DEV, dtype=out.dtype).expand(out.shape)
-    torch.testing.assert_close(sink_mod.sink_grad(ones, out, lse, got_lse, s).cpu(),
-                               sink_mod.sink_grad(ones.cpu(), out.cpu(), lse.cpu(), want_lse, s.cpu()),
+    torch.testing.assert_close(sink_mod.sink_grad(ones, out, lse, s).cpu(),
+                               sink_mod.sink_grad(ones.cpu(), out.cpu(), lse.cpu(), s.cpu()),
                                rtol=1e-4, atol=1e-4)
+
+
+# ---- paths that launch nothing, and the prepared calls ----------------------
+
+def test_no_keys_give_zeros_and_the_sink_as_lse():
+    h = 4
+    s = sinks(h, 81)
+    q = rnd(2, 5, h, 64, seed=82)
+    k = rnd(2, 0, 2, 64, seed=83)
+    out, lse = hopper_flash.flash_attn_func(q, k, k, return_lse=True, learnable_sink=s)
+    assert bool((out == 0).all()) and torch.equal(lse, s.float().view(1, -1, 1).expand(2, -1, 5))
+    cq = cu([3, 2])
+    out, lse = hopper_flash.flash_attn_varlen_func(q[0], k[0], k[0], cq, cu([0, 0]), 3, 1, return_lse=True,
+                                                   learnable_sink=s)
+    assert bool((out == 0).all()) and torch.equal(lse, s.float().view(-1, 1).expand(-1, 5))
+
+
+def test_a_prepared_call_does_not_serve_a_call_with_a_sink():
+    """A plain call prepares its signature's launch (plan.PreparedForward);
+    the same shapes with a sink must not take it."""
+    q, k, v = rnd(2, 1, 8, 128, seed=91), rnd(2, 3000, 2, 128, seed=92), rnd(2, 3000, 2, 128, seed=93)
+    s = sinks(8, 94) + 8.0  # near the rows' LSE (~8.5 over 3000 keys): the sink takes a large share
+    for _ in range(2):
+        plain = hopper_flash.flash_attn_func(q, k, v, causal=True)
+    out = hopper_flash.flash_attn_func(q, k, v, causal=True, learnable_sink=s)
+    ref, _ = attention_reference(q, k, v, causal=True, sink=s)
+    assert_judged("out", out, ref, sink_eager(q, k, v, s, causal=True))
+    assert (out.float() - plain.float()).abs().max() > 0.05

@@ -499,23 +499,29 @@ def test_attention_sinks_reach_the_call(fake_kernel):
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
 
 
-@pytest.mark.skipif(not hasattr(transformers, "GptOssForCausalLM"), reason="transformers without gpt-oss")
-def test_gpt_oss_logits_equal_eager_cpu(registered, fake_kernel):
-    """A tiny gpt-oss (a sliding-window layer and a full one, each with
-    sinks) gives eager's logits with hopper_flash (the float64 stand-in
-    kernel): the sinks and the window reach every layer's call."""
+def _gpt_oss(window=64, heads=8):
+    """A tiny gpt-oss: a sliding-window layer and a full one, each with sinks."""
     import logging
 
     config = transformers.GptOssConfig(
-        vocab_size=1000, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-        max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"])
+        vocab_size=1000, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=heads,
+        num_key_value_heads=2, head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
+        max_position_embeddings=1024, layer_types=["sliding_attention", "full_attention"])
     logging.getLogger("transformers").setLevel(logging.ERROR)  # the tiny config's RoPE-scaling note
     torch.manual_seed(0)
     model = transformers.GptOssForCausalLM(config).eval()
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 2.0)  # sinks that take a real share (init: std 0.02)
+    return model
+
+
+@pytest.mark.skipif(not hasattr(transformers, "GptOssForCausalLM"), reason="transformers without gpt-oss")
+def test_gpt_oss_logits_equal_eager_cpu(registered, fake_kernel):
+    """A tiny gpt-oss (a sliding-window layer and a full one, each with
+    sinks) gives eager's logits with hopper_flash (the float64 stand-in
+    kernel): the sinks and the window reach every layer's call."""
+    model = _gpt_oss(window=8, heads=4)
     ids = torch.randint(1, 1000, (2, 24), generator=torch.Generator().manual_seed(7))
     eager = _logits(_set_attn(model, "eager"), ids)
     ours = _logits(_set_attn(model, NAME), ids)
@@ -700,6 +706,35 @@ def test_llama_logits_match_sdpa_gpu():
           f"sdpa {rel_sdpa_fp32:.3e}")
     assert rel < 2e-2
     assert rel_hf_fp32 < 2 * rel_sdpa_fp32 + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hasattr(transformers, "GptOssForCausalLM"), reason="transformers without gpt-oss")
+def test_gpt_oss_prefill_and_decode_logits_match_eager_gpu():
+    """gpt-oss (sinks in every layer; a sliding-window layer and a full one)
+    in bf16 with the real kernels: a 300-token prefill and four decode steps
+    on a cache. Each step's logits are as close to the float32 eager
+    model's (same weights) as bf16 eager's are (the bf16 noise floor)."""
+    hft.register()
+    model = _gpt_oss().cuda()
+    ids = torch.randint(1, 1000, (2, 304), generator=torch.Generator().manual_seed(3)).cuda()
+
+    def run(impl, dtype):
+        m = _set_attn(model.to(dtype), impl)
+        cache = transformers.DynamicCache(config=m.config)
+        steps = [_logits(m, ids[:, :300], past_key_values=cache, use_cache=True)]
+        for t in range(300, 304):
+            steps.append(_logits(m, ids[:, t:t + 1], past_key_values=cache, use_cache=True))
+        return [x.float() for x in steps]
+
+    fp32 = run("eager", torch.float32)
+    eager = run("eager", torch.bfloat16)
+    ours = run(NAME, torch.bfloat16)
+    for i, (o, e, f) in enumerate(zip(ours, eager, fp32)):
+        assert torch.isfinite(o).all()
+        rel_ours, rel_eager = rel_fro_err(o, f), rel_fro_err(e, f)
+        print(f"\nstep {i}: vs the float32 model, hopper_flash {rel_ours:.3e}, bf16 eager {rel_eager:.3e}")
+        assert rel_ours < 2 * rel_eager + 1e-3, f"step {i}"
 
 
 @pytest.mark.gpu

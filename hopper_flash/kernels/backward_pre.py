@@ -6,12 +6,7 @@
   (one launch instead of a memset and this kernel). A row that saw no key (LSE = −inf) gets
   L2 = 0, so the main kernel's exp2(−inf − 0) is 0 and never NaN; padding
   rows get L2 = +inf and Δ = 0, so they contribute nothing and the main
-  kernel needs no query-tail mask. With attention sinks (``SINK``, see
-  ``sinks.py``) O and LSE are the kernels' own, without the sink, and the
-  sink of the row's head joins here: ``LSE' = logaddexp(LSE, s)``, and
-  ``Δ = r · rowsum(dO ⊙ O)`` with ``r = exp(LSE − LSE')``, the renormalised
-  output's Δ from the once-rounded O (the renormalised output itself is
-  rounded a second time).
+  kernel needs no query-tail mask.
 * ``bwd_postprocess``: dQ = scale · dq_accum, rounded to the output dtype.
   The main kernel adds each query tile into ``dq_accum`` with the rows of
   every 8-row group interleaved (``backward._stage_dq``, for bank-conflict-free
@@ -66,14 +61,13 @@ _POST_INTS = ["sdq8_b", "sdq8_s", "sdq8_h", "seqlen_q", "seqlen_q_rounded", "num
 
 
 @triton.jit(do_not_specialize=_PRE_INTS)
-def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr, cu_ptr, used_ptr, sink_ptr,
+def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr, cu_ptr, used_ptr,
                            so8_b, so8_s, so8_h, sdo8_b, sdo8_s, sdo8_h, slse_b, slse_h,
                            seqlen_q, seqlen_q_rounded, num_heads,
                            BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                           VARLEN: tl.constexpr, SEQUSED: tl.constexpr, SINK: tl.constexpr = False):
+                           VARLEN: tl.constexpr, SEQUSED: tl.constexpr):
     """VARLEN: o/dO are THD (``so_b = sdo_b = 0``), lse is ``[H, total_q]``
-    (``slse_b = 0``); the stats go to the sequence's padded rows. SINK:
-    ``sink_ptr`` holds one fp32 logit per head (module docstring)."""
+    (``slse_b = 0``); the stats go to the sequence's padded rows."""
     so_b, so_s, so_h = so8_b * 8, so8_s * 8, so8_h * 8
     sdo_b, sdo_s, sdo_h = sdo8_b * 8, sdo8_s * 8, sdo8_h * 8
     pid_m = tl.program_id(0)
@@ -90,14 +84,6 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr,
                  other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     lse = tl.load(lse_ptr + b * slse_b + h * slse_h + rows64, mask=valid, other=0.0)
-    if SINK:
-        sink = tl.load(sink_ptr + h)
-        hi = tl.maximum(lse, sink)  # finite: the sink is
-        lse_sink = hi + tl.log(tl.exp(lse - hi) + tl.exp(sink - hi))
-        # r = 0 where the row saw no key (lse = -inf): its O is 0, and its dO
-        # (which may hold anything) must not reach Δ.
-        delta = tl.where(lse == -float("inf"), 0.0, delta * tl.exp(lse - lse_sink))
-        lse = lse_sink
     lse2 = tl.where(lse == -float("inf"), 0.0, lse * 1.4426950408889634)
     lse2 = tl.where(valid, lse2, float("inf"))
     out = stat0 + h * seqlen_q_rounded + rows

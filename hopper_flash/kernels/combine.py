@@ -6,6 +6,11 @@ Split ``s`` of a row wrote its normalised output ``O_s`` and natural-log
 that saw no key wrote ``O_s = 0`` and ``lse_s = -inf`` (weight 0); a row whose
 splits are all ``-inf`` saw no key at all and gets ``O = 0``, ``LSE = -inf``.
 
+Attention sinks (``SINK``, ``sinks.py``): the row's head's logit joins the
+merge as one more split with no output, ``lse_s = sink`` and ``O_s = 0``: it
+takes its share of the weights and adds nothing (the split kernel leaves it
+out). A row that saw no key then gets ``O = 0`` and ``LSE = sink``.
+
 Plain Triton: the traffic is ``splits * rows * D * 4`` bytes, small next to the
 K/V the split kernel reads, so the kernel only has to be simple and correct.
 """
@@ -14,10 +19,10 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["n_splits", "batch", "seqlen_q", "num_heads", "stride_ob", "stride_oq", "stride_oh"])
-def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_splits, batch, seqlen_q, num_heads,
+def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, sink_ptr, n_splits, batch, seqlen_q, num_heads,
                    stride_ob, stride_oq, stride_oh,
                    HEAD_DIM: tl.constexpr, S_MAX: tl.constexpr, WRITE_LSE: tl.constexpr,
-                   DEPENDENT: tl.constexpr):
+                   DEPENDENT: tl.constexpr, SINK: tl.constexpr = False):
     if DEPENDENT:
         # Launched by programmatic dependent launch right after the split
         # kernel, which triggers it at its start (forward.py): the launch and
@@ -38,8 +43,13 @@ def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_splits, batch, 
     lse_s = tl.load(lse_part_ptr + ((s_idx * batch + b) * num_heads + h).to(tl.int64) * seqlen_q + q,
                     mask=s_idx < n_splits, other=-float("inf"))
     m = tl.max(lse_s, axis=0)
-    m = tl.where(m == -float("inf"), 0.0, m)  # all splits empty: every weight is exp(-inf) = 0
-    total = tl.sum(tl.exp(lse_s - m), axis=0)
+    if SINK:
+        sink = tl.load(sink_ptr + h)
+        m = tl.maximum(m, sink)  # finite: the sink is
+        total = tl.sum(tl.exp(lse_s - m), axis=0) + tl.exp(sink - m)
+    else:
+        m = tl.where(m == -float("inf"), 0.0, m)  # all splits empty: every weight is exp(-inf) = 0
+        total = tl.sum(tl.exp(lse_s - m), axis=0)
     inv = tl.where(total == 0.0, 0.0, 1.0 / total)
 
     d = tl.arange(0, HEAD_DIM)

@@ -182,11 +182,15 @@ class Mode:
     # Logit soft-capping (softmax.softcap): scores become cap * tanh(s * scale / cap)
     # before the mask; Problem's two scales then mean scale / cap and cap.
     SOFTCAP: gl.constexpr
+    # Attention sinks (sinks.py): each row's normaliser gets its head's
+    # logit from ``sink_ptr`` (softmax_finish). Not with SPLIT: the combine
+    # adds it there, once per row.
+    SINK: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
                  PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT,
-                 SOFTCAP):
+                 SOFTCAP, SINK):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -228,11 +232,12 @@ class Problem:
     sched_ptr: gl.tensor
     k_ptr: gl.tensor  # GATHER: the page pools, [num_pages, PAGE_SIZE, Hkv, D] contiguous
     v_ptr: gl.tensor
+    sink_ptr: gl.tensor  # SINK: fp32 [H], one logit per query head
 
     @gluon.constexpr_function
     def __init__(self, seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, pair, section, total_tiles,
                  page_stride, total_q, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr, page_table_ptr,
-                 o_part_ptr, lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, k_ptr, v_ptr):
+                 o_part_ptr, lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, k_ptr, v_ptr, sink_ptr):
         init_fields(self, locals())
 
 
@@ -734,7 +739,13 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         _wait_tile(rings.v_full, kv0 + n_kv - 1, mode.V_STAGES, mode)
     v = rings.v_bufs.index(ring_slot(kv0 + n_kv - 1, mode.V_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
     pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
-    inv_logsum, lse = softmax_finish(scores_max, logsum, prob.softmax_scale)
+    if mode.SINK:
+        # Each row's head's sink logit (PackGQA: the rows of a tile span the group's heads).
+        sink = gl.load(prob.sink_ptr + q_head0 + (row0 + gl.arange(0, WG_M, layout=scores_max.type.layout))
+                       % mode.PACK_G)
+    else:
+        sink = scores_max  # (unused)
+    inv_logsum, lse = softmax_finish(scores_max, logsum, prob.softmax_scale, sink, mode.SINK)
     acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
     release(rings.v_empty, kv0 + n_kv - 1, mode.V_STAGES)
     acc_o = acc_o * gl.convert_layout(inv_logsum, o_row_layout)[:, None]
@@ -852,7 +863,7 @@ def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode
                               "page_stride", "total_q", "section"])
 def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              seqused_ptr, kv_batch_ptr, page_table_ptr, o_part_ptr, lse_part_ptr,
-                             cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, k_ptr, v_ptr,
+                             cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, k_ptr, v_ptr, sink_ptr,
                              seqlen_q, seqlen_k, num_heads, kv_group, batch, qk_scale, softmax_scale,
                              num_splits, pair, page_stride, total_q, section,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -865,7 +876,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
                              DYNAMIC: gl.constexpr = False, Q_STAGES: gl.constexpr = 1,
                              WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1,
-                             SOFTCAP: gl.constexpr = False):
+                             SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False):
     # Consumer warpgroups of 64 rows each: two, or three (FA3's 192-row tiles at head dim 64).
     NC: gl.constexpr = BLOCK_M // WG_M
     gl.static_assert(BLOCK_M == NC * WG_M and (NC == 2 or NC == 3), "two or three consumer warpgroups of 64 rows")
@@ -873,6 +884,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(Q_STAGES == 1 or not O_IN_Q, "O staged in Q's rows leaves no room for a second Q")
     gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH or PAGE_SIZE > 0)),
                      "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
+    gl.static_assert(not (SINK and SPLIT), "a split run's sink is the combine's")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle two warpgroups")
     gl.static_assert(not (0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE) or (HEAD_DIM <= 128 and BLOCK_M == 128),
                      "pages are gathered at head dims 64 and 128, two consumers (plan.gathers)")
@@ -883,7 +895,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                      "gathered (the descriptors then only lay out the tiles)")
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
-                SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP)
+                SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                SINK)
     if SPLIT:
         # The combine follows this grid by programmatic dependent launch
         # (plan.launch_combine) and may be scheduled from now on: its
@@ -953,7 +966,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                   sched_full, sched_empty, turn_full, turn_empty)
     prob = Problem(seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, pair, section, total_tiles, page_stride,
                    total_q, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr, page_table_ptr, o_part_ptr,
-                   lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, k_ptr, v_ptr)
+                   lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, k_ptr, v_ptr, sink_ptr)
     # The default partition is consumer 0 (the launch's num_warps = 4).
     if NC == 2:
         gl.warp_specialize(

@@ -1,15 +1,11 @@
-"""Attention sinks' two row passes (``sinks.py``), in plain Triton: one
+"""The attention sink's gradient (``sinks.py``), in plain Triton: one
 program per block of ``BLOCK`` rows of one head of one batch, any strides.
 
-* ``_sink_renorm_kernel``: ``LSE' = logaddexp(LSE, s_h)`` and ``out' = out ·
-  exp(LSE − LSE')`` in one read of ``out`` and ``LSE`` (the same as torch's
-  elementwise ops, which took several full-size fp32 passes).
-* ``_sink_grad_kernel``: the sink's gradient, ``-sum over rows of
-  exp(s_h − LSE') · exp(LSE − LSE') · rowsum(dO ⊙ out)`` with the kernels'
-  own ``out`` and ``LSE``; rows that saw no key (``LSE = −inf``) add nothing,
-  whatever their ``dO`` holds. Each program writes its block's partial sum
-  (no atomics: the host sums them in a fixed order, so deterministic
-  backwards stay bitwise reproducible).
+``_sink_grad_kernel``: ``-sum over rows of exp(s_h − LSE) · rowsum(dO ⊙
+out)`` from a forward's sink-normalised ``out`` and ``LSE``; rows with ``LSE
+<= s_h`` (those that saw no key) add nothing, whatever their ``dO`` holds.
+Each program writes its block's partial sum (no atomics: the host sums them
+in a fixed order, so deterministic backwards stay bitwise reproducible).
 
 The row layouts: fixed length ``out [B, S, H, D]`` with ``lse [B, H, S]``,
 varlen ``out [T, H, D]`` with ``lse [H, T]`` as batch 1 (``s*_b = 0``); the
@@ -32,31 +28,6 @@ def _row_offsets(b, h, r, s8_b, s8_s, s8_h, HEAD_DIM: tl.constexpr):
     return b * (s8_b * 8) + h * (s8_h * 8) + r.to(tl.int64)[:, None] * (s8_s * 8) + cols[None, :]
 
 
-@triton.jit
-def _lse_with_sink(lse, sink):
-    """``logaddexp(lse, sink)``, finite (the sink is); ``lse`` may be −inf."""
-    hi = tl.maximum(lse, sink)
-    return hi + tl.log(tl.exp(lse - hi) + tl.exp(sink - hi))
-
-
-@triton.jit(do_not_specialize=_INTS)
-def _sink_renorm_kernel(o_ptr, lse_ptr, sink_ptr, o2_ptr, lse2_ptr, rows, so8_b, so8_s, so8_h, sd8_b, sd8_s,
-                        sd8_h, sl_b, sl_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """``o2``/``lse2`` have ``o``'s/``lse``'s strides (``sd8_*`` unused)."""
-    b = tl.program_id(2).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    valid = r < rows
-    lse_offs = b * sl_b + h * sl_h + r
-    lse = tl.load(lse_ptr + lse_offs, mask=valid, other=-float("inf"))
-    lse_sink = _lse_with_sink(lse, tl.load(sink_ptr + h))
-    factor = tl.exp(lse - lse_sink)  # 0 where lse is -inf
-    offs = _row_offsets(b, h, r, so8_b, so8_s, so8_h, HEAD_DIM)
-    o = tl.load(o_ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
-    tl.store(o2_ptr + offs, (o * factor[:, None]).to(o2_ptr.dtype.element_ty), mask=valid[:, None])
-    tl.store(lse2_ptr + lse_offs, lse_sink, mask=valid)
-
-
 @triton.jit(do_not_specialize=_INTS)
 def _sink_grad_kernel(o_ptr, do_ptr, lse_ptr, sink_ptr, part_ptr, rows, so8_b, so8_s, so8_h, sd8_b, sd8_s, sd8_h,
                       sl_b, sl_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -66,11 +37,10 @@ def _sink_grad_kernel(o_ptr, do_ptr, lse_ptr, sink_ptr, part_ptr, rows, so8_b, s
     blk = tl.program_id(0)
     r = blk * BLOCK + tl.arange(0, BLOCK)
     valid = r < rows
-    lse = tl.load(lse_ptr + b * sl_b + h * sl_h + r, mask=valid, other=-float("inf"))
     sink = tl.load(sink_ptr + h)
-    lse_sink = _lse_with_sink(lse, sink)
+    lse = tl.load(lse_ptr + b * sl_b + h * sl_h + r, mask=valid, other=sink)
     o = tl.load(o_ptr + _row_offsets(b, h, r, so8_b, so8_s, so8_h, HEAD_DIM), mask=valid[:, None], other=0.0)
     do = tl.load(do_ptr + _row_offsets(b, h, r, sd8_b, sd8_s, sd8_h, HEAD_DIM), mask=valid[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    terms = tl.where(valid & (lse != -float("inf")), tl.exp(sink - lse_sink) * tl.exp(lse - lse_sink) * delta, 0.0)
+    terms = tl.where(valid & (lse > sink), tl.exp(sink - lse) * delta, 0.0)
     tl.store(part_ptr + (b * tl.num_programs(0) + blk) * tl.num_programs(1) + h, tl.sum(terms, axis=0))

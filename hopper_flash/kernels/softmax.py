@@ -89,13 +89,30 @@ def softmax_step(s, scores_max_prev, logsum, qk_scale):
 
 
 @gluon.jit
-def softmax_finish(scores_max, logsum, softmax_scale):
+def softmax_finish(scores_max, logsum, softmax_scale, sink, SINK: gl.constexpr):
     """Reciprocal row sums for the output, and the natural-log LSE.
 
     Rows that saw no key (``logsum == 0``) get a factor 0, so their output is 0
-    rather than 0 * inf, and an LSE of -inf."""
+    rather than 0 * inf, and an LSE of -inf.
+
+    ``SINK``: ``sink`` (natural-log units, one per row: its head's
+    ``learnable_sink``) joins each row's normaliser as a key with no value
+    (``sinks.py``): with ``m`` the row's maximum logit and ``hi = max(m, sink)``
+    the sum becomes ``logsum * exp(m - hi) + exp(sink - hi)``, the output factor
+    ``exp(m - hi) / sum`` and the LSE ``hi + log(sum)``. Taken against ``hi``
+    so that neither exponential overflows however far the sink is from the
+    scores; a row that saw no key (``m = -inf``) gets a factor 0 and the sink
+    as its LSE."""
     logsum = gl.convert_layout(gl.sum(logsum, axis=1), scores_max.type.layout)
-    empty = logsum == 0.0
-    inv_logsum = gl.where(empty, 0.0, 1.0 / logsum)
-    lse = gl.where(empty, -float("inf"), scores_max * softmax_scale + gl.log(logsum))
+    if SINK:
+        m = scores_max * softmax_scale  # -inf stays -inf: the scale is positive
+        hi = gl.maximum(m, sink)
+        keep = gl.exp2((m - hi) * LOG2E)
+        logsum = logsum * keep + gl.exp2((sink - hi) * LOG2E)
+        inv_logsum = keep / logsum
+        lse = hi + gl.log(logsum)
+    else:
+        empty = logsum == 0.0
+        inv_logsum = gl.where(empty, 0.0, 1.0 / logsum)
+        lse = gl.where(empty, -float("inf"), scores_max * softmax_scale + gl.log(logsum))
     return inv_logsum, lse
