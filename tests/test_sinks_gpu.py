@@ -337,7 +337,8 @@ def test_decode_with_a_sink_takes_the_prepared_call_reading_the_sinks_in_place(m
 
     q, k, v = rnd(2, 1, 8, 128, seed=95), rnd(2, 3000, 2, 128, seed=96), rnd(2, 3000, 2, 128, seed=97)
     s = sinks(8, 98).bfloat16() + 6.0
-    first = hopper_flash.flash_attn_func(q, k, v, causal=True, learnable_sink=s)
+    for _ in range(3):  # compiles (the JIT's launch), then launches directly and prepares (the combine's too)
+        first = hopper_flash.flash_attn_func(q, k, v, causal=True, learnable_sink=s)
     calls = []
     real = plan.launch_forward
     monkeypatch.setattr(plan, "launch_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
