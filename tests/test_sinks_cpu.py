@@ -139,6 +139,33 @@ def test_training_only_the_sink_runs_no_attention_backward(stand_ins):
     assert stand_ins == [] and ds.shape == s.shape
 
 
+# ---- how the kernels take the sinks (host side) -----------------------------
+
+
+def test_sinks_are_read_in_place_in_their_own_dtype_or_copied_to_float32():
+    from hopper_flash import plan
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        s = torch.randn(8, dtype=dtype)
+        got = plan.sink_arg(s)
+        assert got.data_ptr() == s.data_ptr() and got.dtype == dtype and not got.requires_grad
+        assert plan.sink_mode(got) == str(dtype).removeprefix("torch.")
+    for s in (torch.randn(8, dtype=torch.float64), torch.randn(16, dtype=torch.bfloat16)[::2],
+              torch.randn(9)[1:]):  # another dtype, strided, off 16-byte alignment
+        got = plan.sink_arg(s)
+        assert got.dtype == torch.float32 and got.is_contiguous() and got.data_ptr() % 16 == 0
+        assert torch.equal(got, s.float())
+    assert plan.sink_arg(None) is None and plan.sink_mode(None) == ""
+
+
+def test_a_prepared_calls_key_holds_the_sinks_address_dtype_and_size():
+    s = torch.randn(8, dtype=torch.bfloat16)
+    assert dispatch._sink_key(None) is None
+    assert dispatch._sink_key(s) == (s.data_ptr(), -1, torch.bfloat16, 8)
+    # Sinks the kernels would read from a copy are never prepared (the copy is per call).
+    assert dispatch._sink_key(s.double()) is False and dispatch._sink_key(torch.randn(16)[::2]) is False
+
+
 # ---- argument checks ---------------------------------------------------------
 
 

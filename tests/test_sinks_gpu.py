@@ -326,3 +326,31 @@ def test_a_prepared_call_does_not_serve_a_call_with_a_sink():
     ref, _ = attention_reference(q, k, v, causal=True, sink=s)
     assert_judged("out", out, ref, sink_eager(q, k, v, s, causal=True))
     assert (out.float() - plain.float()).abs().max() > 0.05
+
+
+def test_decode_with_a_sink_takes_the_prepared_call_reading_the_sinks_in_place(monkeypatch):
+    """A model's bf16 sinks: the second call of a signature takes the
+    prepared launch (no plan.launch_forward), which reads the sinks where
+    they are, so an in-place update is seen; other sinks (another address)
+    take the full path."""
+    from hopper_flash import plan
+
+    q, k, v = rnd(2, 1, 8, 128, seed=95), rnd(2, 3000, 2, 128, seed=96), rnd(2, 3000, 2, 128, seed=97)
+    s = sinks(8, 98).bfloat16() + 6.0
+    for _ in range(3):  # compiles (the JIT's launch), then launches directly and prepares (the combine's too)
+        first = hopper_flash.flash_attn_func(q, k, v, causal=True, learnable_sink=s)
+    calls = []
+    real = plan.launch_forward
+    monkeypatch.setattr(plan, "launch_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    second = hopper_flash.flash_attn_func(q, k, v, causal=True, learnable_sink=s)
+    assert calls == [] and torch.equal(first, second)
+    s.add_(3.0)  # in place, as a weight update
+    third = hopper_flash.flash_attn_func(q, k, v, causal=True, learnable_sink=s)
+    assert calls == []
+    ref, _ = attention_reference(q, k, v, causal=True, sink=s)
+    assert_judged("out", third, ref, sink_eager(q, k, v, s, causal=True))
+    assert (third.float() - second.float()).abs().max() > 0.05
+    other = s.clone()
+    torch.testing.assert_close(hopper_flash.flash_attn_func(q, k, v, causal=True, learnable_sink=other), third,
+                               rtol=0, atol=0)
+    assert calls == [1]

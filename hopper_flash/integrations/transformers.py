@@ -261,13 +261,13 @@ def hopper_flash_attention_forward(
         causal = bool(is_causal) and seqlen_q > 1
 
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if sink is None and not interface._needs_op(q, k, v):
+    if not interface._needs_op(q, k, v, sink):
         # Inference (every decode step): the call prepared for these
         # arguments' signature, if flash_attn_func has made one, which it
         # does for CUDA tensors on their first direct launch; its option
         # checks are for values this call never passes. Host time per layer.
         window = None if window_size == (-1, -1) else checks.window_bounds(window_size, causal)
-        out, _ = dispatch.prepared_forward(q, k, v, scaling, causal, False, window, softcap)
+        out, _ = dispatch.prepared_forward(q, k, v, scaling, causal, False, window, softcap, sink)
         if out is not None:
             return out, None
 

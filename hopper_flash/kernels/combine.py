@@ -44,7 +44,7 @@ def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, sink_ptr, n_split
                     mask=s_idx < n_splits, other=-float("inf"))
     m = tl.max(lse_s, axis=0)
     if SINK:
-        sink = tl.load(sink_ptr + h)
+        sink = tl.load(sink_ptr + h).to(tl.float32)
         m = tl.maximum(m, sink)  # finite: the sink is
         total = tl.sum(tl.exp(lse_s - m), axis=0) + tl.exp(sink - m)
     else:

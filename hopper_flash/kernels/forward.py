@@ -183,8 +183,8 @@ class Mode:
     # before the mask; Problem's two scales then mean scale / cap and cap.
     SOFTCAP: gl.constexpr
     # Attention sinks (sinks.py): each row's normaliser gets its head's
-    # logit from ``sink_ptr`` (softmax_finish). Not with SPLIT: the combine
-    # adds it there, once per row.
+    # logit from ``sink_ptr`` (fp32, bf16 or fp16; softmax_finish). Not with
+    # SPLIT: the combine adds it there, once per row.
     SINK: gl.constexpr
 
     @gluon.constexpr_function
@@ -232,7 +232,7 @@ class Problem:
     sched_ptr: gl.tensor
     k_ptr: gl.tensor  # GATHER: the page pools, [num_pages, PAGE_SIZE, Hkv, D] contiguous
     v_ptr: gl.tensor
-    sink_ptr: gl.tensor  # SINK: fp32 [H], one logit per query head
+    sink_ptr: gl.tensor  # SINK: [H], one logit per query head (fp32, bf16 or fp16)
 
     @gluon.constexpr_function
     def __init__(self, seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, pair, section, total_tiles,
@@ -742,7 +742,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     if mode.SINK:
         # Each row's head's sink logit (PackGQA: the rows of a tile span the group's heads).
         sink = gl.load(prob.sink_ptr + q_head0 + (row0 + gl.arange(0, WG_M, layout=scores_max.type.layout))
-                       % mode.PACK_G)
+                       % mode.PACK_G).to(gl.float32)
     else:
         sink = scores_max  # (unused)
     inv_logsum, lse = softmax_finish(scores_max, logsum, prob.softmax_scale, sink, mode.SINK)

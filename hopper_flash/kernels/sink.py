@@ -37,7 +37,7 @@ def _sink_grad_kernel(o_ptr, do_ptr, lse_ptr, sink_ptr, part_ptr, rows, so8_b, s
     blk = tl.program_id(0)
     r = blk * BLOCK + tl.arange(0, BLOCK)
     valid = r < rows
-    sink = tl.load(sink_ptr + h)
+    sink = tl.load(sink_ptr + h).to(tl.float32)
     lse = tl.load(lse_ptr + b * sl_b + h * sl_h + r, mask=valid, other=sink)
     o = tl.load(o_ptr + _row_offsets(b, h, r, so8_b, so8_s, so8_h, HEAD_DIM), mask=valid[:, None], other=0.0)
     do = tl.load(do_ptr + _row_offsets(b, h, r, sd8_b, sd8_s, sd8_h, HEAD_DIM), mask=valid[:, None], other=0.0)
