@@ -7,7 +7,10 @@ The partials are random, with an empty split inside a row (``lse = -inf``,
 ``O = 0``, as the split kernel writes it) and a row whose every split is
 empty (the result is 0 and its LSE -inf); the outputs are poisoned with NaN
 first. Split counts cover one chunk and several, split counts that are not a
-multiple of the chunk, and up to 128 (B=1 decode with one KV head)."""
+multiple of the chunk, and up to 128 (B=1 decode with one KV head). Every
+case runs again with attention sinks (fp32 or bf16, read in their dtype):
+the merge then counts the sink as one more split with no output, and the
+all-empty row gives 0 with the sink as its LSE."""
 import math
 import os
 import subprocess
@@ -40,13 +43,14 @@ CHILD = textwrap.dedent("""
     from hopper_flash.plan import _combine_constexprs
     cases = torch.load(sys.argv[2])
     results = []
-    for o, lse, write_lse in cases:
+    for o, lse, write_lse, sink in cases:
         n_splits, batch, seqlen_q, heads, head_dim = o.shape
         out = torch.full((batch, seqlen_q, heads, head_dim), float("nan"), dtype=torch.bfloat16)
         lse_out = torch.full((batch, heads, seqlen_q), float("nan")) if write_lse else lse  # as plan.launch_combine
         combine_kernel[(batch * seqlen_q * heads,)](
-            o, lse, out, lse_out, n_splits, batch, seqlen_q, heads, out.stride(0), out.stride(1), out.stride(2),
-            **{**_combine_constexprs(head_dim, n_splits, write_lse), "DEPENDENT": False})  # no PDL here
+            o, lse, out, lse_out, lse if sink is None else sink, n_splits, batch, seqlen_q, heads, out.stride(0),
+            out.stride(1), out.stride(2),
+            **{**_combine_constexprs(head_dim, n_splits, write_lse, sink is not None), "DEPENDENT": False})
         results.append((out, lse_out if write_lse else None))
     torch.save(results, sys.argv[3])
 """)
@@ -62,15 +66,21 @@ def _partials(n_splits, batch, seqlen_q, heads, head_dim, gen):
     return o, lse
 
 
-def test_combine_merges_the_splits_by_lse(tmp_path):
+@pytest.mark.parametrize("sink_dtype", [None, torch.float32, torch.bfloat16], ids=["no-sink", "sink-fp32", "sink-bf16"])
+def test_combine_merges_the_splits_by_lse(tmp_path, sink_dtype):
     gen = torch.Generator().manual_seed(0)
-    cases = [(*_partials(*shape[:5], gen), shape[5]) for shape in CASES]
+    cases = [(*_partials(*shape[:5], gen), shape[5],
+              None if sink_dtype is None else (torch.randn(shape[3], generator=gen) * 3).to(sink_dtype))
+             for shape in CASES]
     torch.save(cases, tmp_path / "cases.pt")
     subprocess.run([sys.executable, "-c", CHILD, ROOT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
                    check=True, capture_output=True, text=True, timeout=600)
     results = torch.load(tmp_path / "out.pt")
-    for (o, lse, write_lse), (out, lse_out), shape in zip(cases, results, CASES):
+    for (o, lse, write_lse, sink), (out, lse_out), shape in zip(cases, results, CASES):
         l64 = lse.double()
+        if sink is not None:  # the sink: one more split, with no output
+            l64 = torch.cat([l64, sink.double().view(1, 1, -1, 1).expand(1, *l64.shape[1:])])
+            o = torch.cat([o, torch.zeros_like(o[:1])])
         ref_lse = torch.logsumexp(l64, dim=0)  # [B, H, Sq]
         weights = torch.exp(l64 - ref_lse).nan_to_num(0.0)  # an all-empty row: 0, not NaN
         ref = (weights.permute(0, 1, 3, 2)[..., None] * o.double()).sum(0)  # [B, Sq, H, D]
@@ -85,5 +95,6 @@ def test_combine_merges_the_splits_by_lse(tmp_path):
             live = torch.isfinite(ref_lse)
             assert torch.allclose(lse_out.double()[live], ref_lse[live], rtol=0, atol=1e-5), shape
             assert (lse_out[~live] == -math.inf).all() and (several_rows or live.all()), shape
+            assert sink is None or live.all(), "with sinks every row has an LSE (the all-empty row's: the sink)"
         else:
             assert lse_out is None
