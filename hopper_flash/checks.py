@@ -74,8 +74,11 @@ def check_softcap(softcap) -> float:
 
 
 def check_learnable_sink(sink, nheads: int, device) -> None:
-    """flash-attn's ``learnable_sink``: a floating tensor ``[nheads]`` (one
-    logit per query head) on q's device. Safe on fake tensors."""
+    """flash-attn's ``learnable_sink``: None, or a floating tensor
+    ``[nheads]`` (one logit per query head) on q's device. Safe on fake
+    tensors."""
+    if sink is None:
+        return
     if not isinstance(sink, torch.Tensor):
         raise TypeError(f"learnable_sink must be a torch.Tensor of one logit per query head, or None; "
                         f"got {type(sink).__name__}")

@@ -46,8 +46,8 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None, s
 
 def _sink_key(sink):
     """The part of a prepared call's key that attention sinks make: None
-    for none, their address, dtype and size where the kernels read them in
-    place (``plan.sink_in_place``), else False (such a call is not
+    for none, their address, device, dtype and size where the kernels read
+    them in place (``plan.sink_in_place``), else False (such a call is not
     prepared: its sinks are copied per call)."""
     if sink is None:
         return None
@@ -63,7 +63,7 @@ def prepared_forward(q, k, v, softmax_scale, causal, return_lse, window=None, so
     prepares under). For a caller that has already done ``flash_attn_func``'s
     part (the transformers backend's decode step)."""
     key = checks._signature(q, k, v, softmax_scale, causal)
-    sink_key = _sink_key(sink)
+    sink_key = None if sink is None else _sink_key(sink)  # (every decode call: no call without sinks)
     if key is None or sink_key is False:
         return None, None
     key = (key, bool(return_lse), window, softcap, sink_key)

@@ -275,8 +275,7 @@ def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
     ``window_left``/``window_right``: ``checks.window_bounds``'s, -1 -1 for none;
     ``softcap``: logit soft-capping, 0.0 for none; ``sink``: attention sinks."""
     window = checks.op_window(window_left, window_right, causal)
-    if sink is not None:
-        checks.check_learnable_sink(sink, q.shape[2], q.device)
+    checks.check_learnable_sink(sink, q.shape[2], q.device)
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                                causal, num_splits, None if pack_gqa < 0 else bool(pack_gqa), True, window=window,
                                softcap=checks.check_softcap(softcap), sink=sink)
@@ -288,8 +287,7 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                       num_splits, pack_gqa, window_left=-1, window_right=-1, softcap=0.0, sink=None):
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
-    if sink is not None:
-        checks.check_learnable_sink(sink, q.shape[2], q.device)
+    checks.check_learnable_sink(sink, q.shape[2], q.device)
     batch, seqlen_q, nheads, _ = q.shape
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device))

@@ -54,15 +54,10 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
     ``window_left``/``window_right``: ``checks.window_bounds``'s sliding
     window, -1 -1 for none; ``softcap``: logit soft-capping (0.0: none);
     ``sink``: attention sinks, ``[H]`` (None: none)."""
-    _check_sink(sink, q, 2)
+    checks.check_learnable_sink(sink, q.shape[2], q.device)
     return dispatch.forward(q, k, v, softmax_scale, causal, True,
                             window=checks.op_window(window_left, window_right, causal),
                             softcap=checks.check_softcap(softcap), sink=sink)
-
-
-def _check_sink(sink, q, head_axis: int) -> None:
-    if sink is not None:
-        checks.check_learnable_sink(sink, q.shape[head_axis], q.device)
 
 
 @fwd.register_fake
@@ -74,7 +69,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-
     checks.check_arguments(q, k, v, softmax_scale, causal)
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
-    _check_sink(sink, q, 2)
+    checks.check_learnable_sink(sink, q.shape[2], q.device)
     if q.device.type != "meta":
         checks.check_device(q)
     batch, seqlen_q, nheads, _ = q.shape
@@ -179,7 +174,7 @@ def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     """Varlen attention forward on THD tensors; returns ``(out, lse)`` with
     ``lse`` ``[nheads, total_q]``. ``deterministic`` only selects the
     backward's dQ summation order."""
-    _check_sink(sink, q, 1)
+    checks.check_learnable_sink(sink, q.shape[1], q.device)
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k, softmax_scale, causal, True,
                                        window=checks.op_window(window_left, window_right, causal),
@@ -195,7 +190,7 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
                                   seqused_k, softmax_scale, causal)
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
-    _check_sink(sink, q, 1)
+    checks.check_learnable_sink(sink, q.shape[1], q.device)
     if q.device.type != "meta":
         checks.check_device(q)
     total_q, nheads, _ = q.shape
