@@ -17,12 +17,15 @@ log-sum-exp over its keys. Rows that see no key give zeros and ``L' = s``.
 The backward is the kernels' own on that ``out`` and ``L'``: with ``P' =
 exp(x - L')``, exactly the sink-normalised weights, and ``Δ' = rowsum(dO ·
 out)``, the softmax Jacobian's row term (the sink column has no value, so it
-adds nothing to ``dP``). The sink's gradient (this module) is
+adds nothing to ``dP``). The sink's gradient is
 
-    ds_h = -sum over rows of head h of exp(s_h - L') · rowsum(dO · out),
+    ds_h = -sum over rows of head h of exp(s_h - L') · rowsum(dO · out).
 
-one Triton pass over ``dO`` and ``out`` (``kernels/sink.py``) on CUDA tensors
-outside tracing, torch's ops otherwise. A row counts only where ``L' > s_h``:
+The backward's preprocess computes it beside Δ (``kernels/backward_pre``;
+the backward ops return it). This module's ``sink_grad`` serves a backward
+that trains the sinks alone: one Triton pass over ``dO`` and ``out``
+(``kernels/sink.py``) on CUDA tensors outside tracing, torch's ops
+otherwise. A row counts only where ``L' > s_h``:
 rows that saw no key (``L' = s_h`` exactly; their ``out`` is 0 and their
 ``dO`` may hold anything, NaN included, as past ``seqused_q``) add nothing,
 and so do rows whose keys' whole weight is below fp32's resolution next to
