@@ -487,7 +487,7 @@ def _sink_partials(pre: SmallLaunch, sink: torch.Tensor | None, stats: torch.Ten
 
 def _sink_sum(part: torch.Tensor | None, sink: torch.Tensor | None) -> torch.Tensor | None:
     """ds from the preprocess's partials (summed in a fixed order)."""
-    return None if part is None else (-part.sum(dim=(0, 1))).to(sink.dtype)
+    return None if part is None else part.sum(dim=(0, 1)).to(sink.dtype)
 
 
 def _strides8(*strides: int) -> tuple[int, ...]:

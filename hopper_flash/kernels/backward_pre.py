@@ -8,11 +8,10 @@
   rows get L2 = +inf and Δ = 0, so they contribute nothing and the main
   kernel needs no query-tail mask. With ``SINK`` (attention sinks,
   ``sinks.py``) it also writes each block's share of the sink's gradient,
-  ``-ds_h``'s partial sum ``sum exp(s_h - LSE') · Δ`` over its rows that saw
-  a key (``LSE' > s_h``), to ``part [B, blocks, H]``: Δ is at hand, so the
-  gradient needs no pass of its own over O and dO. No atomics: the host sums
-  the partials in a fixed order, so deterministic backwards stay bitwise
-  reproducible.
+  ``-sum exp(s_h - LSE') · Δ`` over its rows that saw a key (``LSE' >
+  s_h``), to ``part [B, blocks, H]``: Δ is at hand, so the gradient needs no
+  pass of its own over O and dO. No atomics: the host sums the partials in a
+  fixed order, so deterministic backwards stay bitwise reproducible.
 * ``bwd_postprocess``: dQ = scale · dq_accum, rounded to the output dtype.
   The main kernel adds each query tile into ``dq_accum`` with the rows of
   every 8-row group interleaved (``backward._stage_dq``, for bank-conflict-free
@@ -98,7 +97,7 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr,
         # (The forward's LSE' is logaddexp(LSE, s) >= s; equal where no key was seen.)
         sink = tl.load(sink_ptr + h).to(tl.float32)
         terms = tl.where(valid & (lse > sink), tl.exp(sink - lse) * delta, 0.0)
-        tl.store(part_ptr + (b * tl.num_programs(0) + pid_m) * num_heads + h, tl.sum(terms, axis=0))
+        tl.store(part_ptr + (b * tl.num_programs(0) + pid_m) * num_heads + h, -tl.sum(terms, axis=0))
     out = stat0 + h * seqlen_q_rounded + rows
     keep = rows < owned
     tl.store(delta_ptr + out, delta, mask=keep)
