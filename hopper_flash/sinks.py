@@ -87,14 +87,15 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: to
         batch, rows, so = _row_layout(out, lse)
         block = _block(rows)
         blocks = plan.triton_cdiv(rows, block)
-        part = torch.empty(batch, blocks, out.shape[-2], dtype=torch.float32, device=out.device)
+        part = torch.empty(out.shape[-2], batch * blocks, dtype=torch.float32, device=out.device)
         if out.numel():
             plan.launch_triton(_sink_grad_kernel, (blocks, out.shape[-2], batch),
                                (out, dout, lse, plan.sink_arg(sink), part, rows, *so, *_row_layout(dout, lse)[2],
                                 *_lse_strides(lse)),
                                dict(BLOCK=block, HEAD_DIM=out.shape[-1]), num_warps=4)
-        # (per-block partials summed in a fixed order: deterministic)
-        return (-part.sum(dim=(0, 1))).to(sink.dtype)
+        # (per-block partials summed in a fixed order: deterministic; each
+        # head's contiguous, as plan_backward._sink_partials lays them out)
+        return part.sum(dim=1).to(sink.dtype)
     delta = (dout.float() * out.float()).sum(-1)  # [B, Sq, H] or [T, H]
     delta = delta.transpose(1, 2) if lse.dim() == 3 else delta.t()
     s = sink.detach().to(lse.dtype)

@@ -9,7 +9,7 @@
   kernel needs no query-tail mask. With ``SINK`` (attention sinks,
   ``sinks.py``) it also writes each block's share of the sink's gradient,
   ``-sum exp(s_h - LSE') · Δ`` over its rows that saw a key (``LSE' >
-  s_h``), to ``part [B, blocks, H]``: Δ is at hand, so the gradient needs no
+  s_h``), to ``part [H, B, blocks]``: Δ is at hand, so the gradient needs no
   pass of its own over O and dO. No atomics: the host sums the partials in a
   fixed order, so deterministic backwards stay bitwise reproducible.
 * ``bwd_postprocess``: dQ = scale · dq_accum, rounded to the output dtype.
@@ -73,7 +73,7 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr,
                            VARLEN: tl.constexpr, SEQUSED: tl.constexpr, SINK: tl.constexpr):
     """VARLEN: o/dO are THD (``so_b = sdo_b = 0``), lse is ``[H, total_q]``
     (``slse_b = 0``); the stats go to the sequence's padded rows. SINK:
-    ``sink_ptr`` the sinks ``[H]``, ``part_ptr`` fp32 ``[B, blocks, H]``
+    ``sink_ptr`` the sinks ``[H]``, ``part_ptr`` fp32 ``[H, B, blocks]``
     (neither read otherwise)."""
     so_b, so_s, so_h = so8_b * 8, so8_s * 8, so8_h * 8
     sdo_b, sdo_s, sdo_h = sdo8_b * 8, sdo8_s * 8, sdo8_h * 8
@@ -97,7 +97,7 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr,
         # (The forward's LSE' is logaddexp(LSE, s) >= s; equal where no key was seen.)
         sink = tl.load(sink_ptr + h).to(tl.float32)
         terms = tl.where(valid & (lse > sink), tl.exp(sink - lse) * delta, 0.0)
-        tl.store(part_ptr + (b * tl.num_programs(0) + pid_m) * num_heads + h, -tl.sum(terms, axis=0))
+        tl.store(part_ptr + (h * tl.num_programs(2) + b) * tl.num_programs(0) + pid_m, -tl.sum(terms, axis=0))
     out = stat0 + h * seqlen_q_rounded + rows
     keep = rows < owned
     tl.store(delta_ptr + out, delta, mask=keep)
