@@ -12,7 +12,9 @@ The gradient of ``lse`` itself is not propagated (as in flash-attn): only
 ``out`` is differentiable. Attention sinks (``sink``, flash-attn's
 ``learnable_sink``) are in the forward kernels' normaliser, so the saved
 ``out`` and ``lse`` are the sink-normalised ones and the backward kernels
-run unchanged on them; the sink's own gradient is ``sinks.sink_grad``.
+run unchanged on them; the sink's own gradient comes with theirs (the
+backward ops take the sinks and return it, from the backward's preprocess),
+or from ``sinks.sink_grad`` when q, k and v need none.
 
 Eager calls skip the dispatcher, whose cost in host time exceeds what a
 short attention call takes on the GPU: without autograd ``interface`` calls
@@ -82,24 +84,39 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-
 def bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         lse: torch.Tensor, softmax_scale: float, causal: bool,
         deterministic: bool, window_left: int = -1,
-        window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention backward: ``(dq, dk, dv)`` from the forward's saved tensors
-    (with attention sinks, the sink-normalised ``out`` and ``lse``)."""
-    return plan_backward.backward(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic,
-                                  window=checks.op_window(window_left, window_right, causal),
-                                  softcap=checks.check_softcap(softcap))
+        window_right: int = -1, softcap: float = 0.0,
+        sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention backward: ``(dq, dk, dv, dsink)`` from the forward's saved
+    tensors (with attention sinks, the sink-normalised ``out`` and ``lse``).
+    ``sink``: the forward's sinks, whose gradient is ``dsink`` (without
+    sinks ``dsink`` is empty)."""
+    checks.check_learnable_sink(sink, q.shape[2], q.device)
+    grads = plan_backward.backward(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic,
+                                   window=checks.op_window(window_left, window_right, causal),
+                                   softcap=checks.check_softcap(softcap), sink=sink)
+    return _with_dsink(grads, q)
+
+
+def _with_dsink(grads: tuple, q: torch.Tensor) -> tuple:
+    """The backward ops' four results: ``grads``, and an empty ``dsink`` where it has none."""
+    return grads if len(grads) == 4 else (*grads, q.new_empty(0))
+
+
+def _dsink_fake(sink, q):
+    return q.new_empty(0) if sink is None else torch.empty(sink.shape, dtype=sink.dtype, device=sink.device)
 
 
 @bwd.register_fake
 def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
-              softcap=0.0):
+              softcap=0.0, sink=None):
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
+    checks.check_learnable_sink(sink, q.shape[2], q.device)
     plan_backward.check_head_dim(q.shape[3])
     plan_backward.check_grad_out_meta(grad_out, out)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+            torch.empty(v.shape, dtype=v.dtype, device=v.device), _dsink_fake(sink, q))
 
 
 def plain_eager(*tensors) -> bool:
@@ -138,22 +155,35 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq = dk = dv = None
+    sink = _trained_sink(ctx, 9)
+    dq = dk = dv = ds = None
     if any(ctx.needs_input_grad[:3]):  # (not when only the sink is trained)
         args = (grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
         if _plain_eager_backward(grad_out, q, k, v, out, lse):
-            dq, dk, dv = plan_backward.backward(*args, window=checks.op_window(*ctx.window, ctx.causal),
-                                                softcap=checks.check_softcap(ctx.softcap))
+            grads = plan_backward.backward(*args, window=checks.op_window(*ctx.window, ctx.causal),
+                                           softcap=checks.check_softcap(ctx.softcap), sink=sink)
         else:
-            dq, dk, dv = bwd(*args, *ctx.window, ctx.softcap)
-    return dq, dk, dv, None, None, None, None, None, None, _sink_grad(ctx, 9, grad_out, out, lse)
+            grads = bwd(*args, *ctx.window, ctx.softcap, sink)
+        dq, dk, dv, ds = _split(grads, sink)
+    else:
+        ds = _sink_grad(ctx, 9, grad_out, out, lse)
+    return dq, dk, dv, None, None, None, None, None, None, ds
+
+
+def _trained_sink(ctx, index: int) -> torch.Tensor | None:
+    """The forward's sinks where input ``index``, the sinks, needs a gradient; else None."""
+    return ctx.sink if ctx.sink is not None and ctx.needs_input_grad[index] else None
+
+
+def _split(grads: tuple, sink) -> tuple:
+    """``(dq, dk, dv, ds)`` from a backward's results (ds None without ``sink``)."""
+    return (*grads[:3], grads[3] if sink is not None else None)
 
 
 def _sink_grad(ctx, index: int, grad_out, out, lse):
-    """The sink's gradient where input ``index``, the sink, needs one."""
-    if ctx.sink is None or not ctx.needs_input_grad[index]:
-        return None
-    return sinks.sink_grad(grad_out, out, lse, ctx.sink)
+    """The sink's gradient alone (q, k and v need none), where input ``index``, the sink, needs one."""
+    sink = _trained_sink(ctx, index)
+    return None if sink is None else sinks.sink_grad(grad_out, out, lse, sink)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -204,36 +234,41 @@ def varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None, max_seqlen_q: int,
                max_seqlen_k: int, softmax_scale: float, causal: bool,
                deterministic: bool, window_left: int = -1,
-               window_right: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Varlen attention backward: ``(dq, dk, dv)``, zero outside the live rows."""
-    return _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                            max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
-                            window=checks.op_window(window_left, window_right, causal),
-                            softcap=checks.check_softcap(softcap))
+               window_right: int = -1, softcap: float = 0.0,
+               sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Varlen attention backward: ``(dq, dk, dv, dsink)``, zero outside the
+    live rows; ``sink`` and ``dsink`` as ``bwd``'s."""
+    checks.check_learnable_sink(sink, q.shape[1], q.device)
+    grads = _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                             max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
+                             window=checks.op_window(window_left, window_right, causal),
+                             softcap=checks.check_softcap(softcap), sink=sink)
+    return _with_dsink(grads, q)
 
 
 def _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                     max_seqlen_k, softmax_scale, causal, deterministic, window=None, softcap=0.0):
+                     max_seqlen_k, softmax_scale, causal, deterministic, window=None, softcap=0.0, sink=None):
     """``varlen_bwd``'s work; ``window``: ``checks.window_bounds``'s pair,
     already checked (the op checks its ints, the eager path its forward's),
-    ``softcap`` a checked float."""
+    ``softcap`` a checked float; with ``sink``, a fourth result (``plan_backward.backward``)."""
     varlen = plan_backward.VarlenBatch(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                        max_seqlen_k)
     return plan_backward.backward_varlen(grad_out, q, k, v, out, lse, varlen, softmax_scale, causal, deterministic,
-                                         window=window, softcap=softcap)
+                                         window=window, softcap=softcap, sink=sink)
 
 
 @varlen_bwd.register_fake
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
-                     softcap=0.0):
+                     softcap=0.0, sink=None):
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
+    checks.check_learnable_sink(sink, q.shape[1], q.device)
     plan_backward.check_head_dim(q.shape[2])
     plan_backward.check_grad_out_meta(grad_out, out)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+            torch.empty(v.shape, dtype=v.dtype, device=v.device), _dsink_fake(sink, q))
 
 
 def _varlen_setup_context(ctx, inputs, output):
@@ -251,16 +286,20 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
-    dq = dk = dv = None
+    sink = _trained_sink(ctx, 15)
+    dq = dk = dv = ds = None
     if any(ctx.needs_input_grad[:3]):
         args = (grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.max_seqlens, ctx.softmax_scale,
                 ctx.causal, ctx.deterministic)
         if _plain_eager_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k):
-            dq, dk, dv = _varlen_bwd_impl(*args, window=checks.op_window(*ctx.window, ctx.causal),
-                                          softcap=checks.check_softcap(ctx.softcap))
+            grads = _varlen_bwd_impl(*args, window=checks.op_window(*ctx.window, ctx.causal),
+                                     softcap=checks.check_softcap(ctx.softcap), sink=sink)
         else:
-            dq, dk, dv = varlen_bwd(*args, *ctx.window, ctx.softcap)
-    return dq, dk, dv, *(None,) * 12, _sink_grad(ctx, 15, grad_out, out, lse)
+            grads = varlen_bwd(*args, *ctx.window, ctx.softcap, sink)
+        dq, dk, dv, ds = _split(grads, sink)
+    else:
+        ds = _sink_grad(ctx, 15, grad_out, out, lse)
+    return dq, dk, dv, *(None,) * 12, ds
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -293,11 +332,14 @@ class EagerAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq = dk = dv = None
+        sink = _trained_sink(ctx, 8)
         if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv = plan_backward.backward(grad_out, q, k, v, out, lse, *ctx.args, window=ctx.window,
-                                                softcap=ctx.softcap)
-        return dq, dk, dv, None, None, None, None, None, _sink_grad(ctx, 8, grad_out, out, lse)
+            dq, dk, dv, ds = _split(plan_backward.backward(grad_out, q, k, v, out, lse, *ctx.args, window=ctx.window,
+                                                           softcap=ctx.softcap, sink=sink), sink)
+        else:
+            dq = dk = dv = None
+            ds = _sink_grad(ctx, 8, grad_out, out, lse)
+        return dq, dk, dv, None, None, None, None, None, ds
 
 
 class EagerVarlenAttention(torch.autograd.Function):
@@ -324,10 +366,14 @@ class EagerVarlenAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         saved = ctx.saved_tensors
-        dq = dk = dv = None
+        sink = _trained_sink(ctx, 14)
         if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv = _varlen_bwd_impl(grad_out, *saved, *ctx.args, window=ctx.window, softcap=ctx.softcap)
-        return dq, dk, dv, *(None,) * 11, _sink_grad(ctx, 14, grad_out, saved[3], saved[4])
+            dq, dk, dv, ds = _split(_varlen_bwd_impl(grad_out, *saved, *ctx.args, window=ctx.window,
+                                                     softcap=ctx.softcap, sink=sink), sink)
+        else:
+            dq = dk = dv = None
+            ds = _sink_grad(ctx, 14, grad_out, saved[3], saved[4])
+        return dq, dk, dv, *(None,) * 11, ds
 
 
 class EagerPackedAttention(torch.autograd.Function):

@@ -278,15 +278,15 @@ def _aligned(t) -> bool:
 
 
 def _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window,
-              softcap=0.0):
+              softcap=0.0, sink=""):
     """Everything a plan depends on: shapes; the strides the small kernels
     and the varlen dK/dV rows take; the flags; and the 16-byte alignment of
     every pointer argument that is not a fresh allocation (the compiled
     kernels are specialised on it). The descriptors' tensors are not in it:
     ``KernelLaunch`` caches their encodings by address, shape and strides."""
     key = (q.shape, k.shape, q.dtype, q.device.index, out.stride(), dout.stride(), dq.stride(), lse.stride(),
-           softmax_scale, causal, deterministic, cfg, window, softcap, _aligned(lse), _aligned(dq), _aligned(dk),
-           _aligned(dv))
+           softmax_scale, causal, deterministic, cfg, window, softcap, sink, _aligned(lse), _aligned(dq),
+           _aligned(dk), _aligned(dv))
     if varlen is None:
         return key
     return key + (dk.stride(), varlen.batch, varlen.max_seqlen_q, varlen.max_seqlen_k,
@@ -297,14 +297,15 @@ def _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, determini
 
 def plan_for(dout, q, k, out, lse, dq, dk, dv, softmax_scale: float, causal: bool, deterministic: bool = False,
              cfg: BackwardConfig | None = None, varlen: VarlenBatch | None = None, window=None,
-             softcap: float = 0.0) -> BackwardPlan:
-    """The plan of ``launch_backward``'s call with these arguments (cached)."""
+             softcap: float = 0.0, sink: str = "") -> BackwardPlan:
+    """The plan of ``launch_backward``'s call with these arguments (cached);
+    ``sink``: the sinks' ``plan.sink_mode`` ("" none)."""
     key = _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window,
-                    softcap)
+                    softcap, sink)
     lp = _PLANS.get(key)
     if lp is None:
         lp = _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministic, cfg, varlen, window,
-                        softcap)
+                        softcap, bool(sink))
         if len(_PLANS) >= PLAN_CACHE_LIMIT:
             _PLANS.clear()
         _PLANS[key] = lp
@@ -320,7 +321,8 @@ def softcap_config(cfg: BackwardConfig) -> BackwardConfig:
     return replace(cfg, block_m=64) if cfg.block_m == 128 else cfg
 
 
-def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministic, cfg, varlen, window, softcap=0.0):
+def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministic, cfg, varlen, window, softcap=0.0,
+               sink=False):
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = q.shape
         seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -370,15 +372,19 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
         zero_tails = (None if varlen.seqused_q is not None else zero_tail_launch(dq, False, batch),
                       None if varlen.seqused_k is not None else zero_tail_launch(dk, True, batch))
     return BackwardPlan(cfg, rows, sem_shape, (ctas, 1, 1), (*stride_kv, *scalars, *constexprs.values()),
-                        constexprs, key, preprocess_launch(out, dout, lse, seqlen_q_rounded, cfg.block_m, small),
+                        constexprs, key,
+                        preprocess_launch(out, dout, lse, seqlen_q_rounded, cfg.block_m, small, sink),
                         postprocess_launch(dq, seqlen_q_rounded, softmax_scale, cfg.block_m, small), zero_tails)
 
 
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
                     deterministic: bool = False, cfg: BackwardConfig | None = None,
                     varlen: VarlenBatch | None = None, window: tuple[int, int] | None = None,
-                    softcap: float = 0.0) -> None:
+                    softcap: float = 0.0, sink: torch.Tensor | None = None) -> torch.Tensor | None:
     """Compute dq, dk, dv (written in place; any TMA-addressable BSHD views).
+    With attention sinks ``sink`` (``[H]``; ``out`` and ``lse`` the forward's
+    sink-normalised ones) also the sinks' gradient, returned in ``sink``'s
+    dtype (the preprocess's partial sums, ``backward_pre``); else None.
 
     Arguments are assumed validated: BSHD, same dtype, supported head dim,
     ``lse`` the forward's fp32 ``[B, H, Sq]`` (contiguous), non-empty, and
@@ -406,8 +412,9 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     three compiled kernels are known, its calls launch them without the
     lookups (``BackwardPlan.compiled``).
     """
+    sink_in = plan.sink_arg(sink)
     lp = plan_for(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window,
-                  softcap)
+                  softcap, plan.sink_mode(sink_in))
     dev = q.device
     # One allocation: dq_accum [rows, D] (zeroed by the preprocess), then Δ and L2.
     ws = torch.empty(lp.workspace_elems, dtype=torch.float32, device=dev)
@@ -429,7 +436,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         used_k = varlen.seqused_k if varlen.seqused_k is not None else cu_k
         small = (cu_q, used_q)
     ptrs = (sem, cu_q, cu_k, used_q, used_k, dk, dv)
-    pre_ptrs = (out, dout, lse, delta, lse2, dq_accum, *small)
+    part, sink_ptrs = _sink_partials(lp.pre, sink_in, delta)
+    pre_ptrs = (out, dout, lse, delta, lse2, dq_accum, *small, *sink_ptrs)
     post_ptrs = (dq_accum, dq, *small)
     fast = FAST_LAUNCH and not plan._launch_hooked()
     if lp.compiled is not None and fast:
@@ -440,7 +448,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         pre(lp.pre.grid, stream, (), pre_ptrs + lp.pre_tail)
         main(lp.grid, stream, descs, ptrs + lp.ints)
         post(lp.post.grid, stream, (), post_ptrs + lp.post_tail)
-        return
+        return _sink_sum(part, sink)
 
     zeros = (None, None) if varlen is None else _zero_unwritten(lp, dq, dk, dv, varlen)
     pre = lp.pre(pre_ptrs)
@@ -463,6 +471,25 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     launched = (pre, main, post, *(z for z, planned in zip(zeros, lp.zero_tails) if planned is not None))
     if fast and all(isinstance(x, KernelLaunch) for x in launched):
         lp.compiled = (pre, main, post, *zeros)
+    return _sink_sum(part, sink)
+
+
+def _sink_partials(pre: SmallLaunch, sink: torch.Tensor | None, stats: torch.Tensor):
+    """``(part, pointers)``: with sinks (a ``plan.sink_arg``), the buffer of
+    the preprocess's partial sums, ``[H, B, blocks]`` (varlen: B sequences;
+    each head's partials contiguous: torch's reduction over an inner axis is
+    one short kernel, over the outer two it took 15 us on the H200), and the
+    pointers ``(sink, part)`` the preprocess takes; without, None and two
+    pointers it never reads."""
+    if sink is None:
+        return None, (stats, stats)
+    part = torch.empty((pre.grid[1], pre.grid[2] * pre.grid[0]), dtype=torch.float32, device=stats.device)
+    return part, (sink, part)
+
+
+def _sink_sum(part: torch.Tensor | None, sink: torch.Tensor | None) -> torch.Tensor | None:
+    """ds from the preprocess's partials (summed in a fixed order)."""
+    return None if part is None else part.sum(dim=1).to(sink.dtype)
 
 
 def _strides8(*strides: int) -> tuple[int, ...]:
@@ -472,9 +499,10 @@ def _strides8(*strides: int) -> tuple[int, ...]:
 
 
 def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, seqlen_q_rounded: int,
-                      block_m: int, varlen=None) -> SmallLaunch:
+                      block_m: int, varlen=None, sink: bool = False) -> SmallLaunch:
     """The preprocess's launch; its pointers are ``(out, dout, lse, delta,
-    lse2, dq_accum, cu_seqlens_q, seqused_q)``. Fixed length: BSHD
+    lse2, dq_accum, cu_seqlens_q, seqused_q, sink, part)`` (``sink``: the
+    sinks' partial gradients into ``part``, ``[batch, grid[0], H]``). Fixed length: BSHD
     ``out``/``dout``, ``lse [B, H, Sq]``, stats ``[B, H, seqlen_q_rounded]``.
     ``varlen = (seqused_q given, batch, max_seqlen_q)``: THD ``out``/``dout``,
     ``lse [H, total_q]``, stats ``[H, seqlen_q_rounded]`` (the padded total).
@@ -496,7 +524,7 @@ def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, 
     return SmallLaunch(_pre._bwd_preprocess_kernel, (m_blocks, nheads, batch),
                        (*strides, seqlen_q, seqlen_q_rounded, nheads),
                        dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
-                            SEQUSED=varlen is not None and varlen[0]))
+                            SEQUSED=varlen is not None and varlen[0], SINK=bool(sink)))
 
 
 def postprocess_launch(dq: torch.Tensor, seqlen_q_rounded: int, scale: float, block_m: int,
@@ -536,13 +564,17 @@ def _small_ptrs(stats: torch.Tensor, varlen):
 
 
 def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-                   lse2: torch.Tensor, dq_accum: torch.Tensor, block_m: int, varlen=None) -> None:
-    """The preprocess alone (for scripts): stats ``delta``/``lse2`` of
-    ``seqlen_q_rounded`` rows per head (their last axis) and ``dq_accum``
+                   lse2: torch.Tensor, dq_accum: torch.Tensor, block_m: int, varlen=None,
+                   sink: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The preprocess alone (for scripts and tests): stats ``delta``/``lse2``
+    of ``seqlen_q_rounded`` rows per head (their last axis) and ``dq_accum``
     zeroed on the same rows. ``varlen = (cu_seqlens_q, seqused_q, batch,
-    max_seqlen_q)``; see ``preprocess_launch``."""
-    launch = preprocess_launch(out, dout, lse, delta.shape[-1], block_m, _small_varlen(varlen))
-    launch((out, dout, lse, delta, lse2, dq_accum, *_small_ptrs(delta, varlen)))
+    max_seqlen_q)``; see ``preprocess_launch``. With ``sink``, returns the
+    sinks' gradient (as ``launch_backward``)."""
+    launch = preprocess_launch(out, dout, lse, delta.shape[-1], block_m, _small_varlen(varlen), sink is not None)
+    part, sink_ptrs = _sink_partials(launch, plan.sink_arg(sink), delta)
+    launch((out, dout, lse, delta, lse2, dq_accum, *_small_ptrs(delta, varlen), *sink_ptrs))
+    return _sink_sum(part, sink)
 
 
 def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, block_m: int, varlen=None) -> None:
@@ -637,31 +669,36 @@ def _gradients(q, k, v, grads, alloc):
 
 
 def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, deterministic: bool = False,
-             grads=None, window=None, softcap: float = 0.0):
+             grads=None, window=None, softcap: float = 0.0, sink: torch.Tensor | None = None):
     """dq, dk, dv (contiguous BSHD, like q, k, v) of the attention that
     produced ``out`` and ``lse`` from ``q, k, v`` (already validated by the
     forward). ``grad_out`` is checked here (see ``check_grad_out``).
     ``grads``: ``(dq, dk, dv)`` to write instead, shaped like q, k, v, with
-    TMA-addressable strides (views of one packed gradient, say)."""
+    TMA-addressable strides (views of one packed gradient, say).
+    ``sink``: the forward's attention sinks (``[H]``; ``out`` and ``lse``
+    sink-normalised): a fourth result, their gradient (``launch_backward``)."""
     check_head_dim(q.shape[3])
     grad_out = check_grad_out(grad_out, out)
     dq, dk, dv = _gradients(q, k, v, grads, torch.empty)
-    seqlen_k = k.shape[1]
     if q.numel() == 0 or k.numel() == 0:
-        dq.zero_()
-        dk.zero_()
-        dv.zero_()
-        return dq, dk, dv
+        for g in (dq, dk, dv):
+            g.zero_()
+        return _with_sink((dq, dk, dv), sink)
     if not _tma_addressable(out):
         out = out.clone(memory_format=torch.contiguous_format)  # see check_grad_out
     lse = lse.contiguous()
-    if seqlen_k == 0:
-        dq.zero_()
-        return dq, dk, dv
     with plan.on_device(q):
-        launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
-                        window=window, softcap=softcap)
-    return dq, dk, dv
+        ds = launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
+                             window=window, softcap=softcap, sink=sink)
+    return _with_sink((dq, dk, dv), sink, ds)
+
+
+def _with_sink(grads: tuple, sink: torch.Tensor | None, ds: torch.Tensor | None = None) -> tuple:
+    """``grads``, and with sinks their gradient ``ds`` (zeros where nothing
+    ran: no row saw a key, so none adds to it)."""
+    if sink is None:
+        return grads
+    return (*grads, torch.zeros_like(sink) if ds is None else ds)
 
 
 def _zero_unwritten(lp: BackwardPlan, dq, dk, dv, varlen: VarlenBatch, stream=None) -> tuple:
@@ -710,22 +747,23 @@ def check_grad_out_thd(grad_out, out: torch.Tensor) -> torch.Tensor:
 
 
 def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_scale: float, causal: bool,
-                    deterministic: bool = False, grads=None, window=None, softcap: float = 0.0):
+                    deterministic: bool = False, grads=None, window=None, softcap: float = 0.0,
+                    sink: torch.Tensor | None = None):
     """dq, dk, dv (contiguous THD, like q, k, v) of a varlen forward; rows
     outside every sequence's live part get zero gradients. ``grads``:
     ``(dq, dk, dv)`` to write instead, of any content (dk and dv with equal
-    strides; views of one packed gradient, say)."""
+    strides; views of one packed gradient, say). ``sink`` as ``backward``'s."""
     check_head_dim(q.shape[2])
     grad_out = check_grad_out_thd(grad_out, out)
     dq, dk, dv = _gradients(q, k, v, grads, torch.empty)
     if q.numel() == 0 or k.numel() == 0:
         for g in (dq, dk, dv):
             g.zero_()
-        return dq, dk, dv
+        return _with_sink((dq, dk, dv), sink)
     if not _tma_addressable(out.unsqueeze(0)):
         out = out.clone(memory_format=torch.contiguous_format)  # see check_grad_out
     lse = lse.contiguous()
     with plan.on_device(q):
-        launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
-                        varlen=varlen, window=window, softcap=softcap)
-    return dq, dk, dv
+        ds = launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
+                             varlen=varlen, window=window, softcap=softcap, sink=sink)
+    return _with_sink((dq, dk, dv), sink, ds)

@@ -17,12 +17,15 @@ log-sum-exp over its keys. Rows that see no key give zeros and ``L' = s``.
 The backward is the kernels' own on that ``out`` and ``L'``: with ``P' =
 exp(x - L')``, exactly the sink-normalised weights, and ``Δ' = rowsum(dO ·
 out)``, the softmax Jacobian's row term (the sink column has no value, so it
-adds nothing to ``dP``). The sink's gradient (this module) is
+adds nothing to ``dP``). The sink's gradient is
 
-    ds_h = -sum over rows of head h of exp(s_h - L') · rowsum(dO · out),
+    ds_h = -sum over rows of head h of exp(s_h - L') · rowsum(dO · out).
 
-one Triton pass over ``dO`` and ``out`` (``kernels/sink.py``) on CUDA tensors
-outside tracing, torch's ops otherwise. A row counts only where ``L' > s_h``:
+The backward's preprocess computes it beside Δ (``kernels/backward_pre``;
+the backward ops return it). This module's ``sink_grad`` serves a backward
+that trains the sinks alone: one Triton pass over ``dO`` and ``out``
+(``kernels/sink.py``) on CUDA tensors outside tracing, torch's ops
+otherwise. A row counts only where ``L' > s_h``:
 rows that saw no key (``L' = s_h`` exactly; their ``out`` is 0 and their
 ``dO`` may hold anything, NaN included, as past ``seqused_q``) add nothing,
 and so do rows whose keys' whole weight is below fp32's resolution next to
@@ -84,14 +87,15 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: to
         batch, rows, so = _row_layout(out, lse)
         block = _block(rows)
         blocks = plan.triton_cdiv(rows, block)
-        part = torch.empty(batch, blocks, out.shape[-2], dtype=torch.float32, device=out.device)
+        part = torch.empty(out.shape[-2], batch * blocks, dtype=torch.float32, device=out.device)
         if out.numel():
             plan.launch_triton(_sink_grad_kernel, (blocks, out.shape[-2], batch),
                                (out, dout, lse, plan.sink_arg(sink), part, rows, *so, *_row_layout(dout, lse)[2],
                                 *_lse_strides(lse)),
                                dict(BLOCK=block, HEAD_DIM=out.shape[-1]), num_warps=4)
-        # (per-block partials summed in a fixed order: deterministic)
-        return (-part.sum(dim=(0, 1))).to(sink.dtype)
+        # (per-block partials summed in a fixed order: deterministic; each
+        # head's contiguous, as plan_backward._sink_partials lays them out)
+        return part.sum(dim=1).to(sink.dtype)
     delta = (dout.float() * out.float()).sum(-1)  # [B, Sq, H] or [T, H]
     delta = delta.transpose(1, 2) if lse.dim() == 3 else delta.t()
     s = sink.detach().to(lse.dtype)

@@ -8,7 +8,7 @@ eager calls would hide behind host time),
 with the K/V read rate. FA3 as built here (``shared/tools/fa3``) and SDPA
 have no sinks, so the comparison is with our own kernel.
 
-    PYTHONPATH=. python -P scripts/sink_bench.py
+    PYTHONPATH=. python -P scripts/sink_bench.py [--passes fwd bwd decode]
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def prefill(args) -> None:
         for s in args.seqlen:
             q, k, v, do = (rnd(args.batch, s, heads, d, seed=i) for i in range(4))
             flops = 4 * args.batch * heads * s * s * d / 2
-            for which in ("fwd", "bwd"):
+            for which in [x for x in ("fwd", "bwd") if x in args.passes]:
                 times = []
                 for with_sink in (None, sink):
                     if which == "fwd":
@@ -91,10 +91,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--rep-ms", type=int, default=200)
+    p.add_argument("--passes", nargs="+", choices=("fwd", "bwd", "decode"), default=["fwd", "bwd", "decode"])
     args = p.parse_args()
     print(f"torch {torch.__version__}, hopper_flash from {hopper_flash.__file__}")
-    prefill(args)
-    decode(args)
+    if {"fwd", "bwd"} & set(args.passes):
+        prefill(args)
+    if "decode" in args.passes:
+        decode(args)
 
 
 if __name__ == "__main__":

@@ -531,18 +531,18 @@ def test_a_window_under_autograd_goes_on_to_the_device_check():
             flash_attn_func(q, k, v, causal=True, window_size=(16, 0))
 
 
-def test_the_ops_take_a_window_a_softcap_and_the_forwards_a_sink():
+def test_the_ops_take_a_window_a_softcap_and_a_sink():
     import hopper_flash.kvcache as kvcache
     import hopper_flash.ops as ops
 
-    # The forward ops take the attention sinks last (their kernels' normaliser, sinks.py) ...
-    for op in (ops.fwd, ops.varlen_fwd, kvcache.fwd_kvcache):
+    # Every op takes the attention sinks last: the forwards into their
+    # kernels' normaliser (sinks.py), the backwards for the sinks' gradient,
+    # their fourth result (the preprocess's partial sums).
+    for op in (ops.fwd, ops.varlen_fwd, kvcache.fwd_kvcache, ops.bwd, ops.varlen_bwd):
         names = [a.name for a in op._opoverload._schema.arguments]
         assert names[-4:] == ["window_left", "window_right", "softcap", "sink"], names
-    # ... and the backward ops none: they run on the forward's sink-normalised output and LSE.
     for op in (ops.bwd, ops.varlen_bwd):
-        names = [a.name for a in op._opoverload._schema.arguments]
-        assert names[-3:] == ["window_left", "window_right", "softcap"], names
+        assert len(op._opoverload._schema.returns) == 4
 
 
 def test_window_bounds_fold_causal_and_unbounded_sides():

@@ -113,10 +113,11 @@ def test_backward_varlen_compiles(spec):
     assert 0 < r.shared_bytes <= compile_check.SMEM_LIMIT_BYTES
 
 
+@pytest.mark.parametrize("sink", ["", "fp32", "bf16"], ids=["no-sink", "sink-fp32", "sink-bf16"])
 @pytest.mark.parametrize("varlen,seqused", [(False, False), (True, False), (True, True)],
                          ids=["fixed", "varlen", "varlen-seqused"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_backward_pre_and_postprocess_compile(varlen, seqused, head_dim):
+def test_backward_pre_and_postprocess_compile(varlen, seqused, head_dim, sink):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -124,14 +125,16 @@ def test_backward_pre_and_postprocess_compile(varlen, seqused, head_dim):
     from hopper_flash.kernels.backward_pre import _bwd_postprocess_kernel, _bwd_preprocess_kernel
 
     flags = {"BLOCK": 64, "HEAD_DIM": head_dim, "BLOCK_M": 64, "VARLEN": varlen, "SEQUSED": seqused}
+    pre_flags = {**flags, "SINK": bool(sink)}  # (the sinks' gradient partials: backward_pre)
     pre = {"o_ptr": "*bf16", "do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "lse2_ptr": "*fp32",
-           "acc_ptr": "*fp32", "cu_ptr": "*i32", "used_ptr": "*i32", **{n: "i32" for n in (
+           "acc_ptr": "*fp32", "cu_ptr": "*i32", "used_ptr": "*i32", "sink_ptr": "*" + (sink or "fp32"),
+           "part_ptr": "*fp32", **{n: "i32" for n in (
                "so8_b", "so8_s", "so8_h", "sdo8_b", "sdo8_s", "sdo8_h", "slse_b", "slse_h", "seqlen_q",
-               "seqlen_q_rounded", "num_heads")}, **{n: "constexpr" for n in flags}}
+               "seqlen_q_rounded", "num_heads")}, **{n: "constexpr" for n in pre_flags}}
     post = {"acc_ptr": "*fp32", "dq_ptr": "*bf16", "cu_ptr": "*i32", "used_ptr": "*i32",
             **{n: "i32" for n in ("sdq8_b", "sdq8_s", "sdq8_h", "seqlen_q", "seqlen_q_rounded", "num_heads")},
             "scale": "fp32", **{n: "constexpr" for n in flags}}
-    for kernel, sig in ((_bwd_preprocess_kernel, pre), (_bwd_postprocess_kernel, post)):
-        compiled = triton.compile(ASTSource(kernel, sig, constexprs=flags), target=GPUTarget("cuda", 90, 32),
+    for kernel, sig, consts in ((_bwd_preprocess_kernel, pre, pre_flags), (_bwd_postprocess_kernel, post, flags)):
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": 4})
         assert compiled.asm["cubin"]

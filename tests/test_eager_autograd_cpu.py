@@ -33,7 +33,8 @@ def calls(monkeypatch):
                    + ((("softcap", softcap),) if softcap else ()))
         return math_attention(q, k, v, scale, causal)
 
-    def backward(grad_out, q, k, v, out, lse, scale, causal, deterministic, window=None, softcap=0.0):
+    def backward(grad_out, q, k, v, out, lse, scale, causal, deterministic, window=None, softcap=0.0, sink=None):
+        assert sink is None  # (no test here has sinks: tests/test_sinks_cpu.py)
         log.append(("backward", scale, causal, deterministic) + ((window,) if window else ())
                    + ((("softcap", softcap),) if softcap else ()))
         with torch.enable_grad():
@@ -104,7 +105,7 @@ def test_eager_varlen_attention_passes_its_arguments(monkeypatch):
         return q * 2, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
 
     def bwd_impl(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, det,
-                 window=None, softcap=0.0):
+                 window=None, softcap=0.0, sink=None):
         seen["backward"] = (cu_q.tolist(), used_q, used_k, max_q, max_k, scale, causal, det)
         seen["backward window"] = window
         seen["backward softcap"] = softcap

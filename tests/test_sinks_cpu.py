@@ -59,9 +59,11 @@ def _forward_stand_in(q, k, v, softmax_scale, causal, return_lse, window=None, s
     return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, sink=sink)
 
 
-def _flash_backward(dout, q, k, v, out, lse, softmax_scale, causal):
+def _flash_backward(dout, q, k, v, out, lse, softmax_scale, causal, sink=None):
     """A flash backward: P rebuilt from the LSE it is given, Δ from the
-    output it is given; GQA heads summed."""
+    output it is given; GQA heads summed. With ``sink``, a fourth result:
+    the sinks' gradient from the same Δ, as the backward's preprocess
+    computes it (-sum of exp(s - LSE)·Δ over the rows that saw a key)."""
     delta = (dout * out).sum(-1).transpose(1, 2)
     group = q.shape[2] // k.shape[2]
     kk, vv = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
@@ -76,7 +78,11 @@ def _flash_backward(dout, q, k, v, out, lse, softmax_scale, causal):
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q) * softmax_scale
     dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
     fold = lambda t: t.view(*k.shape[:3], group, k.shape[3]).sum(3)  # noqa: E731
-    return dq, fold(dk), fold(dv)
+    if sink is None:
+        return dq, fold(dk), fold(dv)
+    s_h = sink.detach().view(1, -1, 1)
+    dsink = -torch.where(lse > s_h, torch.exp(s_h - lse) * delta, 0.0).sum(dim=(0, 2))
+    return dq, fold(dk), fold(dv), dsink
 
 
 @pytest.fixture
@@ -85,9 +91,9 @@ def stand_ins(monkeypatch):
     returns the log of backward calls."""
     calls = []
 
-    def backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window=None, softcap=0.0):
+    def backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window=None, softcap=0.0, sink=None):
         calls.append("backward")
-        return _flash_backward(dout, q, k, v, out, lse, softmax_scale, causal)
+        return _flash_backward(dout, q, k, v, out, lse, softmax_scale, causal, sink)
 
     monkeypatch.setattr(dispatch, "forward_validated", _forward_stand_in)
     monkeypatch.setattr(plan_backward, "backward", backward)
@@ -116,8 +122,8 @@ def test_the_ops_autograd_formula_gives_the_sinks_gradient(monkeypatch):
     """``hopper_flash::fwd``'s registered backward (``ops._backward``) with
     the backward op replaced: dq, dk, dv from the saved output and LSE, and
     the sink's gradient, as the reference's."""
-    monkeypatch.setattr(ops, "bwd", lambda dout, q, k, v, out, lse, scale, causal, det, wl, wr, cap:
-                        _flash_backward(dout, q, k, v, out, lse, scale, causal))
+    monkeypatch.setattr(ops, "bwd", lambda dout, q, k, v, out, lse, scale, causal, det, wl, wr, cap, sink:
+                        _flash_backward(dout, q, k, v, out, lse, scale, causal, sink))
     q, k, v, s = (t.requires_grad_() for t in _problem(seqlen_q=5, seqlen_k=9))
     ref_out, ref_lse = attention_reference(q, k, v, causal=True, softmax_scale=0.25, sink=s)
     ctx = SimpleNamespace(needs_input_grad=(True,) * 3 + (False,) * 6 + (True,))

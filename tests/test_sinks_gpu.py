@@ -167,6 +167,41 @@ def test_sink_training_step_compiled():
         assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2 * float(a.float().abs().max()))
 
 
+@pytest.mark.parametrize("sink_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sink_gradient_on_every_backward_path(sink_dtype):
+    """The sinks' gradient comes from the backward's preprocess when q, k or
+    v need one too (the eager Function, the op's formula under plain autograd
+    and under torch.compile), and from its own pass when only the sinks are
+    trained: each path's ds, in the sinks' dtype, judged against the float64
+    reference (rows of the causal 1000 x 129 case that see no key included)."""
+    h, d = 8, 128
+    q, k, v = (rnd(2, n, heads, d, seed=60 + i) for i, (n, heads) in enumerate(((1000, h), (129, 2), (129, 2))))
+    s = sinks(h, 63, sink_dtype)
+    dout = rnd(2, 1000, h, d, seed=64)
+    ref = _reference_grads(q, k, v, s, dout, True)
+    base = _baseline_grads(q, k, v, s, dout, True)
+    scale = d ** -0.5
+
+    def ds_of(fn, train_qkv=True):
+        leaves = [t.detach().clone().requires_grad_(train_qkv) for t in (q, k, v)]
+        sink = s.detach().clone().requires_grad_()
+        out = fn(*leaves, sink)
+        return torch.autograd.grad(out, [sink], dout)[0]
+
+    paths = {
+        "eager": lambda q, k, v, s: hopper_flash.flash_attn_func(q, k, v, causal=True, learnable_sink=s),
+        "op": lambda q, k, v, s: torch.ops.hopper_flash.fwd(q, k, v, scale, True, False, -1, -1, 0.0, s)[0],
+        "compiled": torch.compile(lambda q, k, v, s: hopper_flash.flash_attn_func(q, k, v, causal=True,
+                                                                                   learnable_sink=s),
+                                  fullgraph=True),
+    }
+    for name, fn in paths.items():
+        for train_qkv in (True, False):
+            ds = ds_of(fn, train_qkv)
+            assert ds.dtype == sink_dtype and ds.shape == s.shape, name
+            assert_judged(f"dsink ({name}, q/k/v trained: {train_qkv})", ds, ref[3], base[3].float())
+
+
 # ---- varlen ------------------------------------------------------------------
 
 def test_varlen_sink_forward_backward_with_seqused_and_nan_gaps():

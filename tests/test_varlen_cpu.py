@@ -264,9 +264,13 @@ def test_fake_refuses_bad_arguments():
 
 def test_backward_fake_shapes():
     q, k, v, cq, ck = problem()
-    dq, dk, dv = ops._varlen_bwd_fake(meta(q), meta(q), meta(k), meta(v), meta(q), torch.empty(4, 14, device="meta"),
-                                      meta(cq), meta(ck), None, None, 16, 16, 0.1, True, False)
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    args = (meta(q), meta(q), meta(k), meta(v), meta(q), torch.empty(4, 14, device="meta"), meta(cq), meta(ck), None,
+            None, 16, 16, 0.1, True, False)
+    dq, dk, dv, dsink = ops._varlen_bwd_fake(*args)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dsink.shape == (0,)
+    # With sinks, their gradient in their own shape and dtype.
+    dsink = ops._varlen_bwd_fake(*args, -1, -1, 0.0, torch.empty(4, dtype=torch.bfloat16, device="meta"))[3]
+    assert dsink.shape == (4,) and dsink.dtype == torch.bfloat16
 
 
 def test_backward_fake_refuses_unsupported_head_dim_or_bad_grad():

@@ -6,7 +6,12 @@
   (one launch instead of a memset and this kernel). A row that saw no key (LSE = −inf) gets
   L2 = 0, so the main kernel's exp2(−inf − 0) is 0 and never NaN; padding
   rows get L2 = +inf and Δ = 0, so they contribute nothing and the main
-  kernel needs no query-tail mask.
+  kernel needs no query-tail mask. With ``SINK`` (attention sinks,
+  ``sinks.py``) it also writes each block's share of the sink's gradient,
+  ``-sum exp(s_h - LSE') · Δ`` over its rows that saw a key (``LSE' >
+  s_h``), to ``part [H, B, blocks]``: Δ is at hand, so the gradient needs no
+  pass of its own over O and dO. No atomics: the host sums the partials in a
+  fixed order, so deterministic backwards stay bitwise reproducible.
 * ``bwd_postprocess``: dQ = scale · dq_accum, rounded to the output dtype.
   The main kernel adds each query tile into ``dq_accum`` with the rows of
   every 8-row group interleaved (``backward._stage_dq``, for bank-conflict-free
@@ -61,13 +66,15 @@ _POST_INTS = ["sdq8_b", "sdq8_s", "sdq8_h", "seqlen_q", "seqlen_q_rounded", "num
 
 
 @triton.jit(do_not_specialize=_PRE_INTS)
-def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr, cu_ptr, used_ptr,
-                           so8_b, so8_s, so8_h, sdo8_b, sdo8_s, sdo8_h, slse_b, slse_h,
+def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr, cu_ptr, used_ptr, sink_ptr,
+                           part_ptr, so8_b, so8_s, so8_h, sdo8_b, sdo8_s, sdo8_h, slse_b, slse_h,
                            seqlen_q, seqlen_q_rounded, num_heads,
                            BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                           VARLEN: tl.constexpr, SEQUSED: tl.constexpr):
+                           VARLEN: tl.constexpr, SEQUSED: tl.constexpr, SINK: tl.constexpr):
     """VARLEN: o/dO are THD (``so_b = sdo_b = 0``), lse is ``[H, total_q]``
-    (``slse_b = 0``); the stats go to the sequence's padded rows."""
+    (``slse_b = 0``); the stats go to the sequence's padded rows. SINK:
+    ``sink_ptr`` the sinks ``[H]``, ``part_ptr`` fp32 ``[H, B, blocks]``
+    (neither read otherwise)."""
     so_b, so_s, so_h = so8_b * 8, so8_s * 8, so8_h * 8
     sdo_b, sdo_s, sdo_h = sdo8_b * 8, sdo8_s * 8, sdo8_h * 8
     pid_m = tl.program_id(0)
@@ -86,6 +93,11 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr,
     lse = tl.load(lse_ptr + b * slse_b + h * slse_h + rows64, mask=valid, other=0.0)
     lse2 = tl.where(lse == -float("inf"), 0.0, lse * 1.4426950408889634)
     lse2 = tl.where(valid, lse2, float("inf"))
+    if SINK:
+        # (The forward's LSE' is logaddexp(LSE, s) >= s; equal where no key was seen.)
+        sink = tl.load(sink_ptr + h).to(tl.float32)
+        terms = tl.where(valid & (lse > sink), tl.exp(sink - lse) * delta, 0.0)
+        tl.store(part_ptr + (h * tl.num_programs(2) + b) * tl.num_programs(0) + pid_m, -tl.sum(terms, axis=0))
     out = stat0 + h * seqlen_q_rounded + rows
     keep = rows < owned
     tl.store(delta_ptr + out, delta, mask=keep)

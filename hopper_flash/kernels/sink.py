@@ -31,7 +31,7 @@ def _row_offsets(b, h, r, s8_b, s8_s, s8_h, HEAD_DIM: tl.constexpr):
 @triton.jit(do_not_specialize=_INTS)
 def _sink_grad_kernel(o_ptr, do_ptr, lse_ptr, sink_ptr, part_ptr, rows, so8_b, so8_s, so8_h, sd8_b, sd8_s, sd8_h,
                       sl_b, sl_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """``part`` ``[B, blocks, H]`` fp32: each block's share of ``-ds_h``."""
+    """``part`` ``[H, B, blocks]`` fp32: each block's share of ``ds_h``."""
     b = tl.program_id(2).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     blk = tl.program_id(0)
@@ -43,4 +43,4 @@ def _sink_grad_kernel(o_ptr, do_ptr, lse_ptr, sink_ptr, part_ptr, rows, so8_b, s
     do = tl.load(do_ptr + _row_offsets(b, h, r, sd8_b, sd8_s, sd8_h, HEAD_DIM), mask=valid[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     terms = tl.where(valid & (lse > sink), tl.exp(sink - lse) * delta, 0.0)
-    tl.store(part_ptr + (b * tl.num_programs(0) + blk) * tl.num_programs(1) + h, tl.sum(terms, axis=0))
+    tl.store(part_ptr + (h * tl.num_programs(2) + b) * tl.num_programs(0) + blk, -tl.sum(terms, axis=0))
