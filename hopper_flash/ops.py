@@ -102,21 +102,22 @@ def _with_dsink(grads: tuple, q: torch.Tensor) -> tuple:
     return grads if len(grads) == 4 else (*grads, q.new_empty(0))
 
 
-def _dsink_fake(sink, q):
-    return q.new_empty(0) if sink is None else torch.empty(sink.shape, dtype=sink.dtype, device=sink.device)
+def _backward_fake(grad_out, q, k, v, out, causal, window_left, window_right, softcap, sink):
+    """Both backward ops' fake results, after the checks their real
+    implementations make (BSHD or THD: heads on axis -2, head dim last)."""
+    checks.op_window(window_left, window_right, causal)
+    checks.check_softcap(softcap)
+    checks.check_learnable_sink(sink, q.shape[-2], q.device)
+    plan_backward.check_head_dim(q.shape[-1])
+    plan_backward.check_grad_out_meta(grad_out, out)
+    dsink = q.new_empty(0) if sink is None else torch.empty(sink.shape, dtype=sink.dtype, device=sink.device)
+    return (*(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), dsink)
 
 
 @bwd.register_fake
 def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
               softcap=0.0, sink=None):
-    checks.op_window(window_left, window_right, causal)
-    checks.check_softcap(softcap)
-    checks.check_learnable_sink(sink, q.shape[2], q.device)
-    plan_backward.check_head_dim(q.shape[3])
-    plan_backward.check_grad_out_meta(grad_out, out)
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device), _dsink_fake(sink, q))
+    return _backward_fake(grad_out, q, k, v, out, causal, window_left, window_right, softcap, sink)
 
 
 def plain_eager(*tensors) -> bool:
@@ -261,14 +262,7 @@ def _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, se
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
                      softcap=0.0, sink=None):
-    checks.op_window(window_left, window_right, causal)
-    checks.check_softcap(softcap)
-    checks.check_learnable_sink(sink, q.shape[1], q.device)
-    plan_backward.check_head_dim(q.shape[2])
-    plan_backward.check_grad_out_meta(grad_out, out)
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device), _dsink_fake(sink, q))
+    return _backward_fake(grad_out, q, k, v, out, causal, window_left, window_right, softcap, sink)
 
 
 def _varlen_setup_context(ctx, inputs, output):
