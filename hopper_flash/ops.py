@@ -156,35 +156,30 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    sink = _trained_sink(ctx, 9)
-    dq = dk = dv = ds = None
-    if any(ctx.needs_input_grad[:3]):  # (not when only the sink is trained)
+
+    def run(sink):
         args = (grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
         if _plain_eager_backward(grad_out, q, k, v, out, lse):
-            grads = plan_backward.backward(*args, window=checks.op_window(*ctx.window, ctx.causal),
-                                           softcap=checks.check_softcap(ctx.softcap), sink=sink)
-        else:
-            grads = bwd(*args, *ctx.window, ctx.softcap, sink)
-        dq, dk, dv, ds = _split(grads, sink)
-    else:
-        ds = _sink_grad(ctx, 9, grad_out, out, lse)
+            return plan_backward.backward(*args, window=checks.op_window(*ctx.window, ctx.causal),
+                                          softcap=checks.check_softcap(ctx.softcap), sink=sink)
+        return bwd(*args, *ctx.window, ctx.softcap, sink)
+
+    dq, dk, dv, ds = _attention_grads(ctx, 9, grad_out, out, lse, run)
     return dq, dk, dv, None, None, None, None, None, None, ds
 
 
-def _trained_sink(ctx, index: int) -> torch.Tensor | None:
-    """The forward's sinks where input ``index``, the sinks, needs a gradient; else None."""
-    return ctx.sink if ctx.sink is not None and ctx.needs_input_grad[index] else None
-
-
-def _split(grads: tuple, sink) -> tuple:
-    """``(dq, dk, dv, ds)`` from a backward's results (ds None without ``sink``)."""
-    return (*grads[:3], grads[3] if sink is not None else None)
-
-
-def _sink_grad(ctx, index: int, grad_out, out, lse):
-    """The sink's gradient alone (q, k and v need none), where input ``index``, the sink, needs one."""
-    sink = _trained_sink(ctx, index)
-    return None if sink is None else sinks.sink_grad(grad_out, out, lse, sink)
+def _attention_grads(ctx, sink_index: int, grad_out, out, lse, run) -> tuple:
+    """``(dq, dk, dv, ds)`` for an attention forward's autograd formula (the
+    ops' and the eager Functions'; input ``sink_index`` is the sinks):
+    ``run(sink)`` runs the backward, with the sinks where they need a
+    gradient (else None), when q, k or v need one; when only the sinks are
+    trained their gradient comes from ``sinks.sink_grad`` alone. A gradient
+    nobody needs is None."""
+    sink = ctx.sink if ctx.sink is not None and ctx.needs_input_grad[sink_index] else None
+    if any(ctx.needs_input_grad[:3]):
+        grads = run(sink)
+        return (*grads[:3], grads[3] if sink is not None else None)
+    return None, None, None, None if sink is None else sinks.sink_grad(grad_out, out, lse, sink)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -280,19 +275,16 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
-    sink = _trained_sink(ctx, 15)
-    dq = dk = dv = ds = None
-    if any(ctx.needs_input_grad[:3]):
+
+    def run(sink):
         args = (grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.max_seqlens, ctx.softmax_scale,
                 ctx.causal, ctx.deterministic)
         if _plain_eager_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k):
-            grads = _varlen_bwd_impl(*args, window=checks.op_window(*ctx.window, ctx.causal),
-                                     softcap=checks.check_softcap(ctx.softcap), sink=sink)
-        else:
-            grads = varlen_bwd(*args, *ctx.window, ctx.softcap, sink)
-        dq, dk, dv, ds = _split(grads, sink)
-    else:
-        ds = _sink_grad(ctx, 15, grad_out, out, lse)
+            return _varlen_bwd_impl(*args, window=checks.op_window(*ctx.window, ctx.causal),
+                                    softcap=checks.check_softcap(ctx.softcap), sink=sink)
+        return varlen_bwd(*args, *ctx.window, ctx.softcap, sink)
+
+    dq, dk, dv, ds = _attention_grads(ctx, 15, grad_out, out, lse, run)
     return dq, dk, dv, *(None,) * 12, ds
 
 
@@ -326,13 +318,9 @@ class EagerAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        sink = _trained_sink(ctx, 8)
-        if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv, ds = _split(plan_backward.backward(grad_out, q, k, v, out, lse, *ctx.args, window=ctx.window,
-                                                           softcap=ctx.softcap, sink=sink), sink)
-        else:
-            dq = dk = dv = None
-            ds = _sink_grad(ctx, 8, grad_out, out, lse)
+        dq, dk, dv, ds = _attention_grads(
+            ctx, 8, grad_out, out, lse, lambda sink: plan_backward.backward(
+                grad_out, q, k, v, out, lse, *ctx.args, window=ctx.window, softcap=ctx.softcap, sink=sink))
         return dq, dk, dv, None, None, None, None, None, ds
 
 
@@ -360,13 +348,9 @@ class EagerVarlenAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         saved = ctx.saved_tensors
-        sink = _trained_sink(ctx, 14)
-        if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv, ds = _split(_varlen_bwd_impl(grad_out, *saved, *ctx.args, window=ctx.window,
-                                                     softcap=ctx.softcap, sink=sink), sink)
-        else:
-            dq = dk = dv = None
-            ds = _sink_grad(ctx, 14, grad_out, saved[3], saved[4])
+        dq, dk, dv, ds = _attention_grads(
+            ctx, 14, grad_out, saved[3], saved[4], lambda sink: _varlen_bwd_impl(
+                grad_out, *saved, *ctx.args, window=ctx.window, softcap=ctx.softcap, sink=sink))
         return dq, dk, dv, *(None,) * 11, ds
 
 
