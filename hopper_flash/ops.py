@@ -102,21 +102,22 @@ def _with_dsink(grads: tuple, q: torch.Tensor) -> tuple:
     return grads if len(grads) == 4 else (*grads, q.new_empty(0))
 
 
-def _dsink_fake(sink, q):
-    return q.new_empty(0) if sink is None else torch.empty(sink.shape, dtype=sink.dtype, device=sink.device)
+def _backward_fake(grad_out, q, k, v, out, causal, window_left, window_right, softcap, sink):
+    """Both backward ops' fake results, after the checks their real
+    implementations make (BSHD or THD: heads on axis -2, head dim last)."""
+    checks.op_window(window_left, window_right, causal)
+    checks.check_softcap(softcap)
+    checks.check_learnable_sink(sink, q.shape[-2], q.device)
+    plan_backward.check_head_dim(q.shape[-1])
+    plan_backward.check_grad_out_meta(grad_out, out)
+    dsink = q.new_empty(0) if sink is None else torch.empty(sink.shape, dtype=sink.dtype, device=sink.device)
+    return (*(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), dsink)
 
 
 @bwd.register_fake
 def _bwd_fake(grad_out, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
               softcap=0.0, sink=None):
-    checks.op_window(window_left, window_right, causal)
-    checks.check_softcap(softcap)
-    checks.check_learnable_sink(sink, q.shape[2], q.device)
-    plan_backward.check_head_dim(q.shape[3])
-    plan_backward.check_grad_out_meta(grad_out, out)
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device), _dsink_fake(sink, q))
+    return _backward_fake(grad_out, q, k, v, out, causal, window_left, window_right, softcap, sink)
 
 
 def plain_eager(*tensors) -> bool:
@@ -155,35 +156,30 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse = ctx.saved_tensors
-    sink = _trained_sink(ctx, 9)
-    dq = dk = dv = ds = None
-    if any(ctx.needs_input_grad[:3]):  # (not when only the sink is trained)
+
+    def run(sink):
         args = (grad_out, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
         if _plain_eager_backward(grad_out, q, k, v, out, lse):
-            grads = plan_backward.backward(*args, window=checks.op_window(*ctx.window, ctx.causal),
-                                           softcap=checks.check_softcap(ctx.softcap), sink=sink)
-        else:
-            grads = bwd(*args, *ctx.window, ctx.softcap, sink)
-        dq, dk, dv, ds = _split(grads, sink)
-    else:
-        ds = _sink_grad(ctx, 9, grad_out, out, lse)
+            return plan_backward.backward(*args, window=checks.op_window(*ctx.window, ctx.causal),
+                                          softcap=checks.check_softcap(ctx.softcap), sink=sink)
+        return bwd(*args, *ctx.window, ctx.softcap, sink)
+
+    dq, dk, dv, ds = _attention_grads(ctx, 9, grad_out, out, lse, run)
     return dq, dk, dv, None, None, None, None, None, None, ds
 
 
-def _trained_sink(ctx, index: int) -> torch.Tensor | None:
-    """The forward's sinks where input ``index``, the sinks, needs a gradient; else None."""
-    return ctx.sink if ctx.sink is not None and ctx.needs_input_grad[index] else None
-
-
-def _split(grads: tuple, sink) -> tuple:
-    """``(dq, dk, dv, ds)`` from a backward's results (ds None without ``sink``)."""
-    return (*grads[:3], grads[3] if sink is not None else None)
-
-
-def _sink_grad(ctx, index: int, grad_out, out, lse):
-    """The sink's gradient alone (q, k and v need none), where input ``index``, the sink, needs one."""
-    sink = _trained_sink(ctx, index)
-    return None if sink is None else sinks.sink_grad(grad_out, out, lse, sink)
+def _attention_grads(ctx, sink_index: int, grad_out, out, lse, run) -> tuple:
+    """``(dq, dk, dv, ds)`` for an attention forward's autograd formula (the
+    ops' and the eager Functions'; input ``sink_index`` is the sinks):
+    ``run(sink)`` runs the backward, with the sinks where they need a
+    gradient (else None), when q, k or v need one; when only the sinks are
+    trained their gradient comes from ``sinks.sink_grad`` alone. A gradient
+    nobody needs is None."""
+    sink = ctx.sink if ctx.sink is not None and ctx.needs_input_grad[sink_index] else None
+    if any(ctx.needs_input_grad[:3]):
+        grads = run(sink)
+        return (*grads[:3], grads[3] if sink is not None else None)
+    return None, None, None, None if sink is None else sinks.sink_grad(grad_out, out, lse, sink)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -261,14 +257,7 @@ def _varlen_bwd_impl(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, se
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                      max_seqlen_k, softmax_scale, causal, deterministic, window_left=-1, window_right=-1,
                      softcap=0.0, sink=None):
-    checks.op_window(window_left, window_right, causal)
-    checks.check_softcap(softcap)
-    checks.check_learnable_sink(sink, q.shape[1], q.device)
-    plan_backward.check_head_dim(q.shape[2])
-    plan_backward.check_grad_out_meta(grad_out, out)
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty(k.shape, dtype=k.dtype, device=k.device),
-            torch.empty(v.shape, dtype=v.dtype, device=v.device), _dsink_fake(sink, q))
+    return _backward_fake(grad_out, q, k, v, out, causal, window_left, window_right, softcap, sink)
 
 
 def _varlen_setup_context(ctx, inputs, output):
@@ -286,19 +275,16 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
-    sink = _trained_sink(ctx, 15)
-    dq = dk = dv = ds = None
-    if any(ctx.needs_input_grad[:3]):
+
+    def run(sink):
         args = (grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, *ctx.max_seqlens, ctx.softmax_scale,
                 ctx.causal, ctx.deterministic)
         if _plain_eager_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, used_q, used_k):
-            grads = _varlen_bwd_impl(*args, window=checks.op_window(*ctx.window, ctx.causal),
-                                     softcap=checks.check_softcap(ctx.softcap), sink=sink)
-        else:
-            grads = varlen_bwd(*args, *ctx.window, ctx.softcap, sink)
-        dq, dk, dv, ds = _split(grads, sink)
-    else:
-        ds = _sink_grad(ctx, 15, grad_out, out, lse)
+            return _varlen_bwd_impl(*args, window=checks.op_window(*ctx.window, ctx.causal),
+                                    softcap=checks.check_softcap(ctx.softcap), sink=sink)
+        return varlen_bwd(*args, *ctx.window, ctx.softcap, sink)
+
+    dq, dk, dv, ds = _attention_grads(ctx, 15, grad_out, out, lse, run)
     return dq, dk, dv, *(None,) * 12, ds
 
 
@@ -332,13 +318,9 @@ class EagerAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        sink = _trained_sink(ctx, 8)
-        if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv, ds = _split(plan_backward.backward(grad_out, q, k, v, out, lse, *ctx.args, window=ctx.window,
-                                                           softcap=ctx.softcap, sink=sink), sink)
-        else:
-            dq = dk = dv = None
-            ds = _sink_grad(ctx, 8, grad_out, out, lse)
+        dq, dk, dv, ds = _attention_grads(
+            ctx, 8, grad_out, out, lse, lambda sink: plan_backward.backward(
+                grad_out, q, k, v, out, lse, *ctx.args, window=ctx.window, softcap=ctx.softcap, sink=sink))
         return dq, dk, dv, None, None, None, None, None, ds
 
 
@@ -366,13 +348,9 @@ class EagerVarlenAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, grad_lse):
         saved = ctx.saved_tensors
-        sink = _trained_sink(ctx, 14)
-        if any(ctx.needs_input_grad[:3]):
-            dq, dk, dv, ds = _split(_varlen_bwd_impl(grad_out, *saved, *ctx.args, window=ctx.window,
-                                                     softcap=ctx.softcap, sink=sink), sink)
-        else:
-            dq = dk = dv = None
-            ds = _sink_grad(ctx, 14, grad_out, saved[3], saved[4])
+        dq, dk, dv, ds = _attention_grads(
+            ctx, 14, grad_out, saved[3], saved[4], lambda sink: _varlen_bwd_impl(
+                grad_out, *saved, *ctx.args, window=ctx.window, softcap=ctx.softcap, sink=sink))
         return dq, dk, dv, *(None,) * 11, ds
 
 

@@ -13,15 +13,11 @@ import torch
 import hopper_flash
 from hopper_flash import checks
 from hopper_flash.reference import check_kvcache
+from gpu_inputs import rnd
 
 pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
-
-
-def rnd(*shape, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    return torch.randn(*shape, device=DEV, generator=gen).to(dtype)
 
 
 def assert_close(out, q, kc, vc, lens, causal, rows=None, lse=None, window=None):

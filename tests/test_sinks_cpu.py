@@ -137,6 +137,28 @@ def test_the_ops_autograd_formula_gives_the_sinks_gradient(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_frozen_sinks_ask_the_backward_for_no_gradient(monkeypatch):
+    """Sinks that need no gradient are not handed to the backward (no
+    partial sums for nothing), and their gradient slot is None."""
+    seen = []
+
+    def backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window=None, softcap=0.0, sink=None):
+        seen.append(sink)
+        return _flash_backward(dout, q, k, v, out, lse, softmax_scale, causal, sink)
+
+    monkeypatch.setattr(dispatch, "forward_validated", _forward_stand_in)
+    monkeypatch.setattr(plan_backward, "backward", backward)
+    q, k, v, s = _problem()
+    q.requires_grad_()
+    out, _ = ops.EagerAttention.apply(q, k, v, 0.25, True, False, None, 0.0, s)
+    out.backward(torch.randn_like(out))
+    assert seen == [None] and q.grad is not None and s.grad is None
+    s.requires_grad_()
+    out, _ = ops.EagerAttention.apply(q, k, v, 0.25, True, False, None, 0.0, s)
+    out.backward(torch.randn_like(out))
+    assert seen[1] is s and s.grad is not None
+
+
 def test_training_only_the_sink_runs_no_attention_backward(stand_ins):
     q, k, v, s = _problem()
     s.requires_grad_()

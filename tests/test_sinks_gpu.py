@@ -27,24 +27,16 @@ from hopper_flash.reference import (
     sink_eager,
     sink_eager_grads,
 )
+from gpu_inputs import cu, rnd
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-
-
-def rnd(*shape, dtype=torch.bfloat16, seed=0, magnitude=1.0):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    return (torch.randn(*shape, device=DEV, generator=gen) * magnitude).to(dtype)
 
 
 def sinks(h, seed, dtype=torch.float32):
     # Logits of the scores' size (a few units): each sink takes a real share
     # of some rows and almost none of others.
     return (rnd(h, dtype=torch.float32, seed=seed) * 2.0 + 1.0).to(dtype)
-
-
-def cu(lengths):
-    return torch.tensor([0] + list(lengths), device=DEV).cumsum(0).to(torch.int32)
 
 
 def check_forward(batch, seqlen_q, seqlen_k, h, hkv, d, causal, *, dtype=torch.bfloat16, seed=0, window=None,

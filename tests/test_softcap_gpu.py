@@ -33,18 +33,10 @@ from hopper_flash.reference import (
     varlen_reference,
     varlen_spans,
 )
+from gpu_inputs import cu, rnd
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-
-
-def rnd(*shape, dtype=torch.bfloat16, seed=0, magnitude=1.0):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    return (torch.randn(*shape, device=DEV, generator=gen) * magnitude).to(dtype)
-
-
-def cu(lengths):
-    return torch.tensor([0] + list(lengths), device=DEV).cumsum(0).to(torch.int32)
 
 
 def check_fixed(batch, seqlen_q, seqlen_k, h, hkv, d, causal, softcap, *, dtype=torch.bfloat16, seed=0,

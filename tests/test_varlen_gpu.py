@@ -24,13 +24,10 @@ from hopper_flash.reference import (
     varlen_reference,
     varlen_spans,
 )
+from gpu_inputs import cu
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-
-
-def cu(lengths):
-    return torch.tensor([0] + list(lengths), device=DEV).cumsum(0).to(torch.int32)
 
 
 def make(lq, lk, h, hkv, d, *, used_q=None, used_k=None, dtype=torch.bfloat16, seed=0):

@@ -29,14 +29,10 @@ from hopper_flash.reference import (
     varlen_reference,
     varlen_spans,
 )
+from gpu_inputs import cu, rnd
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-
-
-def rnd(*shape, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    return torch.randn(*shape, device=DEV, generator=gen).to(dtype)
 
 
 def check_fixed(batch, seqlen_q, seqlen_k, h, hkv, d, causal, window_size, *, dtype=torch.bfloat16, seed=0):
@@ -93,9 +89,6 @@ def test_window_rows_that_see_no_key_are_zero_with_lse_minus_inf():
 
 
 # ---- varlen ----------------------------------------------------------------
-
-def cu(lengths):
-    return torch.tensor([0] + list(lengths), device=DEV).cumsum(0).to(torch.int32)
 
 
 @pytest.mark.parametrize("window_size, causal", [((100, 0), True), ((0, 0), True), ((40, 300), False)],
