@@ -112,6 +112,25 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   off (the turns subsume it); plain modes with two consumers only. Within
   +-2% of the shipped kernel on every D = 128 row (BENCHMARKS.md): the
   schedule FA3 runs is not what its D = 128 forward has over ours.
+* ``fwd-d128-wide`` (thirty-third session; **not yet run on the GPU**):
+  head dim 128 on the wide tiles, three consumer warpgroups of 64 rows on
+  192-row items (``plan.WIDE_CONFIGS[128]``; ``plan.choose_wide`` then
+  picks them for long plain prefill as at head dim 64), with P staged in
+  shared memory for an SS PV (``Mode.P_SMEM``: S, P and O in registers
+  would take 160 of a consumer's 160; stmatrix stores and a proxy fence,
+  FA3's SS path). The idea: with two consumers a step is ~2530 cycles
+  against its GEMMs' 2048, about one warpgroup's GEMMs (1024) plus its
+  softmax path (~1500) that the other consumer's GEMMs cannot cover; with
+  three, the other two's GEMMs (2048 cycles) cover it. Shared memory
+  229,852 of 231,424 bytes (one Q slot, O staged in Q's rows). Census under
+  triton 3.6: stack 32-96 bytes, spills outside the steady step (0-1 spill
+  instructions in the step without the LSE, 4-12 with it). Its own GPU
+  tests ship in the copy: ``hopper_flash/test_wide_d128_gpu.py`` (the wide
+  tiles at every length, NaN-poisoned outputs, the LSE, a bitwise rerun).
+  Time it with ``--variant block_m=192,consumer_regs=160,producer_regs=32,maxnreg=128``
+  (every row on the wide tiles) on ``benchmarks/wide-d128.json``, the
+  shipped package in an alternating process (BENCHMARKS.md, thirty-third
+  session, has the commands).
 * (``fwd-kv192``, fourteenth session: a 192-key KV step for plain D = 128
   prefill as two score tiles, 128 + 64 keys; correct (302 GPU tests) but
   2-14% slower than the shipped 128-key step, BENCHMARKS.md. Its text:
