@@ -4,10 +4,11 @@ process: the variable must be set before the kernel's module is imported),
 by its host wrapper ``plan_backward.bwd_preprocess``, against float64
 statistics computed here from the same inputs.
 
-What it checks: Δ = rowsum(dO·O) and L2 = LSE·log2(e) on every live row,
-padding rows L2 = +inf and Δ = 0, dq_accum's rows zeroed; and with attention
-sinks (fp32 or bf16, read in their dtype) the sinks' gradient from the
-per-block partials, ds_h = -sum exp(s_h - LSE')·Δ over the rows whose LSE'
+What it checks: on the fixed-length batch, Δ = rowsum(dO·O) and L2 =
+LSE·log2(e) on every live row, padding rows L2 = +inf and Δ = 0, dq_accum's
+rows zeroed (the varlen statistics' padded layout is the GPU tests'
+business); and on every batch, with attention sinks (fp32 or bf16, read in
+their dtype), the sinks' gradient from the per-block partials, ds_h = -sum exp(s_h - LSE')·Δ over the rows whose LSE'
 exceeds s_h. The rows that saw no key (LSE' = s_h exactly) get NaN in dO:
 they must add nothing. Fixed-length and varlen batches (with an empty
 sequence, and with ``seqused_q`` shorter than the slots, whose gaps hold
@@ -89,8 +90,9 @@ def _varlen_case(gen, sink_dtype, seqused):
     return out, dout, lse, sink, rows, (cu, used, len(lens), max(lens))
 
 
-def _live_rows(case):
-    """(head, row) float64 expectations: per live row, Δ and L2, and the ds."""
+def _expected_ds(case):
+    """The float64 ds over the case's live rows (varlen: each sequence's
+    first ``seqused`` rows, or all of its rows)."""
     out, dout, lse, sink, rows, varlen = case
     if varlen is None:
         return _sink_grad64(out, dout, lse, sink, 1)
@@ -118,7 +120,7 @@ def test_preprocess_statistics_and_sink_gradient(tmp_path, sink_dtype):
         if sink is None:
             assert ds is None
         else:
-            expected = _live_rows(case)
+            expected = _expected_ds(case)
             assert ds.dtype == sink.dtype and ds.shape == sink.shape
             assert torch.isfinite(ds.float()).all(), ds
             tol = 1e-5 if sink.dtype == torch.float32 else 1e-2
