@@ -63,7 +63,7 @@ def prepared_forward(q, k, v, softmax_scale, causal, return_lse, window=None, so
     prepares under). For a caller that has already done ``flash_attn_func``'s
     part (the transformers backend's decode step)."""
     key = checks._signature(q, k, v, softmax_scale, causal)
-    sink_key = None if sink is None else _sink_key(sink)  # (every decode call: no call without sinks)
+    sink_key = _sink_key(sink)
     if key is None or sink_key is False:
         return None, None
     key = (key, bool(return_lse), window, softcap, sink_key)
