@@ -114,8 +114,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .compat import aggregate, cp_async_load, init_fields, thread_barrier, tma_load, tma_store
 from .mask import apply_mask, kv_split_range, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
-from .scheduler import (SCHED_STAGES, draw_item, first_item, publish_item, receive_item, section_coords,
-                        work_coords)
+from .scheduler import (SCHED_FIELDS, SCHED_STAGES, draw_item, first_item, publish_item, receive_item,
+                        section_coords, work_coords)
 from .softmax import LOG2E, softcap, softmax_finish, softmax_first, softmax_step
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
@@ -278,8 +278,9 @@ def _item_kv(b, bm, split, seqlen_q, seqlen_k, prob: Problem, mode: Mode):
         kb = gl.load(prob.kv_batch_ptr + b)
     else:
         kb = b
-    n_lo, n_hi, seqlen_k = kv_split_range(bm, split, prob.num_splits, seqlen_q, seqlen_k, mode.BLOCK_M, mode.BLOCK_N,
-                                          mode.IS_CAUSAL, mode.PACK_G, mode.WINDOW_LEFT, mode.WINDOW_RIGHT)
+    n_lo, n_hi, seqlen_k = kv_split_range(bm, split, _num_splits(prob, mode), seqlen_q, seqlen_k, mode.BLOCK_M,
+                                          mode.BLOCK_N, mode.IS_CAUSAL, mode.PACK_G, mode.WINDOW_LEFT,
+                                          mode.WINDOW_RIGHT)
     return kb, n_lo, n_hi, seqlen_k
 
 
@@ -326,9 +327,21 @@ def _item_at(i, item, n_tiles, prob: Problem, mode: Mode):
     if mode.DYNAMIC:
         bm, split, h, b = section_coords(item, n_tiles, prob.num_heads // mode.PACK_G, prob.batch, prob.section)
     else:
-        bm, split, h, b = work_coords(i, n_tiles, prob.num_splits, prob.num_heads // mode.PACK_G, prob.pair,
-                                      mode.PERSISTENT)
+        bm, split, h, b = work_coords(i, n_tiles, _num_splits(prob, mode), prob.num_heads // mode.PACK_G,
+                                      prob.pair, mode.PERSISTENT)
     return bm, split, h, b
+
+
+@gluon.jit
+def _num_splits(prob: Problem, mode: Mode):
+    """The split count, a constant 1 outside ``SPLIT`` modes: the coordinates'
+    divisions by it then fold away (each run-time division is a chain of some
+    twenty instructions, on the path between two items)."""
+    if mode.SPLIT:
+        n = prob.num_splits
+    else:
+        n = 1
+    return n
 
 
 @gluon.jit
@@ -542,13 +555,23 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
 
 
 @gluon.jit
-def _no_rows(item, n_tiles, prob: Problem, mode: Mode):
-    """VARLEN, dynamic order: item ``item`` exists but its query tile lies past
-    its sequence's rows (the producer draws again rather than hand it out)."""
-    bm, split, h, b = section_coords(item, n_tiles, prob.num_heads, prob.batch, prob.section)
-    b = gl.minimum(b, prob.batch - 1)  # an item past the last reads nothing out of bounds
-    tb, q_start, k_start, lq, live = _item_rows(bm, b, prob, mode)
-    return (item < prob.total_tiles) & (bm * mode.BLOCK_M >= lq)
+def _draw_next(n_tiles, prob: Problem, mode: Mode):
+    """Dynamic order, producer: the next item for this CTA and its ``(bm,
+    split, h, b)``. VARLEN draws again past items whose query tile lies
+    beyond their sequence's rows."""
+    item = draw_item(prob.sched_ptr)
+    bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
+    if mode.VARLEN:
+        b = gl.minimum(b, prob.batch - 1)  # an item past the last reads nothing out of bounds
+        tb, q_start, k_start, lq, live = _item_rows(bm, b, prob, mode)
+        skip = (item < prob.total_tiles) & (bm * mode.BLOCK_M >= lq)
+        while skip:
+            item = draw_item(prob.sched_ptr)
+            bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
+            b = gl.minimum(b, prob.batch - 1)
+            tb, q_start, k_start, lq, live = _item_rows(bm, b, prob, mode)
+            skip = (item < prob.total_tiles) & (bm * mode.BLOCK_M >= lq)
+    return item, bm, split, h, b
 
 
 @gluon.jit
@@ -559,23 +582,19 @@ def _producer(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, mode: Mode):
     # This CTA's items: the dynamic order's first is its program id and the
     # next ones are drawn here; the static deal's i-th is item i of its deal.
     item, limit = first_item(prob.total_tiles, prob.pair, mode.PERSISTENT, mode.DYNAMIC)
+    bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
     i = 0
     while item < limit:
-        bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
         kv0, qi = _producer_item(q_desc, k_desc, v_desc, rings, prob, bm, split, h, b, kv0, qi, mode)
+        i += 1
         if mode.DYNAMIC:
             # The next item is drawn once this one's loads are issued: the
             # consumers need it only after this item's epilogue.
-            item = draw_item(prob.sched_ptr)
-            if mode.VARLEN:
-                skip = _no_rows(item, n_tiles, prob, mode)
-                while skip:
-                    item = draw_item(prob.sched_ptr)
-                    skip = _no_rows(item, n_tiles, prob, mode)
-            publish_item(item, rings.sched_smem, rings.sched_full, rings.sched_empty, i)
+            item, bm, split, h, b = _draw_next(n_tiles, prob, mode)
+            publish_item(item, bm, h, b, rings.sched_smem, rings.sched_full, rings.sched_empty, i - 1)
         else:
-            item = i + 1
-        i += 1
+            item = i
+            bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
 
 
 @gluon.jit
@@ -844,15 +863,17 @@ def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode
     qi = 0  # items run (see _producer)
     # This CTA's items, as the producer walks them (see there).
     item, limit = first_item(prob.total_tiles, prob.pair, mode.PERSISTENT, mode.DYNAMIC)
+    bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
     i = 0
     while item < limit:
-        bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
         kv0, qi = _consumer_item(rings, prob, o_desc, bm, split, h, b, kv0, qi, CID, mode)
-        if mode.DYNAMIC:
-            item = receive_item(rings.sched_smem, rings.sched_full, rings.sched_empty, i)
-        else:
-            item = i + 1
         i += 1
+        if mode.DYNAMIC:
+            # Decoded by the producer (scheduler.publish_item); split is 0.
+            item, bm, h, b = receive_item(rings.sched_smem, rings.sched_full, rings.sched_empty, i - 1)
+        else:
+            item = i
+            bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
     tma.store_wait(0)
 
 
@@ -945,7 +966,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # DYNAMIC: the ring through which the producer hands out the next item
     # (scheduler.py); a slot is full after the producer's arrive, empty after
     # every consumer's.
-    sched_smem = gl.allocate_shared_memory(gl.int32, [SCHED_STAGES, 1],
+    sched_smem = gl.allocate_shared_memory(gl.int32, [SCHED_STAGES, SCHED_FIELDS],
                                            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     sched_full = gl.allocate_shared_memory(gl.int64, [SCHED_STAGES, 1], mbarrier.MBarrierLayout())
     sched_empty = gl.allocate_shared_memory(gl.int64, [SCHED_STAGES, 1], mbarrier.MBarrierLayout())
