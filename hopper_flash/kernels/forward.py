@@ -327,20 +327,25 @@ def _item_at(i, item, n_tiles, prob: Problem, mode: Mode):
     if mode.DYNAMIC:
         bm, split, h, b = section_coords(item, n_tiles, prob.num_heads // mode.PACK_G, prob.batch, prob.section)
     else:
-        bm, split, h, b = work_coords(i, n_tiles, _num_splits(prob, mode), prob.num_heads // mode.PACK_G,
-                                      prob.pair, mode.PERSISTENT)
+        bm, split, h, b = work_coords(i, n_tiles, prob.num_splits, prob.num_heads // mode.PACK_G, prob.pair,
+                                      mode.PERSISTENT)
     return bm, split, h, b
 
 
 @gluon.jit
 def _num_splits(prob: Problem, mode: Mode):
-    """The split count, a constant 1 outside ``SPLIT`` modes: the coordinates'
-    divisions by it then fold away (each run-time division is a chain of some
-    twenty instructions, on the path between two items)."""
-    if mode.SPLIT:
-        n = prob.num_splits
-    else:
+    """The split count for an item's KV range: a constant 1 in the dynamic
+    order (which never splits), so that the division by it folds away (a
+    run-time division is a chain of some twenty instructions, on the path
+    between two items). The static deal keeps the run-time count even where
+    it is 1: a first version that folded it there too (and replaced the
+    deal's division by its pair count with a select) changed those kernels'
+    steady loops and timed 2-4% slower at D=128 non-causal (BENCHMARKS.md,
+    thirty-fifth session), so their SASS is left byte-identical to before."""
+    if mode.DYNAMIC:
         n = 1
+    else:
+        n = prob.num_splits
     return n
 
 
@@ -563,15 +568,19 @@ def _draw_next(n_tiles, prob: Problem, mode: Mode):
     bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
     if mode.VARLEN:
         b = gl.minimum(b, prob.batch - 1)  # an item past the last reads nothing out of bounds
-        tb, q_start, k_start, lq, live = _item_rows(bm, b, prob, mode)
-        skip = (item < prob.total_tiles) & (bm * mode.BLOCK_M >= lq)
-        while skip:
+        while _no_rows(item, bm, b, prob, mode):
             item = draw_item(prob.sched_ptr)
             bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
             b = gl.minimum(b, prob.batch - 1)
-            tb, q_start, k_start, lq, live = _item_rows(bm, b, prob, mode)
-            skip = (item < prob.total_tiles) & (bm * mode.BLOCK_M >= lq)
     return item, bm, split, h, b
+
+
+@gluon.jit
+def _no_rows(item, bm, b, prob: Problem, mode: Mode):
+    """VARLEN: item ``item`` (query tile ``bm`` of batch ``b``) exists but
+    lies past its sequence's rows."""
+    tb, q_start, k_start, lq, live = _item_rows(bm, b, prob, mode)
+    return (item < prob.total_tiles) & (bm * mode.BLOCK_M >= lq)
 
 
 @gluon.jit
@@ -585,16 +594,17 @@ def _producer(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, mode: Mode):
     bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
     i = 0
     while item < limit:
+        if not mode.DYNAMIC:
+            bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
         kv0, qi = _producer_item(q_desc, k_desc, v_desc, rings, prob, bm, split, h, b, kv0, qi, mode)
-        i += 1
         if mode.DYNAMIC:
             # The next item is drawn once this one's loads are issued: the
             # consumers need it only after this item's epilogue.
             item, bm, split, h, b = _draw_next(n_tiles, prob, mode)
-            publish_item(item, bm, h, b, rings.sched_smem, rings.sched_full, rings.sched_empty, i - 1)
+            publish_item(item, bm, h, b, rings.sched_smem, rings.sched_full, rings.sched_empty, i)
         else:
-            item = i
-            bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
+            item = i + 1
+        i += 1
 
 
 @gluon.jit
@@ -866,14 +876,15 @@ def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode
     bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
     i = 0
     while item < limit:
+        if not mode.DYNAMIC:
+            bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
         kv0, qi = _consumer_item(rings, prob, o_desc, bm, split, h, b, kv0, qi, CID, mode)
-        i += 1
         if mode.DYNAMIC:
             # Decoded by the producer (scheduler.publish_item); split is 0.
-            item, bm, h, b = receive_item(rings.sched_smem, rings.sched_full, rings.sched_empty, i - 1)
+            item, bm, h, b = receive_item(rings.sched_smem, rings.sched_full, rings.sched_empty, i)
         else:
-            item = i
-            bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
+            item = i + 1
+        i += 1
     tma.store_wait(0)
 
 

@@ -78,13 +78,10 @@ def local_tile_count(total_tiles, pair, PERSISTENT: gl.constexpr):
 
 @gluon.jit
 def work_coords(i, n_tiles, n_splits, num_heads, pair, PERSISTENT: gl.constexpr):
-    """The ``i``-th work item of this CTA as (query tile, split, head, batch)
-    (``n_splits`` may be a constant 1, which folds its division away)."""
+    """The ``i``-th work item of this CTA as (query tile, split, head, batch)."""
     pid = gl.program_id(0)
     if PERSISTENT:
-        # pair is 1 or 2 (plan.deal): a select, not a run-time division.
-        two = pair == 2
-        item = pair * (pid + gl.where(two, i >> 1, i) * gl.num_programs(0)) + gl.where(two, i & 1, 0)
+        item = pair * (pid + (i // pair) * gl.num_programs(0)) + i % pair
         j = item % n_tiles
         zigzag = gl.where(j % 2 == 0, n_tiles - 1 - j // 2, j // 2)
         bm = gl.where(pair == 2, zigzag, n_tiles - 1 - j)
