@@ -7,9 +7,10 @@
 #       outlives the call; ~3 min on 16 cores), then the whole GPU suite runs,
 #       4 workers, each test capped at 100 s: a hang (a barrier deadlock, say)
 #       costs one test, not the call. Log: $OUT/pytest-gpu.log.
-#   run:               bash scripts/device_session.sh bench [prefill decode bwd]
-#       waits for the FA3 build, then scripts/bench_h200.sh with FA3 on the
-#       path; JSON per block under $OUT.
+#   run (carry .fa3):  bash scripts/device_session.sh bench [prefill decode bwd]
+#       waits for the FA3 build (starting it if no call on this machine
+#       has), then scripts/bench_h200.sh with FA3 on the path; JSON per block
+#       under $OUT.
 #   run:               bash scripts/device_session.sh vtests NAME [PYTEST PATHS]
 #       a measurement variant's GPU tests alone (default: the whole suite).
 #   run:               bash scripts/device_session.sh screen CONFIG.json NAME... [-- BENCH ARGS]
@@ -61,19 +62,37 @@ alternate() {
     done
   done
 }
+# FA3's build on this machine, in the background (its own process session,
+# so it outlives the call), unless a call on this machine started it.
+start_fa3() {
+  if [ -d .fa3 ] && [ ! -d /tmp/fa3src ]; then
+    cp -r .fa3 /tmp/fa3src
+    (setsid nohup bash /tmp/fa3src/build.sh /tmp/fa3_build.log > /tmp/fa3_build.out 2>&1 < /dev/null &)
+  fi
+}
+# Wait for it (at most FA3_WAIT seconds), starting it first where no call on
+# this machine has: a machine given back between two calls comes back bare,
+# and waiting for a build that never started would spend the whole call (the
+# thirty-fourth session lost 420 device seconds so). Without .fa3 carried the
+# bench runs without FA3.
+wait_fa3() {
+  start_fa3
+  if [ ! -d /tmp/fa3src ]; then echo "no FA3: .fa3 was not carried"; return 0; fi
+  local waited=0
+  until [ -d /tmp/fa3pkg ] || grep -q "rc=[1-9]" /tmp/fa3_build.out 2>/dev/null || [ "$waited" -ge "${FA3_WAIT:-400}" ]; do
+    sleep 5; waited=$((waited + 5))
+  done
+  cat /tmp/fa3_build.out 2>/dev/null
+}
 case "${1:-}" in
   tests)
-    if [ -d .fa3 ] && [ ! -d /tmp/fa3src ]; then
-      cp -r .fa3 /tmp/fa3src
-      (setsid nohup bash /tmp/fa3src/build.sh /tmp/fa3_build.log > /tmp/fa3_build.out 2>&1 < /dev/null &)
-    fi
+    start_fa3
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     timeout "${SUITE_TIMEOUT:-520}" python -m pytest -m gpu -q -rf -n 4 --timeout 100 -p no:cacheprovider \
       -p no:benchmark "${@:2}" 2>&1 | tee "$OUT/pytest-gpu.log" | quiet | tail -40 ;;
   bench)
-    until [ -d /tmp/fa3pkg ] || grep -q "rc=[1-9]" /tmp/fa3_build.out 2>/dev/null; do sleep 5; done
-    cat /tmp/fa3_build.out
+    wait_fa3
     PYTHONPATH=/tmp/fa3pkg:. timeout "${BENCH_TIMEOUT:-540}" bash scripts/bench_h200.sh "$OUT" "${@:2}" 2>&1 | quiet ;;
   variant)
     name=${2:?variant name}; config=${3:?bench config}; extra=("${@:4}")
