@@ -588,30 +588,26 @@ def _producer(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, mode: Mode):
 
 
 @gluon.jit
-def _consumer_idle(rings: Rings, i, kv0, n_kv, CID: gl.constexpr, mode: Mode):
-    """A work item whose rows of this warpgroup hold no query row: keep the
-    rings turning. Each slot is released only after its load landed, so the
-    release lands in the phase the producer waits for."""
-    q_idx = _q_slot(rings.q_full, i, CID, mode.NC)
-    mbarrier.wait(rings.q_full.index(q_idx), _q_phase(rings.q_full, i, mode.NC))
-    for it in range(n_kv):
-        wait_full(rings.k_full, kv0 + it, mode.K_STAGES)
-        release(rings.k_empty, kv0 + it, mode.K_STAGES)
-        wait_full(rings.v_full, kv0 + it, mode.V_STAGES)
-        release(rings.v_empty, kv0 + it, mode.V_STAGES)
-    mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
-
-
-@gluon.jit
 def _pass_kv(rings: Rings, kv0, n_pass, mode: Mode):
-    """Release ``n_pass`` K/V tiles from ring order ``kv0`` on, unread, each
-    once its load has landed (so the release counts in the phase the
-    producer waits for, as in ``_consumer_idle``)."""
+    """Release ``n_pass`` K/V tiles from ring order ``kv0`` on, unread. Each
+    slot is released only after its load landed, so the release lands in
+    the phase the producer waits for (an early one would count towards the
+    slot's previous use)."""
     for it in range(n_pass):
         wait_full(rings.k_full, kv0 + it, mode.K_STAGES)
         release(rings.k_empty, kv0 + it, mode.K_STAGES)
         wait_full(rings.v_full, kv0 + it, mode.V_STAGES)
         release(rings.v_empty, kv0 + it, mode.V_STAGES)
+
+
+@gluon.jit
+def _consumer_idle(rings: Rings, i, kv0, n_kv, CID: gl.constexpr, mode: Mode):
+    """A work item whose rows of this warpgroup hold no query row: keep the
+    rings turning (``_pass_kv``)."""
+    q_idx = _q_slot(rings.q_full, i, CID, mode.NC)
+    mbarrier.wait(rings.q_full.index(q_idx), _q_phase(rings.q_full, i, mode.NC))
+    _pass_kv(rings, kv0, n_kv, mode)
+    mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
 
 
 @gluon.jit
