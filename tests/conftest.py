@@ -53,3 +53,36 @@ def pytest_report_header(config):
     if spec:
         lines.append(f"hopper_flash config variant: {spec}")
     return lines
+
+
+@pytest.fixture
+def planned_rows(monkeypatch):
+    """The tile height (block_m) of every forward launch planned from here on."""
+    from hopper_flash import plan
+
+    seen, real = [], plan._plan_launch.__wrapped__
+
+    def spy(*args):
+        lp = real(*args)
+        seen.append(lp.cfg.block_m)
+        return lp
+    monkeypatch.setattr(plan, "_plan_launch", spy)
+    return seen
+
+
+@pytest.fixture
+def wide_tiles(monkeypatch, planned_rows):
+    """Run the wide tiles (plan.WIDE_CONFIGS: three consumer warpgroups, 192
+    rows) at every length, where plan.choose_wide picks them only for long
+    prefill. Yields the tile heights the launches planned, to check that the
+    wide kernel is what ran."""
+    from hopper_flash import plan
+
+    if not plan.WIDE_CONFIGS:
+        pytest.skip("no wide tiles under this triton (plan.wide_configs)")
+    monkeypatch.setattr(plan, "WIDE_MIN_KEYS_FULL", 0)
+    monkeypatch.setattr(plan, "WIDE_MIN_KEYS_CAUSAL", 0)
+    monkeypatch.setattr(plan, "WIDE_MIN_ROWS", 0)
+    # Small problems would take split-KV (a decode mode, on two consumers).
+    monkeypatch.setattr(plan, "choose_num_splits", lambda *args: 1)
+    return planned_rows

@@ -253,41 +253,16 @@ def test_head_dims(head_dim, causal, seqlen):
     check_forward(2, seqlen, seqlen, 4, head_dim=head_dim, causal=causal, seed=head_dim + seqlen)
 
 
-@pytest.fixture
-def wide_tiles(monkeypatch):
-    """Run the wide tiles (plan.WIDE_CONFIGS: three consumer warpgroups, 192
-    rows) at every length, where plan.choose_wide picks them only for long
-    prefill. Yields the tile heights the launches planned, to check that the
-    wide kernel is what ran."""
-    if not plan.WIDE_CONFIGS:
-        pytest.skip("no wide tiles under this triton (plan.wide_configs)")
-    monkeypatch.setattr(plan, "WIDE_MIN_KEYS_FULL", 0)
-    monkeypatch.setattr(plan, "WIDE_MIN_KEYS_CAUSAL", 0)
-    monkeypatch.setattr(plan, "WIDE_MIN_ROWS", 0)
-    # Small problems would take split-KV (a decode mode, on two consumers).
-    monkeypatch.setattr(plan, "choose_num_splits", lambda *args: 1)
-    yield _planned_rows(monkeypatch)
-
-
-def _planned_rows(monkeypatch):
-    """Record the tile height (block_m) of every forward launch planned from here on."""
-    seen, real = [], plan._plan_launch.__wrapped__
-
-    def spy(*args):
-        lp = real(*args)
-        seen.append(lp.cfg.block_m)
-        return lp
-    monkeypatch.setattr(plan, "_plan_launch", spy)
-    return seen
-
-
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(191, 191), (192, 192), (193, 193), (385, 385), (577, 577),
-                                               (200, 700), (700, 200), (64, 320)])
+                                               (200, 700), (700, 200), (64, 320), (130, 194), (250, 315),
+                                               (193, 320), (385, 513), (577, 640), (1000, 1063)])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_head_dim_64_tile_edges(wide_tiles, causal, seqlen_q, seqlen_k):
     """The wide tiles, 64 rows per consumer warpgroup: lengths at the edges
     of a tile and of each consumer's rows, and diagonals that leave one or two
-    consumers' first KV tiles entirely masked."""
+    consumers' first KV tiles entirely masked (those warpgroups pass them
+    unread: ``OWN_DIAGONAL``), at offsets ``seqlen_k - seqlen_q`` of 0, 63,
+    64, 65, 127 and 128 keys."""
     check_forward(2, seqlen_q, seqlen_k, 3, head_dim=64, causal=causal, seed=seqlen_q * 7 + seqlen_k)
     assert wide_tiles == [192]
 
@@ -307,11 +282,11 @@ def test_wide_tiles_causal_orders(wide_tiles, batch, seqlen_q, seqlen_k, nheads,
 # Enough heads that no split-KV is chosen (a decode mode, on two consumers).
 @pytest.mark.parametrize("seqlen,causal,nheads,rows", [(2100, False, 40, 192), (1000, False, 40, 128),
                                                        (8200, True, 2, 192), (4100, True, 8, 128)])
-def test_head_dim_64_takes_the_wide_tiles_for_long_prefill(monkeypatch, seqlen, causal, rows, nheads):
+def test_head_dim_64_takes_the_wide_tiles_for_long_prefill(planned_rows, seqlen, causal, rows, nheads):
     """The shipped rule (plan.choose_wide) end to end, wide tiles or not."""
     if not plan.WIDE_CONFIGS:
         pytest.skip("no wide tiles under this triton (plan.wide_configs)")
-    seen = _planned_rows(monkeypatch)
+    seen = planned_rows
     check_forward(1, seqlen, seqlen, nheads, head_dim=64, causal=causal, seed=seqlen + causal)
     assert seen == [rows]
 

@@ -76,6 +76,16 @@ def test_window_on_long_prefill(causal):
     check_fixed(1, 8192, 8192, 8, 2, 128, causal, (2047, 0 if causal else 2048), seed=8)
 
 
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(385, 385), (250, 315), (577, 700), (1000, 640)])
+@pytest.mark.parametrize("window_size, causal", [((100, 0), True), ((200, 70), False), ((-1, 130), False)],
+                         ids=lambda x: str(x).replace(" ", ""))
+def test_windows_on_the_wide_tiles(wide_tiles, seqlen_q, seqlen_k, window_size, causal):
+    # Right-bounded windows on 192-row tiles: a warpgroup passes the KV tiles
+    # past its own rows' right edge unread (kernels/forward.py, OWN_DIAGONAL).
+    check_fixed(2, seqlen_q, seqlen_k, 3, 3, 64, causal, window_size, seed=seqlen_q + seqlen_k)
+    assert set(wide_tiles) == {192}
+
+
 def test_window_fp16_and_gqa():
     check_fixed(2, 777, 2000, 16, 2, 128, True, (511, 0), dtype=torch.float16, seed=9)
 

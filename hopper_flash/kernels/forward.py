@@ -35,7 +35,10 @@ items:
   which passes a turn every step (measured slower here).
 
 KV tiles are visited from the diagonal tile down to tile 0, so only the first
-tile (and, for an unaligned diagonal, the second) needs a mask. In the steady
+tile (and, for an unaligned diagonal, the second) needs a mask. On the wide
+tiles under a causal mask (or a right-bounded window) the tile's diagonal KV
+tile can lie wholly past a warpgroup's own 64 rows: that warpgroup releases it
+unread (``OWN_DIAGONAL``) and starts at its own diagonal. In the steady
 state a consumer issues QK of tile ``it`` and PV of tile ``it - 1`` as two
 async wgmma groups, waits for the QK group alone, releases the K slot at once,
 then runs the softmax and waits for PV. The source waits for PV after the
@@ -112,7 +115,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .compat import aggregate, cp_async_load, init_fields, thread_barrier, tma_load, tma_store
-from .mask import apply_mask, kv_split_range, tile_needs_mask
+from .mask import apply_mask, kv_split_range, kv_tile_count, kv_window_tiles, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
 from .scheduler import (SCHED_FIELDS, SCHED_STAGES, draw_item, first_item, publish_item, receive_item,
                         section_coords, work_coords)
@@ -186,6 +189,10 @@ class Mode:
     # logit from ``sink_ptr`` (fp32, bf16 or fp16; softmax_finish). Not with
     # SPLIT: the combine adds it there, once per row.
     SINK: gl.constexpr
+    # Three consumers under a causal mask or a right-bounded window: a
+    # warpgroup whose own 64 rows end before the tile's last row passes the
+    # KV tiles past its own diagonal without computing them (_own_kv_end).
+    OWN_DIAGONAL: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
@@ -194,6 +201,8 @@ class Mode:
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
+        self.OWN_DIAGONAL = gl.constexpr(self.NC == 3 and (IS_CAUSAL or WINDOW_RIGHT >= 0) and PACK_G == 1
+                                         and not (SPLIT or SEQUSED or VARLEN))
         self.OFFSET_START = gl.constexpr(_offset_start(IS_CAUSAL, PACK_G, SPLIT, SEQUSED, VARLEN))
         self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.NC == 3)
         self.GATHER = gl.constexpr(0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE)
@@ -608,18 +617,44 @@ def _producer(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, mode: Mode):
 
 
 @gluon.jit
-def _consumer_idle(rings: Rings, i, kv0, n_kv, CID: gl.constexpr, mode: Mode):
-    """A work item whose rows of this warpgroup hold no query row: keep the
-    rings turning. Each slot is released only after its load landed, so the
-    release lands in the phase the producer waits for."""
-    q_idx = _q_slot(rings.q_full, i, CID, mode.NC)
-    mbarrier.wait(rings.q_full.index(q_idx), _q_phase(rings.q_full, i, mode.NC))
-    for it in range(n_kv):
+def _pass_kv(rings: Rings, kv0, n_pass, mode: Mode):
+    """Release ``n_pass`` K/V tiles from ring order ``kv0`` on, unread. Each
+    slot is released only after its load landed, so the release lands in
+    the phase the producer waits for (an early one would count towards the
+    slot's previous use)."""
+    for it in range(n_pass):
         wait_full(rings.k_full, kv0 + it, mode.K_STAGES)
         release(rings.k_empty, kv0 + it, mode.K_STAGES)
         wait_full(rings.v_full, kv0 + it, mode.V_STAGES)
         release(rings.v_empty, kv0 + it, mode.V_STAGES)
+
+
+@gluon.jit
+def _consumer_idle(rings: Rings, i, kv0, n_kv, CID: gl.constexpr, mode: Mode):
+    """A work item whose rows of this warpgroup hold no query row: keep the
+    rings turning (``_pass_kv``)."""
+    q_idx = _q_slot(rings.q_full, i, CID, mode.NC)
+    mbarrier.wait(rings.q_full.index(q_idx), _q_phase(rings.q_full, i, mode.NC))
+    _pass_kv(rings, kv0, n_kv, mode)
     mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
+
+
+@gluon.jit
+def _own_kv_end(bm, n_lo, n_hi, seqlen_q, seqlen_k, CID: gl.constexpr, mode: Mode):
+    """OWN_DIAGONAL: the end of the KV tiles this warpgroup's 64 rows see,
+    within the item's ``[n_lo, n_hi)`` and never below ``n_lo + 1`` (rows
+    that see no key still run one fully masked tile). On a 192-row tile of
+    128-key tiles the tile's last KV tile is wholly hidden from the first
+    warpgroup's rows on every tile, and from the second's on every other one
+    (equal lengths); the item visits it first (the diagonal), so passing it
+    shortens the item by one step for those warpgroups."""
+    sub = bm * mode.NC + CID
+    if mode.WINDOW_LEFT >= 0 or mode.WINDOW_RIGHT >= 0:
+        lo, hi = kv_window_tiles(sub, seqlen_q, seqlen_k, WG_M, mode.BLOCK_N, 1, mode.WINDOW_LEFT,
+                                 mode.WINDOW_RIGHT)
+    else:
+        hi = kv_tile_count(sub, seqlen_q, seqlen_k, WG_M, mode.BLOCK_N, True, 1)
+    return gl.maximum(gl.minimum(hi, n_hi), n_lo + 1)
 
 
 @gluon.constexpr_function
@@ -858,6 +893,12 @@ def _consumer_item(rings: Rings, prob: Problem, o_desc, bm, split, h, b, kv0, qi
         q_head0, hk, kb, n_lo, n_hi, lk = _item_bounds(b, bm, split, h, lq, k_start, prob, mode)
         if mode.SKIP_IDLE and bm * mode.BLOCK_M + CID * WG_M >= lq * mode.PACK_G:
             _consumer_idle(rings, qi, kv0, n_hi - n_lo, CID, mode)
+        elif mode.OWN_DIAGONAL:
+            # The tiles past this warpgroup's diagonal come first in the ring order.
+            own_hi = _own_kv_end(bm, n_lo, n_hi, lq, lk, CID, mode)
+            _pass_kv(rings, kv0, n_hi - own_hi, mode)
+            _consumer_tile(rings, prob, o_desc, tb, q_head0, bm, split, n_lo, own_hi, qi, kv0 + n_hi - own_hi, lq,
+                           lk, q_start, CID, mode)
         else:
             _consumer_tile(rings, prob, o_desc, tb, q_head0, bm, split, n_lo, n_hi, qi, kv0, lq, lk, q_start, CID,
                            mode)
