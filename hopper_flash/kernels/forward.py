@@ -336,25 +336,26 @@ def _item_at(i, item, n_tiles, prob: Problem, mode: Mode):
     if mode.DYNAMIC:
         bm, split, h, b = section_coords(item, n_tiles, prob.num_heads // mode.PACK_G, prob.batch, prob.section)
     else:
-        bm, split, h, b = work_coords(i, n_tiles, prob.num_splits, prob.num_heads // mode.PACK_G, prob.pair,
-                                      mode.PERSISTENT)
+        bm, split, h, b = work_coords(i, n_tiles, _num_splits(prob, mode), prob.num_heads // mode.PACK_G,
+                                      prob.pair, mode.PERSISTENT, not mode.OFFSET_START)
     return bm, split, h, b
 
 
 @gluon.jit
 def _num_splits(prob: Problem, mode: Mode):
-    """The split count for an item's KV range: a constant 1 in the dynamic
-    order (which never splits), so that the division by it folds away (a
-    run-time division is a chain of some twenty instructions, on the path
-    between two items). The static deal keeps the run-time count even where
-    it is 1: a first version that folded it there too (and replaced the
-    deal's division by its pair count with a select) changed those kernels'
-    steady loops and timed 2-4% slower at D=128 non-causal (BENCHMARKS.md,
-    thirty-fifth session), so their SASS is left byte-identical to before."""
-    if mode.DYNAMIC:
-        n = 1
-    else:
+    """The split count of an item's coordinates and KV range: a constant 1
+    outside ``SPLIT`` modes, so that the divisions by it fold away (a run-time
+    division is a chain of some twenty instructions, and the coordinates are
+    on the path between two items, while the tensor cores wait). Not in the
+    offset-start kernels (plain non-causal prefill): folding it there, with
+    the static deal's pair count applied by a select (scheduler.work_coords'
+    ``PAIR_SELECT``), changed their steady loop and timed 2-4% slower at
+    D=128 (BENCHMARKS.md, thirty-fifth session), so their SASS stays as it
+    was."""
+    if mode.SPLIT or mode.OFFSET_START:
         n = prob.num_splits
+    else:
+        n = 1
     return n
 
 

@@ -77,11 +77,17 @@ def local_tile_count(total_tiles, pair, PERSISTENT: gl.constexpr):
 
 
 @gluon.jit
-def work_coords(i, n_tiles, n_splits, num_heads, pair, PERSISTENT: gl.constexpr):
-    """The ``i``-th work item of this CTA as (query tile, split, head, batch)."""
+def work_coords(i, n_tiles, n_splits, num_heads, pair, PERSISTENT: gl.constexpr, PAIR_SELECT: gl.constexpr = False):
+    """The ``i``-th work item of this CTA as (query tile, split, head, batch).
+    ``PAIR_SELECT``: ``pair`` (1 or 2, plan.deal) is applied by a select
+    instead of a run-time division."""
     pid = gl.program_id(0)
     if PERSISTENT:
-        item = pair * (pid + (i // pair) * gl.num_programs(0)) + i % pair
+        if PAIR_SELECT:
+            two = pair == 2
+            item = pair * (pid + gl.where(two, i >> 1, i) * gl.num_programs(0)) + gl.where(two, i & 1, 0)
+        else:
+            item = pair * (pid + (i // pair) * gl.num_programs(0)) + i % pair
         j = item % n_tiles
         zigzag = gl.where(j % 2 == 0, n_tiles - 1 - j // 2, j // 2)
         bm = gl.where(pair == 2, zigzag, n_tiles - 1 - j)
