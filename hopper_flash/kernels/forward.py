@@ -16,7 +16,9 @@ items:
   by a *full* barrier (the load landed) and an *empty* barrier (every
   consumer is done with it). The rings' slot order runs on across items.
   In the dynamic order (``DYNAMIC``, scheduler.py) it also draws each CTA's
-  next item and hands it to the consumers;
+  next item, decodes it, and hands it to the consumers with its coordinates
+  (the decoding's run-time divisions would otherwise sit on the consumers'
+  path between two items, while the tensor cores wait);
 * two or three **consumers** (one warpgroup each, most of the registers)
   own 64 query rows each: ``BLOCK_M`` = 128, or 192 at head dim 64 (FA3's
   tiles there: while one runs its softmax, two keep the tensor cores busy,
