@@ -191,6 +191,10 @@ class Mode:
     # logit from ``sink_ptr`` (fp32, bf16 or fp16; softmax_finish). Not with
     # SPLIT: the combine adds it there, once per row.
     SINK: gl.constexpr
+    # The static deal's coordinates without run-time divisions (_num_splits):
+    # plain prefill other than the offset start, i.e. under a causal mask or
+    # a window.
+    PLAIN_COORDS: gl.constexpr
     # Three consumers under a causal mask or a right-bounded window: a
     # warpgroup whose own 64 rows end before the tile's last row passes the
     # KV tiles past its own diagonal without computing them (_own_kv_end).
@@ -206,6 +210,8 @@ class Mode:
         self.OWN_DIAGONAL = gl.constexpr(self.NC == 3 and (IS_CAUSAL or WINDOW_RIGHT >= 0) and PACK_G == 1
                                          and not (SPLIT or SEQUSED or VARLEN))
         self.OFFSET_START = gl.constexpr(_offset_start(IS_CAUSAL, PACK_G, SPLIT, SEQUSED, VARLEN))
+        self.PLAIN_COORDS = gl.constexpr(not (self.OFFSET_START or PACK_G > 1 or SPLIT or SEQUSED or KV_BATCH
+                                              or PAGE_SIZE > 0 or VARLEN))
         self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.NC == 3)
         self.GATHER = gl.constexpr(0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE)
         self.PRODUCER_WARPS = gl.constexpr(4 if self.GATHER else 1)
@@ -339,25 +345,28 @@ def _item_at(i, item, n_tiles, prob: Problem, mode: Mode):
         bm, split, h, b = section_coords(item, n_tiles, prob.num_heads // mode.PACK_G, prob.batch, prob.section)
     else:
         bm, split, h, b = work_coords(i, n_tiles, _num_splits(prob, mode), prob.num_heads // mode.PACK_G,
-                                      prob.pair, mode.PERSISTENT, not mode.OFFSET_START)
+                                      prob.pair, mode.PERSISTENT, mode.PLAIN_COORDS)
     return bm, split, h, b
 
 
 @gluon.jit
 def _num_splits(prob: Problem, mode: Mode):
     """The split count of an item's coordinates and KV range: a constant 1
-    outside ``SPLIT`` modes, so that the divisions by it fold away (a run-time
+    in the dynamic order and, in the static deal, in ``PLAIN_COORDS`` modes
+    (there with the pair count applied by a select, scheduler.work_coords'
+    ``PAIR_SELECT``), so that the divisions by them fold away. A run-time
     division is a chain of some twenty instructions, and the coordinates are
-    on the path between two items, while the tensor cores wait). Not in the
-    offset-start kernels (plain non-causal prefill): folding it there, with
-    the static deal's pair count applied by a select (scheduler.work_coords'
-    ``PAIR_SELECT``), changed their steady loop and timed 2-4% slower at
-    D=128 (BENCHMARKS.md, thirty-fifth session), so their SASS stays as it
+    on the path between two items while the tensor cores wait: +2-5% on
+    short causal prefill (BENCHMARKS.md, thirty-fifth session). Not in the
+    other static modes: in the offset-start kernels (plain non-causal
+    prefill) it changed the steady loop and timed 2-4% slower at D=128, and
+    under triton 3.6 it left two paged decode specialisations 8 bytes of
+    stack, while the decode rows timed unchanged; their SASS stays as it
     was."""
-    if mode.SPLIT or mode.OFFSET_START:
-        n = prob.num_splits
-    else:
+    if mode.DYNAMIC or mode.PLAIN_COORDS:
         n = 1
+    else:
+        n = prob.num_splits
     return n
 
 
