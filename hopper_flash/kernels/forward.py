@@ -16,7 +16,9 @@ items:
   by a *full* barrier (the load landed) and an *empty* barrier (every
   consumer is done with it). The rings' slot order runs on across items.
   In the dynamic order (``DYNAMIC``, scheduler.py) it also draws each CTA's
-  next item and hands it to the consumers;
+  next item, decodes it, and hands it to the consumers with its coordinates
+  (the decoding's run-time divisions would otherwise sit on the consumers'
+  path between two items, while the tensor cores wait);
 * two or three **consumers** (one warpgroup each, most of the registers)
   own 64 query rows each: ``BLOCK_M`` = 128, or 192 at head dim 64 (FA3's
   tiles there: while one runs its softmax, two keep the tensor cores busy,
@@ -117,8 +119,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .compat import aggregate, cp_async_load, init_fields, thread_barrier, tma_load, tma_store
 from .mask import apply_mask, kv_split_range, kv_tile_count, kv_window_tiles, tile_needs_mask
 from .pipeline import release, ring_slot, wait_empty, wait_full
-from .scheduler import (SCHED_STAGES, draw_item, first_item, publish_item, receive_item, section_coords,
-                        work_coords)
+from .scheduler import (SCHED_FIELDS, SCHED_STAGES, draw_item, first_item, publish_item, receive_item,
+                        section_coords, work_coords)
 from .softmax import LOG2E, softcap, softmax_finish, softmax_first, softmax_step
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
@@ -189,6 +191,10 @@ class Mode:
     # logit from ``sink_ptr`` (fp32, bf16 or fp16; softmax_finish). Not with
     # SPLIT: the combine adds it there, once per row.
     SINK: gl.constexpr
+    # The static deal's coordinates without run-time divisions (_num_splits):
+    # plain prefill other than the offset start, i.e. under a causal mask or
+    # a window.
+    PLAIN_COORDS: gl.constexpr
     # Three consumers under a causal mask or a right-bounded window: a
     # warpgroup whose own 64 rows end before the tile's last row passes the
     # KV tiles past its own diagonal without computing them (_own_kv_end).
@@ -204,6 +210,8 @@ class Mode:
         self.OWN_DIAGONAL = gl.constexpr(self.NC == 3 and (IS_CAUSAL or WINDOW_RIGHT >= 0) and PACK_G == 1
                                          and not (SPLIT or SEQUSED or VARLEN))
         self.OFFSET_START = gl.constexpr(_offset_start(IS_CAUSAL, PACK_G, SPLIT, SEQUSED, VARLEN))
+        self.PLAIN_COORDS = gl.constexpr(not (self.OFFSET_START or PACK_G > 1 or SPLIT or SEQUSED or KV_BATCH
+                                              or PAGE_SIZE > 0 or VARLEN))
         self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.NC == 3)
         self.GATHER = gl.constexpr(0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE)
         self.PRODUCER_WARPS = gl.constexpr(4 if self.GATHER else 1)
@@ -287,8 +295,9 @@ def _item_kv(b, bm, split, seqlen_q, seqlen_k, prob: Problem, mode: Mode):
         kb = gl.load(prob.kv_batch_ptr + b)
     else:
         kb = b
-    n_lo, n_hi, seqlen_k = kv_split_range(bm, split, prob.num_splits, seqlen_q, seqlen_k, mode.BLOCK_M, mode.BLOCK_N,
-                                          mode.IS_CAUSAL, mode.PACK_G, mode.WINDOW_LEFT, mode.WINDOW_RIGHT)
+    n_lo, n_hi, seqlen_k = kv_split_range(bm, split, _num_splits(prob, mode), seqlen_q, seqlen_k, mode.BLOCK_M,
+                                          mode.BLOCK_N, mode.IS_CAUSAL, mode.PACK_G, mode.WINDOW_LEFT,
+                                          mode.WINDOW_RIGHT)
     return kb, n_lo, n_hi, seqlen_k
 
 
@@ -335,9 +344,30 @@ def _item_at(i, item, n_tiles, prob: Problem, mode: Mode):
     if mode.DYNAMIC:
         bm, split, h, b = section_coords(item, n_tiles, prob.num_heads // mode.PACK_G, prob.batch, prob.section)
     else:
-        bm, split, h, b = work_coords(i, n_tiles, prob.num_splits, prob.num_heads // mode.PACK_G, prob.pair,
-                                      mode.PERSISTENT)
+        bm, split, h, b = work_coords(i, n_tiles, _num_splits(prob, mode), prob.num_heads // mode.PACK_G,
+                                      prob.pair, mode.PERSISTENT, mode.PLAIN_COORDS)
     return bm, split, h, b
+
+
+@gluon.jit
+def _num_splits(prob: Problem, mode: Mode):
+    """The split count of an item's coordinates and KV range: a constant 1
+    in the dynamic order and, in the static deal, in ``PLAIN_COORDS`` modes
+    (there with the pair count applied by a select, scheduler.work_coords'
+    ``PAIR_SELECT``), so that the divisions by them fold away. A run-time
+    division is a chain of some twenty instructions, and the coordinates are
+    on the path between two items while the tensor cores wait: +2-5% on
+    short causal prefill (BENCHMARKS.md, thirty-fifth session). Not in the
+    other static modes: in the offset-start kernels (plain non-causal
+    prefill) it changed the steady loop and timed 2-4% slower at D=128, and
+    under triton 3.6 it left two paged decode specialisations 8 bytes of
+    stack, while the decode rows timed unchanged; their SASS stays as it
+    was."""
+    if mode.DYNAMIC or mode.PLAIN_COORDS:
+        n = 1
+    else:
+        n = prob.num_splits
+    return n
 
 
 @gluon.jit
@@ -551,11 +581,25 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
 
 
 @gluon.jit
-def _no_rows(item, n_tiles, prob: Problem, mode: Mode):
-    """VARLEN, dynamic order: item ``item`` exists but its query tile lies past
-    its sequence's rows (the producer draws again rather than hand it out)."""
-    bm, split, h, b = section_coords(item, n_tiles, prob.num_heads, prob.batch, prob.section)
-    b = gl.minimum(b, prob.batch - 1)  # an item past the last reads nothing out of bounds
+def _draw_next(n_tiles, prob: Problem, mode: Mode):
+    """Dynamic order, producer: the next item for this CTA and its ``(bm,
+    split, h, b)``. VARLEN draws again past items whose query tile lies
+    beyond their sequence's rows."""
+    item = draw_item(prob.sched_ptr)
+    bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
+    if mode.VARLEN:
+        b = gl.minimum(b, prob.batch - 1)  # an item past the last reads nothing out of bounds
+        while _no_rows(item, bm, b, prob, mode):
+            item = draw_item(prob.sched_ptr)
+            bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
+            b = gl.minimum(b, prob.batch - 1)
+    return item, bm, split, h, b
+
+
+@gluon.jit
+def _no_rows(item, bm, b, prob: Problem, mode: Mode):
+    """VARLEN: item ``item`` (query tile ``bm`` of batch ``b``) exists but
+    lies past its sequence's rows."""
     tb, q_start, k_start, lq, live = _item_rows(bm, b, prob, mode)
     return (item < prob.total_tiles) & (bm * mode.BLOCK_M >= lq)
 
@@ -568,20 +612,17 @@ def _producer(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, mode: Mode):
     # This CTA's items: the dynamic order's first is its program id and the
     # next ones are drawn here; the static deal's i-th is item i of its deal.
     item, limit = first_item(prob.total_tiles, prob.pair, mode.PERSISTENT, mode.DYNAMIC)
+    bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
     i = 0
     while item < limit:
-        bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
+        if not mode.DYNAMIC:
+            bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
         kv0, qi = _producer_item(q_desc, k_desc, v_desc, rings, prob, bm, split, h, b, kv0, qi, mode)
         if mode.DYNAMIC:
             # The next item is drawn once this one's loads are issued: the
             # consumers need it only after this item's epilogue.
-            item = draw_item(prob.sched_ptr)
-            if mode.VARLEN:
-                skip = _no_rows(item, n_tiles, prob, mode)
-                while skip:
-                    item = draw_item(prob.sched_ptr)
-                    skip = _no_rows(item, n_tiles, prob, mode)
-            publish_item(item, rings.sched_smem, rings.sched_full, rings.sched_empty, i)
+            item, bm, split, h, b = _draw_next(n_tiles, prob, mode)
+            publish_item(item, bm, h, b, rings.sched_smem, rings.sched_full, rings.sched_empty, i)
         else:
             item = i + 1
         i += 1
@@ -885,12 +926,15 @@ def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode
     qi = 0  # items run (see _producer)
     # This CTA's items, as the producer walks them (see there).
     item, limit = first_item(prob.total_tiles, prob.pair, mode.PERSISTENT, mode.DYNAMIC)
+    bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
     i = 0
     while item < limit:
-        bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
+        if not mode.DYNAMIC:
+            bm, split, h, b = _item_at(i, item, n_tiles, prob, mode)
         kv0, qi = _consumer_item(rings, prob, o_desc, bm, split, h, b, kv0, qi, CID, mode)
         if mode.DYNAMIC:
-            item = receive_item(rings.sched_smem, rings.sched_full, rings.sched_empty, i)
+            # Decoded by the producer (scheduler.publish_item); split is 0.
+            item, bm, h, b = receive_item(rings.sched_smem, rings.sched_full, rings.sched_empty, i)
         else:
             item = i + 1
         i += 1
@@ -986,7 +1030,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # DYNAMIC: the ring through which the producer hands out the next item
     # (scheduler.py); a slot is full after the producer's arrive, empty after
     # every consumer's.
-    sched_smem = gl.allocate_shared_memory(gl.int32, [SCHED_STAGES, 1],
+    sched_smem = gl.allocate_shared_memory(gl.int32, [SCHED_STAGES, SCHED_FIELDS],
                                            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     sched_full = gl.allocate_shared_memory(gl.int64, [SCHED_STAGES, 1], mbarrier.MBarrierLayout())
     sched_empty = gl.allocate_shared_memory(gl.int64, [SCHED_STAGES, 1], mbarrier.MBarrierLayout())

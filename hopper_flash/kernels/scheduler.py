@@ -29,8 +29,9 @@ query rows of every head of the group). Without split-KV there is one split.
   *sections*: the (batch, head) pairs are cut into runs of ``section`` heads
   (as many as keep their K and V in L2), and inside a section the head runs
   fastest, then the query tile, from the last (longest causal) tile down.
-  The producer warp draws each next item while its loads are in flight and
-  hands it to the consumers through a two-slot ring in shared memory.
+  The producer warp draws each next item while its loads are in flight,
+  decodes it, and hands item and coordinates to the consumers through a
+  two-slot ring in shared memory.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -76,11 +77,17 @@ def local_tile_count(total_tiles, pair, PERSISTENT: gl.constexpr):
 
 
 @gluon.jit
-def work_coords(i, n_tiles, n_splits, num_heads, pair, PERSISTENT: gl.constexpr):
-    """The ``i``-th work item of this CTA as (query tile, split, head, batch)."""
+def work_coords(i, n_tiles, n_splits, num_heads, pair, PERSISTENT: gl.constexpr, PAIR_SELECT: gl.constexpr = False):
+    """The ``i``-th work item of this CTA as (query tile, split, head, batch).
+    ``PAIR_SELECT``: ``pair`` (1 or 2, plan.deal) is applied by a select
+    instead of a run-time division."""
     pid = gl.program_id(0)
     if PERSISTENT:
-        item = pair * (pid + (i // pair) * gl.num_programs(0)) + i % pair
+        if PAIR_SELECT:
+            two = pair == 2
+            item = pair * (pid + gl.where(two, i >> 1, i) * gl.num_programs(0)) + gl.where(two, i & 1, 0)
+        else:
+            item = pair * (pid + (i // pair) * gl.num_programs(0)) + i % pair
         j = item % n_tiles
         zigzag = gl.where(j % 2 == 0, n_tiles - 1 - j // 2, j // 2)
         bm = gl.where(pair == 2, zigzag, n_tiles - 1 - j)
@@ -114,25 +121,41 @@ def draw_item(counter_ptr):
     return gl.atomic_add(counter_ptr, 1, sem="relaxed", scope="gpu") + gl.num_programs(0)
 
 
+# A slot holds the item number and its decoded (query tile, head, batch): the
+# producer decodes each item for its own loads anyway, and the consumers,
+# which take it between two items while the tensor cores wait, then skip
+# section_coords' three run-time divisions (a few hundred cycles of latency).
+SCHED_FIELDS = gl.constexpr(4)
+
+
 @gluon.jit
-def publish_item(item, sched_smem, sched_full, sched_empty, order):
-    """Producer: hand ``item`` to the consumers as this CTA's item number
-    ``order + 1`` (a value past the last item tells them to stop)."""
+def publish_item(item, bm, h, b, sched_smem, sched_full, sched_empty, order):
+    """Producer: hand ``item``, decoded as ``(bm, h, b)``, to the consumers as
+    this CTA's item number ``order + 1`` (an item past the last tells them to
+    stop; its coordinates are then not read)."""
     wait_empty(sched_empty, order, SCHED_STAGES)
     slot = ring_slot(order, SCHED_STAGES)
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    sched_smem.index(slot).store(gl.full([1], item, gl.int32, one))
+    fields: gl.constexpr = gl.BlockedLayout([SCHED_FIELDS], [32], [gl.num_warps()], [0])
+    k = gl.arange(0, SCHED_FIELDS, layout=fields)
+    packed = gl.where(k == 0, item, gl.where(k == 1, bm, gl.where(k == 2, h, b)))
+    sched_smem.index(slot).store(packed)
     mbarrier.arrive(sched_full.index(slot), count=1)
 
 
 @gluon.jit
 def receive_item(sched_smem, sched_full, sched_empty, order):
-    """Consumer: the item ``publish_item`` handed out at ``order``."""
+    """Consumer: ``(item, bm, h, b)`` as ``publish_item`` handed them out at ``order``."""
     wait_full(sched_full, order, SCHED_STAGES)
     slot = ring_slot(order, SCHED_STAGES)
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    item = gl.max(sched_smem.index(slot).load(one), axis=0)
+    # Every thread reads the whole slot (one vector load), and picks the fields in registers.
+    fields: gl.constexpr = gl.BlockedLayout([SCHED_FIELDS], [32], [gl.num_warps()], [0])
+    packed = sched_smem.index(slot).load(fields)
+    k = gl.arange(0, SCHED_FIELDS, layout=fields)
+    item = gl.sum(gl.where(k == 0, packed, 0), axis=0)
+    bm = gl.sum(gl.where(k == 1, packed, 0), axis=0)
+    h = gl.sum(gl.where(k == 2, packed, 0), axis=0)
+    b = gl.sum(gl.where(k == 3, packed, 0), axis=0)
     # Every warp has read the slot before it is released for the next item.
     thread_barrier()
     release(sched_empty, order, SCHED_STAGES)
-    return item
+    return item, bm, h, b
