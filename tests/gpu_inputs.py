@@ -1,6 +1,9 @@
-"""Inputs the GPU test files share: seeded random tensors on the GPU and
-varlen prefix sums (imported as ``from gpu_inputs import ...``, as
-``launch_fakes`` is)."""
+"""Inputs and checks the GPU test files share: seeded random tensors on
+the GPU, varlen prefix sums, and the backward kernel's check on its own
+forward (imported as ``from gpu_inputs import ...``, as ``launch_fakes``
+is)."""
+import math
+
 import torch
 
 DEV = "cuda"
@@ -16,3 +19,34 @@ def rnd(*shape, dtype=torch.bfloat16, seed=0, magnitude=1.0):
 def cu(lengths):
     """int32 prefix sums ``[0, l0, l0 + l1, ...]`` on the GPU (``cu_seqlens``)."""
     return torch.tensor([0] + list(lengths), device=DEV).cumsum(0).to(torch.int32)
+
+
+def check_kernel_backward(batch, seqlen_q, seqlen_k, h, hkv, d, causal, *, window_size=(-1, -1), softcap=0.0,
+                          magnitude=1.0, deterministic=False, dtype=torch.bfloat16, seed=0):
+    """dq, dk, dv from ``plan_backward.launch_backward`` (buffers poisoned
+    with NaN) on the forward's own O and LSE, under flash-attn's
+    ``window_size`` and ``softcap``, against the float64 textbook backward
+    with the same mask and cap, within 2x SDPA's error on the same problem
+    (``reference.check_attention_grads``). Q and K are drawn at
+    ``magnitude`` (large logits make a cap bite). Returns ``(q, k, v, do,
+    dq, dk, dv)``."""
+    import hopper_flash
+    from hopper_flash import checks, plan_backward
+    from hopper_flash.reference import check_attention_grads
+
+    q = rnd(batch, seqlen_q, h, d, dtype=dtype, seed=seed, magnitude=magnitude)
+    k = rnd(batch, seqlen_k, hkv, d, dtype=dtype, seed=seed + 1, magnitude=magnitude)
+    v = rnd(batch, seqlen_k, hkv, d, dtype=dtype, seed=seed + 2)
+    do = rnd(batch, seqlen_q, h, d, dtype=dtype, seed=seed + 3)
+    window = checks.window_bounds(window_size, causal)
+    scale = d ** -0.5
+    with torch.no_grad():
+        out, lse = hopper_flash.flash_attn_func(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                                                return_lse=True)
+    dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
+    plan_backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, scale, causal, deterministic, window=window,
+                                  softcap=softcap)
+    verdicts = check_attention_grads((dq, dk, dv), q, k, v, do, causal=causal, softmax_scale=scale, window=window,
+                                     softcap=softcap)
+    assert all(verdicts), "; ".join(x.message for x in verdicts if not x)
+    return q, k, v, do, dq, dk, dv

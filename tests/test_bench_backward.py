@@ -13,7 +13,7 @@ import torch
 
 from hopper_flash import reference as package_reference
 from hopper_flash.bench import reference as reference_mod
-from hopper_flash.bench.backends import Backend, Unsupported, _build_sdpa, all_backends
+from hopper_flash.bench.backends import Backend, _build_sdpa, all_backends
 from hopper_flash.bench.cli import build_parser, execute
 from hopper_flash.bench.configs import Config, attention_flops
 from hopper_flash.bench.reference import compute_grad_reference, judge_grads, make_grad_out

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hopper_flash
-from hopper_flash import dispatch, plan_backward
+from hopper_flash import dispatch
 from hopper_flash.reference import (
     assert_judged,
     attention_baseline_grads,
@@ -33,7 +33,7 @@ from hopper_flash.reference import (
     varlen_reference,
     varlen_spans,
 )
-from gpu_inputs import cu, rnd
+from gpu_inputs import check_kernel_backward, cu, rnd
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -185,20 +185,9 @@ def test_decode_softcap_in_a_cuda_graph_and_compiled():
 
 # ---- backward ----------------------------------------------------------------
 
-def check_backward(batch, seqlen_q, seqlen_k, h, hkv, d, causal, softcap, *, deterministic=False,
-                   dtype=torch.bfloat16, seed=0):
-    q = rnd(batch, seqlen_q, h, d, dtype=dtype, seed=seed, magnitude=3.0)
-    k = rnd(batch, seqlen_k, hkv, d, dtype=dtype, seed=seed + 1, magnitude=3.0)
-    v = rnd(batch, seqlen_k, hkv, d, dtype=dtype, seed=seed + 2)
-    do = rnd(batch, seqlen_q, h, d, dtype=dtype, seed=seed + 3)
-    scale = d ** -0.5
-    with torch.no_grad():
-        out, lse = hopper_flash.flash_attn_func(q, k, v, causal=causal, softcap=softcap, return_lse=True)
-    dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
-    plan_backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, scale, causal, deterministic, softcap=softcap)
-    verdicts = check_attention_grads((dq, dk, dv), q, k, v, do, causal=causal, softmax_scale=scale, softcap=softcap)
-    assert all(verdicts), "; ".join(x.message for x in verdicts if not x)
-    return q, k, v, do, dq, dk, dv
+def check_backward(batch, seqlen_q, seqlen_k, h, hkv, d, causal, softcap, **kw):
+    """The backward kernel on its own capped forward (gpu_inputs.check_kernel_backward), logits large enough to cap."""
+    return check_kernel_backward(batch, seqlen_q, seqlen_k, h, hkv, d, causal, softcap=softcap, magnitude=3.0, **kw)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

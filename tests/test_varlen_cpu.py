@@ -18,7 +18,7 @@ import torch
 import hopper_flash
 from hopper_flash import checks, ops
 from hopper_flash.plan_backward import varlen_padded_rows
-from hopper_flash.reference import attention_reference, attention_reference_grads, varlen_grads, varlen_reference
+from hopper_flash.reference import attention_reference_grads, varlen_grads, varlen_reference
 from launch_fakes import FakeDriver, FakeJIT
 
 BF16 = torch.bfloat16

@@ -29,7 +29,7 @@ from hopper_flash.reference import (
     varlen_reference,
     varlen_spans,
 )
-from gpu_inputs import cu, rnd
+from gpu_inputs import check_kernel_backward, cu, rnd
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -209,27 +209,9 @@ def test_kvcache_window_under_torch_compile():
 
 # ---- backward ----------------------------------------------------------------
 
-def check_backward(batch, seqlen_q, seqlen_k, h, hkv, d, causal, window_size, *, deterministic=False,
-                   dtype=torch.bfloat16, seed=0):
-    """dq/dk/dv of a windowed forward: the kernel (buffers poisoned with NaN)
-    against the float64 textbook backward with the same window, within 2x
-    SDPA's error on the same masked problem (reference.check_attention_grads)."""
-    from hopper_flash import plan_backward
-    from hopper_flash.reference import check_attention_grads
-
-    q = rnd(batch, seqlen_q, h, d, dtype=dtype, seed=seed)
-    k = rnd(batch, seqlen_k, hkv, d, dtype=dtype, seed=seed + 1)
-    v = rnd(batch, seqlen_k, hkv, d, dtype=dtype, seed=seed + 2)
-    do = rnd(batch, seqlen_q, h, d, dtype=dtype, seed=seed + 3)
-    window = checks.window_bounds(window_size, causal)
-    scale = d ** -0.5
-    with torch.no_grad():
-        out, lse = hopper_flash.flash_attn_func(q, k, v, causal=causal, window_size=window_size, return_lse=True)
-    dq, dk, dv = (torch.full_like(t, math.nan) for t in (q, k, v))
-    plan_backward.launch_backward(do, q, k, v, out, lse, dq, dk, dv, scale, causal, deterministic, window=window)
-    verdicts = check_attention_grads((dq, dk, dv), q, k, v, do, causal=causal, softmax_scale=scale, window=window)
-    assert all(verdicts), "; ".join(x.message for x in verdicts if not x)
-    return q, k, v, do, dq, dk, dv
+def check_backward(batch, seqlen_q, seqlen_k, h, hkv, d, causal, window_size, **kw):
+    """The backward kernel on its own windowed forward (gpu_inputs.check_kernel_backward)."""
+    return check_kernel_backward(batch, seqlen_q, seqlen_k, h, hkv, d, causal, window_size=window_size, **kw)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
