@@ -192,8 +192,8 @@ class Mode:
     # SPLIT: the combine adds it there, once per row.
     SINK: gl.constexpr
     # The static deal's coordinates without run-time divisions (_num_splits):
-    # plain prefill other than the offset start, i.e. under a causal mask or
-    # a window.
+    # plain causal prefill (windows, soft-capping and sinks included), none
+    # of the decode modes.
     PLAIN_COORDS: gl.constexpr
     # Three consumers under a causal mask or a right-bounded window: a
     # warpgroup whose own 64 rows end before the tile's last row passes the
@@ -210,8 +210,8 @@ class Mode:
         self.OWN_DIAGONAL = gl.constexpr(self.NC == 3 and (IS_CAUSAL or WINDOW_RIGHT >= 0) and PACK_G == 1
                                          and not (SPLIT or SEQUSED or VARLEN))
         self.OFFSET_START = gl.constexpr(_offset_start(IS_CAUSAL, PACK_G, SPLIT, SEQUSED, VARLEN))
-        self.PLAIN_COORDS = gl.constexpr(not (self.OFFSET_START or PACK_G > 1 or SPLIT or SEQUSED or KV_BATCH
-                                              or PAGE_SIZE > 0 or VARLEN))
+        self.PLAIN_COORDS = gl.constexpr(IS_CAUSAL and not (PACK_G > 1 or SPLIT or SEQUSED or KV_BATCH
+                                                            or PAGE_SIZE > 0 or VARLEN))
         self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.NC == 3)
         self.GATHER = gl.constexpr(0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE)
         self.PRODUCER_WARPS = gl.constexpr(4 if self.GATHER else 1)
@@ -612,6 +612,8 @@ def _producer(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, mode: Mode):
     # This CTA's items: the dynamic order's first is its program id and the
     # next ones are drawn here; the static deal's i-th is item i of its deal.
     item, limit = first_item(prob.total_tiles, prob.pair, mode.PERSISTENT, mode.DYNAMIC)
+    # The dynamic order decodes its first item here and each next one as it
+    # draws it (_draw_next); the static deal decodes each at the loop head.
     bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
     i = 0
     while item < limit:
@@ -926,6 +928,7 @@ def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode
     qi = 0  # items run (see _producer)
     # This CTA's items, as the producer walks them (see there).
     item, limit = first_item(prob.total_tiles, prob.pair, mode.PERSISTENT, mode.DYNAMIC)
+    # As in _producer: in the dynamic order only the first item is decoded here.
     bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
     i = 0
     while item < limit:
