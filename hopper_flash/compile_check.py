@@ -143,17 +143,23 @@ def steady_loops(ins: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
     return loops
 
 
-def exps_in_flight(body: list[tuple[int, str]]) -> int:
-    """MUFU.EX2 issued between a ``DEPBAR.LE gsb0, 0x1`` and the next ``0x0``."""
+def issued_in_flight(body: list[tuple[int, str]], opcode: str) -> int:
+    """Instructions ``opcode`` issued between a ``DEPBAR.LE gsb0, 0x1`` and the
+    next ``0x0``: in the forward's step, after QK's wait and before PV's."""
     count, open_ = 0, False
     for _, text in body:
         if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in text:
             open_ = True
         elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in text:
             open_ = False
-        elif open_ and "MUFU.EX2" in text:
+        elif open_ and opcode in text:
             count += 1
     return count
+
+
+def exps_in_flight(body: list[tuple[int, str]]) -> int:
+    """MUFU.EX2 issued while PV is in flight (``issued_in_flight``)."""
+    return issued_in_flight(body, "MUFU.EX2")
 
 
 def census(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = True, write_lse: bool = False,

@@ -40,13 +40,16 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   K/V landed, QK complete, softmax done, O rescaled), placed where they
   keep the shipped SASS order (a clock between the softmax and the PV wait
   stops ptxas hoisting that wait, which changes the schedule being
-  measured); ``scripts/step_timeline.py`` prints the phases and how a CTA's
-  consumers sit against each other in time.
-* ``fwd-softmax-timeline`` (sixteenth session): ``fwd-step-timeline`` plus
-  two clocks inside the softmax (the row maximum done, the exponentials and
-  row sums done; each clock read takes the value as an input so it cannot
-  run early). They move ptxas's PV wait after the exponentials, so this
-  measures the softmax-overlaps-PV schedule, not the shipped one.
+  measured; at head dim 128, ``MAX_BEFORE_PV``, the "softmax done" clock
+  is PV complete after the row maximum, and the exponentials fall before
+  "O rescaled"); ``scripts/step_timeline.py`` prints the phases and how a
+  CTA's consumers sit against each other in time.
+* (``fwd-softmax-timeline``: ``fwd-step-timeline`` plus two clocks inside the
+  softmax, which moved ptxas's PV wait after the exponentials (so it measured
+  the softmax-overlaps-PV schedule); removed in the thirty-sixth session, when
+  head dim 128's step moved its PV wait after the row maximum
+  (``MAX_BEFORE_PV``) under it; its text: ``git show
+  4328e42:scripts/variants/fwd-softmax-timeline.patch``.)
 * ``bwd-timeline`` (the backward): the split-keys consumers (D = 64, 128)
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);
@@ -64,11 +67,12 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   second moves the backward's dPᵀ wait, which ptxas hoists to the top of
   its basic block, after Pᵀ's exponentials: 3-4% slower. Its text: ``git
   show a5d7a1a:scripts/variants/bwd-exp-overlap.patch``.)
-* ``fwd-softmax-overlap``: the forward's ``PV_AFTER_SOFTMAX`` (the PV wait
-  after the exponentials; shipped for head dim 256 and the wide tiles in the
-  twenty-first session) in every specialisation. At D = 128 and the
-  two-consumer D = 64 it timed within +-2% in the thirteenth session and
-  2% slower at D128 S2048 causal in the twenty-first (BENCHMARKS.md).
+* (``fwd-softmax-overlap``: ``PV_AFTER_SOFTMAX`` in every specialisation:
+  within +-2% at D = 128 and 3-4% slower on the two-consumer D = 64 tiles
+  (thirteenth and twenty-first sessions); removed in the thirty-sixth session,
+  when head dim 128's step moved its PV wait after the row maximum
+  (``MAX_BEFORE_PV``) under it; its text: ``git show
+  4328e42:scripts/variants/fwd-softmax-overlap.patch``.)
 * ``fwd-split-merge`` (twenty-first session; timed in the twenty-second:
   correct, 0.6-4 us slower than the shipped split + combine, BENCHMARKS.md): split-KV
   without the combine kernel. After writing its partials, each consumer
@@ -110,9 +114,13 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   (``bar.sync`` / ``bar.arrive`` over 256 threads, inline PTX; consumer 1
   passes first), with ``PV_AFTER_SOFTMAX`` everywhere and the offset start
   off (the turns subsume it); plain modes with two consumers only. Within
-  +-2% of the shipped kernel on every D = 128 row (BENCHMARKS.md): the
-  schedule FA3 runs is not what its D = 128 forward has over ours.
-* ``fwd-d128-wide`` (thirty-third session; **not yet run on the GPU**):
+  +-2% of the shipped kernel on every D = 128 row (BENCHMARKS.md, twenty-
+  first session). Regenerated in the thirty-sixth on ``MAX_BEFORE_PV``:
+  head dim 128 keeps the shipped PV wait after the row maximum, so there
+  the turns complete FA3's schedule; not yet timed in that form.
+* ``fwd-d128-wide`` (thirty-third session; screened in the thirty-fourth,
+  +3% non-causal S = 8192, slower elsewhere; its three consumers keep the
+  plain PV wait, not ``MAX_BEFORE_PV``):
   head dim 128 on the wide tiles, three consumer warpgroups of 64 rows on
   192-row items (``plan.WIDE_CONFIGS[128]``; ``plan.choose_wide`` then
   picks them for long plain prefill as at head dim 64), with P staged in
@@ -137,20 +145,12 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   ``git show 37406b0:scripts/variants/fwd-kv192.patch``.)
 * (``fwd-lane-row-sums``, per-thread row sums, shipped in the fifteenth
   session: ``kernels/softmax.py``.)
-* ``fwd-lazy-rescale`` (fourteenth session on the CPU; rebased onto the
-  per-thread row sums and timed in the fifteenth): FA4's conditional
-  rescale. A row keeps a stale reference max until a tile's max exceeds it
-  by more than 8 (log2 units; P <= 256), and the O multiply is skipped on
-  steps where no row of the warpgroup moved (a flag reduced across the
-  warpgroup through shared memory and the partition's named barrier).
-  Faster (beside FA3 on the H200: +3-4% causal D = 128, +1-2% non-causal,
-  +8-11% at D = 256, 1-2% slower at D = 64) but **less accurate, so not
-  shipped**: with a stale reference a row's largest probability is no
-  longer exactly 1.0 before its bf16 rounding for PV, and the output's
-  relative error grows 2-4% and its max error 10-40% above cuDNN's and
-  FA3's (which ours matches); two backward checks on single-query dK rows
-  failed (BENCHMARKS.md, fifteenth session). Its GPU tests ride in the
-  patch (``hopper_flash/test_lazy_rescale_gpu.py``). ``benchmarks/steady-mix.json``.
+* (``fwd-lazy-rescale``: FA4's conditional O rescale: +3-4% causal D = 128,
+  +8-11% at D = 256, but 2-4% larger output error than cuDNN's and FA3's, so
+  not shipped (fifteenth session); removed in the thirty-sixth session, when
+  head dim 128's step moved its PV wait after the row maximum
+  (``MAX_BEFORE_PV``) under it; its text: ``git show
+  4328e42:scripts/variants/fwd-lazy-rescale.patch``.)
 * ``fwd-ring-arith`` (fifteenth session, CPU only, not run; written by a
   helper): ring slots and phases in unsigned arithmetic (``order`` is never
   negative: no sign fix-ups), and the forward consumer's K/V subviews taken
@@ -163,25 +163,20 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   already did. Loop-carried slots cut a few more but made a D = 256 varlen
   kernel spill (not kept). Timed in the sixteenth session (screen beside
   FA3): within noise of the shipped kernel (-1% to +0.5%); not shipped.
-* ``fwd-thread-arrive`` (sixteenth session, CPU): every consumer thread
-  releases its K and V slots itself (``cp.async.mbarrier.arrive.noinc``, the
-  empty barriers counting 128 arrives per consumer warpgroup) instead of
-  thread 0 after a named barrier of the warpgroup, which triton 3.6's membar
-  pass puts before every ``mbarrier.arrive`` and after every wait: 3
-  ``BAR.SYNC`` per steady step -> 1 (the one left orders the loop's waits;
-  a toy ring in the session's notes showed waits alone draw it).
-* ``fwd-rescale-skip`` (sixteenth session, CPU): the O rescale skipped by
-  each warp whose 16 rows all kept their maximum this step (a vote in one
-  inline-asm block around the multiplies; the factor is set to exactly 1.0
-  where the maximum did not move, so skipping is exact). On random inputs
-  the skip rate grows with the row's tile count (a new maximum in tile k of
-  a row is a ~1/k event per row, so ~e^(-16/k) per warp).
-* ``fwd-arrive-skip``: both of the above. All three passed the GPU suite
-  (643 passed as ``fwd-arrive-skip``) and made the same error as the
-  shipped kernel to four digits, but timed beside it and FA3 (two calls of
-  ``device_session.sh screen benchmarks/steady-mix.json ...``) D = 128 ran
-  1-3% slower (both: 2-4%), D = 64 1-2% faster, D = 256 unchanged to 1%
-  slower: **not shipped** (BENCHMARKS.md, sixteenth session).
+* (``fwd-thread-arrive``: every consumer thread releasing its K and V slots
+  itself, 3 ``BAR.SYNC`` per step -> 1; removed in the thirty-sixth session,
+  when head dim 128's step moved its PV wait after the row maximum
+  (``MAX_BEFORE_PV``) under it; its text: ``git show
+  4328e42:scripts/variants/fwd-thread-arrive.patch``.)
+* (``fwd-rescale-skip``: the O rescale skipped per warp where exact; removed
+  in the thirty-sixth session, when head dim 128's step moved its PV wait
+  after the row maximum (``MAX_BEFORE_PV``) under it; its text: ``git show
+  4328e42:scripts/variants/fwd-rescale-skip.patch``.)
+* (``fwd-arrive-skip``: both of the above. All three passed the GPU suite but
+  ran D = 128 1-4% slower (sixteenth session); removed in the thirty-sixth
+  session, when head dim 128's step moved its PV wait after the row maximum
+  (``MAX_BEFORE_PV``) under it; its text: ``git show
+  4328e42:scripts/variants/fwd-arrive-skip.patch``.)
 * ``bwd-dq-red`` (sixteenth session): the split-keys backward consumers
   (D <= 128) add their dQ shares into ``dq_accum`` straight from registers
   (``gl.atomic_add``, relaxed: 32 ``REDG`` per thread and step, in
@@ -194,24 +189,16 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   scalar REDs at ~2 TB/s swamp L2): **not shipped** (BENCHMARKS.md,
   sixteenth session). ``test_compile_backward``'s TMA-reduce check fails on
   it by design.
-* ``fwd-qk-first`` (sixteenth session, from ``fwd-step-timeline``'s
-  finding that a D = 128 step is one warpgroup's serial chain, ~2700 cycles
-  against the tensor cores' 2048): each step issues QK, then applies the O
-  factor the previous step left, then issues PV, so the 64 (128) FMULs run
-  while QK is on the tensor cores instead of between the PV wait and the
-  next issue (FA3's place for D > 128). An opaque inline-asm copy of the
-  factor, ordered after the QK issue, keeps LLVM and ptxas from hoisting the
-  multiplies back (without it they sat where the shipped kernel has them).
-  Census unchanged, spill-free. On the H200 (298 GPU tests passed): within
-  noise at S = 8192, 1-2% slower at S = 2048 and D = 64: **not shipped**
-  (BENCHMARKS.md, sixteenth session).
-* ``fwd-tree-max`` (sixteenth session): the row maximum as a tree over a
-  thread's registers (halves against halves) instead of ``gl.max``'s one
-  dependent FMNMX chain per row (32 deep at 128 columns), which every
-  exponential of the row waits on; same instruction count, census unchanged.
-  On the H200 (298 GPU tests passed): equal under a causal mask, 2-4% slower
-  non-causal and at D = 256: **not shipped** (BENCHMARKS.md, sixteenth
-  session).
+* (``fwd-qk-first``: the O rescale applied while QK runs (FA3's place for D >
+  128): within noise at S = 8192, 1-2% slower at S = 2048 (sixteenth session);
+  removed in the thirty-sixth session, when head dim 128's step moved its PV
+  wait after the row maximum (``MAX_BEFORE_PV``) under it; its text: ``git
+  show 4328e42:scripts/variants/fwd-qk-first.patch``.)
+* (``fwd-tree-max``: the row maximum as a tree: equal causal, 2-4% slower
+  non-causal and at D = 256 (sixteenth session); removed in the thirty-sixth
+  session, when head dim 128's step moved its PV wait after the row maximum
+  (``MAX_BEFORE_PV``) under it; its text: ``git show
+  4328e42:scripts/variants/fwd-tree-max.patch``.)
 * (``fwd-paired-steps``, sixteenth session: head dim 64 on two-consumer
   64-key tiles, two steps per loop body with the second tile's QK issued
   ahead. Seventeenth session on the H200: 14-20% slower on every D = 64 row;

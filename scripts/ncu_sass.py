@@ -5,6 +5,8 @@
     python scripts/ncu_sass.py top FILE [N]             the N instructions with most warp-state samples
     python scripts/ncu_sass.py step FILE EXEC COLUMNS   the instructions executed EXEC times (one steady
                                                         step's body: pick EXEC from `top`), per key column
+    python scripts/ncu_sass.py regions FILE EXEC        that step's body cut at each wait, barrier and
+                                                        wgmma group: samples and stall reasons per stretch
 
 The fourteenth session's comparison with FA3 (BENCHMARKS.md) used these:
 ``step ours.csv.gz 2064384 256`` (two consumer copies of a 128-key step) and
@@ -70,6 +72,39 @@ def step(path, executed, columns):
     print(sorted(ops.items(), key=lambda x: -x[1]))
 
 
+def regions(path, executed):
+    """The steady step (the instructions executed ``executed`` times), in
+    SASS order, cut before every wgmma wait, named barrier, mbarrier
+    operation and first HGMMA of a group: each stretch's share of all
+    warp-state samples, its three main stall reasons, and its opcodes. The
+    thirty-sixth session read where our consumers and FA3's wait with it
+    (ours: ``2064384 / 2`` per consumer copy, FA3's shared code ``2064384``
+    at B4 H32 S8192 D128 causal)."""
+    header, data = load(path)
+    stalls = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+    total = sum(num(d, SAMPLES) for d in data)
+    steady = [i for i, d in enumerate(data) if num(d, EXECUTED) == executed]
+    print(f"{path}: {len(steady)} instructions executed {executed:,} times, "
+          f"{sum(num(data[i], SAMPLES) for i in steady) / total * 100:.1f}% of the samples")
+    cuts = ("DEPBAR", "SYNCS", "BAR.SYNC", "BAR.ARV")
+    stretches, cur = [], []
+    for i in steady:
+        text = data[i]["Source"]
+        first_hgmma = "HGMMA" in text and not (cur and "HGMMA" in data[cur[-1]]["Source"])
+        if cur and (first_hgmma or any(c in text for c in cuts)):
+            stretches.append(cur)
+            cur = []
+        cur.append(i)
+    stretches.append(cur)
+    for idx in stretches:
+        smp = sum(num(data[i], SAMPLES) for i in idx)
+        why = collections.Counter({k[6:]: sum(num(data[i], k) for i in idx) for k in stalls})
+        ops = collections.Counter(opcode(data[i]["Source"]) for i in idx)
+        print(f"{idx[0]:5d} {len(idx):4d} instr {smp / total * 100:5.2f}%  {data[idx[0]]['Source'].strip()[:48]:48s} | "
+              + " ".join(f"{k}:{v / total * 100:.2f}" for k, v in why.most_common(3)) + " | "
+              + " ".join(f"{k}{v}" for k, v in ops.most_common(6)))
+
+
 if __name__ == "__main__":
     cmd, rest = sys.argv[1], sys.argv[2:]
     if cmd == "mix":
@@ -78,5 +113,7 @@ if __name__ == "__main__":
         top(rest[0], int(rest[1]) if len(rest) > 1 else 40)
     elif cmd == "step":
         step(rest[0], int(rest[1]), int(rest[2]))
+    elif cmd == "regions":
+        regions(rest[0], int(rest[1]))
     else:
         sys.exit(__doc__)

@@ -9,15 +9,17 @@ consumers of a CTA sit against each other in time:
     python scripts/kernel_variant.py fwd-step-timeline .wt/stl
     PYTHONPATH=.wt/stl python -P scripts/step_timeline.py [--seqlen 8192] [--headdim 128]
 
-Points (SASS order of the shipped schedule, which the variant keeps: ptxas
-hoists the PV wait above the softmax, so "softmax" below includes waiting
-for PV, which was issued right after QK and runs after it on the tensor
-cores, ~512 cycles at D = 128): ``top`` the loop's head, ``issue``
-K and V landed (QK and PV are issued next), ``qk`` QK complete, ``sm`` the
-softmax done (and PV complete), ``end`` O rescaled and P converted. Phases:
-``kv_wait`` (top to issue), ``qk`` (issue to qk: the QK's latency,
-including any queueing behind the other warpgroups' GEMMs), ``softmax``
-(qk to sm), ``rescale`` (sm to end), ``loop`` (end to the next top).
+Points: ``top`` the loop's head, ``issue`` K and V landed (QK and PV are
+issued next), ``qk`` QK complete, ``sm`` PV complete, ``end`` O rescaled
+and P converted. Phases: ``kv_wait`` (top to issue), ``qk`` (issue to qk:
+the QK's latency, including any queueing behind the other warpgroups'
+GEMMs), ``softmax`` (qk to sm), ``rescale`` (sm to end), ``loop`` (end to
+the next top). What lies between ``qk`` and ``sm`` depends on the head
+dim's schedule (kernels/forward.py's docstring; the variant keeps the
+shipped SASS order): at head dim 128 (``MAX_BEFORE_PV``) the row maximum
+and the wait for PV, the exponentials falling in ``rescale``; elsewhere,
+where ptxas hoists the PV wait above the softmax, the wait for PV and the
+whole softmax (``PV_AFTER_SOFTMAX``: the softmax, then the wait).
 
 ``offset``: per CTA and step, consumer 1's issue time minus consumer 0's,
 as a fraction of consumer 0's step: near 0 the two issue together (their
@@ -41,17 +43,9 @@ SLOTS = (0, 1, 2, 4, 5)  # the points top, issue, qk, sm, end
 PHASES = ("kv_wait", "qk", "softmax", "rescale", "loop")
 
 
-# ``fwd-softmax-timeline`` also records the row maximum done (slot 3) and
-# the exponentials and row sums done (slot 6), splitting ``softmax`` into
-# ``max`` (from qk), ``exp`` and ``pv_wait`` (to sm). Its clocks inside the
-# softmax move ptxas's PV wait after the exponentials (the softmax then
-# overlaps PV, a schedule the shipped kernel does not have).
-SOFTMAX_PHASES = ("max", "exp", "pv_wait")
-
-
 def report(steps, label, n_consumers):
     wrap = 1 << 32
-    samples = {p: [] for p in PHASES + SOFTMAX_PHASES + ("step",)}
+    samples = {p: [] for p in PHASES + ("step",)}
     offsets = []
     for cta in range(steps.shape[0]):
         ev = steps[cta].view(3, STEPS, EVENTS)
@@ -63,10 +57,6 @@ def report(steps, label, n_consumers):
                 d = [(e[i + 1] - e[i]) % wrap for i in range(4)]
                 for p, x in zip(PHASES[:4], d):
                     samples[p].append(x)
-                inner = [int(ev[wg, j, 3]), int(ev[wg, j, 6])]
-                if all(inner):
-                    for p, a, b in zip(SOFTMAX_PHASES, (e[2], inner[0], inner[1]), (inner[0], inner[1], e[3])):
-                        samples[p].append((b - a) % wrap)
                 if j + 1 < STEPS and int(ev[wg, j + 1, 0]):
                     samples["loop"].append((int(ev[wg, j + 1, 0]) - e[4]) % wrap)
                     samples["step"].append((int(ev[wg, j + 1, 1]) - e[1]) % wrap)
@@ -78,7 +68,7 @@ def report(steps, label, n_consumers):
                     offsets.append(((b0 - a0 + wrap // 2) % wrap - wrap // 2) / step)
     print(f"## {label}: {len(samples['qk'])} steps traced, cycles")
     print(f"{'phase':10} {'median':>8} {'mean':>8}")
-    for p in PHASES + SOFTMAX_PHASES + ("step",):
+    for p in PHASES + ("step",):
         print_row(p, samples[p])
     if offsets:
         xs = torch.tensor(offsets, dtype=torch.float64)

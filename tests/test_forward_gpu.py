@@ -164,9 +164,9 @@ def test_error_is_cudnns(head_dim, causal):
     order of operations. Over 8M outputs the relative Frobenius error is a
     stable statistic (ours and cuDNN's differ by under 0.5% on the bench
     rows), so it must stay within 1% of cuDNN's on the same inputs. FA4's
-    lazy rescale (a stale reference max; ``scripts/variants/
-    fwd-lazy-rescale.patch``) passes the judge but not this: 2-4% larger
-    (BENCHMARKS.md, fifteenth session)."""
+    lazy rescale (a stale reference max; ``git show 4328e42:scripts/
+    variants/fwd-lazy-rescale.patch``) passes the judge but not this: 2-4%
+    larger (BENCHMARKS.md, fifteenth session)."""
     q, k, v = make_qkv(2, 2048, 2048, 16, 16, head_dim, seed=head_dim + causal)
     out = hopper_flash.flash_attn_func(q, k, v, causal=causal)
     (verdict,) = check_attention(out, q, k, v, causal=causal)

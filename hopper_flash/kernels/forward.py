@@ -52,9 +52,16 @@ starts once PV has completed and only the other consumers' GEMMs hide it.
 softmax (the wait is a retry loop, hence a branch), so the PV wait follows
 the exponentials and PV runs beside them. On the H200 that is +2-6% at head
 dim 256 and +2-3% on the wide tiles, but 3-4% slower on the two-consumer
-tiles of head dim 64, 2% slower at D=128 S=2048 causal and within noise at
-D=128 S=8192 (BENCHMARKS.md, thirteenth and twenty-first sessions), so those
-keep the plain form.
+tiles of head dim 64 (BENCHMARKS.md, thirteenth and twenty-first sessions),
+which keep the plain form. Head dim 128 (two consumers, every mode) takes
+FA3's place instead, ``MAX_BEFORE_PV``: the same wait right after the row
+maximum, so the maximum runs beside this warpgroup's own PV and the PV wait
+comes before the exponentials, among which ptxas interleaves the O
+rescale's multiplies. Nsight Compute had our consumer warps stalled at the
+hoisted PV wait for about a seventh of their time, FA3's hardly at all; on
+the H200 this placement is +1.5-2% on long causal rows, +4% non-causal at
+S=8192, +2-8% on chunked prefill and equal at S=2048 (BENCHMARKS.md,
+thirty-sixth session).
 
 Decode and chunked prefill run the same kernel in other *modes*
 (constexpr switches; ``plan.py`` picks them):
@@ -121,7 +128,7 @@ from .mask import apply_mask, kv_split_range, kv_tile_count, kv_window_tiles, ti
 from .pipeline import release, ring_slot, wait_empty, wait_full
 from .scheduler import (SCHED_FIELDS, SCHED_STAGES, draw_item, first_item, publish_item, receive_item,
                         section_coords, work_coords)
-from .softmax import LOG2E, softcap, softmax_finish, softmax_first, softmax_step
+from .softmax import LOG2E, softcap, softmax_exp, softmax_finish, softmax_first, softmax_max, softmax_step
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
 WG_M = gl.constexpr(64)
@@ -174,8 +181,14 @@ class Mode:
     SKIP_IDLE: gl.constexpr
     OFFSET_START: gl.constexpr  # _offset_start
     # The steady step waits for the next PV's V after its softmax, so that
-    # ptxas's hoisted PV wait falls after the exponentials (module docstring).
+    # ptxas's hoisted PV wait falls after the exponentials (module docstring);
+    # set with MAX_BEFORE_PV too, which waits for it after the row maximum:
+    # either way not at the loop head.
     PV_AFTER_SOFTMAX: gl.constexpr
+    # FA3's place for the PV wait (head dim 128): after the row maximum,
+    # before the exponentials. The step waits for the next PV's V between
+    # the two, which ends the basic block there (module docstring).
+    MAX_BEFORE_PV: gl.constexpr
     # A sliding window (mask.py): the keys row r sees are r + off - WINDOW_LEFT
     # .. r + off + WINDOW_RIGHT; -1 leaves that side unbounded (both: none).
     WINDOW_LEFT: gl.constexpr
@@ -212,7 +225,8 @@ class Mode:
         self.OFFSET_START = gl.constexpr(_offset_start(IS_CAUSAL, PACK_G, SPLIT, SEQUSED, VARLEN))
         self.PLAIN_COORDS = gl.constexpr(IS_CAUSAL and not (PACK_G > 1 or SPLIT or SEQUSED or KV_BATCH
                                                             or PAGE_SIZE > 0 or VARLEN))
-        self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.NC == 3)
+        self.MAX_BEFORE_PV = gl.constexpr(HEAD_DIM == 128 and self.NC == 2)
+        self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.NC == 3 or self.MAX_BEFORE_PV)
         self.GATHER = gl.constexpr(0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE)
         self.PRODUCER_WARPS = gl.constexpr(4 if self.GATHER else 1)
 
@@ -764,7 +778,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     acc_o = gl.zeros([WG_M, mode.HEAD_DIM], gl.float32, o_layout)
     if mode.PV_AFTER_SOFTMAX:
         # V of the first tile, for the first PV (each step then waits for the
-        # V of the next PV after its softmax).
+        # V of the next PV inside the step).
         _wait_tile(rings.v_full, kv0, mode.V_STAGES, mode)
 
     # ---- Steady state: QK[it] and PV[it - 1] as two async groups. ----
@@ -793,19 +807,31 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
                            mode.WINDOW_LEFT, mode.WINDOW_RIGHT):
             s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G,
                            mode.WINDOW_LEFT, mode.WINDOW_RIGHT)
-        p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, exp_scale)
-        if mode.PV_AFTER_SOFTMAX:
-            # The next PV's V, waited here for ptxas's sake: the wait's retry
-            # loop ends the basic block, so the PV wait below stays after the
-            # exponentials instead of being hoisted above them.
+        if mode.MAX_BEFORE_PV:
+            # The row maximum runs beside this warpgroup's PV; the next PV's V
+            # is waited for here, so ptxas's PV wait stays below it, and the O
+            # rescale's multiplies interleave with the exponentials.
+            scores_max, m_scaled, scores_scale = softmax_max(s, scores_max, exp_scale)
             _wait_tile(rings.v_full, kv0 + it, mode.V_STAGES, mode)
+            acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
+            release(rings.v_empty, kv0 + it - 1, mode.V_STAGES)
+            acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
+            p, logsum = softmax_exp(s, m_scaled, scores_scale, logsum, exp_scale)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        else:
+            p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, exp_scale)
+            if mode.PV_AFTER_SOFTMAX:
+                # The next PV's V, waited here for ptxas's sake: the wait's retry
+                # loop ends the basic block, so the PV wait below stays after the
+                # exponentials instead of being hoisted above them.
+                _wait_tile(rings.v_full, kv0 + it, mode.V_STAGES, mode)
 
-        # p_op is a register operand of the PV in flight: keep it alive until
-        # the group completes, then overwrite it with this tile's P.
-        acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
-        release(rings.v_empty, kv0 + it - 1, mode.V_STAGES)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
+            # p_op is a register operand of the PV in flight: keep it alive until
+            # the group completes, then overwrite it with this tile's P.
+            acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
+            release(rings.v_empty, kv0 + it - 1, mode.V_STAGES)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
 
     if not mode.O_IN_Q:
         # Every QK of this item is complete: the producer may load the next

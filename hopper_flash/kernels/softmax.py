@@ -73,18 +73,37 @@ def softmax_first(s, qk_scale):
 
 
 @gluon.jit
+def softmax_max(s, scores_max_prev, qk_scale):
+    """Later tiles, first half (``softmax_step`` is both; the forward's
+    ``MAX_BEFORE_PV`` places work between them): the new running row maximum,
+    its scaled form for ``softmax_exp`` and ``scores_scale``, the factor for
+    the carried state."""
+    scores_max = gl.maximum(scores_max_prev, gl.max(s, axis=1))
+    m_scaled = _scaled_max(scores_max, qk_scale)
+    scores_scale = gl.exp2(scores_max_prev * qk_scale - m_scaled)
+    return scores_max, m_scaled, scores_scale
+
+
+@gluon.jit
+def softmax_exp(s, m_scaled, scores_scale, logsum, qk_scale):
+    """Later tiles, second half, in FA3's order: the carried row sums
+    rescaled before the exponentials, the new partial sums added after them.
+    Returns the probabilities and the new row sums."""
+    sum_row_layout: gl.constexpr = gl.SliceLayout(1, logsum.type.layout)
+    logsum = logsum * gl.convert_layout(scores_scale, sum_row_layout)[:, None]
+    p = gl.exp2(s * qk_scale - m_scaled[:, None])
+    logsum = logsum + _lane_sums(p)
+    return p, logsum
+
+
+@gluon.jit
 def softmax_step(s, scores_max_prev, logsum, qk_scale):
     """Later tiles, in FA3's order: rescale the carried row sums before the
     exponentials, add the new partial sums after them. Returns the probabilities,
     the new running state and ``scores_scale``, the factor the caller applies to
     the output accumulator."""
-    scores_max = gl.maximum(scores_max_prev, gl.max(s, axis=1))
-    m_scaled = _scaled_max(scores_max, qk_scale)
-    scores_scale = gl.exp2(scores_max_prev * qk_scale - m_scaled)
-    sum_row_layout: gl.constexpr = gl.SliceLayout(1, logsum.type.layout)
-    logsum = logsum * gl.convert_layout(scores_scale, sum_row_layout)[:, None]
-    p = gl.exp2(s * qk_scale - m_scaled[:, None])
-    logsum = logsum + _lane_sums(p)
+    scores_max, m_scaled, scores_scale = softmax_max(s, scores_max_prev, qk_scale)
+    p, logsum = softmax_exp(s, m_scaled, scores_scale, logsum, qk_scale)
     return p, scores_max, logsum, scores_scale
 
 
