@@ -118,14 +118,17 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   first session). Regenerated in the thirty-sixth on ``MAX_BEFORE_PV``:
   head dim 128 keeps the shipped PV wait after the row maximum, so there
   the turns complete FA3's schedule; not yet timed in that form.
-* ``fwd-d64-max-before-pv`` (thirty-sixth session, CPU only, not run):
-  ``MAX_BEFORE_PV`` on the two-consumer tiles of head dim 64 too (short
-  prefill below the wide tiles' thresholds, and the head-dim-64 decode
-  modes). ``PV_AFTER_SOFTMAX`` lost 3-4% there (twenty-first session), the
-  wait after the row maximum has not been tried. Spill-free (census of the
-  prefill and PackGQA decode specialisations, triton 3.6). Screen it on
-  head dim 64 causal S = 1024 and 2048 and non-causal S = 1024 (B8 H32),
-  and the decode block at head dim 64.
+* ``fwd-max-before-pv-all`` (thirty-sixth session, CPU only, not run):
+  ``MAX_BEFORE_PV`` in every specialisation, not only head dim 128's: the
+  two-consumer tiles of head dim 64 (short prefill below the wide tiles'
+  thresholds, and its decode modes), the wide tiles and head dim 256, which
+  now wait for PV after the whole softmax (``PV_AFTER_SOFTMAX``: +2-6% there
+  over the plain form, which in turn beat it by 3-4% at D = 64 two-consumer).
+  Each bench row runs one head dim's kernel, so one screen attributes it per
+  row: D64 causal B8 H32 S1024 and 2048 and non-causal S1024 (two
+  consumers), D64 S8192 (wide), D256 S2048 and 8192 both masks, and the
+  decode block at head dims 64 and 256. Spill-free (census of prefill both
+  masks with and without LSE, and PackGQA decode, triton 3.6).
 * ``fwd-d128-wide`` (thirty-third session; screened in the thirty-fourth,
   +3% non-causal S = 8192, slower elsewhere; its three consumers keep the
   plain PV wait, not ``MAX_BEFORE_PV``):
