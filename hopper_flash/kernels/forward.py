@@ -59,8 +59,8 @@ maximum, so the maximum runs beside this warpgroup's own PV and the PV wait
 comes before the exponentials, among which ptxas interleaves the O
 rescale's multiplies. Nsight Compute had our consumer warps stalled at the
 hoisted PV wait for about a seventh of their time, FA3's hardly at all; on
-the H200 this placement is +1.5-2% on long causal rows, +4% non-causal at
-S=8192, +2-8% on chunked prefill and equal at S=2048 (BENCHMARKS.md,
+the H200 this placement is +1.6-2.2% on long causal rows, +4% non-causal
+at S=8192, +3-8% on chunked prefill, within noise at S=2048 (BENCHMARKS.md,
 thirty-sixth session).
 
 Decode and chunked prefill run the same kernel in other *modes*
