@@ -810,7 +810,10 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         if mode.MAX_BEFORE_PV:
             # The row maximum runs beside this warpgroup's PV; the next PV's V
             # is waited for here, so ptxas's PV wait stays below it, and the O
-            # rescale's multiplies interleave with the exponentials.
+            # rescale's multiplies interleave with the exponentials. Not folded
+            # into the branch below: written in its order (exponentials before
+            # the PV wait in the source) the same operations compile to another
+            # schedule, not the one timed (SASS compared on the CPU).
             scores_max, m_scaled, scores_scale = softmax_max(s, scores_max, exp_scale)
             _wait_tile(rings.v_full, kv0 + it, mode.V_STAGES, mode)
             acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
