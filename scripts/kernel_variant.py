@@ -124,9 +124,9 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   2814fef:scripts/variants/fwd-max-before-pv-all.patch`` and the
   thirty-seventh session's branch ``wide-max-before-pv``.)
 * ``fwd-d128-wide`` (thirty-third session; screened in the thirty-fourth,
-  +3% non-causal S = 8192, slower elsewhere, with the softmax beside its own
-  PV; since the thirty-seventh its three consumers take ``MAX_BEFORE_PV``
-  like every three-consumer tile):
+  +3% non-causal S = 8192, slower elsewhere; its three consumers keep the
+  softmax beside their own PV, ``PV_AFTER_SOFTMAX``, where head dim 64's
+  three-consumer tiles now take ``MAX_BEFORE_PV``):
   head dim 128 on the wide tiles, three consumer warpgroups of 64 rows on
   192-row items (``plan.WIDE_CONFIGS[128]``; ``plan.choose_wide`` then
   picks them for long plain prefill as at head dim 64), with P staged in
