@@ -107,31 +107,26 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   SASS 46-78 integer instructions of it sit between the last PV's HGMMAs
   and their wait (D=128). Spill-free but for D=256 varlen (a measurement
   variant: its varlen D=256 rows would time a spilling kernel).
-* ``fwd-pingpong-overlap`` (twenty-first session): FA3's schedule, its
-  ping-pong and its intra-warpgroup overlap together. Every GEMM issue of an
-  item (the first QK, each steady QK + PV pair, the last PV) is a turn
-  passed between the two consumers through named barriers 8 and 9
-  (``bar.sync`` / ``bar.arrive`` over 256 threads, inline PTX; consumer 1
-  passes first), with ``PV_AFTER_SOFTMAX`` everywhere and the offset start
-  off (the turns subsume it); plain modes with two consumers only. Within
-  +-2% of the shipped kernel on every D = 128 row (BENCHMARKS.md, twenty-
-  first session). Regenerated in the thirty-sixth on ``MAX_BEFORE_PV``:
-  head dim 128 keeps the shipped PV wait after the row maximum, so there
-  the turns complete FA3's schedule; not yet timed in that form.
-* ``fwd-max-before-pv-all`` (thirty-sixth session, CPU only, not run):
-  ``MAX_BEFORE_PV`` in every specialisation, not only head dim 128's: the
-  two-consumer tiles of head dim 64 (short prefill below the wide tiles'
-  thresholds, and its decode modes), the wide tiles and head dim 256, which
-  now wait for PV after the whole softmax (``PV_AFTER_SOFTMAX``: +2-6% there
-  over the plain form, which in turn beat it by 3-4% at D = 64 two-consumer).
-  Each bench row runs one head dim's kernel, so one screen attributes it per
-  row: D64 causal B8 H32 S1024 and 2048 and non-causal S1024 (two
-  consumers), D64 S8192 (wide), D256 S2048 and 8192 both masks, and the
-  decode block at head dims 64 and 256. Spill-free (census of prefill both
-  masks with and without LSE, and PackGQA decode, triton 3.6).
+* (``fwd-pingpong-overlap``, twenty-first session: FA3's schedule, its
+  ping-pong and its intra-warpgroup overlap together, every GEMM issue of an
+  item a turn passed between the two consumers through named barriers.
+  Within +-2% of the shipped kernel at D = 128 on the old schedule
+  (twenty-first session); on ``MAX_BEFORE_PV``, where the turns complete
+  FA3's schedule, 0.8-2.8% slower on every D = 128 row (thirty-seventh
+  session). Removed then; its text: ``git show
+  2814fef:scripts/variants/fwd-pingpong-overlap.patch``.)
+* (``fwd-max-before-pv-all`` and ``fwd-max-before-pv-wide``, thirty-sixth
+  and thirty-seventh sessions: ``MAX_BEFORE_PV`` in every specialisation,
+  then on the wide tiles alone. Screened in the thirty-seventh: +2-4% on
+  the wide tiles (shipped), 0.6-2% slower at head dim 256 and on head dim
+  64's two-consumer tiles (S = 2048 causal and S = 1024 non-causal -2%,
+  S = 1024 causal +1%), which keep their forms. Their text: ``git show
+  2814fef:scripts/variants/fwd-max-before-pv-all.patch`` and the
+  thirty-seventh session's branch ``wide-max-before-pv``.)
 * ``fwd-d128-wide`` (thirty-third session; screened in the thirty-fourth,
   +3% non-causal S = 8192, slower elsewhere; its three consumers keep the
-  plain PV wait, not ``MAX_BEFORE_PV``):
+  softmax beside their own PV, ``PV_AFTER_SOFTMAX``, where head dim 64's
+  three-consumer tiles now take ``MAX_BEFORE_PV``):
   head dim 128 on the wide tiles, three consumer warpgroups of 64 rows on
   192-row items (``plan.WIDE_CONFIGS[128]``; ``plan.choose_wide`` then
   picks them for long plain prefill as at head dim 64), with P staged in

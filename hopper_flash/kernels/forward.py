@@ -47,21 +47,23 @@ then runs the softmax and waits for PV. The source waits for PV after the
 softmax, but ptxas (triton 3.6's) hoists a wgmma wait to the top of its basic
 block, so unless something ends the block after the softmax, the softmax
 starts once PV has completed and only the other consumers' GEMMs hide it.
-``PV_AFTER_SOFTMAX`` (head dim 256, and the three-consumer tiles of head dim
-64) ends it there: the step waits for the *next* PV's V tile after its
-softmax (the wait is a retry loop, hence a branch), so the PV wait follows
-the exponentials and PV runs beside them. On the H200 that is +2-6% at head
-dim 256 and +2-3% on the wide tiles, but 3-4% slower on the two-consumer
-tiles of head dim 64 (BENCHMARKS.md, thirteenth and twenty-first sessions),
-which keep the plain form. Head dim 128 (two consumers, every mode) takes
-FA3's place instead, ``MAX_BEFORE_PV``: the same wait right after the row
-maximum, so the maximum runs beside this warpgroup's own PV and the PV wait
-comes before the exponentials, among which ptxas interleaves the O
-rescale's multiplies. Nsight Compute had our consumer warps stalled at the
-hoisted PV wait for about a seventh of their time, FA3's hardly at all; on
-the H200 this placement is +1.6-2.2% on long causal rows, +4% non-causal
-at S=8192, +3-8% on chunked prefill, within noise at S=2048 (BENCHMARKS.md,
-thirty-sixth session).
+``PV_AFTER_SOFTMAX`` (head dim 256) ends it there: the step waits for the
+*next* PV's V tile after its softmax (the wait is a retry loop, hence a
+branch), so the PV wait follows the exponentials and PV runs beside them. On
+the H200 that is +2-6% at head dim 256 (and was +2-3% on the wide tiles), but
+3-4% slower on the two-consumer tiles of head dim 64 (BENCHMARKS.md,
+thirteenth and twenty-first sessions), which keep the plain form. Head dim
+128 (two consumers, every mode) and the wide tiles take FA3's place instead,
+``MAX_BEFORE_PV``: the same wait right after the row maximum, so the maximum
+runs beside this warpgroup's own PV and the PV wait comes before the
+exponentials, among which ptxas interleaves the O rescale's multiplies.
+Nsight Compute had our consumer warps stalled at the hoisted PV wait for
+about a seventh of their time, FA3's hardly at all; on the H200 this
+placement is +1.6-2.2% on long causal rows at head dim 128, +4% non-causal
+at S=8192, +3-8% on chunked prefill, within noise at S=2048 (thirty-sixth
+session), and +2-4% on the wide tiles against the softmax-beside-PV form
+(thirty-seventh); at head dim 256 and on head dim 64's two-consumer tiles
+it measured 0.6-2% slower than their forms, which they keep.
 
 Decode and chunked prefill run the same kernel in other *modes*
 (constexpr switches; ``plan.py`` picks them):
@@ -185,8 +187,8 @@ class Mode:
     # set with MAX_BEFORE_PV too, which waits for it after the row maximum:
     # either way not at the loop head.
     PV_AFTER_SOFTMAX: gl.constexpr
-    # FA3's place for the PV wait (head dim 128): after the row maximum,
-    # before the exponentials. The step waits for the next PV's V between
+    # FA3's place for the PV wait (head dim 128, and the wide tiles): after
+    # the row maximum, before the exponentials. The step waits for the next PV's V between
     # the two, which ends the basic block there (module docstring).
     MAX_BEFORE_PV: gl.constexpr
     # A sliding window (mask.py): the keys row r sees are r + off - WINDOW_LEFT
@@ -225,8 +227,8 @@ class Mode:
         self.OFFSET_START = gl.constexpr(_offset_start(IS_CAUSAL, PACK_G, SPLIT, SEQUSED, VARLEN))
         self.PLAIN_COORDS = gl.constexpr(IS_CAUSAL and not (PACK_G > 1 or SPLIT or SEQUSED or KV_BATCH
                                                             or PAGE_SIZE > 0 or VARLEN))
-        self.MAX_BEFORE_PV = gl.constexpr(HEAD_DIM == 128 and self.NC == 2)
-        self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.NC == 3 or self.MAX_BEFORE_PV)
+        self.MAX_BEFORE_PV = gl.constexpr((HEAD_DIM == 128 and self.NC == 2) or self.NC == 3)
+        self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.MAX_BEFORE_PV)
         self.GATHER = gl.constexpr(0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE)
         self.PRODUCER_WARPS = gl.constexpr(4 if self.GATHER else 1)
 
