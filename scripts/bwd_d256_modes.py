@@ -3,7 +3,7 @@
 Backward time (ms, do_bench median) of the package on sys.path: D=256
 deterministic and default, causal and not, B4 H16 S8192; and a varlen D=256
 batch (16 sequences, lengths 512..4096, fixed seed)."""
-import sys, torch, hopper_flash
+import torch, hopper_flash
 from triton.testing import do_bench
 print("pkg", hopper_flash.__file__)
 torch.manual_seed(0)

@@ -5,7 +5,7 @@ medians), with the preprocess (which also zeroes dq_accum's rows) launched at
 several (BLOCK, num_warps)."""
 import torch
 from triton.testing import do_bench
-from hopper_flash.kernels.backward_pre import _bwd_preprocess_kernel, _bwd_postprocess_kernel
+from hopper_flash.kernels.backward_pre import _bwd_preprocess_kernel
 from hopper_flash import plan_backward
 for (B, S, H) in ((16, 1024, 16), (4, 8192, 32)):
     D = 128

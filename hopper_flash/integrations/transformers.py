@@ -482,7 +482,7 @@ def register() -> str:
     transformers = _import_transformers()
     transformers.AttentionInterface.register(NAME, hopper_flash_attention_forward)
     try:
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
         pass  # transformers < 4.53: models build their own 4-D masks, which the backend checks
     else:
