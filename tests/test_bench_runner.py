@@ -186,3 +186,33 @@ def test_sdpa_backend_transposes_and_declines_unequal_causal():
     unequal = Config(seqlen=32, seqlen_k=64, batch=1, heads=2, headdim=16)
     with pytest.raises(Unsupported, match="top-left"):
         build(unequal, *make_inputs(unequal, "cpu"), 0.25)
+
+
+def test_json_keeps_the_finished_configs_when_the_process_dies_later(tmp_path):
+    """--json is written after every config, marked partial, so a process
+    that dies mid-block (FA3 has segfaulted so on the H200) leaves the rows
+    it finished; the final write drops the mark."""
+    from hopper_flash.bench.results import read_json
+
+    second = Config(seqlen=32, batch=1, heads=2, headdim=16, causal=False)
+
+    class ProcessDied(BaseException):
+        pass
+
+    def dies_on_second(cfg, q, k, v, scale):
+        if cfg == second:
+            raise ProcessDied  # not an Exception: nothing in the runner survives it, as with a signal
+        return good_build(cfg, q, k, v, scale)
+
+    path = tmp_path / "r.json"
+    with pytest.raises(ProcessDied):
+        execute([SMALL, second], [backend("good", dies_on_second)], fake_timer, options(json=str(path)),
+                "hopper-flash bench", device="cpu")
+    results, meta = read_json(path)
+    assert [(r.label, r.status) for r in results] == [(SMALL.label, OK)]
+    assert meta["partial"] is True
+
+    status = execute([SMALL, second], [backend("good")], fake_timer, options(json=str(path)),
+                     "hopper-flash bench", device="cpu")
+    results, meta = read_json(path)
+    assert status == 0 and len(results) == 2 and "partial" not in meta

@@ -164,9 +164,19 @@ def execute(
         def on_step(cfg: Config, backend: str) -> None:
             progress.update(task, completed=next(done), description=f"{cfg.label} · {backend}")
 
+        on_config = None
+        if args.json:
+            # The rows finished so far, marked partial, after each config: a
+            # process that dies later (FA3 has segfaulted mid-block on the
+            # H200) still leaves them. The last write below replaces them.
+            partial_meta = {**collect_meta(command, matmul_tflops), "partial": True}
+
+            def on_config(done_results: list[Result]) -> None:
+                results_io.write_json(args.json, done_results, partial_meta)
+
         results: list[Result] = runner.run(
             configs, backends, timer, device=device, matmul_tflops=matmul_tflops, on_step=on_step,
-            passes=passes, memory=memory,
+            passes=passes, memory=memory, on_config=on_config,
         )
         progress.update(task, completed=total)
 

@@ -231,15 +231,20 @@ def run(
     on_step: StepHook | None = None,
     passes: Sequence[str] = ("fwd",),
     memory: MemoryProbe | None = None,
+    on_config: Callable[[list[Result]], None] | None = None,
 ) -> list[Result]:
     """All cells: configs in order, each config's passes in the given order.
-    Availability is checked once per backend."""
+    Availability is checked once per backend. ``on_config`` gets the results
+    so far after each config (the CLI writes them, so a process that dies
+    later, a backend's segfault say, leaves the rows it finished)."""
     unavailable = {b.name: reason for b in backends if (reason := b.unavailable_reason()) is not None}
     results = []
     for cfg in configs:
         for bench_pass in passes:
             results += run_config(cfg, backends, timer, device=device, matmul_tflops=matmul_tflops,
                                   unavailable=unavailable, on_step=on_step, bench_pass=bench_pass, memory=memory)
+        if on_config is not None:
+            on_config(list(results))
     return results
 
 
