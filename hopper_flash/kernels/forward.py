@@ -188,8 +188,9 @@ class Mode:
     # either way not at the loop head.
     PV_AFTER_SOFTMAX: gl.constexpr
     # FA3's place for the PV wait (head dim 128, and the wide tiles): after
-    # the row maximum, before the exponentials. The step waits for the next PV's V between
-    # the two, which ends the basic block there (module docstring).
+    # the row maximum, before the exponentials. The step waits for the next
+    # PV's V between the two, which ends the basic block there (module
+    # docstring).
     MAX_BEFORE_PV: gl.constexpr
     # A sliding window (mask.py): the keys row r sees are r + off - WINDOW_LEFT
     # .. r + off + WINDOW_RIGHT; -1 leaves that side unbounded (both: none).
