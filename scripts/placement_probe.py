@@ -1,21 +1,24 @@
-"""Whether a row's speed depends on where its inputs land in memory.
+"""Two speeds of one row: per-rep times over fresh allocations, in one process.
 
 The thirty-sixth and thirty-seventh sessions timed B4 H32 S2048 D128 causal
-at ~567 TFLOP/s in one bench process and 525-542 in every other, while
-cuDNN and FA3 in the same processes did not move (BENCHMARKS.md,
-thirty-seventh session). A process differs from the next in where its
-tensors are allocated (and in nothing else the kernel sees), so this probe
-times the same shape over fresh allocations, in one process: before each
-trial it allocates a pad of a random size (so q, k, v and the kernel's
-workspace move), fresh random q, k, v, and times our forward, SDPA cuDNN
-and FA3 (when importable) on them with ``do_bench`` medians (L2 flushed
-between reps), printing the addresses' offsets within 32 MB and 2 MB.
+at ~567 TFLOP/s in one bench process and 525-542 in the others. The
+thirty-seventh's JSON has each process's min and max as well: in *every*
+process our reps span 0.238-0.241 ms (min) to 0.262-0.266 ms (max), and the
+median lands near one end or the other; FA3's span 0.225-0.251 ms the same
+way (its median near the slow end in all six), cuDNN's only 0.280-0.300. So
+the reps themselves take one of two speeds, and a process's median says which
+held the majority.
 
-A fast mode that follows the addresses points at L2 placement; one that does
-not, while the others stay flat, at something inside the process (the
-dynamic order's counter, say).
+This probe times the row over fresh allocations (a pad of random size first,
+so q, k, v and the kernels' workspaces move), ours beside SDPA cuDNN and FA3
+(when importable), and prints per backend the 10th, 50th and 90th
+percentile of the reps' times and the share of reps nearer the fast end,
+with the inputs' offsets. If the share follows the addresses, it is L2
+placement; if it is the same in every trial, something per rep (the
+dynamic order's draws: both FA3 and ours draw causal items from an atomic
+counter; the L2 flush before each rep; the clock).
 
-    PYTHONPATH=/tmp/fa3pkg:. python -P scripts/placement_probe.py [--trials 12] [--seqlen 2048] [--graph]
+    PYTHONPATH=/tmp/fa3pkg:. python -P scripts/placement_probe.py [--trials 8] [--seqlen 2048] [--graph]
 """
 from __future__ import annotations
 
@@ -52,45 +55,52 @@ def offset_mb(t: torch.Tensor, log2_bytes: int) -> float:
     return (t.data_ptr() % (1 << log2_bytes)) / 2**20
 
 
-def time_ms(fn, graph: bool) -> float:
-    if not graph:
-        return do_bench(fn, warmup=30, rep=100)
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+def rep_times(fn, graph: bool, rep_ms: int) -> torch.Tensor:
+    """Every rep's time in ms (``do_bench``'s, the L2 flushed before each)."""
+    if graph:
         fn()
-    return do_bench(g.replay, warmup=30, rep=100)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        fn = g.replay
+    return torch.tensor(do_bench(fn, warmup=30, rep=rep_ms, return_mode="all"))
+
+
+def summary(times: torch.Tensor) -> str:
+    p10, p50, p90 = (times.quantile(q).item() for q in (0.1, 0.5, 0.9))
+    fast = (times < (times.min() + times.max()) / 2).float().mean().item()
+    return f"{p10:.4f} {p50:.4f} {p90:.4f} {fast:4.0%}"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trials", type=int, default=12)
+    p.add_argument("--trials", type=int, default=8)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--no-causal", dest="causal", action="store_false")
     p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (launch gaps out)")
+    p.add_argument("--rep-ms", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     rng = random.Random(args.seed)
     b, h, s, d = args.batch, args.heads, args.seqlen, args.headdim
-    flops = 4 * b * h * s * s * d / (2 if args.causal else 1)
     fns = backends(args)
     print(f"B{b} H{h} S{s} D{d} {'causal' if args.causal else 'non-causal'} bf16, {args.trials} trials, "
-          f"{'graph replay' if args.graph else 'eager'}; TFLOP/s per trial")
-    print(f"{'trial':>5} {'pad MB':>7} {'q % 32MB':>9} {'k % 32MB':>9} {'v % 32MB':>9} {'q % 2MB':>8} "
-          + " ".join(f"{name:>12}" for name in fns))
+          f"{'graph replay' if args.graph else 'eager'}; per backend: p10 p50 p90 ms, share of reps nearer the min")
+    print(f"{'trial':>5} {'pad MB':>7} {'q%32MB':>7} {'k%32MB':>7} {'v%32MB':>7} {'q%2MB':>6}  "
+          + "  ".join(f"{name:<27}" for name in fns))
     keep = []
     for trial in range(args.trials):
         pad_mb = rng.randrange(0, 64)
         keep.append(torch.empty(pad_mb * 2**20 + rng.randrange(0, 2**20, 512), dtype=torch.uint8, device="cuda"))
         qkv = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-        rates = [flops / time_ms(functools.partial(fn, *qkv), args.graph) / 1e9 for fn in fns.values()]
+        cells = [summary(rep_times(functools.partial(fn, *qkv), args.graph, args.rep_ms)) for fn in fns.values()]
         q, k, v = qkv
-        print(f"{trial:>5} {pad_mb:>7} {offset_mb(q, 25):>9.2f} {offset_mb(k, 25):>9.2f} {offset_mb(v, 25):>9.2f} "
-              f"{offset_mb(q, 21):>8.3f} " + " ".join(f"{r:>12.1f}" for r in rates), flush=True)
+        print(f"{trial:>5} {pad_mb:>7} {offset_mb(q, 25):>7.2f} {offset_mb(k, 25):>7.2f} {offset_mb(v, 25):>7.2f} "
+              f"{offset_mb(q, 21):>6.3f}  " + "  ".join(f"{c:<27}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":
