@@ -13,7 +13,8 @@ This probe times the row over fresh allocations (a pad of random size first,
 so q, k, v and the kernels' workspaces move), ours beside SDPA cuDNN and FA3
 (when importable), and prints per backend the 10th, 50th and 90th
 percentile of the reps' times and the share of reps nearer the fast end,
-with the inputs' offsets. If the share follows the addresses, it is L2
+with the inputs' offsets and the SM clock after the trial. If the share
+follows the addresses, it is L2
 placement; if it is the same in every trial, something per rep (the
 dynamic order's draws: both FA3 and ours draw causal items from an atomic
 counter; the L2 flush before each rep; the clock).
@@ -67,6 +68,15 @@ def rep_times(fn, graph: bool, rep_ms: int) -> torch.Tensor:
     return torch.tensor(do_bench(fn, warmup=30, rep=rep_ms, return_mode="all"))
 
 
+def clock_mhz() -> str:
+    """The SM clock now (NVML through torch; "-" where it cannot say): the
+    H200 runs these rows at its power cap, where the clock moves."""
+    try:
+        return f"{torch.cuda.clock_rate():.0f}"
+    except (ImportError, RuntimeError, ModuleNotFoundError):  # no pynvml, or no NVML
+        return "-"
+
+
 def summary(times: torch.Tensor) -> str:
     p10, p50, p90 = (times.quantile(q).item() for q in (0.1, 0.5, 0.9))
     fast = (times < (times.min() + times.max()) / 2).float().mean().item()
@@ -100,7 +110,8 @@ def main() -> None:
         cells = [summary(rep_times(functools.partial(fn, *qkv), args.graph, args.rep_ms)) for fn in fns.values()]
         q, k, v = qkv
         print(f"{trial:>5} {pad_mb:>7} {offset_mb(q, 25):>7.2f} {offset_mb(k, 25):>7.2f} {offset_mb(v, 25):>7.2f} "
-              f"{offset_mb(q, 21):>6.3f}  " + "  ".join(f"{c:<27}" for c in cells), flush=True)
+              f"{offset_mb(q, 21):>6.3f}  " + "  ".join(f"{c:<27}" for c in cells) + f"  {clock_mhz()} MHz",
+              flush=True)
 
 
 if __name__ == "__main__":
