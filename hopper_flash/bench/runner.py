@@ -244,7 +244,7 @@ def run(
             results += run_config(cfg, backends, timer, device=device, matmul_tflops=matmul_tflops,
                                   unavailable=unavailable, on_step=on_step, bench_pass=bench_pass, memory=memory)
         if on_config is not None:
-            on_config(list(results))
+            on_config(results)
     return results
 
 
