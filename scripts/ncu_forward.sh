@@ -41,6 +41,9 @@ TAG=$([ "$PASS" = bwd ] && echo bwd-)
 SECTIONS=(--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters
           --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis)
 [ "${SET:-}" = full ] && SECTIONS=(--set full)
+# HBM and L2 traffic by count (the H200 runs these kernels at its power cap,
+# where bytes moved cost clock): DRAM bytes read and written, L2 hit rate.
+SECTIONS+=(--metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct)
 profile() {  # name, kernel regex, extra ncu args
   local label=$1 name=$TAG$1 regex=$2; shift 2
   PYTHONPATH=/tmp/fa3pkg:. timeout 240 "$NCU" --clock-control none "$@" -k "regex:$regex" --launch-skip 2 \
@@ -48,7 +51,7 @@ profile() {  # name, kernel regex, extra ncu args
     -o "/tmp/ncu-$name" -f python -P /tmp/ncu_driver.py "$label" > "$OUT/ncu-$name-run.txt" 2>&1 || tail -5 "$OUT/ncu-$name-run.txt"
   "$NCU" --import "/tmp/ncu-$name.ncu-rep" --print-summary none > "$OUT/ncu-$name.txt" 2>&1
   "$NCU" --import "/tmp/ncu-$name.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$OUT/ncu-$name-sass.csv.gz"
-  grep -E "Duration|Elapsed Cycles|SM Frequency|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|L2 Cache Throughput|DRAM Throughput|Shared Memory|Tensor|Bank" "$OUT/ncu-$name.txt"
+  grep -E "Duration|Elapsed Cycles|SM Frequency|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|L2 Cache Throughput|DRAM Throughput|L2 Hit Rate|dram__bytes|lts__t_sector_hit|Shared Memory|Tensor|Bank" "$OUT/ncu-$name.txt"
 }
 if [ "$PASS" = bwd ]; then ours=attention_backward_kernel theirs=FlashAttnBwdSm90; else
   ours=attention_forward_kernel theirs=FlashAttnFwdSm90; fi
