@@ -1,0 +1,105 @@
+"""``hopper_flash.ptx_rings`` on PTX text: which barriers go, and when none do.
+
+The PTX below is a hand-made excerpt in the form triton 3.6 emits (a
+``.loc`` of the mbarrier call, then the membar pass's ``bar.sync``, then the
+call's inline asm); the compile checks (``test_compile_sm90``) hold the
+rewrite to the real kernels."""
+from hopper_flash import ptx_rings
+
+WAIT, ARRIVE = ptx_rings.ring_lines()
+FILES = """
+	.file	1 "/x/hopper_flash/kernels/forward.py"
+	.file	4 "/x/hopper_flash/kernels/pipeline.py"
+"""
+
+
+def ring_wait(bar="0"):
+    return f"""	.loc	4 {WAIT} 61
+	bar.sync 	{bar}, 128;
+	// begin inline asm
+	mbarrier.try_wait.parity.shared.b64 complete, [%r1], %r2;
+	// end inline asm
+"""
+
+
+def ring_release(bar="0"):
+    return f"""	.loc	4 {ARRIVE} 20
+	bar.sync 	{bar}, 128;
+	// begin inline asm
+	@%p1 mbarrier.arrive.shared::cta.b64 _, [%r3];
+	// end inline asm
+"""
+
+
+def other_arrive(bar="0"):
+    """An arrive from another source line (say, a Q slot's release)."""
+    return f"""	.loc	1 670 9
+	bar.sync 	{bar}, 128;
+	@%p1 mbarrier.arrive.shared::cta.b64 _, [%r4];
+"""
+
+
+STEP = "$L__BB0_5:\n" + ring_wait() + "\twgmma.commit_group.sync.aligned;\n" + ring_release()
+
+
+def test_the_ring_barriers_go_and_the_others_stay():
+    ptx = STEP + other_arrive() + FILES
+    out, n = ptx_rings.strip(ptx)
+    assert n == 2
+    assert out.count("bar.sync") == 1 and "\t.loc\t1 670 9\n\tbar.sync \t0, 128;" in out
+    assert out.count("mbarrier.") == ptx.count("mbarrier.") and out.count(".loc") == ptx.count(".loc")
+
+
+def test_another_files_lines_are_not_taken():
+    ptx = STEP.replace("\t.loc\t4 ", "\t.loc\t1 ") + FILES
+    assert ptx_rings.strip(ptx) == (ptx, 0)
+
+
+def test_without_line_information_nothing_changes():
+    ptx = "".join(line + "\n" for line in STEP.splitlines() if ".loc" not in line) + FILES
+    assert ptx_rings.strip(ptx) == (ptx, 0)
+
+
+def test_an_unguarded_shared_memory_access_keeps_every_barrier():
+    # A warpgroup's generic shared-memory store whose nearest barrier is a
+    # ring barrier: taking that barrier out could unorder it against a later
+    # access, so the kernel keeps all of triton's.
+    unguarded = "\tst.shared.b32 \t[%r9], %r10;\n"
+    ptx = STEP + unguarded + "\tbar.sync \t0, 128;\n" + ring_wait() + FILES
+    assert ptx_rings.strip(ptx) == (ptx, 0)
+
+
+def test_a_guarded_access_does_not_stop_it():
+    guarded = "\tbar.sync \t0, 128;\n\tstmatrix.sync.aligned.m8n8.x4.shared.b16 [%r8], {%r1, %r2, %r3, %r4};\n" \
+              "\tbar.sync \t0, 128;\n"
+    ptx = STEP + guarded + ring_wait() + FILES
+    out, n = ptx_rings.strip(ptx)
+    assert n == 3 and out.count("bar.sync") == 2
+
+
+def test_another_warpgroups_access_is_its_own():
+    # An access after a barrier of another warpgroup (named barrier 1) is not
+    # this warpgroup's business, whatever follows it.
+    ptx = STEP + "\tbarrier.sync \t1;\n\tld.shared.b8 \t%r1, [%r2];\n\t@%p2 bra \t$L__BB0_4;\n" + FILES
+    assert ptx_rings.strip(ptx)[1] == 2
+
+
+def test_the_hook_is_scoped_and_chained():
+    from triton import knobs
+
+    calls = []
+    before = knobs.runtime.add_stages_inspection_hook
+    knobs.runtime.add_stages_inspection_hook = lambda *args: calls.append(args)
+    try:
+        mine = knobs.runtime.add_stages_inspection_hook
+        with ptx_rings.compiling():
+            hook = knobs.runtime.add_stages_inspection_hook
+            stages = {"ptx": lambda src, metadata: STEP + FILES}
+            hook(None, stages, None, None, 90)
+            assert len(calls) == 1  # the previous hook ran
+            meta = {"name": ptx_rings.KERNEL}
+            assert stages["ptx"](None, meta).count("bar.sync") == (0 if ptx_rings.ACTIVE else 2)
+            assert stages["ptx"](None, {"name": "other_kernel"}).count("bar.sync") == 2
+        assert knobs.runtime.add_stages_inspection_hook is mine
+    finally:
+        knobs.runtime.add_stages_inspection_hook = before
