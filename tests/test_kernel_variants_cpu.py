@@ -25,7 +25,11 @@ def test_variant_applies_and_changes_the_kernel(patch, tmp_path):
         variant = (tmp_path / "hopper_flash" / "kernels" / shipped_file.name).read_text()
         if variant != shipped_file.read_text():
             changed.append(shipped_file.name)
-    assert changed, "the patch changed no kernel source"
+    # A module the shipped package lacks changes how the kernel compiles
+    # (fwd-ring-nobar rewrites the forward's PTX from one).
+    added = [p.name for p in (tmp_path / "hopper_flash").rglob("*.py")
+             if not (ROOT / p.relative_to(tmp_path)).exists()]
+    assert changed or added, "the patch changed no kernel source and added no module"
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.stem)
