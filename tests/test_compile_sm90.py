@@ -205,7 +205,10 @@ def test_steady_steps_have_no_ring_barriers(report):
     if not ptx_rings.ACTIVE:
         pytest.skip("HOPPER_FLASH_RING_BARRIERS=1 keeps triton's barriers")
     loops = steady_loops(instructions(report.sass))
-    assert loops
-    for body in loops:
-        if sum("HGMMA" in t for _, t in body) <= 16:  # a consumer's step loop (not its item loop around it)
-            assert not [t for _, t in body if "BAR.SYNC" in t]
+    spans = [(body[0][0], body[-1][0]) for body in loops]
+    # A consumer's step loop: one with no other loop inside it (the item loop holds it).
+    steps = [body for body, (lo, hi) in zip(loops, spans)
+             if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans)]
+    assert steps
+    for body in steps:
+        assert not [t for _, t in body if "BAR.SYNC" in t]
