@@ -89,7 +89,12 @@ def test_the_hook_is_scoped_and_chained():
 
     calls = []
     before = knobs.runtime.add_stages_inspection_hook
-    knobs.runtime.add_stages_inspection_hook = lambda *args: calls.append(args)
+
+    def previous(*args):
+        calls.append(args)
+        return None if args else ("theirs", "0")
+
+    knobs.runtime.add_stages_inspection_hook = previous
     try:
         mine = knobs.runtime.add_stages_inspection_hook
         with ptx_rings.compiling():
@@ -100,6 +105,10 @@ def test_the_hook_is_scoped_and_chained():
             meta = {"name": ptx_rings.KERNEL}
             assert stages["ptx"](None, meta).count("bar.sync") == (0 if ptx_rings.ACTIVE else 2)
             assert stages["ptx"](None, {"name": "other_kernel"}).count("bar.sync") == 2
+            # triton 3.9 asks the hook (no arguments) what to add to the cache key.
+            key, digest = hook()
+            assert key == "theirs" + (ptx_rings.PIPELINE_KEY if ptx_rings.ACTIVE else "")
+            assert ptx_rings.ACTIVE == (digest != "0")
         assert knobs.runtime.add_stages_inspection_hook is mine
     finally:
         knobs.runtime.add_stages_inspection_hook = before
