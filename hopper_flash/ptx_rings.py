@@ -15,14 +15,14 @@ Measured (BENCHMARKS.md, thirty-eighth session, variant ``fwd-ring-nobar``
 whose PTX this reproduces): D=128 causal B4 H32 S8192 +2.7%, non-causal
 +0.9%, D=64 causal +0.9%.
 
-Safety net: a barrier is taken out only where no generic shared-memory
-access of the same warpgroup sits between it and a kept barrier on either
-side within the same basic block; if any such access would lose its
-barrier, the kernel keeps all of triton's (``strip`` reports 0). Without
+Safety net: the barriers go only if, from every generic shared-memory
+access of those warpgroups, every control-flow path meets a kept barrier
+first (so any later access it conflicts with stays ordered after it); if
+not, the kernel keeps all of triton's (``strip`` reports 0). Without
 line information (``TRITON_DISABLE_LINE_INFO``) nothing is found and
 nothing changes. ``HOPPER_FLASH_RING_BARRIERS=1`` keeps triton's barriers
 everywhere (``ACTIVE`` false); the kernel's ``RING_PTX`` constexpr records
-which, so the two never share a cache entry.
+which form (and which version of this module) compiled it.
 """
 from __future__ import annotations
 
@@ -62,8 +62,12 @@ _LOC = re.compile(r"^\s*\.loc\s+(\d+)\s+(\d+)\s+\d+")
 _BAR = re.compile(r"^\s*(?:bar|barrier)\.sync(?:\.aligned)?\s+(\d+)")
 _WG_BAR = re.compile(r"^\s*bar\.sync\s+(\d+),\s*128;")
 _GENERIC_SMEM = re.compile(r"\b(?:(?:ld|st|atom|red)\.shared|stmatrix|ldmatrix|cp\.async\.c[ag]\.shared)")
-# A basic block's edges: its label, or a branch, return or exit.
-_BLOCK_EDGE = re.compile(r"^(?:\$L__BB\d+_\d+:|\s*(?:@!?%p\d+\s+)?(?:bra|brx|ret|exit)\b)")
+# Control flow, for the safety net: block labels, branches, jump tables, returns.
+_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
+_BRANCH = re.compile(r"^\s*(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+_JUMP = re.compile(r"^\s*(@!?%p\d+\s+)?brx\.idx\s+%r\d+,\s*(\$L_brx_\d+);")
+_TABLE = re.compile(r"^\s*(\$L_brx_\d+):\s*\.branchtargets")
+_END = re.compile(r"^\s*(@!?%p\d+\s+)?(?:ret|exit);")
 
 
 def _pipeline_file(ptx: str) -> str | None:
@@ -87,17 +91,46 @@ def candidates(lines: list[str]) -> list[int]:
     return found
 
 
-def _guarded(lines: list[str], i: int, step: int, drop: set[int]) -> bool:
-    """Whether the generic shared-memory access on line ``i`` meets a kept
-    barrier before its basic block ends, walking by ``step``."""
-    j = i + step
-    while 0 <= j < len(lines):
-        if _BAR.match(lines[j]):
-            return j not in drop
-        if _BLOCK_EDGE.match(lines[j]):
-            return False
-        j += step
-    return False
+def _control_flow(lines: list[str]) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """Block labels by name (their line), and jump tables by name (their targets)."""
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
+    tables = {}
+    for i, line in enumerate(lines):
+        if m := _TABLE.match(line):
+            text, j = "", i
+            while ";" not in text and j < len(lines):
+                text, j = text + lines[j], j + 1
+            tables[m.group(1)] = re.findall(r"\$L__BB\d+_\d+", text)
+    return labels, tables
+
+
+def _first_barriers(lines: list[str], i: int, labels, tables) -> set[int]:
+    """The barrier lines first met on the paths forward from line ``i``
+    (a path that leaves the kernel meets none)."""
+    found, entered, starts = set(), set(), [i + 1]
+    while starts:
+        j = starts.pop()
+        while j < len(lines):
+            line = lines[j]
+            if _BAR.match(line):
+                found.add(j)
+                break
+            if _LABEL.match(line):
+                if j in entered:
+                    break
+                entered.add(j)
+            if m := _BRANCH.match(line):
+                starts.append(labels[m.group(2)])
+                if not m.group(1):
+                    break
+            elif m := _JUMP.match(line):
+                starts.extend(labels[t] for t in tables[m.group(2)])
+                if not m.group(1):
+                    break
+            elif (m := _END.match(line)) and not m.group(1):
+                break
+            j += 1
+    return found
 
 
 def strip(ptx: str) -> tuple[str, int]:
@@ -106,7 +139,12 @@ def strip(ptx: str) -> tuple[str, int]:
     drop = set(candidates(lines))
     if not drop:
         return ptx, 0
+    # Two generic shared-memory accesses of a warpgroup, the earlier one on
+    # line i, are ordered by the first barrier on each path from line i: if
+    # none of those goes, every such pair keeps its barrier (the membar pass
+    # puts one before the later access unless an earlier barrier serves).
     ids = {_WG_BAR.match(lines[i]).group(1) for i in drop}
+    labels, tables = _control_flow(lines)
     for i, line in enumerate(lines):
         if not _GENERIC_SMEM.search(line) or line.lstrip().startswith("//"):
             continue
@@ -116,15 +154,19 @@ def strip(ptx: str) -> tuple[str, int]:
             j -= 1
         if j < 0 or _BAR.match(lines[j]).group(1) not in ids:
             continue
-        if not (_guarded(lines, i, -1, drop) and _guarded(lines, i, 1, drop)):
+        if _first_barriers(lines, i, labels, tables) & drop:
             return ptx, 0
     return "\n".join(line for i, line in enumerate(lines) if i not in drop), len(drop)
 
 
-# What this rewrite adds to a compiled kernel's cache key where triton asks
-# (3.9 calls the hook with no arguments for it; 3.6 does not, and there the
-# kernels' RING_PTX constexpr keeps the two forms apart).
-PIPELINE_KEY = "hopper_flash.ptx_rings/1"
+# The rewrite's version: the forward kernel's RING_PTX constexpr (0 where
+# triton's barriers stay), so a kernel compiled by an earlier form of this
+# module or without it never serves from triton's cache (3.6 keys the cache
+# on the source and the constexprs alone); bump it with any change to what
+# ``strip`` takes out. Triton 3.9 also asks the hook itself for a key.
+VERSION = 2
+RING_PTX = VERSION if ACTIVE else 0
+PIPELINE_KEY = f"hopper_flash.ptx_rings/{VERSION}"
 
 
 def _hook(previous):

@@ -61,12 +61,22 @@ def test_without_line_information_nothing_changes():
 
 
 def test_an_unguarded_shared_memory_access_keeps_every_barrier():
-    # A warpgroup's generic shared-memory store whose nearest barrier is a
-    # ring barrier: taking that barrier out could unorder it against a later
-    # access, so the kernel keeps all of triton's.
-    unguarded = "\tst.shared.b32 \t[%r9], %r10;\n"
-    ptx = STEP + unguarded + "\tbar.sync \t0, 128;\n" + ring_wait() + FILES
+    # A warpgroup's generic shared-memory store whose first barrier on the
+    # way forward is a ring barrier: taking that barrier out could unorder it
+    # against a later access, so the kernel keeps all of triton's.
+    ptx = STEP + "\tst.shared.b32 \t[%r9], %r10;\n" + ring_wait() + "\tbar.sync \t0, 128;\n" + FILES
     assert ptx_rings.strip(ptx) == (ptx, 0)
+
+
+def test_a_loop_back_to_a_ring_barrier_counts():
+    # The store's fall-through path meets a kept barrier, but its loop's back
+    # edge leads to the next step's ring wait first.
+    loop = STEP + "\tst.shared.b32 \t[%r9], %r10;\n\t@%p3 bra \t$L__BB0_5;\n\tbar.sync \t0, 128;\n"
+    ptx = loop + FILES
+    assert ptx_rings.strip(ptx) == (ptx, 0)
+    # With a barrier of its own after the store, the loop is the rewrite's.
+    guarded = loop.replace("[%r9], %r10;\n", "[%r9], %r10;\n\tbar.sync \t0, 128;\n")
+    assert ptx_rings.strip(guarded + FILES)[1] == 2
 
 
 def test_a_guarded_access_does_not_stop_it():
@@ -112,3 +122,13 @@ def test_the_hook_is_scoped_and_chained():
         assert knobs.runtime.add_stages_inspection_hook is mine
     finally:
         knobs.runtime.add_stages_inspection_hook = before
+
+
+def test_the_launches_key_their_kernels_by_the_rewrite():
+    # Triton 3.6 keys its cache on the source and the constexprs alone: the
+    # kernels must carry which form of the rewrite compiled them.
+    from hopper_flash import plan
+
+    for cfg in plan.CONFIGS.values():
+        assert plan.kernel_constexprs(cfg, True, False)["RING_PTX"] == ptx_rings.RING_PTX
+    assert ptx_rings.RING_PTX in (0, ptx_rings.VERSION) and ptx_rings.VERSION > 1

@@ -997,10 +997,10 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              DYNAMIC: gl.constexpr = False, Q_STAGES: gl.constexpr = 1,
                              WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1,
                              SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False,
-                             RING_PTX: gl.constexpr = False):
-    # RING_PTX: the host compiles this specialisation without triton's named
-    # barriers around the K/V ring (``hopper_flash.ptx_rings``); unused here,
-    # it keys the compiled kernel.
+                             RING_PTX: gl.constexpr = 0):
+    # RING_PTX: which form of ``hopper_flash.ptx_rings`` compiled this
+    # specialisation (0: triton's named barriers around the K/V ring kept);
+    # unused here, it keys the compiled kernel.
     # Consumer warpgroups of 64 rows each: two, or three (FA3's 192-row tiles at head dim 64).
     NC: gl.constexpr = BLOCK_M // WG_M
     gl.static_assert(BLOCK_M == NC * WG_M and (NC == 2 or NC == 3), "two or three consumer warpgroups of 64 rows")
