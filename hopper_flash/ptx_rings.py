@@ -57,6 +57,7 @@ def ring_lines() -> tuple[int, int]:
     return (_call_line(pipeline.wait_landed, "mbarrier.wait("),
             _call_line(pipeline.release_read, "mbarrier.arrive("))
 
+
 _FILE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]*)"', re.MULTILINE)
 _LOC = re.compile(r"^\s*\.loc\s+(\d+)\s+(\d+)\s+\d+")
 _BAR = re.compile(r"^\s*(?:bar|barrier)\.sync(?:\.aligned)?\s+(\d+)")
@@ -145,6 +146,18 @@ def strip(ptx: str) -> tuple[str, int]:
     # puts one before the later access unless an earlier barrier serves).
     ids = {_WG_BAR.match(lines[i]).group(1) for i in drop}
     labels, tables = _control_flow(lines)
+    try:
+        safe = _accesses_keep_barriers(lines, drop, ids, labels, tables)
+    except KeyError:  # a branch to a label this reading did not find: keep everything
+        safe = False
+    if not safe:
+        return ptx, 0
+    return "\n".join(line for i, line in enumerate(lines) if i not in drop), len(drop)
+
+
+def _accesses_keep_barriers(lines, drop, ids, labels, tables) -> bool:
+    """Whether every generic shared-memory access of the warpgroups whose
+    named barriers ``ids`` are meets a kept barrier first on every path."""
     for i, line in enumerate(lines):
         if not _GENERIC_SMEM.search(line) or line.lstrip().startswith("//"):
             continue
@@ -155,8 +168,8 @@ def strip(ptx: str) -> tuple[str, int]:
         if j < 0 or _BAR.match(lines[j]).group(1) not in ids:
             continue
         if _first_barriers(lines, i, labels, tables) & drop:
-            return ptx, 0
-    return "\n".join(line for i, line in enumerate(lines) if i not in drop), len(drop)
+            return False
+    return True
 
 
 # The rewrite's version: the forward kernel's RING_PTX constexpr (0 where
@@ -167,12 +180,15 @@ def strip(ptx: str) -> tuple[str, int]:
 VERSION = 2
 RING_PTX = VERSION if ACTIVE else 0
 PIPELINE_KEY = f"hopper_flash.ptx_rings/{VERSION}"
+_PIPELINE_DIGEST = hashlib.sha256(PIPELINE_KEY.encode()).hexdigest()
 
 
 def _hook(previous):
     def hook(*args):
-        if not args:
-            key, digest = previous() if previous is not None else ("", "")
+        if not args:  # triton 3.9: what this pipeline adds to the cache key
+            if previous is None:
+                return PIPELINE_KEY, _PIPELINE_DIGEST
+            key, digest = previous()
             return key + PIPELINE_KEY, hashlib.sha256((digest + PIPELINE_KEY).encode()).hexdigest()
         if previous is not None:
             previous(*args)

@@ -79,6 +79,11 @@ def test_a_loop_back_to_a_ring_barrier_counts():
     assert ptx_rings.strip(guarded + FILES)[1] == 2
 
 
+def test_control_flow_it_cannot_read_keeps_every_barrier():
+    ptx = STEP + "\tst.shared.b32 \t[%r9], %r10;\n\t@%p3 bra \t$L__BB9_9;\n\tbar.sync \t0, 128;\n" + FILES
+    assert ptx_rings.strip(ptx) == (ptx, 0)
+
+
 def test_a_guarded_access_does_not_stop_it():
     guarded = "\tbar.sync \t0, 128;\n\tstmatrix.sync.aligned.m8n8.x4.shared.b16 [%r8], {%r1, %r2, %r3, %r4};\n" \
               "\tbar.sync \t0, 128;\n"
