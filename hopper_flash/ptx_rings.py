@@ -21,8 +21,9 @@ first (so any later access it conflicts with stays ordered after it); if
 not, the kernel keeps all of triton's (``strip`` reports 0). Without
 line information (``TRITON_DISABLE_LINE_INFO``) nothing is found and
 nothing changes. ``HOPPER_FLASH_RING_BARRIERS=1`` keeps triton's barriers
-everywhere (``ACTIVE`` false); the kernel's ``RING_PTX`` constexpr records
-which form (and which version of this module) compiled it.
+everywhere (``ACTIVE`` false); the host picks per specialisation
+(``version_for``), and the kernel's ``RING_PTX`` constexpr records which
+form (and which version of this module) compiled it.
 """
 from __future__ import annotations
 
@@ -178,7 +179,6 @@ def _accesses_keep_barriers(lines, drop, ids, labels, tables) -> bool:
 # on the source and the constexprs alone); bump it with any change to what
 # ``strip`` takes out. Triton 3.9 also asks the hook itself for a key.
 VERSION = 2
-RING_PTX = VERSION if ACTIVE else 0
 PIPELINE_KEY = f"hopper_flash.ptx_rings/{VERSION}"
 _PIPELINE_DIGEST = hashlib.sha256(PIPELINE_KEY.encode()).hexdigest()
 
@@ -206,12 +206,21 @@ def _hook(previous):
     return hook
 
 
+def version_for(head_dim: int, split: bool) -> int:
+    """The forward specialisation's ``RING_PTX``: ``VERSION`` where the
+    rewrite applies, 0 where triton's barriers stay. Head dim 256's split-KV
+    kernels keep them: without, triton 3.6's ptxas spilled 16 bytes in one of
+    them (soft-capped, with sequence lengths; CPU census)."""
+    return VERSION if ACTIVE and not (head_dim == 256 and split) else 0
+
+
 @contextlib.contextmanager
-def compiling():
-    """Around a launch or ``triton.compile`` that may compile the forward
-    kernel: its PTX loses the ring barriers (when ``ACTIVE``). Triton's
-    stage hook is one global slot: an existing hook is chained, then put back."""
-    if not ACTIVE:
+def compiling(ring_ptx: int):
+    """Around a launch or ``triton.compile`` that may compile a forward
+    specialisation whose ``RING_PTX`` is ``ring_ptx``: where not 0, its PTX
+    loses the ring barriers. Triton's stage hook is one global slot: an
+    existing hook is chained, then put back."""
+    if not ring_ptx:
         yield
         return
     previous = knobs.runtime.add_stages_inspection_hook
