@@ -164,12 +164,13 @@ def execute(
         def on_step(cfg: Config, backend: str) -> None:
             progress.update(task, completed=next(done), description=f"{cfg.label} · {backend}")
 
+        meta = collect_meta(command, matmul_tflops)  # once: the run's header, dated at its start
         on_config = None
         if args.json:
             # The rows finished so far, marked partial, after each config: a
             # process that dies later (FA3 has segfaulted mid-block on the
             # H200) still leaves them. The last write below replaces them.
-            partial_meta = {**collect_meta(command, matmul_tflops), "partial": True}
+            partial_meta = {**meta, "partial": True}
 
             def on_config(done_results: list[Result]) -> None:
                 results_io.write_json(args.json, done_results, partial_meta)
@@ -180,7 +181,6 @@ def execute(
         )
         progress.update(task, completed=total)
 
-    meta = collect_meta(command, matmul_tflops)
     report.print_report(results, meta)
     if args.json:
         results_io.write_json(args.json, results, meta)
