@@ -18,6 +18,8 @@
 #       process for the shipped package and then one per variant, FA3 and
 #       SDPA cuDNN beside (FA3 once built); JSON per process. At most 8
 #       files come back from a call: three variants fill them (2 rounds x 4).
+#       A NAME that is a folder is a package copy timed as it is (another
+#       branch against the checked-out tree).
 #   run:               bash scripts/device_session.sh memcheck
 #       compute-sanitizer memcheck on the forward and backward cases.
 #   run:               bash scripts/device_session.sh variant NAME CONFIG.json [BENCH ARGS]
@@ -54,10 +56,14 @@ alternate() {
   local backends=${VARIANT_BACKENDS:-hopper_flash sdpa-cudnn$([ -d /tmp/fa3pkg ] && echo " fa3")}
   for round in 1 2; do
     for label in shipped "${names[@]}"; do
-      local pkg=$([ "$label" = shipped ] && echo . || echo "/tmp/variant-$label")
+      # a label that names a folder is a package copy (e.g. another branch's
+      # tree: `git archive main hopper_flash | tar -x -C .wt/main`, carry .wt)
+      local pkg=/tmp/variant-$label tag=$label
+      [ "$label" = shipped ] && pkg=.
+      [ "$label" != shipped ] && [ -d "$label" ] && pkg=$label && tag=$(basename "$label")
       echo "== $label, round $round"
       PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 100 --warmup-ms 30 \
-        --config "$config" --backends $backends "$@" --json "$OUT/ab-$label-$round.json" \
+        --config "$config" --backends $backends "$@" --json "$OUT/ab-$tag-$round.json" \
         2>&1 | quiet | tail -12
     done
   done
@@ -106,7 +112,7 @@ case "${1:-}" in
   screen)
     config=${2:?bench config}; shift 2
     names=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do names+=("$1"); shift; done
-    for name in "${names[@]}"; do build_variant "$name" || exit 1; done
+    for name in "${names[@]}"; do [ -d "$name" ] || build_variant "$name" || exit 1; done
     alternate "$config" "${names[@]}" "$@" ;;
   memcheck)
     TOOLS=memcheck bash scripts/sanitize.sh 2>&1 | quiet | tail -20
