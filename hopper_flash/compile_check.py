@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 
+from . import ptx_rings
 from .plan import (CONFIGS, PREFILL, WIDE_CONFIGS, ForwardConfig, Mode, block_shapes, compile_options,
                    kernel_constexprs, smem_layout)
 
@@ -110,7 +111,8 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
     names = attention_forward_kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("k_ptr", "v_ptr")}
     src = GluonASTSource(attention_forward_kernel, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(cfg))
+    with ptx_rings.compiling(constexprs["RING_PTX"]):  # as the launches compile it
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(cfg))
 
 
 # --------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 from triton import knobs
 from triton.runtime.driver import driver
 
-from . import _triton_support, c_launch
+from . import _triton_support, c_launch, ptx_rings
 from .launcher import KernelLaunch, tma_strides
 
 LOG2E = math.log2(math.e)
@@ -306,6 +306,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         WINDOW_RIGHT=mode.window_right,
         SOFTCAP=mode.softcap,
         SINK=mode.kernel_sink,
+        RING_PTX=ptx_rings.version_for(cfg.head_dim, mode.split),
     )
 
 
@@ -724,8 +725,9 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         blocks = block_shapes(cfg, mode.pack_g, mode.page_size)
         descs = (_descriptor(q, blocks["q"]), _descriptor(k, blocks["k"]), _descriptor(v, blocks["v"]),
                  _descriptor(out, blocks["o"]))
-        _COMPILED[lp.key] = KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
-            *descs, *args, **lp.constexprs, **compile_options(cfg)))
+        with ptx_rings.compiling(lp.constexprs["RING_PTX"]):
+            _COMPILED[lp.key] = KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
+                *descs, *args, **lp.constexprs, **compile_options(cfg)))
     else:
         kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (q, k, v, out),
                (*args, *lp.constexpr_values))
@@ -1177,8 +1179,9 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
         blocks = block_shapes(cfg)
         descs = (_descriptor(q4, blocks["q"]), _descriptor(k4, blocks["k"]), _descriptor(v4, blocks["v"]),
                  _descriptor(o4, blocks["o"]))
-        _COMPILED[key] = KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
-            *descs, *ptrs, *scalars, **lp.constexprs, **compile_options(cfg)))
+        with ptx_rings.compiling(lp.constexprs["RING_PTX"]):
+            _COMPILED[key] = KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
+                *descs, *ptrs, *scalars, **lp.constexprs, **compile_options(cfg)))
     else:
         kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (q4, k4, v4, o4),
                (*ptrs, *scalars, *lp.constexpr_values))

@@ -183,17 +183,13 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   session, when head dim 128's step moved its PV wait after the row maximum
   (``MAX_BEFORE_PV``) under it; its text: ``git show
   4328e42:scripts/variants/fwd-arrive-skip.patch``.)
-* ``fwd-ring-nobar`` (thirty-eighth session): the forward kernel's PTX
-  rewritten at compile time (``triton.knobs.runtime.add_stages_inspection_hook``)
-  without the ``bar.sync`` triton 3.6's membar pass puts before each K/V
-  ring wait (``pipeline.wait_full``) and slot release (``pipeline.release``),
-  found by the ``.loc`` line before each: the steady step's four 128-thread
-  ``BAR.SYNC`` per consumer go (D = 128 causal: 4 -> 0 in the step, 11 -> 4
-  in the item loop), nothing else in the PTX changes (CPU diff). The release
-  stays thread 0's arrive after its own wgmma wait, FA3's form (a wgmma is
-  warpgroup-collective); ``fwd-thread-arrive`` above removed barriers by
-  changing the arrive instead. Its kernels cache in a directory of their
-  own (the hook is not in triton's cache key).
+* (``fwd-ring-nobar``, thirty-eighth session: the forward kernel's PTX
+  rewritten at compile time without the ``bar.sync`` triton 3.6's membar
+  pass puts before every ``pipeline.wait_full`` and ``pipeline.release``;
+  +2.7% at D = 128 causal S = 8192, BENCHMARKS.md. Its shipped form is
+  ``hopper_flash/ptx_rings.py``, which takes only the steady steps'
+  ``wait_landed`` / ``release_read`` barriers; the variant's text: ``git
+  show a52b63c:scripts/variants/fwd-ring-nobar.patch``.)
 * ``bwd-dq-red`` (sixteenth session): the split-keys backward consumers
   (D <= 128) add their dQ shares into ``dq_accum`` straight from registers
   (``gl.atomic_add``, relaxed: 32 ``REDG`` per thread and step, in

@@ -127,7 +127,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .compat import aggregate, cp_async_load, init_fields, thread_barrier, tma_load, tma_store
 from .mask import apply_mask, kv_split_range, kv_tile_count, kv_window_tiles, tile_needs_mask
-from .pipeline import release, ring_slot, wait_empty, wait_full
+from .pipeline import release, release_read, ring_slot, wait_empty, wait_full, wait_landed
 from .scheduler import (SCHED_FIELDS, SCHED_STAGES, draw_item, first_item, publish_item, receive_item,
                         section_coords, work_coords)
 from .softmax import LOG2E, softcap, softmax_exp, softmax_finish, softmax_first, softmax_max, softmax_step
@@ -515,7 +515,7 @@ def _wait_tile(full_bars, order, STAGES: gl.constexpr, mode: Mode):
     PTX memory model asks. (CUTLASS's sm90 cp.async + GMMA mainloops and
     FA3's PagedKVNonTMA path go from the barrier wait to the wgmma without
     it; not timed without it here.)"""
-    wait_full(full_bars, order, STAGES)
+    wait_landed(full_bars, order, STAGES)
     if mode.GATHER:
         fence_async_shared()
 
@@ -756,7 +756,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     s = warpgroup_mma_wait(0, deps=[s])
     if mode.OFFSET_START and CID < mode.NC - 1:
         _pass_turn(rings.turn_full, rings.turn_empty, i, CID)
-    release(rings.k_empty, kv0, mode.K_STAGES)
+    release_read(rings.k_empty, kv0, mode.K_STAGES)
     if mode.SOFTCAP:
         s = softcap(s, prob.qk_scale)  # before the mask: tanh(-inf) would be -1
     s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G, mode.WINDOW_LEFT,
@@ -802,7 +802,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         # One group may stay in flight: the older one, QK, is complete here.
         s = warpgroup_mma_wait(1, deps=[qk])
         # QK no longer reads K: release the slot while softmax and PV run.
-        release(rings.k_empty, kv0 + it, mode.K_STAGES)
+        release_read(rings.k_empty, kv0 + it, mode.K_STAGES)
 
         if mode.SOFTCAP:
             s = softcap(s, prob.qk_scale)
@@ -820,7 +820,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
             scores_max, m_scaled, scores_scale = softmax_max(s, scores_max, exp_scale)
             _wait_tile(rings.v_full, kv0 + it, mode.V_STAGES, mode)
             acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
-            release(rings.v_empty, kv0 + it - 1, mode.V_STAGES)
+            release_read(rings.v_empty, kv0 + it - 1, mode.V_STAGES)
             acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
             p, logsum = softmax_exp(s, m_scaled, scores_scale, logsum, exp_scale)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -835,7 +835,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
             # p_op is a register operand of the PV in flight: keep it alive until
             # the group completes, then overwrite it with this tile's P.
             acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
-            release(rings.v_empty, kv0 + it - 1, mode.V_STAGES)
+            release_read(rings.v_empty, kv0 + it - 1, mode.V_STAGES)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
 
@@ -857,7 +857,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         sink = scores_max  # (unused)
     inv_logsum, lse = softmax_finish(scores_max, logsum, prob.softmax_scale, sink, mode.SINK)
     acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
-    release(rings.v_empty, kv0 + n_kv - 1, mode.V_STAGES)
+    release_read(rings.v_empty, kv0 + n_kv - 1, mode.V_STAGES)
     acc_o = acc_o * gl.convert_layout(inv_logsum, o_row_layout)[:, None]
 
     lse_rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
@@ -996,7 +996,11 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
                              DYNAMIC: gl.constexpr = False, Q_STAGES: gl.constexpr = 1,
                              WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1,
-                             SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False):
+                             SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False,
+                             RING_PTX: gl.constexpr = 0):
+    # RING_PTX: which form of ``hopper_flash.ptx_rings`` compiled this
+    # specialisation (0: triton's named barriers around the K/V ring kept);
+    # unused here, it keys the compiled kernel.
     # Consumer warpgroups of 64 rows each: two, or three (FA3's 192-row tiles at head dim 64).
     NC: gl.constexpr = BLOCK_M // WG_M
     gl.static_assert(BLOCK_M == NC * WG_M and (NC == 2 or NC == 3), "two or three consumer warpgroups of 64 rows")

@@ -46,6 +46,35 @@ def release(empty_bars, order, STAGES: gl.constexpr):
     mbarrier.arrive(empty_bars.index(ring_slot(order, STAGES)), count=1)
 
 
+# The two ring operations of a consumer step whose every use of the slot is
+# a warpgroup wgmma (the forward's K and V tiles). triton 3.6's membar pass
+# puts a 128-thread named barrier before each of them, four per forward step;
+# ``hopper_flash.ptx_rings`` removes those from the PTX, found by these two
+# functions' source lines. Without them:
+# - a warp that passed ``wait_landed`` can be at most one phase ahead of the
+#   others on that barrier: the slot is refilled only after ``release_read``,
+#   which thread 0 issues after its wait for a wgmma that every warp of the
+#   warpgroup must have issued, so after every warp passed its own wait (a
+#   parity wait must not fall two phases behind);
+# - ``release_read`` is thread 0's arrive after its own wgmma wait, and a
+#   wgmma is warpgroup-collective: its reads of the slot are complete for
+#   every warp (FA3's consumers release so, one thread per warpgroup).
+# A loop that waits and releases without a wgmma between (``_pass_kv``) has
+# no such bound and keeps ``wait_full`` and ``release``.
+
+
+@gluon.jit
+def wait_landed(full_bars, order, STAGES: gl.constexpr):
+    """``wait_full`` before a wgmma reads the slot (see above)."""
+    mbarrier.wait(full_bars.index(ring_slot(order, STAGES)), ring_phase(order, STAGES))
+
+
+@gluon.jit
+def release_read(empty_bars, order, STAGES: gl.constexpr):
+    """``release`` after this warpgroup's wait for the wgmma that read the slot (see above)."""
+    mbarrier.arrive(empty_bars.index(ring_slot(order, STAGES)), count=1)
+
+
 @gluon.jit
 def release_each(empty_bars, order, STAGES: gl.constexpr):
     """Consumer side, every thread: this thread no longer reads the slot (the
