@@ -115,10 +115,11 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   FA3's schedule, 0.8-2.8% slower on every D = 128 row (thirty-seventh
   session). Removed then; its text: ``git show
   2814fef:scripts/variants/fwd-pingpong-overlap.patch``.)
-* ``fwd-pingpong-nobar`` (thirty-ninth session): ``fwd-pingpong-overlap``
+* (``fwd-pingpong-nobar``, thirty-ninth session: ``fwd-pingpong-overlap``
   again on the forward whose steady K/V ring lost triton's named barriers
-  (``ptx_rings``): whether the turns cost less once the ring's own
-  barriers no longer pace the warps.
+  (``ptx_rings``): still 0-1.5% slower on the D = 128 rows (BENCHMARKS.md,
+  thirty-ninth section). Removed; its text: ``git show
+  b2df98c:scripts/variants/fwd-pingpong-nobar.patch``.)
 * (``fwd-max-before-pv-all`` and ``fwd-max-before-pv-wide``, thirty-sixth
   and thirty-seventh sessions: ``MAX_BEFORE_PV`` in every specialisation,
   then on the wide tiles alone. Screened in the thirty-seventh: +2-4% on
