@@ -306,7 +306,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         WINDOW_RIGHT=mode.window_right,
         SOFTCAP=mode.softcap,
         SINK=mode.kernel_sink,
-        RING_PTX=ptx_rings.version_for(cfg.head_dim, mode.split),
+        RING_PTX=ptx_rings.version_for(cfg.head_dim),
     )
 
 

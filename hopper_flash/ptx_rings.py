@@ -206,12 +206,13 @@ def _hook(previous):
     return hook
 
 
-def version_for(head_dim: int, split: bool) -> int:
+def version_for(head_dim: int) -> int:
     """The forward specialisation's ``RING_PTX``: ``VERSION`` where the
-    rewrite applies, 0 where triton's barriers stay. Head dim 256's split-KV
-    kernels keep them: without, triton 3.6's ptxas spilled 16 bytes in one of
-    them (soft-capped, with sequence lengths; CPU census)."""
-    return VERSION if ACTIVE and not (head_dim == 256 and split) else 0
+    rewrite applies, 0 where triton's barriers stay. Head dim 256 keeps
+    them: its causal S=8192 row ran 1.8% slower without (BENCHMARKS.md,
+    thirty-ninth session), and one of its split-KV kernels spilled 16 bytes
+    (soft-capped, with sequence lengths; triton 3.6 CPU census)."""
+    return VERSION if ACTIVE and head_dim != 256 else 0
 
 
 @contextlib.contextmanager

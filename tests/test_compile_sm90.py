@@ -196,7 +196,7 @@ def test_steady_steps_have_no_ring_barriers(report):
     # hopper_flash.ptx_rings takes out the named barriers triton's membar
     # pass puts before the steady step's K/V waits and releases (four per
     # consumer step under triton 3.6, 4 -> 0 at head dim 128; BENCHMARKS.md,
-    # thirty-eighth session). A step with a BAR.SYNC left means the rewrite
+    # thirty-eighth session), but at head dim 256 (thirty-ninth). A step with a BAR.SYNC left means the rewrite
     # found nothing: moved source lines, lost line information, or its
     # safety net refusing a kernel it used to take.
     from hopper_flash import ptx_rings
@@ -211,4 +211,8 @@ def test_steady_steps_have_no_ring_barriers(report):
              if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans)]
     assert steps
     for body in steps:
-        assert not [t for _, t in body if "BAR.SYNC" in t]
+        bars = [t for _, t in body if "BAR.SYNC" in t]
+        if report.head_dim == 256:  # keeps triton's (ptx_rings.version_for)
+            assert bars
+        else:
+            assert not bars

@@ -135,7 +135,9 @@ def test_the_launches_key_their_kernels_by_the_rewrite():
 
     on = ptx_rings.VERSION if ptx_rings.ACTIVE else 0
     for cfg in plan.CONFIGS.values():
-        assert plan.kernel_constexprs(cfg, True, False)["RING_PTX"] == on
+        # Head dim 256 keeps triton's barriers (ptx_rings.version_for).
+        want = 0 if cfg.head_dim == 256 else on
+        assert plan.kernel_constexprs(cfg, True, False)["RING_PTX"] == want
         split = plan.kernel_constexprs(cfg, True, True, plan.Mode(pack_g=4, split=True, seqused=True))
-        assert split["RING_PTX"] == (0 if cfg.head_dim == 256 else on)
+        assert split["RING_PTX"] == want
     assert ptx_rings.VERSION > 1
