@@ -196,9 +196,10 @@ def test_steady_steps_have_no_ring_barriers(report):
     # hopper_flash.ptx_rings takes out the named barriers triton's membar
     # pass puts before the steady step's K/V waits and releases (four per
     # consumer step under triton 3.6, 4 -> 0 at head dim 128; BENCHMARKS.md,
-    # thirty-eighth session), but at head dim 256 (thirty-ninth). A step with a BAR.SYNC left means the rewrite
-    # found nothing: moved source lines, lost line information, or its
-    # safety net refusing a kernel it used to take.
+    # thirty-eighth session), except at head dim 256, which keeps them
+    # (thirty-ninth). A step with a BAR.SYNC left means the rewrite found
+    # nothing: moved source lines, lost line information, or its safety net
+    # refusing a kernel it used to take.
     from hopper_flash import ptx_rings
     from hopper_flash.compile_check import instructions, steady_loops
 
