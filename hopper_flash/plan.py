@@ -589,6 +589,17 @@ def compile_options(cfg) -> dict:
 _COMPILED: dict[tuple, object] = {}
 
 
+def _jit_launch(lp: LaunchPlan, cfg: ForwardConfig, args: tuple) -> KernelLaunch:
+    """The forward kernel through triton's regular launch path, whose first
+    call of a specialisation compiles it: under the ring rewrite its
+    ``RING_PTX`` names (``ptx_rings``), as ``compile_check`` compiles it."""
+    from .kernels.forward import attention_forward_kernel
+
+    with ptx_rings.compiling(lp.constexprs["RING_PTX"]):
+        return KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](*args, **lp.constexprs,
+                                                                       **compile_options(cfg)))
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """Everything about a launch that depends only on shapes and flags."""
@@ -720,14 +731,10 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
         # First launch, an unchecked triton, or a profiler hook is installed
         # (it wants the JIT's launch metadata): take Triton's regular path.
-        from .kernels.forward import attention_forward_kernel
-
         blocks = block_shapes(cfg, mode.pack_g, mode.page_size)
         descs = (_descriptor(q, blocks["q"]), _descriptor(k, blocks["k"]), _descriptor(v, blocks["v"]),
                  _descriptor(out, blocks["o"]))
-        with ptx_rings.compiling(lp.constexprs["RING_PTX"]):
-            _COMPILED[lp.key] = KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
-                *descs, *args, **lp.constexprs, **compile_options(cfg)))
+        _COMPILED[lp.key] = _jit_launch(lp, cfg, (*descs, *args))
     else:
         kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (q, k, v, out),
                (*args, *lp.constexpr_values))
@@ -1174,14 +1181,10 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     key = lp.key + tuple(t.data_ptr() % 16 == 0 for t in ptrs)
     kernel = _COMPILED.get(key)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
-        from .kernels.forward import attention_forward_kernel
-
         blocks = block_shapes(cfg)
         descs = (_descriptor(q4, blocks["q"]), _descriptor(k4, blocks["k"]), _descriptor(v4, blocks["v"]),
                  _descriptor(o4, blocks["o"]))
-        with ptx_rings.compiling(lp.constexprs["RING_PTX"]):
-            _COMPILED[key] = KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
-                *descs, *ptrs, *scalars, **lp.constexprs, **compile_options(cfg)))
+        _COMPILED[key] = _jit_launch(lp, cfg, (*descs, *ptrs, *scalars))
     else:
         kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (q4, k4, v4, o4),
                (*ptrs, *scalars, *lp.constexpr_values))
