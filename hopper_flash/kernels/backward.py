@@ -835,7 +835,8 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     sequence's keys does nothing), ``seqlen_q_rounded`` the padded total of
     the fp32 buffers, dK/dV written through ``dk_ptr``/``dv_ptr`` with the
     given row and head strides, ``order_ptr`` the sequences from the most
-    query rows to the fewest (the preprocess's ``order``). Otherwise the
+    query rows to the fewest (the preprocess's ``order``; not read in
+    deterministic mode). Otherwise the
     pointers and strides are unused."""
     if SPLIT_D:
         gl.static_assert(BLOCK_N == 64, "SPLIT_D: two warpgroups share 64 keys")
@@ -847,8 +848,11 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     # (module docstring). Deterministic mode relies on a head's lower tiles
     # starting first.
     t, _, hk, b = section_coords(gl.program_id(0), kv_tiles, num_heads // kv_group, batch, section)
-    if VARLEN:
-        b = gl.load(order_ptr + b)  # the sequences with the longest tiles first
+    if VARLEN and not DETERMINISTIC:
+        # The sequences with the longest tiles first (deterministic mode, 1.8x
+        # slower anyway, keeps the caller's order: the load cost its D = 64
+        # causal kernel a spill inside the step loop, CPU census).
+        b = gl.load(order_ptr + b)
     n = kv_tiles - 1 - t  # section_coords counts tiles down (the forward's longest-first); here 0 is longest
     tb, q_start, k_start, lq, lk, stat0 = bwd_sequence(b, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, seqlen_q,
                                                        seqlen_k, seqlen_q_rounded, num_heads, BLOCK_M, VARLEN,
