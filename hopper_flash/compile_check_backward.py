@@ -40,7 +40,7 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
         signature[f"{name}_desc"] = (f"tensordesc<fp32[{blocks[name][0]}],"
                                      f"{fp32_smem_layout(tuple(blocks[name]))!r}>")
     signature.update({"sem_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "used_q_ptr": "*i32",
-                      "used_k_ptr": "*i32", "dk_ptr": f"*{sig_dtype}", "dv_ptr": f"*{sig_dtype}",
+                      "used_k_ptr": "*i32", "order_ptr": "*i32", "dk_ptr": f"*{sig_dtype}", "dv_ptr": f"*{sig_dtype}",
                       "stride_kv_row": "i32", "stride_kv_head": "i32",
                       "seqlen_q": "i32", "seqlen_k": "i32", "seqlen_q_rounded": "i32", "num_heads": "i32",
                       "kv_group": "i32", "kv_tiles": "i32", "batch": "i32", "section": "i32",

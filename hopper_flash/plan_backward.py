@@ -239,16 +239,18 @@ class BackwardPlan:
     16-byte alignment of every pointer that is not a fresh allocation.
     """
 
-    __slots__ = ("cfg", "rows", "acc_elems", "stat_elems", "sem_shape", "grid", "ints", "constexprs", "key",
-                 "pre", "post", "zero_tails", "compiled", "pre_tail", "post_tail", "zero_tail_args")
+    __slots__ = ("cfg", "rows", "acc_elems", "stat_elems", "order_elems", "sem_shape", "grid", "ints", "constexprs",
+                 "key", "pre", "post", "zero_tails", "compiled", "pre_tail", "post_tail", "zero_tail_args")
 
-    def __init__(self, cfg, rows, sem_shape, grid, ints, constexprs, key, pre, post, zero_tails=(None, None)):
+    def __init__(self, cfg, rows, sem_shape, grid, ints, constexprs, key, pre, post, zero_tails=(None, None),
+                 order_elems=0):
         self.cfg = cfg
         self.rows = rows  # the fp32 statistics' shape; dq_accum's is rows + (head_dim,)
         self.stat_elems = 1
         for r in rows:
             self.stat_elems *= r
         self.acc_elems = self.stat_elems * cfg.head_dim
+        self.order_elems = order_elems  # varlen: the sequences' order (int32, one per sequence), else 0
         self.sem_shape = sem_shape  # deterministic mode's int32 semaphores, else None
         self.grid = grid
         self.ints = ints  # the main kernel's arguments after its pointers, constexpr values last
@@ -264,8 +266,9 @@ class BackwardPlan:
 
     @property
     def workspace_elems(self) -> int:
-        """fp32 elements of the one workspace allocation: dq_accum, Δ, L2."""
-        return self.acc_elems + 2 * self.stat_elems
+        """4-byte elements of the one workspace allocation: dq_accum, Δ, L2
+        (fp32), then varlen's sequence order (int32)."""
+        return self.acc_elems + 2 * self.stat_elems + self.order_elems
 
 
 # Plans by key (``_plan_key``); cleared when full, as the launcher's descriptor cache.
@@ -374,7 +377,8 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
     return BackwardPlan(cfg, rows, sem_shape, (ctas, 1, 1), (*stride_kv, *scalars, *constexprs.values()),
                         constexprs, key,
                         preprocess_launch(out, dout, lse, seqlen_q_rounded, cfg.block_m, small, sink),
-                        postprocess_launch(dq, seqlen_q_rounded, softmax_scale, cfg.block_m, small), zero_tails)
+                        postprocess_launch(dq, seqlen_q_rounded, softmax_scale, cfg.block_m, small), zero_tails,
+                        0 if varlen is None else batch)
 
 
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
@@ -416,15 +420,17 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     lp = plan_for(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, deterministic, cfg, varlen, window,
                   softcap, plan.sink_mode(sink_in))
     dev = q.device
-    # One allocation: dq_accum [rows, D] (zeroed by the preprocess), then Δ and L2.
+    # One allocation: dq_accum [rows, D] (zeroed by the preprocess), then Δ
+    # and L2, then (varlen) the order in which the main kernel takes the
+    # sequences (written by the preprocess).
     ws = torch.empty(lp.workspace_elems, dtype=torch.float32, device=dev)
     acc_end, n = lp.acc_elems, lp.stat_elems
     dq_accum = ws[:acc_end].view(-1, lp.cfg.head_dim)
-    delta, lse2 = ws[acc_end:acc_end + n], ws[acc_end + n:]
+    delta, lse2 = ws[acc_end:acc_end + n], ws[acc_end + n:acc_end + 2 * n]
     sem = delta if lp.sem_shape is None else torch.zeros(lp.sem_shape, dtype=torch.int32, device=dev)
     if varlen is None:
         descs = (q, k, v, dout, dk, dv, dq_accum, lse2, delta)
-        cu_q = cu_k = used_q = used_k = sem  # never read
+        cu_q = cu_k = used_q = used_k = order = sem  # never read
         small = (delta, delta)  # never read (fp32 in every mode: one compiled pre/postprocess)
     else:
         # THD as [1, total, H, D]: the sequence start is a row coordinate.
@@ -435,9 +441,10 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         used_q = varlen.seqused_q if varlen.seqused_q is not None else cu_q
         used_k = varlen.seqused_k if varlen.seqused_k is not None else cu_k
         small = (cu_q, used_q)
-    ptrs = (sem, cu_q, cu_k, used_q, used_k, dk, dv)
+        order = ws[acc_end + 2 * n:].view(torch.int32)
+    ptrs = (sem, cu_q, cu_k, used_q, used_k, order, dk, dv)
     part, sink_ptrs = _sink_partials(lp.pre, sink_in, delta)
-    pre_ptrs = (out, dout, lse, delta, lse2, dq_accum, *small, *sink_ptrs)
+    pre_ptrs = (out, dout, lse, delta, lse2, dq_accum, *small, *sink_ptrs, order)
     post_ptrs = (dq_accum, dq, *small)
     fast = FAST_LAUNCH and not plan._launch_hooked()
     if lp.compiled is not None and fast:
@@ -501,8 +508,9 @@ def _strides8(*strides: int) -> tuple[int, ...]:
 def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, seqlen_q_rounded: int,
                       block_m: int, varlen=None, sink: bool = False) -> SmallLaunch:
     """The preprocess's launch; its pointers are ``(out, dout, lse, delta,
-    lse2, dq_accum, cu_seqlens_q, seqused_q, sink, part)`` (``sink``: the
-    sinks' partial gradients into ``part``, ``[batch, grid[0], H]``). Fixed length: BSHD
+    lse2, dq_accum, cu_seqlens_q, seqused_q, sink, part, order)`` (``sink``: the
+    sinks' partial gradients into ``part``, ``[batch, grid[0], H]``; varlen:
+    the sequences' order for the main kernel into ``order``, int32 ``[batch]``). Fixed length: BSHD
     ``out``/``dout``, ``lse [B, H, Sq]``, stats ``[B, H, seqlen_q_rounded]``.
     ``varlen = (seqused_q given, batch, max_seqlen_q)``: THD ``out``/``dout``,
     ``lse [H, total_q]``, stats ``[H, seqlen_q_rounded]`` (the padded total).
@@ -520,7 +528,8 @@ def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, 
         seqlen_q = 0
         so, sdo = plan.tma_strides(out), plan.tma_strides(dout)
         strides = (0, *_strides8(so[0], so[1]), 0, *_strides8(sdo[0], sdo[1]), 0, lse.stride(0))
-        m_blocks = triton_cdiv(max_seqlen_q, block_m) * (block_m // block)
+        # (At least one block: block 0's programs write the order.)
+        m_blocks = max(1, triton_cdiv(max_seqlen_q, block_m)) * (block_m // block)
     return SmallLaunch(_pre._bwd_preprocess_kernel, (m_blocks, nheads, batch),
                        (*strides, seqlen_q, seqlen_q_rounded, nheads),
                        dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
@@ -565,15 +574,20 @@ def _small_ptrs(stats: torch.Tensor, varlen):
 
 def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
                    lse2: torch.Tensor, dq_accum: torch.Tensor, block_m: int, varlen=None,
-                   sink: torch.Tensor | None = None) -> torch.Tensor | None:
+                   sink: torch.Tensor | None = None, order: torch.Tensor | None = None) -> torch.Tensor | None:
     """The preprocess alone (for scripts and tests): stats ``delta``/``lse2``
     of ``seqlen_q_rounded`` rows per head (their last axis) and ``dq_accum``
     zeroed on the same rows. ``varlen = (cu_seqlens_q, seqused_q, batch,
     max_seqlen_q)``; see ``preprocess_launch``. With ``sink``, returns the
-    sinks' gradient (as ``launch_backward``)."""
+    sinks' gradient (as ``launch_backward``). Varlen: the sequences' order
+    goes to ``order`` (int32 ``[batch]``; a scratch tensor if None)."""
     launch = preprocess_launch(out, dout, lse, delta.shape[-1], block_m, _small_varlen(varlen), sink is not None)
     part, sink_ptrs = _sink_partials(launch, plan.sink_arg(sink), delta)
-    launch((out, dout, lse, delta, lse2, dq_accum, *_small_ptrs(delta, varlen), *sink_ptrs))
+    if varlen is None:
+        order = delta  # never read
+    elif order is None:
+        order = torch.empty(varlen[2], dtype=torch.int32, device=delta.device)
+    launch((out, dout, lse, delta, lse2, dq_accum, *_small_ptrs(delta, varlen), *sink_ptrs, order))
     return _sink_sum(part, sink)
 
 

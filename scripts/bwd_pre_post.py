@@ -17,7 +17,7 @@ for (B, S, H) in ((16, 1024, 16), (4, 8192, 32)):
     st = plan_backward._strides8(o.stride(0), o.stride(1), o.stride(2))
     ref = (o.float() * do.float()).sum(-1).transpose(1, 2)
     for blk, w in ((64, 4), (64, 8), (128, 4), (128, 8), (32, 4), (256, 8)):
-        args = (o, do, lse, delta, lse2, acc, lse, lse, lse, lse, *st, *st, lse.stride(0), lse.stride(1), S, S, H)
+        args = (o, do, lse, delta, lse2, acc, lse, lse, lse, lse, lse, *st, *st, lse.stride(0), lse.stride(1), S, S, H)
         f = lambda: _bwd_preprocess_kernel[(S // blk, H, B)](*args, BLOCK=blk, HEAD_DIM=D, BLOCK_M=64, VARLEN=False, SEQUSED=False, SINK=False, num_warps=w)
         delta.fill_(float("nan")); f(); ok = torch.allclose(delta, ref, rtol=1e-3, atol=1e-2)
         ms = do_bench(f, warmup=20, rep=100, return_mode="median")

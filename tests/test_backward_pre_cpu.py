@@ -134,3 +134,46 @@ def test_preprocess_statistics_and_sink_gradient(tmp_path, sink_dtype):
             assert torch.allclose(lse2[..., :s].double(), lse.double() * math.log2(math.e), rtol=1e-6)
             assert (lse2[..., s:] == float("inf")).all() and (delta[..., s:] == 0).all()
             assert (acc == 0).all()
+
+
+ORDER_CHILD = textwrap.dedent("""
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from hopper_flash import plan, plan_backward
+    plan.launch_triton = lambda kernel, grid, args, constexprs, num_warps, launch_pdl=False: (
+        kernel[grid](*args, **constexprs))
+    orders = []
+    for lens, used in torch.load(sys.argv[2]):
+        h, d, total = 1, 64, sum(lens)
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+        out = torch.randn(total, h, d).to(torch.bfloat16)
+        lse = torch.randn(h, total)
+        rows = (h, plan_backward.varlen_padded_rows(total, len(lens), 64))
+        stats = [torch.empty(rows), torch.empty(rows), torch.empty(rows + (d,))]
+        order = torch.full((len(lens),), -1, dtype=torch.int32)
+        plan_backward.bwd_preprocess(out, out, lse, *stats, 64, (cu, used, len(lens), max(max(lens), 1)),
+                                     order=order)
+        orders.append(order)
+    torch.save(orders, sys.argv[3])
+""")
+
+
+def test_varlen_order_ranks_sequences_by_query_rows(tmp_path):
+    """The preprocess's varlen ``order`` (the main kernel's grid takes the
+    sequences in it): every sequence once, from the most live query rows to
+    the fewest, ties in the caller's order; ``seqused_q`` gives the live
+    rows where it is passed. Against a sort done here."""
+    gen = torch.Generator().manual_seed(3)
+    cases = [([70, 0, 1, 130], None),
+             ([5, 9, 5, 9, 9, 0, 0, 1], None),  # ties
+             ([64, 64, 64], torch.tensor([10, 60, 10], dtype=torch.int32)),  # seqused decides
+             ([int(x) for x in torch.randint(0, 300, (300,), generator=gen)], None)]  # more than one rank block
+    torch.save(cases, tmp_path / "in.pt")
+    subprocess.run([sys.executable, "-c", ORDER_CHILD, ROOT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    for (lens, used), order in zip(cases, torch.load(tmp_path / "out.pt")):
+        live = lens if used is None else used.tolist()
+        expected = sorted(range(len(lens)), key=lambda b: (-live[b], b))
+        assert order.tolist() == expected, (lens, order.tolist())

@@ -128,7 +128,7 @@ def test_backward_pre_and_postprocess_compile(varlen, seqused, head_dim, sink):
     pre_flags = {**flags, "SINK": bool(sink)}  # (the sinks' gradient partials: backward_pre)
     pre = {"o_ptr": "*bf16", "do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "lse2_ptr": "*fp32",
            "acc_ptr": "*fp32", "cu_ptr": "*i32", "used_ptr": "*i32", "sink_ptr": "*" + (sink or "fp32"),
-           "part_ptr": "*fp32", **{n: "i32" for n in (
+           "part_ptr": "*fp32", "order_ptr": "*i32", **{n: "i32" for n in (
                "so8_b", "so8_s", "so8_h", "sdo8_b", "sdo8_s", "sdo8_h", "slse_b", "slse_h", "seqlen_q",
                "seqlen_q_rounded", "num_heads")}, **{n: "constexpr" for n in pre_flags}}
     post = {"acc_ptr": "*fp32", "dq_ptr": "*bf16", "cu_ptr": "*i32", "used_ptr": "*i32",

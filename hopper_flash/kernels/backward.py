@@ -59,7 +59,12 @@ inside one, then the KV tile from 0 up. Under a causal mask KV tile 0 is the
 longest (every query tile sees it), so the GPU's block dispatcher, which
 hands out CTAs in order to SMs as they free up, runs the longest first and
 ends on the shortest; with the KV tile fastest, as before, the last heads'
-longest tiles started in the last wave.
+longest tiles started in the last wave. A varlen batch takes its sequences
+in the order the preprocess ranked them (``backward_pre``: most query rows
+first), not in the caller's: otherwise a long sequence placed last starts
+its longest tiles (every query tile of the sequence, times the GQA group)
+in the last wave (a greedy-dispatch model of the benchmark's mixed batches
+put that at 0.3-3.7% of the backward).
 
 The partitions (``_bwd_producer``, ``_bwd_consumer``) and the step
 helpers take four aggregates: ``BwdMode`` (compile-time switches),
@@ -814,7 +819,7 @@ def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode:
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "seqlen_q_rounded", "num_heads", "kv_group",
                               "stride_kv_row", "stride_kv_head", "kv_tiles", "batch", "section"])
 def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_desc, delta_desc,
-                              sem_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, dk_ptr, dv_ptr,
+                              sem_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, order_ptr, dk_ptr, dv_ptr,
                               stride_kv_row, stride_kv_head,
                               seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, kv_group,
                               kv_tiles, batch, section, qk_scale, softmax_scale,
@@ -829,7 +834,10 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     ``seqlen_k`` unused (the grid covers ``max_seqlen_k``; a CTA past its
     sequence's keys does nothing), ``seqlen_q_rounded`` the padded total of
     the fp32 buffers, dK/dV written through ``dk_ptr``/``dv_ptr`` with the
-    given row and head strides. Otherwise the pointers and strides are unused."""
+    given row and head strides, ``order_ptr`` the sequences from the most
+    query rows to the fewest (the preprocess's ``order``; not read in
+    deterministic mode). Otherwise the
+    pointers and strides are unused."""
     if SPLIT_D:
         gl.static_assert(BLOCK_N == 64, "SPLIT_D: two warpgroups share 64 keys")
     else:
@@ -840,6 +848,11 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     # (module docstring). Deterministic mode relies on a head's lower tiles
     # starting first.
     t, _, hk, b = section_coords(gl.program_id(0), kv_tiles, num_heads // kv_group, batch, section)
+    if VARLEN and not DETERMINISTIC:
+        # The sequences with the longest tiles first (deterministic mode, 1.8x
+        # slower anyway, keeps the caller's order: the load cost its D = 64
+        # causal kernel a spill inside the step loop, CPU census).
+        b = gl.load(order_ptr + b)
     n = kv_tiles - 1 - t  # section_coords counts tiles down (the forward's longest-first); here 0 is longest
     tb, q_start, k_start, lq, lk, stat0 = bwd_sequence(b, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, seqlen_q,
                                                        seqlen_k, seqlen_q_rounded, num_heads, BLOCK_M, VARLEN,

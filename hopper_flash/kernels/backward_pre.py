@@ -53,6 +53,30 @@ def _sequence(b, cu_ptr, used_ptr, seqlen_q, seqlen_q_rounded, num_heads, BLOCK_
     return start, length, stat0, owned
 
 
+@triton.jit
+def _rank_sequence(b, length, cu_ptr, used_ptr, order_ptr, batch, SEQUSED: tl.constexpr,
+                   RANK_BLOCK: tl.constexpr = 256):
+    """Varlen: write ``b`` to ``order[r]``, ``r`` = how many sequences have
+    more live query rows than ``b``'s ``length``, or as many and a lower
+    index. Over all ``b`` that is a permutation whatever the lengths (a
+    strict order on (length, index)): the sequences from the most query rows
+    to the fewest, ties in the caller's order. The main kernel's grid takes
+    them so (``backward.py``, grid order): a sequence's longest KV tile sees
+    all of its query tiles. ``batch`` loads per sequence, one program per
+    sequence: small next to the backward for any batch size."""
+    rank = 0
+    for j0 in range(0, batch, RANK_BLOCK):
+        j = j0 + tl.arange(0, RANK_BLOCK)
+        inside = j < batch
+        if SEQUSED:
+            lj = tl.load(used_ptr + j, mask=inside, other=0)
+        else:
+            lj = tl.load(cu_ptr + j + 1, mask=inside, other=0) - tl.load(cu_ptr + j, mask=inside, other=0)
+        ahead = inside & ((lj > length) | ((lj == length) & (j < b)))
+        rank += tl.sum(ahead.to(tl.int32), axis=0)
+    tl.store(order_ptr + rank, b.to(tl.int32))
+
+
 # Lengths and strides are not specialised: one compiled kernel per dtype,
 # head dim and mode serves every shape, launched like the main kernel
 # (``plan.launch_triton``). The strides of O, dO and dQ are passed in units of 8
@@ -67,14 +91,16 @@ _POST_INTS = ["sdq8_b", "sdq8_s", "sdq8_h", "seqlen_q", "seqlen_q_rounded", "num
 
 @triton.jit(do_not_specialize=_PRE_INTS)
 def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr, cu_ptr, used_ptr, sink_ptr,
-                           part_ptr, so8_b, so8_s, so8_h, sdo8_b, sdo8_s, sdo8_h, slse_b, slse_h,
+                           part_ptr, order_ptr, so8_b, so8_s, so8_h, sdo8_b, sdo8_s, sdo8_h, slse_b, slse_h,
                            seqlen_q, seqlen_q_rounded, num_heads,
                            BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                            VARLEN: tl.constexpr, SEQUSED: tl.constexpr, SINK: tl.constexpr):
     """VARLEN: o/dO are THD (``so_b = sdo_b = 0``), lse is ``[H, total_q]``
     (``slse_b = 0``); the stats go to the sequence's padded rows. SINK:
     ``sink_ptr`` the sinks ``[H]``, ``part_ptr`` fp32 ``[H, B, blocks]``
-    (neither read otherwise)."""
+    (neither read otherwise). VARLEN: the programs of block 0, head 0 also
+    rank the sequences for the main kernel's grid into ``order_ptr`` (int32
+    ``[B]``, ``_rank_sequence``)."""
     so_b, so_s, so_h = so8_b * 8, so8_s * 8, so8_h * 8
     sdo_b, sdo_s, sdo_h = sdo8_b * 8, sdo8_s * 8, sdo8_h * 8
     pid_m = tl.program_id(0)
@@ -82,6 +108,9 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr,
     b = tl.program_id(2).to(tl.int64)
     start, length, stat0, owned = _sequence(b, cu_ptr, used_ptr, seqlen_q, seqlen_q_rounded, num_heads, BLOCK_M,
                                             VARLEN, SEQUSED)
+    if VARLEN:
+        if (pid_m == 0) & (h == 0):
+            _rank_sequence(b, length, cu_ptr, used_ptr, order_ptr, tl.num_programs(2), SEQUSED)
     rows = pid_m * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, HEAD_DIM)
     valid = rows < length
