@@ -120,14 +120,14 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   (``ptx_rings``): still 0-1.5% slower on the D = 128 rows (BENCHMARKS.md,
   thirty-ninth section). Removed; its text: ``git show
   b2df98c:scripts/variants/fwd-pingpong-nobar.patch``.)
-* ``fwd-mask-loop-split`` (thirty-ninth session, not yet timed): the
-  steady steps in two loops, the ones whose KV tile needs a mask first and
-  then the rest with no per-step ``tile_needs_mask`` test (FA3's split of
-  masked and unmasked iterations); windows and varlen keep the one loop
-  (varlen split spilled 16 bytes at D = 128). CPU: the unmasked step loop
-  510 SASS instructions against the one loop's 718 (whose mask block the
-  unmasked steps branch over), no spills in the prefill, wide, decode and
-  window specialisations compiled.
+* (``fwd-mask-loop-split``, thirty-ninth session: the steady steps in two
+  loops, the masked ones first, then the rest with no per-step
+  ``tile_needs_mask``. Refused on the CPU in the fortieth, untimed: its
+  unmasked loop runs 513 SASS instructions a step, 64 of them ``PRMT``
+  swapping the halves of P's registers before the PV wgmmas, against the
+  shipped loop's ~454 on its unmasked path (the mask block is branched
+  over; the per-step mask decision is ~5 instructions). Its text: ``git
+  show b16aaab:scripts/variants/fwd-mask-loop-split.patch``.)
 * (``fwd-max-before-pv-all`` and ``fwd-max-before-pv-wide``, thirty-sixth
   and thirty-seventh sessions: ``MAX_BEFORE_PV`` in every specialisation,
   then on the wide tiles alone. Screened in the thirty-seventh: +2-4% on
