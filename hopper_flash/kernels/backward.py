@@ -63,8 +63,9 @@ longest tiles started in the last wave. A varlen batch takes its sequences
 in the order the preprocess ranked them (``backward_pre``: most query rows
 first), not in the caller's: otherwise a long sequence placed last starts
 its longest tiles (every query tile of the sequence, times the GQA group)
-in the last wave (a greedy-dispatch model of the benchmark's mixed batches
-put that at 0.3-3.7% of the backward).
+in the last wave (``scripts/varlen_bwd_order_model.py`` puts that at
+0.6-2.1% of the benchmark's mixed batches; measured 0.4-0.6%). Deterministic
+mode keeps the caller's order.
 
 The partitions (``_bwd_producer``, ``_bwd_consumer``) and the step
 helpers take four aggregates: ``BwdMode`` (compile-time switches),
