@@ -30,7 +30,9 @@ pytestmark = pytest.mark.skipif(
     _triton_support.parse_minor(_triton_support.installed_version()) < (3, 7),
     reason="triton 3.6's interpreter cannot use a scalar kernel argument under numpy 2")
 
-CHILD = textwrap.dedent("""
+# The children's common start: the interpreter, the checkout first on the
+# path, and plan.launch_triton calling the kernel directly.
+PROLOGUE = textwrap.dedent("""
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, sys.argv[1])
@@ -38,6 +40,9 @@ CHILD = textwrap.dedent("""
     from hopper_flash import plan, plan_backward
     plan.launch_triton = lambda kernel, grid, args, constexprs, num_warps, launch_pdl=False: (
         kernel[grid](*args, **constexprs))
+""")
+
+CHILD = PROLOGUE + textwrap.dedent("""
     results = []
     for out, dout, lse, sink, rows, varlen in torch.load(sys.argv[2]):
         nan = float("nan")
@@ -47,6 +52,14 @@ CHILD = textwrap.dedent("""
         results.append((delta, lse2, acc, ds))
     torch.save(results, sys.argv[3])
 """)
+
+
+def _in_child(code, cases, tmp_path):
+    """Run ``code`` (a child script) on ``cases`` in a fresh interpreter; its results."""
+    torch.save(cases, tmp_path / "in.pt")
+    subprocess.run([sys.executable, "-c", code, ROOT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    return torch.load(tmp_path / "out.pt")
 
 
 def _sink_grad64(out, dout, lse, sink, heads_axis):
@@ -111,10 +124,7 @@ def test_preprocess_statistics_and_sink_gradient(tmp_path, sink_dtype):
     cases = [_fixed_case(gen, sink_dtype), _varlen_case(gen, sink_dtype, False), _varlen_case(gen, sink_dtype, True)]
     # Each case again without sinks: the same statistics, no gradient.
     cases += [(o, do, lse, None, rows, vl) for o, do, lse, _, rows, vl in cases]
-    torch.save(cases, tmp_path / "in.pt")
-    subprocess.run([sys.executable, "-c", CHILD, ROOT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                   check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
-    results = torch.load(tmp_path / "out.pt")
+    results = _in_child(CHILD, cases, tmp_path)
     for case, (delta, lse2, acc, ds) in zip(cases, results):
         out, dout, lse, sink, rows, varlen = case
         if sink is None:
@@ -136,14 +146,7 @@ def test_preprocess_statistics_and_sink_gradient(tmp_path, sink_dtype):
             assert (acc == 0).all()
 
 
-ORDER_CHILD = textwrap.dedent("""
-    import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"
-    sys.path.insert(0, sys.argv[1])
-    import torch
-    from hopper_flash import plan, plan_backward
-    plan.launch_triton = lambda kernel, grid, args, constexprs, num_warps, launch_pdl=False: (
-        kernel[grid](*args, **constexprs))
+ORDER_CHILD = PROLOGUE + textwrap.dedent("""
     orders = []
     for lens, used in torch.load(sys.argv[2]):
         h, d, total = 1, 64, sum(lens)
@@ -170,10 +173,7 @@ def test_varlen_order_ranks_sequences_by_query_rows(tmp_path):
              ([5, 9, 5, 9, 9, 0, 0, 1], None),  # ties
              ([64, 64, 64], torch.tensor([10, 60, 10], dtype=torch.int32)),  # seqused decides
              ([int(x) for x in torch.randint(0, 300, (300,), generator=gen)], None)]  # more than one rank block
-    torch.save(cases, tmp_path / "in.pt")
-    subprocess.run([sys.executable, "-c", ORDER_CHILD, ROOT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                   check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
-    for (lens, used), order in zip(cases, torch.load(tmp_path / "out.pt")):
+    for (lens, used), order in zip(cases, _in_child(ORDER_CHILD, cases, tmp_path)):
         live = lens if used is None else used.tolist()
         expected = sorted(range(len(lens)), key=lambda b: (-live[b], b))
         assert order.tolist() == expected, (lens, order.tolist())
