@@ -20,6 +20,12 @@
 #       files come back from a call: three variants fill them (2 rounds x 4).
 #       A NAME that is a folder is a package copy timed as it is (another
 #       branch against the checked-out tree).
+#   run (carry .fa3 .wt): bash scripts/device_session.sh vscreen NAME... [-- BATCHES]
+#       the varlen block (`--varlen 512:8192`) for the checked-out tree and
+#       each NAME (a package copy folder or a variant), alternating processes,
+#       two rounds, per batch size (default 16 32), FA3's varlen beside once
+#       built; JSON per process (vl-TAG-BATCH-ROUND.json: eight files with
+#       one NAME and two batch sizes).
 #   run:               bash scripts/device_session.sh memcheck
 #       compute-sanitizer memcheck on the forward and backward cases.
 #   run:               bash scripts/device_session.sh variant NAME CONFIG.json [BENCH ARGS]
@@ -114,9 +120,29 @@ case "${1:-}" in
     names=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do names+=("$1"); shift; done
     for name in "${names[@]}"; do [ -d "$name" ] || build_variant "$name" || exit 1; done
     alternate "$config" "${names[@]}" "$@" ;;
+  vscreen)
+    shift
+    names=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do names+=("$1"); shift; done
+    [ "${1:-}" = -- ] && shift
+    batches=("$@"); [ ${#batches[@]} -eq 0 ] && batches=(16 32)
+    for name in "${names[@]}"; do [ -d "$name" ] || build_variant "$name" || exit 1; done
+    for round in 1 2; do
+      for label in shipped "${names[@]}"; do
+        pkg=.; tag=shipped
+        if [ "$label" != shipped ]; then
+          pkg=/tmp/variant-$label; tag=$label
+          [ -d "$label" ] && pkg=$label && tag=$(basename "$label")
+        fi
+        for b in "${batches[@]}"; do
+          echo "== $label, round $round, $b sequences"
+          PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 150 --warmup-ms 30 \
+            --varlen 512:8192 --batch "$b" --json "$OUT/vl-$tag-$b-$round.json" 2>&1 | quiet | grep -E "varlen|imported" | tail -8
+        done
+      done
+    done ;;
   memcheck)
     TOOLS=memcheck bash scripts/sanitize.sh 2>&1 | quiet | tail -20
     TOOLS=memcheck bash scripts/sanitize.sh --backward 2>&1 | quiet | tail -20 ;;
   *) echo "usage: $0 tests [pytest args] | bench [block ...] | memcheck | variant NAME CONFIG [args]" \
-          "| vtests NAME [paths] | screen CONFIG NAME... [-- args]" >&2; exit 2 ;;
+          "| vtests NAME [paths] | screen CONFIG NAME... [-- args] | vscreen NAME... [-- batches]" >&2; exit 2 ;;
 esac
