@@ -44,6 +44,16 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 quiet() { grep -v -E '^(nanobind| - leaked| - \.\.\. skipped|See https://nanobind)'; }
 build_variant() { python scripts/kernel_variant.py "$1" "/tmp/variant-$1" > /dev/null; }
+# The screens' labels: "shipped" (the checked-out tree), a folder (a package
+# copy, e.g. another branch's tree: `git archive main hopper_flash | tar -x
+# -C .wt/main`, carry .wt) or a variant's name. build_variants makes the
+# variants; package_of prints a label's package path and its JSON tag.
+build_variants() { for name in "$@"; do [ -d "$name" ] || build_variant "$name" || return 1; done; }
+package_of() {
+  if [ "$1" = shipped ]; then echo ". shipped"
+  elif [ -d "$1" ]; then echo "$1 $(basename "$1")"
+  else echo "/tmp/variant-$1 $1"; fi
+}
 # A variant's GPU tests (default: the whole suite). -o pythonpath: pyproject's
 # pythonpath = ["."] would put the shipped package first (the header says which ran).
 variant_tests() {
@@ -60,13 +70,10 @@ alternate() {
   local names=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do names+=("$1"); shift; done
   [ "${1:-}" = -- ] && shift
   local backends=${VARIANT_BACKENDS:-hopper_flash sdpa-cudnn$([ -d /tmp/fa3pkg ] && echo " fa3")}
+  local pkg tag
   for round in 1 2; do
     for label in shipped "${names[@]}"; do
-      # a label that names a folder is a package copy (e.g. another branch's
-      # tree: `git archive main hopper_flash | tar -x -C .wt/main`, carry .wt)
-      local pkg=/tmp/variant-$label tag=$label
-      [ "$label" = shipped ] && pkg=.
-      [ "$label" != shipped ] && [ -d "$label" ] && pkg=$label && tag=$(basename "$label")
+      read -r pkg tag < <(package_of "$label")
       echo "== $label, round $round"
       PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 100 --warmup-ms 30 \
         --config "$config" --backends $backends "$@" --json "$OUT/ab-$tag-$round.json" \
@@ -118,21 +125,17 @@ case "${1:-}" in
   screen)
     config=${2:?bench config}; shift 2
     names=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do names+=("$1"); shift; done
-    for name in "${names[@]}"; do [ -d "$name" ] || build_variant "$name" || exit 1; done
+    build_variants "${names[@]}" || exit 1
     alternate "$config" "${names[@]}" "$@" ;;
   vscreen)
     shift
     names=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do names+=("$1"); shift; done
     [ "${1:-}" = -- ] && shift
     batches=("$@"); [ ${#batches[@]} -eq 0 ] && batches=(16 32)
-    for name in "${names[@]}"; do [ -d "$name" ] || build_variant "$name" || exit 1; done
+    build_variants "${names[@]}" || exit 1
     for round in 1 2; do
       for label in shipped "${names[@]}"; do
-        pkg=.; tag=shipped
-        if [ "$label" != shipped ]; then
-          pkg=/tmp/variant-$label; tag=$label
-          [ -d "$label" ] && pkg=$label && tag=$(basename "$label")
-        fi
+        read -r pkg tag < <(package_of "$label")
         for b in "${batches[@]}"; do
           echo "== $label, round $round, $b sequences"
           PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 150 --warmup-ms 30 \

@@ -44,10 +44,7 @@ def grid_order(lens, seqs):
 
 
 def run(lens, items):
-    sms = [0] * SMS
-    for item in items:
-        heapq.heappush(sms, heapq.heappop(sms) + cost(lens, *item))
-    return max(sms) / CLOCK * 1e3
+    return run_costs([cost(lens, *item) for item in items])
 
 
 def forward_costs(lens, seqs):

@@ -837,8 +837,7 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     the fp32 buffers, dK/dV written through ``dk_ptr``/``dv_ptr`` with the
     given row and head strides, ``order_ptr`` the sequences from the most
     query rows to the fewest (the preprocess's ``order``; not read in
-    deterministic mode). Otherwise the
-    pointers and strides are unused."""
+    deterministic mode). Otherwise the pointers and strides are unused."""
     if SPLIT_D:
         gl.static_assert(BLOCK_N == 64, "SPLIT_D: two warpgroups share 64 keys")
     else:
