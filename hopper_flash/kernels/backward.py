@@ -63,9 +63,8 @@ longest tiles started in the last wave. A varlen batch takes its sequences
 in the order the preprocess ranked them (``backward_pre``: most query rows
 first), not in the caller's: otherwise a long sequence placed last starts
 its longest tiles (every query tile of the sequence, times the GQA group)
-in the last wave (``scripts/varlen_bwd_order_model.py`` puts that at
-0.6-2.1% of the benchmark's mixed batches; measured 0.4-0.6%). Deterministic
-mode keeps the caller's order.
+in the last wave (0.4-0.6% measured, ``scripts/varlen_bwd_order_model.py``).
+Deterministic mode keeps the caller's order.
 
 The partitions (``_bwd_producer``, ``_bwd_consumer``) and the step
 helpers take four aggregates: ``BwdMode`` (compile-time switches),
@@ -837,7 +836,8 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     the fp32 buffers, dK/dV written through ``dk_ptr``/``dv_ptr`` with the
     given row and head strides, ``order_ptr`` the sequences from the most
     query rows to the fewest (the preprocess's ``order``; not read in
-    deterministic mode). Otherwise the pointers and strides are unused."""
+    deterministic mode). Otherwise the
+    pointers and strides are unused."""
     if SPLIT_D:
         gl.static_assert(BLOCK_N == 64, "SPLIT_D: two warpgroups share 64 keys")
     else:
