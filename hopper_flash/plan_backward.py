@@ -121,10 +121,11 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
         WINDOW_LEFT=window[0] if window else -1,
         WINDOW_RIGHT=window[1] if window else -1,
         SOFTCAP=bool(softcap),
-        # Varlen's fast mode with split keys runs on a persistent grid
-        # (kernels/backward.py, grid order); fixed lengths measured faster
-        # without it on long rows (BENCHMARKS.md, forty-first session).
-        PERSISTENT=bool(varlen) and not deterministic and not cfg.split_d,
+        # Varlen's fast mode at D = 128 runs on a persistent grid
+        # (kernels/backward.py); D = 64 (4-5% slower so) and fixed lengths (1-2%
+        # slower on long rows) measured faster without it (BENCHMARKS.md,
+        # forty-first session).
+        PERSISTENT=bool(varlen) and not deterministic and cfg.head_dim == 128,
     )
 
 

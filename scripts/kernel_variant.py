@@ -56,10 +56,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   ``scripts/bwd_timeline.py`` runs it and prints where a step's time goes.
 * (``bwd-persistent``, written in the fortieth session, timed in the
   forty-first: the fast backward at D = 64/128 on a persistent grid. 1.0-1.4%
-  faster on the varlen block, and shipped there (varlen fast mode,
-  ``PERSISTENT``); on fixed lengths 1.6-4.7% faster on short rows (S = 1024,
-  2048) and 1-2% slower on long ones (S = 8192, GQA), so not shipped there
-  (BENCHMARKS.md). Its text: ``git show
+  faster on the D = 128 varlen block, and shipped there (varlen fast mode at
+  D = 128, ``PERSISTENT``); 4-5% slower on the D = 64 varlen block; on fixed
+  lengths 1.6-4.7% faster on short rows (S = 1024, 2048) and 1-2% slower on
+  long ones (S = 8192, GQA). Not shipped there (BENCHMARKS.md). Its text: ``git show
   ce39ea5:scripts/variants/bwd-persistent.patch``.)
 * (``bwd-dq-writer``, a dQ writer warp in a third partition, FA3's shape of
   the dQ path: correct, but 1-2% slower at D = 128 (tenth session); removed

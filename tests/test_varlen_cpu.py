@@ -667,10 +667,10 @@ def test_backward_varlen_fast_launch_binds_what_the_jit_binds(monkeypatch, d, de
                                                                    plan_backward.BACKWARD_CONFIGS[d].block_m)
     grid = log[2][1]
     # One item per (KV tile of max_seqlen_k, KV head, sequence), all on axis
-    # x: one CTA each, or in the fast mode at D <= 128 a persistent grid of at
+    # x: one CTA each, or in the fast mode at D = 128 a persistent grid of at
     # most one CTA per SM (5 here) that loops over them.
     tiles = -(-300 // plan_backward.BACKWARD_CONFIGS[d].block_n)
-    persistent = d <= 128 and not deterministic
+    persistent = d == 128 and not deterministic
     assert tuple(grid) == (min(tiles * 2 * 3, 5) if persistent else tiles * 2 * 3, 1, 1)
     assert fast[names.index("kv_tiles")] == tiles and fast[names.index("batch")] == 3
     kwargs = log[0][3]

@@ -66,7 +66,7 @@ its longest tiles (every query tile of the sequence, times the GQA group)
 in the last wave (0.4-0.6% measured, ``scripts/varlen_bwd_order_model.py``).
 Deterministic mode keeps the caller's order.
 
-**Persistent grid (``PERSISTENT``: varlen, fast mode, D <= 128).** The grid
+**Persistent grid (``PERSISTENT``: varlen, fast mode, D = 128).** The grid
 covers ``max_seqlen_k`` for every sequence, so on a mixed batch many of its
 CTAs fall past their sequence's keys and would only start and exit. There,
 at most one CTA per SM takes the items in the same order: the first its
@@ -76,9 +76,10 @@ producer hands to the consumers (``_bwd_producer_loop``,
 ``_bwd_consumer_loop``). A tile past its sequence's keys then costs a
 decode, and the next tile's K and V load under the current tile's epilogue:
 the consumers release them (``kv_empty``) and write dK/dV through the dQ
-staging tiles. 1.0-1.4% on the varlen block; on fixed lengths the same grid
-was faster on short rows and 1-2% slower on long ones (BENCHMARKS.md,
-forty-first session), so fixed lengths keep one CTA per tile.
+staging tiles. 1.0-1.3% faster on the varlen block; at D = 64 the same grid
+was 4-5% slower there, and on fixed lengths faster on short rows but 1-2%
+slower on long ones (BENCHMARKS.md, forty-first session), so those keep one
+CTA per tile.
 
 The partitions (``_bwd_producer``, ``_bwd_consumer``, their loops on the
 persistent grid) and the step helpers take aggregates: ``BwdMode``
@@ -579,7 +580,7 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, st
     """D <= 128: each warpgroup owns 64 keys, its rows of Sᵀ, dPᵀ, dK and dV.
     ``step`` is the Q/dO rings' order at the tile's start (returned
     advanced), ``kv_phase`` the K/V barrier's phase. ``PERSISTENT`` (the
-    varlen fast mode's grid, more tiles to come on this CTA): the K/V tiles
+    varlen fast mode's grid at D = 128, more tiles to come on this CTA): the K/V tiles
     are released on ``kv_empty`` once read, and dK/dV go out through the
     dQ staging tiles, so the next tile's K and V load under the epilogue."""
     dtype: gl.constexpr = prob.dk_desc.dtype
@@ -1051,7 +1052,7 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                      q_empty, do_full, do_empty)
     if PERSISTENT:
         # At most one CTA per SM, each looping over items (module docstring).
-        gl.static_assert(VARLEN and not DETERMINISTIC and not SPLIT_D, "persistent: varlen fast mode, split keys")
+        gl.static_assert(VARLEN and not DETERMINISTIC and HEAD_DIM == 128, "persistent: varlen fast mode, D = 128")
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         sched_smem = gl.allocate_shared_memory(gl.int32, [SCHED_STAGES, SCHED_FIELDS],
                                                gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
