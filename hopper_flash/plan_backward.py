@@ -121,6 +121,11 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
         WINDOW_LEFT=window[0] if window else -1,
         WINDOW_RIGHT=window[1] if window else -1,
         SOFTCAP=bool(softcap),
+        # Varlen's fast mode at D = 128 runs on a persistent grid
+        # (kernels/backward.py); D = 64 (4-5% slower so) and fixed lengths (1-2%
+        # slower on long rows) measured faster without it (BENCHMARKS.md,
+        # forty-first session).
+        PERSISTENT=bool(varlen) and not deterministic and cfg.head_dim == 128,
     )
 
 
@@ -250,7 +255,7 @@ class BackwardPlan:
         for r in rows:
             self.stat_elems *= r
         self.acc_elems = self.stat_elems * cfg.head_dim
-        self.order_elems = order_elems  # varlen: the sequences' order (int32, one per sequence), else 0
+        self.order_elems = order_elems  # varlen: the sequences' order and the item counter (int32), else 0
         self.sem_shape = sem_shape  # deterministic mode's int32 semaphores, else None
         self.grid = grid
         self.ints = ints  # the main kernel's arguments after its pointers, constexpr values last
@@ -267,7 +272,7 @@ class BackwardPlan:
     @property
     def workspace_elems(self) -> int:
         """4-byte elements of the one workspace allocation: dq_accum, Δ, L2
-        (fp32), then varlen's sequence order (int32)."""
+        (fp32), then varlen's sequence order and item counter (int32)."""
         return self.acc_elems + 2 * self.stat_elems + self.order_elems
 
 
@@ -374,11 +379,13 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
     if varlen is not None:
         zero_tails = (None if varlen.seqused_q is not None else zero_tail_launch(dq, False, batch),
                       None if varlen.seqused_k is not None else zero_tail_launch(dk, True, batch))
+    if constexprs["PERSISTENT"]:  # at most one CTA per SM, each looping over items
+        ctas = min(ctas, plan.sm_count(q.device.index))
     return BackwardPlan(cfg, rows, sem_shape, (ctas, 1, 1), (*stride_kv, *scalars, *constexprs.values()),
                         constexprs, key,
                         preprocess_launch(out, dout, lse, seqlen_q_rounded, cfg.block_m, small, sink),
                         postprocess_launch(dq, seqlen_q_rounded, softmax_scale, cfg.block_m, small), zero_tails,
-                        0 if varlen is None else batch)
+                        0 if varlen is None else batch + 1)
 
 
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
@@ -422,7 +429,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     dev = q.device
     # One allocation: dq_accum [rows, D] (zeroed by the preprocess), then Δ
     # and L2, then (varlen) the order in which the main kernel takes the
-    # sequences (written by the preprocess).
+    # sequences and its persistent grid's item counter (both written by the
+    # preprocess).
     ws = torch.empty(lp.workspace_elems, dtype=torch.float32, device=dev)
     acc_end, n = lp.acc_elems, lp.stat_elems
     dq_accum = ws[:acc_end].view(-1, lp.cfg.head_dim)
@@ -441,7 +449,7 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
         used_q = varlen.seqused_q if varlen.seqused_q is not None else cu_q
         used_k = varlen.seqused_k if varlen.seqused_k is not None else cu_k
         small = (cu_q, used_q)
-        order = ws[acc_end + 2 * n:].view(torch.int32)
+        order = ws[acc_end + 2 * n:].view(torch.int32)  # the sequences' order, then the item counter
     ptrs = (sem, cu_q, cu_k, used_q, used_k, order, dk, dv)
     part, sink_ptrs = _sink_partials(lp.pre, sink_in, delta)
     pre_ptrs = (out, dout, lse, delta, lse2, dq_accum, *small, *sink_ptrs, order)
@@ -586,7 +594,7 @@ def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, del
     if varlen is None:
         order = delta  # never read
     elif order is None:
-        order = torch.empty(varlen[2], dtype=torch.int32, device=delta.device)
+        order = torch.empty(varlen[2] + 1, dtype=torch.int32, device=delta.device)
     launch((out, dout, lse, delta, lse2, dq_accum, *_small_ptrs(delta, varlen), *sink_ptrs, order))
     return _sink_sum(part, sink)
 

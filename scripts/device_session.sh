@@ -23,9 +23,11 @@
 #   run (carry .fa3 .wt): bash scripts/device_session.sh vscreen NAME... [-- BATCHES]
 #       the varlen block (`--varlen 512:8192`) for the checked-out tree and
 #       each NAME (a package copy folder or a variant), alternating processes,
-#       two rounds, per batch size (default 16 32), FA3's varlen beside once
-#       built; JSON per process (vl-TAG-BATCH-ROUND.json: eight files with
-#       one NAME and two batch sizes).
+#       two rounds, per batch size (default 16 32), FA3's varlen beside
+#       (waits for its build, as bench does); JSON per process
+#       (vl-TAG-BATCH-ROUND.json: eight files with one NAME and two batch
+#       sizes). VSCREEN_ARGS: more bench arguments (e.g. "--headdim 64"),
+#       VSCREEN_TAG: a word for their JSON names (vl-WORD-TAG-...).
 #   run:               bash scripts/device_session.sh memcheck
 #       compute-sanitizer memcheck on the forward and backward cases.
 #   run:               bash scripts/device_session.sh variant NAME CONFIG.json [BENCH ARGS]
@@ -133,13 +135,15 @@ case "${1:-}" in
     [ "${1:-}" = -- ] && shift
     batches=("$@"); [ ${#batches[@]} -eq 0 ] && batches=(16 32)
     build_variants "${names[@]}" || exit 1
+    wait_fa3 > /dev/null
     for round in 1 2; do
       for label in shipped "${names[@]}"; do
         read -r pkg tag < <(package_of "$label")
         for b in "${batches[@]}"; do
           echo "== $label, round $round, $b sequences"
           PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 150 --warmup-ms 30 \
-            --varlen 512:8192 --batch "$b" --json "$OUT/vl-$tag-$b-$round.json" 2>&1 | quiet | grep -E "varlen|imported" | tail -8
+            --varlen 512:8192 --batch "$b" ${VSCREEN_ARGS:-} --json "$OUT/vl${VSCREEN_TAG:+-$VSCREEN_TAG}-$tag-$b-$round.json" \
+            2>&1 | quiet | grep -E "varlen|imported" | tail -8
         done
       done
     done ;;

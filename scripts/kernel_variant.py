@@ -54,24 +54,13 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);
   ``scripts/bwd_timeline.py`` runs it and prints where a step's time goes.
-* ``bwd-persistent`` (fortieth session, CPU-checked, not yet run): the
-  backward's fast mode at head dims 64 and 128 on a persistent grid (at
-  most one CTA per SM), drawing KV tiles from a counter in the grid's order
-  (the forward's dynamic order and hand-off, ``scheduler.publish_item``;
-  the counter, zeroed by the preprocess, sits after the varlen order in the
-  workspace). dK and dV go out through the two dQ staging tiles (64 KB),
-  so the consumers release K and V (a new empty barrier) when their last
-  step is done and the producer loads the next tile's K, V and first Q/dO
-  under the epilogue: the seventh session's timeline had ~2600 cycles of
-  K/V wait and ~570 of start per CTA, hidden so. Census (triton 3.6):
-  no spill in the D = 128 step loops (stack 8-16 bytes, as shipped or
-  less); D = 64 non-causal 32 stack bytes outside the loop (0 shipped),
-  causal 4 local accesses in the loop (1 shipped), varlen causal 6 (12);
-  shared memory 231,964 bytes at D = 64 (of 232,448). Run
-  ``VARIANT_TEST_TIMEOUT=400 bash scripts/device_session.sh vtests
-  bwd-persistent tests/test_backward_gpu.py tests/test_varlen_gpu.py``,
-  then ``screen benchmarks/bwd-d128.json bwd-persistent -- --pass bwd`` and
-  ``vscreen bwd-persistent``.
+* (``bwd-persistent``, written in the fortieth session, timed in the
+  forty-first: the fast backward at D = 64/128 on a persistent grid. 1.0-1.4%
+  faster on the D = 128 varlen block, and shipped there (varlen fast mode at
+  D = 128, ``PERSISTENT``); 4-5% slower on the D = 64 varlen block; on fixed
+  lengths 1.6-4.7% faster on short rows (S = 1024, 2048) and 1-2% slower on
+  long ones (S = 8192, GQA). Not shipped there (BENCHMARKS.md). Its text: ``git show
+  ce39ea5:scripts/variants/bwd-persistent.patch``.)
 * (``bwd-dq-writer``, a dQ writer warp in a third partition, FA3's shape of
   the dQ path: correct, but 1-2% slower at D = 128 (tenth session); removed
   when the backward's arguments became aggregates. Its last text:

@@ -155,7 +155,7 @@ ORDER_CHILD = PROLOGUE + textwrap.dedent("""
         lse = torch.randn(h, total)
         rows = (h, plan_backward.varlen_padded_rows(total, len(lens), 64))
         stats = [torch.empty(rows), torch.empty(rows), torch.empty(rows + (d,))]
-        order = torch.full((len(lens),), -1, dtype=torch.int32)
+        order = torch.full((len(lens) + 1,), -1, dtype=torch.int32)  # the order, then the item counter
         plan_backward.bwd_preprocess(out, out, lse, *stats, 64, (cu, used, len(lens), max(max(lens), 1)),
                                      order=order)
         orders.append(order)
@@ -167,7 +167,8 @@ def test_varlen_order_ranks_sequences_by_query_rows(tmp_path):
     """The preprocess's varlen ``order`` (the main kernel's grid takes the
     sequences in it): every sequence once, from the most live query rows to
     the fewest, ties in the caller's order; ``seqused_q`` gives the live
-    rows where it is passed. Against a sort done here."""
+    rows where it is passed. Against a sort done here. After it, the main
+    kernel's persistent-grid item counter, zeroed."""
     gen = torch.Generator().manual_seed(3)
     cases = [([70, 0, 1, 130], None),
              ([5, 9, 5, 9, 9, 0, 0, 1], None),  # ties
@@ -176,4 +177,5 @@ def test_varlen_order_ranks_sequences_by_query_rows(tmp_path):
     for (lens, used), order in zip(cases, _in_child(ORDER_CHILD, cases, tmp_path)):
         live = lens if used is None else used.tolist()
         expected = sorted(range(len(lens)), key=lambda b: (-live[b], b))
-        assert order.tolist() == expected, (lens, order.tolist())
+        assert order[:-1].tolist() == expected, (lens, order.tolist())
+        assert order[-1].item() == 0

@@ -644,6 +644,7 @@ def test_backward_varlen_fast_launch_binds_what_the_jit_binds(monkeypatch, d, de
     monkeypatch.setattr(plan, "driver", FakeDriver)
     monkeypatch.setattr(plan_backward, "_COMPILED", {})
     monkeypatch.setattr(plan_backward, "FAST_LAUNCH", True)
+    monkeypatch.setattr(plan, "sm_count", lambda device=None: 5)
 
     def launch(lq, lk):
         q, k, v, cq, ck = problem(lq=lq, lk=lk, h=8, hkv=2, d=d)
@@ -665,9 +666,13 @@ def test_backward_varlen_fast_launch_binds_what_the_jit_binds(monkeypatch, d, de
     assert fast[names.index("seqlen_q_rounded")] == varlen_padded_rows(q.shape[0], 3,
                                                                    plan_backward.BACKWARD_CONFIGS[d].block_m)
     grid = log[2][1]
-    # One CTA per (KV tile of max_seqlen_k, KV head, sequence), all on axis x.
+    # One item per (KV tile of max_seqlen_k, KV head, sequence), all on axis
+    # x: one CTA each, or in the fast mode at D = 128 a persistent grid of at
+    # most one CTA per SM (5 here) that loops over them.
     tiles = -(-300 // plan_backward.BACKWARD_CONFIGS[d].block_n)
-    assert tuple(grid) == (tiles * 2 * 3, 1, 1)
+    persistent = d == 128 and not deterministic
+    assert tuple(grid) == (min(tiles * 2 * 3, 5) if persistent else tiles * 2 * 3, 1, 1)
     assert fast[names.index("kv_tiles")] == tiles and fast[names.index("batch")] == 3
     kwargs = log[0][3]
     assert kwargs["VARLEN"] is True and kwargs["DETERMINISTIC"] is deterministic
+    assert kwargs["PERSISTENT"] is persistent

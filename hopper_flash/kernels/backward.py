@@ -66,11 +66,27 @@ its longest tiles (every query tile of the sequence, times the GQA group)
 in the last wave (0.4-0.6% measured, ``scripts/varlen_bwd_order_model.py``).
 Deterministic mode keeps the caller's order.
 
-The partitions (``_bwd_producer``, ``_bwd_consumer``) and the step
-helpers take four aggregates: ``BwdMode`` (compile-time switches),
-``BwdProblem`` (descriptors, pointers, scalars), ``KvTile`` (this CTA's KV
-tile and the query tiles that see it) and ``BwdRings`` (shared memory and
-its barriers).
+**Persistent grid (``PERSISTENT``: varlen, fast mode, D = 128).** The grid
+covers ``max_seqlen_k`` for every sequence, so on a mixed batch many of its
+CTAs fall past their sequence's keys and would only start and exit. There,
+at most one CTA per SM takes the items in the same order: the first its
+program id, the next ones from a counter after the sequence order
+(``scheduler.draw_item``, zeroed by the preprocess every call), which the
+producer hands to the consumers (``_bwd_producer_loop``,
+``_bwd_consumer_loop``). A tile past its sequence's keys then costs a
+decode, and the next tile's K and V load under the current tile's epilogue:
+the consumers release them (``kv_empty``) and write dK/dV through the dQ
+staging tiles. 1.0-1.3% faster on the varlen block; at D = 64 the same grid
+was 4-5% slower there, and on fixed lengths faster on short rows but 1-2%
+slower on long ones (BENCHMARKS.md, forty-first session), so those keep one
+CTA per tile.
+
+The partitions (``_bwd_producer``, ``_bwd_consumer``, their loops on the
+persistent grid) and the step helpers take aggregates: ``BwdMode``
+(compile-time switches), ``BwdProblem`` (descriptors, pointers, scalars),
+``BwdGrid`` (what decodes an item into its tile), ``KvTile`` (one KV tile
+and the query tiles that see it), ``BwdRings`` (shared memory and its
+barriers) and ``BwdLoop`` (the persistent grid's own).
 
 Masking (bottom-right causal, ``off = seqlen_k − seqlen_q``): key j is
 visible to query i iff ``j <= i + off`` and ``j < seqlen_k``. Query rows past
@@ -90,7 +106,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.language.nvidia.hopper.tma import tensor_descriptor
 
 from .compat import aggregate, init_fields, thread_barrier, tma_atomic_add, tma_load, tma_store, tma_store_wait_complete
-from .scheduler import section_coords
+from .scheduler import SCHED_FIELDS, SCHED_STAGES, draw_item, publish_item, receive_item, section_coords
 from .mask import apply_mask_keys_by_queries, tile_needs_mask
 from .pipeline import release, release_each, ring_slot, wait_empty, wait_full
 from .softmax import LOG2E, softcap, softcap_grad
@@ -400,13 +416,13 @@ def _dq_turn(tile: KvTile, m, mode: BwdMode):
 
 
 @gluon.jit
-def _wait_kv(k_t, v_t, rings: BwdRings, tile: KvTile, mode: BwdMode, NUM_WARPS: gl.constexpr):
+def _wait_kv(k_t, v_t, rings: BwdRings, tile: KvTile, mode: BwdMode, NUM_WARPS: gl.constexpr, phase=0):
     """Wait for this CTA's K and V tiles (none when ``tile.live`` is false: a
     varlen tile past its sequence's keys loads nothing). Varlen: keys past
     the sequence are masked in Sᵀ, but dQ = dS·K and dPᵀ = V·dOᵀ would still
     meet their NaN (see _zero_rows), so they are zeroed."""
     if tile.live:
-        mbarrier.wait(rings.kv_bar, 0)
+        mbarrier.wait(rings.kv_bar, phase)
         if mode.VARLEN:
             if (tile.n + 1) * mode.BLOCK_N > tile.lk:
                 _zero_rows(k_t, tile.n * mode.BLOCK_N, tile.lk, mode.BLOCK_N, mode.HEAD_DIM, NUM_WARPS)
@@ -504,6 +520,14 @@ def _p_and_ds_from_stats(st, dpt, lse2, delta_bufs, do_slot, qk_scale, SOFTCAP: 
 
 @gluon.jit
 def _bwd_producer(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode: BwdMode):
+    step = 0  # a run-time value (an argument's literal would be a constexpr): the rings' order is loop-carried
+    _bwd_producer_tile(prob, rings, tile, step, mode)
+
+
+@gluon.jit
+def _bwd_producer_tile(prob: BwdProblem, rings: BwdRings, tile: KvTile, step, mode: BwdMode):
+    """One KV tile's loads: K and V, then Q and dO (with L2 and Δ) per step,
+    the rings from order ``step`` on; returns the order after them."""
     # A varlen KV tile past its sequence's keys (``live`` false) loads
     # nothing and computes nothing; the consumers skip the wait too.
     if tile.live:
@@ -511,7 +535,6 @@ def _bwd_producer(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode: BwdMode
         kv_row = tile.k_start + tile.n * mode.BLOCK_N
         tma_load(prob.k_desc, [tile.tb, kv_row, tile.hk, 0], rings.kv_bar, rings.k_bufs.index(0))
         tma_load(prob.v_desc, [tile.tb, kv_row, tile.hk, 0], rings.kv_bar, rings.v_bufs.index(0))
-    step = 0
     for g in range(prob.kv_group):
         h = tile.hk * prob.kv_group + g
         stat_row = (tile.stat0 + h * prob.seqlen_q_rounded).to(gl.int32)
@@ -535,6 +558,7 @@ def _bwd_producer(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode: BwdMode
             tma_load(prob.delta_desc, [stat_row + m * mode.BLOCK_M], rings.do_full.index(do_slot),
                      rings.delta_bufs.index(do_slot))
             step += 1
+    return step
 
 
 @gluon.jit
@@ -546,11 +570,19 @@ def _bwd_consumer(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode: BwdMode
         _bwd_consumer_split_d(prob, rings, tile, mode)
     else:
         gl.static_assert(mode.DO_STAGES == mode.STAGES, "one ring depth for Q and dO")
-        _bwd_consumer_split_keys(prob, rings, tile, mode)
+        step = 0  # run-time, as in _bwd_producer
+        _bwd_consumer_split_keys(prob, rings, tile, step, 0, mode)
+
 
 @gluon.jit
-def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode: BwdMode):
-    """D <= 128: each warpgroup owns 64 keys, its rows of Sᵀ, dPᵀ, dK and dV."""
+def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, step, kv_phase, mode: BwdMode,
+                             kv_empty=None, PERSISTENT: gl.constexpr = False):
+    """D <= 128: each warpgroup owns 64 keys, its rows of Sᵀ, dPᵀ, dK and dV.
+    ``step`` is the Q/dO rings' order at the tile's start (returned
+    advanced), ``kv_phase`` the K/V barrier's phase. ``PERSISTENT`` (the
+    varlen fast mode's grid at D = 128, more tiles to come on this CTA): the K/V tiles
+    are released on ``kv_empty`` once read, and dK/dV go out through the
+    dQ staging tiles, so the next tile's K and V load under the epilogue."""
     dtype: gl.constexpr = prob.dk_desc.dtype
     # Sᵀ, dPᵀ: [BLOCK_N keys, BLOCK_M queries], 64 keys per warpgroup.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
@@ -578,9 +610,8 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, mo
     dk = gl.zeros([mode.BLOCK_N, mode.HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([mode.BLOCK_N, mode.HEAD_DIM], gl.float32, kv_layout)
 
-    _wait_kv(k_t, v_t, rings, tile, mode, NUM_WARPS)
+    _wait_kv(k_t, v_t, rings, tile, mode, NUM_WARPS, kv_phase)
     tanh_scale = prob.softmax_scale * LOG2E / prob.qk_scale  # SOFTCAP: scale / cap (else unused)
-    step = 0
     for g in range(prob.kv_group):
         h = tile.hk * prob.kv_group + g
         stat_base = tile.stat0 + h * prob.seqlen_q_rounded
@@ -633,16 +664,32 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, mo
     # ---- Epilogue: dK (scaled once, here) and dV through K's and V's shared
     # memory, which no wgmma reads any more, then TMA stores clipped at
     # seqlen_k. A KV tile that no query sees stores zeros.
-    thread_barrier()
-    k_t.store((dk * prob.softmax_scale).to(dtype))
-    v_t.store(dv.to(dtype))
-    _store_dk_dv(rings, prob, tile, mode, NUM_WARPS)
+    if PERSISTENT:
+        # Through the two dQ staging tiles instead (64 KB: dK and dV in 16
+        # bits, exactly, at D = 128), once the last dQ reduces have read
+        # them; K and V are released first, for the next tile's loads.
+        tma.store_wait(0)
+        thread_barrier()
+        mbarrier.arrive(kv_empty, count=1)
+        dk_buf = rings.dq_smem.index(0)._reinterpret(dtype, prob.dk_desc.block_type.shape, prob.dk_desc.layout)
+        dv_buf = rings.dq_smem.index(1)._reinterpret(dtype, prob.dv_desc.block_type.shape, prob.dv_desc.layout)
+        dk_buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]).store((dk * prob.softmax_scale).to(dtype))
+        dv_buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]).store(dv.to(dtype))
+        _store_dk_dv(rings, prob, tile, mode, NUM_WARPS, dk_buf, dv_buf)
+    else:
+        thread_barrier()
+        k_t.store((dk * prob.softmax_scale).to(dtype))
+        v_t.store(dv.to(dtype))
+        _store_dk_dv(rings, prob, tile, mode, NUM_WARPS, rings.k_bufs.index(0), rings.v_bufs.index(0))
+    return step
 
 
 @gluon.jit
-def _store_dk_dv(rings: BwdRings, prob: BwdProblem, tile: KvTile, mode: BwdMode, NUM_WARPS: gl.constexpr):
-    """Write the dK and dV tiles the consumers left in K's and V's shared
-    memory (stored, not yet fenced), and wait for the writes."""
+def _store_dk_dv(rings: BwdRings, prob: BwdProblem, tile: KvTile, mode: BwdMode, NUM_WARPS: gl.constexpr, dk_buf,
+                 dv_buf):
+    """Write the dK and dV tiles the consumers left in ``dk_buf`` and
+    ``dv_buf`` (K's and V's shared memory, or on the persistent grid the dQ
+    staging tiles; stored, not yet fenced), and wait for the writes."""
     if mode.VARLEN:
         # A TMA box would run into the next sequence's rows, which another CTA
         # writes: plain stores, predicated on the sequence's live keys.
@@ -650,15 +697,15 @@ def _store_dk_dv(rings: BwdRings, prob: BwdProblem, tile: KvTile, mode: BwdMode,
         row0 = tile.k_start + tile.n * mode.BLOCK_N
         col0 = tile.hk * prob.stride_kv_head
         n_rows = tile.lk - tile.n * mode.BLOCK_N
-        _store_rows(rings.k_bufs.index(0).reshape([mode.BLOCK_N, mode.HEAD_DIM]), prob.dk_ptr, row0, n_rows,
+        _store_rows(dk_buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]), prob.dk_ptr, row0, n_rows,
                     prob.stride_kv_row, col0, mode.BLOCK_N, mode.HEAD_DIM, NUM_WARPS)
-        _store_rows(rings.v_bufs.index(0).reshape([mode.BLOCK_N, mode.HEAD_DIM]), prob.dv_ptr, row0, n_rows,
+        _store_rows(dv_buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]), prob.dv_ptr, row0, n_rows,
                     prob.stride_kv_row, col0, mode.BLOCK_N, mode.HEAD_DIM, NUM_WARPS)
     else:
         fence_async_shared()
         thread_barrier()
-        tma_store(prob.dk_desc, [tile.tb, tile.n * mode.BLOCK_N, tile.hk, 0], rings.k_bufs.index(0))
-        tma_store(prob.dv_desc, [tile.tb, tile.n * mode.BLOCK_N, tile.hk, 0], rings.v_bufs.index(0))
+        tma_store(prob.dk_desc, [tile.tb, tile.n * mode.BLOCK_N, tile.hk, 0], dk_buf)
+        tma_store(prob.dv_desc, [tile.tb, tile.n * mode.BLOCK_N, tile.hk, 0], dv_buf)
     tma.store_wait(0)
 
 
@@ -811,7 +858,116 @@ def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode:
     thread_barrier()
     k_t.store((dk * prob.softmax_scale).to(dtype))
     v_t.store(dv.to(dtype))
-    _store_dk_dv(rings, prob, tile, mode, NUM_WARPS)
+    _store_dk_dv(rings, prob, tile, mode, NUM_WARPS, rings.k_bufs.index(0), rings.v_bufs.index(0))
+
+
+@aggregate
+class BwdGrid:
+    """What turns an item number (a CTA's index in the grid order, module
+    docstring) into its KV tile: the grid's extents and the varlen
+    sequences' tables. The varlen fast mode's persistent grid draws items
+    from a counter after the sequence order (``order_ptr + batch``)."""
+    kv_tiles: gl.tensor
+    heads_kv: gl.tensor
+    batch: gl.tensor
+    section: gl.tensor
+    order_ptr: gl.tensor
+    cu_q_ptr: gl.tensor
+    cu_k_ptr: gl.tensor
+    used_q_ptr: gl.tensor
+    used_k_ptr: gl.tensor
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    seqlen_q_rounded: gl.tensor
+    num_heads: gl.tensor
+    SEQUSED_Q: gl.constexpr
+    SEQUSED_K: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, kv_tiles, heads_kv, batch, section, order_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr,
+                 seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, SEQUSED_Q, SEQUSED_K):
+        init_fields(self, {k: v for k, v in locals().items() if k not in ("SEQUSED_Q", "SEQUSED_K")})
+        self.SEQUSED_Q = gl.constexpr(SEQUSED_Q)
+        self.SEQUSED_K = gl.constexpr(SEQUSED_K)
+
+
+@aggregate
+class BwdLoop:
+    """The persistent grid's shared memory: the K/V tiles' empty barrier and
+    the ring through which the producer hands items to the consumers
+    (``scheduler.publish_item``)."""
+    kv_empty: gl.shared_memory_descriptor
+    sched_smem: gl.shared_memory_descriptor
+    sched_full: gl.shared_memory_descriptor
+    sched_empty: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, kv_empty, sched_smem, sched_full, sched_empty):
+        init_fields(self, locals())
+
+
+@gluon.jit
+def _bwd_tile(item, g: BwdGrid, mode: BwdMode):
+    """Item ``item`` of the grid order as a KvTile: its KV tile, KV head and
+    sequence, and the query tiles that see it."""
+    t, _, hk, b = section_coords(item, g.kv_tiles, g.heads_kv, g.batch, g.section)
+    if mode.VARLEN and not mode.DETERMINISTIC:
+        # The sequences with the longest tiles first (deterministic mode, 1.8x
+        # slower anyway, keeps the caller's order: the load cost its D = 64
+        # causal kernel a spill inside the step loop, CPU census).
+        b = gl.load(g.order_ptr + b)
+    n = g.kv_tiles - 1 - t  # section_coords counts tiles down (the forward's longest-first); here 0 is longest
+    tb, q_start, k_start, lq, lk, stat0 = bwd_sequence(b, g.cu_q_ptr, g.cu_k_ptr, g.used_q_ptr, g.used_k_ptr,
+                                                       g.seqlen_q, g.seqlen_k, g.seqlen_q_rounded, g.num_heads,
+                                                       mode.BLOCK_M, mode.VARLEN, g.SEQUSED_Q, g.SEQUSED_K)
+    m_lo, m_hi = bwd_query_tile_range(n, lq, lk, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, mode.WINDOW_LEFT,
+                                      mode.WINDOW_RIGHT)
+    # Varlen: the grid covers max_seqlen_k; tiles past this sequence's keys idle.
+    live = n * mode.BLOCK_N < lk
+    m_hi = m_lo + (m_hi - m_lo) * live.to(gl.int32)
+    return KvTile(tb, q_start, k_start, lq, lk, stat0, hk, n, m_lo, m_hi, live)
+
+
+@gluon.jit
+def _bwd_producer_loop(prob: BwdProblem, rings: BwdRings, loop: BwdLoop, g: BwdGrid, mode: BwdMode):
+    """Persistent grid, producer: this CTA's items, the first its program
+    id, each next one drawn from the counter once an item's loads are issued,
+    and handed to the consumers. A tile's K and V load once the consumers
+    have released the last tile's (in its epilogue); a tile past its
+    sequence's keys loads nothing."""
+    total = g.kv_tiles * g.heads_kv * g.batch
+    item = gl.program_id(0)
+    step = 0  # the Q/dO rings' order
+    kv_i = 0  # live tiles so far: the K/V barriers' phase
+    i = 0
+    while item < total:
+        tile = _bwd_tile(item, g, mode)
+        if tile.live:
+            mbarrier.wait(loop.kv_empty, (kv_i & 1) ^ 1)
+        step = _bwd_producer_tile(prob, rings, tile, step, mode)
+        kv_i += tile.live.to(gl.int32)
+        item = draw_item(g.order_ptr + g.batch)
+        publish_item(item, item * 0, item * 0, item * 0, loop.sched_smem, loop.sched_full, loop.sched_empty, i)
+        i += 1
+
+
+@gluon.jit
+def _bwd_consumer_loop(prob: BwdProblem, rings: BwdRings, loop: BwdLoop, g: BwdGrid, mode: BwdMode):
+    """Persistent grid, consumers: the items the producer hands out, each
+    decoded again here (a tile past its sequence's keys is skipped)."""
+    total = g.kv_tiles * g.heads_kv * g.batch
+    item = gl.program_id(0)
+    step = 0
+    kv_i = 0
+    i = 0
+    while item < total:
+        tile = _bwd_tile(item, g, mode)
+        if tile.live:
+            step = _bwd_consumer_split_keys(prob, rings, tile, step, kv_i & 1, mode, loop.kv_empty, True)
+            kv_i += 1
+        item, _b0, _b1, _b2 = receive_item(loop.sched_smem, loop.sched_full, loop.sched_empty, i)
+        i += 1
+    tma.store_wait(0)
 
 
 # As in the forward, lengths and head counts are run-time values: one compiled
@@ -828,7 +984,8 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                               DETERMINISTIC: gl.constexpr, SPLIT_D: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                               VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
                               SEQUSED_K: gl.constexpr = False, WINDOW_LEFT: gl.constexpr = -1,
-                              WINDOW_RIGHT: gl.constexpr = -1, SOFTCAP: gl.constexpr = False):
+                              WINDOW_RIGHT: gl.constexpr = -1, SOFTCAP: gl.constexpr = False,
+                              PERSISTENT: gl.constexpr = False):
     """VARLEN: q/k/v/dO are THD tensors viewed as ``[1, total, H, D]``,
     sequence ``b`` = grid axis 2 (see ``bwd_sequence``), ``seqlen_q`` and
     ``seqlen_k`` unused (the grid covers ``max_seqlen_k``; a CTA past its
@@ -836,31 +993,22 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     the fp32 buffers, dK/dV written through ``dk_ptr``/``dv_ptr`` with the
     given row and head strides, ``order_ptr`` the sequences from the most
     query rows to the fewest (the preprocess's ``order``; not read in
-    deterministic mode). Otherwise the
-    pointers and strides are unused."""
+    deterministic mode), then the persistent grid's item counter. Otherwise
+    the pointers and strides are unused."""
     if SPLIT_D:
         gl.static_assert(BLOCK_N == 64, "SPLIT_D: two warpgroups share 64 keys")
     else:
         gl.static_assert(BLOCK_N == 128, "64 keys per consumer warpgroup")
     gl.static_assert(q_desc.block_type.shape[3] == HEAD_DIM, "every head-dim operand is one TMA box wide")
     dtype: gl.constexpr = q_desc.dtype
+    mode = BwdMode(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D,
+                   WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP)
     # Grid: axis 0 only, (KV tile, KV head, batch) in the section order
     # (module docstring). Deterministic mode relies on a head's lower tiles
     # starting first.
-    t, _, hk, b = section_coords(gl.program_id(0), kv_tiles, num_heads // kv_group, batch, section)
-    if VARLEN and not DETERMINISTIC:
-        # The sequences with the longest tiles first (deterministic mode, 1.8x
-        # slower anyway, keeps the caller's order: the load cost its D = 64
-        # causal kernel a spill inside the step loop, CPU census).
-        b = gl.load(order_ptr + b)
-    n = kv_tiles - 1 - t  # section_coords counts tiles down (the forward's longest-first); here 0 is longest
-    tb, q_start, k_start, lq, lk, stat0 = bwd_sequence(b, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, seqlen_q,
-                                                       seqlen_k, seqlen_q_rounded, num_heads, BLOCK_M, VARLEN,
-                                                       SEQUSED_Q, SEQUSED_K)
-    m_lo, m_hi = bwd_query_tile_range(n, lq, lk, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW_LEFT, WINDOW_RIGHT)
-    # Varlen: the grid covers max_seqlen_k; tiles past this sequence's keys idle.
-    live = n * BLOCK_N < lk
-    m_hi = m_lo + (m_hi - m_lo) * live.to(gl.int32)
+    grid = BwdGrid(kv_tiles, num_heads // kv_group, batch, section, order_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
+                   used_k_ptr, seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, SEQUSED_Q, SEQUSED_K)
+    tile = _bwd_tile(gl.program_id(0), grid, mode)  # the persistent grid's loops decode their own
 
     k_bufs = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
@@ -897,13 +1045,26 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
             mbarrier.init(do_full.index(i), count=1)
             mbarrier.init(do_empty.index(i), count=1 if SPLIT_D else CONSUMER_THREADS)
 
-    mode = BwdMode(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D,
-                   WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP)
     prob = BwdProblem(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse2_desc, delta_desc, sem_ptr,
                       dk_ptr, dv_ptr, stride_kv_row, stride_kv_head, seqlen_q_rounded, kv_group, qk_scale,
                       softmax_scale)
-    tile = KvTile(tb, q_start, k_start, lq, lk, stat0, hk, n, m_lo, m_hi, live)
     rings = BwdRings(k_bufs, v_bufs, q_bufs, do_bufs, lse2_bufs, delta_bufs, ds_bufs, dq_smem, kv_bar, q_full,
                      q_empty, do_full, do_empty)
-    gl.warp_specialize([(_bwd_consumer, (prob, rings, tile, mode)), (_bwd_producer, (prob, rings, tile, mode))],
-                       [1], [PRODUCER_REGS])
+    if PERSISTENT:
+        # At most one CTA per SM, each looping over items (module docstring).
+        gl.static_assert(VARLEN and not DETERMINISTIC and HEAD_DIM == 128, "persistent: varlen fast mode, D = 128")
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        sched_smem = gl.allocate_shared_memory(gl.int32, [SCHED_STAGES, SCHED_FIELDS],
+                                               gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+        sched_full = gl.allocate_shared_memory(gl.int64, [SCHED_STAGES, 1], mbarrier.MBarrierLayout())
+        sched_empty = gl.allocate_shared_memory(gl.int64, [SCHED_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_empty, count=1)
+        for i in gl.static_range(SCHED_STAGES):
+            mbarrier.init(sched_full.index(i), count=1)
+            mbarrier.init(sched_empty.index(i), count=1)
+        loop = BwdLoop(kv_empty, sched_smem, sched_full, sched_empty)
+        gl.warp_specialize([(_bwd_consumer_loop, (prob, rings, loop, grid, mode)),
+                            (_bwd_producer_loop, (prob, rings, loop, grid, mode))], [1], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_bwd_consumer, (prob, rings, tile, mode)), (_bwd_producer, (prob, rings, tile, mode))],
+                           [1], [PRODUCER_REGS])

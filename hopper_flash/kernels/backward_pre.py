@@ -111,6 +111,10 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr,
     if VARLEN:
         if (pid_m == 0) & (h == 0):
             _rank_sequence(b, length, cu_ptr, used_ptr, order_ptr, tl.num_programs(2), SEQUSED)
+            if b == 0:
+                # The main kernel's persistent grid (fast mode) draws its
+                # items from a counter after the order: zero it every call.
+                tl.store(order_ptr + tl.num_programs(2), 0)
     rows = pid_m * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, HEAD_DIM)
     valid = rows < length
