@@ -54,6 +54,19 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);
   ``scripts/bwd_timeline.py`` runs it and prints where a step's time goes.
+* ``bwd-persistent-fixed`` (forty-first session, CPU-checked, not run): the
+  shipped varlen persistent grid (``PERSISTENT``, D = 128 fast mode) on
+  fixed lengths too, the item counter at the order pointer (the workspace
+  one int longer, zeroed by the preprocess). ``bwd-persistent`` was 4.7%
+  faster at B4 H32 S2048 causal and 1-2% slower at S8192 (BENCHMARKS.md,
+  forty-first session): screen S = 1024..8192 to find where it stops
+  winning, e.g. ``bash scripts/device_session.sh screen ROWS.json
+  bwd-persistent-fixed -- --pass bwd``, for a host rule on short rows.
+  Census (triton 3.6): stack 8 bytes (16 shipped); the causal kernel's
+  second step loop has 2 local loads per step at its head (0 in the
+  measured ``bwd-persistent``, 0 shipped); the shipped varlen persistent
+  kernels have 1 (non-causal) and 3 (causal) in theirs, against 0 in
+  ce39ea5's one-CTA-per-tile varlen kernels.
 * (``bwd-persistent``, written in the fortieth session, timed in the
   forty-first: the fast backward at D = 64/128 on a persistent grid. 1.0-1.4%
   faster on the D = 128 varlen block, and shipped there (varlen fast mode at
