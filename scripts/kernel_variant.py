@@ -62,11 +62,11 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   forty-first session): screen S = 1024..8192 to find where it stops
   winning, e.g. ``bash scripts/device_session.sh screen ROWS.json
   bwd-persistent-fixed -- --pass bwd``, for a host rule on short rows.
-  Census (triton 3.6): stack 8 bytes (16 shipped); the causal kernel's
-  second step loop has 2 local loads per step at its head (0 in the
-  measured ``bwd-persistent``, 0 shipped); the shipped varlen persistent
-  kernels have 1 (non-causal) and 3 (causal) in theirs, against 0 in
-  ce39ea5's one-CTA-per-tile varlen kernels.
+  Census (triton 3.6): stack 8 bytes (16 shipped); the causal kernel
+  reloads 2 spilled values once per query head of a tile (at the head of
+  the loop over the GQA group, outside the step loop; 0 in the measured
+  ``bwd-persistent``); the shipped varlen persistent kernels 1
+  (non-causal) and 3 (causal) so.
 * (``bwd-persistent``, written in the fortieth session, timed in the
   forty-first: the fast backward at D = 64/128 on a persistent grid. 1.0-1.4%
   faster on the D = 128 varlen block, and shipped there (varlen fast mode at
