@@ -11,6 +11,14 @@ mean cycles and the share of the traced steps' time:
     python scripts/kernel_variant.py bwd-timeline .wt/btl
     PYTHONPATH=.wt/btl python -P scripts/bwd_timeline.py [--seqlen 8192] [--headdim 128]
 
+``bwd-persistent-timeline`` is the same on the persistent grid at D=128
+(``bwd-persistent-fixed``), traced per item (KV tile) rather than per CTA,
+steps counted from each item's first. Both record each item's CTA and SM,
+so the report also gives the gap between consecutive items on one SM (the
+previous item's end to the next one's start: a CTA's exit and the next
+one's launch on the one-CTA-per-tile grid, the hand-off on the persistent
+one) and the items per SM.
+
 Phases of a step (``_bwd_consumer_split_keys``, ``_p_and_ds``):
 ``wait_q`` the wait for Q (and its L2), ``st`` the wait for Sᵀ (issued with
 dPᵀ behind it), ``p_ds`` P, the wait for dPᵀ and dS, ``dv_ds`` dV's issue,
@@ -61,6 +69,7 @@ def report(t, label):
     wrap = 1 << 32
     phases = {p: [] for p in STEP_PHASES + ("between", "step")}
     cta = {"kv_wait": [], "to_first_step": [], "epilogue": []}
+    spans = {}  # SM -> [(start, end)] of its items
     totals = {p: 0 for p in STEP_PHASES + ("between",)}
     traced = 0
     for c in range(t.shape[0]):
@@ -83,11 +92,23 @@ def report(t, label):
             cta["to_first_step"].append(int((ev[0, 0] - s[1]) % wrap))
             if n < STEPS - 1:  # every step traced: the epilogue follows the last one
                 cta["epilogue"].append(int((s[2] - ev[n - 1, 8]) % wrap))
-    print(f"## {label}: {len(phases['step'])} steps traced in {t.shape[0]} CTAs, cycles")
+        s = ev[STEPS - 1]
+        spans.setdefault(int(s[5]), []).append((int(s[0]) % wrap, int(s[2]) % wrap))  # unsigned clocks
+    print(f"## {label}: {len(phases['step'])} steps traced in {t.shape[0]} items (CTAs or tiles), cycles")
     print_phases(STEP_PHASES + ("between",), phases, totals, traced)
     print_row("step", phases["step"])
     for p, xs in cta.items():
         print_row("cta " + p, xs, width=18)
+    if len(spans) > 1:  # SM ids recorded (a variant before the forty-first session wrote none)
+        gaps = []
+        for items in spans.values():
+            starts = [a for a, _ in items]
+            if max(starts) - min(starts) > wrap // 2:  # the 32-bit clock wrapped during the run
+                items = [((a + wrap if a < wrap // 2 else a), (b + wrap if b < wrap // 2 else b)) for a, b in items]
+            items.sort()
+            gaps += [(nxt[0] - prev[1]) % wrap for prev, nxt in zip(items, items[1:])]
+        print_row("gap between items on an SM", gaps, width=28)
+        print_row("items per SM", [len(v) for v in spans.values()], width=28)
 
 
 def main():

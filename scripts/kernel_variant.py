@@ -54,6 +54,17 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);
   ``scripts/bwd_timeline.py`` runs it and prints where a step's time goes.
+  Since the forty-first session it also records each CTA's SM, for the
+  gap between consecutive CTAs on one SM.
+* ``bwd-persistent-timeline`` (forty-first session, CPU-checked, not run):
+  ``bwd-timeline`` on ``bwd-persistent-fixed``'s grid (persistent at
+  D = 128, fixed lengths too), traced per item (KV tile) instead of per
+  CTA, steps counted from each item's first: where a tile's time goes on
+  the persistent grid, against ``bwd-timeline``'s one CTA per tile (why it
+  loses 1-2% on long fixed rows and wins on short ones). On the device:
+  ``python scripts/kernel_variant.py bwd-persistent-timeline /tmp/ptl &&
+  PYTHONPATH=/tmp/ptl python -P scripts/bwd_timeline.py --seqlen 2048 8192``,
+  and the same for ``bwd-timeline``.
 * ``bwd-persistent-fixed`` (forty-first session, CPU-checked, not run): the
   shipped varlen persistent grid (``PERSISTENT``, D = 128 fast mode) on
   fixed lengths too, the item counter at the order pointer (the workspace
