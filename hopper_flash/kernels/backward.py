@@ -76,10 +76,9 @@ producer hands to the consumers (``_bwd_producer_loop``,
 ``_bwd_consumer_loop``). A tile past its sequence's keys then costs a
 decode, and the next tile's K and V load under the current tile's epilogue:
 the consumers release them (``kv_empty``) and write dK/dV through the dQ
-staging tiles. 1.0-1.3% faster on the varlen block; at D = 64 the same grid
-was 4-5% slower there, and on fixed lengths faster on short rows but 1-2%
-slower on long ones (BENCHMARKS.md, forty-first session), so those keep one
-CTA per tile.
+staging tiles: 1.0-1.3% faster on the varlen block (at D = 64 4-5% slower,
+on fixed lengths 1-2% slower on long rows: BENCHMARKS.md, forty-first
+session; those keep one CTA per tile).
 
 The partitions (``_bwd_producer``, ``_bwd_consumer``, their loops on the
 persistent grid) and the step helpers take aggregates: ``BwdMode``
@@ -105,7 +104,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.language.nvidia.hopper.tma import tensor_descriptor
 
-from .compat import aggregate, init_fields, thread_barrier, tma_atomic_add, tma_load, tma_store, tma_store_wait_complete
+from .compat import (aggregate, init_fields, smem_reinterpret, thread_barrier, tma_atomic_add, tma_load, tma_store,
+                     tma_store_wait_complete)
 from .scheduler import SCHED_FIELDS, SCHED_STAGES, draw_item, publish_item, receive_item, section_coords
 from .mask import apply_mask_keys_by_queries, tile_needs_mask
 from .pipeline import release, release_each, ring_slot, wait_empty, wait_full
@@ -671,8 +671,8 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, st
         tma.store_wait(0)
         thread_barrier()
         mbarrier.arrive(kv_empty, count=1)
-        dk_buf = rings.dq_smem.index(0)._reinterpret(dtype, prob.dk_desc.block_type.shape, prob.dk_desc.layout)
-        dv_buf = rings.dq_smem.index(1)._reinterpret(dtype, prob.dv_desc.block_type.shape, prob.dv_desc.layout)
+        dk_buf = smem_reinterpret(rings.dq_smem.index(0), dtype, prob.dk_desc.block_type.shape, prob.dk_desc.layout)
+        dv_buf = smem_reinterpret(rings.dq_smem.index(1), dtype, prob.dv_desc.block_type.shape, prob.dv_desc.layout)
         dk_buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]).store((dk * prob.softmax_scale).to(dtype))
         dv_buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]).store(dv.to(dtype))
         _store_dk_dv(rings, prob, tile, mode, NUM_WARPS, dk_buf, dv_buf)

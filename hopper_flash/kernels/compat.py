@@ -13,6 +13,7 @@ resolved here, once, so kernel code never tests a version.
 | barrier over the partition's threads | ``gl.thread_barrier`` | ``gl.barrier`` (the old name is gone) |
 | TMA reduce-add shared -> global | no Gluon builtin; the builder's ``create_async_tma_reduce`` backs ``tma_atomic_add`` below | ``tma.async_atomic_add`` |
 | aggregates (structs a jit function takes and passes on) | ``triton.language.core._aggregate`` | ``gluon.aggregate`` |
+| a shared buffer seen as another dtype/shape/layout | ``desc._reinterpret(dtype, shape, layout)`` | 3.9: ``desc.reinterpret(...)`` (the private name is gone) |
 
 The names below are Gluon builtins, re-bound: a ``@gluon.jit`` function calls
 ``tma_load(desc, coord, bar, buf)`` exactly as it would call the original.
@@ -89,5 +90,17 @@ def init_fields(obj, args, constexpr=False):
 # bar.sync over the calling partition's warps (all warps outside warp_specialize).
 thread_barrier = _gl.barrier if hasattr(_gl, "barrier") else _gl.thread_barrier
 
-__all__ = ["HAS_ASYNC_LOAD", "aggregate", "cp_async_load", "init_fields", "tma_load", "tma_store", "tma_atomic_add",
-           "tma_store_wait_complete", "thread_barrier"]
+from triton.experimental.gluon.language._core import builtin as _builtin_any  # noqa: E402
+from triton.experimental.gluon.language._core import shared_memory_descriptor as _smem  # noqa: E402
+
+_REINTERPRET = getattr(_smem, "reinterpret", None) or _smem._reinterpret  # 3.9 made it public
+
+
+@_builtin_any
+def smem_reinterpret(buf, dtype, shape, layout, _semantic=None):
+    """``buf`` (a shared memory descriptor) as ``dtype``, ``shape`` and
+    ``layout``: the same bytes, another view."""
+    return _REINTERPRET(buf, dtype, shape, layout, _semantic=_semantic)
+
+__all__ = ["HAS_ASYNC_LOAD", "aggregate", "cp_async_load", "init_fields", "smem_reinterpret", "tma_load", "tma_store",
+           "tma_atomic_add", "tma_store_wait_complete", "thread_barrier"]
