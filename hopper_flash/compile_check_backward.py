@@ -4,6 +4,14 @@ census (registers, spills, shared memory, SASS opcodes), as
 
 ``python -m hopper_flash.compile_check_backward`` prints a table of every
 shipped backward specialisation.
+
+Comparing two trees' kernels: the head-dim-64 and 128 backward kernels
+compile to the same SASS on every run, but ptxas (12.8, triton 3.6's) does
+not at head dim 256: one PTX gives different cubins from run to run (same
+opcodes, other registers or order; BENCHMARKS.md, forty-first session).
+Compare D = 256 by PTX (less its line info), and recompile with
+``TRITON_ALWAYS_COMPILE=1``: Triton's cache otherwise hands back the last
+build.
 """
 from __future__ import annotations
 
