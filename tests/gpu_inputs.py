@@ -16,6 +16,23 @@ def rnd(*shape, dtype=torch.bfloat16, seed=0, magnitude=1.0):
     return (torch.randn(*shape, device=DEV, generator=gen) * magnitude).to(dtype)
 
 
+def capture(fn, warmup=2):
+    """``(graph, result)``: ``fn`` run ``warmup`` times on a side stream (so
+    allocations and compiles happen outside the capture), then captured
+    into a CUDA graph; ``result`` is what the captured call returned, whose
+    buffers each ``graph.replay()`` rewrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
+
+
 def cu(lengths):
     """int32 prefix sums ``[0, l0, l0 + l1, ...]`` on the GPU (``cu_seqlens``)."""
     return torch.tensor([0] + list(lengths), device=DEV).cumsum(0).to(torch.int32)

@@ -24,7 +24,7 @@ from hopper_flash.reference import (
     varlen_reference,
     varlen_spans,
 )
-from gpu_inputs import cu
+from gpu_inputs import capture, cu
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -240,15 +240,7 @@ def test_backward_cuda_graph_replay_with_new_cu_seqlens():
         out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, total, total, causal=True)
         return torch.autograd.grad(out, (q, k, v), dout)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        grads = step()
+    graph, grads = capture(step)
     qd, kd, vd = (x.detach() for x in (q, k, v))
     for lens_q, lens_k in (([1, 4000, 0, 95], [1, 4000, 0, 95]), ([2048, 1, 1, 2046], [100, 3000, 1, 995]),
                            ([500, 7, 0, 300], [600, 1, 33, 3000]), ([4096, 0, 0, 0], [4096, 0, 0, 0])):
