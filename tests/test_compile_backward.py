@@ -167,8 +167,12 @@ def test_window_specialisations_compile_like_the_rest(head_dim, causal, det, win
 # (72-112, 29-40). Keeping (1 - T²) in fp16 instead of P ⊙ (1 - T²) in fp32
 # saved only 0-6 of those accesses (thirty-first session), so the cost is
 # pinned here instead; its time is in BENCHMARKS.md (scripts/softcap_bench.py).
+# D = 128 varlen runs on the persistent grid since the forty-first session,
+# whose tile loop puts more code between the first and last wgmma: causal
+# (56, 15) under triton 3.6 and (80, 17) under 3.9, against (72, 13) and
+# (72, 13) one CTA per tile.
 SOFTCAP_ALLOWANCE = {  # (head dim, varlen): (stack bytes, step-loop local accesses)
-    (64, False): (0, 0), (64, True): (0, 0), (128, False): (72, 16), (128, True): (80, 16),
+    (64, False): (0, 0), (64, True): (0, 0), (128, False): (72, 16), (128, True): (80, 18),
     (256, False): (64, 24), (256, True): (128, 48)}
 SOFTCAP_SPECS = [(64, True, False, False), (64, False, True, False), (64, True, False, True),
                  (128, True, False, False), (128, False, True, False), (128, True, False, True),
