@@ -588,7 +588,8 @@ def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, del
     zeroed on the same rows. ``varlen = (cu_seqlens_q, seqused_q, batch,
     max_seqlen_q)``; see ``preprocess_launch``. With ``sink``, returns the
     sinks' gradient (as ``launch_backward``). Varlen: the sequences' order
-    goes to ``order`` (int32 ``[batch]``; a scratch tensor if None)."""
+    goes to ``order`` (int32 ``[batch + 1]``, the last the main kernel's item
+    counter, zeroed; a scratch tensor if None)."""
     launch = preprocess_launch(out, dout, lse, delta.shape[-1], block_m, _small_varlen(varlen), sink is not None)
     part, sink_ptrs = _sink_partials(launch, plan.sink_arg(sink), delta)
     if varlen is None:

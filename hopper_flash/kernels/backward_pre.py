@@ -100,7 +100,7 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr,
     ``sink_ptr`` the sinks ``[H]``, ``part_ptr`` fp32 ``[H, B, blocks]``
     (neither read otherwise). VARLEN: the programs of block 0, head 0 also
     rank the sequences for the main kernel's grid into ``order_ptr`` (int32
-    ``[B]``, ``_rank_sequence``)."""
+    ``[B + 1]``, ``_rank_sequence``; the last, the grid's item counter, 0)."""
     so_b, so_s, so_h = so8_b * 8, so8_s * 8, so8_h * 8
     sdo_b, sdo_s, sdo_h = sdo8_b * 8, sdo8_s * 8, sdo8_h * 8
     pid_m = tl.program_id(0)

@@ -102,5 +102,6 @@ def smem_reinterpret(buf, dtype, shape, layout, _semantic=None):
     ``layout``: the same bytes, another view."""
     return _REINTERPRET(buf, dtype, shape, layout, _semantic=_semantic)
 
+
 __all__ = ["HAS_ASYNC_LOAD", "aggregate", "cp_async_load", "init_fields", "smem_reinterpret", "tma_load", "tma_store",
            "tma_atomic_add", "tma_store_wait_complete", "thread_barrier"]
