@@ -16,6 +16,7 @@ import torch
 import hopper_flash
 from hopper_flash import interface, ops, plan_backward
 from hopper_flash.reference import attention_reference_grads, check_attention_grads
+from gpu_inputs import capture
 
 pytestmark = pytest.mark.gpu
 
@@ -156,15 +157,12 @@ def test_torch_compile_training_step():
 def test_cuda_graph_forward_backward():
     q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            eager = torch.autograd.grad(hopper_flash.flash_attn_func(q, k, v, causal=True), (q, k, v), do)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = torch.autograd.grad(hopper_flash.flash_attn_func(q, k, v, causal=True), (q, k, v), do)
+
+    def step():
+        return torch.autograd.grad(hopper_flash.flash_attn_func(q, k, v, causal=True), (q, k, v), do)
+
+    graph, captured = capture(step)
+    eager = step()
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(captured, eager))
