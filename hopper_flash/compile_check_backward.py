@@ -17,14 +17,15 @@ from __future__ import annotations
 
 from .compile_check import SASS_OPS, CompileReport, _TORCH_TO_SIG, read_census
 from .plan import compile_options, smem_layout
-from .plan_backward import BACKWARD_CONFIGS, fp32_smem_layout, BackwardConfig, block_shapes, kernel_constexprs
+from .plan_backward import (BACKWARD_CONFIGS, BackwardConfig, block_shapes, fp32_smem_layout, kernel_constexprs,
+                            persistent_grid)
 
 BWD_SASS_OPS = SASS_OPS + ("RED", "ATOM", "BAR")
 
 
 def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool = True,
                      deterministic: bool = False, varlen: bool = False, seqused: bool = False, window=None,
-                     softcap: bool = False):
+                     softcap: bool = False, short_rows: bool = False):
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -39,7 +40,7 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
         return f"tensordesc<{sig_dtype}[{', '.join(map(str, block))}],{smem_layout(block, tdtype)!r}>"
 
     blocks = block_shapes(cfg)
-    constexprs = kernel_constexprs(cfg, causal, deterministic, varlen, seqused, seqused, window, softcap)
+    constexprs = kernel_constexprs(cfg, causal, deterministic, varlen, seqused, seqused, window, softcap, short_rows)
     signature = {f"{name}_desc": desc_sig(blocks[name]) for name in ("q", "k", "v", "do", "dk", "dv")}
     dq_block = blocks["dq_accum"]
     signature["dq_desc"] = (f"tensordesc<fp32[{', '.join(map(str, dq_block))}],"
@@ -60,30 +61,36 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
 
 def census(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool = True,
            deterministic: bool = False, varlen: bool = False, seqused: bool = False, window=None,
-           softcap: bool = False) -> CompileReport:
+           softcap: bool = False, short_rows: bool = False) -> CompileReport:
     """``softcap``: the soft-capped specialisation (run with
-    ``plan_backward.softcap_config(cfg)``, as the plan does)."""
-    compiled = compile_backward(cfg, dtype, causal, deterministic, varlen, seqused, window, softcap)
+    ``plan_backward.softcap_config(cfg)``, as the plan does); ``short_rows``:
+    fixed lengths short enough for the persistent grid (D = 128 causal fast
+    mode, ``plan_backward.persistent_grid``)."""
+    compiled = compile_backward(cfg, dtype, causal, deterministic, varlen, seqused, window, softcap, short_rows)
     return read_census(compiled, BWD_SASS_OPS, head_dim=cfg.head_dim, dtype=dtype, causal=causal,
                        write_lse=deterministic)
 
 
 def shipped_specialisations():
-    """Every (config, dtype, causal, deterministic) the backward can launch."""
+    """Every (config, dtype, causal, deterministic, short_rows) the backward
+    can launch on fixed lengths; ``short_rows`` where that gives another
+    kernel (the persistent grid, ``plan_backward.persistent_grid``)."""
     for cfg in BACKWARD_CONFIGS.values():
         for dtype in ("bfloat16", "float16"):
             for causal in (False, True):
                 for deterministic in (False, True):
-                    yield cfg, dtype, causal, deterministic
+                    yield cfg, dtype, causal, deterministic, False
+                    if persistent_grid(cfg, causal, deterministic, False, True):
+                        yield cfg, dtype, causal, deterministic, True
 
 
 def main() -> None:
     rows = []
-    for cfg, dtype, causal, det in shipped_specialisations():
-        r = census(cfg, dtype, causal, det)
-        rows.append((r.head_dim, r.dtype, r.causal, det, r.registers, r.stack_bytes, r.shared_bytes,
+    for cfg, dtype, causal, det, short_rows in shipped_specialisations():
+        r = census(cfg, dtype, causal, det, short_rows=short_rows)
+        rows.append((r.head_dim, r.dtype, r.causal, det, short_rows, r.registers, r.stack_bytes, r.shared_bytes,
                      *(r.sass_counts[op] for op in BWD_SASS_OPS)))
-    header = ("D", "dtype", "causal", "det", "regs", "stack", "smem") + BWD_SASS_OPS
+    header = ("D", "dtype", "causal", "det", "short", "regs", "stack", "smem") + BWD_SASS_OPS
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     for row in (header, *rows):
         print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)), flush=True)

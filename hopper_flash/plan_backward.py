@@ -102,8 +102,10 @@ for _cfg in BACKWARD_CONFIGS.values():
 
 @lru_cache(maxsize=None)
 def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, varlen: bool = False,
-                      seqused_q: bool = False, seqused_k: bool = False, window=None, softcap: bool = False) -> dict:
-    """The constexpr arguments of ``attention_backward_kernel``."""
+                      seqused_q: bool = False, seqused_k: bool = False, window=None, softcap: bool = False,
+                      short_rows: bool = False) -> dict:
+    """The constexpr arguments of ``attention_backward_kernel``.
+    ``short_rows``: fixed lengths with ``seqlen_q <= PERSISTENT_MAX_SEQLEN_Q``."""
     # In the kernel's parameter order: the fast launch passes them positionally.
     return dict(
         BLOCK_M=cfg.block_m,
@@ -121,12 +123,26 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
         WINDOW_LEFT=window[0] if window else -1,
         WINDOW_RIGHT=window[1] if window else -1,
         SOFTCAP=bool(softcap),
-        # Varlen's fast mode at D = 128 runs on a persistent grid
-        # (kernels/backward.py); D = 64 (4-5% slower so) and fixed lengths (1-2%
-        # slower on long rows) measured faster without it (BENCHMARKS.md,
-        # forty-first session).
-        PERSISTENT=bool(varlen) and not deterministic and cfg.head_dim == 128,
+        PERSISTENT=persistent_grid(cfg, causal, deterministic, varlen, short_rows),
     )
+
+
+# The fast mode at D = 128 runs on a persistent grid (kernels/backward.py)
+# where it measured faster: varlen batches (1.0-1.3% on the 512..8192 block),
+# and causal fixed-length rows of at most this many queries (S = 1024-4096
+# square: 1-5% faster; S = 8192 within +-2%, non-causal S = 8192 1% slower,
+# non-causal short rows not timed). A tile's work grows with the queries, the
+# grid's saving (the next tile's K/V loaded under this one's epilogue, no CTA
+# launch) is per tile. D = 64 measured 4-5% slower on the varlen block.
+# BENCHMARKS.md, forty-first and forty-second sessions.
+PERSISTENT_MAX_SEQLEN_Q = 4096
+
+
+def persistent_grid(cfg: BackwardConfig, causal: bool, deterministic: bool, varlen: bool,
+                    short_rows: bool) -> bool:
+    """Whether the main kernel runs on the persistent grid (``PERSISTENT``)."""
+    fast = not deterministic and cfg.head_dim == 128
+    return fast and (bool(varlen) or (bool(causal) and bool(short_rows)))
 
 
 def block_shapes(cfg: BackwardConfig) -> dict[str, list[int]]:
@@ -255,7 +271,7 @@ class BackwardPlan:
         for r in rows:
             self.stat_elems *= r
         self.acc_elems = self.stat_elems * cfg.head_dim
-        self.order_elems = order_elems  # varlen: the sequences' order and the item counter (int32), else 0
+        self.order_elems = order_elems  # varlen: the sequences' order, then the item counter (int32); fixed: the counter
         self.sem_shape = sem_shape  # deterministic mode's int32 semaphores, else None
         self.grid = grid
         self.ints = ints  # the main kernel's arguments after its pointers, constexpr values last
@@ -373,7 +389,8 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
                section, (softcap if softcap else softmax_scale) * LOG2E, softmax_scale)
     constexprs = kernel_constexprs(cfg, causal, deterministic, varlen is not None,
                                    varlen is not None and varlen.seqused_q is not None,
-                                   varlen is not None and varlen.seqused_k is not None, window, softcap > 0)
+                                   varlen is not None and varlen.seqused_k is not None, window, softcap > 0,
+                                   varlen is None and seqlen_q <= PERSISTENT_MAX_SEQLEN_Q)
     key = (q.device.index, q.dtype, bool(causal), bool(deterministic), cfg, tuple(constexprs.values()))
     zero_tails = (None, None)
     if varlen is not None:
@@ -385,7 +402,7 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
                         constexprs, key,
                         preprocess_launch(out, dout, lse, seqlen_q_rounded, cfg.block_m, small, sink),
                         postprocess_launch(dq, seqlen_q_rounded, softmax_scale, cfg.block_m, small), zero_tails,
-                        0 if varlen is None else batch + 1)
+                        1 if varlen is None else batch + 1)
 
 
 def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, causal: bool,
@@ -429,8 +446,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     dev = q.device
     # One allocation: dq_accum [rows, D] (zeroed by the preprocess), then Δ
     # and L2, then (varlen) the order in which the main kernel takes the
-    # sequences and its persistent grid's item counter (both written by the
-    # preprocess).
+    # sequences, then (every mode) its persistent grid's item counter (both
+    # written by the preprocess; the counter is read only on that grid).
     ws = torch.empty(lp.workspace_elems, dtype=torch.float32, device=dev)
     acc_end, n = lp.acc_elems, lp.stat_elems
     dq_accum = ws[:acc_end].view(-1, lp.cfg.head_dim)
@@ -438,7 +455,8 @@ def launch_backward(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale: float, c
     sem = delta if lp.sem_shape is None else torch.zeros(lp.sem_shape, dtype=torch.int32, device=dev)
     if varlen is None:
         descs = (q, k, v, dout, dk, dv, dq_accum, lse2, delta)
-        cu_q = cu_k = used_q = used_k = order = sem  # never read
+        cu_q = cu_k = used_q = used_k = sem  # never read
+        order = ws[acc_end + 2 * n:].view(torch.int32)  # the persistent grid's item counter
         small = (delta, delta)  # never read (fp32 in every mode: one compiled pre/postprocess)
     else:
         # THD as [1, total, H, D]: the sequence start is a row coordinate.
@@ -587,13 +605,13 @@ def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, del
     of ``seqlen_q_rounded`` rows per head (their last axis) and ``dq_accum``
     zeroed on the same rows. ``varlen = (cu_seqlens_q, seqused_q, batch,
     max_seqlen_q)``; see ``preprocess_launch``. With ``sink``, returns the
-    sinks' gradient (as ``launch_backward``). Varlen: the sequences' order
-    goes to ``order`` (int32 ``[batch + 1]``, the last the main kernel's item
-    counter, zeroed; a scratch tensor if None)."""
+    sinks' gradient (as ``launch_backward``). ``order`` (a scratch tensor if
+    None): int32, varlen ``[batch + 1]``, the sequences' order and the main
+    kernel's item counter, zeroed; fixed lengths ``[1]``, the counter."""
     launch = preprocess_launch(out, dout, lse, delta.shape[-1], block_m, _small_varlen(varlen), sink is not None)
     part, sink_ptrs = _sink_partials(launch, plan.sink_arg(sink), delta)
     if varlen is None:
-        order = delta  # never read
+        order = torch.empty(1, dtype=torch.int32, device=delta.device) if order is None else order
     elif order is None:
         order = torch.empty(varlen[2] + 1, dtype=torch.int32, device=delta.device)
     launch((out, dout, lse, delta, lse2, dq_accum, *_small_ptrs(delta, varlen), *sink_ptrs, order))
@@ -637,11 +655,14 @@ def zero_tail(x: torch.Tensor, y: torch.Tensor | None, cu_seqlens: torch.Tensor)
 
 
 def workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int, deterministic: bool = False) -> int:
-    """Bytes of fp32/int32 workspace one backward call allocates."""
+    """Bytes of fp32/int32 workspace one backward call allocates (fixed
+    lengths): dq_accum, Δ and L2, the persistent grid's item counter (one
+    int32, zeroed every call, read only on that grid) and, deterministic,
+    the semaphores."""
     cfg = BACKWARD_CONFIGS[head_dim]
     m_tiles = triton_cdiv(seqlen_q, cfg.block_m)
     rows = batch * nheads * m_tiles * cfg.block_m
-    return 4 * rows * (head_dim + 2) + (4 * batch * nheads * m_tiles if deterministic else 0)
+    return 4 * rows * (head_dim + 2) + 4 + (4 * batch * nheads * m_tiles if deterministic else 0)
 
 
 __all__ = ["BackwardConfig", "BACKWARD_CONFIGS", "BACKWARD_HEAD_DIMS", "block_shapes", "grid",

@@ -12,7 +12,7 @@ mean cycles and the share of the traced steps' time:
     PYTHONPATH=.wt/btl python -P scripts/bwd_timeline.py [--seqlen 8192] [--headdim 128]
 
 ``bwd-persistent-timeline`` is the same on the persistent grid at D=128
-(``bwd-persistent-fixed``), traced per item (KV tile) rather than per CTA,
+(every fixed-length fast call), traced per item (KV tile) rather than per CTA,
 steps counted from each item's first. Both record each item's CTA and SM,
 so the report also gives the gap between consecutive items on one SM (the
 previous item's end to the next one's start: a CTA's exit and the next

@@ -55,29 +55,27 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   K/V arrival and end into a buffer (``plan_backward.TRACE``);
   ``scripts/bwd_timeline.py`` runs it and prints where a step's time goes.
   Since the forty-first session it also records each CTA's SM, for the
-  gap between consecutive CTAs on one SM.
-* ``bwd-persistent-timeline`` (forty-first session, CPU-checked, not run):
-  ``bwd-timeline`` on ``bwd-persistent-fixed``'s grid (persistent at
-  D = 128, fixed lengths too), traced per item (KV tile) instead of per
+  gap between consecutive CTAs on one SM. Fixed lengths run one CTA per
+  tile in it (the shipped kernel's short causal rows run persistent since
+  the forty-second session; the trace is per CTA).
+* ``bwd-persistent-timeline`` (forty-first session, run in the
+  forty-second): ``bwd-timeline`` on the persistent grid at D = 128 for
+  every fixed-length fast call, traced per item (KV tile) instead of per
   CTA, steps counted from each item's first: where a tile's time goes on
-  the persistent grid, against ``bwd-timeline``'s one CTA per tile (why it
-  loses 1-2% on long fixed rows and wins on short ones). On the device:
-  ``python scripts/kernel_variant.py bwd-persistent-timeline /tmp/ptl &&
-  PYTHONPATH=/tmp/ptl python -P scripts/bwd_timeline.py --seqlen 2048 8192``,
-  and the same for ``bwd-timeline``.
-* ``bwd-persistent-fixed`` (forty-first session, CPU-checked, not run): the
-  shipped varlen persistent grid (``PERSISTENT``, D = 128 fast mode) on
-  fixed lengths too, the item counter at the order pointer (the workspace
-  one int longer, zeroed by the preprocess). ``bwd-persistent`` was 4.7%
-  faster at B4 H32 S2048 causal and 1-2% slower at S8192 (BENCHMARKS.md,
-  forty-first session): screen S = 1024..8192 to find where it stops
-  winning, e.g. ``bash scripts/device_session.sh screen ROWS.json
-  bwd-persistent-fixed -- --pass bwd``, for a host rule on short rows.
-  Census (triton 3.6): stack 8 bytes (16 shipped); the causal kernel
-  reloads 2 spilled values once per query head of a tile (at the head of
-  the loop over the GQA group, outside the step loop; 0 in the measured
-  ``bwd-persistent``); the shipped varlen persistent kernels 1
-  (non-causal) and 3 (causal) so.
+  the persistent grid, against ``bwd-timeline``'s one CTA per tile. On the
+  device: ``python scripts/kernel_variant.py bwd-persistent-timeline
+  /tmp/ptl && PYTHONPATH=/tmp/ptl python -P scripts/bwd_timeline.py
+  --seqlen 2048 8192``, and the same for ``bwd-timeline``. Forty-second
+  session (B4 H32 causal D128): the gap between two tiles on an SM ~815
+  cycles against ~1850, the K/V wait ~115 against ~2860, but steps ~4.5%
+  longer (median 3898 against 3728 cycles) and the epilogue ~1200 longer
+  (BENCHMARKS.md).
+* (``bwd-persistent-fixed``, forty-first session, screened in the
+  forty-second: the persistent grid on every fixed-length fast call at
+  D = 128. 1-5% faster on causal rows of 1024-4096 queries, within ±2% at
+  causal S = 8192 and GQA S = 8192, 1% slower non-causal S = 8192; shipped
+  for causal rows of at most 4096 queries (``plan_backward.persistent_grid``).
+  Its text: ``git show f165cef:scripts/variants/bwd-persistent-fixed.patch``.)
 * (``bwd-persistent``, written in the fortieth session, timed in the
   forty-first: the fast backward at D = 64/128 on a persistent grid. 1.0-1.4%
   faster on the D = 128 varlen block, and shipped there (varlen fast mode at

@@ -22,6 +22,7 @@ def log(monkeypatch):
     monkeypatch.setattr(plan_backward.SmallLaunch, "__call__", lambda self, pointers: None)
     monkeypatch.setattr(plan, "driver", FakeDriver)
     monkeypatch.setattr(plan_backward, "_COMPILED", {})
+    monkeypatch.setattr(plan, "sm_count", lambda device=None: 132)  # the persistent grid's size (no GPU here)
     return entries
 
 
@@ -119,6 +120,7 @@ def test_planned_launches_take_what_the_looked_up_ones_take(monkeypatch, determi
     monkeypatch.setattr(plan_backward, "_COMPILED", {})
     monkeypatch.setattr(plan_backward, "_PLANS", {})
     monkeypatch.setattr(plan_backward, "FAST_LAUNCH", True)
+    monkeypatch.setattr(plan, "sm_count", lambda device=None: 132)
     q = torch.randn(2, 129, 4, 128).to(torch.bfloat16)
     k = torch.randn(2, 200, 2, 128).to(torch.bfloat16)
     lse = torch.zeros(2, 4, 129)
@@ -197,3 +199,26 @@ def test_planned_varlen_launches_take_what_the_looked_up_ones_take(monkeypatch, 
     if not seqused:
         assert planned[0][1][LAUNCH_PARAMS:LAUNCH_PARAMS + 3] == (grads[0], grads[0], cu_q)
         assert planned[1][1][LAUNCH_PARAMS:LAUNCH_PARAMS + 3] == (grads[1], grads[2], cu_k)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("sq", [129, 4096, 4097])
+def test_persistent_grid_only_on_short_causal_rows_at_d128(monkeypatch, log, d, causal, deterministic, sq):
+    # The fast mode at D = 128 runs causal rows of at most 4096 queries on a
+    # persistent grid (at most one CTA per SM: 5 here) that draws its items
+    # from a counter; everything else launches one CTA per item.
+    monkeypatch.setattr(plan, "sm_count", lambda device=None: 5)
+    monkeypatch.setattr(plan_backward, "_PLANS", {})  # plans cache the grid
+    call(batch=2, sq=sq, sk=200, h=4, hkv=2, d=d, causal=causal, deterministic=deterministic)
+    _, grid, args, kwargs = log[0]
+    bound = dict(zip(ARG_NAMES, args))
+    bound.update({name: value for name, value in kwargs.items() if name in ARG_NAMES})
+    items = -(-200 // plan_backward.BACKWARD_CONFIGS[d].block_n) * 2 * 2  # KV tiles x KV heads x batch
+    persistent = d == 128 and causal and not deterministic and sq <= 4096
+    assert bound["PERSISTENT"] is persistent
+    assert tuple(grid) == ((5 if persistent else items), 1, 1)
+    # The counter: one int32 of the workspace, after Δ and L2.
+    assert bound["order_ptr"].dtype == torch.int32 and bound["order_ptr"].numel() == 1
+    assert bound["order_ptr"].data_ptr() == bound["delta_desc"].base.data_ptr() + 8 * bound["delta_desc"].base.numel()

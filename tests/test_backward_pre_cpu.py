@@ -6,8 +6,8 @@ statistics computed here from the same inputs.
 
 What it checks: on the fixed-length batch, Δ = rowsum(dO·O) and L2 =
 LSE·log2(e) on every live row, padding rows L2 = +inf and Δ = 0, dq_accum's
-rows zeroed (the varlen statistics' padded layout is the GPU tests'
-business); and on every batch, with attention sinks (fp32 or bf16, read in
+rows zeroed, the persistent grid's item counter zeroed (the varlen
+statistics' padded layout is the GPU tests' business); and on every batch, with attention sinks (fp32 or bf16, read in
 their dtype), the sinks' gradient from the per-block partials, ds_h = -sum exp(s_h - LSE')·Δ over the rows whose LSE'
 exceeds s_h. The rows that saw no key (LSE' = s_h exactly) get NaN in dO:
 they must add nothing. Fixed-length and varlen batches (with an empty
@@ -48,8 +48,10 @@ CHILD = PROLOGUE + textwrap.dedent("""
         nan = float("nan")
         delta, lse2 = torch.full(rows, nan), torch.full(rows, nan)
         acc = torch.full(rows + (out.shape[-1],), nan)
-        ds = plan_backward.bwd_preprocess(out, dout, lse, delta, lse2, acc, 64, varlen, sink)
-        results.append((delta, lse2, acc, ds))
+        # Fixed lengths: the main kernel's persistent-grid item counter, poisoned.
+        counter = torch.full((1,), -1, dtype=torch.int32) if varlen is None else None
+        ds = plan_backward.bwd_preprocess(out, dout, lse, delta, lse2, acc, 64, varlen, sink, order=counter)
+        results.append((delta, lse2, acc, ds, counter))
     torch.save(results, sys.argv[3])
 """)
 
@@ -125,7 +127,7 @@ def test_preprocess_statistics_and_sink_gradient(tmp_path, sink_dtype):
     # Each case again without sinks: the same statistics, no gradient.
     cases += [(o, do, lse, None, rows, vl) for o, do, lse, _, rows, vl in cases]
     results = _in_child(CHILD, cases, tmp_path)
-    for case, (delta, lse2, acc, ds) in zip(cases, results):
+    for case, (delta, lse2, acc, ds, counter) in zip(cases, results):
         out, dout, lse, sink, rows, varlen = case
         if sink is None:
             assert ds is None
@@ -144,6 +146,7 @@ def test_preprocess_statistics_and_sink_gradient(tmp_path, sink_dtype):
             assert torch.allclose(lse2[..., :s].double(), lse.double() * math.log2(math.e), rtol=1e-6)
             assert (lse2[..., s:] == float("inf")).all() and (delta[..., s:] == 0).all()
             assert (acc == 0).all()
+            assert counter.tolist() == [0]  # zeroed for the persistent grid
 
 
 ORDER_CHILD = PROLOGUE + textwrap.dedent("""

@@ -22,19 +22,23 @@ SPECS = list(ccb.shipped_specialisations())
 # deterministic mode had two dQ staging tiles, nineteenth session; it has one
 # since the twentieth: each reduce completes within its step anyway), a cost
 # of the slow mode pinned here so that it cannot grow unnoticed.
-# test_no_spills_in_the_step_loop checks where they are.
-STACK_ALLOWANCE = {(64, False): 48, (64, True): 56, (128, False): 32, (128, True): 32, (256, False): 48,
+# test_no_spills_in_the_step_loop checks where they are. The causal D=128
+# kernel of short rows (the persistent grid, forty-second session): 8 bytes
+# under 3.6, 40 under 3.9 (its step loop reloads 0 and 1 values).
+STACK_ALLOWANCE = {(64, False): 48, (64, True): 56, (128, False): 40, (128, True): 32, (256, False): 48,
                    (256, True): 240}
 
 
 def spec_id(spec):
-    cfg, dtype, causal, det = spec
-    return f"d{cfg.head_dim}-{dtype}-{'causal' if causal else 'full'}{'-det' if det else ''}"
+    cfg, dtype, causal, det, short_rows = spec
+    return f"d{cfg.head_dim}-{dtype}-{'causal' if causal else 'full'}{'-det' if det else ''}" \
+        f"{'-persistent' if short_rows else ''}"
 
 
 @functools.lru_cache(maxsize=None)
 def _census(spec):
-    return ccb.census(*spec)
+    cfg, dtype, causal, det, short_rows = spec
+    return ccb.census(cfg, dtype, causal, det, short_rows=short_rows)
 
 
 @pytest.fixture(params=SPECS, ids=spec_id)
@@ -43,9 +47,11 @@ def report(request):
 
 
 def test_specialisations_cover_the_configs():
-    assert {(c.head_dim, d, ca, de) for c, d, ca, de in SPECS} == {
-        (h, d, ca, de) for h in BACKWARD_CONFIGS for d in ("bfloat16", "float16") for ca in (False, True)
-        for de in (False, True)}
+    # Every mode one CTA per tile; and the fast causal D = 128 kernel of
+    # short fixed-length rows, which runs on the persistent grid.
+    assert {(c.head_dim, d, ca, de, sr) for c, d, ca, de, sr in SPECS} == {
+        (h, d, ca, de, False) for h in BACKWARD_CONFIGS for d in ("bfloat16", "float16") for ca in (False, True)
+        for de in (False, True)} | {(128, d, True, False, True) for d in ("bfloat16", "float16")}
 
 
 def test_no_tile_spills(report):
@@ -150,7 +156,7 @@ WINDOW_SPECS = [(64, True, False, (511, 0)), (128, True, False, (1023, 0)), (128
 def test_window_specialisations_compile_like_the_rest(head_dim, causal, det, window):
     cfg = BACKWARD_CONFIGS[head_dim]
     r = ccb.census(cfg, "bfloat16", causal, det, window=window)
-    plain = _census((cfg, "bfloat16", causal, det))
+    plain = _census((cfg, "bfloat16", causal, det, False))
     assert r.local_bytes == 0
     assert r.stack_bytes <= STACK_ALLOWANCE[head_dim, det], f"stack frame {r.stack_bytes} bytes"
     assert r.sass_counts["HGMMA"] == plain.sass_counts["HGMMA"]
@@ -170,10 +176,11 @@ def test_window_specialisations_compile_like_the_rest(head_dim, causal, det, win
 # D = 128 varlen runs on the persistent grid since the forty-first session,
 # whose tile loop puts more code between the first and last wgmma: causal
 # (56, 15) under triton 3.6 and (80, 17) under 3.9, against (72, 13) and
-# (72, 13) one CTA per tile.
+# (72, 13) one CTA per tile. Short causal fixed-length rows run on it since
+# the forty-second session ("short"): (40, 9) under 3.6, (88, 17) under 3.9.
 SOFTCAP_ALLOWANCE = {  # (head dim, varlen): (stack bytes, step-loop local accesses)
     (64, False): (0, 0), (64, True): (0, 0), (128, False): (72, 16), (128, True): (80, 18),
-    (256, False): (64, 24), (256, True): (128, 48)}
+    (128, "short"): (88, 18), (256, False): (64, 24), (256, True): (128, 48)}
 SOFTCAP_SPECS = [(64, True, False, False), (64, False, True, False), (64, True, False, True),
                  (128, True, False, False), (128, False, True, False), (128, True, False, True),
                  (256, True, False, False), (256, False, False, False), (256, True, False, True)]
@@ -194,9 +201,32 @@ def test_softcap_specialisations_compile_within_their_allowance(head_dim, causal
     # of the same config (D = 64's 64-query config is not a shipped one).
     assert "MUFU.TANH" in r.sass
     if cfg == BACKWARD_CONFIGS[head_dim]:
-        assert r.sass_counts["HGMMA"] == _census((cfg, "bfloat16", causal, det)).sass_counts["HGMMA"]
+        assert r.sass_counts["HGMMA"] == _census((cfg, "bfloat16", causal, det, False)).sass_counts["HGMMA"]
     assert r.sass_counts["UTMALDG"] > 0 and r.sass_counts["USETMAXREG"] > 0
 
 
 def test_uncapped_backward_runs_no_tanh(report):
     assert "MUFU.TANH" not in report.sass
+
+
+# The persistent grid's kernel for short causal rows (D = 128 fast mode,
+# plan_backward.persistent_grid) with a sliding window and with soft-capping:
+# the allowances of its plain form and of the soft-capped kernels above.
+@pytest.mark.parametrize("feature", ["window", "softcap"])
+def test_short_row_persistent_kernel_with_window_or_softcap(feature):
+    cfg = BACKWARD_CONFIGS[128]
+    if feature == "window":
+        r = ccb.census(cfg, "bfloat16", True, False, window=(1023, 0), short_rows=True)
+        stack, loop_local = STACK_ALLOWANCE[128, False], STEP_LOOP_LOCAL_ALLOWANCE[128]
+    else:
+        r = ccb.census(softcap_config(cfg), "bfloat16", True, False, softcap=True, short_rows=True)
+        stack, loop_local = SOFTCAP_ALLOWANCE[128, "short"]
+        assert "MUFU.TANH" in r.sass
+    assert r.local_bytes == 0
+    assert r.stack_bytes <= stack, f"stack frame {r.stack_bytes} bytes"
+    lines = r.sass.splitlines()
+    wgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
+    local = [line for line in lines[wgmma[0]:wgmma[-1]] if "LDL" in line or "STL" in line]
+    assert len(local) <= loop_local, local
+    assert r.sass_counts["HGMMA"] == _census((cfg, "bfloat16", True, False, False)).sass_counts["HGMMA"]
+    assert r.sass.count("WARPGROUP.DEPBAR") * 4 <= r.sass.count("HGMMA"), "wgmmas serialised"

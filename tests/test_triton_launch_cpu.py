@@ -70,8 +70,9 @@ def test_preprocess_fast_launch_binds_what_the_jit_binds(log):
     lse = torch.randn(2, 4, 129)
     delta, lse2 = torch.empty(2, 4, 192), torch.empty(2, 4, 192)
     acc = torch.empty(2, 4, 192, 128)
+    counter = torch.empty(1, dtype=torch.int32)  # the persistent grid's item counter
     for _ in range(2):
-        plan_backward.bwd_preprocess(out, dout, lse, delta, lse2, acc, 64)
+        plan_backward.bwd_preprocess(out, dout, lse, delta, lse2, acc, 64, order=counter)
     assert [e[0] for e in log] == ["jit", "fast"]
     _check_fast_equals_jit(log, backward_pre._bwd_preprocess_kernel.real)
     jit = _bound(backward_pre._bwd_preprocess_kernel.real, log[0][2], log[0][3])

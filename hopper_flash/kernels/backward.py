@@ -66,19 +66,22 @@ its longest tiles (every query tile of the sequence, times the GQA group)
 in the last wave (0.4-0.6% measured, ``scripts/varlen_bwd_order_model.py``).
 Deterministic mode keeps the caller's order.
 
-**Persistent grid (``PERSISTENT``: varlen, fast mode, D = 128).** The grid
-covers ``max_seqlen_k`` for every sequence, so on a mixed batch many of its
-CTAs fall past their sequence's keys and would only start and exit. There,
-at most one CTA per SM takes the items in the same order: the first its
-program id, the next ones from a counter after the sequence order
-(``scheduler.draw_item``, zeroed by the preprocess every call), which the
-producer hands to the consumers (``_bwd_producer_loop``,
-``_bwd_consumer_loop``). A tile past its sequence's keys then costs a
-decode, and the next tile's K and V load under the current tile's epilogue:
-the consumers release them (``kv_empty``) and write dK/dV through the dQ
-staging tiles: 1.0-1.3% faster on the varlen block (at D = 64 4-5% slower,
-on fixed lengths 1-2% slower on long rows: BENCHMARKS.md, forty-first
-session; those keep one CTA per tile).
+**Persistent grid (``PERSISTENT``: fast mode, D = 128, varlen or short
+causal rows; ``plan_backward.persistent_grid``).** The varlen grid covers
+``max_seqlen_k`` for every sequence, so on a mixed batch many of its CTAs
+fall past their sequence's keys and would only start and exit; and on
+short rows a CTA's launch and its first K/V load are a large part of a
+tile's time. There, at most one CTA per SM takes the items in the same
+order: the first its program id, the next ones from a counter (varlen:
+after the sequence order; ``scheduler.draw_item``, zeroed by the
+preprocess every call), which the producer hands to the consumers
+(``_bwd_producer_loop``, ``_bwd_consumer_loop``). A tile past its
+sequence's keys then costs a decode, and the next tile's K and V load under
+the current tile's epilogue: the consumers release them (``kv_empty``) and
+write dK/dV through the dQ staging tiles. 1.0-1.3% faster on the varlen
+block, 1-5% on causal rows of 1024-4096 queries; at D = 64 4-5% slower, on
+long fixed rows even or 1% slower (BENCHMARKS.md, forty-first and
+forty-second sessions; those keep one CTA per tile).
 
 The partitions (``_bwd_producer``, ``_bwd_consumer``, their loops on the
 persistent grid) and the step helpers take aggregates: ``BwdMode``
@@ -865,8 +868,9 @@ def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode:
 class BwdGrid:
     """What turns an item number (a CTA's index in the grid order, module
     docstring) into its KV tile: the grid's extents and the varlen
-    sequences' tables. The varlen fast mode's persistent grid draws items
-    from a counter after the sequence order (``order_ptr + batch``)."""
+    sequences' tables. The persistent grid draws items from a counter:
+    varlen, after the sequence order (``order_ptr + batch``), else
+    ``order_ptr``."""
     kv_tiles: gl.tensor
     heads_kv: gl.tensor
     batch: gl.tensor
@@ -946,7 +950,10 @@ def _bwd_producer_loop(prob: BwdProblem, rings: BwdRings, loop: BwdLoop, g: BwdG
             mbarrier.wait(loop.kv_empty, (kv_i & 1) ^ 1)
         step = _bwd_producer_tile(prob, rings, tile, step, mode)
         kv_i += tile.live.to(gl.int32)
-        item = draw_item(g.order_ptr + g.batch)
+        if mode.VARLEN:
+            item = draw_item(g.order_ptr + g.batch)  # after the sequences' order
+        else:
+            item = draw_item(g.order_ptr)
         publish_item(item, item * 0, item * 0, item * 0, loop.sched_smem, loop.sched_full, loop.sched_empty, i)
         i += 1
 
@@ -994,7 +1001,8 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     given row and head strides, ``order_ptr`` the sequences from the most
     query rows to the fewest (the preprocess's ``order``; not read in
     deterministic mode), then the persistent grid's item counter. Otherwise
-    the pointers and strides are unused."""
+    the pointers and strides are unused, but for ``order_ptr``: the
+    persistent grid's item counter."""
     if SPLIT_D:
         gl.static_assert(BLOCK_N == 64, "SPLIT_D: two warpgroups share 64 keys")
     else:
@@ -1052,7 +1060,7 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                      q_empty, do_full, do_empty)
     if PERSISTENT:
         # At most one CTA per SM, each looping over items (module docstring).
-        gl.static_assert(VARLEN and not DETERMINISTIC and HEAD_DIM == 128, "persistent: varlen fast mode, D = 128")
+        gl.static_assert(not DETERMINISTIC and HEAD_DIM == 128, "persistent: fast mode, D = 128")
         kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         sched_smem = gl.allocate_shared_memory(gl.int32, [SCHED_STAGES, SCHED_FIELDS],
                                                gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))

@@ -108,6 +108,9 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr,
     b = tl.program_id(2).to(tl.int64)
     start, length, stat0, owned = _sequence(b, cu_ptr, used_ptr, seqlen_q, seqlen_q_rounded, num_heads, BLOCK_M,
                                             VARLEN, SEQUSED)
+    if not VARLEN:
+        if (pid_m == 0) & (h == 0) & (b == 0):
+            tl.store(order_ptr, 0)  # the persistent grid's item counter, alone in ``order_ptr``
     if VARLEN:
         if (pid_m == 0) & (h == 0):
             _rank_sequence(b, length, cu_ptr, used_ptr, order_ptr, tl.num_programs(2), SEQUSED)
