@@ -70,6 +70,16 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   cycles against ~1850, the K/V wait ~115 against ~2860, but steps ~4.5%
   longer (median 3898 against 3728 cycles) and the epilogue ~1200 longer
   (BENCHMARKS.md).
+* ``bwd-persistent-ctas`` (forty-second session, CPU-checked, not run): the
+  persistent grid on every fast D = 128 call (fixed lengths of any length,
+  causal or not, and varlen), with at most ``BWD_CTAS`` CTAs (an
+  environment variable; default one per SM). For the question the
+  forty-second session's timelines leave (a step 2-4.5% slower on the
+  persistent grid): does the step time fall with fewer CTAs than SMs,
+  i.e. is it the memory side's load (the dQ reduce-adds, Q/dO loads)? E.g.
+  ``BWD_CTAS=112 bash scripts/device_session.sh screen
+  benchmarks/bwd-d128.json bwd-persistent-ctas -- --pass bwd`` for 132,
+  120, 112, 100. ``bwd-persistent-timeline`` takes ``BWD_CTAS`` too.
 * (``bwd-persistent-fixed``, forty-first session, screened in the
   forty-second: the persistent grid on every fixed-length fast call at
   D = 128. 1-5% faster on causal rows of 1024-4096 queries, within ±2% at

@@ -21,15 +21,18 @@ def test_variant_applies_and_changes_the_kernel(patch, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     changed = []
-    for shipped_file in sorted((ROOT / "hopper_flash" / "kernels").glob("*.py")):
-        variant = (tmp_path / "hopper_flash" / "kernels" / shipped_file.name).read_text()
+    # The kernels, or the plans that pick a kernel's switches and grid
+    # (bwd-persistent-ctas changes only the backward's grid).
+    shipped_files = [*(ROOT / "hopper_flash" / "kernels").glob("*.py"), *(ROOT / "hopper_flash").glob("plan*.py")]
+    for shipped_file in sorted(shipped_files):
+        variant = (tmp_path / shipped_file.relative_to(ROOT)).read_text()
         if variant != shipped_file.read_text():
             changed.append(shipped_file.name)
     # A module the shipped package lacks changes how the kernel compiles
     # (fwd-ring-nobar rewrites the forward's PTX from one).
     added = [p.name for p in (tmp_path / "hopper_flash").rglob("*.py")
              if not (ROOT / p.relative_to(tmp_path)).exists()]
-    assert changed or added, "the patch changed no kernel source and added no module"
+    assert changed or added, "the patch changed no kernel source or plan and added no module"
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.stem)
