@@ -13,10 +13,11 @@
 #       under $OUT.
 #   run:               bash scripts/device_session.sh vtests NAME [PYTEST PATHS]
 #       a measurement variant's GPU tests alone (default: the whole suite).
-#   run:               bash scripts/device_session.sh screen CONFIG.json NAME... [-- BENCH ARGS]
+#   run (carry .fa3):  bash scripts/device_session.sh screen CONFIG.json NAME... [-- BENCH ARGS]
 #       several variants timed without their tests: two rounds, each a
 #       process for the shipped package and then one per variant, FA3 and
-#       SDPA cuDNN beside (FA3 once built); JSON per process. At most 8
+#       SDPA cuDNN beside (waits for FA3's build, as bench does, unless
+#       SCREEN_FA3=0); JSON per process. At most 8
 #       files come back from a call: three variants fill them (2 rounds x 4).
 #       A NAME that is a folder is a package copy timed as it is (another
 #       branch against the checked-out tree).
@@ -128,6 +129,10 @@ case "${1:-}" in
     config=${2:?bench config}; shift 2
     names=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do names+=("$1"); shift; done
     build_variants "${names[@]}" || exit 1
+    # FA3 beside the screen: wait for its build (starting it on a bare
+    # machine; the forty-second session's screens ran without it after the
+    # machine was handed back between calls). SCREEN_FA3=0 skips it.
+    [ "${SCREEN_FA3:-1}" = 1 ] && wait_fa3 > /dev/null
     alternate "$config" "${names[@]}" "$@" ;;
   vscreen)
     shift
