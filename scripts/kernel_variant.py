@@ -80,6 +80,24 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   ``BWD_CTAS=112 bash scripts/device_session.sh screen
   benchmarks/bwd-d128.json bwd-persistent-ctas -- --pass bwd`` for 132,
   120, 112, 100. ``bwd-persistent-timeline`` takes ``BWD_CTAS`` too.
+* ``bwd-varlen-lpt`` (forty-second session, CPU-checked, not run): the
+  varlen backward's persistent grid (D = 128 fast mode) takes its items
+  KV head outermost, then every (sequence, KV tile) pair by its steps,
+  most first (a global longest-first order within each KV head), from a
+  table a small extra kernel ranks before the preprocess
+  (``backward_pre._rank_pairs_kernel``, O(pairs²): a measurement variant
+  for tens of sequences). The shipped order takes whole sequences longest
+  first, each KV head's tiles from the longest. The greedy-dispatch model
+  (``python scripts/varlen_bwd_order_model.py --persistent`` and the
+  session's scratch variants of it, BENCHMARKS.md) puts the shipped order
+  0.7% above the ideal on the bench's batch and this one 0.3%, and 0.6-1.2%
+  faster on six other mixes; the model has no L2, and this order keeps
+  more (sequence, KV head) pairs' Q and dO live at once. The rank kernel
+  was checked through triton 3.7's interpreter (a permutation, the
+  reference order); the step loops' SASS is the shipped one's. On the
+  device: ``VARIANT_TEST_TIMEOUT=300 bash scripts/device_session.sh vtests
+  bwd-varlen-lpt tests/test_varlen_gpu.py`` then ``bash
+  scripts/device_session.sh vscreen bwd-varlen-lpt``.
 * (``bwd-persistent-fixed``, forty-first session, screened in the
   forty-second: the persistent grid on every fixed-length fast call at
   D = 128. 1-5% faster on causal rows of 1024-4096 queries, within ±2% at

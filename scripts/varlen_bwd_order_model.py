@@ -1,4 +1,4 @@
-"""Usage: python scripts/varlen_bwd_order_model.py
+"""Usage: python scripts/varlen_bwd_order_model.py [--persistent | --forward]
 
 A greedy-dispatch model of the varlen backward's grid (no GPU): one CTA per
 (KV tile, KV head, sequence), each SM takes the next CTA in grid order when
@@ -10,8 +10,16 @@ STEP and OVERHEAD are the seventh session's timeline figures at D = 128
 (BENCHMARKS.md, "Where a backward step's time goes"). Prints the modelled
 time in the caller's order, with the sequences sorted longest first (what
 the kernel does since the fortieth session, fast mode) and for a global
-longest-first order of every CTA (a bound), for the bench's
+longest-first order of every CTA (a bound), and for variant
+``bwd-varlen-lpt``'s order (KV head outermost, then the (sequence, KV
+tile) pairs longest first), for the bench's
 ``--varlen 512:8192 --batch 16`` lengths and six other seeded mixes.
+
+``--persistent``: the figures of the persistent grid the D = 128 fast mode
+runs on since the forty-first session, from the forty-second session's
+timelines (B4 H32 S2048 causal, ``scripts/bwd_timeline.py``): a step 3898
+cycles (3728 one CTA per tile), an item's K/V wait, start, epilogue and
+hand-off 6300 (8780 one CTA per tile), a dead item a decode (~200).
 
 ``--forward``: the same for the forward's varlen items (a 128-row query
 tile of one of 32 query heads, causal, (tile + 1) KV steps of FWD_STEP
@@ -43,6 +51,15 @@ def grid_order(lens, seqs):
     return [(b, n) for b in seqs for _ in range(HKV) for n in range(tiles)]
 
 
+def pair_order(lens):
+    """Variant ``bwd-varlen-lpt``'s order: KV head outermost, then every
+    (sequence, KV tile) pair by cost, most first, ties by index."""
+    tiles = math.ceil(max(lens) / BLOCK_N)
+    pairs = sorted(((b, n) for b in range(len(lens)) for n in range(tiles)),
+                   key=lambda it: (-cost(lens, *it), it[0] * tiles + it[1]))
+    return [p for _ in range(HKV) for p in pairs]
+
+
 def run(lens, items):
     return run_costs([cost(lens, *item) for item in items])
 
@@ -62,7 +79,10 @@ def run_costs(costs):
 
 
 def main():
+    global STEP, OVERHEAD, DEAD
     rng = random.Random(0)
+    if "--persistent" in sys.argv[1:]:
+        STEP, OVERHEAD, DEAD = 3898, 6300, 200
     if "--forward" in sys.argv[1:]:
         print("batch    ideal ms  caller's order  sorted  sorted gains (forward)")
         for name, lens in [("bench", BENCH)] + [(f"mix {i}", [rng.randint(512, 8192) for _ in range(16)])
@@ -73,14 +93,15 @@ def main():
                   f"{run_costs(caller) / srt - 1:12.2%}")
         return
     mixes = [("bench", BENCH)] + [(f"mix {i}", [rng.randint(512, 8192) for _ in range(16)]) for i in range(1, 7)]
-    print("batch    ideal ms  caller's order  sorted  global LPT  sorted gains")
+    print("batch    ideal ms  caller's order  sorted  global LPT  sorted gains  pairs (bwd-varlen-lpt)")
     for name, lens in mixes:
         items = grid_order(lens, range(len(lens)))
         ideal = sum(cost(lens, *it) for it in items) / SMS / CLOCK * 1e3
         caller = run(lens, items)
         srt = run(lens, grid_order(lens, sorted(range(len(lens)), key=lambda b: -lens[b])))
         lpt = run(lens, sorted(items, key=lambda it: -cost(lens, *it)))
-        print(f"{name:8} {ideal:9.2f} {caller:15.2f} {srt:7.2f} {lpt:11.2f} {caller / srt - 1:12.1%}")
+        print(f"{name:8} {ideal:9.2f} {caller:15.2f} {srt:7.2f} {lpt:11.2f} {caller / srt - 1:12.1%}"
+              f"  {run(lens, pair_order(lens)):8.2f}")
 
 
 if __name__ == "__main__":
