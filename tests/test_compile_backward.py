@@ -69,14 +69,20 @@ def test_no_tile_spills(report):
 STEP_LOOP_LOCAL_ALLOWANCE = {64: 1, 128: 1, 256: 24}
 
 
+def _wgmma_span_locals(report):
+    """The local-memory accesses (LDL/STL) between the first and the last
+    wgmma: the per-step work, and the per-head loop around it."""
+    lines = report.sass.splitlines()
+    wgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
+    return [line for line in lines[wgmma[0]:wgmma[-1]] if "LDL" in line or "STL" in line]
+
+
 def test_no_spills_in_the_step_loop(report):
     # Between the first and the last wgmma lies the per-step work (and the
     # per-head loop around it).
     if report.write_lse:  # deterministic: pinned by STACK_ALLOWANCE only
         return
-    lines = report.sass.splitlines()
-    wgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
-    local = [line for line in lines[wgmma[0]:wgmma[-1]] if "LDL" in line or "STL" in line]
+    local = _wgmma_span_locals(report)
     assert len(local) <= STEP_LOOP_LOCAL_ALLOWANCE[report.head_dim], local
 
 
@@ -193,9 +199,7 @@ def test_softcap_specialisations_compile_within_their_allowance(head_dim, causal
     stack, loop_local = SOFTCAP_ALLOWANCE[head_dim, varlen]
     assert r.local_bytes == 0
     assert r.stack_bytes <= stack, f"stack frame {r.stack_bytes} bytes"
-    lines = r.sass.splitlines()
-    wgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
-    local = [line for line in lines[wgmma[0]:wgmma[-1]] if "LDL" in line or "STL" in line]
+    local = _wgmma_span_locals(r)
     assert len(local) <= loop_local, local
     # tanh on the SFU, once per score; the GEMMs those of the uncapped kernel
     # of the same config (D = 64's 64-query config is not a shipped one).
@@ -224,9 +228,7 @@ def test_short_row_persistent_kernel_with_window_or_softcap(feature):
         assert "MUFU.TANH" in r.sass
     assert r.local_bytes == 0
     assert r.stack_bytes <= stack, f"stack frame {r.stack_bytes} bytes"
-    lines = r.sass.splitlines()
-    wgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
-    local = [line for line in lines[wgmma[0]:wgmma[-1]] if "LDL" in line or "STL" in line]
+    local = _wgmma_span_locals(r)
     assert len(local) <= loop_local, local
     assert r.sass_counts["HGMMA"] == _census((cfg, "bfloat16", True, False, False)).sass_counts["HGMMA"]
     assert r.sass.count("WARPGROUP.DEPBAR") * 4 <= r.sass.count("HGMMA"), "wgmmas serialised"
