@@ -130,10 +130,11 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
 # The fast mode at D = 128 runs on a persistent grid (kernels/backward.py)
 # where it measured faster: varlen batches (1.0-1.3% on the 512..8192 block),
 # and causal fixed-length rows of at most this many queries (S = 1024-4096
-# square: 1-5% faster; S = 8192 within +-2%, non-causal S = 8192 1% slower,
-# non-causal short rows not timed). A tile's work grows with the queries, the
-# grid's saving (the next tile's K/V loaded under this one's epilogue, no CTA
-# launch) is per tile. D = 64 measured 4-5% slower on the varlen block.
+# square: 2-6% faster, means of 2-4 timings; S = 8192 within +-2%, non-causal
+# 1% slower; non-causal short rows not timed). A tile's work grows with the
+# queries, the grid's saving (the next tile's K/V loaded under this one's
+# epilogue, no CTA launch) is per tile. D = 64 measured 4-5% slower on the
+# varlen block.
 # BENCHMARKS.md, forty-first and forty-second sessions.
 PERSISTENT_MAX_SEQLEN_Q = 4096
 

@@ -100,7 +100,7 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   scripts/device_session.sh vscreen bwd-varlen-lpt``.
 * (``bwd-persistent-fixed``, forty-first session, screened in the
   forty-second: the persistent grid on every fixed-length fast call at
-  D = 128. 1-5% faster on causal rows of 1024-4096 queries, within ±2% at
+  D = 128. 2-6% faster on causal rows of 1024-4096 queries, within ±2% at
   causal S = 8192 and GQA S = 8192, 1% slower non-causal S = 8192; shipped
   for causal rows of at most 4096 queries (``plan_backward.persistent_grid``).
   Its text: ``git show f165cef:scripts/variants/bwd-persistent-fixed.patch``.)

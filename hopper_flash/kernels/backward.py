@@ -79,7 +79,7 @@ preprocess every call), which the producer hands to the consumers
 sequence's keys then costs a decode, and the next tile's K and V load under
 the current tile's epilogue: the consumers release them (``kv_empty``) and
 write dK/dV through the dQ staging tiles. 1.0-1.3% faster on the varlen
-block, 1-5% on causal rows of 1024-4096 queries; at D = 64 4-5% slower, on
+block, 2-6% on causal rows of 1024-4096 queries; at D = 64 4-5% slower, on
 long fixed rows even or 1% slower (BENCHMARKS.md, forty-first and
 forty-second sessions; those keep one CTA per tile).
 
