@@ -80,6 +80,18 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   ``BWD_CTAS=112 bash scripts/device_session.sh screen
   benchmarks/bwd-d128.json bwd-persistent-ctas -- --pass bwd`` for 132,
   120, 112, 100. ``bwd-persistent-timeline`` takes ``BWD_CTAS`` too.
+* ``bwd-d64-varlen-dq1`` (forty-second session, CPU-checked, not run): head
+  dim 64's varlen kernels stage dQ in one tile, as deterministic mode does,
+  instead of two. Their causal step loop has 12 local accesses with two
+  (the fixed-length kernel 1, the deterministic varlen one 0) and 5 with
+  one (CPU census, triton 3.6); two tiles were worth 1-3% on fixed lengths
+  (nineteenth session), where nothing spills. For head dim 64's varlen
+  backward, 0.86x FA3: ``VSCREEN_ARGS="--headdim 64" VSCREEN_TAG=d64 bash
+  scripts/device_session.sh vscreen bwd-d64-varlen-dq1 -- 16`` after its
+  tests (``vtests bwd-d64-varlen-dq1 tests/test_varlen_gpu.py``). Two
+  census leads that did not help: skipping the sequence order's load (no
+  change) and decoding the tile inside each partition instead of before
+  the split (12 -> 8; with one tile 4).
 * ``bwd-varlen-lpt`` (forty-second session, CPU-checked, not run): the
   varlen backward's persistent grid (D = 128 fast mode) takes its items
   KV head outermost, then every (sequence, KV tile) pair by its steps,
