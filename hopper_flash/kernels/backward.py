@@ -583,9 +583,10 @@ def _bwd_consumer_split_keys(prob: BwdProblem, rings: BwdRings, tile: KvTile, st
     """D <= 128: each warpgroup owns 64 keys, its rows of Sᵀ, dPᵀ, dK and dV.
     ``step`` is the Q/dO rings' order at the tile's start (returned
     advanced), ``kv_phase`` the K/V barrier's phase. ``PERSISTENT`` (the
-    varlen fast mode's grid at D = 128, more tiles to come on this CTA): the K/V tiles
-    are released on ``kv_empty`` once read, and dK/dV go out through the
-    dQ staging tiles, so the next tile's K and V load under the epilogue."""
+    persistent grid, ``plan_backward.persistent_grid``: more tiles to come on
+    this CTA): the K/V tiles are released on ``kv_empty`` once read, and
+    dK/dV go out through the dQ staging tiles, so the next tile's K and V
+    load under the epilogue."""
     dtype: gl.constexpr = prob.dk_desc.dtype
     # Sᵀ, dPᵀ: [BLOCK_N keys, BLOCK_M queries], 64 keys per warpgroup.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
@@ -1016,7 +1017,9 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     # starting first.
     grid = BwdGrid(kv_tiles, num_heads // kv_group, batch, section, order_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr,
                    used_k_ptr, seqlen_q, seqlen_k, seqlen_q_rounded, num_heads, SEQUSED_Q, SEQUSED_K)
-    tile = _bwd_tile(gl.program_id(0), grid, mode)  # the persistent grid's loops decode their own
+    # One CTA per item: this CTA's tile. (The persistent grid's loops decode
+    # their own; its kernels compile without this decode, SASS-identical.)
+    tile = _bwd_tile(gl.program_id(0), grid, mode)
 
     k_bufs = gl.allocate_shared_memory(dtype, [1] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)
