@@ -70,46 +70,37 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   cycles against ~1850, the K/V wait ~115 against ~2860, but steps ~4.5%
   longer (median 3898 against 3728 cycles) and the epilogue ~1200 longer
   (BENCHMARKS.md).
-* ``bwd-persistent-ctas`` (forty-second session, CPU-checked, not run): the
-  persistent grid on every fast D = 128 call (fixed lengths of any length,
-  causal or not, and varlen), with at most ``BWD_CTAS`` CTAs (an
-  environment variable; default one per SM). For the question the
-  forty-second session's timelines leave (a step 2-4.5% slower on the
-  persistent grid): does the step time fall with fewer CTAs than SMs,
-  i.e. is it the memory side's load (the dQ reduce-adds, Q/dO loads)? E.g.
-  ``BWD_CTAS=112 bash scripts/device_session.sh screen
-  benchmarks/bwd-d128.json bwd-persistent-ctas -- --pass bwd`` for 132,
-  120, 112, 100. ``bwd-persistent-timeline`` takes ``BWD_CTAS`` too.
-* ``bwd-d64-varlen-dq1`` (forty-second session, CPU-checked, not run): head
-  dim 64's varlen kernels stage dQ in one tile, as deterministic mode does,
-  instead of two. Their causal step loop has 12 local accesses with two
-  (the fixed-length kernel 1, the deterministic varlen one 0) and 5 with
-  one (CPU census, triton 3.6); two tiles were worth 1-3% on fixed lengths
-  (nineteenth session), where nothing spills. For head dim 64's varlen
-  backward, 0.86x FA3: ``VSCREEN_ARGS="--headdim 64" VSCREEN_TAG=d64 bash
-  scripts/device_session.sh vscreen bwd-d64-varlen-dq1 -- 16`` after its
-  tests (``vtests bwd-d64-varlen-dq1 tests/test_varlen_gpu.py``). Two
-  census leads that did not help: skipping the sequence order's load (no
-  change) and decoding the tile inside each partition instead of before
-  the split (12 -> 8; with one tile 4).
-* ``bwd-varlen-lpt`` (forty-second session, CPU-checked, not run): the
-  varlen backward's persistent grid (D = 128 fast mode) takes its items
-  KV head outermost, then every (sequence, KV tile) pair by its steps,
-  most first (a global longest-first order within each KV head), from a
-  table a small extra kernel ranks before the preprocess
-  (``backward_pre._rank_pairs_kernel``, O(pairs²): a measurement variant
-  for tens of sequences). The shipped order takes whole sequences longest
-  first, each KV head's tiles from the longest. The greedy-dispatch model
-  (``python scripts/varlen_bwd_order_model.py --persistent`` and the
-  session's scratch variants of it, BENCHMARKS.md) puts the shipped order
-  0.7% above the ideal on the bench's batch and this one 0.3%, and 0.6-1.2%
-  faster on six other mixes; the model has no L2, and this order keeps
-  more (sequence, KV head) pairs' Q and dO live at once. The rank kernel
-  was checked through triton 3.7's interpreter (a permutation, the
-  reference order); the step loops' SASS is the shipped one's. On the
-  device: ``VARIANT_TEST_TIMEOUT=300 bash scripts/device_session.sh vtests
-  bwd-varlen-lpt tests/test_varlen_gpu.py`` then ``bash
-  scripts/device_session.sh vscreen bwd-varlen-lpt``.
+* ``bwd-persistent-timeline-one`` (forty-third session): ``bwd-persistent-timeline``
+  with every CTA stopping after its first item, run with ``BWD_CTAS`` at
+  least the item count, so the grid launches one CTA per tile as the
+  one-CTA kernel does but runs the persistent kernel's code: does the
+  persistent grid's slower step come from the grid or from the code?
+  ``BWD_CTAS=1000000 PYTHONPATH=/tmp/ptl1 python -P scripts/bwd_timeline.py
+  --seqlen 8192``. Forty-third session: the step is the persistent
+  kernel's (3880 cycles, against 3897 persistent and 3730 for
+  ``bwd-timeline``): the code, not the grid (BENCHMARKS.md).
+* (``bwd-persistent-ctas``, forty-second session, screened in the
+  forty-third: the persistent grid on every fast D = 128 call with at most
+  ``BWD_CTAS`` CTAs. At 112 CTAs the backward is 8-12% slower than the
+  shipped kernel at S = 1024-8192 causal; the step's cycles do not change
+  with the CTA count (``bwd-persistent-timeline`` at 112 and 100 CTAs:
+  3898, as at 132), so the memory side's load is not why a step is slower
+  there. Its text: ``git show 5c89ff8:scripts/variants/bwd-persistent-ctas.patch``.
+  ``bwd-persistent-timeline`` keeps ``BWD_CTAS``.)
+* (``bwd-d64-varlen-dq1``, forty-second session, screened in the
+  forty-third: head dim 64's varlen kernels stage dQ in one tile instead of
+  two (the causal step loop's local accesses 12 -> 5 in the CPU census).
+  Tests passed (54); the varlen backward 10.055 / 10.067 ms against the
+  shipped 10.011 / 10.007, no gain (16 sequences, D = 64, FA3 8.76). Its
+  text: ``git show 5c89ff8:scripts/variants/bwd-d64-varlen-dq1.patch``.)
+* (``bwd-varlen-lpt``, forty-second session, screened in the forty-third:
+  the varlen backward's persistent grid takes every (sequence, KV tile)
+  pair longest first within each KV head, from a table an extra rank
+  kernel writes. The model predicted 0.4% faster; measured 3% slower
+  (15.95 / 15.96 ms against the shipped order's 15.46 / 15.44, 16
+  sequences; tests passed, 54). The model has no L2: the shipped order
+  keeps a sequence's Q and dO hot across its tiles. Its text: ``git show
+  5c89ff8:scripts/variants/bwd-varlen-lpt.patch``.)
 * (``bwd-persistent-fixed``, forty-first session, screened in the
   forty-second: the persistent grid on every fixed-length fast call at
   D = 128. 2-6% faster on causal rows of 1024-4096 queries, within ±2% at

@@ -14,6 +14,10 @@ longest-first order of every CTA (a bound), and for variant
 ``bwd-varlen-lpt``'s order (KV head outermost, then the (sequence, KV
 tile) pairs longest first), for the bench's
 ``--varlen 512:8192 --batch 16`` lengths and six other seeded mixes.
+That variant, 0.4% faster here, timed 3% slower on the device (forty-third
+session). The model has no L2; one untested reading is that the pair order
+spreads a sequence's Q and dO reads over more concurrent tiles. Read the
+model's gains as bounds of what an order can give, not predictions.
 
 ``--persistent``: the figures of the persistent grid the D = 128 fast mode
 runs on since the forty-first session, from the forty-second session's

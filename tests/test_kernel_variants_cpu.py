@@ -22,7 +22,7 @@ def test_variant_applies_and_changes_the_kernel(patch, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     changed = []
     # The kernels, or the plans that pick a kernel's switches and grid
-    # (bwd-persistent-ctas changes only the backward's grid).
+    # (the forty-second session's bwd-persistent-ctas changed only the backward's grid).
     shipped_files = [*(ROOT / "hopper_flash" / "kernels").glob("*.py"), *(ROOT / "hopper_flash").glob("plan*.py")]
     for shipped_file in sorted(shipped_files):
         variant = (tmp_path / shipped_file.relative_to(ROOT)).read_text()
