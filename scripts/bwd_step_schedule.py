@@ -32,7 +32,7 @@ os.environ.setdefault("TRITON_ALWAYS_COMPILE", "1")
 
 import hopper_flash  # noqa: E402
 from hopper_flash import compile_check_backward as ccb  # noqa: E402
-from hopper_flash.compile_check import instructions, steady_loops  # noqa: E402
+from hopper_flash.compile_check import exps_in_flight, instructions, steady_loops  # noqa: E402
 from hopper_flash.plan_backward import BACKWARD_CONFIGS  # noqa: E402
 
 
@@ -58,11 +58,11 @@ def normalise(text: str) -> str:
 
 def describe(name: str, path, loop, stack) -> None:
     st_wait = next(i for i, t in enumerate(path) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in t)
-    dp_wait = next(i for i, t in enumerate(path) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in t)
     exps = [i for i, t in enumerate(path) if "MUFU.EX2" in t]
     local = sum(("LDL" in t or "STL" in t) for _, t in loop)
+    # exps_in_flight: those between the Sᵀ wait and the dPᵀ wait.
     print(f"{name:10s} {len(path):5d} instructions, first EX2 +{exps[0] - st_wait}, "
-          f"{sum(i < dp_wait for i in exps)} of {len(exps)} EX2 before the dP wait, "
+          f"{exps_in_flight([(0, t) for t in path])} of {len(exps)} EX2 before the dP wait, "
           f"{local} local accesses in the loop, stack {stack} B")
 
 

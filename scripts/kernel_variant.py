@@ -70,15 +70,12 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   cycles against ~1850, the K/V wait ~115 against ~2860, but steps ~4.5%
   longer (median 3898 against 3728 cycles) and the epilogue ~1200 longer
   (BENCHMARKS.md).
-* ``bwd-persistent-timeline-one`` (forty-third session): ``bwd-persistent-timeline``
-  with every CTA stopping after its first item, run with ``BWD_CTAS`` at
-  least the item count, so the grid launches one CTA per tile as the
-  one-CTA kernel does but runs the persistent kernel's code: does the
-  persistent grid's slower step come from the grid or from the code?
-  ``BWD_CTAS=1000000 PYTHONPATH=/tmp/ptl1 python -P scripts/bwd_timeline.py
-  --seqlen 8192``. Forty-third session: the step is the persistent
-  kernel's (3880 cycles, against 3897 persistent and 3730 for
-  ``bwd-timeline``): the code, not the grid (BENCHMARKS.md).
+  With ``BWD_CTAS`` at least the item count it runs one CTA per item
+  (each CTA's first draw returns at least the grid size, past the last
+  item): the persistent kernel's code on the one-CTA grid. Forty-third
+  session (an equivalent hand edit, BENCHMARKS.md): its step takes 3880 cycles there against 3897 on the
+  persistent grid and 3730 for ``bwd-timeline``: the code, not the grid,
+  makes the step slower (BENCHMARKS.md).
 * (``bwd-persistent-ctas``, forty-second session, screened in the
   forty-third: the persistent grid on every fast D = 128 call with at most
   ``BWD_CTAS`` CTAs. At 112 CTAs the backward is 8-12% slower than the
