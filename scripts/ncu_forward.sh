@@ -10,7 +10,11 @@
 #   run:  bash scripts/ncu_forward.sh [B H S D causal]      (on the GPU machine)
 #         PASS=bwd bash scripts/ncu_forward.sh ...            the backward's main kernels instead
 #         (ours: attention_backward_kernel; FA3's: FlashAttnBwdSm90), files ncu-bwd-NAME*
-# SET=full adds every section (shared-memory and pipe tables; more replays).
+# SET=full adds every section (shared-memory and pipe tables; more replays);
+# SET=traffic only the speed-of-light summary and the DRAM/L2 metrics (few replays).
+# VARLEN=1: issue 12's varlen batch instead (the bench's `--varlen 512:8192
+# --batch 16` lengths and seed, GQA 32/8, D=128, causal; the shape arguments
+# are then ignored), through each library's flash_attn_varlen_func.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 B=${1:-4} H=${2:-32} S=${3:-8192} D=${4:-128} CAUSAL=${5:-False} PASS=${PASS:-fwd}
@@ -19,11 +23,25 @@ NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 cat > /tmp/ncu_driver.py <<PY
 import sys, torch
 torch.manual_seed(0)
-q, k, v = (torch.randn($B, $S, $H, $D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 if sys.argv[1] == "fa3":
-    from flash_attn_interface import flash_attn_func
+    from flash_attn_interface import flash_attn_func, flash_attn_varlen_func
 else:
-    from hopper_flash import flash_attn_func
+    from hopper_flash import flash_attn_func, flash_attn_varlen_func
+if "${VARLEN:-0}" == "1":
+    from hopper_flash.bench.varlen import VarlenConfig
+    cfg = VarlenConfig(512, 8192, batch=16)
+    lengths = cfg.lengths()
+    gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
+    q = torch.randn(sum(lengths), cfg.heads, cfg.headdim, generator=gen, device="cuda").bfloat16()
+    k, v = (torch.randn(sum(lengths), cfg.kv_heads, cfg.headdim, generator=gen, device="cuda").bfloat16()
+            for _ in range(2))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    varlen_func = flash_attn_varlen_func
+
+    def flash_attn_func(q, k, v, causal):
+        return varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+else:
+    q, k, v = (torch.randn($B, $S, $H, $D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 if "$PASS" == "bwd":
     for t in (q, k, v):
         t.requires_grad_(True)
@@ -37,10 +55,11 @@ else:
         flash_attn_func(q, k, v, causal=$CAUSAL)
 torch.cuda.synchronize()
 PY
-TAG=$([ "$PASS" = bwd ] && echo bwd-)
+TAG=$([ "$PASS" = bwd ] && echo bwd-)$([ "${VARLEN:-0}" = 1 ] && echo varlen-)
 SECTIONS=(--section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters
           --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis)
 [ "${SET:-}" = full ] && SECTIONS=(--set full)
+[ "${SET:-}" = traffic ] && SECTIONS=(--section SpeedOfLight)
 # HBM and L2 traffic by count (the H200 runs these kernels at its power cap,
 # where bytes moved cost clock): DRAM bytes read and written, L2 hit rate.
 SECTIONS+=(--metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct)
