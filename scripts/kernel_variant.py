@@ -375,6 +375,24 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   it with ``scripts/varlen_profile.py --max-scale`` first (what the dead
   items cost), then ``--varlen 512:8192 --batch 16`` beside the shipped
   kernel after ``tests/test_varlen_gpu.py``.
+* (Forty-fourth session, five backward variants timed and removed, their
+  texts at ``git show 6690b0c:scripts/variants/NAME.patch``; BENCHMARKS.md
+  has the figures. ``bwd-dq-buf-and`` (the dQ staging tile picked with
+  ``step & 1``: the one change found on the CPU that gives the varlen
+  persistent kernel the one-CTA kernel's exponential placement, 3 of 32
+  ``MUFU.EX2`` before the dPᵀ wait) and ``bwd-step-assume``
+  (``gl.assume(step >= 0)``: 10-19 fewer instructions a step): the varlen
+  backward level (15.42/15.53 and 15.43/15.50 ms against 15.43/15.48).
+  ``bwd-dq-writer``: FA3's dQ path, a writer warp in a third partition
+  sending each step's dQ behind a named barrier per staging tile while the
+  consumers go on (one CTA barrier a step fewer): 250 GPU tests passed,
+  varlen level, fixed rows level to 3% slower (the tenth session's form
+  with one staging tile: 1-2% slower). ``bwd-ds-before-dv`` (dSᵀ stored
+  before dV is issued, so the store lands while dV issues): level on
+  every row. ``bwd-lse-ahead`` (a step's L2 vector loaded at the end of
+  the step before, away from the Sᵀ/dPᵀ operand reads that the
+  exponentials' wait sits behind in Nsight Compute): 5 local accesses a
+  step at D = 128, 3.6% slower.)
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
