@@ -19,6 +19,11 @@ kernel's, registers renamed (1.0: the same schedule).
     python -P scripts/bwd_step_schedule.py
     PYTHONPATH=COPY python -P scripts/bwd_step_schedule.py   (an edited copy)
 
+These marks describe the schedule; they do not predict its speed: the
+forty-fourth session gave the varlen persistent kernel the one-CTA
+kernel's marks (variant ``bwd-dq-buf-and``, text at 6690b0c) and its
+backward timed level (BENCHMARKS.md).
+
 ``TRITON_ALWAYS_COMPILE=1`` is set: triton's cache would otherwise hand back
 the last build of an edited copy's kernel.
 """
