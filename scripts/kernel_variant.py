@@ -386,7 +386,7 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   ``bwd-dq-writer``: FA3's dQ path, a writer warp in a third partition
   sending each step's dQ behind a named barrier per staging tile while the
   consumers go on (one CTA barrier a step fewer): 250 GPU tests passed,
-  varlen level, fixed rows level to 3% slower (the tenth session's form
+  varlen level, fixed rows level to 4% slower (the tenth session's form
   with one staging tile: 1-2% slower). ``bwd-ds-before-dv`` (dSᵀ stored
   before dV is issued, so the store lands while dV issues): level on
   every row. ``bwd-lse-ahead`` (a step's L2 vector loaded at the end of
