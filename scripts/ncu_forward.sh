@@ -13,8 +13,9 @@
 # SET=full adds every section (shared-memory and pipe tables; more replays);
 # SET=traffic only the speed-of-light summary and the DRAM/L2 metrics (few replays).
 # VARLEN=1: issue 12's varlen batch instead (the bench's `--varlen 512:8192
-# --batch 16` lengths and seed, GQA 32/8, D=128, causal; the shape arguments
-# are then ignored), through each library's flash_attn_varlen_func.
+# --batch 16` lengths and seed, GQA 32/8, D=128, causal; the shape and
+# causal arguments are then ignored), through each library's
+# flash_attn_varlen_func.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 B=${1:-4} H=${2:-32} S=${3:-8192} D=${4:-128} CAUSAL=${5:-False} PASS=${PASS:-fwd}
@@ -38,8 +39,8 @@ if "${VARLEN:-0}" == "1":
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     varlen_func = flash_attn_varlen_func
 
-    def flash_attn_func(q, k, v, causal):
-        return varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal)
+    def flash_attn_func(q, k, v, causal):  # the batch's own mask (cfg.causal), whatever the arguments say
+        return varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=cfg.causal)
 else:
     q, k, v = (torch.randn($B, $S, $H, $D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 if "$PASS" == "bwd":
