@@ -393,6 +393,20 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   the step before, away from the Sᵀ/dPᵀ operand reads that the
   exponentials' wait sits behind in Nsight Compute): 5 local accesses a
   step at D = 128, 3.6% slower.)
+* ``varlen-compact-order`` (forty-fourth session, CPU only, not run): the
+  varlen forward's dynamic order with no dead items: items numbered
+  sequence by sequence over each sequence's own query tiles
+  (``scheduler.varlen_coords``: a prefix sum of the tile counts, 32
+  sequences a round from ``cu_seqlens_q``), each sequence in
+  ``section_coords``' order; an item past the last live one ends the loop
+  (the producer publishes the item count), so no CTA draws a dead item.
+  The structural form of ``varlen-skip-dead``. Its decode, ported to
+  Python, put every live (tile, head, sequence) at exactly one item over
+  300 random batches (lengths 0-9000, 1-70 sequences, sections 1-64
+  heads); the kernels compile spill-free at head dims 64 and 128 (256: the
+  shipped kernel's few spill slots). First ``vtests varlen-compact-order
+  tests/test_varlen_gpu.py tests/test_packed_gpu.py``, then ``vscreen
+  varlen-compact-order varlen-skip-dead -- 16 32`` beside FA3.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.
