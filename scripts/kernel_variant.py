@@ -401,9 +401,9 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   ``section_coords``' order; an item past the last live one ends the loop
   (the producer publishes the item count), so no CTA draws a dead item.
   The structural form of ``varlen-skip-dead``. Its decode, ported to
-  Python, put every live (tile, head, sequence) at exactly one item over
-  300 random batches (lengths 0-9000, 1-70 sequences, sections 1-64
-  heads); the kernels compile spill-free at head dims 64 and 128 (256: the
+  Python (``scripts/varlen_order_check.py``), puts every live (tile, head,
+  sequence) at exactly one item over 300 random batches (lengths 0-9000,
+  1-70 sequences, sections 1-64 heads); the kernels compile spill-free at head dims 64 and 128 (256: the
   shipped kernel's few spill slots). First ``vtests varlen-compact-order
   tests/test_varlen_gpu.py tests/test_packed_gpu.py``, then ``vscreen
   varlen-compact-order varlen-skip-dead -- 16 32`` beside FA3.
