@@ -403,8 +403,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   The structural form of ``varlen-skip-dead``. Its decode, ported to
   Python (``scripts/varlen_order_check.py``), puts every live (tile, head,
   sequence) at exactly one item over 300 random batches (lengths 0-9000,
-  1-70 sequences, sections 1-64 heads); the kernels compile spill-free at head dims 64 and 128 (256: the
-  shipped kernel's few spill slots). First ``vtests varlen-compact-order
+  1-70 sequences, sections 1-64 heads); the kernels compile spill-free at
+  head dims 64 and 128 (256: 12-17 local accesses, where the shipped
+  kernels have 10 without seqused and none with it). The three places
+  that end the loop past the last live item share ``_varlen_end``. First ``vtests varlen-compact-order
   tests/test_varlen_gpu.py tests/test_packed_gpu.py``, then ``vscreen
   varlen-compact-order varlen-skip-dead -- 16 32`` beside FA3.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
