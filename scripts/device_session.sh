@@ -11,8 +11,10 @@
 #       waits for the FA3 build (starting it if no call on this machine
 #       has), then scripts/bench_h200.sh with FA3 on the path; JSON per block
 #       under $OUT.
-#   run:               bash scripts/device_session.sh vtests NAME [PYTEST PATHS]
-#       a measurement variant's GPU tests alone (default: the whole suite).
+#   run [carry .fa3]:  bash scripts/device_session.sh vtests NAME [PYTEST PATHS]
+#       a measurement variant's GPU tests alone (default: the whole suite);
+#       with .fa3 carried FA3's build starts in the background first, as in
+#       tests, so that a screen right after it finds FA3 built.
 #   run (carry .fa3):  bash scripts/device_session.sh screen CONFIG.json NAME... [-- BENCH ARGS]
 #       several variants timed without their tests: two rounds, each a
 #       process for the shipped package and then one per variant, FA3 and
@@ -123,6 +125,7 @@ case "${1:-}" in
     alternate "$config" "$name" -- "${extra[@]}" ;;
   vtests)
     name=${2:?variant name}
+    start_fa3  # with .fa3 carried, FA3 builds while the tests run (for a vscreen next)
     build_variant "$name" || exit 1
     VARIANT_TEST_TIMEOUT=${VARIANT_TEST_TIMEOUT:-520} variant_tests "$name" "${@:3}" ;;
   screen)
