@@ -1139,7 +1139,12 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic, window_left=window_left,
                 window_right=window_right, softcap=bool(softcap), sink=sink)
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items, cfg, device)
-    section = l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group)
+    # No more heads to a section than a sequence has: most sections then lie
+    # inside one sequence, whose dead items (query tiles past its rows) run
+    # contiguously there and are skipped with one atomic
+    # (forward._skip_dead_run; a section across two sequences draws them
+    # one by one).
+    section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group), nheads)
     constexprs = kernel_constexprs(cfg, causal, write_lse, mode)
     return LaunchPlan(cfg, mode, 1, n_ctas, pair, section, (device, dtype, causal, write_lse, cfg, mode), constexprs,
                       tuple(constexprs.values()))

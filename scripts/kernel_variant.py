@@ -362,19 +362,6 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   consumers 224 (8 bytes of spill with the LSE). Pages of 8 0.90-0.95x the
   contiguous cache against the shipped 0.85-0.92x, pages of 1 0.71-0.82x
   against 0.84-0.91x (BENCHMARKS.md, twenty-eighth session).
-* ``varlen-skip-dead`` (twenty-ninth session, CPU only, not run): the
-  varlen forward's dynamic order covers ``max_seqlen_q``'s tiles for every
-  sequence, so a mixed batch's short sequences leave runs of dead items
-  (34% of the items of issue 12's batch) that the producer draws and skips
-  one atomic at a time while its consumers may wait. Here a producer that
-  draws a dead item moves the shared counter past the rest of its run with
-  one atomic max (``_skip_dead_run``: a section of one sequence holds them
-  contiguously, its tiles counting down), and a varlen section never spans
-  two sequences (``plan._plan_varlen``). Spill-free on the CPU census (D
-  64/128/256, with and without seqused; ``REDG.E.MAX`` in the SASS). Time
-  it with ``scripts/varlen_profile.py --max-scale`` first (what the dead
-  items cost), then ``--varlen 512:8192 --batch 16`` beside the shipped
-  kernel after ``tests/test_varlen_gpu.py``.
 * (Forty-fourth session, five backward variants timed and removed, their
   texts at ``git show 6690b0c:scripts/variants/NAME.patch``; BENCHMARKS.md
   has the figures. ``bwd-dq-buf-and`` (the dQ staging tile picked with
@@ -393,22 +380,15 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   the step before, away from the Sᵀ/dPᵀ operand reads that the
   exponentials' wait sits behind in Nsight Compute): 5 local accesses a
   step at D = 128, 3.6% slower.)
-* ``varlen-compact-order`` (forty-fourth session, CPU only, not run): the
-  varlen forward's dynamic order with no dead items: items numbered
-  sequence by sequence over each sequence's own query tiles
-  (``scheduler.varlen_coords``: a prefix sum of the tile counts, 32
-  sequences a round from ``cu_seqlens_q``), each sequence in
-  ``section_coords``' order; an item past the last live one ends the loop
-  (the producer publishes the item count), so no CTA draws a dead item.
-  The structural form of ``varlen-skip-dead``. Its decode, ported to
-  Python (``scripts/varlen_order_check.py``), puts every live (tile, head,
-  sequence) at exactly one item over 300 random batches (lengths 0-9000,
-  1-70 sequences, sections 1-64 heads); the kernels compile spill-free at
-  head dims 64 and 128 (256: 12-17 local accesses, where the shipped
-  kernels have 10 without seqused and none with it). The three places
-  that end the loop past the last live item share ``_varlen_end``. First ``vtests varlen-compact-order
-  tests/test_varlen_gpu.py tests/test_packed_gpu.py``, then ``vscreen
-  varlen-compact-order varlen-skip-dead -- 16 32`` beside FA3.
+* (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
+  as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
+  session; timed and removed in the forty-fifth, its text at ``git show
+  5ef73ab:scripts/variants/varlen-compact-order.patch``): the varlen
+  forward's dynamic order numbered over each sequence's own query tiles
+  (``scheduler.varlen_coords``), so no item is dead. 65 GPU tests passed;
+  as fast as the dead-item skip (BENCHMARKS.md, forty-fifth session) with
+  five times its code and 12-17 local accesses at head dim 256.
+  Its decode's Python check: ``git show 5ef73ab:scripts/varlen_order_check.py``.
 * ``no-softmax``: an ablation with wrong results: the steady state's mask,
   softmax and O rescale are dropped (P = S), the GEMM issue order is kept.
   It tells how much of a step the softmax costs where it is not overlapped.

@@ -607,6 +607,7 @@ def _draw_next(n_tiles, prob: Problem, mode: Mode):
     if mode.VARLEN:
         b = gl.minimum(b, prob.batch - 1)  # an item past the last reads nothing out of bounds
         while _no_rows(item, bm, b, prob, mode):
+            _skip_dead_run(item, n_tiles, prob, mode)
             item = draw_item(prob.sched_ptr)
             bm, split, h, b = _item_at(0, item, n_tiles, prob, mode)
             b = gl.minimum(b, prob.batch - 1)
@@ -619,6 +620,26 @@ def _no_rows(item, bm, b, prob: Problem, mode: Mode):
     lies past its sequence's rows."""
     tb, q_start, k_start, lq, live = _item_rows(bm, b, prob, mode)
     return (item < prob.total_tiles) & (bm * mode.BLOCK_M >= lq)
+
+
+@gluon.jit
+def _skip_dead_run(item, n_tiles, prob: Problem, mode: Mode):
+    """VARLEN, dynamic order: ``item`` is dead (its query tile lies past its
+    sequence's rows). Where its L2 section holds one sequence, every item of
+    the section from it down to the sequence's last tile is dead too (the
+    section's items run head fastest, then the query tile from the last
+    down): move the shared counter past them with one atomic max, so that no
+    CTA draws them one by one (``draw_item``: next = counter + grid)."""
+    per_section = prob.section * n_tiles
+    sec = item // per_section
+    hb0 = sec * prob.section
+    heads = gl.minimum(prob.section, prob.num_heads * prob.batch - hb0)
+    b = hb0 // prob.num_heads
+    one_sequence = (b == (hb0 + heads - 1) // prob.num_heads) & (item < prob.total_tiles)
+    tb, q_start, k_start, lq, live = _item_rows(item * 0, gl.minimum(b, prob.batch - 1), prob, mode)
+    first_live = sec * per_section + (n_tiles - gl.cdiv(lq, mode.BLOCK_M)) * heads
+    if one_sequence:
+        gl.atomic_max(prob.sched_ptr, first_live - gl.num_programs(0), sem="relaxed", scope="gpu")
 
 
 @gluon.jit
