@@ -308,10 +308,12 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   neighbouring CTAs add their dQ shares into different tiles. 118 GPU tests
   passed; within noise at D = 128, 1% slower at D = 64: the dQ reduce-adds
   do not contend. Not shipped (BENCHMARKS.md, eighteenth session).
-* ``bwd-k-regs`` (nineteenth session): K as the split-keys consumers' Sᵀ
+* (``bwd-k-regs``, nineteenth session: K as the split-keys consumers' Sᵀ
   register operand (D = 128; the statistics then ride in the accumulators),
   so Sᵀ reads only Q from shared memory. It spills in the step loop; 16%
-  slower. Refused (BENCHMARKS.md, nineteenth session).
+  slower. Refused (BENCHMARKS.md, nineteenth session); removed in the
+  forty-fifth, when its patch no longer applied to ``_p_and_ds``: ``git
+  show 9530717:scripts/variants/bwd-k-regs.patch``.)
 * (``bwd-dq-double``, ``bwd-thread-arrive``: two dQ staging tiles, and every
   consumer thread arriving on the Q/dO empty barriers; shipped together in
   the nineteenth session, df202c8.)

@@ -449,9 +449,13 @@ def _p_and_ds(k_t, v_t, rings: BwdRings, tile: KvTile, step, q_slot, do_slot, m,
     start at −L2/c and −Δ instead, so the wgmmas produce Sᵀ − L2/c and
     dPᵀ − Δ, and each vector is dead once its wgmma is issued. The rounding
     is that of the FMA it replaces: Sᵀ·c − L2 is rounded at the scale of L2
-    either way (c = ``qk_scale`` > 0). 64-query tiles keep the FMA and the
-    subtraction: loading L2 before Sᵀ is issued made D = 128 2-3% slower
-    (BENCHMARKS.md, seventh session)."""
+    either way (c = ``qk_scale`` > 0). Both vectors are loaded, after the
+    waits for Q and dO, before Sᵀ is issued: loaded between the two wgmmas,
+    Δ's shared-memory loads queued behind Sᵀ's operand reads (the largest
+    stretch of the step under Nsight Compute against FA3's, forty-fifth
+    session; this order is 0.7-3% faster, BENCHMARKS.md). 64-query tiles
+    keep the FMA and the subtraction: loading L2 before Sᵀ is issued made
+    D = 128 2-3% slower (BENCHMARKS.md, seventh session)."""
     col_layout: gl.constexpr = gl.SliceLayout(0, st_zero.type.layout)  # one value per query
     # (Not under SOFTCAP: tanh needs the raw Sᵀ; plan_backward gives it 64-query tiles.)
     STATS_IN_ACC: gl.constexpr = mode.BLOCK_M == 128 and not mode.SOFTCAP
@@ -462,18 +466,16 @@ def _p_and_ds(k_t, v_t, rings: BwdRings, tile: KvTile, step, q_slot, do_slot, m,
         _zero_tile_tail(rings.q_bufs, q_slot, m * mode.BLOCK_M, tile.lq, mode.BLOCK_M, mode.HEAD_DIM, NUM_WARPS)
     q_t = rings.q_bufs.index(q_slot).reshape([mode.BLOCK_M, mode.HEAD_DIM])
     if STATS_IN_ACC:
+        # Both vectors out of shared memory before either wgmma is issued:
+        # their loads do not queue behind the wgmmas' operand reads.
+        do_t = _wait_do(rings, tile, step, do_slot, m, mode, NUM_WARPS)
         lse2 = rings.lse2_bufs.index(q_slot).load(col_layout)
-        st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero - (lse2 * (1.0 / qk_scale))[None, :], is_async=True)
-    else:
-        st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero, is_async=True)
-    wait_full(rings.do_full, step, mode.DO_STAGES)
-    if mode.VARLEN:
-        _zero_tile_tail(rings.do_bufs, do_slot, m * mode.BLOCK_M, tile.lq, mode.BLOCK_M, mode.HEAD_DIM, NUM_WARPS)
-    do_t = rings.do_bufs.index(do_slot).reshape([mode.BLOCK_M, mode.HEAD_DIM])
-    if STATS_IN_ACC:
         delta = rings.delta_bufs.index(do_slot).load(col_layout)
+        st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero - (lse2 * (1.0 / qk_scale))[None, :], is_async=True)
         dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero - delta[None, :], is_async=True)
     else:
+        st = warpgroup_mma(k_t, q_t.permute((1, 0)), st_zero, is_async=True)
+        do_t = _wait_do(rings, tile, step, do_slot, m, mode, NUM_WARPS)
         dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
         lse2 = rings.lse2_bufs.index(q_slot).load(col_layout)
     st = warpgroup_mma_wait(1, deps=[st])
@@ -491,6 +493,16 @@ def _p_and_ds(k_t, v_t, rings: BwdRings, tile: KvTile, step, q_slot, do_slot, m,
         pt, dst = _p_and_ds_from_stats(st, dpt, lse2, rings.delta_bufs, do_slot, qk_scale, mode.SOFTCAP,
                                        k_t.dtype)
     return q_t, do_t, pt, dst
+
+
+@gluon.jit
+def _wait_do(rings: BwdRings, tile: KvTile, step, do_slot, m, mode: BwdMode, NUM_WARPS: gl.constexpr):
+    """Wait for the step's dO tile (and its Δ) and return it as [BLOCK_M, D];
+    VARLEN: the rows past the sequence zeroed first, as Q's are."""
+    wait_full(rings.do_full, step, mode.DO_STAGES)
+    if mode.VARLEN:
+        _zero_tile_tail(rings.do_bufs, do_slot, m * mode.BLOCK_M, tile.lq, mode.BLOCK_M, mode.HEAD_DIM, NUM_WARPS)
+    return rings.do_bufs.index(do_slot).reshape([mode.BLOCK_M, mode.HEAD_DIM])
 
 
 @gluon.jit
@@ -790,10 +802,7 @@ def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode:
         q_slot = ring_slot(step, mode.STAGES)
         do_slot = ring_slot(step, mode.DO_STAGES)
         q_t = rings.q_bufs.index(q_slot).reshape([mode.BLOCK_M, mode.HEAD_DIM])
-        wait_full(rings.do_full, step, mode.DO_STAGES)
-        if mode.VARLEN:
-            _zero_tile_tail(rings.do_bufs, do_slot, m * mode.BLOCK_M, tile.lq, mode.BLOCK_M, mode.HEAD_DIM, NUM_WARPS)
-        do_t = rings.do_bufs.index(do_slot).reshape([mode.BLOCK_M, mode.HEAD_DIM])
+        do_t = _wait_do(rings, tile, step, do_slot, m, mode, NUM_WARPS)
         dpt = warpgroup_mma(v_t, do_t.permute((1, 0)), st_zero, is_async=True)
         lse2 = rings.lse2_bufs.index(q_slot).load(col_layout)
         if mode.SOFTCAP:
