@@ -382,6 +382,16 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   the step before, away from the Sᵀ/dPᵀ operand reads that the
   exponentials' wait sits behind in Nsight Compute): 5 local accesses a
   step at D = 128, 3.6% slower.)
+* ``bwd-dq-writer`` (restored in the forty-fifth session, regenerated
+  against its tree): the forty-fourth session's dQ writer warp above, timed
+  then at head dim 128 only. Head dim 64's step under Nsight Compute
+  (forty-fifth session) waits at the CTA barrier after dSᵀ's store for the
+  dQ reduce of two steps before (``tma.store_wait``), which a writer warp
+  takes off the consumers; FA3's D = 64 kernel has its writer too. At
+  D = 64 its step loop is 906 instructions with no local access (shipped:
+  921, one). Next: ``SCREEN_FA3=0 bash scripts/device_session.sh screen
+  benchmarks/bwd-d64.json bwd-dq-writer -- --pass bwd`` after
+  ``vtests bwd-dq-writer tests/test_backward_gpu.py``.
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
   as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
   session; timed and removed in the forty-fifth, its text at ``git show
