@@ -392,6 +392,16 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   921, one). Next: ``SCREEN_FA3=0 bash scripts/device_session.sh screen
   benchmarks/bwd-d64.json bwd-dq-writer -- --pass bwd`` after
   ``vtests bwd-dq-writer tests/test_backward_gpu.py``.
+* ``bwd-d64-prescaled`` (forty-fifth session, CPU only, not run): the
+  backward preprocess stores -L2/c and -Δ for the 128-query steps (head
+  dim 64; a float argument and a ``PRESCALE`` constexpr), so ``_p_and_ds``
+  starts Sᵀ's and dPᵀ's accumulators at the loaded vectors broadcast
+  (``gl.broadcast``: moves only; ``-0.0 + x`` did not fold) instead of 32
+  ``FFMA`` and 32 ``FADD`` a step before the first wgmma. Step loop 871
+  instructions against 921, but 7 local accesses a step (loop scalars, one
+  value in the exponentials) against 1. Next: ``vtests bwd-d64-prescaled
+  tests/test_backward_gpu.py tests/test_varlen_gpu.py``, then ``screen
+  benchmarks/bwd-d64.json bwd-d64-prescaled -- --pass bwd``.
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
   as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
   session; timed and removed in the forty-fifth, its text at ``git show
