@@ -32,11 +32,7 @@ if "${VARLEN:-0}" == "1":
     from hopper_flash.bench.varlen import VarlenConfig
     cfg = VarlenConfig(512, 8192, batch=16)
     lengths = cfg.lengths()
-    gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
-    q = torch.randn(sum(lengths), cfg.heads, cfg.headdim, generator=gen, device="cuda").bfloat16()
-    k, v = (torch.randn(sum(lengths), cfg.kv_heads, cfg.headdim, generator=gen, device="cuda").bfloat16()
-            for _ in range(2))
-    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    q, k, v, cu = cfg.inputs()
     varlen_func = flash_attn_varlen_func
 
     def flash_attn_func(q, k, v, causal):  # the batch's own mask (cfg.causal), whatever the arguments say

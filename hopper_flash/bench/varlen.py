@@ -46,6 +46,22 @@ class VarlenConfig:
         gen = torch.Generator().manual_seed(self.seed)
         return torch.randint(self.lo, self.hi + 1, (self.batch,), generator=gen).tolist()
 
+    def inputs(self, device: str = "cuda"):
+        """``(q, k, v, cu_seqlens)`` for ``lengths()``: THD tensors of
+        ``dtype`` drawn from the config's seed (the bench's inputs, and
+        ``scripts/ncu_forward.sh``'s with ``VARLEN=1``)."""
+        import torch
+
+        lengths = self.lengths()
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[self.dtype]
+        gen = torch.Generator(device=device).manual_seed(self.seed)
+        total = sum(lengths)
+        q = torch.randn(total, self.heads, self.headdim, generator=gen, device=device).to(dtype)
+        k = torch.randn(total, self.kv_heads, self.headdim, generator=gen, device=device).to(dtype)
+        v = torch.randn(total, self.kv_heads, self.headdim, generator=gen, device=device).to(dtype)
+        cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
+        return q, k, v, cu
+
     @property
     def label(self) -> str:
         mode = "causal" if self.causal else "full"
@@ -126,19 +142,12 @@ def _backends(cfg: VarlenConfig, lengths):
 
 
 def run(cfg: VarlenConfig, timer, *, device: str = "cuda", passes=PASSES) -> VarlenReport:
-    import torch
-
     from hopper_flash.reference import judge, varlen_baseline, varlen_reference
 
     lengths = cfg.lengths()
     report = VarlenReport(asdict(cfg), lengths)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
+    q, k, v, cu = cfg.inputs(device)
     total = sum(lengths)
-    q = torch.randn(total, cfg.heads, cfg.headdim, generator=gen, device=device).to(dtype)
-    k = torch.randn(total, cfg.kv_heads, cfg.headdim, generator=gen, device=device).to(dtype)
-    v = torch.randn(total, cfg.kv_heads, cfg.headdim, generator=gen, device=device).to(dtype)
-    cu = torch.tensor([0] + lengths, device=device).cumsum(0).to(torch.int32)
     fwd_flops = forward_flops(lengths, cfg.heads, cfg.headdim, cfg.causal)
     fixed_s = total // cfg.batch
     fixed_flops = forward_flops([fixed_s] * cfg.batch, cfg.heads, cfg.headdim, cfg.causal)
