@@ -192,6 +192,9 @@ class Mode:
     # PV's V between the two, which ends the basic block there (module
     # docstring).
     MAX_BEFORE_PV: gl.constexpr
+    # The row maximum reduced as a tree in each thread (softmax._row_max):
+    # head dims 128 and 256.
+    TREE_MAX: gl.constexpr
     # A sliding window (mask.py): the keys row r sees are r + off - WINDOW_LEFT
     # .. r + off + WINDOW_RIGHT; -1 leaves that side unbounded (both: none).
     WINDOW_LEFT: gl.constexpr
@@ -230,6 +233,7 @@ class Mode:
                                                             or PAGE_SIZE > 0 or VARLEN))
         self.MAX_BEFORE_PV = gl.constexpr((HEAD_DIM == 128 and self.NC == 2) or self.NC == 3)
         self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.MAX_BEFORE_PV)
+        self.TREE_MAX = gl.constexpr(HEAD_DIM >= 128)
         self.GATHER = gl.constexpr(0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE)
         self.PRODUCER_WARPS = gl.constexpr(4 if self.GATHER else 1)
 
@@ -782,7 +786,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         s = softcap(s, prob.qk_scale)  # before the mask: tanh(-inf) would be -1
     s = apply_mask(s, row0, bn * mode.BLOCK_N, seqlen_q, seqlen_k, mode.IS_CAUSAL, mode.PACK_G, mode.WINDOW_LEFT,
                    mode.WINDOW_RIGHT)
-    p, scores_max, logsum = softmax_first(s, exp_scale)
+    p, scores_max, logsum = softmax_first(s, exp_scale, mode.TREE_MAX)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     if mode.SEQUSED or mode.VARLEN:
         # The first tile visited is the only one that can reach past the live
@@ -838,7 +842,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
             # into the branch below: written in its order (exponentials before
             # the PV wait in the source) the same operations compile to another
             # schedule, not the one timed (SASS compared on the CPU).
-            scores_max, m_scaled, scores_scale = softmax_max(s, scores_max, exp_scale)
+            scores_max, m_scaled, scores_scale = softmax_max(s, scores_max, exp_scale, mode.TREE_MAX)
             _wait_tile(rings.v_full, kv0 + it, mode.V_STAGES, mode)
             acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
             release_read(rings.v_empty, kv0 + it - 1, mode.V_STAGES)
@@ -846,7 +850,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
             p, logsum = softmax_exp(s, m_scaled, scores_scale, logsum, exp_scale)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         else:
-            p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, exp_scale)
+            p, scores_max, logsum, scores_scale = softmax_step(s, scores_max, logsum, exp_scale, mode.TREE_MAX)
             if mode.PV_AFTER_SOFTMAX:
                 # The next PV's V, waited here for ptxas's sake: the wait's retry
                 # loop ends the basic block, so the PV wait below stays after the
