@@ -334,15 +334,13 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   D = 64 and 128, causal and not. Refused.
 * (``bwd-det-one-tile``: one dQ staging tile in deterministic mode; shipped
   in the twentieth session after 109 backward and launch GPU tests.)
-* ``fwd-causal-offset`` (twenty-fifth session): the offset start
-  (``forward._offset_start``) under a causal mask too, for the chunked-prefill
-  rows (seqlen_q much shorter than seqlen_k: long items with one masked
-  tile, where the non-causal rows gained 4-5% from it). Forward GPU tests
-  215 passed. On the H200 (``benchmarks/causal-offset.json``, two rounds
-  beside the shipped kernel): +1-3% at Sq 128 and 1024 against Sk 8192,
-  0-1% at Sq 512 Sk 32768 and Sq 4096 Sk 8192, 3% slower at Sq 2048 Sk
-  4096, noise on square causal. Not shipped (BENCHMARKS.md, twenty-fifth
-  session).
+* (``fwd-causal-offset``, twenty-fifth session: the offset start
+  (``forward._offset_start``) under a causal mask too, for the
+  chunked-prefill rows. +1-3% there in the twenty-fifth session, noise or
+  worse on square causal rows in the thirty-seventh, and on the
+  forty-sixth session's kernel -0.7% on the 128 x 8192 row it was meant
+  for; removed. Its text: ``git show
+  c8a39df:scripts/variants/fwd-causal-offset.patch``.)
 * (``fwd-carry-qk``, removed in the thirty-second session, when the
   kernels took attention sinks in their epilogue, which the variant had cut
   into pieces; its last text: ``git show
@@ -382,26 +380,16 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   the step before, away from the Sᵀ/dPᵀ operand reads that the
   exponentials' wait sits behind in Nsight Compute): 5 local accesses a
   step at D = 128, 3.6% slower.)
-* ``bwd-dq-writer`` (restored in the forty-fifth session, regenerated
-  against its tree): the forty-fourth session's dQ writer warp above, timed
-  then at head dim 128 only. Head dim 64's step under Nsight Compute
-  (forty-fifth session) waits at the CTA barrier after dSᵀ's store for the
-  dQ reduce of two steps before (``tma.store_wait``), which a writer warp
-  takes off the consumers; FA3's D = 64 kernel has its writer too. At
-  D = 64 its step loop is 906 instructions with no local access (shipped:
-  921, one). Next: ``SCREEN_FA3=0 bash scripts/device_session.sh screen
-  benchmarks/bwd-d64.json bwd-dq-writer -- --pass bwd`` after
-  ``vtests bwd-dq-writer tests/test_backward_gpu.py``.
-* ``bwd-d64-prescaled`` (forty-fifth session, CPU only, not run): the
-  backward preprocess stores -L2/c and -Δ for the 128-query steps (head
-  dim 64; a float argument and a ``PRESCALE`` constexpr), so ``_p_and_ds``
-  starts Sᵀ's and dPᵀ's accumulators at the loaded vectors broadcast
-  (``gl.broadcast``: moves only; ``-0.0 + x`` did not fold) instead of 32
-  ``FFMA`` and 32 ``FADD`` a step before the first wgmma. Step loop 871
-  instructions against 921, but 7 local accesses a step (loop scalars, one
-  value in the exponentials) against 1. Next: ``vtests bwd-d64-prescaled
-  tests/test_backward_gpu.py tests/test_varlen_gpu.py``, then ``screen
-  benchmarks/bwd-d64.json bwd-d64-prescaled -- --pass bwd``.
+* (``bwd-dq-writer``, the forty-fourth session's dQ writer warp, restored
+  in the forty-fifth and timed at head dim 64 in the forty-sixth: within a
+  round's spread there, as at head dim 128 before; refused. Its text:
+  ``git show c8a39df:scripts/variants/bwd-dq-writer.patch``.)
+* (``bwd-d64-prescaled``, forty-fifth session, timed in the forty-sixth:
+  the backward preprocess storing -L2/c and -Δ for head dim 64's
+  128-query steps so the accumulators start at the loaded vectors; +1.5%
+  without a mask, 4-5% slower under one, where its seven local accesses a
+  step sit; refused. Its text: ``git show
+  c8a39df:scripts/variants/bwd-d64-prescaled.patch``.)
 * (``fwd-tree-max``, forty-sixth session: the row maximum as a tree in
   each thread, timed +1.9-2.8% at head dim 128 causal and -3.4% on head
   dim 64's two-consumer tiles; shipped for head dims 128 and 256 as
