@@ -394,7 +394,9 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   each thread, timed +1.9-2.8% at head dim 128 causal and -3.4% on head
   dim 64's two-consumer tiles; shipped for head dims 128 and 256 as
   ``softmax._row_max``'s ``TREE``. Its text: ``git show
-  92829b9:scripts/variants/fwd-tree-max.patch``.)
+  92829b9:scripts/variants/fwd-tree-max.patch``. ``fwd-tree-wide``, the
+  tree on head dim 64's wide tiles too, timed level there (-0.9 to +0.8%);
+  refused, ``git show 5b7230e:scripts/variants/fwd-tree-wide.patch``.)
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
   as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
   session; timed and removed in the forty-fifth, its text at ``git show
