@@ -159,6 +159,33 @@ def issued_in_flight(body: list[tuple[int, str]], opcode: str) -> int:
     return count
 
 
+def dependent_chain(body: list[tuple[int, str]], opcode: str) -> int:
+    """The longest run of ``opcode`` instructions in ``body`` each reading the
+    register the one before it wrote (a dependency chain, in SASS order; a
+    register written by any other instruction starts over). The forward's
+    row maximum at head dim 128: 34 as ``gl.max`` compiles it (a thread's 32
+    columns of a row one after the other, then the quad's two shuffle rounds
+    and the running maximum), 9 with ``softmax._row_max``'s tree."""
+    depth: dict[str, int] = {}
+    longest = 0
+    for _, text in body:
+        words = text.split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        if len(words) < 2:
+            continue
+        regs = re.findall(r"\bR\d+\b", " ".join(words[1:]))
+        if not regs:
+            continue
+        if words[0].split(".")[0] == opcode:
+            d = 1 + max((depth.get(r, 0) for r in regs[1:]), default=0)
+            longest = max(longest, d)
+            depth[regs[0]] = d
+        else:
+            depth[regs[0]] = 0
+    return longest
+
+
 def exps_in_flight(body: list[tuple[int, str]]) -> int:
     """MUFU.EX2 issued while PV is in flight (``issued_in_flight``)."""
     return issued_in_flight(body, "MUFU.EX2")

@@ -192,6 +192,20 @@ def test_softmax_runs_beside_pv_where_the_kernel_asks_for_it(report):
             "(update the docstring)"
 
 
+def test_row_maximum_is_a_tree_at_head_dims_128_and_256(report):
+    """``softmax._row_max``: at head dims 128 and 256 a thread's part of the
+    row maximum is reduced as a tree (the longest dependent FMNMX chain in
+    the step is the tree's depth plus the quad's two shuffle rounds and the
+    running maximum: under 10), where ``gl.max``'s chain is 32 long at 128
+    keys a tile (head dim 64 keeps it: its two-consumer tiles ran slower
+    with the tree, BENCHMARKS.md, forty-sixth session)."""
+    chain = compile_check.dependent_chain(_step_loop(report.sass), "FMNMX")
+    if report.head_dim >= 128:
+        assert chain < 10, f"a chain of {chain} dependent FMNMX in the step"
+    else:
+        assert chain >= 32, f"head dim 64's chain is {chain} long (the tree reached it: update the docstring)"
+
+
 def test_steady_steps_have_no_ring_barriers(report):
     # hopper_flash.ptx_rings takes out the named barriers triton's membar
     # pass puts before the steady step's K/V waits and releases (four per
