@@ -72,9 +72,10 @@ def _row_max(s, TREE: gl.constexpr):
     QK's wait and the first exponential. ``TREE`` reduces them as a tree
     instead (the pairs, then halves, quarters, and a chain of N / 32): the
     same instruction count, up to eight independent ``FMNMX`` at a time.
-    Head dims 128 and 256 take it (+1.9-2.8% at D=128 causal on the H200,
-    0.6% at D=256, BENCHMARKS.md, forty-sixth session); head dim 64 keeps
-    the chain (its two-consumer tiles ran 3.4% slower with the tree)."""
+    Head dims 128 and 256 take it (+1.9-2.8% at D=128 causal on the H200;
+    level at D=256, -0.6 to +0.6% in two screens; BENCHMARKS.md,
+    forty-sixth session); head dim 64 keeps the chain (its two-consumer
+    tiles ran 3.4% slower with the tree, its wide tiles level)."""
     if TREE:
         M: gl.constexpr = s.shape[0]
         N: gl.constexpr = s.shape[1]
