@@ -63,7 +63,10 @@ placement is +1.6-2.2% on long causal rows at head dim 128, +4% non-causal
 at S=8192, +3-8% on chunked prefill, within noise at S=2048 (thirty-sixth
 session), and +2-4% on the wide tiles against the softmax-beside-PV form
 (thirty-seventh); at head dim 256 and on head dim 64's two-consumer tiles
-it measured 0.6-2% slower than their forms, which they keep.
+it measured 0.6-2% slower than their forms, which they keep. At head dims
+128 and 256 the row maximum itself is a tree in each thread
+(``softmax._row_max``, ``TREE_MAX``), not ``gl.max``'s 32-deep chain:
++1.9-2.8% on causal rows at head dim 128 (forty-sixth session).
 
 Decode and chunked prefill run the same kernel in other *modes*
 (constexpr switches; ``plan.py`` picks them):
