@@ -397,6 +397,20 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   92829b9:scripts/variants/fwd-tree-max.patch``. ``fwd-tree-wide``, the
   tree on head dim 64's wide tiles too, timed level there (-0.9 to +0.8%);
   refused, ``git show 5b7230e:scripts/variants/fwd-tree-wide.patch``.)
+* ``fwd-tree-sum`` (forty-sixth session, CPU only, not run): the
+  softmax's per-thread row sums (``_lane_sums``) added as ``_row_max``'s
+  tree at head dims 128 and 256 (``TREE_MAX``), where ``gl.sum`` over a
+  thread's 16 column pairs chains 16 ``FADD``: after the tree the longest
+  register dependency chain in head dim 128's step was that sum (22
+  instructions, its end at the loop's tail before the back-edge); with
+  this variant it is 13 (the masked step's row maximum). 718 instructions
+  a step either way, 168 registers, no spill (census of eight
+  specialisations: D=128/256 causal and not, split decode, varlen,
+  window with soft-capping); exps issued with PV in flight 5 of 66
+  against 10. Expected small (the sums are off the path to the next
+  GEMM but for the step's last few). Next: ``vtests fwd-tree-sum
+  tests/test_forward_gpu.py`` and ``screen benchmarks/d128-steady.json
+  fwd-tree-sum``.
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
   as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
   session; timed and removed in the forty-fifth, its text at ``git show

@@ -16,9 +16,13 @@
 # --batch 16` lengths and seed, GQA 32/8, D=128, causal; the shape and
 # causal arguments are then ignored), through each library's
 # flash_attn_varlen_func.
+# SK=... HKV=...: keys of another length than the queries' and fewer KV
+# heads (GQA), e.g. issue 10's chunked-prefill row: `SK=8192 HKV=8 bash
+# scripts/ncu_forward.sh 4 32 128 128 True` (causal is bottom-right then).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 B=${1:-4} H=${2:-32} S=${3:-8192} D=${4:-128} CAUSAL=${5:-False} PASS=${PASS:-fwd}
+SK=${SK:-$S} HKV=${HKV:-$H}
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
 cat > /tmp/ncu_driver.py <<PY
@@ -38,7 +42,8 @@ if "${VARLEN:-0}" == "1":
     def flash_attn_func(q, k, v, causal):  # the batch's own mask (cfg.causal), whatever the arguments say
         return varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=cfg.causal)
 else:
-    q, k, v = (torch.randn($B, $S, $H, $D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q = torch.randn($B, $S, $H, $D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn($B, $SK, $HKV, $D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 if "$PASS" == "bwd":
     for t in (q, k, v):
         t.requires_grad_(True)
