@@ -197,13 +197,16 @@ def test_row_maximum_is_a_tree_at_head_dims_128_and_256(report):
     row maximum is reduced as a tree (the longest dependent FMNMX chain in
     the step is the tree's depth plus the quad's two shuffle rounds and the
     running maximum: under 10), where ``gl.max``'s chain is 32 long at 128
-    keys a tile (head dim 64 keeps it: its two-consumer tiles ran slower
-    with the tree, BENCHMARKS.md, forty-sixth session)."""
+    keys a tile under triton 3.6's ptxas (34 with the shuffles). Head dim
+    64 keeps ``gl.max`` (its two-consumer tiles ran slower with the tree,
+    BENCHMARKS.md, forty-sixth session), and what ``gl.max`` compiles to
+    depends on the triton: 3.6 and 3.7 chain a thread's elements (PTX
+    depth 34), 3.8 and 3.9 already reduce them as a tree (depth 8), so it
+    is not asserted."""
+    if report.head_dim < 128:
+        pytest.skip("head dim 64 keeps gl.max, whose shape is the triton version's")
     chain = compile_check.dependent_chain(_step_loop(report.sass), "FMNMX")
-    if report.head_dim >= 128:
-        assert chain < 10, f"a chain of {chain} dependent FMNMX in the step"
-    else:
-        assert chain >= 32, f"head dim 64's chain is {chain} long (the tree reached it: update the docstring)"
+    assert chain < 10, f"a chain of {chain} dependent FMNMX in the step"
 
 
 def test_steady_steps_have_no_ring_barriers(report):

@@ -67,9 +67,10 @@ def _row_max(s, TREE: gl.constexpr):
     """Row maxima of ``s`` ([M, N], wgmma accumulator layout, as in
     ``_lane_sums``), then across the quad.
 
-    ``gl.max`` over a row chains a thread's elements: at N = 128 two
-    dependent chains of 32 ``FMNMX`` (one per row a thread holds) between
-    QK's wait and the first exponential. ``TREE`` reduces them as a tree
+    ``gl.max`` over a row chains a thread's elements under triton 3.6 and
+    3.7 (3.8 and later lower an in-thread reduction as a tree themselves):
+    at N = 128 two dependent chains of 32 ``FMNMX`` (one per row a thread
+    holds) between QK's wait and the first exponential. ``TREE`` reduces them as a tree
     instead (the pairs, then halves, quarters, and a chain of N / 32): the
     same instruction count, up to eight independent ``FMNMX`` at a time.
     Head dims 128 and 256 take it (+1.9-2.8% at D=128 causal on the H200;
