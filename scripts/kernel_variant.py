@@ -408,7 +408,9 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   specialisations: D=128/256 causal and not, split decode, varlen,
   window with soft-capping); exps issued with PV in flight 5 of 66
   against 10. Expected small (the sums are off the path to the next
-  GEMM but for the step's last few). Next: ``vtests fwd-tree-sum
+  GEMM but for the step's last few). Under triton 3.8 and later
+  ``gl.sum`` is already a tree (their reduce lowering), so this changes
+  only triton 3.6 and 3.7 builds. Next: ``vtests fwd-tree-sum
   tests/test_forward_gpu.py`` and ``screen benchmarks/d128-steady.json
   fwd-tree-sum``.
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
