@@ -197,7 +197,7 @@ def test_row_maximum_is_a_tree_at_head_dims_128_and_256(report):
     row maximum is reduced as a tree (the longest dependent FMNMX chain in
     the step is the tree's depth plus the quad's two shuffle rounds and the
     running maximum: under 10), where ``gl.max``'s chain is 32 long at 128
-    keys a tile under triton 3.6's ptxas (34 with the shuffles). Head dim
+    keys a tile under triton 3.6 and 3.7 (34 with the shuffles). Head dim
     64 keeps ``gl.max`` (its two-consumer tiles ran slower with the tree,
     BENCHMARKS.md, forty-sixth session), and what ``gl.max`` compiles to
     depends on the triton: 3.6 and 3.7 chain a thread's elements (PTX

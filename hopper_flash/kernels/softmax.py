@@ -70,9 +70,11 @@ def _row_max(s, TREE: gl.constexpr):
     ``gl.max`` over a row chains a thread's elements under triton 3.6 and
     3.7 (3.8 and later lower an in-thread reduction as a tree themselves):
     at N = 128 two dependent chains of 32 ``FMNMX`` (one per row a thread
-    holds) between QK's wait and the first exponential. ``TREE`` reduces them as a tree
-    instead (the pairs, then halves, quarters, and a chain of N / 32): the
-    same instruction count, up to eight independent ``FMNMX`` at a time.
+    holds) between QK's wait and the first exponential. ``TREE`` reduces
+    them as a tree instead (the pairs, then halves, quarters, and a chain
+    of N / 32): the same instruction count, up to eight independent
+    ``FMNMX`` at a time; under 3.8 and later it compiles to what
+    ``gl.max`` gives there anyway.
     Head dims 128 and 256 take it (+1.9-2.8% at D=128 causal on the H200;
     level at D=256, -0.6 to +0.6% in two screens; BENCHMARKS.md,
     forty-sixth session); head dim 64 keeps the chain (its two-consumer
