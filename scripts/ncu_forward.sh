@@ -19,10 +19,12 @@
 # SK=... HKV=...: keys of another length than the queries' and fewer KV
 # heads (GQA), e.g. issue 10's chunked-prefill row: `SK=8192 HKV=8 bash
 # scripts/ncu_forward.sh 4 32 128 128 True` (causal is bottom-right then).
+# FA3PKG=...: another FA3 build than /tmp/fa3pkg (e.g. /tmp/fa3pkg16 from
+# `scripts/fa3_extra_build.sh fp16`).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 B=${1:-4} H=${2:-32} S=${3:-8192} D=${4:-128} CAUSAL=${5:-False} PASS=${PASS:-fwd}
-SK=${SK:-$S} HKV=${HKV:-$H}
+SK=${SK:-$S} HKV=${HKV:-$H} FA3PKG=${FA3PKG:-/tmp/fa3pkg}
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 [ -n "$NCU" ] || { echo "no ncu on this machine"; exit 1; }
 cat > /tmp/ncu_driver.py <<PY
@@ -67,7 +69,7 @@ SECTIONS=(--section SpeedOfLight --section WarpStateStats --section SchedulerSta
 SECTIONS+=(--metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct)
 profile() {  # name, kernel regex, extra ncu args
   local label=$1 name=$TAG$1 regex=$2; shift 2
-  PYTHONPATH=/tmp/fa3pkg:. timeout 240 "$NCU" --clock-control none "$@" -k "regex:$regex" --launch-skip 2 \
+  PYTHONPATH=$FA3PKG:. timeout 240 "$NCU" --clock-control none "$@" -k "regex:$regex" --launch-skip 2 \
     --launch-count 1 "${SECTIONS[@]}" \
     -o "/tmp/ncu-$name" -f python -P /tmp/ncu_driver.py "$label" > "$OUT/ncu-$name-run.txt" 2>&1 || tail -5 "$OUT/ncu-$name-run.txt"
   "$NCU" --import "/tmp/ncu-$name.ncu-rep" --print-summary none > "$OUT/ncu-$name.txt" 2>&1
@@ -77,4 +79,4 @@ profile() {  # name, kernel regex, extra ncu args
 if [ "$PASS" = bwd ]; then ours=attention_backward_kernel theirs=FlashAttnBwdSm90; else
   ours=attention_forward_kernel theirs=FlashAttnFwdSm90; fi
 echo "== hopper_flash"; profile hopper_flash $ours
-if [ -d /tmp/fa3pkg ]; then echo "== fa3"; profile fa3 $theirs --kernel-name-base demangled; fi
+if [ -d "$FA3PKG" ]; then echo "== fa3"; profile fa3 $theirs --kernel-name-base demangled; fi
