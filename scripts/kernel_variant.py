@@ -397,22 +397,22 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   92829b9:scripts/variants/fwd-tree-max.patch``. ``fwd-tree-wide``, the
   tree on head dim 64's wide tiles too, timed level there (-0.9 to +0.8%);
   refused, ``git show 5b7230e:scripts/variants/fwd-tree-wide.patch``.)
-* ``fwd-tree-sum`` (forty-sixth session, CPU only, not run): the
+* (``fwd-tree-sum``, forty-sixth session, timed in the forty-seventh: the
   softmax's per-thread row sums (``_lane_sums``) added as ``_row_max``'s
-  tree at head dims 128 and 256 (``TREE_MAX``), where ``gl.sum`` over a
-  thread's 16 column pairs chains 16 ``FADD``: after the tree the longest
-  register dependency chain in head dim 128's step was that sum (22
-  instructions, its end at the loop's tail before the back-edge); with
-  this variant it is 13 (the masked step's row maximum). 718 instructions
-  a step either way, 168 registers, no spill (census of eight
-  specialisations: D=128/256 causal and not, split decode, varlen,
-  window with soft-capping); exps issued with PV in flight 5 of 66
-  against 10. Expected small (the sums are off the path to the next
-  GEMM but for the step's last few). Under triton 3.8 and later
-  ``gl.sum`` is already a tree (their reduce lowering), so this changes
-  only triton 3.6 and 3.7 builds. Next: ``vtests fwd-tree-sum
-  tests/test_forward_gpu.py`` and ``screen benchmarks/d128-steady.json
-  fwd-tree-sum``.
+  tree at head dims 128 and 256, which shortened the step's longest
+  dependency chain from 22 instructions to 13 (CPU; only triton 3.6/3.7
+  builds change, 3.8+ lower ``gl.sum`` as a tree). 0.3-1.9% *slower* on
+  every D = 128 row of a screen (two rounds, FA3 beside; BENCHMARKS.md,
+  forty-seventh section): refused. Its text: ``git show
+  8185856:scripts/variants/fwd-tree-sum.patch``.)
+* (``fwd-pingpong-chunk``, forty-seventh session: ``fwd-pingpong-nobar``
+  ported to the current forward (head dim 128, two consumers, plain
+  modes), to time FA3's ping-pong on issue 10's chunked-prefill rows
+  (one wave of 64-step items, not at the power cap, where a step's
+  cycles show in the time), which no earlier screen of it had. Level
+  there (+1.0% / -2.8% / +0.3% at 128 x 8192 / 16384 / 4096, noise), -4.2
+  to +2.9% on the square rows: refused a fourth time. Its text: ``git
+  show 8185856:scripts/variants/fwd-pingpong-chunk.patch``.)
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
   as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
   session; timed and removed in the forty-fifth, its text at ``git show
