@@ -217,6 +217,11 @@ class Mode:
     # kernels read them in (sink_arg; "" for none). The kernel's normaliser
     # takes them, or (split) the combine's.
     sink: str = ""
+    # Every CTA of the launch runs exactly one work item: plain prefill dealt
+    # statically with no more items than SMs (chunked prefill's short query
+    # against a long cache). Set at head dim 128 with two consumers only,
+    # the one kernel that reads it (kernels/forward.py, ``V_AT_ISSUE``).
+    one_item: bool = False
 
     @property
     def kernel_sink(self) -> bool:
@@ -307,6 +312,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         SOFTCAP=mode.softcap,
         SINK=mode.kernel_sink,
         RING_PTX=ptx_rings.version_for(cfg.head_dim),
+        ONE_ITEM=mode.one_item,
     )
 
 
@@ -649,10 +655,12 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     dynamic = (cfg.persistent and plain
                and (choose_dynamic(tiles, triton_cdiv(seqlen_q, cfg.block_m), causal, False, sms)
                     or (causal and cfg.consumers == 3 and tiles > sms)))
+    n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
+    one_item = (plain and not dynamic and cfg.persistent and tiles <= n_ctas and cfg.head_dim == 128
+                and cfg.consumers == 2)
     mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
                 dynamic=dynamic, window_left=window_left, window_right=window_right, softcap=bool(softcap),
-                sink=sink)
-    n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
+                sink=sink, one_item=one_item)
     section = l2_section(n_blocks * cfg.block_n, cfg.head_dim, dtype.itemsize, group)
     kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)

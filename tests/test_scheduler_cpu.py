@@ -199,3 +199,39 @@ def test_no_wide_tiles_under_triton_3_9():
     # Its ptxas spills the write-LSE kernels at 160 registers (tenth session's census).
     assert plan.wide_configs("3.9.0") == {}
     assert set(plan.wide_configs("3.6.0")) == {64}
+
+
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,nheads,nheads_kv,causal,one", [
+    (4, 128, 8192, 32, 8, True, True),      # issue 10's chunked row: 128 items on 132 SMs
+    (1, 2048, 2048, 8, 8, True, True),      # 128 items: one wave
+    (1, 4096, 4096, 4, 4, False, True),     # non-causal, 128 items
+    (4, 256, 8192, 17, 17, True, False),    # 136 items: pairs on 68 CTAs
+    (2, 512, 32768, 32, 8, True, False),    # 256 items dealt in pairs
+    (4, 8192, 8192, 32, 32, True, False),   # the dynamic order
+    (4, 8192, 8192, 32, 32, False, False),  # static, 64 items per SM
+])
+def test_one_item_per_cta_at_head_dim_128(batch, seqlen_q, seqlen_k, nheads, nheads_kv, causal, one):
+    """``Mode.one_item`` (the kernel's ``ONE_ITEM``, which moves head dim
+    128's V wait to FA3's place) is set exactly when every CTA of a plain
+    launch runs one work item."""
+    lp = prefill_plan(batch, seqlen_q, nheads, causal=causal, seqlen_k=seqlen_k, nheads_kv=nheads_kv)
+    items = plan.work_items(batch, nheads, seqlen_q, lp.cfg)
+    assert (items <= SMS and not lp.mode.dynamic) == one
+    assert lp.mode.one_item is one and lp.constexprs["ONE_ITEM"] is one
+    if one:
+        assert (lp.n_ctas, lp.pair) == (items, 1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_one_item_only_where_the_kernel_reads_it(head_dim):
+    """Other head dims compile no second kernel for one-item launches."""
+    lp = prefill_plan(1, 2048, 8, causal=True, head_dim=head_dim)
+    assert plan.work_items(1, 8, 2048, lp.cfg) <= SMS
+    assert not lp.mode.one_item
+
+
+def test_decode_modes_keep_one_item_off():
+    """PackGQA, split-KV and cache lengths are not plain launches."""
+    lp = prefill_plan(8, 1, 32, causal=True, seqlen_k=16384, nheads_kv=8, pack_gqa=True, num_splits=4,
+                      seqused=True)
+    assert lp.mode.split and not lp.mode.one_item

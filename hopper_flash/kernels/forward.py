@@ -195,6 +195,18 @@ class Mode:
     # PV's V between the two, which ends the basic block there (module
     # docstring).
     MAX_BEFORE_PV: gl.constexpr
+    # Launches whose every CTA runs one work item (``ONE_ITEM``: a static
+    # deal of at most one item per SM, e.g. chunked prefill), head dim 128,
+    # two consumers: the steady step waits for the V of the PV it issues
+    # right before issuing it, after QK's issue (FA3's place, where QK is in
+    # flight anyway), instead of waiting for the next PV's V after the row
+    # maximum, on the softmax's path. A second wait on that same landed V
+    # after the maximum stays, as a fence: its retry loop ends the basic
+    # block, so ptxas's PV wait stays below the maximum. On the H200 this
+    # took issue 10's 4 x 128 x 8192 row 5-6.5% faster and 128 x 4096 8%,
+    # and made CTAs that run several items 2-3.5% slower (BENCHMARKS.md,
+    # forty-seventh session), hence the launch-level switch.
+    V_AT_ISSUE: gl.constexpr
     # The row maximum reduced as a tree in each thread (softmax._row_max):
     # head dims 128 and 256.
     TREE_MAX: gl.constexpr
@@ -213,6 +225,8 @@ class Mode:
     # logit from ``sink_ptr`` (fp32, bf16 or fp16; softmax_finish). Not with
     # SPLIT: the combine adds it there, once per row.
     SINK: gl.constexpr
+    # Every CTA of the launch runs exactly one work item (plan.Mode.one_item).
+    ONE_ITEM: gl.constexpr
     # The static deal's coordinates without run-time divisions (_num_splits):
     # plain causal prefill (windows, soft-capping and sinks included), none
     # of the decode modes.
@@ -225,7 +239,7 @@ class Mode:
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
                  PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT,
-                 SOFTCAP, SINK):
+                 SOFTCAP, SINK, ONE_ITEM):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -236,6 +250,7 @@ class Mode:
                                                             or PAGE_SIZE > 0 or VARLEN))
         self.MAX_BEFORE_PV = gl.constexpr((HEAD_DIM == 128 and self.NC == 2) or self.NC == 3)
         self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.MAX_BEFORE_PV)
+        self.V_AT_ISSUE = gl.constexpr(ONE_ITEM and self.MAX_BEFORE_PV and HEAD_DIM == 128 and self.NC == 2)
         self.TREE_MAX = gl.constexpr(HEAD_DIM >= 128)
         self.GATHER = gl.constexpr(0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE)
         self.PRODUCER_WARPS = gl.constexpr(4 if self.GATHER else 1)
@@ -807,7 +822,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     # The output accumulator is born after the prologue so it does not share
     # the prologue's live range with S.
     acc_o = gl.zeros([WG_M, mode.HEAD_DIM], gl.float32, o_layout)
-    if mode.PV_AFTER_SOFTMAX:
+    if mode.PV_AFTER_SOFTMAX and not mode.V_AT_ISSUE:
         # V of the first tile, for the first PV (each step then waits for the
         # V of the next PV inside the step).
         _wait_tile(rings.v_full, kv0, mode.V_STAGES, mode)
@@ -825,6 +840,8 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
             _wait_tile(rings.v_full, kv0 + it - 1, mode.V_STAGES, mode)
         v = rings.v_bufs.index(ring_slot(kv0 + it - 1, mode.V_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
         qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, is_async=True)
+        if mode.V_AT_ISSUE:
+            _wait_tile(rings.v_full, kv0 + it - 1, mode.V_STAGES, mode)
         pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
 
         # One group may stay in flight: the older one, QK, is complete here.
@@ -846,7 +863,10 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
             # the PV wait in the source) the same operations compile to another
             # schedule, not the one timed (SASS compared on the CPU).
             scores_max, m_scaled, scores_scale = softmax_max(s, scores_max, exp_scale, mode.TREE_MAX)
-            _wait_tile(rings.v_full, kv0 + it, mode.V_STAGES, mode)
+            if mode.V_AT_ISSUE:
+                _wait_tile(rings.v_full, kv0 + it - 1, mode.V_STAGES, mode)  # landed: ptxas's fence only
+            else:
+                _wait_tile(rings.v_full, kv0 + it, mode.V_STAGES, mode)
             acc_o, p_op = warpgroup_mma_wait(0, deps=[pv, p_op])
             release_read(rings.v_empty, kv0 + it - 1, mode.V_STAGES)
             acc_o = acc_o * gl.convert_layout(scores_scale, o_row_layout)[:, None]
@@ -873,7 +893,7 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
 
     # ---- Final PV, overlapped with the row-sum finalisation. ----
-    if not mode.PV_AFTER_SOFTMAX:  # else waited for by the last step, or before the loop
+    if not mode.PV_AFTER_SOFTMAX or mode.V_AT_ISSUE:  # else waited for by the last step, or before the loop
         _wait_tile(rings.v_full, kv0 + n_kv - 1, mode.V_STAGES, mode)
     v = rings.v_bufs.index(ring_slot(kv0 + n_kv - 1, mode.V_STAGES)).reshape([mode.BLOCK_N, mode.HEAD_DIM])
     pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
@@ -1025,7 +1045,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              DYNAMIC: gl.constexpr = False, Q_STAGES: gl.constexpr = 1,
                              WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1,
                              SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False,
-                             RING_PTX: gl.constexpr = 0):
+                             RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False):
     # RING_PTX: which form of ``hopper_flash.ptx_rings`` compiled this
     # specialisation (0: triton's named barriers around the K/V ring kept);
     # unused here, it keys the compiled kernel.
@@ -1048,7 +1068,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                SINK)
+                SINK, ONE_ITEM)
     if SPLIT:
         # The combine follows this grid by programmatic dependent launch
         # (plan.launch_combine) and may be scheduled from now on: its
