@@ -220,7 +220,8 @@ class Mode:
     # Every CTA of the launch runs exactly one work item: plain prefill dealt
     # statically with no more items than SMs (chunked prefill's short query
     # against a long cache). Set at head dim 128 with two consumers only,
-    # the one kernel that reads it (kernels/forward.py, ``V_AT_ISSUE``).
+    # the one kernel that reads it (kernels/forward.py, ``V_AT_ISSUE``), and
+    # not with soft-capping or sinks (_plan_launch).
     one_item: bool = False
 
     @property
@@ -656,8 +657,10 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
                and (choose_dynamic(tiles, triton_cdiv(seqlen_q, cfg.block_m), causal, False, sms)
                     or (causal and cfg.consumers == 3 and tiles > sms)))
     n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
+    # Soft-capped and sink launches keep the other form: their one-item
+    # kernels were not GPU-tested when it shipped (forty-seventh session).
     one_item = (plain and not dynamic and cfg.persistent and tiles <= n_ctas and cfg.head_dim == 128
-                and cfg.consumers == 2)
+                and cfg.consumers == 2 and not softcap and not sink)
     mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
                 dynamic=dynamic, window_left=window_left, window_right=window_right, softcap=bool(softcap),
                 sink=sink, one_item=one_item)

@@ -235,3 +235,14 @@ def test_decode_modes_keep_one_item_off():
     lp = prefill_plan(8, 1, 32, causal=True, seqlen_k=16384, nheads_kv=8, pack_gqa=True, num_splits=4,
                       seqused=True)
     assert lp.mode.split and not lp.mode.one_item
+
+
+@pytest.mark.parametrize("extra", [dict(softcap=True), dict(sink="bf16")])
+def test_one_item_off_with_softcap_or_sinks(extra):
+    """Soft-capped and sink launches keep the kernel they were tested with."""
+    cfg = plan.CONFIGS[128]
+    lp = plan._plan_launch.__wrapped__(0, torch.bfloat16, 4, 128, 32, 8, plan.triton_cdiv(8192, cfg.block_n), cfg,
+                                       0, False, False, 1, False, True, False, **extra)
+    assert not lp.mode.one_item and lp.n_ctas == 128
+    plain = prefill_plan(4, 128, 32, causal=True, seqlen_k=8192, nheads_kv=8)
+    assert plain.mode.one_item
