@@ -413,17 +413,14 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   there (+1.0% / -2.8% / +0.3% at 128 x 8192 / 16384 / 4096, noise), -4.2
   to +2.9% on the square rows: refused a fourth time. Its text: ``git
   show 8185856:scripts/variants/fwd-pingpong-chunk.patch``.)
-* ``fwd-v-at-issue`` (forty-seventh session): head dim 128's steady step
-  (two consumers, every mode) waits for the V of the PV it issues right
-  before issuing it, after QK's issue, FA3's place, where QK is in flight
-  anyway; the shipped step waits for the next PV's V after the row
-  maximum, on the softmax's path (Nsight Compute on issue 10's chunked
-  row: warpgroup 0 stalls there ~5% of its step, warpgroup 1 ~0.3%,
-  BENCHMARKS.md forty-seventh section). A second wait on the same landed
-  V after the maximum keeps ptxas's PV wait below the maximum (a retry
-  loop ends the basic block). 727 instructions a step against 721, 168
-  registers, no spill (census of the plain table and five decode, varlen,
-  paged and window modes).
+* (``fwd-v-at-issue``, forty-seventh session: head dim 128's steady step
+  waiting for the V of the PV it issues right before issuing it (FA3's
+  place) in every mode. Chunked rows (one item per CTA) 5-9.6% faster,
+  CTAs with several items 2-3.7% slower (BENCHMARKS.md, forty-seventh
+  section): shipped for launches whose every CTA runs one item
+  (``plan.Mode.one_item``, the kernel's ``V_AT_ISSUE``), byte-identical in
+  SASS to this variant there. Its text: ``git show
+  fe976fa:scripts/variants/fwd-v-at-issue.patch``.)
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
   as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
   session; timed and removed in the forty-fifth, its text at ``git show
