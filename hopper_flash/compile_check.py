@@ -229,20 +229,25 @@ def read_census(compiled, sass_ops, **fields) -> CompileReport:
 
 # Causal prefill long enough for the dynamic order (plan.choose_dynamic).
 DYNAMIC_PREFILL = Mode(dynamic=True)
+# At most one work item per SM, dealt statically (plan.Mode.one_item): head dim 128's
+# two-consumer kernels only.
+ONE_ITEM_PREFILL = Mode(one_item=True)
 
 
 def shipped_specialisations():
     """Every (config, dtype, causal, write_lse, mode) of fixed-length prefill
     the public API can launch: causal ones with the static deal and the
     dynamic order (plan.choose_dynamic picks by shape), on the shipped
-    configs and their wide forms (plan.choose_wide)."""
+    configs and their wide forms (plan.choose_wide), and head dim 128's
+    one-item launches (plan.Mode.one_item)."""
     from .plan import SUPPORTED_DTYPES
 
     for cfg in (*CONFIGS.values(), *WIDE_CONFIGS.values()):
+        one_item = (ONE_ITEM_PREFILL,) if cfg.head_dim == 128 and cfg.consumers == 2 else ()
         for tdtype in SUPPORTED_DTYPES:
             for causal in SUPPORTED_CAUSAL:
                 for write_lse in (False, True):
-                    for mode in (PREFILL, DYNAMIC_PREFILL) if causal else (PREFILL,):
+                    for mode in ((PREFILL, DYNAMIC_PREFILL) if causal else (PREFILL,)) + one_item:
                         yield cfg, str(tdtype).removeprefix("torch."), causal, write_lse, mode
 
 
@@ -255,7 +260,8 @@ def main() -> None:
     rows = []
     for cfg, dtype, causal, write_lse, mode in shipped_specialisations():
         r = census(cfg, dtype, causal, write_lse, mode)
-        rows.append((r.head_dim, r.block_m, r.dtype, r.causal, r.write_lse, "dynamic" if mode.dynamic else "static",
+        order = "dynamic" if mode.dynamic else "one item" if mode.one_item else "static"
+        rows.append((r.head_dim, r.block_m, r.dtype, r.causal, r.write_lse, order,
                      r.registers, r.stack_bytes, r.shared_bytes, *(r.sass_counts[op] for op in SASS_OPS)))
     header = ("D", "rows", "dtype", "causal", "lse", "order", "regs", "stack", "smem") + SASS_OPS
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]

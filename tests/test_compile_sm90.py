@@ -20,7 +20,7 @@ def spec_id(spec):
     cfg, dtype, causal, write_lse, mode = spec
     wide = "-wide" if cfg.consumers == 3 else ""
     return (f"d{cfg.head_dim}{wide}-{dtype}-{'causal' if causal else 'full'}-{'lse' if write_lse else 'nolse'}"
-            f"{'-dynamic' if mode.dynamic else ''}")
+            f"{'-dynamic' if mode.dynamic else ''}{'-one-item' if mode.one_item else ''}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,13 +36,15 @@ def report(request):
 def test_specialisations_cover_the_api():
     from hopper_flash import plan
 
-    keys = {(cfg.head_dim, cfg.block_m, dtype, causal, lse, mode.dynamic) for cfg, dtype, causal, lse, mode in SPECS}
+    keys = {(cfg.head_dim, cfg.block_m, dtype, causal, lse, mode.dynamic, mode.one_item)
+            for cfg, dtype, causal, lse, mode in SPECS}
     assert len(keys) == len(SPECS)
     shapes = {(d, plan.CONFIGS[d].block_m) for d in plan.SUPPORTED_HEAD_DIMS}
     shapes |= {(d, cfg.block_m) for d, cfg in plan.WIDE_CONFIGS.items()}
-    assert keys == {(d, m, str(t).removeprefix("torch."), c, l, dyn) for d, m in shapes
+    # The deal: static, the dynamic order (causal), one item per CTA (head dim 128, two consumers).
+    assert keys == {(d, m, str(t).removeprefix("torch."), c, l, dyn, one) for d, m in shapes
                     for t in plan.SUPPORTED_DTYPES for c in (False, True) for l in (False, True)
-                    for dyn in ((False, True) if c else (False,))}
+                    for dyn, one in ([(False, False)] + [(True, False)] * c + [(False, True)] * (d == 128 and m == 128))}
 
 
 def test_no_spills(report):

@@ -63,7 +63,14 @@ placement is +1.6-2.2% on long causal rows at head dim 128, +4% non-causal
 at S=8192, +3-8% on chunked prefill, within noise at S=2048 (thirty-sixth
 session), and +2-4% on the wide tiles against the softmax-beside-PV form
 (thirty-seventh); at head dim 256 and on head dim 64's two-consumer tiles
-it measured 0.6-2% slower than their forms, which they keep. At head dims
+it measured 0.6-2% slower than their forms, which they keep. Where every
+CTA of a launch runs one work item (``ONE_ITEM``: chunked prefill's short
+query on a long cache, at most one item per SM), head dim 128 waits for the
+V of the PV it issues right before that issue, after QK's (FA3's place,
+``V_AT_ISSUE``), and keeps the wait after the maximum only as a fence on
+the same landed tile: Nsight Compute had the first consumer stalled ~5% of
+its step on the next V there; +5-9.6% on chunked rows, but 2-3.7% slower
+where CTAs run several items (forty-seventh session). At head dims
 128 and 256 the row maximum itself is a tree in each thread
 (``softmax._row_max``, ``TREE_MAX``), not ``gl.max``'s 32-deep chain:
 +1.9-2.8% on causal rows at head dim 128 (forty-sixth session).
