@@ -220,8 +220,9 @@ class Mode:
     # Every CTA of the launch runs exactly one work item: plain prefill dealt
     # statically with no more items than SMs (chunked prefill's short query
     # against a long cache). Set at head dim 128 with two consumers only,
-    # the one kernel that reads it (kernels/forward.py, ``V_AT_ISSUE``), and
-    # not with soft-capping or sinks (_plan_launch).
+    # the one kernel that reads it (kernels/forward.py, ``V_AT_ISSUE``), for
+    # at most ONE_ITEM_MAX_KV_TILES KV tiles, and not with soft-capping or
+    # sinks (_plan_launch).
     one_item: bool = False
 
     @property
@@ -622,6 +623,14 @@ class LaunchPlan:
     constexpr_values: tuple
 
 
+# The longest items (KV tiles) a one-item launch was timed with (Mode.one_item):
+# 128 queries on 4096 / 8192 / 16384 keys gained 8% / 5% / 0.3-2.9% on the
+# H200, the gain shrinking with the length, and launches of longer kernels
+# (CTAs with several items) lost 2-3.7% (BENCHMARKS.md, forty-seventh
+# session): longer one-item launches keep the other form until timed.
+ONE_ITEM_MAX_KV_TILES = 128
+
+
 @lru_cache(maxsize=4096)
 def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cfg, page_size, seqused, kv_batch,
                  num_splits, pack_gqa, causal, write_lse, window=None, softcap=False, sink="") -> LaunchPlan:
@@ -660,7 +669,7 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     # Soft-capped and sink launches keep the other form: their one-item
     # kernels were not GPU-tested when it shipped (forty-seventh session).
     one_item = (plain and not dynamic and cfg.persistent and tiles <= n_ctas and cfg.head_dim == 128
-                and cfg.consumers == 2 and not softcap and not sink)
+                and cfg.consumers == 2 and not softcap and not sink and n_blocks <= ONE_ITEM_MAX_KV_TILES)
     mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
                 dynamic=dynamic, window_left=window_left, window_right=window_right, softcap=bool(softcap),
                 sink=sink, one_item=one_item)

@@ -246,3 +246,12 @@ def test_one_item_off_with_softcap_or_sinks(extra):
     assert not lp.mode.one_item and lp.n_ctas == 128
     plain = prefill_plan(4, 128, 32, causal=True, seqlen_k=8192, nheads_kv=8)
     assert plain.mode.one_item
+
+
+def test_one_item_up_to_the_timed_length():
+    """One-item launches take V_AT_ISSUE up to the longest items timed
+    (plan.ONE_ITEM_MAX_KV_TILES KV tiles), the other form beyond."""
+    tiles = plan.ONE_ITEM_MAX_KV_TILES
+    assert prefill_plan(4, 128, 32, causal=True, seqlen_k=tiles * 128, nheads_kv=8).mode.one_item
+    longer = prefill_plan(4, 128, 32, causal=True, seqlen_k=tiles * 128 + 1, nheads_kv=8)
+    assert not longer.mode.one_item and not longer.mode.dynamic and longer.n_ctas == 128
