@@ -69,7 +69,7 @@ query on a long cache, at most one item per SM), head dim 128 waits for the
 V of the PV it issues right before that issue, after QK's (FA3's place,
 ``V_AT_ISSUE``), and keeps the wait after the maximum only as a fence on
 the same landed tile: Nsight Compute had the first consumer stalled ~5% of
-its step on the next V there; +5-9.6% on chunked rows, but 2-3.7% slower
+its step on the next V there; +4.4-9.6% on chunked rows, but 2-3.7% slower
 where CTAs run several items (forty-seventh session). At head dims
 128 and 256 the row maximum itself is a tree in each thread
 (``softmax._row_max``, ``TREE_MAX``), not ``gl.max``'s 32-deep chain:
@@ -210,9 +210,10 @@ class Mode:
     # maximum, on the softmax's path. A second wait on that same landed V
     # after the maximum stays, as a fence: its retry loop ends the basic
     # block, so ptxas's PV wait stays below the maximum. On the H200 this
-    # took issue 10's 4 x 128 x 8192 row 5-6.5% faster and 128 x 4096 8%,
-    # and made CTAs that run several items 2-3.5% slower (BENCHMARKS.md,
-    # forty-seventh session), hence the launch-level switch.
+    # took issue 10's 4 x 128 x 8192 row 4.4-6.5% faster and 128 x 4096
+    # 7.8-9.6%, and made CTAs that run several items 2-3.7% slower
+    # (BENCHMARKS.md, forty-seventh session), hence the launch-level switch
+    # (plan._plan_launch sets ONE_ITEM).
     V_AT_ISSUE: gl.constexpr
     # The row maximum reduced as a tree in each thread (softmax._row_max):
     # head dims 128 and 256.
