@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from . import ptx_rings
 from .plan import (CONFIGS, PREFILL, WIDE_CONFIGS, ForwardConfig, Mode, block_shapes, compile_options,
-                   kernel_constexprs, smem_layout)
+                   kernel_constexprs, smem_layout, takes_one_item)
 
 # Hopper's per-block shared-memory limit with the opt-in carve-out.
 SMEM_LIMIT_BYTES = 227 * 1024
@@ -229,8 +229,8 @@ def read_census(compiled, sass_ops, **fields) -> CompileReport:
 
 # Causal prefill long enough for the dynamic order (plan.choose_dynamic).
 DYNAMIC_PREFILL = Mode(dynamic=True)
-# At most one work item per SM, dealt statically (plan.Mode.one_item): head dim 128's
-# two-consumer kernels only.
+# At most one work item per SM, dealt statically (plan.Mode.one_item), for the
+# configs whose kernel reads it (plan.takes_one_item).
 ONE_ITEM_PREFILL = Mode(one_item=True)
 
 
@@ -243,7 +243,7 @@ def shipped_specialisations():
     from .plan import SUPPORTED_DTYPES
 
     for cfg in (*CONFIGS.values(), *WIDE_CONFIGS.values()):
-        one_item = (ONE_ITEM_PREFILL,) if cfg.head_dim == 128 and cfg.consumers == 2 else ()
+        one_item = (ONE_ITEM_PREFILL,) if takes_one_item(cfg) else ()
         for tdtype in SUPPORTED_DTYPES:
             for causal in SUPPORTED_CAUSAL:
                 for write_lse in (False, True):

@@ -219,10 +219,10 @@ class Mode:
     sink: str = ""
     # Every CTA of the launch runs exactly one work item: plain prefill dealt
     # statically with no more items than SMs (chunked prefill's short query
-    # against a long cache). Set at head dim 128 with two consumers only,
-    # the one kernel that reads it (kernels/forward.py, ``V_AT_ISSUE``), for
-    # at most ONE_ITEM_MAX_KV_TILES KV tiles, and not with soft-capping or
-    # sinks (_plan_launch).
+    # against a long cache). Set only for the configs whose kernel reads it
+    # (takes_one_item; kernels/forward.py, ``V_AT_ISSUE``), for at most
+    # ONE_ITEM_MAX_KV_TILES KV tiles, and not with soft-capping or sinks
+    # (_plan_launch).
     one_item: bool = False
 
     @property
@@ -623,6 +623,13 @@ class LaunchPlan:
     constexpr_values: tuple
 
 
+def takes_one_item(cfg: ForwardConfig) -> bool:
+    """Whether ``cfg``'s kernel reads ``Mode.one_item`` (kernels/forward.py,
+    ``V_AT_ISSUE``): head dim 128 on two consumers, persistent. Other
+    configs never get the flag, so they compile no second kernel for it."""
+    return cfg.head_dim == 128 and cfg.consumers == 2 and cfg.persistent
+
+
 # The longest items (KV tiles) a one-item launch was timed with (Mode.one_item):
 # 128 queries on 4096 / 8192 / 16384 keys gained 8% / 5% / 0.3-2.9% on the
 # H200, the gain shrinking with the length, and launches of longer kernels
@@ -668,8 +675,8 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
     # Soft-capped and sink launches keep the other form: their one-item
     # kernels were not GPU-tested when it shipped (forty-seventh session).
-    one_item = (plain and not dynamic and cfg.persistent and tiles <= n_ctas and cfg.head_dim == 128
-                and cfg.consumers == 2 and not softcap and not sink and n_blocks <= ONE_ITEM_MAX_KV_TILES)
+    one_item = (plain and not dynamic and tiles <= n_ctas and takes_one_item(cfg) and not softcap and not sink
+                and n_blocks <= ONE_ITEM_MAX_KV_TILES)
     mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
                 dynamic=dynamic, window_left=window_left, window_right=window_right, softcap=bool(softcap),
                 sink=sink, one_item=one_item)

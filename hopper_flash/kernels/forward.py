@@ -258,7 +258,7 @@ class Mode:
                                                             or PAGE_SIZE > 0 or VARLEN))
         self.MAX_BEFORE_PV = gl.constexpr((HEAD_DIM == 128 and self.NC == 2) or self.NC == 3)
         self.PV_AFTER_SOFTMAX = gl.constexpr(HEAD_DIM == 256 or self.MAX_BEFORE_PV)
-        self.V_AT_ISSUE = gl.constexpr(ONE_ITEM and self.MAX_BEFORE_PV and HEAD_DIM == 128 and self.NC == 2)
+        self.V_AT_ISSUE = gl.constexpr(ONE_ITEM and self.MAX_BEFORE_PV and self.NC == 2)  # head dim 128
         self.TREE_MAX = gl.constexpr(HEAD_DIM >= 128)
         self.GATHER = gl.constexpr(0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE)
         self.PRODUCER_WARPS = gl.constexpr(4 if self.GATHER else 1)
