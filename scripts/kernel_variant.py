@@ -421,11 +421,13 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   (``plan.Mode.one_item``, the kernel's ``V_AT_ISSUE``), byte-identical in
   SASS to this variant there. Its text: ``git show
   fe976fa:scripts/variants/fwd-v-at-issue.patch``.)
-* ``fwd-tmap-prefetch`` (forty-eighth session): the ``ptx_rings`` hook
-  also inserts ``prefetch.tensormap`` for each TMA descriptor (Q, K, V, O;
+* (``fwd-tmap-prefetch``, forty-eighth session: the ``ptx_rings`` hook
+  also inserted ``prefetch.tensormap`` for each TMA descriptor (Q, K, V, O;
   thread 0) at the forward kernel's entry, as FA3 and CUTLASS do before
-  their first loads (head dims 64 and 128, the kernels the hook rewrites).
-  Being timed on issue 10's decode block (graph replay).
+  their first loads (head dims 64 and 128). Decode tests passed (88); on
+  issue 10's decode block under graph replay level or 0.1-0.5 us slower
+  (BENCHMARKS.md, forty-eighth section): refused. Its text: ``git show
+  9e02afa:scripts/variants/fwd-tmap-prefetch.patch``.)
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
   as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
   session; timed and removed in the forty-fifth, its text at ``git show
