@@ -428,11 +428,13 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   issue 10's decode block under graph replay level or 0.1-0.5 us slower
   (BENCHMARKS.md, forty-eighth section): refused. Its text: ``git show
   9e02afa:scripts/variants/fwd-tmap-prefetch.patch``.)
-* ``fwd-l2-hints`` (forty-eighth session): the ``ptx_rings`` hook also
-  gives the forward's TMA loads FA3's L2 eviction hints
+* (``fwd-l2-hints``, forty-eighth session: the ``ptx_rings`` hook also
+  gave the forward's TMA loads FA3's L2 eviction hints
   (``.L2::cache_hint``; K and V ``EVICT_LAST``, Q ``EVICT_FIRST``, CUTLASS's
-  encoded policies), at head dims 64 and 128 (the kernels the hook
-  rewrites). Census unchanged (no spill).
+  encoded policies) at head dims 64 and 128. Decode tests passed (88);
+  -1.3 to +1.4% on chunked, square, GQA, D = 64 and decode rows, noise
+  (BENCHMARKS.md, forty-eighth section): refused. Its text: ``git show
+  4a425e1:scripts/variants/fwd-l2-hints.patch``.)
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
   as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
   session; timed and removed in the forty-fifth, its text at ``git show
