@@ -630,11 +630,11 @@ def takes_one_item(cfg: ForwardConfig) -> bool:
     return cfg.head_dim == 128 and cfg.consumers == 2 and cfg.persistent
 
 
-# The longest items (KV tiles) a one-item launch was timed with (Mode.one_item):
-# 128 queries on 4096 / 8192 / 16384 keys gained 8% / 5% / 0.3-2.9% on the
-# H200, the gain shrinking with the length, and launches of longer kernels
-# (CTAs with several items) lost 2-3.7% (BENCHMARKS.md, forty-seventh
-# session): longer one-item launches keep the other form until timed.
+# The longest items (KV tiles) a one-item launch takes V_AT_ISSUE for
+# (Mode.one_item): 128 queries on 4096 / 8192 / 16384 keys gained 8% / 5% /
+# 0.3-2.9% on the H200, the gain shrinking with the length (forty-seventh
+# session); on 32768 and 65536 keys the cap lifted lost 1.4-4.9%
+# (forty-eighth session), so longer items keep the other form.
 ONE_ITEM_MAX_KV_TILES = 128
 
 
