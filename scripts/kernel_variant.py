@@ -435,23 +435,17 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   -1.3 to +1.4% on chunked, square, GQA, D = 64 and decode rows, noise
   (BENCHMARKS.md, forty-eighth section): refused. Its text: ``git show
   4a425e1:scripts/variants/fwd-l2-hints.patch``.)
-* ``fwd-d256-kv80`` (forty-eighth session; not yet run on the GPU): FA3's
-  80-key K/V tiles at head dim 256 (ours: 64), where Gluon's
-  power-of-two shapes allow them only as two score tiles: each K/V tile
-  is loaded as five TMA boxes of 16 keys (``plan.block_shapes``), four
-  into the 64-key ring slot and one into a 16-key slot of its own
-  (``kx_bufs`` / ``vx_bufs``); per step QK is two wgmma groups (64 and
-  16 keys: ``m64n64k16`` and ``m64n16k16`` x 16 each), the softmax runs
-  over both (``softmax_first2`` / ``softmax_step2``), and PV is two
-  (``m64n256k16`` x 4 and x 1); tile arithmetic counts ``KEYS`` = 80.
-  Plain head-dim-256 prefill only (``plan.extra_keys``; every other
-  kernel SASS-identical, CPU), with the small-page register split (232 /
-  40: at 24 the producer's five boxes spilled). Shared memory 229,912 B
-  of the 232,448 a block may take. Census: the dynamic-order causal and the
-  non-causal kernels spill-free; static causal and the LSE forms 8-16
-  bytes of stack outside the steady loop. Time it after FA3's own
-  80-against-64 comparison (``scripts/fa3_extra_build.sh d256n64``) says
-  the tile is worth having.
+* ``fwd-d256-kv80`` (forty-eighth session; timed in the forty-ninth):
+  FA3's 80-key K/V tiles at head dim 256 (ours: 64), as two score tiles
+  of 64 and 16 keys (Gluon's shapes are powers of two), each K/V tile five
+  TMA boxes of 16 keys. Plain head-dim-256 prefill only.
+* ``fwd-pingpong3`` and ``fwd-pingpong3-own`` (forty-ninth session): FA3's
+  three-way ping-pong on head dim 64's wide tiles: each steady step's
+  QK + PV issue is a turn passed 0 -> 1 -> 2 -> 0 through named barriers
+  8-10 (consumer 0 arrives on its own barrier once, for the first turn).
+  The first turns off ``OWN_DIAGONAL`` (every consumer must take as many
+  turns); the second keeps it and has a consumer take an empty turn for
+  each KV tile it passes unread. Both turn off the offset start.
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
   as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
   session; timed and removed in the forty-fifth, its text at ``git show
