@@ -31,13 +31,6 @@
 #       (vl-TAG-BATCH-ROUND.json: eight files with one NAME and two batch
 #       sizes). VSCREEN_ARGS: more bench arguments (e.g. "--headdim 64"),
 #       VSCREEN_TAG: a word for their JSON names (vl-WORD-TAG-...).
-#   run (carry .fa3):  bash scripts/device_session.sh fa3tiles
-#       head dim 256's key tile, in one call (~6 min): FA3's forward with its
-#       80-key tile and with ours, 64 (scripts/fa3_extra_build.sh d256 /
-#       d256n64, built at once in the background) while the variant
-#       fwd-d256-kv80's D=256 forward tests run; then two rounds of
-#       alternating processes on benchmarks/d256.json: ours beside FA3-80
-#       and SDPA cuDNN, FA3-64, the variant. JSON per process (t256-*).
 #   run:               bash scripts/device_session.sh memcheck
 #       compute-sanitizer memcheck on the forward and backward cases.
 #   run:               bash scripts/device_session.sh variant NAME CONFIG.json [BENCH ARGS]
@@ -162,29 +155,9 @@ case "${1:-}" in
         done
       done
     done ;;
-  fa3tiles)
-    for kind in d256 d256n64; do
-      (setsid nohup bash scripts/fa3_extra_build.sh $kind > /tmp/fa3$kind.out 2>&1 < /dev/null &)
-    done
-    build_variant fwd-d256-kv80 || exit 1
-    VARIANT_TEST_TIMEOUT=${VARIANT_TEST_TIMEOUT:-300} variant_tests fwd-d256-kv80 tests/test_forward_gpu.py -k 256
-    waited=0
-    until { [ -s /tmp/fa3d256.out ] && [ -s /tmp/fa3d256n64.out ]; } || [ "$waited" -ge "${FA3_WAIT:-400}" ]; do
-      sleep 5; waited=$((waited + 5))
-    done
-    cat /tmp/fa3d256.out /tmp/fa3d256n64.out
-    for round in 1 2; do
-      for run in "shipped:.:/tmp/fa3d256:hopper_flash fa3 sdpa-cudnn" "fa3n64:.:/tmp/fa3d256n64:fa3" \
-                 "kv80:/tmp/variant-fwd-d256-kv80:/tmp/fa3d256:hopper_flash"; do
-        IFS=: read -r tag pkg fa3 backends <<< "$run"
-        echo "== $tag, round $round"
-        PYTHONPATH=$pkg:$fa3 timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 100 --warmup-ms 30 \
-          --config benchmarks/d256.json --backends $backends --json "$OUT/t256-$tag-$round.json" 2>&1 | quiet | tail -14
-      done
-    done ;;
   memcheck)
     TOOLS=memcheck bash scripts/sanitize.sh 2>&1 | quiet | tail -20
     TOOLS=memcheck bash scripts/sanitize.sh --backward 2>&1 | quiet | tail -20 ;;
   *) echo "usage: $0 tests [pytest args] | bench [block ...] | memcheck | variant NAME CONFIG [args]" \
-          "| vtests NAME [paths] | screen CONFIG NAME... [-- args] | vscreen NAME... [-- batches] | fa3tiles" >&2; exit 2 ;;
+          "| vtests NAME [paths] | screen CONFIG NAME... [-- args] | vscreen NAME... [-- batches]" >&2; exit 2 ;;
 esac

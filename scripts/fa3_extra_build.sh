@@ -11,11 +11,10 @@
 #          for issue 13's fp16 row; installs to /tmp/fa3pkg16. About 110 s.
 #   d256, d256n64: head dim 256 instead, the bf16 forward only, as fp16's
 #          (plain prefill); d256n64 with FA3's key tile cut from 80 keys to
-#          64 (ours), in tile_size.h. Timing the two beside each other tells
-#          how much of FA3's lead at head dim 256 its wider tile is, before
-#          anyone builds two score tiles (64 + 16 keys) into ours
-#          (BENCHMARKS.md, forty-eighth section). Install to /tmp/fa3d256,
-#          /tmp/fa3d256n64; both builds at once take the 16 cores.
+#          64 (ours), in tile_size.h: how much of FA3's lead at head dim
+#          256 its wider tile is (1.5-3% at S=8192, BENCHMARKS.md,
+#          forty-ninth section). Install to /tmp/fa3d256, /tmp/fa3d256n64;
+#          both builds at once take the 16 cores, ~95 s.
 # Then PYTHONPATH=/tmp/fa3local:. (or /tmp/fa3pkg16) for the bench's fa3
 # columns. Start it in the background the way scripts/device_session.sh
 # starts the stock build:

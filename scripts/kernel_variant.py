@@ -435,17 +435,30 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   -1.3 to +1.4% on chunked, square, GQA, D = 64 and decode rows, noise
   (BENCHMARKS.md, forty-eighth section): refused. Its text: ``git show
   4a425e1:scripts/variants/fwd-l2-hints.patch``.)
-* ``fwd-d256-kv80`` (forty-eighth session; timed in the forty-ninth):
+* (``fwd-d256-kv80``, forty-eighth session, timed in the forty-ninth:
   FA3's 80-key K/V tiles at head dim 256 (ours: 64), as two score tiles
   of 64 and 16 keys (Gluon's shapes are powers of two), each K/V tile five
-  TMA boxes of 16 keys. Plain head-dim-256 prefill only.
-* ``fwd-pingpong3`` and ``fwd-pingpong3-own`` (forty-ninth session): FA3's
-  three-way ping-pong on head dim 64's wide tiles: each steady step's
-  QK + PV issue is a turn passed 0 -> 1 -> 2 -> 0 through named barriers
-  8-10 (consumer 0 arrives on its own barrier once, for the first turn).
-  The first turns off ``OWN_DIAGONAL`` (every consumer must take as many
-  turns); the second keeps it and has a consumer take an empty turn for
-  each KV tile it passes unread. Both turn off the offset start.
+  TMA boxes of 16 keys, PV two wgmma groups. Its D = 256 forward tests
+  passed (34); 5-8% slower than the shipped kernel on every row of
+  ``benchmarks/d256.json`` (causal S = 8192 3.63 / 3.56 ms against 3.41 /
+  3.35). FA3 itself built with 64-key tiles (``scripts/fa3_extra_build.sh
+  d256n64``) loses 1.5-3% of its own lead at S = 8192: FA3 takes its tile
+  as one ``m64n80`` wgmma, ours cost two groups and a two-part softmax
+  (BENCHMARKS.md, forty-ninth section). Refused; its text: ``git show
+  f749978:scripts/variants/fwd-d256-kv80.patch``, and the call that
+  timed it, ``device_session.sh``'s ``fa3tiles`` mode: ``git show
+  11869db:scripts/device_session.sh``.)
+* (``fwd-pingpong3`` and ``fwd-pingpong3-own``, forty-ninth session: FA3's
+  three-way ping-pong on head dim 64's wide tiles, each steady step's
+  QK + PV issue a turn passed 0 -> 1 -> 2 -> 0 through named barriers
+  8-10; the first without ``OWN_DIAGONAL`` (equal turns), the second
+  keeping it with an empty turn per KV tile passed unread. Tests passed
+  (48 each); causal S = 8192, GQA, S = 16384, fp16 and non-causal S = 2048
+  level with the shipped kernel, non-causal S = 8192 1-1.5% faster: the
+  causal row it was for (0.96-0.97x FA3) did not move (BENCHMARKS.md,
+  forty-ninth section). Refused; their text: ``git show
+  b8ceea2:scripts/variants/fwd-pingpong3.patch`` and
+  ``...fwd-pingpong3-own.patch``.)
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
   as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
   session; timed and removed in the forty-fifth, its text at ``git show
