@@ -673,9 +673,7 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
                and (choose_dynamic(tiles, triton_cdiv(seqlen_q, cfg.block_m), causal, False, sms)
                     or (causal and cfg.consumers == 3 and tiles > sms)))
     n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
-    # Soft-capped and sink launches keep the other form: their one-item
-    # kernels were not GPU-tested when it shipped (forty-seventh session).
-    one_item = (plain and not dynamic and tiles <= n_ctas and takes_one_item(cfg) and not softcap and not sink
+    one_item = (plain and not dynamic and tiles <= n_ctas and takes_one_item(cfg)
                 and n_blocks <= ONE_ITEM_MAX_KV_TILES)
     mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
                 dynamic=dynamic, window_left=window_left, window_right=window_right, softcap=bool(softcap),

@@ -71,6 +71,24 @@ def planned_rows(monkeypatch):
 
 
 @pytest.fixture
+def planned_launches(monkeypatch):
+    """The plan (plan.LaunchPlan) of every forward launch planned from here
+    on, to check which kernel a test ran (its ``mode`` and ``cfg``)."""
+    from hopper_flash import plan
+
+    seen, real = [], plan._plan_launch.__wrapped__
+
+    def spy(*args):
+        lp = real(*args)
+        seen.append(lp)
+        return lp
+    monkeypatch.setattr(plan, "_plan_launch", spy)
+    # A prepared launch (plan.PreparedForward) replays an earlier plan: none here.
+    monkeypatch.setattr(plan, "_PREPARED", {})
+    return seen
+
+
+@pytest.fixture
 def wide_tiles(monkeypatch, planned_rows):
     """Run the wide tiles (plan.WIDE_CONFIGS: three consumer warpgroups, 192
     rows) at every length, where plan.choose_wide picks them only for long

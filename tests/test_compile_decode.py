@@ -78,6 +78,11 @@ SPECS = [
     (C[64], "bfloat16", True, True, Mode(pack_g=4, seqused=True, page_size=4, sink="float32")),
     (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, seqused_q=True, dynamic=True, sink="float16")),
     (C[256], "bfloat16", True, True, Mode(varlen=True, sink="float32")),
+    # One item per CTA (chunked prefill, V_AT_ISSUE) with soft-capping and sinks.
+    (C[128], "bfloat16", True, False, Mode(one_item=True, softcap=True)),
+    (C[128], "float16", False, True, Mode(one_item=True, softcap=True)),
+    (C[128], "bfloat16", True, True, Mode(one_item=True, sink="bfloat16")),
+    (C[128], "bfloat16", False, True, Mode(one_item=True, sink="float32", softcap=True)),
 ]
 if 64 in plan.WIDE_CONFIGS:  # none under triton 3.9 (plan.wide_configs)
     SPECS.append((plan.WIDE_CONFIGS[64], "bfloat16", True, False, Mode(window_left=4095, window_right=0)))
@@ -100,6 +105,8 @@ def spec_id(spec):
         parts.append("softcap")
     if m.sink:
         parts.append(f"sink_{m.sink}")
+    if m.one_item:
+        parts.append("one_item")
     if cfg.consumers == 3:
         parts.append("wide")
     return "-".join(parts)

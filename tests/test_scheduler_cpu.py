@@ -23,12 +23,14 @@ def h200(monkeypatch):
 def prefill_plan(batch, seqlen_q, nheads, causal, seqlen_k=None, nheads_kv=None, head_dim=128, **kw):
     cfg = plan.CONFIGS[head_dim]
     seqlen_k = seqlen_k or seqlen_q
-    args = dict(page_size=0, seqused=False, kv_batch=False, num_splits=1, pack_gqa=False)
+    args = dict(page_size=0, seqused=False, kv_batch=False, num_splits=1, pack_gqa=False, window=None,
+                softcap=False, sink="")
     args.update(kw)
     return plan._plan_launch.__wrapped__(0, torch.bfloat16, batch, seqlen_q, nheads, nheads_kv or nheads,
                                          plan.triton_cdiv(seqlen_k, cfg.block_n), cfg, args["page_size"],
                                          args["seqused"], args["kv_batch"], args["num_splits"], args["pack_gqa"],
-                                         causal, False)
+                                         causal, False, window=args["window"], softcap=args["softcap"],
+                                         sink=args["sink"])
 
 
 @pytest.mark.parametrize("batch,seqlen,nheads", [(4, 2048, 32), (4, 8192, 32), (1, 32768, 32), (2, 12345, 16),
@@ -237,15 +239,15 @@ def test_decode_modes_keep_one_item_off():
     assert lp.mode.split and not lp.mode.one_item
 
 
-@pytest.mark.parametrize("extra", [dict(softcap=True), dict(sink="bf16")])
-def test_one_item_off_with_softcap_or_sinks(extra):
-    """Soft-capped and sink launches keep the kernel they were tested with."""
-    cfg = plan.CONFIGS[128]
-    lp = plan._plan_launch.__wrapped__(0, torch.bfloat16, 4, 128, 32, 8, plan.triton_cdiv(8192, cfg.block_n), cfg,
-                                       0, False, False, 1, False, True, False, **extra)
-    assert not lp.mode.one_item and lp.n_ctas == 128
-    plain = prefill_plan(4, 128, 32, causal=True, seqlen_k=8192, nheads_kv=8)
-    assert plain.mode.one_item
+@pytest.mark.parametrize("extra", [{"softcap": True}, {"sink": "bfloat16"}, {"softcap": True, "sink": "float32"},
+                                   {"window": (1023, 0)}])
+def test_one_item_with_softcap_sinks_and_windows(extra):
+    """Soft-capping, sinks and windows do not change which launches run one
+    item per CTA (test_softcap_gpu and test_sinks_gpu run those kernels on
+    chunked prefill's shape and check that they did)."""
+    lp = prefill_plan(4, 128, 32, causal=True, seqlen_k=8192, nheads_kv=8, **extra)
+    assert lp.mode.one_item and lp.n_ctas == 128
+    assert lp.mode.softcap == extra.get("softcap", False) and lp.mode.sink == extra.get("sink", "")
 
 
 def test_one_item_up_to_the_timed_length():

@@ -79,6 +79,16 @@ def test_sink_forward_fp16_sink_dtypes_window_and_softcap():
     check_forward(1, 500, 500, 4, 2, 128, False, seed=14, softcap=5.0)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_sinks_on_one_item_launches(planned_launches, causal):
+    # Chunked prefill's shape (a short query on a long cache, 128 items on
+    # as many CTAs): the one-item kernels (forward.V_AT_ISSUE), with sinks,
+    # then with sinks and soft-capping together.
+    check_forward(4, 127, 3001, 32, 8, 128, causal, seed=31, sink_dtype=torch.bfloat16)
+    check_forward(4, 127, 3001, 32, 8, 128, causal, seed=32, softcap=20.0)
+    assert planned_launches and all(lp.mode.one_item and lp.mode.sink for lp in planned_launches)
+
+
 def test_sink_changes_the_result():
     # Guards the tests above against a sink that silently does nothing.
     q, k, v, s, out, _ = check_forward(1, 256, 256, 4, 4, 128, False, seed=15)

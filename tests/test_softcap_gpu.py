@@ -72,6 +72,14 @@ def test_softcap_forward_wide_tiles_and_fp16():
     check_fixed(2, 1000, 1000, 8, 8, 128, False, 30.0, dtype=torch.float16, seed=4, magnitude=3.0)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_softcap_on_one_item_launches(planned_launches, causal):
+    # Chunked prefill's shape (a short query on a long cache, 128 items on
+    # as many CTAs): the one-item kernels (forward.V_AT_ISSUE), capped.
+    check_fixed(4, 127, 3001, 32, 8, 128, causal, 30.0, seed=21, magnitude=3.0)
+    assert planned_launches and all(lp.mode.one_item and lp.mode.softcap for lp in planned_launches)
+
+
 def test_a_tiny_cap_saturates_every_score():
     # cap 0.5: every score is within 0.5 of 0, the softmax nearly uniform.
     check_fixed(2, 300, 700, 4, 1, 128, False, 0.5, seed=5, magnitude=3.0)

@@ -202,18 +202,9 @@ class Mode:
     # PV's V between the two, which ends the basic block there (module
     # docstring).
     MAX_BEFORE_PV: gl.constexpr
-    # Launches whose every CTA runs one work item (``ONE_ITEM``: a static
-    # deal of at most one item per SM, e.g. chunked prefill), head dim 128,
-    # two consumers: the steady step waits for the V of the PV it issues
-    # right before issuing it, after QK's issue (FA3's place, where QK is in
-    # flight anyway), instead of waiting for the next PV's V after the row
-    # maximum, on the softmax's path. A second wait on that same landed V
-    # after the maximum stays, as a fence: its retry loop ends the basic
-    # block, so ptxas's PV wait stays below the maximum. On the H200 this
-    # took issue 10's 4 x 128 x 8192 row 4.4-6.5% faster and 128 x 4096
-    # 7.8-9.6%, and made CTAs that run several items 2-3.7% slower
-    # (BENCHMARKS.md, forty-seventh session), hence the launch-level switch
-    # (plan._plan_launch sets ONE_ITEM).
+    # ``ONE_ITEM`` launches at head dim 128 (module docstring): the steady
+    # step waits for the V of the PV it issues right before issuing it, and
+    # again after the maximum, on the landed tile, as ptxas's fence only.
     V_AT_ISSUE: gl.constexpr
     # The row maximum reduced as a tree in each thread (softmax._row_max):
     # head dims 128 and 256.
