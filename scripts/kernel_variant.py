@@ -472,10 +472,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   session's timeline), which the offset would stagger. Spill-free (CPU
   census: D = 64 wide, 128 static, dynamic and one-item, 256, 64 two
   consumers). To screen: ``SCREEN_FA3=0 bash scripts/device_session.sh
-  screen .wds/offc.json fwd-offset-causal-wide fwd-offset-causal``
-  (carry ``.wds``; the config: D = 64 causal B8 S8192, B4 S16384, GQA
-  S8192, B8 S2048; D = 128 causal B4 S2048/4096/8192, B2 H16 S12345;
-  D = 256 causal B4 H16 S8192, as in BENCHMARKS.md's forty-ninth section).
+  screen benchmarks/causal-offset.json fwd-offset-causal-wide
+  fwd-offset-causal`` (D = 64 causal B8 S8192, B4 S16384, GQA S8192, B8
+  S2048; D = 128 causal B4 S2048/4096/8192, B2 H16 S12345; D = 256 causal
+  B4 H16 S8192).
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
   as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
   session; timed and removed in the forty-fifth, its text at ``git show
