@@ -459,23 +459,20 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   forty-ninth section). Refused; their text: ``git show
   b8ceea2:scripts/variants/fwd-pingpong3.patch`` and
   ``...fwd-pingpong3-own.patch``.)
-* ``fwd-offset-causal`` and ``fwd-offset-causal-wide`` (forty-ninth
-  session; prepared, not run: the device machine stopped answering during
-  their screen): the offset start (``forward._offset_start``: consumer c
-  issues an item's first QK once consumer c - 1's has completed) under a
-  causal mask too, on every plain launch / on head dim 64's wide tiles
-  only. It was measured 2-5% slower under a causal mask on short rows
-  before the dynamic order, ``MAX_BEFORE_PV`` and ``OWN_DIAGONAL``
-  existed; the wide tiles' causal items start with all three consumers
-  waiting for one K tile and running their first softmax together
-  (prologue ~5200 cycles against ~2600 non-causal, thirty-fourth
-  session's timeline), which the offset would stagger. Spill-free (CPU
-  census: D = 64 wide, 128 static, dynamic and one-item, 256, 64 two
-  consumers). To screen: ``SCREEN_FA3=0 bash scripts/device_session.sh
-  screen benchmarks/causal-offset.json fwd-offset-causal-wide
-  fwd-offset-causal`` (D = 64 causal B8 S8192, B4 S16384, GQA S8192, B8
-  S2048; D = 128 causal B4 S2048/4096/8192, B2 H16 S12345; D = 256 causal
-  B4 H16 S8192).
+* ``fwd-offset-causal-wide`` (forty-ninth session; prepared, not run: the
+  device machine stopped answering during its screen): the offset start
+  (``forward._offset_start``: consumer c issues an item's first QK once
+  consumer c - 1's has completed) under a causal mask on head dim 64's
+  wide tiles only. ``fwd-causal-offset`` (above) let every causal launch
+  take it and was timed on head dim 128's rows only; the wide tiles' causal
+  items start with all three consumers waiting for one K tile and running
+  their first softmax together (prologue ~5200 cycles against ~2600
+  non-causal, thirty-fourth session's timeline), where D = 64 causal
+  S = 8192 trails FA3 most (0.95-0.97x). Spill-free (CPU census, static and
+  dynamic, with and without LSE). To screen: ``SCREEN_FA3=0 bash
+  scripts/device_session.sh screen benchmarks/offset-causal.json
+  fwd-offset-causal-wide`` (D = 64 causal: B8 S8192, B4 S16384, GQA
+  S8192, fp16 S4096 and S8192).
 * (``varlen-skip-dead``, twenty-ninth session: shipped in the forty-fifth
   as ``forward._skip_dead_run``.) ``varlen-compact-order`` (forty-fourth
   session; timed and removed in the forty-fifth, its text at ``git show
