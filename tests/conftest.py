@@ -55,35 +55,37 @@ def pytest_report_header(config):
     return lines
 
 
-@pytest.fixture
-def planned_rows(monkeypatch):
-    """The tile height (block_m) of every forward launch planned from here on."""
+def _spy_on_plans(monkeypatch, record):
+    """Call ``record(lp)`` with the plan (plan.LaunchPlan) of every forward
+    launch planned from here on (plan._plan_launch uncached)."""
     from hopper_flash import plan
 
-    seen, real = [], plan._plan_launch.__wrapped__
+    real = plan._plan_launch.__wrapped__
 
     def spy(*args):
         lp = real(*args)
-        seen.append(lp.cfg.block_m)
+        record(lp)
         return lp
     monkeypatch.setattr(plan, "_plan_launch", spy)
+
+
+@pytest.fixture
+def planned_rows(monkeypatch):
+    """The tile height (block_m) of every forward launch planned from here on."""
+    seen = []
+    _spy_on_plans(monkeypatch, lambda lp: seen.append(lp.cfg.block_m))
     return seen
 
 
 @pytest.fixture
 def planned_launches(monkeypatch):
     """The plan (plan.LaunchPlan) of every forward launch planned from here
-    on, to check which kernel a test ran (its ``mode`` and ``cfg``)."""
+    on, to check which kernel a test ran (its ``mode`` and ``cfg``). No
+    launch is a prepared one (plan.PreparedForward replays an earlier plan)."""
     from hopper_flash import plan
 
-    seen, real = [], plan._plan_launch.__wrapped__
-
-    def spy(*args):
-        lp = real(*args)
-        seen.append(lp)
-        return lp
-    monkeypatch.setattr(plan, "_plan_launch", spy)
-    # A prepared launch (plan.PreparedForward) replays an earlier plan: none here.
+    seen = []
+    _spy_on_plans(monkeypatch, seen.append)
     monkeypatch.setattr(plan, "_PREPARED", {})
     return seen
 
