@@ -12,7 +12,7 @@
 #   d256, d256n64: head dim 256 instead, the bf16 forward only, as fp16's
 #          (plain prefill); d256n64 with FA3's key tile cut from 80 keys to
 #          64 (ours), in tile_size.h: how much of FA3's lead at head dim
-#          256 its wider tile is (1.5-3% at S=8192, BENCHMARKS.md,
+#          256 its wider tile is (1.8-3.3% at S=8192, BENCHMARKS.md,
 #          forty-ninth section). Install to /tmp/fa3d256, /tmp/fa3d256n64;
 #          both builds at once take the 16 cores, ~95 s.
 # Then PYTHONPATH=/tmp/fa3local:. (or /tmp/fa3pkg16) for the bench's fa3

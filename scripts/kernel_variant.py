@@ -439,10 +439,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   FA3's 80-key K/V tiles at head dim 256 (ours: 64), as two score tiles
   of 64 and 16 keys (Gluon's shapes are powers of two), each K/V tile five
   TMA boxes of 16 keys, PV two wgmma groups. Its D = 256 forward tests
-  passed (34); 5-8% slower than the shipped kernel on every row of
+  passed (34); 5-10% slower than the shipped kernel on every row of
   ``benchmarks/d256.json`` (causal S = 8192 3.63 / 3.56 ms against 3.41 /
   3.35). FA3 itself built with 64-key tiles (``scripts/fa3_extra_build.sh
-  d256n64``) loses 1.5-3% of its own lead at S = 8192: FA3 takes its tile
+  d256n64``) is 1.8-3.3% slower than its own 80-key build at S = 8192: FA3 takes its tile
   as one ``m64n80`` wgmma, ours cost two groups and a two-part softmax
   (BENCHMARKS.md, forty-ninth section). Refused; its text: ``git show
   f749978:scripts/variants/fwd-d256-kv80.patch``, and the call that
