@@ -3,7 +3,9 @@ prefill's shape (B4, 32 query heads on 8 KV heads, 128 queries on 8192
 keys, bottom-right causal, bf16, D=128), each feature timed with the
 shipped plan (every CTA one item: ``plan.Mode.one_item``, V_AT_ISSUE) and
 with one-item launches turned off (``plan.ONE_ITEM_MAX_KV_TILES = 0``), in
-one process, alternating, do_bench medians (L2 flushed between calls).
+one process, alternating, do_bench medians (L2 flushed between calls), and
+TFLOP/s of the medians by the bench's count (4·B·H·D·visible pairs, bottom-right
+causal; soft-capping's tanh not counted).
 Outputs of the two forms are compared with each other (the GPU tests judge
 them against the float64 reference).
 
@@ -19,6 +21,7 @@ from triton.testing import do_bench
 
 import hopper_flash
 from hopper_flash import plan
+from hopper_flash.bench.configs import causal_pairs
 
 
 def main() -> None:
@@ -33,6 +36,7 @@ def main() -> None:
     sink = torch.randn(32, device="cuda", generator=gen)
     features = {"plain": {}, "softcap 30": {"softcap": 30.0}, "sinks": {"learnable_sink": sink},
                 "softcap + sinks": {"softcap": 30.0, "learnable_sink": sink}}
+    flops = 4 * 4 * 32 * 128 * causal_pairs(128, args.seqlen_k)
     cap = plan.ONE_ITEM_MAX_KV_TILES
     real = plan._plan_launch
     planned = []
@@ -61,8 +65,11 @@ def main() -> None:
         plan._PREPARED.clear()
         diff = (outs[True].float() - outs[False].float()).abs().max().item()
         on, off = (", ".join(f"{t:.1f}" for t in times[x]) for x in (True, False))
-        gain = sorted(times[False])[len(times[False]) // 2] / sorted(times[True])[len(times[True]) // 2] - 1
-        print(f"{name:16} one item {on:24} off {off:24} gain {gain * 100:+.1f}%  max |diff| {diff:.1e}")
+        med = {x: sorted(times[x])[len(times[x]) // 2] for x in times}
+        gain = med[False] / med[True] - 1
+        tflops = " / ".join(f"{flops / (med[x] * 1e-6) / 1e12:.0f}" for x in (True, False))
+        print(f"{name:16} one item {on:24} off {off:24} gain {gain * 100:+.1f}%  TFLOP/s {tflops}  "
+              f"max |diff| {diff:.1e}")
 
 
 if __name__ == "__main__":
