@@ -162,6 +162,28 @@ def _check_same_device_and_dtype(q, k, v) -> None:
         raise ValueError(f"q.dtype must be one of ({supported}), got {dtype_name(q.dtype)}")
 
 
+# Head dims the kernels do not have run on the next one they do, q, k and v
+# zero-padded: multiples of 8 (TMA's 16-byte rows), up to the largest.
+PADDED_HEAD_DIM_MULTIPLE = 8
+
+
+def head_dim_padding(q, k, v, rank: int) -> int:
+    """Zero features to append to the head dim of ``q``, ``k`` and ``v``
+    (tensors of ``rank`` dims, the head dim last) so that the call runs on the
+    next head dim the kernels have: 0 where the head dim is the kernels' own,
+    and where anything is amiss (the checks then name it). Zeros in q and k
+    add nothing to the scores, zeros in v give output features that are cut
+    off: the result is the unpadded problem's, at the padded head dim's cost
+    (and a copy of q, k and v)."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == rank for t in (q, k, v)):
+        return 0
+    head_dim = q.shape[-1]
+    if (head_dim in plan.SUPPORTED_HEAD_DIMS or k.shape[-1] != head_dim or v.shape[-1] != head_dim
+            or head_dim % PADDED_HEAD_DIM_MULTIPLE or not 0 < head_dim < max(plan.SUPPORTED_HEAD_DIMS)):
+        return 0
+    return min(d for d in plan.SUPPORTED_HEAD_DIMS if d > head_dim) - head_dim
+
+
 def _check_heads_and_head_dim(q, k, heads_axis: int) -> None:
     """k's head dim equals q's and is supported; k has heads, and q's are a
     multiple of them (GQA/MQA). ``heads_axis``: 2 for BSHD, 1 for THD; the
@@ -170,8 +192,9 @@ def _check_heads_and_head_dim(q, k, heads_axis: int) -> None:
     if k.shape[-1] != head_dim:
         raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[-1]}")
     if head_dim not in plan.SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim (q.shape[{dim_axis}]) must be one of {plan.SUPPORTED_HEAD_DIMS}, "
-                         f"got {head_dim}")
+        raise ValueError(f"head dim (q.shape[{dim_axis}]) must be one of {plan.SUPPORTED_HEAD_DIMS}, or (through "
+                         f"flash_attn_func and flash_attn_varlen_func, zero-padded) a multiple of "
+                         f"{PADDED_HEAD_DIM_MULTIPLE} up to {max(plan.SUPPORTED_HEAD_DIMS)}, got {head_dim}")
     nheads, nheads_kv = q.shape[heads_axis], k.shape[heads_axis]
     if nheads_kv == 0:
         raise ValueError(f"k and v must have at least one head (k.shape[{heads_axis}] >= 1), got 0")

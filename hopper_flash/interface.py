@@ -64,6 +64,21 @@ def _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic,
                                  deterministic=deterministic, return_attn_probs=return_attn_probs)
 
 
+def _on_padded_head_dim(fn, pad: int, q, k, v, args: tuple, softmax_scale, return_lse: bool, options: dict):
+    """``fn(q, k, v, *args, ...)`` with the head dim zero-padded by ``pad``
+    features (``checks.head_dim_padding``), its output cut back to q's head
+    dim (contiguous) and the default scale q's own, ``1/sqrt(headdim)``.
+    Autograd, torch.compile and CUDA graphs see the padding and the cut as
+    ordinary tensor ops (the gradients are cut back the same way)."""
+    head_dim = q.shape[-1]
+    padded = (torch.nn.functional.pad(t, (0, pad)) for t in (q, k, v))
+    scale = checks.check_softmax_scale(softmax_scale, head_dim)
+    result = fn(*padded, *args, softmax_scale=scale, return_lse=return_lse, **options)
+    out, lse = result if return_lse else (result, None)
+    out = out[..., :head_dim].contiguous()
+    return (out, lse) if return_lse else out
+
+
 @overload
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = ...,
                     causal: bool = ..., return_lse: Literal[False] = ..., dropout_p: float = ...,
@@ -86,7 +101,10 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     """Exact attention forward on Hopper, flash-attn compatible.
 
     Args:
-        q: ``[batch, seqlen_q, nheads, headdim]``.
+        q: ``[batch, seqlen_q, nheads, headdim]``. Head dims 64, 128 and 256
+            run natively; other multiples of 8 below 256 run on the next of
+            those, q, k and v zero-padded (``checks.head_dim_padding``: a
+            copy of each, and the padded head dim's cost).
         k, v: ``[batch, seqlen_k, nheads_kv, headdim]``; ``nheads`` must be a
             multiple of ``nheads_kv`` (GQA/MQA, read without a copy).
         softmax_scale: scale of ``q @ k^T`` before the softmax; default
@@ -134,6 +152,11 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     reproducible (dQ summed in a fixed order; a slower backward). The returned
     LSE carries no gradient.
     """
+    pad = checks.head_dim_padding(q, k, v, 4)
+    if pad:
+        return _on_padded_head_dim(flash_attn_func, pad, q, k, v, (), softmax_scale, return_lse, dict(
+            causal=causal, dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+            deterministic=deterministic, return_attn_probs=return_attn_probs, learnable_sink=learnable_sink))
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
@@ -204,7 +227,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Args:
         q: ``[total_q, nheads, headdim]``: the batch's query sequences one
-            after the other (THD).
+            after the other (THD); head dims as in ``flash_attn_func``.
         k, v: ``[total_k, nheads_kv, headdim]``; ``nheads`` a multiple of
             ``nheads_kv`` (GQA/MQA).
         cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` device tensors of
@@ -250,6 +273,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns:
         ``out`` ``[total_q, nheads, headdim]``, or ``(out, lse)``.
     """
+    pad = checks.head_dim_padding(q, k, v, 3)
+    if pad:
+        return _on_padded_head_dim(
+            flash_attn_varlen_func, pad, q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+            softmax_scale, return_lse, dict(
+                seqused_q=seqused_q, seqused_k=seqused_k, causal=causal, deterministic=deterministic,
+                check_contract=check_contract, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
+                alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs, block_table=block_table,
+                learnable_sink=learnable_sink))
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     if block_table is not None:
         raise NotImplementedError("block_table must be None (paged K/V is served by flash_attn_with_kvcache)")

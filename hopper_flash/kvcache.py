@@ -95,7 +95,9 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
     batch, seqlen_q, nheads, head_dim = q.shape
     if head_dim not in plan.SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim (q.shape[3]) must be one of {plan.SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        # (No zero-padding here, unlike flash_attn_func: it would copy the whole cache every call.)
+        raise ValueError(f"head dim (q.shape[3]) must be one of {plan.SUPPORTED_HEAD_DIMS} (the KV-cache path runs "
+                         f"the kernels' own head dims only), got {head_dim}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
