@@ -3,8 +3,10 @@
 Follows flash-attn's semantics and names. One decode step is
 
 1. the optional in-place append of the new keys/values ``k``, ``v`` into the
-   cache at ``cache_seqlens`` (plain indexed writes on the device, no host
-   sync; a declared mutation of the custom op), then
+   cache at ``cache_seqlens`` (one Triton kernel, ``kernels/append.py``, no
+   host sync; a declared mutation of the custom op), which also applies
+   flash-attn's rotary embedding to the new keys and to ``q`` where
+   ``rotary_cos``/``rotary_sin`` are given, then
 2. attention of ``q`` over the first ``cache_seqlens + seqlen_new`` keys of
    each cache row, run by the forward kernel in its decode modes
    (``plan.launch_forward``): per-batch lengths read on the device, split-KV
@@ -78,7 +80,7 @@ def _page_plan(page_size: int, head_dim: int, k_cache=None, v_cache=None) -> boo
 
 
 def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                     causal, num_splits, pack_gqa):
+                     causal, num_splits, pack_gqa, rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
     """Check everything that can be checked without reading device memory."""
     _check_4d("q", q, "[batch, seqlen_q, nheads, headdim]")
     paged = page_table is not None
@@ -157,6 +159,7 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
         softmax_scale = float(softmax_scale)
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
+    validate_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, _capacity(k_cache, page_table))
     if not q.is_cuda:
         raise ValueError(f"q must be a CUDA tensor, got device {q.device}")
     check_device(q)
@@ -189,59 +192,155 @@ def check_contract(k_cache, cache_seqlens_new, cache_batch_idx, page_table) -> N
         raise ValueError("flash_attn_with_kvcache contract violated: " + "; ".join(bad))
 
 
-def _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table):
-    """Write k, v [B, S_new, Hkv, D] into the caches at positions seqlens[b] + j."""
-    batch, s_new = k.shape[:2]
-    pos = seqlens.long()[:, None] + torch.arange(s_new, device=k.device)[None, :]
-    if page_table is not None:
-        page_size = k_cache.shape[1]
-        pages = torch.gather(page_table.long(), 1, pos // page_size)
-        rows = pos % page_size
-        k_cache[pages, rows] = k
-        v_cache[pages, rows] = v
-    else:
-        brow = (cache_batch_idx.long() if cache_batch_idx is not None
-                else torch.arange(batch, device=k.device))[:, None].expand(batch, s_new)
-        k_cache[brow, pos] = k
-        v_cache[brow, pos] = v
+def validate_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity: int) -> None:
+    """flash-attn's rotary arguments: ``rotary_cos``/``rotary_sin``
+    ``[seqlen_ro, rotary_dim / 2]`` on q's device, in q's dtype or float32,
+    with ``rotary_dim <= headdim`` and ``seqlen_ro`` at least the cache's
+    capacity (flash-attn's rule), and the new keys given (they are what is
+    rotated into the cache)."""
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
+    if rotary_cos is None and rotary_sin is None:
+        return
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together, got "
+                         f"rotary_cos={'None' if rotary_cos is None else 'a tensor'} and "
+                         f"rotary_sin={'None' if rotary_sin is None else 'a tensor'}")
+    if k is None:
+        raise ValueError("rotary_cos/rotary_sin need the new keys k and v: the rotation is applied to the keys "
+                         "appended to the cache and to q (as in flash-attn); rotate q yourself without an append")
+    head_dim = q.shape[3]
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must have 2 dimensions [seqlen_ro, rotary_dim / 2], got shape {tuple(t.shape)}")
+        if t.dtype not in (q.dtype, torch.float32):
+            raise ValueError(f"{name} must have q's dtype {_dtype_name(q.dtype)} or float32, got "
+                             f"{_dtype_name(t.dtype)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
+                         f"{tuple(rotary_sin.shape)}")
+    seqlen_ro, half = rotary_cos.shape
+    if not 1 <= half <= head_dim // 2:
+        raise ValueError(f"rotary_cos.shape[1] (rotary_dim / 2) must lie in [1, {head_dim // 2}] (rotary_dim <= "
+                         f"headdim {head_dim}), got {half}")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos must have at least the cache's capacity ({capacity}) rows (positions), "
+                         f"got {seqlen_ro}")
+
+
+def _rows_last_contiguous(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, q=None, q_out=None, rotary=None):
+    """The append kernel's launch (``kernels/append.py``) as ``(grid, args,
+    constexprs)``: ``k``, ``v`` [B, S_new, Hkv, D] into the caches at
+    ``seqlens[b] + j``. ``rotary``: None, or ``(cos, sin, interleaved,
+    q_pos_step)``, with which the new keys are rotated on the way and ``q``
+    is rotated into ``q_out`` (both [B, Sq, H, D]). Tensors' head dims are
+    contiguous (``_rows_last_contiguous``); strides are in elements."""
+    batch, s_new, nheads_kv, head_dim = k.shape
+    nheads = q.shape[2] if rotary is not None else nheads_kv
+    heads = max(nheads, nheads_kv)
+    block_h = min(1 << (heads - 1).bit_length(), max(1, 2048 // head_dim))
+    rows = batch * s_new + (batch * q.shape[1] if rotary is not None else 0)
+    grid = (rows, -(-heads // block_h), 1)
+    cos, sin, interleaved, q_pos_step = rotary if rotary is not None else (seqlens, seqlens, False, False)
+    q_in, q_o = (q, q_out) if rotary is not None else (k, k)
+    paged = page_table is not None
+    # Where the kernel reads no tensor it is handed another's pointer (its
+    # constexprs never dereference it), so every launch has one signature.
+    args = (k, v, k_cache, v_cache, seqlens,
+            cache_batch_idx if cache_batch_idx is not None else seqlens,
+            page_table if paged else seqlens, q_in, q_o, cos, sin,
+            batch, s_new, q_in.shape[1], nheads_kv, nheads,
+            *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            page_table.stride(0) if paged else 0, k_cache.shape[1] if paged else 1,
+            *q_in.stride()[:3], *q_o.stride()[:3],
+            cos.stride(0) if rotary is not None else 0, cos.shape[0] if rotary is not None else 1,
+            cos.shape[1] if rotary is not None else 0)
+    constexprs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, PAGED=paged, BATCH_IDX=cache_batch_idx is not None,
+                      ROTARY=rotary is not None, INTERLEAVED=bool(interleaved), Q_POS_STEP=bool(q_pos_step))
+    return grid, args, constexprs
+
+
+def _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary):
+    """Launch the append (and the rotation); returns the queries the
+    attention reads: ``q`` itself, or its rotated copy."""
+    from .kernels.append import append_kernel
+
+    k, v = _rows_last_contiguous(k), _rows_last_contiguous(v)
+    q_out = None
+    if rotary is not None:
+        cos, sin = rotary[:2]
+        if cos.stride() != sin.stride() or cos.stride(-1) != 1:  # the kernel takes one row stride for both
+            cos, sin = cos.contiguous(), sin.contiguous()
+        rotary = (cos, sin, *rotary[2:])
+        q = _rows_last_contiguous(q)
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    grid, args, constexprs = append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, q, q_out,
+                                           rotary)
+    if grid[0] == 0:
+        return q
+    if all(-2 ** 31 <= a < 2 ** 31 for a in args if type(a) is int):
+        plan.launch_triton(append_kernel, grid, args, constexprs, num_warps=4)
+    else:  # strides past int32: Triton's JIT types them as 64-bit (the cached fast launch would not)
+        append_kernel[grid](*args, **constexprs, num_warps=4)
+    return q_out if q_out is not None else q
 
 
 def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                    num_splits, pack_gqa, return_lse, check=None, window=None, softcap=0.0, sink=None):
+                    num_splits, pack_gqa, return_lse, check=None, window=None, softcap=0.0, sink=None,
+                    rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
     """Validated append + attention; returns ``(out, lse or None)``.
     ``window``: ``checks.window_bounds``'s ``(left, right)`` or None;
     ``softcap``: ``checks.check_softcap``'s float; ``sink``: attention
-    sinks (checked, ``checks.check_learnable_sink``) or None."""
+    sinks (checked, ``checks.check_learnable_sink``) or None;
+    ``rotary_*``: flash-attn's rotary embedding (``kernels/append.py``)."""
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
-                                     softmax_scale, causal, num_splits, pack_gqa)
+                                     softmax_scale, causal, num_splits, pack_gqa, rotary_cos, rotary_sin,
+                                     rotary_interleaved)
+    capacity = _capacity(k_cache, page_table)
     batch, seqlen_q, nheads, head_dim = q.shape
+    # The kernels (the append's, the attention's) read these as dense int32
+    # vectors and rows.
     if cache_seqlens is None:
-        seqlens = torch.full((batch,), _capacity(k_cache, page_table) - (k.shape[1] if k is not None else 0),
-                             dtype=torch.int32, device=q.device)
+        seqlens = torch.full((batch,), capacity - (k.shape[1] if k is not None else 0), dtype=torch.int32,
+                             device=q.device)
     elif isinstance(cache_seqlens, torch.Tensor):
-        seqlens = cache_seqlens
+        seqlens = cache_seqlens.contiguous()
     else:
         seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    s_new = k.shape[1] if k is not None else 0
-    seqused = seqlens + s_new if s_new else seqlens
-    if check is None:
-        check = os.environ.get("HOPPER_FLASH_CHECK_KVCACHE", "0") not in ("", "0")
-    if check:
-        check_contract(k_cache, seqused, cache_batch_idx, page_table)
-    if s_new:
-        _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table)
-    # The kernel reads these as dense int32 vectors / rows.
-    seqused = seqused.to(torch.int32).contiguous()
     if cache_batch_idx is not None:
         cache_batch_idx = cache_batch_idx.contiguous()
     if page_table is not None:
         page_table = page_table.contiguous()
+    s_new = k.shape[1] if k is not None else 0
+    seqused = seqlens + s_new if s_new else seqlens  # int32, contiguous
+    if check is None:
+        check = os.environ.get("HOPPER_FLASH_CHECK_KVCACHE", "0") not in ("", "0")
+    if check:
+        check_contract(k_cache, seqused, cache_batch_idx, page_table)
+    rotary = None
+    if rotary_cos is not None:
+        # flash-attn's rule: under a causal or local mask query row i sits at
+        # cache_seqlens + i, otherwise every row at cache_seqlens. Its
+        # windows reaching past the cache's capacity are no window ("local").
+        local = window is not None and any(0 <= w < capacity for w in window)
+        rotary = (rotary_cos, rotary_sin, rotary_interleaved, bool(causal) or local)
+    if s_new or rotary is not None:
+        with plan.on_device(q):
+            q = _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary)
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() == 0:
         return out, lse
-    if _capacity(k_cache, page_table) == 0:
+    if capacity == 0:
         # A cache with no rows at all (TMA cannot describe it): nothing to see.
         out.zero_()
         if lse is not None:
@@ -272,32 +371,40 @@ def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                 page_table: torch.Tensor | None, softmax_scale: float, causal: bool, num_splits: int,
                 pack_gqa: int, window_left: int = -1, window_right: int = -1,
-                softcap: float = 0.0, sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                softcap: float = 0.0, sink: torch.Tensor | None = None, rotary_cos: torch.Tensor | None = None,
+                rotary_sin: torch.Tensor | None = None,
+                rotary_interleaved: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Append + attention; returns ``(out, lse)``. ``pack_gqa``: -1 auto, 0 off, 1 on;
     ``window_left``/``window_right``: ``checks.window_bounds``'s, -1 -1 for none;
-    ``softcap``: logit soft-capping, 0.0 for none; ``sink``: attention sinks."""
+    ``softcap``: logit soft-capping, 0.0 for none; ``sink``: attention sinks;
+    ``rotary_*``: flash-attn's rotary embedding of the new keys and q."""
     window = checks.op_window(window_left, window_right, causal)
     checks.check_learnable_sink(sink, q.shape[2], q.device)
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                                causal, num_splits, None if pack_gqa < 0 else bool(pack_gqa), True, window=window,
-                               softcap=checks.check_softcap(softcap), sink=sink)
+                               softcap=checks.check_softcap(softcap), sink=sink, rotary_cos=rotary_cos,
+                               rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
     return out, lse
 
 
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                      num_splits, pack_gqa, window_left=-1, window_right=-1, softcap=0.0, sink=None):
+                      num_splits, pack_gqa, window_left=-1, window_right=-1, softcap=0.0, sink=None, rotary_cos=None,
+                      rotary_sin=None, rotary_interleaved=True):
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
     checks.check_learnable_sink(sink, q.shape[2], q.device)
+    if rotary_cos is not None or rotary_sin is not None:  # shapes, dtypes, devices: checkable at trace time
+        validate_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, _capacity(k_cache, page_table))
     batch, seqlen_q, nheads, _ = q.shape
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device))
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
-                            page_table=None, block_table=None, softmax_scale=None, causal=False,
-                            window_size=(-1, -1), softcap=0.0, num_splits=0, pack_gqa=None,
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, pack_gqa=None,
                             return_softmax_lse=False, check_contract=None, learnable_sink=None):
     """Attention of ``q`` over a KV cache, with an optional in-place append.
 
@@ -322,6 +429,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         softcap: logit soft-capping as in ``flash_attn_func`` (0.0: none).
         learnable_sink: attention sinks as in ``flash_attn_func`` (a
             floating ``[nheads]`` tensor; inference: no gradient).
+        rotary_cos, rotary_sin: optional ``[seqlen_ro, rotary_dim / 2]``
+            (q's dtype or float32; ``seqlen_ro`` at least the cache's
+            capacity): flash-attn's rotary embedding, given with ``k``/``v``.
+            The first ``rotary_dim`` features of the new keys are rotated at
+            their cache positions ``cache_seqlens + j`` before they are
+            written; q's rows are rotated at ``cache_seqlens + i`` under a
+            causal or local mask, else all at ``cache_seqlens`` (q itself is
+            not modified).
+        rotary_interleaved: pairs features ``(0, 1), (2, 3), ...`` (True,
+            GPT-J) or ``(0, rotary_dim / 2), ...`` (False, GPT-NeoX).
+        cache_leftpad, alibi_slopes: flash-attn's, accepted only as None.
         num_splits: KV splits (0: heuristic); pack_gqa: None = heuristic.
         return_softmax_lse: also return the LSE ``[batch, nheads, seqlen_q]``.
         check_contract: validate the device values (lengths within the cache,
@@ -332,6 +450,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         raise ValueError("pass page_table or block_table (FA2's name for it), not both")
     if block_table is not None:
         page_table = block_table
+    if cache_leftpad is not None:
+        raise NotImplementedError("cache_leftpad must be None (caches whose rows start past position 0 are not "
+                                  "supported)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes must be None (ALiBi is not supported)")
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
     window = checks.window_bounds(window_size, causal)
@@ -347,9 +472,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         out, lse = fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, float(scale),
                                bool(causal), int(num_splits), -1 if pack_gqa is None else int(bool(pack_gqa)),
                                *(window or (-1, -1)), softcap,
-                               None if learnable_sink is None else learnable_sink.detach())  # (no gradient)
+                               None if learnable_sink is None else learnable_sink.detach(),  # (no gradient)
+                               rotary_cos, rotary_sin, rotary_interleaved)
         return (out, lse) if return_softmax_lse else out
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                                causal, num_splits, pack_gqa, return_softmax_lse, check_contract, window, softcap,
-                               learnable_sink)
+                               learnable_sink, rotary_cos, rotary_sin, rotary_interleaved)
     return (out, lse) if return_softmax_lse else out

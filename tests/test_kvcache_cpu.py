@@ -53,6 +53,58 @@ def test_bad_arguments_name_themselves(bad, match):
         call(q, kc, vc, k, v, **kw)
 
 
+def _rot(rows=256, half=64, dtype=bf16):
+    return torch.zeros(rows, half, dtype=dtype), torch.zeros(rows, half, dtype=dtype)
+
+
+NEW = dict(k=torch.zeros(2, 1, 8, 128, dtype=bf16), v=torch.zeros(2, 1, 8, 128, dtype=bf16))
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(NEW, rotary_cos=_rot()[0]), ValueError, "rotary_cos and rotary_sin must be given together"),
+    (dict(NEW, rotary_sin=_rot()[1]), ValueError, "rotary_cos and rotary_sin must be given together"),
+    (dict(rotary_cos=_rot()[0], rotary_sin=_rot()[1]), ValueError, "rotary_cos/rotary_sin need the new keys k and v"),
+    (dict(NEW, rotary_cos=_rot()[0][None], rotary_sin=_rot()[1][None]), ValueError,
+     r"rotary_cos must have 2 dimensions \[seqlen_ro, rotary_dim / 2\]"),
+    (dict(NEW, rotary_cos=[[1.0]], rotary_sin=_rot()[1]), TypeError, "rotary_cos must be a torch.Tensor"),
+    (dict(NEW, rotary_cos=_rot()[0], rotary_sin=_rot(dtype=torch.float16)[1]), ValueError,
+     "rotary_sin must have q's dtype bfloat16 or float32, got float16"),
+    (dict(NEW, rotary_cos=_rot()[0], rotary_sin=_rot(half=32)[1]), ValueError,
+     "rotary_cos and rotary_sin must have the same shape"),
+    (dict(NEW, rotary_cos=_rot(half=65)[0], rotary_sin=_rot(half=65)[1]), ValueError,
+     r"rotary_cos.shape\[1\] \(rotary_dim / 2\) must lie in \[1, 64\]"),
+    (dict(NEW, rotary_cos=_rot(half=0)[0], rotary_sin=_rot(half=0)[1]), ValueError, r"rotary_cos.shape\[1\]"),
+    (dict(NEW, rotary_cos=_rot(rows=255)[0], rotary_sin=_rot(rows=255)[1]), ValueError,
+     r"rotary_cos must have at least the cache's capacity \(256\) rows"),
+    (dict(NEW, rotary_cos=_rot()[0], rotary_sin=_rot()[1], rotary_interleaved=1), TypeError,
+     "rotary_interleaved must be a bool"),
+    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "cache_leftpad must be None"),
+    (dict(alibi_slopes=torch.zeros(32)), NotImplementedError, "alibi_slopes must be None"),
+], ids=["cos-alone", "sin-alone", "no-append", "rank", "not-a-tensor", "dtype", "shapes-differ", "wider-than-head",
+        "empty", "short-table", "interleaved-int", "leftpad", "alibi"])
+def test_rotary_and_flash_attn_options_name_themselves(kw, error, match):
+    """flash-attn's rotary arguments are checked by name before anything
+    touches a GPU (or the caches); cache_leftpad and alibi_slopes are
+    accepted only as None."""
+    q, kc, vc = args()
+    with pytest.raises(error, match=match):
+        call(q, kc, vc, cache_seqlens=10, **kw)
+
+
+def test_rotary_capacity_counts_pages():
+    """A paged cache's capacity is max_pages * page_size: the rotary tables
+    must cover it, as flash-attn requires."""
+    q = torch.zeros(2, 1, 32, 128, dtype=bf16)
+    kc = vc = torch.zeros(16, 64, 8, 128, dtype=bf16)
+    pt = torch.zeros(2, 4, dtype=torch.int32)
+    cos, sin = _rot(rows=255)
+    with pytest.raises(ValueError, match=r"capacity \(256\)"):
+        call(q, kc, vc, rotary_cos=cos, rotary_sin=sin, cache_seqlens=10, page_table=pt, **NEW)
+    cos, sin = _rot(rows=256)
+    with pytest.raises(ValueError, match="CUDA"):  # past the rotary checks, to the device's
+        call(q, kc, vc, rotary_cos=cos, rotary_sin=sin, cache_seqlens=10, page_table=pt, **NEW)
+
+
 def test_cpu_tensors_are_refused():
     q, kc, vc = args()
     with pytest.raises(ValueError, match="CUDA"):
