@@ -72,10 +72,11 @@ def _page_plan(page_size: int, head_dim: int, k_cache=None, v_cache=None) -> boo
     """Whether a paged cache of ``page_size`` is read by the kernel from its
     pages: by TMA, or (smaller pages) gathered row by row from contiguous
     pools (``k_cache``, ``v_cache``; without them: by TMA only)."""
-    block_n = plan.CONFIGS[head_dim].block_n
+    block_n = plan.CONFIGS[plan.kernel_head_dim(head_dim)].block_n
     if page_size % block_n == 0 or (page_size >= MIN_TMA_PAGE and block_n % page_size == 0):
         return True
-    return (plan.gathers(page_size, head_dim) and k_cache is not None
+    # A gathered row is the kernel's head dim wide: other head dims are copied.
+    return (plan.gathers(page_size, head_dim) and head_dim in plan.SUPPORTED_HEAD_DIMS and k_cache is not None
             and plan.contiguous_pools(k_cache, v_cache))
 
 
@@ -96,10 +97,10 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
     batch, seqlen_q, nheads, head_dim = q.shape
-    if head_dim not in plan.SUPPORTED_HEAD_DIMS:
-        # (No zero-padding here, unlike flash_attn_func: it would copy the whole cache every call.)
-        raise ValueError(f"head dim (q.shape[3]) must be one of {plan.SUPPORTED_HEAD_DIMS} (the KV-cache path runs "
-                         f"the kernels' own head dims only), got {head_dim}")
+    if head_dim not in plan.SUPPORTED_HEAD_DIMS and not checks.other_head_dim(head_dim):
+        raise ValueError(f"head dim (q.shape[3]) must be one of {plan.SUPPORTED_HEAD_DIMS}, or a multiple of "
+                         f"{checks.PADDED_HEAD_DIM_MULTIPLE} below {max(plan.SUPPORTED_HEAD_DIMS)} (run on the next "
+                         f"of those), got {head_dim}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
@@ -244,9 +245,10 @@ def append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, 
     is rotated into ``q_out`` (both [B, Sq, H, D]). Tensors' head dims are
     contiguous (``_rows_last_contiguous``); strides are in elements."""
     batch, s_new, nheads_kv, head_dim = k.shape
+    width = plan.kernel_head_dim(head_dim)  # a power of two: the kernel's rows, masked at head_dim
     nheads = q.shape[2] if rotary is not None else nheads_kv
     heads = max(nheads, nheads_kv)
-    block_h = min(1 << (heads - 1).bit_length(), max(1, 2048 // head_dim))
+    block_h = min(1 << (heads - 1).bit_length(), max(1, 2048 // width))
     rows = batch * s_new + (batch * q.shape[1] if rotary is not None else 0)
     grid = (rows, -(-heads // block_h), 1)
     cos, sin, interleaved, q_pos_step = rotary if rotary is not None else (seqlens, seqlens, False, False)
@@ -257,13 +259,13 @@ def append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, 
     args = (k, v, k_cache, v_cache, seqlens,
             cache_batch_idx if cache_batch_idx is not None else seqlens,
             page_table if paged else seqlens, q_in, q_o, cos, sin,
-            batch, s_new, q_in.shape[1], nheads_kv, nheads,
+            batch, s_new, q_in.shape[1], nheads_kv, nheads, head_dim,
             *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
             page_table.stride(0) if paged else 0, k_cache.shape[1] if paged else 1,
             *q_in.stride()[:3], *q_o.stride()[:3],
             cos.stride(0) if rotary is not None else 0, cos.shape[0] if rotary is not None else 1,
             cos.shape[1] if rotary is not None else 0)
-    constexprs = dict(HEAD_DIM=head_dim, BLOCK_H=block_h, PAGED=paged, BATCH_IDX=cache_batch_idx is not None,
+    constexprs = dict(HEAD_DIM=width, BLOCK_H=block_h, PAGED=paged, BATCH_IDX=cache_batch_idx is not None,
                       ROTARY=rotary is not None, INTERLEAVED=bool(interleaved), Q_POS_STEP=bool(q_pos_step))
     return grid, args, constexprs
 
@@ -346,7 +348,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
         if lse is not None:
             dispatch.fill_empty_lse(lse, sink)
         return out, lse
-    cfg = plan.CONFIGS[head_dim]
+    cfg = plan.CONFIGS[plan.kernel_head_dim(head_dim)]
     kc, vc, pt = k_cache, v_cache, page_table
     if page_table is not None:
         if not _page_plan(k_cache.shape[1], head_dim, k_cache, v_cache):

@@ -113,6 +113,19 @@ CONFIGS: dict[int, ForwardConfig] = {
 SUPPORTED_HEAD_DIMS = tuple(sorted(CONFIGS))
 
 
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim whose kernels serve ``head_dim``: itself where it is one
+    of ``SUPPORTED_HEAD_DIMS``, else the next one up (``checks`` admits the
+    multiples of 8 below the largest). The forward runs such a head dim on
+    those kernels as it is: TMA's boxes span the kernel's head dim, read
+    zeros past the tensor's last feature (q and k then add nothing to the
+    scores, v gives output features nobody reads) and clip the stores there;
+    the few stores and loads by address take ``Mode.o_dim`` (varlen's O),
+    the combine's ``OUT_DIM`` and the append's ``head_dim``; gathered pages
+    are not served (``gathers``'s callers copy them instead)."""
+    return head_dim if head_dim in CONFIGS else min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
+
+
 def wide_configs(triton_version: str) -> dict[int, ForwardConfig]:
     """Three consumer warpgroups on 192-row tiles, per head dim: FA3's tiles
     for head dim 64, where the softmax bounds the step (while one warpgroup
@@ -224,6 +237,10 @@ class Mode:
     # ONE_ITEM_MAX_KV_TILES KV tiles, and not with soft-capping or sinks
     # (_plan_launch).
     one_item: bool = False
+    # Varlen's O, stored by address, where its head dim is narrower than the
+    # kernel's (kernel_head_dim); 0: the kernel's. The other modes' O and
+    # partials need none (a TMA store clips; the partials are the kernel's).
+    o_dim: int = 0
 
     @property
     def kernel_sink(self) -> bool:
@@ -315,6 +332,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         SINK=mode.kernel_sink,
         RING_PTX=ptx_rings.version_for(cfg.head_dim),
         ONE_ITEM=mode.one_item,
+        O_DIM=mode.o_dim,
     )
 
 
@@ -725,7 +743,13 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     # Paged: the page table's extent bounds the key length; seqused_k holds the lengths.
     seqlen_k = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
     page_size = k.shape[1] if paged else 0
-    gather = (k, v) if gathers(page_size, head_dim) else None
+    cfg = cfg or CONFIGS[kernel_head_dim(head_dim)]
+    gather = (k, v) if gathers(page_size, cfg.head_dim) else None
+    if gather is not None and head_dim != cfg.head_dim:
+        # A gathered row is the kernel's head dim wide: past a narrower
+        # tensor's features it would read the next head's.
+        raise ValueError(f"launch_forward: gathered pages (page_size {page_size}) need a kernel head dim, "
+                         f"got {head_dim}; copy them first")
     if gather is not None:
         if not contiguous_pools(k, v):
             raise ValueError("launch_forward: gathered pages (page_size "
@@ -734,7 +758,6 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         # (over the pools as one sequence) only lay out the tiles.
         k, v = k.view(1, -1, *k.shape[2:]), v.view(1, -1, *v.shape[2:])
     write_lse = lse is not None
-    cfg = cfg or CONFIGS[head_dim]
     lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
                       page_size, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
                       bool(causal), write_lse, window, softcap > 0, sink_mode(sink))
@@ -772,10 +795,10 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
 
 def _partials_size(lp: LaunchPlan, q) -> tuple[int, int]:
     """A split launch's partials' element counts: fp32 O [splits, B, Sq, H,
-    D], then LSE [splits, B, H, Sq], in one allocation. Returns O's and the
-    whole's."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    n_o = lp.num_splits * batch * seqlen_q * nheads * head_dim
+    D] (D the kernel's head dim), then LSE [splits, B, H, Sq], in one
+    allocation. Returns O's and the whole's."""
+    batch, seqlen_q, nheads, _ = q.shape
+    n_o = lp.num_splits * batch * seqlen_q * nheads * lp.cfg.head_dim
     return n_o, n_o + lp.num_splits * batch * nheads * seqlen_q
 
 
@@ -787,8 +810,8 @@ def _partials(lp: LaunchPlan, q) -> tuple[torch.Tensor, int]:
 
 def _partial_views(part: torch.Tensor, n_o: int, lp: LaunchPlan, q) -> tuple[torch.Tensor, torch.Tensor]:
     """``_partials``'s O and LSE as the combine reads them."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    return (part[:n_o].view(lp.num_splits, batch, seqlen_q, nheads, head_dim),
+    batch, seqlen_q, nheads, _ = q.shape
+    return (part[:n_o].view(lp.num_splits, batch, seqlen_q, nheads, lp.cfg.head_dim),
             part[n_o:].view(lp.num_splits, batch, nheads, seqlen_q))
 
 
@@ -861,8 +884,8 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
     combine.launch_addresses((batch * seqlen_q * nheads, 1, 1), stream, (),
                              (*_combine_args(o_part, lse_part, out_ptr, lse_ptr, lp.num_splits, q.shape, out.stride(),
                                              sink_ptr),
-                              *_combine_constexprs(head_dim, lp.num_splits, lse is not None,
-                                                   sink_ptr is not None).values()))
+                              *_combine_constexprs(lp.cfg.head_dim, lp.num_splits, lse is not None,
+                                                   sink_ptr is not None, head_dim).values()))
 
 
 class _Slot:
@@ -915,8 +938,8 @@ class _PreparedLaunch:
             self.combine_grid = (batch * seqlen_q * nheads, 1, 1)
             self.combine_template = [*_combine_args(_O_PART, _LSE_PART, _OUT, lse, lp.num_splits, q.shape,
                                                     self.out_strides, sink),
-                                     *_combine_constexprs(head_dim, lp.num_splits, return_lse,
-                                                          sink is not None).values()]
+                                     *_combine_constexprs(lp.cfg.head_dim, lp.num_splits, return_lse,
+                                                          sink is not None, head_dim).values()]
             self.combine_slots = _slots(self.combine_template)
         self.c_state = self._c_state(q, nheads_kv) if c_launch.enabled() else None
         self.c_launch = c_launch.module().launch if self.c_state is not None else None
@@ -995,7 +1018,7 @@ class PreparedForward:
     def __init__(self, q, softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None):
         self.table = _COMPILED
         self.device_index = q.device.index  # the signature holds the device
-        self.head_dim = q.shape[3]
+        self.head_dim = kernel_head_dim(q.shape[3])
         self.config = CONFIGS.get(self.head_dim)
         self.block_n = self.config.block_n  # launch_forward counts KV tiles of the head dim's config
         self.softmax_scale = softmax_scale
@@ -1128,7 +1151,7 @@ def launch_combine(o_part, lse_part, out, lse, sink=None) -> KernelLaunch:
     num_splits, batch, seqlen_q, nheads, head_dim = o_part.shape
     args = _combine_args(o_part, lse_part, out, lse, num_splits, out.shape, out.stride(), sink)
     return launch_triton(combine_kernel, (batch * seqlen_q * nheads, 1, 1), args,
-                         _combine_constexprs(head_dim, num_splits, lse is not None, sink is not None),
+                         _combine_constexprs(head_dim, num_splits, lse is not None, sink is not None, out.shape[-1]),
                          num_warps=1 if head_dim <= 128 else 2, launch_pdl=True)
 
 
@@ -1144,25 +1167,28 @@ def _combine_args(o_part, lse_part, out, lse, num_splits: int, out_shape, out_st
 
 
 @lru_cache(maxsize=None)
-def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: bool = False) -> dict:
+def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: bool = False,
+                        out_dim: int | None = None) -> dict:
     """The combine kernel's constexprs, in its parameter order: launched
-    dependent on the split grid (``launch_combine``'s ``launch_pdl``)."""
+    dependent on the split grid (``launch_combine``'s ``launch_pdl``).
+    ``head_dim``: the partials' (the kernel's); ``out_dim``: the output's,
+    where narrower (``kernel_head_dim``)."""
     return dict(HEAD_DIM=head_dim, S_MAX=max(16, 1 << (num_splits - 1).bit_length()), WRITE_LSE=write_lse,
-                DEPENDENT=True, SINK=sink)
+                DEPENDENT=True, SINK=sink, OUT_DIM=out_dim if out_dim is not None and out_dim < head_dim else 0)
 
 
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
-                 write_lse, window=None, softcap=False, sink="") -> LaunchPlan:
+                 write_lse, window=None, softcap=False, sink="", o_dim=0) -> LaunchPlan:
     """``_plan_launch`` for a packed batch: no PackGQA, no split; the grid
     covers ``max_seqlen_q`` for every sequence (items past a sequence's rows
-    exit at once)."""
+    exit at once). ``o_dim``: ``Mode.o_dim``."""
     sms = sm_count(device)
     items = work_items(batch, nheads, max_seqlen_q, cfg)
     dynamic = cfg.persistent and choose_dynamic(items, triton_cdiv(max_seqlen_q, cfg.block_m), causal, True, sms)
     window_left, window_right = window or (-1, -1)
     mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic, window_left=window_left,
-                window_right=window_right, softcap=bool(softcap), sink=sink)
+                window_right=window_right, softcap=bool(softcap), sink=sink, o_dim=o_dim)
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items, cfg, device)
     # No more heads to a section than a sequence has: most sections then lie
     # inside one sequence, whose dead items (query tiles past its rows) run
@@ -1191,10 +1217,10 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     batch = cu_seqlens_q.shape[0] - 1
     device = q.device.index
     write_lse = lse is not None
-    cfg = cfg or CONFIGS[head_dim]
+    cfg = cfg or CONFIGS[kernel_head_dim(head_dim)]
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
-                      sink_mode(sink))
+                      sink_mode(sink), head_dim if head_dim < cfg.head_dim else 0)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q

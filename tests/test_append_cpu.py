@@ -41,6 +41,10 @@ CASES = [
     ("rotary-partial-neox", 3, 1, 1, 8, 1, 64, 3, 21, "rows", (48, False, True, torch.float32)),
     ("rotary-partial-gptj-paged", 2, 3, 2, 2, 2, 256, 8, 16, "paged", (32, True, False, torch.float32)),
     ("rotary-batch-idx-mqa", 2, 1, 1, 16, 1, 64, 4, 30, "batch_idx", (64, True, True, torch.bfloat16)),
+    # Head dims the kernels do not have (rows of a power of two, masked at the head dim).
+    ("plain-d96", 2, 2, 1, 3, 3, 96, 3, 40, "rows", None),
+    ("rotary-d80-paged", 2, 3, 3, 4, 2, 80, 8, 16, "paged", (64, False, True, torch.bfloat16)),
+    ("rotary-d40-full", 2, 1, 2, 4, 4, 40, 2, 20, "rows", (40, True, False, torch.float32)),
 ]
 
 CHILD = textwrap.dedent("""

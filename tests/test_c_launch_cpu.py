@@ -87,7 +87,7 @@ def _compiled(key):
                "lse_ptr": "*fp32", "sink_ptr": "*fp32", "n_splits": "i32", "batch": "i32", "seqlen_q": "i32", "num_heads": "i32",
                "stride_ob": "i32", "stride_oq": "i32", "stride_oh": "i32",
                "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr", "DEPENDENT": "constexpr",
-               "SINK": "constexpr"}
+               "SINK": "constexpr", "OUT_DIM": "constexpr"}
         constexprs = plan._combine_constexprs(cfg.head_dim, 16, write_lse)
         comb = triton.compile(ASTSource(real, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 1 if cfg.head_dim <= 128 else 2})

@@ -239,10 +239,10 @@ def test_combine_kernel_compiles():
            "sink_ptr": "*fp32", "n_splits": "i32", "batch": "i32", "seqlen_q": "i32", "num_heads": "i32",
            "stride_ob": "i32", "stride_oq": "i32", "stride_oh": "i32",
            "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr", "DEPENDENT": "constexpr",
-           "SINK": "constexpr"}
-    for sink in (False, True):
+           "SINK": "constexpr", "OUT_DIM": "constexpr"}
+    for sink, out_dim in ((False, 0), (True, 0), (False, 96)):
         src = ASTSource(combine_kernel, sig, constexprs={"HEAD_DIM": 128, "S_MAX": 16, "WRITE_LSE": True,
-                                                         "DEPENDENT": True, "SINK": sink})
+                                                         "DEPENDENT": True, "SINK": sink, "OUT_DIM": out_dim})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
         assert "ex2.approx" in k.asm["ptx"] or "ex2" in k.asm["ptx"]
         # Launched dependent on the split grid: it must wait for that grid's partials.

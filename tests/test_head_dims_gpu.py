@@ -1,16 +1,20 @@
 """Head dims the kernels do not have, on a Hopper GPU: multiples of 8 below
-256 run on the next kernel head dim with q, k and v zero-padded
+256 run on the next kernel head dim (``plan.kernel_head_dim``): without
+autograd as they are (TMA reads zeros past the last feature and clips the
+stores), under autograd with q, k and v zero-padded
 (``checks.head_dim_padding``). Forward and backward through the public
-functions (autograd), judged against the float64 reference relative to
-SDPA's error on the same inputs (``hopper_flash.reference``); the packed,
-SDPA-style, torch.compile and CUDA-graph routes too. The varlen function's
-are in ``test_varlen_gpu.py``."""
+functions, judged against the float64 reference relative to SDPA's error on
+the same inputs (``hopper_flash.reference``); the two routes' outputs bit
+for bit equal; decode shapes (split-KV, PackGQA), the KV cache (contiguous,
+paged, appended, rotary), the packed, SDPA-style, torch.compile and
+CUDA-graph routes. The varlen function's are in ``test_varlen_gpu.py``."""
 import pytest
 import torch
 
 import hopper_flash
-from hopper_flash.reference import check_attention, check_attention_grads, random_qkv
-from gpu_inputs import capture
+from hopper_flash import dispatch
+from hopper_flash.reference import check_attention, check_attention_grads, check_kvcache, random_qkv
+from gpu_inputs import capture, rnd
 
 pytestmark = pytest.mark.gpu
 
@@ -39,6 +43,12 @@ def test_forward_and_backward(head_dim, causal):
     assert out.shape == q.shape and out.is_contiguous() and lse.shape == (2, 8, 257)
     judged(check_attention(out, q, k, v, causal=causal, lse=lse))
     judged(check_attention_grads(grads, q, k, v, dout, causal=causal))
+    # Without autograd the kernels read the tensors as they are: the same
+    # kernel on the same values in shared memory (zeros past the last
+    # feature either way), so the same bits.
+    with torch.no_grad():
+        out2, lse2 = hopper_flash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert torch.equal(out2, out.detach()) and torch.equal(lse2, lse)
 
 
 @pytest.mark.parametrize("head_dim", [40, 96, 192])
@@ -78,3 +88,76 @@ def test_torch_compile_and_cuda_graph():
     q.copy_(random_qkv(2, 333, 333, 4, 2, 72, seed=10)[0])
     graph.replay()
     assert torch.equal(out, hopper_flash.flash_attn_func(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("head_dim", [40, 96, 192])
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,nheads,nheads_kv", [
+    (1, 1, 4099, 32, 8), (2, 3, 1000, 8, 8), (3, 128, 8192, 32, 8)])
+def test_decode_shapes_take_split_and_packgqa(head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_kv):
+    """flash_attn_func's decode modes (split-KV with the combine writing only
+    the head dim's features, PackGQA) on other head dims, without autograd."""
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, seed=seqlen_k)
+    n = q.numel()
+    buf = torch.full((n + 4096,), 12345.0, dtype=q.dtype, device="cuda")
+    buf[:n] = float("nan")
+    out, lse = dispatch.forward(q, k, v, None, True, True, out=buf[:n].view(q.shape), any_head_dim=True)
+    assert (buf[n:] == 12345.0).all(), "a store ran past the output's last feature"
+    judged(check_attention(out, q, k, v, causal=True, lse=lse))
+    assert torch.equal(out, hopper_flash.flash_attn_func(q, k, v, causal=True))
+
+
+def nan_tailed(B, cap, Hkv, D, lens, seed):
+    kc, vc = rnd(B, cap, Hkv, D, seed=seed), rnd(B, cap, Hkv, D, seed=seed + 1)
+    for b, L in enumerate(lens):
+        kc[b, L:] = float("nan")
+        vc[b, L:] = float("nan")
+    return kc, vc
+
+
+@pytest.mark.parametrize("head_dim", [40, 80, 96, 192])
+@pytest.mark.parametrize("page_size", [0, 1, 16, 128], ids=["contiguous", "page1", "page16", "page128"])
+def test_kvcache_append_and_pages(head_dim, page_size):
+    """flash_attn_with_kvcache on other head dims: the append (masked at the
+    head dim, nothing written past a row's features), NaN tails, pages read
+    by TMA (16, 128) or copied (1: gathering reads whole kernel rows, so
+    such pages are copied first)."""
+    lens, cap, B, s_new = [0, 500, 1300], 2048, 3, 2
+    kc, vc = nan_tailed(B, cap, 8, head_dim, lens, seed=head_dim)
+    q = rnd(B, s_new, 32, head_dim, seed=1)
+    kn, vn = rnd(B, s_new, 8, head_dim, seed=2), rnd(B, s_new, 8, head_dim, seed=3)
+    cs = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    if page_size:
+        n_pages = B * cap // page_size
+        perm = torch.randperm(n_pages, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+        pt = perm.view(B, cap // page_size).to(torch.int32)
+        kp = torch.empty(n_pages, page_size, 8, head_dim, dtype=kc.dtype, device="cuda")
+        vp = torch.empty_like(kp)
+        kp[perm.long()] = kc.reshape(n_pages, page_size, 8, head_dim)
+        vp[perm.long()] = vc.reshape(n_pages, page_size, 8, head_dim)
+        out = hopper_flash.flash_attn_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=cs, page_table=pt, causal=True)
+        kc = kp[pt.long()].reshape(B, cap, 8, head_dim)
+        vc = vp[pt.long()].reshape(B, cap, 8, head_dim)
+    else:
+        out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=cs, causal=True)
+    for b, L in enumerate(lens):
+        assert torch.equal(kc[b, L:L + s_new], kn[b]) and torch.equal(vc[b, L:L + s_new], vn[b])
+        assert torch.isnan(kc[b, L + s_new:]).all(), "the append wrote past its rows"
+    failed = [v.message for v in check_kvcache(out, q, kc, vc, [L + s_new for L in lens], causal=True) if not v]
+    assert not failed, "\n".join(failed)
+
+
+def test_kvcache_rotary_and_splits():
+    """Rotary embedding and an explicit split count on head dim 96."""
+    B, cap, D = 2, 4096, 96
+    lens = [4000, 17]
+    kc, vc = nan_tailed(B, cap, 2, D, lens, seed=11)
+    q, kn, vn = rnd(B, 1, 16, D, seed=12), rnd(B, 1, 2, D, seed=13), rnd(B, 1, 2, D, seed=14)
+    angle = torch.rand(cap, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(15)) * 6.3
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    cs = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, kn, vn, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cs,
+                                               causal=True, num_splits=7)
+    from rotary_ref import rotate64
+    q_rot = rotate64(q, cos, sin, cs.long()[:, None, None], True).to(q.dtype)
+    failed = [v.message for v in check_kvcache(out, q_rot, kc, vc, [L + 1 for L in lens], causal=True) if not v]
+    assert not failed, "\n".join(failed)

@@ -25,7 +25,7 @@ def call(q, kc, vc, *a, **kw):
     (lambda q, kc, vc: (q.float(), kc, vc, {}), "q.dtype"),
     (lambda q, kc, vc: (q, kc.half(), vc, {}), "k_cache must have q's dtype"),
     (lambda q, kc, vc: (q, kc, vc[:, :100], {}), "k_cache and v_cache must have the same shape"),
-    (lambda q, kc, vc: (q[..., :96], kc[..., :96], vc[..., :96], {}), "head dim"),
+    (lambda q, kc, vc: (q[..., :100], kc[..., :100], vc[..., :100], {}), "head dim"),
     (lambda q, kc, vc: (q[:, :, :30], kc, vc, {}), "multiple of k_cache"),
     (lambda q, kc, vc: (q, kc, vc, dict(cache_seqlens=torch.zeros(2, dtype=torch.int64))), "cache_seqlens must have dtype int32"),
     (lambda q, kc, vc: (q, kc, vc, dict(cache_seqlens=torch.zeros(3, dtype=torch.int32))), "cache_seqlens must have shape"),

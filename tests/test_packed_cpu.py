@@ -227,7 +227,7 @@ def eager(monkeypatch):
 
     handed = []
     monkeypatch.setattr(ops, "plain_eager", lambda *t: True)
-    monkeypatch.setattr(checks, "check_arguments", lambda q, k, v, scale, causal: scale)
+    monkeypatch.setattr(checks, "check_arguments", lambda q, k, v, scale, causal, any_head_dim=False: scale)
     monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
     monkeypatch.setattr(dispatch, "forward_validated",
                         lambda q, k, v, scale, causal, lse, window=None, softcap=0.0: math_attention(q, k, v, scale,
@@ -286,7 +286,7 @@ def test_varlen_packed_backward_hands_its_views_and_the_metadata(monkeypatch, wi
     monkeypatch.setattr(ops, "plain_eager", lambda *t: True)
     monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
     monkeypatch.setattr(checks, "check_varlen_arguments",
-                        lambda q, k, v, cq, ck, mq, mk, uq, uk, scale, causal: (scale, mq, mk))
+                        lambda q, k, v, cq, ck, mq, mk, uq, uk, scale, causal, any_head_dim=False: (scale, mq, mk))
 
     def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse, window=None,
                        softcap=0.0):

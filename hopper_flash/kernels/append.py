@@ -40,7 +40,7 @@ import triton.language as tl
 def _rotated(row_ptr, live, x, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, rotary_half,
              HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
     """``x`` [BLOCK_H, HEAD_DIM], loaded from the pointers ``row_ptr`` where
-    ``live`` [BLOCK_H, 1], rotated at position ``pos``, in float32."""
+    ``live``, rotated at position ``pos``, in float32."""
     d = tl.arange(0, HEAD_DIM)
     rotary_dim = 2 * rotary_half
     if INTERLEAVED:
@@ -64,7 +64,7 @@ def _rotated(row_ptr, live, x, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, rota
     return x.to(tl.float32) * cos[None, :] + x_partner * sin[None, :]
 
 
-@triton.jit(do_not_specialize=["batch", "s_new", "seqlen_q", "n_kv_heads", "n_heads",
+@triton.jit(do_not_specialize=["batch", "s_new", "seqlen_q", "n_kv_heads", "n_heads", "head_dim",
                                "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
                                "stride_cb", "stride_cs", "stride_ch", "stride_db", "stride_ds", "stride_dh",
                                "stride_pt", "page_size",
@@ -72,7 +72,7 @@ def _rotated(row_ptr, live, x, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, rota
                                "stride_ro", "seqlen_ro", "rotary_half"])
 def append_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, batch_idx_ptr, page_table_ptr,
                   q_ptr, q_out_ptr, cos_ptr, sin_ptr,
-                  batch, s_new, seqlen_q, n_kv_heads, n_heads,
+                  batch, s_new, seqlen_q, n_kv_heads, n_heads, head_dim,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
                   stride_pt, page_size,
@@ -82,10 +82,12 @@ def append_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, batch_idx
                   ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, Q_POS_STEP: tl.constexpr):
     # Strides are in elements, the head dim's is 1. k/v: the new tokens;
     # cache (c: k_cache, d: v_cache): rows (or pages), positions (or rows of
-    # a page), heads; q/out: the queries and their rotated copy.
+    # a page), heads; q/out: the queries and their rotated copy. HEAD_DIM:
+    # a power of two, the rows' features masked at ``head_dim``.
     pid = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, HEAD_DIM)
+    features = (d < head_dim)[None, :]
     n_k_rows = batch * s_new
     if pid < n_k_rows:
         b = pid // s_new
@@ -100,7 +102,7 @@ def append_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, batch_idx
             else:
                 row = b
             pos_in = pos
-        live = (heads < n_kv_heads)[:, None]
+        live = (heads < n_kv_heads)[:, None] & features
         src_k = k_ptr + b.to(tl.int64) * stride_kb + j.to(tl.int64) * stride_ks + \
             (heads.to(tl.int64) * stride_kh)[:, None] + d[None, :]
         src_v = v_ptr + b.to(tl.int64) * stride_vb + j.to(tl.int64) * stride_vs + \
@@ -122,7 +124,7 @@ def append_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, batch_idx
         pos = tl.load(seqlens_ptr + b)
         if Q_POS_STEP:
             pos += i
-        live = (heads < n_heads)[:, None]
+        live = (heads < n_heads)[:, None] & features
         src_q = q_ptr + b.to(tl.int64) * stride_qb + i.to(tl.int64) * stride_qs + \
             (heads.to(tl.int64) * stride_qh)[:, None] + d[None, :]
         x = _rotated(src_q, live, tl.load(src_q, mask=live), pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, rotary_half,

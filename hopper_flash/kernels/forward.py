@@ -226,6 +226,9 @@ class Mode:
     SINK: gl.constexpr
     # Every CTA of the launch runs exactly one work item (plan.Mode.one_item).
     ONE_ITEM: gl.constexpr
+    # VARLEN's O, stored by address: its head dim where narrower than
+    # HEAD_DIM (plan.kernel_head_dim; the boxes read zeros past it), else 0.
+    O_DIM: gl.constexpr
     # The static deal's coordinates without run-time divisions (_num_splits):
     # plain causal prefill (windows, soft-capping and sinks included), none
     # of the decode modes.
@@ -238,7 +241,7 @@ class Mode:
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
                  PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT,
-                 SOFTCAP, SINK, ONE_ITEM):
+                 SOFTCAP, SINK, ONE_ITEM, O_DIM):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -941,9 +944,15 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         row_major: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
         o_vals = o_rows_smem.load(row_major)
         o_rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, row_major))
-        o_off = ((q_start + o_rows).to(gl.int64) * prob.num_heads + q_head0) * mode.HEAD_DIM
+        # O's rows are O_DIM features wide where its head dim is narrower
+        # than the kernel's (the features past it are never stored).
+        o_width: gl.constexpr = mode.O_DIM if mode.O_DIM > 0 else mode.HEAD_DIM
+        o_off = ((q_start + o_rows).to(gl.int64) * prob.num_heads + q_head0) * o_width
         cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, row_major))
-        gl.store(prob.o_part_ptr + o_off[:, None] + cols[None, :], o_vals, mask=(o_rows < seqlen_q)[:, None])
+        o_mask = (o_rows < seqlen_q)[:, None]
+        if mode.O_DIM > 0:
+            o_mask = o_mask & (cols < mode.O_DIM)[None, :]
+        gl.store(prob.o_part_ptr + o_off[:, None] + cols[None, :], o_vals, mask=o_mask)
         if mode.WRITE_LSE:
             lse_off = lse_head.to(gl.int64) * prob.total_q + q_start + lse_q
             gl.store(prob.lse_ptr + lse_off, lse, mask=lse_q < seqlen_q)
@@ -1044,7 +1053,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              DYNAMIC: gl.constexpr = False, Q_STAGES: gl.constexpr = 1,
                              WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1,
                              SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False,
-                             RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False):
+                             RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False, O_DIM: gl.constexpr = 0):
     # RING_PTX: which form of ``hopper_flash.ptx_rings`` compiled this
     # specialisation (0: triton's named barriers around the K/V ring kept);
     # unused here, it keys the compiled kernel.
@@ -1067,7 +1076,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                SINK, ONE_ITEM)
+                SINK, ONE_ITEM, O_DIM)
     if SPLIT:
         # The combine follows this grid by programmatic dependent launch
         # (plan.launch_combine) and may be scheduled from now on: its
