@@ -843,7 +843,9 @@ _COMBINE_OF: dict[tuple, KernelLaunch] = {}
 
 
 def _combine_key(lp: LaunchPlan, out, lse) -> tuple:
-    return lp.key, lp.num_splits, out.data_ptr() % 16 == 0, None if lse is None else lse.data_ptr() % 16 == 0
+    # out's head dim: narrower ones (kernel_head_dim) share lp.key but not the combine (OUT_DIM).
+    return (lp.key, lp.num_splits, out.shape[-1], out.data_ptr() % 16 == 0,
+            None if lse is None else lse.data_ptr() % 16 == 0)
 
 
 def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, lse, softmax_scale: float,
