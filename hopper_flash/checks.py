@@ -162,49 +162,40 @@ def _check_same_device_and_dtype(q, k, v) -> None:
         raise ValueError(f"q.dtype must be one of ({supported}), got {dtype_name(q.dtype)}")
 
 
-# Head dims the kernels do not have run on the next one they do: multiples
-# of 8 (TMA's 16-byte rows) below the largest. The forward without autograd
-# takes them as they are (plan.kernel_head_dim); autograd and torch.compile
-# (the ops, whose backward has no such path) get q, k and v zero-padded.
+# Head dims without kernels of their own run on the next head dim's
+# (plan.kernel_head_dim): multiples of 8 (TMA's 16-byte rows) below the
+# largest.
 PADDED_HEAD_DIM_MULTIPLE = 8
 
 
-def head_dim_padding(q, k, v, rank: int) -> int:
-    """Zero features to append to the head dim of ``q``, ``k`` and ``v``
-    (tensors of ``rank`` dims, the head dim last) so that the call runs on the
-    next head dim the kernels have: 0 where the head dim is the kernels' own,
-    and where anything is amiss (the checks then name it). Zeros in q and k
-    add nothing to the scores, zeros in v give output features that are cut
-    off: the result is the unpadded problem's, at the padded head dim's cost
-    (and a copy of q, k and v)."""
-    if not all(isinstance(t, torch.Tensor) and t.dim() == rank for t in (q, k, v)):
-        return 0
-    head_dim = q.shape[-1]
-    if not other_head_dim(head_dim) or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
-        return 0
-    return plan.kernel_head_dim(head_dim) - head_dim
+def head_dim_message(name: str, head_dim) -> str:
+    """The error for a head dim no kernel serves (``name``: where it was read)."""
+    return (f"head dim ({name}) must be one of {plan.SUPPORTED_HEAD_DIMS} or a multiple of "
+            f"{PADDED_HEAD_DIM_MULTIPLE} below {max(plan.SUPPORTED_HEAD_DIMS)} (run on the next of those), "
+            f"got {head_dim}")
 
 
 def other_head_dim(head_dim) -> bool:
-    """Whether ``head_dim`` is not a kernel's but runs on the next one's
-    (``plan.kernel_head_dim``): a multiple of 8 below the largest."""
+    """Whether ``head_dim`` has no kernels of its own but runs on the next
+    head dim's (``plan.kernel_head_dim``): a multiple of 8 below the
+    largest. The kernels read such tensors as they are: TMA's boxes span
+    the kernel's head dim, reading zeros past the last feature (which add
+    nothing to the scores and give output features nobody reads) and
+    clipping the stores there."""
     return (head_dim not in plan.SUPPORTED_HEAD_DIMS and head_dim % PADDED_HEAD_DIM_MULTIPLE == 0
             and 0 < head_dim < max(plan.SUPPORTED_HEAD_DIMS))
 
 
-def _check_heads_and_head_dim(q, k, heads_axis: int, any_head_dim: bool = False) -> None:
-    """k's head dim equals q's and is supported (``any_head_dim``: by the
-    kernels of the next head dim up too, ``other_head_dim``: the forward
-    without autograd); k has heads, and q's are a multiple of them
+def _check_heads_and_head_dim(q, k, heads_axis: int) -> None:
+    """k's head dim equals q's and is supported (a kernel's, or
+    ``other_head_dim``); k has heads, and q's are a multiple of them
     (GQA/MQA). ``heads_axis``: 2 for BSHD, 1 for THD; the head dim is the
     last axis."""
     head_dim, dim_axis = q.shape[-1], q.dim() - 1
     if k.shape[-1] != head_dim:
         raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[-1]}")
-    if head_dim not in plan.SUPPORTED_HEAD_DIMS and not (any_head_dim and other_head_dim(head_dim)):
-        raise ValueError(f"head dim (q.shape[{dim_axis}]) must be one of {plan.SUPPORTED_HEAD_DIMS}, or (through "
-                         f"the public functions) a multiple of {PADDED_HEAD_DIM_MULTIPLE} below "
-                         f"{max(plan.SUPPORTED_HEAD_DIMS)}, run on the next of those, got {head_dim}")
+    if head_dim not in plan.SUPPORTED_HEAD_DIMS and not other_head_dim(head_dim):
+        raise ValueError(head_dim_message(f"q.shape[{dim_axis}]", head_dim))
     nheads, nheads_kv = q.shape[heads_axis], k.shape[heads_axis]
     if nheads_kv == 0:
         raise ValueError(f"k and v must have at least one head (k.shape[{heads_axis}] >= 1), got 0")
@@ -213,9 +204,8 @@ def _check_heads_and_head_dim(q, k, heads_axis: int, any_head_dim: bool = False)
                          f"({nheads_kv})")
 
 
-def check_arguments(q, k, v, softmax_scale, causal, any_head_dim: bool = False) -> float:
+def check_arguments(q, k, v, softmax_scale, causal) -> float:
     """Every check that needs no data and no device; returns the softmax scale.
-    ``any_head_dim``: ``_check_heads_and_head_dim``'s.
 
     Safe on meta and fake tensors (torch.compile tracing, the op's fake
     implementation)."""
@@ -227,7 +217,7 @@ def check_arguments(q, k, v, softmax_scale, causal, any_head_dim: bool = False) 
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if k.shape[0] != batch:
         raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
-    _check_heads_and_head_dim(q, k, heads_axis=2, any_head_dim=any_head_dim)
+    _check_heads_and_head_dim(q, k, heads_axis=2)
     check_causal(causal)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
     # int(): under dynamic shapes the head dim is a SymInt (unhashable); the kernel specialises on it anyway.
@@ -381,26 +371,22 @@ def _signature(q, k, v, softmax_scale, causal) -> tuple | None:
         return None
 
 
-def validate(q, k, v, softmax_scale, causal, key=None, any_head_dim: bool = False) -> float:
+def validate(q, k, v, softmax_scale, causal, key=None) -> float:
     """All checks of the forward's arguments, in order; returns the softmax scale.
 
     A signature that passed once (``_signature``: the checks read nothing
     else) passes again without the checks: this is host time on every
     eager call, and a model's layers repeat a few signatures. ``key``: the
-    arguments' ``_signature``, where the caller has it already.
-    ``any_head_dim``: ``_check_heads_and_head_dim``'s (a signature passed
-    with it passes only with it)."""
+    arguments' ``_signature``, where the caller has it already."""
     if key is None:
         key = _signature(q, k, v, softmax_scale, causal)
-    if any_head_dim and key is not None:
-        key = (key, "any_head_dim")
     try:
         scale = _PASSED.get(key)
     except TypeError:  # an unhashable softmax_scale or causal: the checks name it
         key = scale = None
     if scale is not None:
         return scale
-    softmax_scale = check_arguments(q, k, v, softmax_scale, causal, any_head_dim)
+    softmax_scale = check_arguments(q, k, v, softmax_scale, causal)
     check_device(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tma_addressable(name, t)
@@ -448,7 +434,7 @@ def _check_index_vector(name: str, t, length: int, device: torch.device, what: s
 
 
 def check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                           softmax_scale, causal, any_head_dim: bool = False):
+                           softmax_scale, causal):
     """Every check of ``flash_attn_varlen_func``'s arguments that needs no
     device data; returns ``(softmax_scale, max_seqlen_q, max_seqlen_k)``.
 
@@ -462,7 +448,7 @@ def check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     total_q, nheads, head_dim = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    _check_heads_and_head_dim(q, k, heads_axis=1, any_head_dim=any_head_dim)
+    _check_heads_and_head_dim(q, k, heads_axis=1)
     what = "int32 prefix sums of the sequence lengths, [batch + 1], starting at 0"
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise TypeError(f"cu_seqlens_q must be a torch.Tensor ({what}), got {type(cu_seqlens_q).__name__}")

@@ -16,14 +16,11 @@ import torch
 from . import checks, plan
 
 
-def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None, softcap=0.0, sink=None,
-            any_head_dim=False):
+def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None, softcap=0.0, sink=None):
     """Validated forward; ``out`` lets tests hand in a poisoned buffer;
     ``window``: ``checks.window_bounds``'s ``(left, right)`` or None;
     ``softcap``: ``checks.check_softcap``'s cap (0.0: none); ``sink``:
-    attention sinks (``checks.check_learnable_sink``'s ``[H]``) or None;
-    ``any_head_dim``: head dims the kernels do not have run on the next
-    one's (``checks.other_head_dim``; the public call without autograd).
+    attention sinks (``checks.check_learnable_sink``'s ``[H]``) or None.
 
     Returns ``(out, lse)`` when ``return_lse`` else ``out``.
 
@@ -42,7 +39,7 @@ def forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None, s
         if result is not None:
             return result
         signature = key[0] if key is not None else None  # validate's key: computed once
-    softmax_scale = checks.validate(q, k, v, softmax_scale, causal, signature, any_head_dim)
+    softmax_scale = checks.validate(q, k, v, softmax_scale, causal, signature)
     return forward_validated(q, k, v, softmax_scale, causal, return_lse, out, window, prepare_key=key,
                              softcap=softcap, sink=sink)
 
@@ -126,14 +123,13 @@ def _check_contract_requested(check_contract) -> bool:
 
 
 def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                    softmax_scale, causal, check_contract=None, any_head_dim=False):
+                    softmax_scale, causal, check_contract=None):
     """Every check of a varlen forward, and the contract check where
     ``check_contract`` (None: ``HOPPER_FLASH_CHECK_VARLEN``) asks for it;
-    returns ``(softmax_scale, max_seqlen_q, max_seqlen_k)``. ``any_head_dim``:
-    ``forward``'s."""
+    returns ``(softmax_scale, max_seqlen_q, max_seqlen_k)``."""
     softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
-        causal, any_head_dim)
+        causal)
     checks.check_device(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         checks.check_tma_addressable_thd(name, t)
@@ -145,17 +141,17 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                    softmax_scale, causal, return_lse, check_contract=None, out=None, window=None, softcap=0.0,
-                   sink=None, any_head_dim=False):
+                   sink=None):
     """Validated varlen forward on THD tensors; returns ``(out, lse)`` with
     ``lse`` ``[nheads, total_q]`` (None unless ``return_lse``).
 
     Rows of q outside every sequence's live part (past ``seqused_q``) get a
     zero output and an LSE of -inf (with sinks, ``sink``, their head's
     logit). ``out`` lets tests hand in a poisoned buffer (then those rows
-    are left as they are). ``any_head_dim``: ``forward``'s."""
+    are left as they are)."""
     softmax_scale, max_seqlen_q, max_seqlen_k = validate_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
-        causal, check_contract, any_head_dim)
+        causal, check_contract)
     return forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                     seqused_k, softmax_scale, causal, return_lse, out, window, softcap, sink)
 

@@ -64,25 +64,6 @@ def _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic,
                                  deterministic=deterministic, return_attn_probs=return_attn_probs)
 
 
-def _on_padded_head_dim(fn, pad: int, q, k, v, args: tuple, softmax_scale, return_lse: bool, options: dict):
-    """``fn(q, k, v, *args, ...)`` with the head dim zero-padded by ``pad``
-    features (``checks.head_dim_padding``), its output cut back to q's head
-    dim (contiguous) and the default scale q's own, ``1/sqrt(headdim)``:
-    where the call goes through the ops (autograd, torch.compile), whose
-    backward takes the kernels' head dims only. Autograd, torch.compile and
-    CUDA graphs see the padding and the cut as ordinary tensor ops (the
-    gradients are cut back the same way). Without autograd the kernels take
-    such a head dim as it is (``plan.kernel_head_dim``): the same result,
-    bit for bit, without the copies."""
-    head_dim = q.shape[-1]
-    padded = (torch.nn.functional.pad(t, (0, pad)) for t in (q, k, v))
-    scale = checks.check_softmax_scale(softmax_scale, head_dim)
-    result = fn(*padded, *args, softmax_scale=scale, return_lse=return_lse, **options)
-    out, lse = result if return_lse else (result, None)
-    out = out[..., :head_dim].contiguous()
-    return (out, lse) if return_lse else out
-
-
 @overload
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = ...,
                     causal: bool = ..., return_lse: Literal[False] = ..., dropout_p: float = ...,
@@ -107,10 +88,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     Args:
         q: ``[batch, seqlen_q, nheads, headdim]``. Head dims 64, 128 and 256
             have kernels of their own; other multiples of 8 below 256 run on
-            the next of those, at its cost: without autograd as they are
-            (``plan.kernel_head_dim``: TMA reads zeros past the last
-            feature), under autograd and torch.compile with q, k and v
-            zero-padded (``checks.head_dim_padding``: a copy of each).
+            the next of those, at its cost, forward and backward, read as
+            they are (``plan.kernel_head_dim``: no copy).
         k, v: ``[batch, seqlen_k, nheads_kv, headdim]``; ``nheads`` must be a
             multiple of ``nheads_kv`` (GQA/MQA, read without a copy).
         softmax_scale: scale of ``q @ k^T`` before the softmax; default
@@ -158,11 +137,6 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     reproducible (dQ summed in a fixed order; a slower backward). The returned
     LSE carries no gradient.
     """
-    pad = checks.head_dim_padding(q, k, v, 4)
-    if pad and _needs_op(q, k, v, learnable_sink):
-        return _on_padded_head_dim(flash_attn_func, pad, q, k, v, (), softmax_scale, return_lse, dict(
-            causal=causal, dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-            deterministic=deterministic, return_attn_probs=return_attn_probs, learnable_sink=learnable_sink))
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
@@ -184,8 +158,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
         out, lse = ops.fwd(q, k, v, softmax_scale, bool(causal), bool(deterministic), *(window or (-1, -1)),
                            softcap, sink)
         return (out, lse) if return_lse else out
-    return dispatch.forward(q, k, v, softmax_scale, causal, return_lse, window=window, softcap=softcap, sink=sink,
-                            any_head_dim=True)
+    return dispatch.forward(q, k, v, softmax_scale, causal, return_lse, window=window, softcap=softcap, sink=sink)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -280,15 +253,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns:
         ``out`` ``[total_q, nheads, headdim]``, or ``(out, lse)``.
     """
-    pad = checks.head_dim_padding(q, k, v, 3)
-    if pad and _needs_op(q, k, v, learnable_sink):
-        return _on_padded_head_dim(
-            flash_attn_varlen_func, pad, q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-            softmax_scale, return_lse, dict(
-                seqused_q=seqused_q, seqused_k=seqused_k, causal=causal, deterministic=deterministic,
-                check_contract=check_contract, dropout_p=dropout_p, window_size=window_size, softcap=softcap,
-                alibi_slopes=alibi_slopes, return_attn_probs=return_attn_probs, block_table=block_table,
-                learnable_sink=learnable_sink))
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     if block_table is not None:
         raise NotImplementedError("block_table must be None (paged K/V is served by flash_attn_with_kvcache)")
@@ -322,5 +286,5 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return (out, lse) if return_lse else out
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k, softmax_scale, causal, return_lse, check_contract, window=window,
-                                       softcap=softcap, sink=sink, any_head_dim=True)
+                                       softcap=softcap, sink=sink)
     return (out, lse) if return_lse else out

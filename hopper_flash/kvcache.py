@@ -98,9 +98,7 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
     batch, seqlen_q, nheads, head_dim = q.shape
     if head_dim not in plan.SUPPORTED_HEAD_DIMS and not checks.other_head_dim(head_dim):
-        raise ValueError(f"head dim (q.shape[3]) must be one of {plan.SUPPORTED_HEAD_DIMS}, or a multiple of "
-                         f"{checks.PADDED_HEAD_DIM_MULTIPLE} below {max(plan.SUPPORTED_HEAD_DIMS)} (run on the next "
-                         f"of those), got {head_dim}")
+        raise ValueError(checks.head_dim_message("q.shape[3]", head_dim))
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")

@@ -57,11 +57,6 @@ def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
     window, -1 -1 for none; ``softcap``: logit soft-capping (0.0: none);
     ``sink``: attention sinks, ``[H]`` (None: none)."""
     checks.check_learnable_sink(sink, q.shape[2], q.device)
-    if checks.other_head_dim(q.shape[-1]):
-        # The ops take the kernels' head dims only (their backward has no
-        # other): named here, before a prepared call of the inference path,
-        # which takes such a head dim, could serve it.
-        checks.check_arguments(q, k, v, softmax_scale, causal)
     return dispatch.forward(q, k, v, softmax_scale, causal, True,
                             window=checks.op_window(window_left, window_right, causal),
                             softcap=checks.check_softcap(softcap), sink=sink)

@@ -42,8 +42,6 @@ def _eager_autograd(q, packed, axis, views, varlen, softmax_scale, causal, deter
     tensors = (qv, k, v) if varlen is None else (qv, k, v, *varlen[:4])
     if not interface._needs_op(qv, k, v) or not ops.plain_eager(*tensors):
         return None
-    if checks.head_dim_padding(qv, k, v, qv.dim()):
-        return None  # the unpacked call pads the views (gradients reach the packed tensor through them)
     if varlen is None:
         softmax_scale = checks.validate(qv, k, v, softmax_scale, causal)
     else:

@@ -103,9 +103,11 @@ for _cfg in BACKWARD_CONFIGS.values():
 @lru_cache(maxsize=None)
 def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, varlen: bool = False,
                       seqused_q: bool = False, seqused_k: bool = False, window=None, softcap: bool = False,
-                      short_rows: bool = False) -> dict:
+                      short_rows: bool = False, o_dim: int = 0) -> dict:
     """The constexpr arguments of ``attention_backward_kernel``.
-    ``short_rows``: fixed lengths with ``seqlen_q <= PERSISTENT_MAX_SEQLEN_Q``."""
+    ``short_rows``: fixed lengths with ``seqlen_q <= PERSISTENT_MAX_SEQLEN_Q``;
+    ``o_dim``: varlen's dK/dV head dim where narrower than the kernel's
+    (``plan.kernel_head_dim``), else 0 (TMA stores clip the others)."""
     # In the kernel's parameter order: the fast launch passes them positionally.
     return dict(
         BLOCK_M=cfg.block_m,
@@ -124,6 +126,7 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
         WINDOW_RIGHT=window[1] if window else -1,
         SOFTCAP=bool(softcap),
         PERSISTENT=persistent_grid(cfg, causal, deterministic, varlen, short_rows),
+        O_DIM=o_dim,
     )
 
 
@@ -356,7 +359,7 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
         _, nheads, head_dim = q.shape
         nheads_kv = k.shape[1]
         seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
-    cfg = cfg or BACKWARD_CONFIGS[head_dim]
+    cfg = cfg or BACKWARD_CONFIGS[plan.kernel_head_dim(head_dim)]
     if softcap:
         cfg = softcap_config(cfg)
     m_tiles = triton_cdiv(seqlen_q, cfg.block_m)
@@ -391,7 +394,8 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
     constexprs = kernel_constexprs(cfg, causal, deterministic, varlen is not None,
                                    varlen is not None and varlen.seqused_q is not None,
                                    varlen is not None and varlen.seqused_k is not None, window, softcap > 0,
-                                   varlen is None and seqlen_q <= PERSISTENT_MAX_SEQLEN_Q)
+                                   varlen is None and seqlen_q <= PERSISTENT_MAX_SEQLEN_Q,
+                                   head_dim if varlen is not None and head_dim < cfg.head_dim else 0)
     key = (q.device.index, q.dtype, bool(causal), bool(deterministic), cfg, tuple(constexprs.values()))
     zero_tails = (None, None)
     if varlen is not None:
@@ -559,8 +563,9 @@ def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, 
         m_blocks = max(1, triton_cdiv(max_seqlen_q, block_m)) * (block_m // block)
     return SmallLaunch(_pre._bwd_preprocess_kernel, (m_blocks, nheads, batch),
                        (*strides, seqlen_q, seqlen_q_rounded, nheads),
-                       dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
-                            SEQUSED=varlen is not None and varlen[0], SINK=bool(sink)))
+                       dict(BLOCK=block, HEAD_DIM=plan.kernel_head_dim(head_dim), BLOCK_M=block_m,
+                            VARLEN=varlen is not None, SEQUSED=varlen is not None and varlen[0], SINK=bool(sink),
+                            OUT_DIM=_narrower(head_dim)))
 
 
 def postprocess_launch(dq: torch.Tensor, seqlen_q_rounded: int, scale: float, block_m: int,
@@ -583,8 +588,16 @@ def postprocess_launch(dq: torch.Tensor, seqlen_q_rounded: int, scale: float, bl
         m_blocks = triton_cdiv(max_seqlen_q, block)
     return SmallLaunch(_pre._bwd_postprocess_kernel, (m_blocks, nheads, batch),
                        (*strides, seqlen_q, seqlen_q_rounded, nheads, scale),
-                       dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
-                            SEQUSED=varlen is not None and varlen[0]))
+                       dict(BLOCK=block, HEAD_DIM=plan.kernel_head_dim(head_dim), BLOCK_M=block_m,
+                            VARLEN=varlen is not None, SEQUSED=varlen is not None and varlen[0],
+                            OUT_DIM=_narrower(head_dim)))
+
+
+def _narrower(head_dim: int) -> int:
+    """The small kernels' ``OUT_DIM``: a tensor's head dim where narrower
+    than its kernels' (``plan.kernel_head_dim``; their rows are that wide),
+    else 0."""
+    return head_dim if head_dim != plan.kernel_head_dim(head_dim) else 0
 
 
 def _small_varlen(varlen):
@@ -622,9 +635,9 @@ def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, del
 def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, block_m: int, varlen=None) -> None:
     """The postprocess alone (for scripts): ``dq_accum`` ``[rows, D]``, see
     ``postprocess_launch``; ``varlen`` as ``bwd_preprocess``'s."""
-    head_dim = dq.shape[-1]
+    width = plan.kernel_head_dim(dq.shape[-1])  # dq_accum's rows
     per_head = dq.shape[0] * dq.shape[2] if varlen is None else dq.shape[1]
-    launch = postprocess_launch(dq, dq_accum.numel() // (head_dim * per_head), scale, block_m,
+    launch = postprocess_launch(dq, dq_accum.numel() // (width * per_head), scale, block_m,
                                 _small_varlen(varlen))
     launch((dq_accum, dq, *_small_ptrs(dq_accum, varlen)))
 
@@ -644,7 +657,8 @@ def zero_tail_launch(x: torch.Tensor, pair: bool, batch: int) -> SmallLaunch | N
     block = 64
     return SmallLaunch(_pre._zero_tail_kernel, (triton_cdiv(total, block), 1, 1),
                        (batch, total, *_strides8(x.stride(0), x.stride(1)), nheads),
-                       dict(BLOCK=block, HEAD_DIM=head_dim, PAIR=pair))
+                       dict(BLOCK=block, HEAD_DIM=plan.kernel_head_dim(head_dim), PAIR=pair,
+                            OUT_DIM=_narrower(head_dim)))
 
 
 def zero_tail(x: torch.Tensor, y: torch.Tensor | None, cu_seqlens: torch.Tensor) -> None:
@@ -660,10 +674,10 @@ def workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int, deter
     lengths): dq_accum, Δ and L2, the persistent grid's item counter (one
     int32, zeroed every call, read only on that grid) and, deterministic,
     the semaphores."""
-    cfg = BACKWARD_CONFIGS[head_dim]
+    cfg = BACKWARD_CONFIGS[plan.kernel_head_dim(head_dim)]  # dq_accum's rows are the kernel's head dim wide
     m_tiles = triton_cdiv(seqlen_q, cfg.block_m)
     rows = batch * nheads * m_tiles * cfg.block_m
-    return 4 * rows * (head_dim + 2) + 4 + (4 * batch * nheads * m_tiles if deterministic else 0)
+    return 4 * rows * (cfg.head_dim + 2) + 4 + (4 * batch * nheads * m_tiles if deterministic else 0)
 
 
 __all__ = ["BackwardConfig", "BACKWARD_CONFIGS", "BACKWARD_HEAD_DIMS", "block_shapes", "grid",
@@ -671,9 +685,12 @@ __all__ = ["BackwardConfig", "BACKWARD_CONFIGS", "BACKWARD_HEAD_DIMS", "block_sh
 
 
 def check_head_dim(head_dim: int) -> None:
-    if head_dim not in BACKWARD_CONFIGS:
-        raise NotImplementedError(f"hopper_flash's backward supports head dims {BACKWARD_HEAD_DIMS}, got {head_dim} "
-                                  f"(the forward supports it; run it under torch.no_grad())")
+    """The backward's head dims: its kernels' own, and the multiples of 8
+    below the largest, run on the next one's (``plan.kernel_head_dim``), as
+    the forward's."""
+    if head_dim not in BACKWARD_CONFIGS and not checks.other_head_dim(head_dim):
+        raise NotImplementedError(f"hopper_flash's backward supports head dims {BACKWARD_HEAD_DIMS} and the "
+                                  f"multiples of 8 below {max(BACKWARD_HEAD_DIMS)}, got {head_dim}")
 
 
 def _tma_addressable(t: torch.Tensor) -> bool:

@@ -128,9 +128,8 @@ def test_head_dim_mismatch():
 @pytest.mark.parametrize("head_dim", [4, 12, 100, 264, 512])
 def test_unsupported_head_dim_lists_supported(head_dim):
     q, k, v = qkv(q_shape=(B, S, H, head_dim))
-    with pytest.raises(ValueError, match=rf"head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\), or "
-                                         rf"\(through the public functions\) a multiple of 8 below 256, run on the "
-                                         rf"next of those, got {head_dim}$"):
+    with pytest.raises(ValueError, match=rf"head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\) or a "
+                                         rf"multiple of 8 below 256 \(run on the next of those\), got {head_dim}$"):
         flash_attn_func(q, k, v)
 
 
@@ -591,11 +590,11 @@ BAD_CALLS = {
     "float32": (dict(dtype=torch.float32), {}, ValueError,
                 r"^q\.dtype must be one of \(bfloat16, float16\), got float32$"),
     "head_dim_100": (dict(q_shape=(B, S, H, 100)), {}, ValueError,
-                     r"^head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\), or \(through the public "
-                     r"functions\) a multiple of 8 below 256, run on the next of those, got 100$"),
-    # Other multiples of 8 are zero-padded to the next kernel head dim, on every path: a well-formed call gets to
+                     r"^head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\) or a multiple of 8 below 256 "
+                     r"\(run on the next of those\), got 100$"),
+    # Other multiples of 8 run on the next kernel head dim's kernels, on every path: a well-formed call gets to
     # the device check.
-    "head_dim_96_padded": (dict(q_shape=(B, S, H, 96)), dict(causal=True), ValueError, "^" + DEVICE_ERROR + "$"),
+    "head_dim_96": (dict(q_shape=(B, S, H, 96)), dict(causal=True), ValueError, "^" + DEVICE_ERROR + "$"),
     "causal_str": ({}, dict(causal="yes"), TypeError, r"^causal must be a bool, got builtins\.str$"),
     "scale_bool": ({}, dict(softmax_scale=True), TypeError,
                    r"^softmax_scale must be a positive float or None, got True$"),
@@ -623,10 +622,8 @@ def _meta(*shape, dtype=BF16):
 
 @pytest.mark.parametrize("dtype, head_dim, hkv, scale, exc, message", [
     (torch.float32, 128, H, 0.1, ValueError, r"^q\.dtype must be one of \(bfloat16, float16\), got float32$"),
-    # The op takes the kernels' head dims only (the public functions pad the others before they call it).
-    (BF16, 96, H, 0.1, ValueError, r"^head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\), or \(through "
-                                   r"the public functions\) a multiple of 8 below 256, run on the next of those, "
-                                   r"got 96$"),
+    (BF16, 100, H, 0.1, ValueError, r"^head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\) or a multiple "
+                                    r"of 8 below 256 \(run on the next of those\), got 100$"),
     (BF16, 128, 3, 0.1, ValueError, r"^q's number of heads \(4\) must be a multiple of k/v's number of heads"),
     (BF16, 128, H, -1.0, ValueError, r"^softmax_scale must be a finite positive number, got -1\.0$"),
     (BF16, 128, H, math.nan, ValueError, r"^softmax_scale must be a finite positive number, got nan$"),

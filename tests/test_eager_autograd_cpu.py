@@ -78,7 +78,7 @@ def test_eager_attention_is_once_differentiable(calls):
 
 
 def test_flash_attn_func_routes_plain_eager_autograd_past_the_op(calls, monkeypatch):
-    monkeypatch.setattr(checks, "check_arguments", lambda q, k, v, scale, causal, any_head_dim=False: scale)
+    monkeypatch.setattr(checks, "check_arguments", lambda q, k, v, scale, causal: scale)
     monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
     used = []
     monkeypatch.setattr(ops, "fwd", lambda *a: used.append("op") or math_attention(*a[:5]))

@@ -1,18 +1,22 @@
-"""Head dims the kernels do not have, on a Hopper GPU: multiples of 8 below
-256 run on the next kernel head dim (``plan.kernel_head_dim``): without
-autograd as they are (TMA reads zeros past the last feature and clips the
-stores), under autograd with q, k and v zero-padded
-(``checks.head_dim_padding``). Forward and backward through the public
-functions, judged against the float64 reference relative to SDPA's error on
-the same inputs (``hopper_flash.reference``); the two routes' outputs bit
-for bit equal; decode shapes (split-KV, PackGQA), the KV cache (contiguous,
-paged, appended, rotary), the packed, SDPA-style, torch.compile and
-CUDA-graph routes. The varlen function's are in ``test_varlen_gpu.py``."""
+"""Head dims without kernels of their own, on a Hopper GPU: multiples of 8
+below 256 run on the next kernel head dim's kernels (``plan.kernel_head_dim``),
+read as they are: TMA reads zeros past the last feature and clips the
+stores; the stores by address (varlen's O, dK and dV, the combine, the
+backward's pre/postprocess, the KV-cache append) stop at the head dim.
+Forward and backward through the public functions, judged against the
+float64 reference relative to SDPA's error on the same inputs
+(``hopper_flash.reference``); against zero-padding by hand, bit for bit;
+decode shapes (split-KV, PackGQA) with a guarded output, the KV cache
+(contiguous, paged, appended, rotary), the packed, SDPA-style, torch.compile
+and CUDA-graph routes. The varlen function's are in ``test_varlen_gpu.py``."""
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hopper_flash
-from hopper_flash import dispatch
+from hopper_flash import dispatch, plan
 from hopper_flash.reference import check_attention, check_attention_grads, check_kvcache, random_qkv
 from gpu_inputs import capture, rnd
 
@@ -26,13 +30,15 @@ def judged(verdicts):
     assert not failed, "\n".join(failed)
 
 
-def forward_backward(q, k, v, causal, dout_seed=7, **kw):
-    """``(out, lse, (dq, dk, dv), dout)`` through flash_attn_func's autograd."""
+def forward_backward(q, k, v, causal, dout=None, **kw):
+    """``(out, lse, (dq, dk, dv), dout)`` through flash_attn_func's autograd
+    (``dout`` drawn here unless given)."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out, lse = hopper_flash.flash_attn_func(*leaves, causal=causal, return_lse=True, **kw)
-    gen = torch.Generator(device="cuda").manual_seed(dout_seed)
-    dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
-    return out, lse, torch.autograd.grad(out, leaves, dout), dout
+    if dout is None:
+        gen = torch.Generator(device="cuda").manual_seed(7)
+        dout = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
+    return out.detach(), lse, torch.autograd.grad(out, leaves, dout), dout
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -43,12 +49,15 @@ def test_forward_and_backward(head_dim, causal):
     assert out.shape == q.shape and out.is_contiguous() and lse.shape == (2, 8, 257)
     judged(check_attention(out, q, k, v, causal=causal, lse=lse))
     judged(check_attention_grads(grads, q, k, v, dout, causal=causal))
-    # Without autograd the kernels read the tensors as they are: the same
-    # kernel on the same values in shared memory (zeros past the last
-    # feature either way), so the same bits.
-    with torch.no_grad():
-        out2, lse2 = hopper_flash.flash_attn_func(q, k, v, causal=causal, return_lse=True)
-    assert torch.equal(out2, out.detach()) and torch.equal(lse2, lse)
+    # Zero-padded by hand to the kernel's head dim, the same kernels see the
+    # same values in shared memory (TMA's zeros or the padding's): the same
+    # bits, forward and backward, cut back.
+    pad = plan.kernel_head_dim(head_dim) - head_dim
+    out_p, lse_p, grads_p, _ = forward_backward(*(F.pad(t, (0, pad)) for t in (q, k, v)), causal,
+                                                softmax_scale=1.0 / math.sqrt(head_dim), dout=F.pad(dout, (0, pad)))
+    assert torch.equal(out_p[..., :head_dim], out) and torch.equal(lse_p, lse)
+    for g, g_p in zip(grads, grads_p):
+        assert torch.equal(g_p[..., :head_dim], g)
 
 
 @pytest.mark.parametrize("head_dim", [40, 96, 192])
@@ -95,12 +104,12 @@ def test_torch_compile_and_cuda_graph():
     (1, 1, 4099, 32, 8), (2, 3, 1000, 8, 8), (3, 128, 8192, 32, 8)])
 def test_decode_shapes_take_split_and_packgqa(head_dim, batch, seqlen_q, seqlen_k, nheads, nheads_kv):
     """flash_attn_func's decode modes (split-KV with the combine writing only
-    the head dim's features, PackGQA) on other head dims, without autograd."""
+    the head dim's features, PackGQA) on other head dims."""
     q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, seed=seqlen_k)
     n = q.numel()
     buf = torch.full((n + 4096,), 12345.0, dtype=q.dtype, device="cuda")
     buf[:n] = float("nan")
-    out, lse = dispatch.forward(q, k, v, None, True, True, out=buf[:n].view(q.shape), any_head_dim=True)
+    out, lse = dispatch.forward(q, k, v, None, True, True, out=buf[:n].view(q.shape))
     assert (buf[n:] == 12345.0).all(), "a store ran past the output's last feature"
     judged(check_attention(out, q, k, v, causal=True, lse=lse))
     assert torch.equal(out, hopper_flash.flash_attn_func(q, k, v, causal=True))

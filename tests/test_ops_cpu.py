@@ -144,8 +144,7 @@ def test_sdpa_rejects_wrong_rank():
 def test_sdpa_passes_bshd_views_to_the_kernel(monkeypatch):
     seen = {}
 
-    def fake_forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None, softcap=0.0, sink=None,
-                     any_head_dim=False):
+    def fake_forward(q, k, v, softmax_scale, causal, return_lse, out=None, window=None, softcap=0.0, sink=None):
         seen.update(q=q, k=k, scale=softmax_scale, causal=causal)
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 

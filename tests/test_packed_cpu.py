@@ -227,7 +227,7 @@ def eager(monkeypatch):
 
     handed = []
     monkeypatch.setattr(ops, "plain_eager", lambda *t: True)
-    monkeypatch.setattr(checks, "check_arguments", lambda q, k, v, scale, causal, any_head_dim=False: scale)
+    monkeypatch.setattr(checks, "check_arguments", lambda q, k, v, scale, causal: scale)
     monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
     monkeypatch.setattr(dispatch, "forward_validated",
                         lambda q, k, v, scale, causal, lse, window=None, softcap=0.0: math_attention(q, k, v, scale,
@@ -253,7 +253,7 @@ def _f64(*shape, seed):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_qkvpacked_backward_writes_into_one_packed_gradient(eager, causal):
-    qkv = _f64(2, 5, 3, 4, 64, seed=1)  # a kernel head dim: others are padded first
+    qkv = _f64(2, 5, 3, 4, 8, seed=1)
     out = hopper_flash.flash_attn_qkvpacked_func(qkv, softmax_scale=0.3, causal=causal)
     assert "EagerPackedAttention" in type(out.grad_fn).__name__
     grad = torch.randn_like(out)
@@ -266,8 +266,8 @@ def test_qkvpacked_backward_writes_into_one_packed_gradient(eager, causal):
 
 
 def test_kvpacked_backward_writes_dk_dv_into_the_packed_gradient(eager):
-    q = _f64(2, 6, 4, 64, seed=2)
-    kv = _f64(2, 6, 2, 2, 64, seed=3)  # GQA 4/2
+    q = _f64(2, 6, 4, 8, seed=2)
+    kv = _f64(2, 6, 2, 2, 8, seed=3)  # GQA 4/2
     out, lse = hopper_flash.flash_attn_kvpacked_func(q, kv, softmax_scale=0.5, causal=True, return_lse=True)
     assert not lse.requires_grad
     dq, dkv = torch.autograd.grad(out.sum(), (q, kv))
@@ -286,7 +286,7 @@ def test_varlen_packed_backward_hands_its_views_and_the_metadata(monkeypatch, wi
     monkeypatch.setattr(ops, "plain_eager", lambda *t: True)
     monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
     monkeypatch.setattr(checks, "check_varlen_arguments",
-                        lambda q, k, v, cq, ck, mq, mk, uq, uk, scale, causal, any_head_dim=False: (scale, mq, mk))
+                        lambda q, k, v, cq, ck, mq, mk, uq, uk, scale, causal: (scale, mq, mk))
 
     def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse, window=None,
                        softcap=0.0):
@@ -304,7 +304,7 @@ def test_varlen_packed_backward_hands_its_views_and_the_metadata(monkeypatch, wi
 
     monkeypatch.setattr(dispatch, "forward_varlen_validated", forward_varlen)
     monkeypatch.setattr(plan_backward, "backward_varlen", backward_varlen)
-    qkv = _f64(7, 3, 2, 64, seed=4)
+    qkv = _f64(7, 3, 2, 8, seed=4)
     cu, used = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([2, 4], dtype=torch.int32)
     out = hopper_flash.flash_attn_varlen_qkvpacked_func(qkv, cu, 4, seqused=used, softmax_scale=0.5, causal=True,
                                                         deterministic=True, window_size=window_size)

@@ -149,9 +149,8 @@ def test_tensor_checks_shared_with_the_fixed_length_path():
         call(q, k.half(), v.half(), cq, ck)
     with pytest.raises(ValueError, match=r"^q.dtype must be one of \(bfloat16, float16\), got float32"):
         call(q.float(), k.float(), v.float(), cq, ck)
-    with pytest.raises(ValueError, match=r"^head dim \(q.shape\[2\]\) must be one of \(64, 128, 256\), or "
-                                         r"\(through the public functions\) a multiple of 8 below 256, run on the "
-                                         r"next of those, got 36$"):
+    with pytest.raises(ValueError, match=r"^head dim \(q.shape\[2\]\) must be one of \(64, 128, 256\) or a "
+                                         r"multiple of 8 below 256 \(run on the next of those\), got 36$"):
         call(q[..., :36], k[..., :36], v[..., :36], cq, ck)  # 36: not a multiple of 8 (32 runs on 64)
     with pytest.raises(ValueError, match=r"^q's number of heads \(4\) must be a multiple of k/v's number of heads"):
         call(q, k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1), cq, ck)

@@ -201,9 +201,10 @@ def test_backward_length_mix(d, causal, h, hkv):
 
 
 @pytest.mark.parametrize("d", [40, 96, 192])
-def test_other_head_dims_zero_padded(d):
-    """Head dims the kernels do not have run zero-padded on the next one
-    (``checks.head_dim_padding``), forward and backward, NaN gaps included."""
+def test_other_head_dims(d):
+    """Head dims without kernels of their own run on the next one's, read as
+    they are (``plan.kernel_head_dim``: varlen's O, dK and dV stored to the
+    head dim), forward and backward, NaN gaps included."""
     check_forward([300, 140, 90, 33], [310, 150, 40, 260], 8, 2, d, True, used_q=[257, 100, 0, 33],
                   used_k=[300, 129, 40, 1], seed=d)
     check_backward(MIX["lq"], MIX["lk"], 8, 2, d, True, seed=d)
