@@ -165,13 +165,13 @@ def _check_same_device_and_dtype(q, k, v) -> None:
 # Head dims without kernels of their own run on the next head dim's
 # (plan.kernel_head_dim): multiples of 8 (TMA's 16-byte rows) below the
 # largest.
-PADDED_HEAD_DIM_MULTIPLE = 8
+HEAD_DIM_MULTIPLE = 8
 
 
 def head_dim_message(name: str, head_dim) -> str:
     """The error for a head dim no kernel serves (``name``: where it was read)."""
     return (f"head dim ({name}) must be one of {plan.SUPPORTED_HEAD_DIMS} or a multiple of "
-            f"{PADDED_HEAD_DIM_MULTIPLE} below {max(plan.SUPPORTED_HEAD_DIMS)} (run on the next of those), "
+            f"{HEAD_DIM_MULTIPLE} below {max(plan.SUPPORTED_HEAD_DIMS)} (run on the next of those), "
             f"got {head_dim}")
 
 
@@ -182,7 +182,7 @@ def other_head_dim(head_dim) -> bool:
     the kernel's head dim, reading zeros past the last feature (which add
     nothing to the scores and give output features nobody reads) and
     clipping the stores there."""
-    return (head_dim not in plan.SUPPORTED_HEAD_DIMS and head_dim % PADDED_HEAD_DIM_MULTIPLE == 0
+    return (head_dim not in plan.SUPPORTED_HEAD_DIMS and head_dim % HEAD_DIM_MULTIPLE == 0
             and 0 < head_dim < max(plan.SUPPORTED_HEAD_DIMS))
 
 

@@ -120,9 +120,11 @@ def kernel_head_dim(head_dim: int) -> int:
     those kernels as it is: TMA's boxes span the kernel's head dim, read
     zeros past the tensor's last feature (q and k then add nothing to the
     scores, v gives output features nobody reads) and clip the stores there;
-    the few stores and loads by address take ``Mode.o_dim`` (varlen's O),
-    the combine's ``OUT_DIM`` and the append's ``head_dim``; gathered pages
-    are not served (``gathers``'s callers copy them instead)."""
+    the few stores and loads by address take the narrower width: varlen's O
+    (``Mode.o_dim``) and dK/dV (``plan_backward.kernel_constexprs``'s
+    ``o_dim``), the combine's and the backward's small kernels' ``OUT_DIM``,
+    the append's ``head_dim``. Gathered pages are not served (``gathers``'s
+    callers copy them instead)."""
     return head_dim if head_dim in CONFIGS else min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
 
 
