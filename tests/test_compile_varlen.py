@@ -184,7 +184,8 @@ def test_backward_pre_and_postprocess_compile(varlen, seqused, head_dim, sink):
     from hopper_flash.kernels.backward_pre import _bwd_postprocess_kernel, _bwd_preprocess_kernel
 
     flags = {"BLOCK": 64, "HEAD_DIM": head_dim, "BLOCK_M": 64, "VARLEN": varlen, "SEQUSED": seqused}
-    pre_flags = {**flags, "SINK": bool(sink)}  # (the sinks' gradient partials: backward_pre)
+    pre_flags = {**flags, "SINK": bool(sink), "OUT_DIM": 0}  # (the sinks' gradient partials: backward_pre)
+    flags["OUT_DIM"] = 0  # (the kernel head dim's own; test_backward_small_kernels_with_a_narrower_head_dim)
     pre = {"o_ptr": "*bf16", "do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "lse2_ptr": "*fp32",
            "acc_ptr": "*fp32", "cu_ptr": "*i32", "used_ptr": "*i32", "sink_ptr": "*" + (sink or "fp32"),
            "part_ptr": "*fp32", "order_ptr": "*i32", **{n: "i32" for n in (
