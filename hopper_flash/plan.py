@@ -128,6 +128,15 @@ def kernel_head_dim(head_dim: int) -> int:
     return head_dim if head_dim in CONFIGS else min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
 
 
+def narrower_width(head_dim: int, width: int | None = None) -> int:
+    """What the kernels storing by address take as a tensor's row width
+    (``Mode.o_dim``, the backward's ``o_dim``, the small kernels'
+    ``OUT_DIM``): ``head_dim`` where narrower than the kernel's rows
+    (``width``; default ``kernel_head_dim(head_dim)``), else 0 (the rows'
+    own, and the kernels compiled for the native head dims)."""
+    return head_dim if head_dim < (kernel_head_dim(head_dim) if width is None else width) else 0
+
+
 def wide_configs(triton_version: str) -> dict[int, ForwardConfig]:
     """Three consumer warpgroups on 192-row tiles, per head dim: FA3's tiles
     for head dim 64, where the softmax bounds the step (while one warpgroup
@@ -1178,7 +1187,7 @@ def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: b
     ``head_dim``: the partials' (the kernel's); ``out_dim``: the output's,
     where narrower (``kernel_head_dim``)."""
     return dict(HEAD_DIM=head_dim, S_MAX=max(16, 1 << (num_splits - 1).bit_length()), WRITE_LSE=write_lse,
-                DEPENDENT=True, SINK=sink, OUT_DIM=out_dim if out_dim is not None and out_dim < head_dim else 0)
+                DEPENDENT=True, SINK=sink, OUT_DIM=0 if out_dim is None else narrower_width(out_dim, head_dim))
 
 
 @lru_cache(maxsize=4096)
@@ -1224,7 +1233,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     cfg = cfg or CONFIGS[kernel_head_dim(head_dim)]
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
-                      sink_mode(sink), head_dim if head_dim < cfg.head_dim else 0)
+                      sink_mode(sink), narrower_width(head_dim, cfg.head_dim))
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q

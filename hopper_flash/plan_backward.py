@@ -395,7 +395,7 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
                                    varlen is not None and varlen.seqused_q is not None,
                                    varlen is not None and varlen.seqused_k is not None, window, softcap > 0,
                                    varlen is None and seqlen_q <= PERSISTENT_MAX_SEQLEN_Q,
-                                   head_dim if varlen is not None and head_dim < cfg.head_dim else 0)
+                                   plan.narrower_width(head_dim, cfg.head_dim) if varlen is not None else 0)
     key = (q.device.index, q.dtype, bool(causal), bool(deterministic), cfg, tuple(constexprs.values()))
     zero_tails = (None, None)
     if varlen is not None:
@@ -565,7 +565,7 @@ def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, 
                        (*strides, seqlen_q, seqlen_q_rounded, nheads),
                        dict(BLOCK=block, HEAD_DIM=plan.kernel_head_dim(head_dim), BLOCK_M=block_m,
                             VARLEN=varlen is not None, SEQUSED=varlen is not None and varlen[0], SINK=bool(sink),
-                            OUT_DIM=_narrower(head_dim)))
+                            OUT_DIM=plan.narrower_width(head_dim)))
 
 
 def postprocess_launch(dq: torch.Tensor, seqlen_q_rounded: int, scale: float, block_m: int,
@@ -590,14 +590,7 @@ def postprocess_launch(dq: torch.Tensor, seqlen_q_rounded: int, scale: float, bl
                        (*strides, seqlen_q, seqlen_q_rounded, nheads, scale),
                        dict(BLOCK=block, HEAD_DIM=plan.kernel_head_dim(head_dim), BLOCK_M=block_m,
                             VARLEN=varlen is not None, SEQUSED=varlen is not None and varlen[0],
-                            OUT_DIM=_narrower(head_dim)))
-
-
-def _narrower(head_dim: int) -> int:
-    """The small kernels' ``OUT_DIM``: a tensor's head dim where narrower
-    than its kernels' (``plan.kernel_head_dim``; their rows are that wide),
-    else 0."""
-    return head_dim if head_dim != plan.kernel_head_dim(head_dim) else 0
+                            OUT_DIM=plan.narrower_width(head_dim)))
 
 
 def _small_varlen(varlen):
@@ -658,7 +651,7 @@ def zero_tail_launch(x: torch.Tensor, pair: bool, batch: int) -> SmallLaunch | N
     return SmallLaunch(_pre._zero_tail_kernel, (triton_cdiv(total, block), 1, 1),
                        (batch, total, *_strides8(x.stride(0), x.stride(1)), nheads),
                        dict(BLOCK=block, HEAD_DIM=plan.kernel_head_dim(head_dim), PAIR=pair,
-                            OUT_DIM=_narrower(head_dim)))
+                            OUT_DIM=plan.narrower_width(head_dim)))
 
 
 def zero_tail(x: torch.Tensor, y: torch.Tensor | None, cu_seqlens: torch.Tensor) -> None:

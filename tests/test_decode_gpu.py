@@ -13,7 +13,7 @@ import torch
 import hopper_flash
 from hopper_flash import checks
 from hopper_flash.reference import check_kvcache
-from gpu_inputs import capture, rnd
+from gpu_inputs import capture, nan_tailed_cache, paged_copy, rnd
 from rotary_ref import rotate64
 
 pytestmark = pytest.mark.gpu
@@ -27,14 +27,6 @@ def assert_close(out, q, kc, vc, lens, causal, rows=None, lse=None, window=None)
     bad = [v.message for v in check_kvcache(out, q, kc, vc, lens, causal=causal, rows=rows, lse=lse, window=window)
            if not v]
     assert not bad, "\n".join(bad)
-
-
-def nan_tailed_cache(B, cap, Hkv, D, lens, dtype=torch.bfloat16, seed=0):
-    kc, vc = rnd(B, cap, Hkv, D, dtype=dtype, seed=seed), rnd(B, cap, Hkv, D, dtype=dtype, seed=seed + 1)
-    for b, L in enumerate(lens):
-        kc[b, L:] = float("nan")
-        vc[b, L:] = float("nan")
-    return kc, vc
 
 
 @pytest.mark.parametrize("lens", [[1, 777, 4099], [0, 5, 129, 65536], [17, 128, 129, 3001]],
@@ -104,27 +96,6 @@ def test_kvcache_int_seqlens_and_full_cache():
     kc2, vc2 = rnd(2, 1000, 8, 128, seed=11), rnd(2, 1000, 8, 128, seed=12)
     out = hopper_flash.flash_attn_with_kvcache(q, kc2, vc2)  # no cache_seqlens: the whole cache is live
     assert_close(out, q, kc2, vc2, [1000, 1000], False)
-
-
-def paged_copy(kc, vc, page_size, lens, seed=0):
-    """The same caches as pages in random order; page-table entries past each
-    row's live pages are garbage."""
-    B, cap, Hkv, D = kc.shape
-    max_pages = -(-cap // page_size)
-    n_pages = B * max_pages + 3
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    perm = torch.randperm(n_pages, device=DEV, generator=gen)[: B * max_pages].view(B, max_pages).to(torch.int32)
-    kp = torch.full((n_pages, page_size, Hkv, D), float("nan"), device=DEV, dtype=kc.dtype)
-    vp = kp.clone()
-    for b in range(B):
-        for p in range(max_pages):
-            lo, hi = p * page_size, min((p + 1) * page_size, cap)
-            kp[perm[b, p], : hi - lo] = kc[b, lo:hi]
-            vp[perm[b, p], : hi - lo] = vc[b, lo:hi]
-    pt = perm.clone()
-    for b, L in enumerate(lens):
-        pt[b, -(-L // page_size) + 1:] = 10 ** 6
-    return kp, vp, pt
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 8, 16, 32, 64, 128, 256])

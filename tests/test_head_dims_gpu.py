@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import hopper_flash
 from hopper_flash import dispatch, plan
 from hopper_flash.reference import check_attention, check_attention_grads, check_kvcache, random_qkv
-from gpu_inputs import capture, rnd
+from gpu_inputs import capture, nan_tailed_cache, paged_copy, rnd
 
 pytestmark = pytest.mark.gpu
 
@@ -115,14 +115,6 @@ def test_decode_shapes_take_split_and_packgqa(head_dim, batch, seqlen_q, seqlen_
     assert torch.equal(out, hopper_flash.flash_attn_func(q, k, v, causal=True))
 
 
-def nan_tailed(B, cap, Hkv, D, lens, seed):
-    kc, vc = rnd(B, cap, Hkv, D, seed=seed), rnd(B, cap, Hkv, D, seed=seed + 1)
-    for b, L in enumerate(lens):
-        kc[b, L:] = float("nan")
-        vc[b, L:] = float("nan")
-    return kc, vc
-
-
 @pytest.mark.parametrize("head_dim", [40, 80, 96, 192])
 @pytest.mark.parametrize("page_size", [0, 1, 16, 128], ids=["contiguous", "page1", "page16", "page128"])
 def test_kvcache_append_and_pages(head_dim, page_size):
@@ -131,18 +123,12 @@ def test_kvcache_append_and_pages(head_dim, page_size):
     by TMA (16, 128) or copied (1: gathering reads whole kernel rows, so
     such pages are copied first)."""
     lens, cap, B, s_new = [0, 500, 1300], 2048, 3, 2
-    kc, vc = nan_tailed(B, cap, 8, head_dim, lens, seed=head_dim)
+    kc, vc = nan_tailed_cache(B, cap, 8, head_dim, lens, seed=head_dim)
     q = rnd(B, s_new, 32, head_dim, seed=1)
     kn, vn = rnd(B, s_new, 8, head_dim, seed=2), rnd(B, s_new, 8, head_dim, seed=3)
     cs = torch.tensor(lens, dtype=torch.int32, device="cuda")
     if page_size:
-        n_pages = B * cap // page_size
-        perm = torch.randperm(n_pages, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
-        pt = perm.view(B, cap // page_size).to(torch.int32)
-        kp = torch.empty(n_pages, page_size, 8, head_dim, dtype=kc.dtype, device="cuda")
-        vp = torch.empty_like(kp)
-        kp[perm.long()] = kc.reshape(n_pages, page_size, 8, head_dim)
-        vp[perm.long()] = vc.reshape(n_pages, page_size, 8, head_dim)
+        kp, vp, pt = paged_copy(kc, vc, page_size, [cap] * B, seed=4)
         out = hopper_flash.flash_attn_with_kvcache(q, kp, vp, kn, vn, cache_seqlens=cs, page_table=pt, causal=True)
         kc = kp[pt.long()].reshape(B, cap, 8, head_dim)
         vc = vp[pt.long()].reshape(B, cap, 8, head_dim)
@@ -159,7 +145,7 @@ def test_kvcache_rotary_and_splits():
     """Rotary embedding and an explicit split count on head dim 96."""
     B, cap, D = 2, 4096, 96
     lens = [4000, 17]
-    kc, vc = nan_tailed(B, cap, 2, D, lens, seed=11)
+    kc, vc = nan_tailed_cache(B, cap, 2, D, lens, seed=11)
     q, kn, vn = rnd(B, 1, 16, D, seed=12), rnd(B, 1, 2, D, seed=13), rnd(B, 1, 2, D, seed=14)
     angle = torch.rand(cap, 32, device="cuda", generator=torch.Generator("cuda").manual_seed(15)) * 6.3
     cos, sin = torch.cos(angle), torch.sin(angle)
