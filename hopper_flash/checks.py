@@ -186,16 +186,32 @@ def other_head_dim(head_dim) -> bool:
             and 0 < head_dim < max(plan.SUPPORTED_HEAD_DIMS))
 
 
-def _check_heads_and_head_dim(q, k, heads_axis: int) -> None:
-    """k's head dim equals q's and is supported (a kernel's, or
-    ``other_head_dim``); k has heads, and q's are a multiple of them
+def supported_head_dim(head_dim) -> bool:
+    """A kernel's head dim, or ``other_head_dim``."""
+    return head_dim in plan.SUPPORTED_HEAD_DIMS or other_head_dim(head_dim)
+
+
+def _check_kv_shapes(k, v) -> None:
+    """k and v agree but for the head dim (v's may differ from q's and k's,
+    as in FA3: DeepSeek's 192 for q and k, 128 for v)."""
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape but for the head dim, got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
+
+
+def _check_heads_and_head_dim(q, k, v, heads_axis: int) -> None:
+    """k's head dim equals q's; q's and v's are supported (a kernel's, or
+    ``other_head_dim``; they may differ, and run on the kernels of the wider:
+    ``plan.kernel_head_dim``); k has heads, and q's are a multiple of them
     (GQA/MQA). ``heads_axis``: 2 for BSHD, 1 for THD; the head dim is the
     last axis."""
     head_dim, dim_axis = q.shape[-1], q.dim() - 1
     if k.shape[-1] != head_dim:
-        raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[-1]}")
-    if head_dim not in plan.SUPPORTED_HEAD_DIMS and not other_head_dim(head_dim):
+        raise ValueError(f"k must have q's head dim {head_dim}, got {k.shape[-1]}")
+    if not supported_head_dim(head_dim):
         raise ValueError(head_dim_message(f"q.shape[{dim_axis}]", head_dim))
+    if not supported_head_dim(v.shape[-1]):
+        raise ValueError(head_dim_message(f"v.shape[{dim_axis}]", v.shape[-1]))
     nheads, nheads_kv = q.shape[heads_axis], k.shape[heads_axis]
     if nheads_kv == 0:
         raise ValueError(f"k and v must have at least one head (k.shape[{heads_axis}] >= 1), got 0")
@@ -213,15 +229,14 @@ def check_arguments(q, k, v, softmax_scale, causal) -> float:
         _check_tensor(name, t)
     _check_same_device_and_dtype(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    _check_kv_shapes(k, v)
     if k.shape[0] != batch:
         raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
-    _check_heads_and_head_dim(q, k, heads_axis=2)
+    _check_heads_and_head_dim(q, k, v, heads_axis=2)
     check_causal(causal)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
     # int(): under dynamic shapes the head dim is a SymInt (unhashable); the kernel specialises on it anyway.
-    block_m = plan.CONFIGS[plan.kernel_head_dim(int(head_dim))].block_m
+    block_m = plan.CONFIGS[plan.kernel_head_dim(int(head_dim), int(v.shape[3]))].block_m
     if plan.triton_cdiv(seqlen_q, block_m) * nheads * batch > plan.MAX_WORK_ITEMS:
         raise ValueError(f"batch ({batch}) x nheads ({nheads}) x query tiles of seqlen_q ({seqlen_q}) exceeds "
                          f"the limit of {plan.MAX_WORK_ITEMS} work items (the kernel numbers them in int32)")
@@ -446,9 +461,8 @@ def check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_thd(name, t)
     _check_same_device_and_dtype(q, k, v)
     total_q, nheads, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    _check_heads_and_head_dim(q, k, heads_axis=1)
+    _check_kv_shapes(k, v)
+    _check_heads_and_head_dim(q, k, v, heads_axis=1)
     what = "int32 prefix sums of the sequence lengths, [batch + 1], starting at 0"
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise TypeError(f"cu_seqlens_q must be a torch.Tensor ({what}), got {type(cu_seqlens_q).__name__}")
@@ -476,7 +490,7 @@ def check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"max_seqlen_k must be at least the longest sequence in cu_seqlens_k")
     check_causal(causal)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
-    block_m = plan.CONFIGS[plan.kernel_head_dim(int(head_dim))].block_m
+    block_m = plan.CONFIGS[plan.kernel_head_dim(int(head_dim), int(v.shape[2]))].block_m
     if plan.triton_cdiv(max_seqlen_q, block_m) * nheads * batch > plan.MAX_WORK_ITEMS:
         raise ValueError(f"batch ({batch}) x nheads ({nheads}) x query tiles of max_seqlen_q ({max_seqlen_q}) "
                          f"exceeds the limit of {plan.MAX_WORK_ITEMS} work items (the kernel numbers them in int32)")

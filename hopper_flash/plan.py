@@ -113,10 +113,12 @@ CONFIGS: dict[int, ForwardConfig] = {
 SUPPORTED_HEAD_DIMS = tuple(sorted(CONFIGS))
 
 
-def kernel_head_dim(head_dim: int) -> int:
+def kernel_head_dim(head_dim: int, head_dim_v: int | None = None) -> int:
     """The head dim whose kernels serve ``head_dim``: itself where it is one
     of ``SUPPORTED_HEAD_DIMS``, else the next one up (``checks`` admits the
-    multiples of 8 below the largest). The forward runs such a head dim on
+    multiples of 8 below the largest). With ``head_dim_v`` (v's head dim,
+    where it differs from q's and k's), the kernels that serve the wider of
+    the two: both run on them as they are, as a narrower head dim does. The forward runs such a head dim on
     those kernels as it is: TMA's boxes span the kernel's head dim, read
     zeros past the tensor's last feature (q and k then add nothing to the
     scores, v gives output features nobody reads) and clip the stores there;
@@ -125,7 +127,15 @@ def kernel_head_dim(head_dim: int) -> int:
     ``o_dim``), the combine's and the backward's small kernels' ``OUT_DIM``,
     the append's ``head_dim``. Gathered pages are not served (``gathers``'s
     callers copy them instead)."""
+    if head_dim_v is not None and head_dim_v > head_dim:
+        head_dim = head_dim_v
     return head_dim if head_dim in CONFIGS else min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
+
+
+def out_shape(q, v) -> torch.Size:
+    """The attention output's shape: q's, with v's head dim (they may
+    differ: ``kernel_head_dim``)."""
+    return q.shape if q.shape[-1] == v.shape[-1] else torch.Size((*q.shape[:-1], v.shape[-1]))
 
 
 def narrower_width(head_dim: int, width: int | None = None) -> int:
@@ -754,9 +764,9 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     # Paged: the page table's extent bounds the key length; seqused_k holds the lengths.
     seqlen_k = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
     page_size = k.shape[1] if paged else 0
-    cfg = cfg or CONFIGS[kernel_head_dim(head_dim)]
+    cfg = cfg or CONFIGS[kernel_head_dim(head_dim, v.shape[3])]
     gather = (k, v) if gathers(page_size, cfg.head_dim) else None
-    if gather is not None and head_dim != cfg.head_dim:
+    if gather is not None and (head_dim != cfg.head_dim or v.shape[3] != cfg.head_dim):
         # A gathered row is the kernel's head dim wide: past a narrower
         # tensor's features it would read the next head's.
         raise ValueError(f"launch_forward: gathered pages (page_size {page_size}) need a kernel head dim, "
@@ -893,12 +903,12 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
         if combine is not None:
             _COMBINE_OF[_combine_key(lp, out, lse)] = combine
         return
-    batch, seqlen_q, nheads, head_dim = q.shape
+    batch, seqlen_q, nheads, _ = q.shape
     combine.launch_addresses((batch * seqlen_q * nheads, 1, 1), stream, (),
                              (*_combine_args(o_part, lse_part, out_ptr, lse_ptr, lp.num_splits, q.shape, out.stride(),
                                              sink_ptr),
                               *_combine_constexprs(lp.cfg.head_dim, lp.num_splits, lse is not None,
-                                                   sink_ptr is not None, head_dim).values()))
+                                                   sink_ptr is not None, out.shape[3]).values()))
 
 
 class _Slot:
@@ -933,12 +943,14 @@ class _PreparedLaunch:
                  "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch", "out_strides")
 
     def __init__(self, lp: LaunchPlan, kernel: KernelLaunch, combine: KernelLaunch | None, q, nheads_kv: int,
-                 softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None):
+                 softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None,
+                 head_dim_v: int | None = None):
         self.lp, self.kernel, self.combine = lp, kernel, combine
         self.current_stream = driver.active.get_current_stream
         batch, seqlen_q, nheads, head_dim = q.shape
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v  # v's and out's
         # Prepared calls allocate out contiguous (PreparedForward.__call__).
-        self.out_strides = (seqlen_q * nheads * head_dim, nheads * head_dim, head_dim, 1)
+        self.out_strides = (seqlen_q * nheads * head_dim_v, nheads * head_dim_v, head_dim_v, 1)
         lse = _LSE if return_lse else None
         split = lp.mode.split
         args = _kernel_args(lp, q, _SEQLEN_K, nheads_kv, softmax_scale, _OUT, lse, None, None, None, 0,
@@ -952,23 +964,23 @@ class _PreparedLaunch:
             self.combine_template = [*_combine_args(_O_PART, _LSE_PART, _OUT, lse, lp.num_splits, q.shape,
                                                     self.out_strides, sink),
                                      *_combine_constexprs(lp.cfg.head_dim, lp.num_splits, return_lse,
-                                                          sink is not None, head_dim).values()]
+                                                          sink is not None, head_dim_v).values()]
             self.combine_slots = _slots(self.combine_template)
-        self.c_state = self._c_state(q, nheads_kv) if c_launch.enabled() else None
+        self.c_state = self._c_state(q, nheads_kv, head_dim_v) if c_launch.enabled() else None
         self.c_launch = c_launch.module().launch if self.c_state is not None else None
 
-    def _c_state(self, q, nheads_kv: int):
+    def _c_state(self, q, nheads_kv: int, head_dim_v: int):
         """The templates as ``c_launch``'s state, or None (the Python path).
         The descriptors' tensors: q and out fixed by the signature (out
-        contiguous), k and v of ``[batch, length, heads, dim]`` with the
-        length and the strides given per call."""
+        contiguous, ``head_dim_v`` wide), k and v of ``[batch, length, heads,
+        dim]`` with the length and the strides given per call."""
         kernel, lp = self.kernel, self.lp
         if kernel.direct is None or len(kernel.direct.encode) != 4:
             return None
-        batch, _, _, head_dim = q.shape
-        kv_shape = (batch, 0, nheads_kv, head_dim)
-        layouts = ((tuple(q.shape), tma_strides(q)), (kv_shape, (0,) * 4), (kv_shape, (0,) * 4),
-                   (tuple(q.shape), self.out_strides))
+        batch, seqlen_q, nheads, head_dim = q.shape
+        k_shape, v_shape = (batch, 0, nheads_kv, head_dim), (batch, 0, nheads_kv, head_dim_v)
+        layouts = ((tuple(q.shape), tma_strides(q)), (k_shape, (0,) * 4), (v_shape, (0,) * 4),
+                   ((batch, seqlen_q, nheads, head_dim_v), self.out_strides))
         descs = [(slot, enc[2], enc[1], enc[0], list(enc[3]), list(shape), list(strides))
                  for slot, (enc, (shape, strides)) in enumerate(zip(kernel.direct.encode, layouts))]
         leading = 9 * len(descs)  # per descriptor: the map, its shape, its strides
@@ -1026,12 +1038,15 @@ class PreparedForward:
     kernels' direct launches do."""
 
     __slots__ = ("table", "config", "head_dim", "block_n", "softmax_scale", "softcap", "return_lse", "lse_shape",
-                 "launches", "device_index", "sink")
+                 "launches", "device_index", "sink", "out_shape")
 
-    def __init__(self, q, softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None):
+    def __init__(self, q, softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None,
+                 head_dim_v: int | None = None):
         self.table = _COMPILED
         self.device_index = q.device.index  # the signature holds the device
-        self.head_dim = kernel_head_dim(q.shape[3])
+        # v's head dim where it differs from q's (the signature holds both): out's.
+        self.out_shape = None if head_dim_v in (None, q.shape[3]) else (*q.shape[:3], head_dim_v)
+        self.head_dim = kernel_head_dim(q.shape[3], head_dim_v)
         self.config = CONFIGS.get(self.head_dim)
         self.block_n = self.config.block_n  # launch_forward counts KV tiles of the head dim's config
         self.softmax_scale = softmax_scale
@@ -1057,7 +1072,7 @@ class PreparedForward:
             self.launches.clear()
         self.launches[triton_cdiv(k.shape[1], self.block_n)] = _PreparedLaunch(
             lp, self.table[lp.key], combine, q, k.shape[2], self.softmax_scale, self.return_lse, self.softcap,
-            self.sink)
+            self.sink, out.shape[3])
 
     def usable(self) -> bool:
         return (self.table is _COMPILED and FAST_LAUNCH and CONFIGS.get(self.head_dim) is self.config
@@ -1073,7 +1088,10 @@ class PreparedForward:
         if launch is None or launch.kernel.direct is None or not self.usable():
             return None
         # empty_like: half torch.empty's host time; q's layout is BSHD, not its memory order
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if self.out_shape is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        else:
+            out = q.new_empty(self.out_shape)
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         device = self.device_index
         if current_device() == device:  # on_device's test, without a guard to enter and leave
@@ -1109,7 +1127,7 @@ def remember_prepared(key, lp: LaunchPlan, q, k, out, lse, softmax_scale: float,
         if len(_PREPARED) >= _PREPARED_LIMIT:
             _PREPARED.clear()
         call = _PREPARED[key] = PreparedForward(q, softmax_scale, lse is not None, softcap,
-                                                None if sink is None else sink.data_ptr())
+                                                None if sink is None else sink.data_ptr(), out.shape[3])
     call.add(lp, q, k, out, lse)
 
 
@@ -1222,18 +1240,18 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     ``softcap`` and ``sink`` as in ``launch_forward``).
 
     Arguments are assumed validated (``checks.check_varlen_arguments``):
-    q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` (TMA-addressable views),
-    ``out`` contiguous like q, ``lse`` None or contiguous fp32 ``[H, total_q]``,
+    q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` (v's head dim may
+    differ; TMA-addressable views), ``out`` contiguous like q with v's head dim, ``lse`` None or contiguous fp32 ``[H, total_q]``,
     int32 ``cu_seqlens_*`` [B+1] and ``seqused_*`` [B] on q's device, q's
     device current. Nothing is read back from the device."""
     total_q, nheads, head_dim = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     device = q.device.index
     write_lse = lse is not None
-    cfg = cfg or CONFIGS[kernel_head_dim(head_dim)]
+    cfg = cfg or CONFIGS[kernel_head_dim(head_dim, v.shape[2])]
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
-                      sink_mode(sink), narrower_width(head_dim, cfg.head_dim))
+                      sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim))
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q

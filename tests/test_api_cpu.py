@@ -108,8 +108,8 @@ def test_bf16_and_fp16_pass_argument_checks(dtype):
 
 def test_k_v_shape_mismatch():
     q, k, v = qkv(k_shape=(B, S, H, D), v_shape=(B, S + 1, H, D))
-    with pytest.raises(ValueError, match=r"k and v must have the same shape, got k \(2, 8, 4, 128\) "
-                                         r"and v \(2, 9, 4, 128\)"):
+    with pytest.raises(ValueError, match=r"k and v must have the same shape but for the head dim, got k "
+                                         r"\(2, 8, 4, 128\) and v \(2, 9, 4, 128\)"):
         flash_attn_func(q, k, v)
 
 
@@ -121,7 +121,16 @@ def test_batch_mismatch():
 
 def test_head_dim_mismatch():
     q, k, v = qkv(kv_shape=(B, S, H, 64))
-    with pytest.raises(ValueError, match=rf"k and v must have q's head dim {D}, got 64"):
+    with pytest.raises(ValueError, match=rf"k must have q's head dim {D}, got 64$"):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("head_dim_v", [4, 100, 264])
+def test_unsupported_v_head_dim_is_named(head_dim_v):
+    # v's head dim may differ from q's and k's (FA3's hdim_v), but must be one the kernels serve.
+    q, k, v = qkv(v_shape=(B, S, H, head_dim_v))
+    with pytest.raises(ValueError, match=rf"head dim \(v\.shape\[3\]\) must be one of \(64, 128, 256\) or a "
+                                         rf"multiple of 8 below 256 \(run on the next of those\), got {head_dim_v}$"):
         flash_attn_func(q, k, v)
 
 

@@ -9,6 +9,7 @@ float64 reference relative to SDPA's error on the same inputs
 decode shapes (split-KV, PackGQA) with a guarded output, the KV cache
 (contiguous, paged, appended, rotary), the packed, SDPA-style, torch.compile
 and CUDA-graph routes. The varlen function's are in ``test_varlen_gpu.py``."""
+import itertools
 import math
 
 import pytest
@@ -156,3 +157,99 @@ def test_kvcache_rotary_and_splits():
     q_rot = rotate64(q, cos, sin, cs.long()[:, None, None], True).to(q.dtype)
     failed = [v.message for v in check_kvcache(out, q_rot, kc, vc, [L + 1 for L in lens], causal=True) if not v]
     assert not failed, "\n".join(failed)
+
+
+# ---------------------------------------------------------------- v's head dim other than q's and k's
+#
+# FA3's hdim_v (DeepSeek's 192 for q and k, 128 for v): both run on the
+# kernels of the wider, read as they are. The check: padded by hand with
+# zeros to one head dim (what TMA reads past the narrower tensor's features
+# anyway), the same kernels see the same shared memory, so the outputs and
+# gradients are the same bits, cut back; and the padded call is judged
+# against the float64 reference.
+
+HEAD_DIMS_V = [(192, 128), (128, 64), (64, 128), (96, 40)]
+
+
+def _pad_to(t, width):
+    return F.pad(t, (0, width - t.shape[-1]))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("head_dim,head_dim_v", HEAD_DIMS_V)
+def test_head_dim_v_forward_and_backward(head_dim, head_dim_v, causal):
+    q, k, _ = random_qkv(2, 257, 300, 8, 2, head_dim, seed=head_dim)
+    v = rnd(2, 300, 2, head_dim_v, seed=head_dim_v)
+    out, lse, grads, dout = forward_backward(q, k, v, causal)
+    assert out.shape == (2, 257, 8, head_dim_v) and out.is_contiguous() and lse.shape == (2, 8, 257)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    width = max(head_dim, head_dim_v)
+    padded = [_pad_to(t, width) for t in (q, k, v)]
+    out_p, lse_p, grads_p, _ = forward_backward(*padded, causal, softmax_scale=1.0 / math.sqrt(head_dim),
+                                                dout=_pad_to(dout, width))
+    assert torch.equal(out_p[..., :head_dim_v], out) and torch.equal(lse_p, lse)
+    for g, g_p in zip(grads, grads_p):
+        assert torch.equal(g_p[..., :g.shape[-1]], g)
+    scale = 1.0 / math.sqrt(head_dim)
+    judged(check_attention(out_p, *padded, causal=causal, lse=lse_p, softmax_scale=scale))
+    judged(check_attention_grads(grads_p, *padded, _pad_to(dout, width), causal=causal, softmax_scale=scale))
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (64, 128)])
+@pytest.mark.parametrize("batch,seqlen_q,seqlen_k,nheads,nheads_kv", [
+    (1, 1, 4099, 32, 8), (2, 3, 1000, 8, 8), (3, 128, 8192, 32, 8)])
+def test_head_dim_v_decode_shapes_and_prepared_calls(head_dim, head_dim_v, batch, seqlen_q, seqlen_k, nheads,
+                                                    nheads_kv):
+    """Split-KV (the combine writes v's features), PackGQA, and the prepared
+    call (the third call of a signature) with its own output width."""
+    q, k, _ = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_kv, head_dim, seed=seqlen_k)
+    v = rnd(batch, seqlen_k, nheads_kv, head_dim_v, seed=seqlen_q)
+    shape = (batch, seqlen_q, nheads, head_dim_v)
+    n = math.prod(shape)
+    buf = torch.full((n + 4096,), 12345.0, dtype=q.dtype, device="cuda")
+    buf[:n] = float("nan")
+    out, lse = dispatch.forward(q, k, v, None, True, True, out=buf[:n].view(shape))
+    assert (buf[n:] == 12345.0).all(), "a store ran past the output's last feature"
+    width = max(head_dim, head_dim_v)
+    padded = [_pad_to(t, width) for t in (q, k, v)]
+    out_p = hopper_flash.flash_attn_func(*padded, causal=True, softmax_scale=1.0 / math.sqrt(head_dim))
+    assert torch.equal(out_p[..., :head_dim_v], out)
+    judged(check_attention(out_p, *padded, causal=True, softmax_scale=1.0 / math.sqrt(head_dim)))
+    # The second call launches directly and prepares the signature; the third and fourth take the prepared call.
+    calls = [hopper_flash.flash_attn_func(q, k, v, causal=True) for _ in range(4)]
+    for c in calls:
+        assert c.shape == shape and torch.equal(c, out)
+
+
+@pytest.mark.parametrize("head_dim,head_dim_v", [(192, 128), (128, 192)])
+def test_head_dim_v_varlen(head_dim, head_dim_v):
+    lens_q, lens_k = [0, 1, 127, 300, 129], [5, 1, 200, 300, 1000]
+    cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32, device="cuda")
+    q = rnd(sum(lens_q), 8, head_dim, seed=1)
+    k = rnd(sum(lens_k), 2, head_dim, seed=2)
+    v = rnd(sum(lens_k), 2, head_dim_v, seed=3)
+    dout = rnd(sum(lens_q), 8, head_dim_v, seed=4)
+
+    def run(q, k, v, dout, **kw):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = hopper_flash.flash_attn_varlen_func(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                                       return_lse=True, **kw)
+        return out.detach(), lse, torch.autograd.grad(out, leaves, dout)
+
+    out, lse, grads = run(q, k, v, dout)
+    assert out.shape == (sum(lens_q), 8, head_dim_v) and [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    width = max(head_dim, head_dim_v)
+    out_p, lse_p, grads_p = run(*(_pad_to(t, width) for t in (q, k, v, dout)),
+                                softmax_scale=1.0 / math.sqrt(head_dim))
+    assert torch.equal(out_p[..., :head_dim_v], out) and torch.equal(lse_p, lse)
+    for g, g_p in zip(grads, grads_p):
+        assert torch.equal(g_p[..., :g.shape[-1]], g)
+
+
+def test_head_dim_v_torch_compile():
+    q, k, _ = random_qkv(2, 333, 333, 4, 2, 192, seed=9)
+    v = rnd(2, 333, 2, 128, seed=10)
+    eager = hopper_flash.flash_attn_func(q, k, v, causal=True)
+    compiled = torch.compile(lambda a, b, c: hopper_flash.flash_attn_func(a, b, c, causal=True), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), eager)
