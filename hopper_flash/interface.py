@@ -91,7 +91,10 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
             the next of those, at its cost, forward and backward, read as
             they are (``plan.kernel_head_dim``: no copy).
         k, v: ``[batch, seqlen_k, nheads_kv, headdim]``; ``nheads`` must be a
-            multiple of ``nheads_kv`` (GQA/MQA, read without a copy).
+            multiple of ``nheads_kv`` (GQA/MQA, read without a copy). v's
+            head dim may differ from q's and k's (FA3's ``hdim_v``, e.g.
+            192 and 128): both run on the kernels of the wider, and ``out``
+            has v's head dim.
         softmax_scale: scale of ``q @ k^T`` before the softmax; default
             ``1 / sqrt(headdim)``.
         causal: mask aligned to the bottom-right corner, as flash-attn >= 2.1:
@@ -127,7 +130,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     (``dropout_p`` before ``softmax_scale``) would otherwise be misread.
 
     Returns:
-        ``out`` shaped like q (contiguous), or ``(out, lse)``.
+        ``out`` shaped like q with v's head dim (contiguous), or ``(out, lse)``.
 
     Views work without a copy as long as the head dim is contiguous and the
     other strides are multiples of 16 bytes (for example q, k, v sliced out of
@@ -208,7 +211,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Args:
         q: ``[total_q, nheads, headdim]``: the batch's query sequences one
             after the other (THD); head dims as in ``flash_attn_func``.
-        k, v: ``[total_k, nheads_kv, headdim]``; ``nheads`` a multiple of
+        k, v: ``[total_k, nheads_kv, headdim]`` (v's head dim may differ, as
+            in ``flash_attn_func``); ``nheads`` a multiple of
             ``nheads_kv`` (GQA/MQA).
         cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` device tensors of
             prefix sums: sequence ``b`` occupies rows ``cu[b] .. cu[b+1] - 1``.
@@ -219,7 +223,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             ``seqused[b]`` rows of each slot are live (the rest is never
             read: it may hold anything, NaN included). Rows of q past
             ``seqused_q`` get a zero output and an LSE of -inf.
-        softmax_scale: default ``1 / sqrt(headdim)``.
+        softmax_scale: default ``1 / sqrt(headdim)`` (q's).
         causal: bottom-right aligned per sequence: query ``i`` of sequence
             ``b`` sees key ``j`` iff ``j <= i + len_k(b) - len_q(b)``. Rows and
             sequences that see no key give zeros and an LSE of -inf.
@@ -251,7 +255,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     torch.compile. Differentiable in q, k and v.
 
     Returns:
-        ``out`` ``[total_q, nheads, headdim]``, or ``(out, lse)``.
+        ``out`` ``[total_q, nheads, headdim_v]``, or ``(out, lse)``.
     """
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     if block_table is not None:
