@@ -159,6 +159,26 @@ def test_kvcache_rotary_and_splits():
     assert not failed, "\n".join(failed)
 
 
+
+@pytest.mark.parametrize("head_dim", [40, 96])
+def test_sink_gradient_alone(head_dim):
+    """Sinks trained with q, k and v frozen (``sinks.sink_grad``'s kernel,
+    rows masked at the head dim) against the sinks' gradient of the whole
+    backward (the preprocess's partial sums)."""
+    q, k, v = random_qkv(2, 300, 300, 8, 2, head_dim, seed=21)
+    sink = rnd(8, seed=22, dtype=torch.float32)
+    dout = rnd(2, 300, 8, head_dim, seed=23)
+    s1 = sink.clone().requires_grad_()
+    out = hopper_flash.flash_attn_func(q, k, v, causal=True, learnable_sink=s1)
+    (alone,) = torch.autograd.grad(out, (s1,), dout)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    s2 = sink.clone().requires_grad_()
+    out2 = hopper_flash.flash_attn_func(*leaves, causal=True, learnable_sink=s2)
+    assert torch.equal(out, out2)
+    whole = torch.autograd.grad(out2, (*leaves, s2), dout)[3]
+    assert torch.isfinite(alone).all()
+    torch.testing.assert_close(alone, whole, rtol=1e-4, atol=1e-4)
+
 # ---------------------------------------------------------------- v's head dim other than q's and k's
 #
 # FA3's hdim_v (DeepSeek's 192 for q and k, 128 for v): both run on the
@@ -253,21 +273,3 @@ def test_head_dim_v_torch_compile():
     eager = hopper_flash.flash_attn_func(q, k, v, causal=True)
     compiled = torch.compile(lambda a, b, c: hopper_flash.flash_attn_func(a, b, c, causal=True), fullgraph=True)
     assert torch.equal(compiled(q, k, v), eager)
-@pytest.mark.parametrize("head_dim", [40, 96])
-def test_sink_gradient_alone(head_dim):
-    """Sinks trained with q, k and v frozen (``sinks.sink_grad``'s kernel,
-    rows masked at the head dim) against the sinks' gradient of the whole
-    backward (the preprocess's partial sums)."""
-    q, k, v = random_qkv(2, 300, 300, 8, 2, head_dim, seed=21)
-    sink = rnd(8, seed=22, dtype=torch.float32)
-    dout = rnd(2, 300, 8, head_dim, seed=23)
-    s1 = sink.clone().requires_grad_()
-    out = hopper_flash.flash_attn_func(q, k, v, causal=True, learnable_sink=s1)
-    (alone,) = torch.autograd.grad(out, (s1,), dout)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    s2 = sink.clone().requires_grad_()
-    out2 = hopper_flash.flash_attn_func(*leaves, causal=True, learnable_sink=s2)
-    assert torch.equal(out, out2)
-    whole = torch.autograd.grad(out2, (*leaves, s2), dout)[3]
-    assert torch.isfinite(alone).all()
-    torch.testing.assert_close(alone, whole, rtol=1e-4, atol=1e-4)
