@@ -159,7 +159,6 @@ def test_kvcache_rotary_and_splits():
     assert not failed, "\n".join(failed)
 
 
-
 @pytest.mark.parametrize("head_dim", [40, 96])
 def test_sink_gradient_alone(head_dim):
     """Sinks trained with q, k and v frozen (``sinks.sink_grad``'s kernel,
@@ -178,6 +177,7 @@ def test_sink_gradient_alone(head_dim):
     whole = torch.autograd.grad(out2, (*leaves, s2), dout)[3]
     assert torch.isfinite(alone).all()
     torch.testing.assert_close(alone, whole, rtol=1e-4, atol=1e-4)
+
 
 # ---------------------------------------------------------------- v's head dim other than q's and k's
 #
