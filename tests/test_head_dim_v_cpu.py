@@ -14,8 +14,8 @@ import torch
 
 import hopper_flash
 from hopper_flash import checks, dispatch, plan, plan_backward
-from hopper_flash.kernels import combine, forward
-from launch_fakes import FakeDriver, FakeJIT
+from hopper_flash.kernels import combine
+from test_direct_launch_cpu import fakes  # noqa: F401  (a fixture: the kernels' JIT launches logged)
 from test_head_dims_cpu import attention64, kernels  # noqa: F401  (a fixture)
 
 F64 = torch.float64
@@ -73,21 +73,7 @@ def test_the_ops_fakes_give_v_head_dim_outputs():
         assert [g.shape for g in grads[:3]] == [qt.shape, kt.shape, vt.shape]
 
 
-@pytest.fixture
-def fakes(monkeypatch):
-    log = []
-    monkeypatch.setattr(forward, "attention_forward_kernel", FakeJIT(log, forward.attention_forward_kernel))
-    monkeypatch.setattr(combine, "combine_kernel", FakeJIT(log, combine.combine_kernel))
-    monkeypatch.setattr(plan, "driver", FakeDriver)
-    monkeypatch.setattr(plan, "sm_count", lambda device=None: 132)
-    monkeypatch.setattr(plan, "FAST_LAUNCH", True)
-    monkeypatch.setattr(plan, "_launch_hooked", lambda: False)
-    for name in ("_COMPILED", "_TRITON_COMPILED", "_COMBINE_OF"):
-        monkeypatch.setattr(plan, name, {})
-    return log
-
-
-def test_a_split_decode_launch_reads_and_writes_v_width(fakes):
+def test_a_split_decode_launch_reads_and_writes_v_width(fakes):  # noqa: F811
     # q and k 192 wide, v 128: head dim 256's kernel and plan; its descriptors
     # over the tensors as they are; the combine reads partials of the
     # kernel's width and writes 128 features a row.
@@ -105,7 +91,7 @@ def test_a_split_decode_launch_reads_and_writes_v_width(fakes):
     assert c_kwargs["HEAD_DIM"] == 256 and c_kwargs["OUT_DIM"] == 128
 
 
-def test_a_prepared_call_allocates_and_describes_v_width(fakes):
+def test_a_prepared_call_allocates_and_describes_v_width(fakes):  # noqa: F811
     q = torch.randn(2, 1, 8, 192).to(BF16)
     call = plan.PreparedForward(q, 0.1, False, head_dim_v=128)
     assert call.out_shape == (2, 1, 8, 128) and call.head_dim == 256
@@ -184,7 +170,7 @@ def test_the_varlen_backward_writes_dk_and_dv_rows_of_one_width(monkeypatch, q_d
     assert (seen["dk"] if q_dim > v_dim else seen["dv"]).data_ptr() == (dk if q_dim > v_dim else dv).data_ptr()
 
 
-def test_the_varlen_forward_stores_o_at_v_width(fakes):
+def test_the_varlen_forward_stores_o_at_v_width(fakes):  # noqa: F811
     q = torch.randn(50, 4, 192).to(BF16)
     k = torch.randn(40, 2, 192).to(BF16)
     v = torch.randn(40, 2, 128).to(BF16)
