@@ -72,12 +72,13 @@ def _page_plan(page_size: int, head_dim: int, k_cache=None, v_cache=None) -> boo
     """Whether a paged cache of ``page_size`` is read by the kernel from its
     pages: by TMA, or (smaller pages) gathered row by row from contiguous
     pools (``k_cache``, ``v_cache``; without them: by TMA only)."""
-    block_n = plan.CONFIGS[plan.kernel_head_dim(head_dim)].block_n
+    head_dim_v = v_cache.shape[3] if v_cache is not None else head_dim
+    block_n = plan.CONFIGS[plan.kernel_head_dim(head_dim, head_dim_v)].block_n
     if page_size % block_n == 0 or (page_size >= MIN_TMA_PAGE and block_n % page_size == 0):
         return True
-    # A gathered row is the kernel's head dim wide: other head dims are copied.
-    return (plan.gathers(page_size, head_dim) and head_dim in plan.SUPPORTED_HEAD_DIMS and k_cache is not None
-            and plan.contiguous_pools(k_cache, v_cache))
+    # A gathered row is the kernel's head dim wide: other head dims (k's or v's) are copied.
+    return (plan.gathers(page_size, head_dim) and head_dim in plan.SUPPORTED_HEAD_DIMS and head_dim_v == head_dim
+            and k_cache is not None and plan.contiguous_pools(k_cache, v_cache))
 
 
 def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
@@ -99,12 +100,14 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
     batch, seqlen_q, nheads, head_dim = q.shape
     if head_dim not in plan.SUPPORTED_HEAD_DIMS and not checks.other_head_dim(head_dim):
         raise ValueError(checks.head_dim_message("q.shape[3]", head_dim))
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
-    nheads_kv = k_cache.shape[2]
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache and v_cache must have the same shape but for the head dim, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache must have q's head dim {head_dim}, got {k_cache.shape[3]}")
+    if not checks.supported_head_dim(head_dim_v):  # (v's may differ from q's and k's: FA3's hdim_v)
+        raise ValueError(checks.head_dim_message("v_cache.shape[3]", head_dim_v))
     if nheads_kv == 0 or nheads % nheads_kv:
         raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k_cache's ({nheads_kv})")
     if paged:
@@ -134,16 +137,16 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
         raise ValueError("k and v must be given together (the new keys and values to append), got "
                          f"k={'None' if k is None else 'a tensor'} and v={'None' if v is None else 'a tensor'}")
     if k is not None:
-        for name, t in (("k", k), ("v", v)):
+        for name, t, dim in (("k", k, head_dim), ("v", v, head_dim_v)):
             _check_4d(name, t, "[batch, seqlen_new, nheads_kv, headdim]")
             if t.dtype != q.dtype or t.device != q.device:
                 raise ValueError(f"{name} must have q's dtype and device ({_dtype_name(q.dtype)}, {q.device}), "
                                  f"got {_dtype_name(t.dtype)} on {t.device}")
-            if tuple(t.shape) != (batch, t.shape[1], nheads_kv, head_dim):
+            if tuple(t.shape) != (batch, t.shape[1], nheads_kv, dim):
                 raise ValueError(f"{name} must have shape [batch, seqlen_new, nheads_kv, headdim] = "
-                                 f"({batch}, seqlen_new, {nheads_kv}, {head_dim}), got {tuple(t.shape)}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+                                 f"({batch}, seqlen_new, {nheads_kv}, {dim}), got {tuple(t.shape)}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k and v must have as many new tokens, got {k.shape[1]} and {v.shape[1]}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
@@ -243,7 +246,9 @@ def append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, 
     is rotated into ``q_out`` (both [B, Sq, H, D]). Tensors' head dims are
     contiguous (``_rows_last_contiguous``); strides are in elements."""
     batch, s_new, nheads_kv, head_dim = k.shape
-    width = plan.kernel_head_dim(head_dim)  # a power of two: the kernel's rows, masked at head_dim
+    head_dim_v = v.shape[3]
+    # A power of two: the kernel's rows, masked at head_dim (k, q) and head_dim_v (v).
+    width = plan.kernel_head_dim(head_dim, head_dim_v)
     nheads = q.shape[2] if rotary is not None else nheads_kv
     heads = max(nheads, nheads_kv)
     block_h = min(1 << (heads - 1).bit_length(), max(1, 2048 // width))
@@ -257,7 +262,7 @@ def append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, 
     args = (k, v, k_cache, v_cache, seqlens,
             cache_batch_idx if cache_batch_idx is not None else seqlens,
             page_table if paged else seqlens, q_in, q_o, cos, sin,
-            batch, s_new, q_in.shape[1], nheads_kv, nheads, head_dim,
+            batch, s_new, q_in.shape[1], nheads_kv, nheads, head_dim, head_dim_v,
             *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
             page_table.stride(0) if paged else 0, k_cache.shape[1] if paged else 1,
             *q_in.stride()[:3], *q_o.stride()[:3],
@@ -336,7 +341,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
         with plan.on_device(q):
             q = _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary)
 
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() == 0:
         return out, lse
@@ -346,7 +351,8 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
         if lse is not None:
             dispatch.fill_empty_lse(lse, sink)
         return out, lse
-    cfg = plan.CONFIGS[plan.kernel_head_dim(head_dim)]
+    head_dim_v = v_cache.shape[3]
+    cfg = plan.CONFIGS[plan.kernel_head_dim(head_dim, head_dim_v)]
     kc, vc, pt = k_cache, v_cache, page_table
     if page_table is not None:
         if not _page_plan(k_cache.shape[1], head_dim, k_cache, v_cache):
@@ -355,7 +361,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
             # Entries past a row's live pages may be anything: clamp them.
             idx = page_table.long().clamp(0, k_cache.shape[0] - 1)
             kc = k_cache[idx].reshape(batch, -1, nkv, head_dim)
-            vc = v_cache[idx].reshape(batch, -1, nkv, head_dim)
+            vc = v_cache[idx].reshape(batch, -1, nkv, head_dim_v)
             pt = None
     args = (q, kc, vc, out, lse, softmax_scale, causal, cfg)
     kwargs = dict(seqused_k=seqused, kv_batch=cache_batch_idx if pt is None else None, page_table=pt,
@@ -397,7 +403,7 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
     if rotary_cos is not None or rotary_sin is not None:  # shapes, dtypes, devices: checkable at trace time
         validate_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, _capacity(k_cache, page_table))
     batch, seqlen_q, nheads, _ = q.shape
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+    return (torch.empty(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device),
             torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device))
 
 
@@ -413,6 +419,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
         k_cache, v_cache: ``[batch_cache, seqlen_cache, nheads_kv, headdim]``,
             or paged ``[num_pages, page_size, nheads_kv, headdim]`` with
             ``page_table``. ``nheads`` must be a multiple of ``nheads_kv``.
+            v_cache's head dim may differ from q's and k_cache's (as in
+            ``flash_attn_func``; the output has v's).
         k, v: optional new keys/values ``[batch, seqlen_new, nheads_kv,
             headdim]``, written into the caches in place at ``cache_seqlens``.
         cache_seqlens: int or int32 tensor ``[batch]``: each cache row's live

@@ -90,7 +90,7 @@ def paged_copy(kc, vc, page_size, lens, seed=0):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     perm = torch.randperm(n_pages, device=DEV, generator=gen)[: B * max_pages].view(B, max_pages).to(torch.int32)
     kp = torch.full((n_pages, page_size, Hkv, D), float("nan"), device=DEV, dtype=kc.dtype)
-    vp = kp.clone()
+    vp = torch.full((n_pages, page_size, Hkv, vc.shape[3]), float("nan"), device=DEV, dtype=vc.dtype)
     for b in range(B):
         for p in range(max_pages):
             lo, hi = p * page_size, min((p + 1) * page_size, cap)

@@ -45,6 +45,9 @@ CASES = [
     ("plain-d96", 2, 2, 1, 3, 3, 96, 3, 40, "rows", None),
     ("rotary-d80-paged", 2, 3, 3, 4, 2, 80, 8, 16, "paged", (64, False, True, torch.bfloat16)),
     ("rotary-d40-full", 2, 1, 2, 4, 4, 40, 2, 20, "rows", (40, True, False, torch.float32)),
+    # v's head dim other than k's (FA3's hdim_v): (head dim, v's head dim).
+    ("dv-192-128-rotary", 2, 2, 2, 4, 2, (192, 128), 2, 30, "rows", (64, False, True, torch.bfloat16)),
+    ("dv-64-128-paged", 2, 3, 1, 2, 2, (64, 128), 8, 16, "paged", None),
 ]
 
 CHILD = textwrap.dedent("""
@@ -66,15 +69,16 @@ CHILD = textwrap.dedent("""
 
 def _case(spec, gen):
     name, B, s_new, sq, H, Hkv, D, n_rows, size, layout, rotary = spec
+    D, Dv = (D, D) if isinstance(D, int) else D
     bf16 = torch.bfloat16
     paged = layout == "paged"
     pages_per_row = 4 if paged else None
     capacity = pages_per_row * size if paged else size
     kc = torch.randn(n_rows, size, Hkv, D, generator=gen).to(bf16)
-    vc = torch.randn(n_rows, size, Hkv, D, generator=gen).to(bf16)
+    vc = torch.randn(n_rows, size, Hkv, Dv, generator=gen).to(bf16)
     # New tokens as strided views (the head dim contiguous), as a fused QKV projection gives them.
     k = torch.randn(B, s_new, Hkv, 2 * D, generator=gen).to(bf16)[..., :D]
-    v = torch.randn(B, s_new, Hkv, D, generator=gen).to(bf16)
+    v = torch.randn(B, s_new, Hkv, Dv, generator=gen).to(bf16)
     q = torch.randn(B, sq, H, D, generator=gen).to(bf16)
     seqlens = torch.randint(0, capacity - s_new + 1, (B,), generator=gen, dtype=torch.int32)
     seqlens[0] = capacity - s_new  # one row filled to the brim

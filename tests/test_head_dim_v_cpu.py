@@ -4,7 +4,8 @@ q and k, 128 for v), on the CPU. Both run on the kernels of the wider
 tensor's last feature and clips the stores, so what changes is the host's
 part, checked here: the output's shape, the plan's config, the combine's and
 the backward's small kernels' widths, the prepared call's output and
-descriptors, the ops' fakes, and the varlen backward's dK/dV rows (one pair
+descriptors, the ops' fakes, the KV cache's checks and append, and the varlen
+backward's dK/dV rows (one pair
 of strides in the kernel: written into buffers of the wider head dim). The
 numbers on the GPU are tests/test_head_dims_gpu.py's ``test_head_dim_v_*``."""
 import math
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import hopper_flash
-from hopper_flash import checks, dispatch, plan, plan_backward
+from hopper_flash import checks, dispatch, kvcache, plan, plan_backward
 from hopper_flash.kernels import combine
 from test_direct_launch_cpu import fakes  # noqa: F401  (a fixture: the kernels' JIT launches logged)
 from test_head_dims_cpu import attention64, kernels  # noqa: F401  (a fixture)
@@ -182,12 +183,38 @@ def test_the_varlen_forward_stores_o_at_v_width(fakes):  # noqa: F811
     assert tuple(args[3].base.shape) == (1, 50, 4, 128)
 
 
-def test_the_kv_cache_keeps_one_head_dim():
+def test_the_kv_cache_takes_v_head_dim():
+    """A well-formed call gets to the device check; v's new tokens must have
+    v_cache's head dim, and v_cache's must be one the kernels serve; the
+    op's fake output has v's head dim."""
     q = torch.zeros(2, 1, 4, 192, dtype=BF16)
     kc = torch.zeros(2, 64, 4, 192, dtype=BF16)
     vc = torch.zeros(2, 64, 4, 128, dtype=BF16)
-    with pytest.raises(ValueError, match="k_cache and v_cache must have the same shape"):
-        hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3)
+    kn, vn = torch.zeros(2, 1, 4, 192, dtype=BF16), torch.zeros(2, 1, 4, 128, dtype=BF16)
+    with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+        hopper_flash.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=3)
+    with pytest.raises(ValueError, match=r"v must have shape \[batch, seqlen_new, nheads_kv, headdim\] = "
+                                         r"\(2, seqlen_new, 4, 128\), got \(2, 1, 4, 192\)"):
+        hopper_flash.flash_attn_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=3)
+    with pytest.raises(ValueError, match=r"head dim \(v_cache.shape\[3\]\) must be one of"):
+        hopper_flash.flash_attn_with_kvcache(q, kc, torch.zeros(2, 64, 4, 100, dtype=BF16), cache_seqlens=3)
+    with pytest.raises(ValueError, match="k_cache and v_cache must have the same shape but for the head dim"):
+        hopper_flash.flash_attn_with_kvcache(q, kc, torch.zeros(2, 65, 4, 128, dtype=BF16), cache_seqlens=3)
+    meta = [t.to("meta") for t in (q, kc, vc)]
+    out, lse = kvcache._fwd_kvcache_fake(*meta, None, None, None, None, None, 0.1, True, 0, -1)
+    assert out.shape == (2, 1, 4, 128) and lse.shape == (2, 4, 1)
+
+
+def test_the_append_masks_k_and_v_at_their_own_head_dims():
+    q = torch.zeros(2, 1, 4, 64, dtype=BF16)
+    kc, vc = torch.zeros(2, 64, 2, 64, dtype=BF16), torch.zeros(2, 64, 2, 128, dtype=BF16)
+    kn, vn = torch.zeros(2, 1, 2, 64, dtype=BF16), torch.zeros(2, 1, 2, 128, dtype=BF16)
+    seqlens = torch.zeros(2, dtype=torch.int32)
+    grid, args, constexprs = kvcache.append_launch(kc, vc, kn, vn, seqlens, None, None, q)
+    from hopper_flash.kernels.append import append_kernel
+
+    bound = dict(zip(append_kernel.arg_names, args))
+    assert constexprs["HEAD_DIM"] == 128 and bound["head_dim"] == 64 and bound["head_dim_v"] == 128
 
 
 def test_dispatch_checks_a_given_out_against_v_width():

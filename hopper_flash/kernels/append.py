@@ -1,7 +1,8 @@
 """The KV cache's append, with rotary embedding on the way.
 
 ``flash_attn_with_kvcache(q, k_cache, v_cache, k, v, ...)`` writes the new
-keys and values ``k``, ``v`` ``[B, S_new, Hkv, D]`` into the caches at each
+keys and values ``k``, ``v`` ``[B, S_new, Hkv, D]`` (v's head dim may differ:
+``head_dim_v``) into the caches at each
 row's live length: token ``j`` of batch entry ``b`` goes to cache position
 ``pos = cache_seqlens[b] + j``, in cache row ``cache_batch_idx[b]`` (or
 ``b``), or, paged, in page ``page_table[b, pos // page_size]`` at row
@@ -64,7 +65,7 @@ def _rotated(row_ptr, live, x, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, rota
     return x.to(tl.float32) * cos[None, :] + x_partner * sin[None, :]
 
 
-@triton.jit(do_not_specialize=["batch", "s_new", "seqlen_q", "n_kv_heads", "n_heads", "head_dim",
+@triton.jit(do_not_specialize=["batch", "s_new", "seqlen_q", "n_kv_heads", "n_heads", "head_dim", "head_dim_v",
                                "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs", "stride_vh",
                                "stride_cb", "stride_cs", "stride_ch", "stride_db", "stride_ds", "stride_dh",
                                "stride_pt", "page_size",
@@ -72,7 +73,7 @@ def _rotated(row_ptr, live, x, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, rota
                                "stride_ro", "seqlen_ro", "rotary_half"])
 def append_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, batch_idx_ptr, page_table_ptr,
                   q_ptr, q_out_ptr, cos_ptr, sin_ptr,
-                  batch, s_new, seqlen_q, n_kv_heads, n_heads, head_dim,
+                  batch, s_new, seqlen_q, n_kv_heads, n_heads, head_dim, head_dim_v,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
                   stride_pt, page_size,
@@ -83,7 +84,7 @@ def append_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, batch_idx
     # Strides are in elements, the head dim's is 1. k/v: the new tokens;
     # cache (c: k_cache, d: v_cache): rows (or pages), positions (or rows of
     # a page), heads; q/out: the queries and their rotated copy. HEAD_DIM:
-    # a power of two, the rows' features masked at ``head_dim``.
+    # a power of two, the rows' features masked at ``head_dim`` (v's at ``head_dim_v``).
     pid = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, HEAD_DIM)
@@ -103,6 +104,7 @@ def append_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, batch_idx
                 row = b
             pos_in = pos
         live = (heads < n_kv_heads)[:, None] & features
+        live_v = (heads < n_kv_heads)[:, None] & (d < head_dim_v)[None, :]
         src_k = k_ptr + b.to(tl.int64) * stride_kb + j.to(tl.int64) * stride_ks + \
             (heads.to(tl.int64) * stride_kh)[:, None] + d[None, :]
         src_v = v_ptr + b.to(tl.int64) * stride_vb + j.to(tl.int64) * stride_vs + \
@@ -116,7 +118,7 @@ def append_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, batch_idx
             k = _rotated(src_k, live, k, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, rotary_half,
                          HEAD_DIM, INTERLEAVED)
         tl.store(dst_k, k.to(k_cache_ptr.dtype.element_ty), mask=live)
-        tl.store(dst_v, tl.load(src_v, mask=live), mask=live)
+        tl.store(dst_v, tl.load(src_v, mask=live_v), mask=live_v)
     elif ROTARY:
         r = pid - n_k_rows
         b = r // seqlen_q
