@@ -106,7 +106,8 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
     nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache must have q's head dim {head_dim}, got {k_cache.shape[3]}")
-    if not checks.supported_head_dim(head_dim_v):  # (v's may differ from q's and k's: FA3's hdim_v)
+    # v's may differ from q's and k's (FA3's hdim_v); equal, it passed q's check (every decode call comes here)
+    if head_dim_v != head_dim and not checks.supported_head_dim(head_dim_v):
         raise ValueError(checks.head_dim_message("v_cache.shape[3]", head_dim_v))
     if nheads_kv == 0 or nheads % nheads_kv:
         raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k_cache's ({nheads_kv})")

@@ -15,7 +15,6 @@ import torch
 
 import hopper_flash
 from hopper_flash import checks, dispatch, kvcache, plan, plan_backward
-from hopper_flash.kernels import combine
 from test_direct_launch_cpu import fakes  # noqa: F401  (a fixture: the kernels' JIT launches logged)
 from test_head_dims_cpu import attention64, kernels  # noqa: F401  (a fixture)
 
@@ -107,10 +106,8 @@ def test_a_prepared_call_allocates_and_describes_v_width(fakes):  # noqa: F811
     launch = plan._PreparedLaunch(lp, plan._COMPILED[next(iter(plan._COMPILED))], object(), q, 2, 0.1, False,
                                   head_dim_v=128)
     assert launch.out_strides == (8 * 128, 8 * 128, 128, 1)
-    names = list(combine.combine_kernel.real.arg_names)
-    template = dict(zip(names[-len(plan._combine_constexprs(256, lp.num_splits, False, False, 128)):],
-                        launch.combine_template[-len(plan._combine_constexprs(256, lp.num_splits, False, False,
-                                                                              128)):]))
+    names = plan._combine_constexprs(256, lp.num_splits, False, False, 128)  # their order in the template's tail
+    template = dict(zip(names, launch.combine_template[-len(names):]))
     assert template["OUT_DIM"] == 128 and template["HEAD_DIM"] == 256
 
 
