@@ -17,7 +17,8 @@ captured in a CUDA graph and replayed with new ``cache_seqlens``.
 
 **Caller's contract** (as in flash-attn; not checked by default because
 checking needs a host sync): ``cache_seqlens[b] + seqlen_new`` is at most the
-cache's capacity (``S_cache``, or ``max_pages * page_size``), every
+cache's capacity (``S_cache``, or ``max_pages * page_size``),
+``0 <= cache_leftpad[b] <= cache_seqlens[b]``, every
 ``cache_batch_idx`` entry is a valid cache row, and every page-table entry that
 covers a live key is a valid page index. Pass ``check_contract=True`` (or set
 ``HOPPER_FLASH_CHECK_KVCACHE=1``) to validate these at the cost of one sync.
@@ -82,7 +83,8 @@ def _page_plan(page_size: int, head_dim: int, k_cache=None, v_cache=None) -> boo
 
 
 def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                     causal, num_splits, pack_gqa, rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
+                     causal, num_splits, pack_gqa, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                     cache_leftpad=None):
     """Check everything that can be checked without reading device memory."""
     _check_4d("q", q, "[batch, seqlen_q, nheads, headdim]")
     paged = page_table is not None
@@ -126,6 +128,7 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
             raise ValueError(f"k_cache must have at least q's batch size {batch} rows, got {k_cache.shape[0]}")
     if cache_batch_idx is not None:
         _check_index("cache_batch_idx", cache_batch_idx, "[batch]", (batch,), q.device)
+    validate_leftpad(q, k_cache, v_cache, cache_leftpad, page_table)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
             raise TypeError(f"cache_seqlens must be an int or an int32 tensor [batch], got "
@@ -172,15 +175,35 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
     return softmax_scale
 
 
+def validate_leftpad(q, k_cache, v_cache, cache_leftpad, page_table) -> None:
+    """``cache_leftpad``: None, or int32 ``[batch]`` on q's device, without
+    pages (as in flash-attn), over a cache whose rows number fewer than 2**31
+    (``leftpad_varlen_args``' row offsets are int32)."""
+    if cache_leftpad is None:
+        return
+    if page_table is not None:  # a paged row starts at its first page's first key
+        raise ValueError("cache_leftpad cannot be combined with page_table (as in flash-attn; leave the padding "
+                         "out of the page table instead)")
+    _check_index("cache_leftpad", cache_leftpad, "[batch]", (q.shape[0],), q.device)
+    if k_cache.shape[0] * (_rows_per_slot(k_cache, v_cache) or k_cache.shape[1]) >= 2 ** 31:
+        raise ValueError(f"cache_leftpad needs fewer than 2**31 cache rows in all (k_cache's batch x its row "
+                         f"spacing: {k_cache.shape[0]} x {k_cache.shape[1]} or more)")
+
+
 def _capacity(k_cache, page_table):
     return page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
 
 
-def check_contract(k_cache, cache_seqlens_new, cache_batch_idx, page_table) -> None:
-    """The opt-in device-value check (one host sync)."""
+def check_contract(k_cache, cache_seqlens_new, cache_batch_idx, page_table, cache_leftpad=None,
+                   cache_seqlens=None) -> None:
+    """The opt-in device-value check (one host sync). ``cache_seqlens``:
+    the lengths before the append (bounding ``cache_leftpad``)."""
     cap = _capacity(k_cache, page_table)
     bad = []
     lens = cache_seqlens_new
+    if cache_leftpad is not None and bool(((cache_leftpad < 0) | (cache_leftpad > cache_seqlens)).any()):
+        bad.append(f"cache_leftpad must lie in [0, cache_seqlens], got {cache_leftpad.tolist()} for "
+                   f"cache_seqlens {cache_seqlens.tolist()}")
     if bool(((lens < 0) | (lens > cap)).any()):
         bad.append(f"cache_seqlens + seqlen_new must lie in [0, {cap}] (the cache's capacity), got "
                    f"{lens.tolist()}")
@@ -233,6 +256,59 @@ def validate_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity: 
     if seqlen_ro < capacity:
         raise ValueError(f"rotary_cos must have at least the cache's capacity ({capacity}) rows (positions), "
                          f"got {seqlen_ro}")
+
+
+def _rows_per_slot(k_cache, v_cache) -> int | None:
+    """The rows (of the sequence axis's stride) from one cache row's start to
+    the next's, where both caches agree on it and their rows do not overlap;
+    None otherwise (a cache batch stride that is no whole number of row
+    strides, say)."""
+    per = []
+    for t in (k_cache, v_cache):
+        batch_stride, row_stride = t.stride(0), t.stride(1)
+        if t.shape[0] == 1:
+            per.append(None)  # any spacing: one cache row
+        elif row_stride > 0 and batch_stride % row_stride == 0 and batch_stride // row_stride >= t.shape[1]:
+            per.append(batch_stride // row_stride)
+        else:
+            return None
+    known = {p for p in per if p is not None}
+    if len(known) > 1:
+        return None
+    return known.pop() if known else k_cache.shape[1]
+
+
+def _as_rows(t, per_slot: int):
+    """``[B_cache, S_cache, Hkv, D]`` as one sequence axis ``[rows, Hkv, D]``:
+    cache row ``r`` starts at row ``r * per_slot`` (rows between two cache
+    rows, if any, are the memory between them)."""
+    b, s, h, d = t.shape
+    return t.as_strided(((b - 1) * per_slot + s, h, d), (t.stride(1), t.stride(2), t.stride(3)))
+
+
+def leftpad_varlen_args(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, seqused):
+    """``cache_leftpad``'s attention as a packed batch for the forward
+    kernel's VARLEN mode (with ``seqused_k``, as flash-attn's own leftpad is
+    a K offset of its varlen machinery): q ``[B, Sq, H, D]`` as ``[B * Sq,
+    H, D]`` with ``cu_q = Sq * b``; both caches as one sequence axis of cache
+    rows, sequence ``b`` starting at ``cache row * rows per slot +
+    cache_leftpad[b]`` and living for ``seqused[b] - cache_leftpad[b]`` keys
+    (its bottom-right causal mask and window counted from there, as in
+    flash-attn). Caches whose rows cannot be one axis (``_rows_per_slot``)
+    are copied first. Returns ``(q, k, v, cu_q, cu_k, seqused_k)``, all
+    computed on the device (no sync)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    per_slot = _rows_per_slot(k_cache, v_cache)
+    if per_slot is None:
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+        per_slot = k_cache.shape[1]
+    dev = q.device
+    cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=dev)
+    rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, dtype=torch.int32, device=dev)
+    # [B + 1] like any cu_seqlens (the kernel reads cu_k[b] alone where seqused_k is given)
+    cu_k = torch.nn.functional.pad(rows * per_slot + cache_leftpad, (0, 1))
+    return (q.reshape(batch * seqlen_q, nheads, head_dim), _as_rows(k_cache, per_slot), _as_rows(v_cache, per_slot),
+            cu_q, cu_k, seqused - cache_leftpad)
 
 
 def _rows_last_contiguous(t):
@@ -301,15 +377,17 @@ def _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rot
 
 def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
                     num_splits, pack_gqa, return_lse, check=None, window=None, softcap=0.0, sink=None,
-                    rotary_cos=None, rotary_sin=None, rotary_interleaved=True):
+                    rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_leftpad=None):
     """Validated append + attention; returns ``(out, lse or None)``.
     ``window``: ``checks.window_bounds``'s ``(left, right)`` or None;
     ``softcap``: ``checks.check_softcap``'s float; ``sink``: attention
     sinks (checked, ``checks.check_learnable_sink``) or None;
-    ``rotary_*``: flash-attn's rotary embedding (``kernels/append.py``)."""
+    ``rotary_*``: flash-attn's rotary embedding (``kernels/append.py``);
+    ``cache_leftpad``: int32 ``[batch]``, each row's first live key
+    (``leftpad_varlen_args``)."""
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa, rotary_cos, rotary_sin,
-                                     rotary_interleaved)
+                                     rotary_interleaved, cache_leftpad)
     capacity = _capacity(k_cache, page_table)
     batch, seqlen_q, nheads, head_dim = q.shape
     # The kernels (the append's, the attention's) read these as dense int32
@@ -329,8 +407,10 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     seqused = seqlens + s_new if s_new else seqlens  # int32, contiguous
     if check is None:
         check = os.environ.get("HOPPER_FLASH_CHECK_KVCACHE", "0") not in ("", "0")
+    if cache_leftpad is not None:
+        cache_leftpad = cache_leftpad.contiguous()
     if check:
-        check_contract(k_cache, seqused, cache_batch_idx, page_table)
+        check_contract(k_cache, seqused, cache_batch_idx, page_table, cache_leftpad, seqlens)
     rotary = None
     if rotary_cos is not None:
         # flash-attn's rule: under a causal or local mask query row i sits at
@@ -354,6 +434,10 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
         return out, lse
     head_dim_v = v_cache.shape[3]
     cfg = plan.CONFIGS[plan.kernel_head_dim(head_dim, head_dim_v)]
+    if cache_leftpad is not None:
+        _leftpad_attention(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, seqused, capacity, out, lse,
+                           softmax_scale, causal, cfg, window, softcap, sink)
+        return out, lse
     kc, vc, pt = k_cache, v_cache, page_table
     if page_table is not None:
         if not _page_plan(k_cache.shape[1], head_dim, k_cache, v_cache):
@@ -373,36 +457,58 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     return out, lse
 
 
+def _leftpad_attention(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, seqused, capacity, out, lse,
+                       softmax_scale, causal, cfg, window, softcap, sink) -> None:
+    """Attention over caches whose rows start at ``cache_leftpad``: the
+    forward kernel's VARLEN mode on ``leftpad_varlen_args``' packed views,
+    writing ``out`` ``[B, Sq, H, Dv]`` (contiguous) and ``lse``. That mode
+    has no split-KV and no PackGQA: long caches run at the prefill kernel's
+    rate, not at memory speed."""
+    batch, seqlen_q, nheads, _ = q.shape
+    q3, k3, v3, cu_q, cu_k, used_k = leftpad_varlen_args(q, k_cache, v_cache, cache_batch_idx, cache_leftpad,
+                                                         seqused)
+    lse3 = torch.empty((nheads, batch * seqlen_q), dtype=torch.float32, device=q.device) if lse is not None else None
+    with plan.on_device(q):
+        plan.launch_forward_varlen(q3, k3, v3, out.view(batch * seqlen_q, nheads, out.shape[3]), lse3, cu_q, cu_k,
+                                   None, used_k, seqlen_q, capacity, softmax_scale, bool(causal), cfg, window=window,
+                                   softcap=softcap, sink=plan.sink_arg(sink))
+    if lse is not None:
+        lse.copy_(lse3.view(nheads, batch, seqlen_q).permute(1, 0, 2))
+
+
 @torch.library.custom_op("hopper_flash::fwd_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda")
 def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                 page_table: torch.Tensor | None, softmax_scale: float, causal: bool, num_splits: int,
                 pack_gqa: int, window_left: int = -1, window_right: int = -1,
                 softcap: float = 0.0, sink: torch.Tensor | None = None, rotary_cos: torch.Tensor | None = None,
-                rotary_sin: torch.Tensor | None = None,
-                rotary_interleaved: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = True,
+                cache_leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Append + attention; returns ``(out, lse)``. ``pack_gqa``: -1 auto, 0 off, 1 on;
     ``window_left``/``window_right``: ``checks.window_bounds``'s, -1 -1 for none;
     ``softcap``: logit soft-capping, 0.0 for none; ``sink``: attention sinks;
-    ``rotary_*``: flash-attn's rotary embedding of the new keys and q."""
+    ``rotary_*``: flash-attn's rotary embedding of the new keys and q;
+    ``cache_leftpad``: each row's first live key."""
     window = checks.op_window(window_left, window_right, causal)
     checks.check_learnable_sink(sink, q.shape[2], q.device)
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                                causal, num_splits, None if pack_gqa < 0 else bool(pack_gqa), True, window=window,
                                softcap=checks.check_softcap(softcap), sink=sink, rotary_cos=rotary_cos,
-                               rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
+                               rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                               cache_leftpad=cache_leftpad)
     return out, lse
 
 
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
                       num_splits, pack_gqa, window_left=-1, window_right=-1, softcap=0.0, sink=None, rotary_cos=None,
-                      rotary_sin=None, rotary_interleaved=True):
+                      rotary_sin=None, rotary_interleaved=True, cache_leftpad=None):
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
     checks.check_learnable_sink(sink, q.shape[2], q.device)
     if rotary_cos is not None or rotary_sin is not None:  # shapes, dtypes, devices: checkable at trace time
         validate_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, _capacity(k_cache, page_table))
+    validate_leftpad(q, k_cache, v_cache, cache_leftpad, page_table)
     batch, seqlen_q, nheads, _ = q.shape
     return (torch.empty(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device),
             torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device))
@@ -448,20 +554,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
             not modified).
         rotary_interleaved: pairs features ``(0, 1), (2, 3), ...`` (True,
             GPT-J) or ``(0, rotary_dim / 2), ...`` (False, GPT-NeoX).
-        cache_leftpad, alibi_slopes: flash-attn's, accepted only as None.
+        cache_leftpad: int32 ``[batch]``: each cache row's first live key
+            (flash-attn's; contiguous caches only, not with pages). Row ``b``
+            attends to keys ``cache_leftpad[b] .. seqlen_k - 1``: its causal
+            mask and window count from there (``seqlen_k - cache_leftpad``
+            keys), while new keys are still written, and rotated, at their
+            cache positions ``cache_seqlens + j``. Runs the forward kernel's
+            packed-batch (varlen) mode, which has no split-KV or PackGQA:
+            correct on any length, but long caches decode at the prefill
+            kernel's rate rather than at memory speed.
+        alibi_slopes: flash-attn's, accepted only as None.
         num_splits: KV splits (0: heuristic); pack_gqa: None = heuristic.
         return_softmax_lse: also return the LSE ``[batch, nheads, seqlen_q]``.
         check_contract: validate the device values (lengths within the cache,
-            valid rows and pages) at the cost of one host sync; default from
+            left pads within the lengths, valid rows and pages) at the cost of
+            one host sync; default from
             ``HOPPER_FLASH_CHECK_KVCACHE``. See the module docstring.
     """
     if page_table is not None and block_table is not None:
         raise ValueError("pass page_table or block_table (FA2's name for it), not both")
     if block_table is not None:
         page_table = block_table
-    if cache_leftpad is not None:
-        raise NotImplementedError("cache_leftpad must be None (caches whose rows start past position 0 are not "
-                                  "supported)")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes must be None (ALiBi is not supported)")
     if not isinstance(rotary_interleaved, bool):
@@ -482,9 +595,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                                bool(causal), int(num_splits), -1 if pack_gqa is None else int(bool(pack_gqa)),
                                *(window or (-1, -1)), softcap,
                                None if learnable_sink is None else learnable_sink.detach(),  # (no gradient)
-                               rotary_cos, rotary_sin, rotary_interleaved)
+                               rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
         return (out, lse) if return_softmax_lse else out
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                                causal, num_splits, pack_gqa, return_softmax_lse, check_contract, window, softcap,
-                               learnable_sink, rotary_cos, rotary_sin, rotary_interleaved)
+                               learnable_sink, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
     return (out, lse) if return_softmax_lse else out

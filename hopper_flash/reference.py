@@ -888,16 +888,20 @@ def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 def check_kvcache(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens, *,
                   causal: bool, rows=None, softmax_scale: float | None = None,
                   lse: torch.Tensor | None = None, window: tuple[int, int] | None = None,
-                  softcap: float = 0.0) -> list[Verdict]:
+                  softcap: float = 0.0, starts=None) -> list[Verdict]:
     """Verdicts on a KV-cache attention's ``out`` ``[B, Sq, H, D]`` (and its
     ``lse``): batch row ``b`` attends to the first ``lens[b]`` keys of cache
     row ``rows[b]`` (default ``b``) of a contiguous ``[B_cache, S_cache, Hkv,
-    D]`` cache, bottom-right causal against that length. Each row is judged
-    by :func:`check_attention` over its live keys alone, so whatever lies past
-    a row's length (NaN in the tests) has no part in the reference. A row with
-    no live key must be exactly 0 with an LSE of -inf."""
+    D]`` cache, bottom-right causal against that length. With ``starts``
+    (flash-attn's ``cache_leftpad``) its keys are ``starts[b] .. lens[b] -
+    1`` instead, the mask counted against ``lens[b] - starts[b]``. Each row is
+    judged by :func:`check_attention` over its live keys alone, so whatever
+    lies outside them (NaN in the tests) has no part in the reference. A row
+    with no live key must be exactly 0 with an LSE of -inf."""
     verdicts = []
-    for b, length in enumerate(int(x) for x in lens):
+    for b, end in enumerate(int(x) for x in lens):
+        start = 0 if starts is None else int(starts[b])
+        length = end - start
         r = b if rows is None else int(rows[b])
         row_lse = None if lse is None else lse[b:b + 1]
         name = f"row {b} (len {length})"
@@ -905,8 +909,8 @@ def check_kvcache(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
             ok = bool((out[b] == 0).all()) and (row_lse is None or bool((row_lse == -math.inf).all()))
             verdicts.append(Verdict(name, ok, f"{name}: {'ok' if ok else 'FAIL: not 0 / -inf'} (no live key)"))
             continue
-        verdicts += check_attention(out[b:b + 1], q[b:b + 1], k_cache[r:r + 1, :length], v_cache[r:r + 1, :length],
-                                    causal=causal, softmax_scale=softmax_scale, lse=row_lse, name=name,
+        verdicts += check_attention(out[b:b + 1], q[b:b + 1], k_cache[r:r + 1, start:end],
+                                    v_cache[r:r + 1, start:end], causal=causal, softmax_scale=softmax_scale, lse=row_lse, name=name,
                                     window=window, softcap=softcap)
     return verdicts
 

@@ -78,14 +78,13 @@ NEW = dict(k=torch.zeros(2, 1, 8, 128, dtype=bf16), v=torch.zeros(2, 1, 8, 128, 
      r"rotary_cos must have at least the cache's capacity \(256\) rows"),
     (dict(NEW, rotary_cos=_rot()[0], rotary_sin=_rot()[1], rotary_interleaved=1), TypeError,
      "rotary_interleaved must be a bool"),
-    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "cache_leftpad must be None"),
     (dict(alibi_slopes=torch.zeros(32)), NotImplementedError, "alibi_slopes must be None"),
 ], ids=["cos-alone", "sin-alone", "no-append", "rank", "not-a-tensor", "dtype", "shapes-differ", "wider-than-head",
-        "empty", "short-table", "interleaved-int", "leftpad", "alibi"])
+        "empty", "short-table", "interleaved-int", "alibi"])
 def test_rotary_and_flash_attn_options_name_themselves(kw, error, match):
     """flash-attn's rotary arguments are checked by name before anything
-    touches a GPU (or the caches); cache_leftpad and alibi_slopes are
-    accepted only as None."""
+    touches a GPU (or the caches); alibi_slopes is accepted only as None
+    (cache_leftpad's checks: test_leftpad_cpu.py)."""
     q, kc, vc = args()
     with pytest.raises(error, match=match):
         call(q, kc, vc, cache_seqlens=10, **kw)
