@@ -159,8 +159,10 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                              softmax_scale: float, causal, return_lse, out=None, window=None, softcap=0.0,
-                             sink=None):
-    """``forward_varlen`` on arguments that passed ``validate_varlen``."""
+                             sink=None, page_table=None):
+    """``forward_varlen`` on arguments that passed ``validate_varlen`` (or,
+    with ``page_table``, ``paged.check_paged_varlen_arguments``: k and v
+    page pools, ``seqused_k`` given)."""
     total_q, nheads, _ = q.shape
     # Gaps (rows past seqused_q) are never written by the kernel: zero them up
     # front. Without seqused_q the sequences tile q (the caller's contract).
@@ -187,5 +189,5 @@ def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     with plan.on_device(q):
         plan.launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                    max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), window=window,
-                                   softcap=softcap, sink=plan.sink_arg(sink))
+                                   softcap=softcap, sink=plan.sink_arg(sink), page_table=page_table)
     return out, lse

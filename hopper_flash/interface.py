@@ -11,7 +11,9 @@ implement are accepted at their no-op values and refused with a
 ``NotImplementedError`` otherwise.
 
 Modules: ``checks`` (argument checks) <- ``dispatch`` (validated eager
-calls) <- ``ops`` (custom ops) <- ``interface``; nothing imports upwards.
+calls) <- ``ops`` (custom ops), ``kvcache`` (the KV cache) and ``paged``
+(packed queries over a paged cache, over ``kvcache``) <- ``interface``;
+nothing imports upwards.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Literal, overload
 
 import torch
 
-from . import checks, dispatch, ops
+from . import checks, dispatch, ops, paged
 
 
 _needs_op = ops.needs_op
@@ -201,6 +203,25 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 
+def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table,
+                  softmax_scale, causal, return_lse, check_contract, window, softcap, sink):
+    """``flash_attn_varlen_func`` with ``block_table`` (``hopper_flash.paged``):
+    checked before anything runs on every path; the custom op under
+    torch.compile, the eager function otherwise."""
+    paged.refuse_gradients(q, k, v, sink)
+    if not torch.compiler.is_compiling():
+        return paged.paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                          seqused_k, block_table, softmax_scale, causal, return_lse, check_contract,
+                                          window, softcap, sink)
+    softmax_scale, max_seqlen_q, max_seqlen_k = paged.check_paged_varlen_arguments(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table,
+        softmax_scale, causal)
+    checks.check_op_device(q)
+    return paged.varlen_fwd_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                                  max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), *(window or (-1, -1)),
+                                  softcap, sink)
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, deterministic=False, return_lse=False,
                            check_contract=None, dropout_p=0.0, window_size=(-1, -1), softcap=0.0,
@@ -238,9 +259,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         softcap: logit soft-capping as in ``flash_attn_func``.
         learnable_sink: attention sinks as in ``flash_attn_func``; rows past
             ``seqused_q`` then get an LSE equal to their head's sink.
-        dropout_p, alibi_slopes, return_attn_probs,
-            block_table: flash-attn's options, accepted at their no-op values
-            only.
+        block_table: int32 ``[batch, max_pages]``: k and v are then a paged
+            KV cache, page pools ``[num_pages, page_size, nheads_kv,
+            headdim]`` (page_size a power of two up to 1024), and sequence
+            ``b``'s keys the first ``seqused_k[b]`` (or ``cu_seqlens_k[b+1]
+            - cu_seqlens_k[b]``; ``cu_seqlens_k`` may then be None) keys of
+            the pages its row names (FA2's and vLLM's form; forward only).
+            See ``hopper_flash.paged`` for how each batch is run.
+        dropout_p, alibi_slopes, return_attn_probs: flash-attn's options,
+            accepted at their no-op values only.
 
     **Caller's contract** (as in flash-attn, unchecked by default since only
     the device knows the values): ``cu_seqlens_*`` start at 0, never
@@ -258,13 +285,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         ``out`` ``[total_q, nheads, headdim_v]``, or ``(out, lse)``.
     """
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    if block_table is not None:
-        raise NotImplementedError("block_table must be None (paged K/V is served by flash_attn_with_kvcache)")
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
     sink = learnable_sink
     if sink is not None and isinstance(q, torch.Tensor) and q.dim() == 3:  # (q's own errors: the checks below)
         checks.check_learnable_sink(sink, q.shape[1], q.device)
+    if block_table is not None:
+        out, lse = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                 seqused_k, block_table, softmax_scale, causal, return_lse, check_contract, window,
+                                 softcap, sink)
+        return (out, lse) if return_lse else out
     if _needs_op(q, k, v, sink):
         if ops.plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink):
             # The op's autograd without its dispatch (host time per call), on

@@ -1210,16 +1210,20 @@ def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: b
 
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
-                 write_lse, window=None, softcap=False, sink="", o_dim=0) -> LaunchPlan:
+                 write_lse, window=None, softcap=False, sink="", o_dim=0, page_size=0) -> LaunchPlan:
     """``_plan_launch`` for a packed batch: no PackGQA, no split; the grid
     covers ``max_seqlen_q`` for every sequence (items past a sequence's rows
-    exit at once). ``o_dim``: ``Mode.o_dim``."""
+    exit at once). ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V
+    (``Mode.page_size``, with ``seqused_k``)."""
     sms = sm_count(device)
     items = work_items(batch, nheads, max_seqlen_q, cfg)
-    dynamic = cfg.persistent and choose_dynamic(items, triton_cdiv(max_seqlen_q, cfg.block_m), causal, True, sms)
+    # Gathered pages take the static deal: their four-warp producer has only
+    # ever run it (the decode modes), never the dynamic order's draws.
+    dynamic = (cfg.persistent and not gathers(page_size, cfg.head_dim)
+               and choose_dynamic(items, triton_cdiv(max_seqlen_q, cfg.block_m), causal, True, sms))
     window_left, window_right = window or (-1, -1)
     mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic, window_left=window_left,
-                window_right=window_right, softcap=bool(softcap), sink=sink, o_dim=o_dim)
+                window_right=window_right, softcap=bool(softcap), sink=sink, o_dim=o_dim, page_size=page_size)
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items, cfg, device)
     # No more heads to a section than a sequence has: most sections then lie
     # inside one sequence, whose dead items (query tiles past its rows) run
@@ -1235,7 +1239,8 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
 def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: float, causal: bool,
                           cfg: ForwardConfig | None = None, window: tuple[int, int] | None = None,
-                          softcap: float = 0.0, sink: torch.Tensor | None = None) -> None:
+                          softcap: float = 0.0, sink: torch.Tensor | None = None,
+                          page_table: torch.Tensor | None = None) -> None:
     """Launch the forward kernel's VARLEN mode on THD tensors (``window``,
     ``softcap`` and ``sink`` as in ``launch_forward``).
 
@@ -1243,32 +1248,52 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` (v's head dim may
     differ; TMA-addressable views), ``out`` contiguous like q with v's head dim, ``lse`` None or contiguous fp32 ``[H, total_q]``,
     int32 ``cu_seqlens_*`` [B+1] and ``seqused_*`` [B] on q's device, q's
-    device current. Nothing is read back from the device."""
+    device current. With ``page_table`` (int32 ``[B, max_pages]``, vLLM's
+    layout) k and v are page pools ``[num_pages, page_size, Hkv, D]`` as in
+    ``launch_forward`` and sequence ``b``'s keys are the first
+    ``seqused_k[b]`` of its row (``seqused_k`` required; ``cu_seqlens_k``
+    unread, may be None). Nothing is read back from the device."""
     total_q, nheads, head_dim = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     device = q.device.index
     write_lse = lse is not None
-    cfg = cfg or CONFIGS[kernel_head_dim(head_dim, v.shape[2])]
-    lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], cfg,
+    paged = page_table is not None
+    cfg = cfg or CONFIGS[kernel_head_dim(head_dim, v.shape[-1])]
+    page_size = k.shape[1] if paged else 0
+    assert not paged or (seqused_k is not None and k.dim() == 4)
+    k_pool = v_pool = out  # (no page pools to gather)
+    if paged and gathers(page_size, cfg.head_dim):
+        # As in launch_forward: the kernel copies rows from the pools itself,
+        # which must be contiguous and of the kernel's head dim; its K/V
+        # descriptors (over the pools as one sequence) only lay out the tiles.
+        if head_dim != cfg.head_dim or v.shape[3] != cfg.head_dim or not contiguous_pools(k, v):
+            raise ValueError(f"launch_forward_varlen: gathered pages (page_size {page_size}) need contiguous k and "
+                             f"v pools of a kernel head dim; copy them first")
+        k_pool, v_pool = k, v
+        k, v = k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+    nheads_kv = k.shape[-2]
+    lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
-                      sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim))
+                      sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
-    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    cu_q = cu_seqlens_q.contiguous()
+    cu_k = cu_seqlens_k.contiguous() if cu_seqlens_k is not None else cu_q  # (paged: unread)
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q
     used_k = seqused_k.contiguous() if seqused_k is not None else cu_k
     # o_part_ptr carries O itself (row-predicated stores, not a TMA box).
-    ptrs = (lse if write_lse else out, used_k, out, out, out, out, cu_q, cu_k, used_q,
-            _item_counter(q.device) if lp.mode.dynamic else out, out, out,  # (no page pools to gather)
-            sink if sink is not None else out)
-    scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], batch,
-               *kernel_scales(softmax_scale, softcap), 1, lp.pair, 0, total_q, lp.section)
-    q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out))
+    ptrs = (lse if write_lse else out, used_k, out, page_table if paged else out, out, out, cu_q, cu_k, used_q,
+            _item_counter(q.device) if lp.mode.dynamic else out, k_pool, v_pool, sink if sink is not None else out)
+    scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, batch,
+               *kernel_scales(softmax_scale, softcap), 1, lp.pair, page_table.stride(0) if paged else 0, total_q,
+               lp.section)
+    q4, o4 = q.unsqueeze(0), out.unsqueeze(0)
+    k4, v4 = (k, v) if k.dim() == 4 else (k.unsqueeze(0), v.unsqueeze(0))
     # Triton specialises pointer arguments on 16-byte alignment: a cu_seqlens
     # view at an odd offset must not reuse a kernel compiled for aligned ones.
     key = lp.key + tuple(t.data_ptr() % 16 == 0 for t in ptrs)
     kernel = _COMPILED.get(key)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
-        blocks = block_shapes(cfg)
+        blocks = block_shapes(cfg, 1, page_size)
         descs = (_descriptor(q4, blocks["q"]), _descriptor(k4, blocks["k"]), _descriptor(v4, blocks["v"]),
                  _descriptor(o4, blocks["o"]))
         _COMPILED[key] = _jit_launch(lp, cfg, (*descs, *ptrs, *scalars))

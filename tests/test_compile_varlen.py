@@ -12,6 +12,7 @@ import functools
 import pytest
 
 from hopper_flash import compile_check, compile_check_backward as ccb
+from hopper_flash import plan
 from hopper_flash.plan import CONFIGS, Mode
 from hopper_flash.plan_backward import BACKWARD_CONFIGS
 
@@ -88,6 +89,42 @@ def test_forward_varlen_narrower_head_dim(d, o_dim):
     # triton 3.9 does, the narrower one keeps its frame; ptxas may schedule
     # one more reload from it: 30 LDL against 29 at D=256 under 3.9.)
     assert r.sass != base.sass, "O_DIM must reach the epilogue"
+
+
+# Packed queries over a paged cache (flash_attn_varlen_func's block_table):
+# pages read by TMA (one box per page under a tile) or gathered row by row
+# (under 16 keys; head dims 64 and 128, the static deal: plan._plan_varlen).
+PAGED_SPECS = [(64, 1), (64, 16), (128, 4), (128, 16), (128, 64), (128, 256), (256, 16), (256, 64), (256, 128)]
+
+
+@functools.lru_cache(maxsize=None)
+def _paged(spec):
+    d, page = spec
+    return compile_check.census(CONFIGS[d], "bfloat16", True, True,
+                                Mode(varlen=True, seqused=True, page_size=page,
+                                     dynamic=not plan.gathers(page, d)))
+
+
+@pytest.mark.parametrize("spec", PAGED_SPECS, ids=lambda s: f"d{s[0]}-page{s[1]}")
+def test_forward_varlen_over_pages(spec):
+    """The varlen kernel reading pages: the same GEMMs as prefill, O stored
+    by address, and no spills at head dims 64 and 128."""
+    d, page = spec
+    r = _paged(spec)
+    assert r.sass_counts["HGMMA"] == _fwd_prefill_hgmma(d)
+    assert r.sass_counts["UTMASTG"] == 0 and r.sass_counts["UTMALDG"] > 0
+    if plan.gathers(page, d):
+        assert "LDGSTS" in r.sass, "pages under 16 keys are copied row by row (cp.async)"
+    spills = r.stack_bytes or r.local_bytes or r.sass_counts["LDL"] or r.sass_counts["STL"]
+    if spills and d == 256:
+        # Measured under triton 3.6: 24-32 B of stack at pages of 16-64 keys
+        # with the dynamic order, a few reloads inside the steady loop; none
+        # at 128 and up. Correct, not tuned (BENCHMARKS.md, fifty-fifth session).
+        pytest.xfail(f"D=256 paged varlen: {r.stack_bytes} B of stack")
+    if spills and _triton_at_least(3, 7):
+        pytest.xfail("triton 3.7+ spills around the V-tail zeroing (as the varlen and decode modes do)")
+    assert r.stack_bytes == 0 and r.local_bytes == 0, f"stack {r.stack_bytes} B, local {r.local_bytes} B"
+    assert r.sass_counts["LDL"] == 0 and r.sass_counts["STL"] == 0, r.sass_counts
 
 
 @pytest.mark.parametrize("d,o_dim", [(64, 40), (128, 96), (256, 192)])

@@ -107,7 +107,9 @@ Decode and chunked prefill run the same kernel in other *modes*
   V rows zeroed as in ``SEQUSED``; O is stored with plain row-predicated
   16-byte stores after a round trip through shared memory (a TMA box would
   overwrite the neighbour's output), and the LSE goes to flash-attn's varlen
-  layout ``[H, total_q]``.
+  layout ``[H, total_q]``. With pages (``PAGE_SIZE``, vLLM's layout) K and
+  V are page pools as in ``SEQUSED`` and sequence ``b``'s keys are the
+  first ``seqused_k[b]`` of its page-table row.
 * In these modes a consumer warpgroup whose 64 rows hold no query row (a
   decode tile has ``seqlen_q * G`` live rows) only keeps the barrier rings
   turning, so the tensor cores serve the live warpgroup alone.
@@ -362,7 +364,10 @@ def _item_rows(bm, b, prob: Problem, mode: Mode):
     holds any query row (VARLEN; always true otherwise)."""
     if mode.VARLEN:
         q_start = gl.load(prob.cu_q_ptr + b)
-        k_start = gl.load(prob.cu_k_ptr + b)
+        if mode.PAGE_SIZE > 0:
+            k_start = b * 0  # sequence b's keys: its page-table row (_kv_coords)
+        else:
+            k_start = gl.load(prob.cu_k_ptr + b)
         if mode.SEQUSED_Q:
             lq = gl.load(prob.used_q_ptr + b)
         else:
@@ -1062,8 +1067,9 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(BLOCK_M == NC * WG_M and (NC == 2 or NC == 3), "two or three consumer warpgroups of 64 rows")
     gl.static_assert(not DYNAMIC or (PERSISTENT and not SPLIT), "the dynamic order runs a persistent grid, no split")
     gl.static_assert(Q_STAGES == 1 or not O_IN_Q, "O staged in Q's rows leaves no room for a second Q")
-    gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH or PAGE_SIZE > 0)),
-                     "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
+    gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH)),
+                     "varlen runs without PackGQA, split-KV or cache_batch_idx")
+    gl.static_assert(not (VARLEN and PAGE_SIZE > 0 and not SEQUSED), "paged varlen reads seqused_k's lengths")
     gl.static_assert(not (SINK and SPLIT), "a split run's sink is the combine's")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle two warpgroups")
     gl.static_assert(not (0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE) or (HEAD_DIM <= 128 and BLOCK_M == 128),
