@@ -199,12 +199,13 @@ def _check_kv_shapes(k, v) -> None:
                          f"v {tuple(v.shape)}")
 
 
-def _check_heads_and_head_dim(q, k, v, heads_axis: int) -> None:
+def _check_heads_and_head_dim(q, k, v, heads_axis: int, kv_heads_axis: int | None = None) -> None:
     """k's head dim equals q's; q's and v's are supported (a kernel's, or
     ``other_head_dim``; they may differ, and run on the kernels of the wider:
     ``plan.kernel_head_dim``); k has heads, and q's are a multiple of them
-    (GQA/MQA). ``heads_axis``: 2 for BSHD, 1 for THD; the head dim is the
-    last axis."""
+    (GQA/MQA). ``heads_axis``: 2 for BSHD, 1 for THD; ``kv_heads_axis``:
+    k's, where it differs (2 for THD queries over page pools); the head dim
+    is the last axis."""
     head_dim, dim_axis = q.shape[-1], q.dim() - 1
     if k.shape[-1] != head_dim:
         raise ValueError(f"k must have q's head dim {head_dim}, got {k.shape[-1]}")
@@ -212,9 +213,10 @@ def _check_heads_and_head_dim(q, k, v, heads_axis: int) -> None:
         raise ValueError(head_dim_message(f"q.shape[{dim_axis}]", head_dim))
     if not supported_head_dim(v.shape[-1]):
         raise ValueError(head_dim_message(f"v.shape[{dim_axis}]", v.shape[-1]))
-    nheads, nheads_kv = q.shape[heads_axis], k.shape[heads_axis]
+    kv_heads_axis = heads_axis if kv_heads_axis is None else kv_heads_axis
+    nheads, nheads_kv = q.shape[heads_axis], k.shape[kv_heads_axis]
     if nheads_kv == 0:
-        raise ValueError(f"k and v must have at least one head (k.shape[{heads_axis}] >= 1), got 0")
+        raise ValueError(f"k and v must have at least one head (k.shape[{kv_heads_axis}] >= 1), got 0")
     if nheads % nheads_kv:
         raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k/v's number of heads "
                          f"({nheads_kv})")

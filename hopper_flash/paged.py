@@ -46,7 +46,7 @@ def check_paged_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
                              f"pool, with block_table), got shape {tuple(t.shape)}")
     checks._check_same_device_and_dtype(q, k, v)
     checks._check_kv_shapes(k, v)
-    checks._check_heads_and_head_dim(q, k[0], v[0], heads_axis=1)
+    checks._check_heads_and_head_dim(q, k, v, heads_axis=1, kv_heads_axis=2)
     page_size = k.shape[1]
     if page_size < 1 or page_size & (page_size - 1) or page_size > 1024:
         raise ValueError(f"page size (k.shape[1]) must be a power of two from 1 to 1024, got {page_size}")
@@ -161,8 +161,10 @@ def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     lens = _key_lengths(cu_seqlens_k, seqused_k)
     batch = cu_seqlens_q.shape[0] - 1
     total_q, nheads, head_dim = q.shape
-    if uniform_queries(q, cu_seqlens_q, max_seqlen_q, seqused_q):
-        # flash_attn_with_kvcache's decode path: split-KV and PackGQA.
+    if uniform_queries(q, cu_seqlens_q, max_seqlen_q, seqused_q) and k.shape[0]:
+        # flash_attn_with_kvcache's decode path: split-KV and PackGQA. (No
+        # page at all: no live key under the contract; the varlen path's
+        # zeros below, and nothing for TMA to describe.)
         out, lse = kvcache.kvcache_forward(q.view(batch, max_seqlen_q, nheads, head_dim), k, v, None, None, lens,
                                            None, block_table, softmax_scale, bool(causal), 0, None, return_lse,
                                            check=False, window=window, softcap=softcap, sink=sink)
@@ -171,7 +173,7 @@ def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
             lse = lse.permute(1, 0, 2).reshape(nheads, total_q)
         return out, lse
     block_table = block_table.contiguous()
-    if kvcache._page_plan(k.shape[1], head_dim, k, v):
+    if k.shape[0] == 0 or kvcache._page_plan(k.shape[1], head_dim, k, v):
         return dispatch.forward_varlen_validated(q, k, v, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, seqused_q,
                                                  lens, softmax_scale, causal, return_lse, window=window,
                                                  softcap=softcap, sink=sink, page_table=block_table)

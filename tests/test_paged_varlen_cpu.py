@@ -228,3 +228,18 @@ def test_the_uniform_route_is_decided_from_shapes_alone():
     assert paged.uniform_queries(q, i32([0, 2, 4, 6]), 2, None)
     assert not paged.uniform_queries(q, i32([0, 2, 4, 6]), 3, None)  # lengths could be 1, 2, 3
     assert not paged.uniform_queries(q, i32([0, 2, 4, 6]), 2, i32([2, 2, 2]))  # gaps possible
+
+
+@pytest.mark.parametrize("lq,max_q", [([1, 1], 1), ([3, 0], 3)], ids=["uniform", "mixed"])
+@pytest.mark.parametrize("page,d", [(16, 64), (4, 256)])
+def test_pools_without_pages_give_zeros(monkeypatch, no_device, lq, max_q, page, d):
+    """No page at all: no key can be live (the contract), zeros and -inf,
+    nothing launched (TMA cannot describe an empty pool)."""
+    monkeypatch.setattr(plan, "launch_forward_varlen", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(kvcache, "kvcache_forward", lambda *a, **k: pytest.fail("launched"))
+    q = torch.randn(sum(lq), 4, d).to(BF16)
+    pool = torch.zeros(0, page, 2, d, dtype=BF16)
+    out, lse = hopper_flash.flash_attn_varlen_func(q, pool, pool, cu(lq), None, max_q, 8, seqused_k=i32([0, 0]),
+                                                   block_table=torch.zeros(2, 1, dtype=torch.int32),
+                                                   return_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all() and lse.shape == (4, sum(lq))
