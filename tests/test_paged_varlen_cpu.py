@@ -243,3 +243,19 @@ def test_pools_without_pages_give_zeros(monkeypatch, no_device, lq, max_q, page,
                                                    block_table=torch.zeros(2, 1, dtype=torch.int32),
                                                    return_lse=True)
     assert (out == 0).all() and (lse == float("-inf")).all() and lse.shape == (4, sum(lq))
+
+
+def test_the_benchs_paged_copy_holds_each_sequence_in_its_pages():
+    from hopper_flash.bench.varlen import paged_copy
+
+    lengths = [5, 16, 33, 1]
+    k = torch.randn(sum(lengths), 2, 8)
+    v = torch.randn(sum(lengths), 2, 8)
+    kp, vp, table = paged_copy(k, v, cu(lengths), 16, seed=3)
+    assert kp.shape == (1 + 1 + 3 + 1, 16, 2, 8) and table.shape == (4, 3) and table.dtype == torch.int32
+    for b, (s, n) in enumerate(zip(cu(lengths)[:-1].tolist(), lengths)):
+        rows = torch.cat([kp[p] for p in table[b, :-(-n // 16)].tolist()])[:n]
+        vrows = torch.cat([vp[p] for p in table[b, :-(-n // 16)].tolist()])[:n]
+        assert torch.equal(rows, k[s:s + n]) and torch.equal(vrows, v[s:s + n])
+    live = [p for b, n in enumerate(lengths) for p in table[b, :-(-n // 16)].tolist()]
+    assert sorted(live) == list(range(kp.shape[0])), "every page used once"
