@@ -178,7 +178,7 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
 def validate_leftpad(q, k_cache, v_cache, cache_leftpad, page_table) -> None:
     """``cache_leftpad``: None, or int32 ``[batch]`` on q's device, without
     pages (as in flash-attn), over a cache whose rows number fewer than 2**31
-    (``leftpad_varlen_args``' row offsets are int32)."""
+    (``slot_rows_args``' row offsets are int32)."""
     if cache_leftpad is None:
         return
     if page_table is not None:  # a paged row starts at its first page's first key
@@ -286,29 +286,66 @@ def _as_rows(t, per_slot: int):
     return t.as_strided(((b - 1) * per_slot + s, h, d), (t.stride(1), t.stride(2), t.stride(3)))
 
 
-def leftpad_varlen_args(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, seqused):
-    """``cache_leftpad``'s attention as a packed batch for the forward
-    kernel's VARLEN mode (with ``seqused_k``, as flash-attn's own leftpad is
-    a K offset of its varlen machinery): q ``[B, Sq, H, D]`` as ``[B * Sq,
-    H, D]`` with ``cu_q = Sq * b``; both caches as one sequence axis of cache
-    rows, sequence ``b`` starting at ``cache row * rows per slot +
-    cache_leftpad[b]`` and living for ``seqused[b] - cache_leftpad[b]`` keys
-    (its bottom-right causal mask and window counted from there, as in
-    flash-attn). Caches whose rows cannot be one axis (``_rows_per_slot``)
-    are copied first. Returns ``(q, k, v, cu_q, cu_k, seqused_k)``, all
-    computed on the device (no sync)."""
-    batch, seqlen_q, nheads, head_dim = q.shape
+def slot_rows_args(k_cache, v_cache, batch: int, cache_batch_idx, cache_leftpad, seqused):
+    """A contiguous cache ``[B_cache, S_cache, Hkv, D]`` as the K/V of the
+    forward kernel's VARLEN mode with ``seqused_k`` (flash-attn's leftpad is
+    likewise a K offset of its varlen machinery): both caches as one sequence
+    axis of cache rows (``_as_rows``), sequence ``b`` starting at its cache
+    row (``cache_batch_idx[b]``, default ``b``) times the rows per slot plus
+    ``cache_leftpad[b]`` (default 0) and living for ``seqused[b] -
+    cache_leftpad[b]`` keys (its bottom-right causal mask and window counted
+    from there, as in flash-attn). Caches whose rows cannot be one axis
+    (``_rows_per_slot``) are copied first. Returns ``(k, v, cu_k [B + 1],
+    seqused_k [B])``, computed on the device (no sync)."""
     per_slot = _rows_per_slot(k_cache, v_cache)
     if per_slot is None:
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
         per_slot = k_cache.shape[1]
-    dev = q.device
-    cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=dev)
+    dev = k_cache.device
     rows = cache_batch_idx if cache_batch_idx is not None else torch.arange(batch, dtype=torch.int32, device=dev)
+    starts = rows * per_slot
+    if cache_leftpad is not None:
+        starts = starts + cache_leftpad
+        seqused = seqused - cache_leftpad
     # [B + 1] like any cu_seqlens (the kernel reads cu_k[b] alone where seqused_k is given)
-    cu_k = torch.nn.functional.pad(rows * per_slot + cache_leftpad, (0, 1))
-    return (q.reshape(batch * seqlen_q, nheads, head_dim), _as_rows(k_cache, per_slot), _as_rows(v_cache, per_slot),
-            cu_q, cu_k, seqused - cache_leftpad)
+    cu_k = torch.nn.functional.pad(starts, (0, 1))
+    return _as_rows(k_cache, per_slot), _as_rows(v_cache, per_slot), cu_k, seqused
+
+
+def varlen_over_cache(q, cu_seqlens_q, max_seqlen_q: int, seqused_q, k_cache, v_cache, seqused, cache_batch_idx,
+                      cache_leftpad, page_table, softmax_scale: float, causal, return_lse, window=None, softcap=0.0,
+                      sink=None, max_seqlen_k: int | None = None):
+    """Packed (THD) queries ``q`` ``[total_q, H, D]`` (sequence ``b`` at
+    ``cu_seqlens_q[b]``) over a KV cache, each sequence's keys the first
+    ``seqused[b]`` of its cache row (from ``cache_leftpad[b]`` on) or of its
+    pages, by the forward kernel's VARLEN mode: pages read in place where it
+    can (``_page_plan``; else each row's pages are copied into a contiguous
+    cache first), contiguous caches as one sequence axis
+    (``slot_rows_args``). That mode has no split-KV and no PackGQA: long
+    caches run at the prefill kernel's rate, not at memory speed. Returns
+    ``(out [total_q, H, Dv], lse [H, total_q] or None)``; nothing is read on
+    the host. ``max_seqlen_k``: a bound on the key lengths (default: the
+    cache's capacity)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    capacity = _capacity(k_cache, page_table)
+    bound = capacity if max_seqlen_k is None else min(int(max_seqlen_k), capacity)
+    if page_table is not None:
+        page_table = page_table.contiguous()
+        if k_cache.shape[0] == 0 or _page_plan(k_cache.shape[1], q.shape[2], k_cache, v_cache):
+            return dispatch.forward_varlen_validated(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q,
+                                                     bound, seqused_q, seqused, softmax_scale, causal,
+                                                     return_lse, window=window, softcap=softcap, sink=sink,
+                                                     page_table=page_table)
+        # Pages the kernel cannot read in place: each row's pages copied into
+        # one contiguous cache row (entries past its live pages may be
+        # anything: clamped).
+        idx = page_table.long().clamp(0, k_cache.shape[0] - 1)
+        k_cache = k_cache[idx].reshape(batch, capacity, *k_cache.shape[2:])
+        v_cache = v_cache[idx].reshape(batch, capacity, *v_cache.shape[2:])
+    k3, v3, cu_k, used_k = slot_rows_args(k_cache, v_cache, batch, cache_batch_idx, cache_leftpad, seqused)
+    return dispatch.forward_varlen_validated(q, k3, v3, cu_seqlens_q, cu_k, max_seqlen_q, bound, seqused_q,
+                                             used_k, softmax_scale, causal, return_lse, window=window,
+                                             softcap=softcap, sink=sink)
 
 
 def _rows_last_contiguous(t):
@@ -384,7 +421,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     sinks (checked, ``checks.check_learnable_sink``) or None;
     ``rotary_*``: flash-attn's rotary embedding (``kernels/append.py``);
     ``cache_leftpad``: int32 ``[batch]``, each row's first live key
-    (``leftpad_varlen_args``)."""
+    (``varlen_over_cache``)."""
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa, rotary_cos, rotary_sin,
                                      rotary_interleaved, cache_leftpad)
@@ -422,6 +459,14 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
         with plan.on_device(q):
             q = _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary)
 
+    if cache_leftpad is not None and seqlen_q and capacity:
+        # Rows that start past 0: the varlen kernel over q's rows as a packed batch.
+        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+        out, lse = varlen_over_cache(q.reshape(batch * seqlen_q, nheads, head_dim), cu_q, seqlen_q, None, k_cache,
+                                     v_cache, seqused, cache_batch_idx, cache_leftpad, None, softmax_scale, causal,
+                                     return_lse, window, softcap, sink)
+        out = out.view(batch, seqlen_q, nheads, out.shape[2])
+        return out, lse.view(nheads, batch, seqlen_q).permute(1, 0, 2).contiguous() if return_lse else None
     out = torch.empty(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() == 0:
@@ -434,10 +479,6 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
         return out, lse
     head_dim_v = v_cache.shape[3]
     cfg = plan.CONFIGS[plan.kernel_head_dim(head_dim, head_dim_v)]
-    if cache_leftpad is not None:
-        _leftpad_attention(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, seqused, capacity, out, lse,
-                           softmax_scale, causal, cfg, window, softcap, sink)
-        return out, lse
     kc, vc, pt = k_cache, v_cache, page_table
     if page_table is not None:
         if not _page_plan(k_cache.shape[1], head_dim, k_cache, v_cache):
@@ -455,25 +496,6 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     with plan.on_device(q):
         plan.launch_forward(*args, **kwargs)
     return out, lse
-
-
-def _leftpad_attention(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, seqused, capacity, out, lse,
-                       softmax_scale, causal, cfg, window, softcap, sink) -> None:
-    """Attention over caches whose rows start at ``cache_leftpad``: the
-    forward kernel's VARLEN mode on ``leftpad_varlen_args``' packed views,
-    writing ``out`` ``[B, Sq, H, Dv]`` (contiguous) and ``lse``. That mode
-    has no split-KV and no PackGQA: long caches run at the prefill kernel's
-    rate, not at memory speed."""
-    batch, seqlen_q, nheads, _ = q.shape
-    q3, k3, v3, cu_q, cu_k, used_k = leftpad_varlen_args(q, k_cache, v_cache, cache_batch_idx, cache_leftpad,
-                                                         seqused)
-    lse3 = torch.empty((nheads, batch * seqlen_q), dtype=torch.float32, device=q.device) if lse is not None else None
-    with plan.on_device(q):
-        plan.launch_forward_varlen(q3, k3, v3, out.view(batch * seqlen_q, nheads, out.shape[3]), lse3, cu_q, cu_k,
-                                   None, used_k, seqlen_q, capacity, softmax_scale, bool(causal), cfg, window=window,
-                                   softcap=softcap, sink=plan.sink_arg(sink))
-    if lse is not None:
-        lse.copy_(lse3.view(nheads, batch, seqlen_q).permute(1, 0, 2))
 
 
 @torch.library.custom_op("hopper_flash::fwd_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda")

@@ -172,21 +172,8 @@ def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         if lse is not None:
             lse = lse.permute(1, 0, 2).reshape(nheads, total_q)
         return out, lse
-    block_table = block_table.contiguous()
-    if k.shape[0] == 0 or kvcache._page_plan(k.shape[1], head_dim, k, v):
-        return dispatch.forward_varlen_validated(q, k, v, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, seqused_q,
-                                                 lens, softmax_scale, causal, return_lse, window=window,
-                                                 softcap=softcap, sink=sink, page_table=block_table)
-    # Pages the kernel cannot read in place: each sequence's pages copied
-    # into one contiguous cache row, the rows read as one sequence axis.
-    idx = block_table.long().clamp(0, k.shape[0] - 1)  # entries past a row's live pages may be anything
-    capacity = block_table.shape[1] * k.shape[1]
-    kc = k[idx].reshape(batch * capacity, *k.shape[2:])
-    vc = v[idx].reshape(batch * capacity, *v.shape[2:])
-    cu_k = torch.arange(0, (batch + 1) * capacity, capacity, dtype=torch.int32, device=q.device)
-    return dispatch.forward_varlen_validated(q, kc, vc, cu_seqlens_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_q,
-                                             lens, softmax_scale, causal, return_lse, window=window, softcap=softcap,
-                                             sink=sink)
+    return kvcache.varlen_over_cache(q, cu_seqlens_q, max_seqlen_q, seqused_q, k, v, lens, None, None, block_table,
+                                     softmax_scale, causal, return_lse, window, softcap, sink, max_seqlen_k)
 
 
 @torch.library.custom_op("hopper_flash::varlen_fwd_paged", mutates_args=(), device_types="cuda")

@@ -1,5 +1,5 @@
 """flash_attn_with_kvcache's ``cache_leftpad`` on the CPU: the packed batch it
-hands the forward kernel's varlen mode (``kvcache.leftpad_varlen_args``),
+hands the forward kernel's varlen mode (``kvcache.slot_rows_args``),
 judged through the float64 varlen reference against each row's own keys
 (``cache_leftpad[b] .. seqused[b] - 1``, the causal mask and window counted
 from there), the whole call with that reference standing in for the
@@ -67,7 +67,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=["decode", "chunk", "full", "window", "batch-idx", "sliced-cache"])
 def test_the_packed_batch_sees_each_rows_keys_from_its_left_pad(case):
-    """``leftpad_varlen_args`` through the float64 varlen reference (the
+    """``slot_rows_args`` through the float64 varlen reference (the
     kernel's contract in that mode) equals each row's attention over its own
     keys, its mask counted from its first live key; NaN everywhere else in
     the caches."""
@@ -78,8 +78,9 @@ def test_the_packed_batch_sees_each_rows_keys_from_its_left_pad(case):
     _poison_outside(kc, vc, rows, case["starts"], case["ends"])
     q = torch.randn(batch, case["sq"], h, d, generator=torch.Generator().manual_seed(7)).to(BF16)
     idx = _i32(case["rows"]) if case["rows"] is not None else None
-    q3, k3, v3, cu_q, cu_k, used_k = kvcache.leftpad_varlen_args(q, kc, vc, idx, _i32(case["starts"]),
-                                                                 _i32(case["ends"]))
+    k3, v3, cu_k, used_k = kvcache.slot_rows_args(kc, vc, batch, idx, _i32(case["starts"]), _i32(case["ends"]))
+    q3 = q.reshape(batch * case["sq"], h, d)
+    cu_q = torch.arange(0, (batch + 1) * case["sq"], case["sq"], dtype=torch.int32)
     if case.get("spacing"):  # a slice of a longer cache is read in place
         assert k3.data_ptr() == kc.data_ptr() and k3.stride(0) == kc.stride(1)
     assert cu_q.dtype == cu_k.dtype == used_k.dtype == torch.int32
@@ -101,9 +102,8 @@ def test_caches_that_cannot_be_one_axis_are_copied():
     assert kvcache._rows_per_slot(odd, odd) == 50
     assert kvcache._rows_per_slot(kc.transpose(1, 2).contiguous().transpose(1, 2), vc) is None
     assert kvcache._rows_per_slot(kc[:1], vc[:1].contiguous()) == 50  # one cache row: any spacing
-    q = torch.zeros(3, 1, 4, 64, dtype=BF16)
     lens, pads = _i32([50, 20, 3]), _i32([1, 2, 3])
-    _, k3, v3, _, cu_k, _ = kvcache.leftpad_varlen_args(q, kc, vc.contiguous(), None, pads, lens)
+    k3, v3, cu_k, _ = kvcache.slot_rows_args(kc, vc.contiguous(), 3, None, pads, lens)
     assert k3.data_ptr() != kc.data_ptr() and k3.shape == v3.shape[:2] + (64,) and k3.shape[0] == 150
     assert cu_k.tolist() == [1, 52, 103, 0]
 
@@ -123,8 +123,8 @@ def test_the_call_returns_the_packed_output_in_the_caches_layout(monkeypatch):
     _poison_outside(kc, vc, range(batch), pads, seqlens)
     launched = []
 
-    def stand_in(q3, k3, v3, out3, lse3, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, cfg, **kw):
-        assert used_q is None and max_q == sq and max_k == s_cache and cfg.head_dim == 64
+    def stand_in(q3, k3, v3, out3, lse3, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, **kw):
+        assert used_q is None and max_q == sq and max_k == s_cache and kw["page_table"] is None
         o, lse = varlen_reference(q3, k3, v3, cu_q, cu_k, seqused_k=used_k, causal=causal, softmax_scale=scale)
         out3.copy_(o)
         lse3.copy_(lse)
