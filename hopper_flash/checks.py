@@ -504,28 +504,36 @@ def check_tma_addressable_thd(name: str, t: torch.Tensor) -> None:
     check_tma_addressable(name, t.unsqueeze(0))
 
 
+def prefix_sum_problems(side: str, cu: torch.Tensor, used, total: int | None, bound: int) -> list[str]:
+    """What is wrong with one side's device values (reads them: a sync):
+    ``cu_seqlens_{side}`` from 0 and non-decreasing, ending within ``total``
+    rows (None: no such bound), ``seqused_{side}`` within its slots, every
+    live length at most ``bound`` (``max_seqlen_{side}``)."""
+    bad = []
+    c = cu.long()
+    slots = c[1:] - c[:-1]
+    lens = used.long() if used is not None else slots
+    if int(c[0]) != 0:
+        bad.append(f"cu_seqlens_{side}[0] must be 0, got {int(c[0])}")
+    if bool((slots < 0).any()):
+        bad.append(f"cu_seqlens_{side} must be non-decreasing, got {c.tolist()}")
+    if total is not None and int(c[-1]) > total:
+        bad.append(f"cu_seqlens_{side}[-1] ({int(c[-1])}) exceeds the {total} tokens of {side}")
+    if used is not None and bool(((lens < 0) | (lens > slots)).any()):
+        bad.append(f"seqused_{side} must lie in [0, slot length], got {lens.tolist()} for slots "
+                   f"{slots.tolist()}")
+    if lens.numel() and int(lens.max()) > bound:
+        bad.append(f"max_seqlen_{side} ({bound}) is below the longest sequence ({int(lens.max())})")
+    return bad
+
+
 def check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                           seqused_k) -> None:
     """The opt-in check of the device values (one host sync): prefix sums
     from 0, non-decreasing, ending within the tensors; every live length at
     most ``max_seqlen_*``; ``seqused`` within its slot. Enabled by
     ``check_contract=True`` or ``HOPPER_FLASH_CHECK_VARLEN=1``."""
-    bad = []
-    for side, cu, used, total, bound in (("q", cu_seqlens_q, seqused_q, q.shape[0], max_seqlen_q),
-                                          ("k", cu_seqlens_k, seqused_k, k.shape[0], max_seqlen_k)):
-        c = cu.long()
-        slots = c[1:] - c[:-1]
-        lens = used.long() if used is not None else slots
-        if int(c[0]) != 0:
-            bad.append(f"cu_seqlens_{side}[0] must be 0, got {int(c[0])}")
-        if bool((slots < 0).any()):
-            bad.append(f"cu_seqlens_{side} must be non-decreasing, got {c.tolist()}")
-        if int(c[-1]) > total:
-            bad.append(f"cu_seqlens_{side}[-1] ({int(c[-1])}) exceeds the {total} tokens of {side}")
-        if used is not None and bool(((lens < 0) | (lens > slots)).any()):
-            bad.append(f"seqused_{side} must lie in [0, slot length], got {lens.tolist()} for slots "
-                       f"{slots.tolist()}")
-        if lens.numel() and int(lens.max()) > bound:
-            bad.append(f"max_seqlen_{side} ({bound}) is below the longest sequence ({int(lens.max())})")
+    bad = (prefix_sum_problems("q", cu_seqlens_q, seqused_q, q.shape[0], max_seqlen_q)
+           + prefix_sum_problems("k", cu_seqlens_k, seqused_k, k.shape[0], max_seqlen_k))
     if bad:
         raise ValueError("flash_attn_varlen_func contract violated: " + "; ".join(bad))

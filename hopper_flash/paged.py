@@ -97,24 +97,9 @@ def check_paged_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     and never decreasing, ``seqused_k`` within its slots; every key length
     within ``max_seqlen_k`` and the pages of its row; every page covering a
     live key a valid page."""
-    bad = []
-    sides = [("q", cu_seqlens_q, seqused_q, max_seqlen_q)]
-    if cu_seqlens_k is not None:
-        sides.append(("k", cu_seqlens_k, seqused_k, max_seqlen_k))
-    for side, cu, used, bound in sides:
-        c = cu.long()
-        slots = c[1:] - c[:-1]
-        if int(c[0]) != 0:
-            bad.append(f"cu_seqlens_{side}[0] must be 0, got {int(c[0])}")
-        if bool((slots < 0).any()):
-            bad.append(f"cu_seqlens_{side} must be non-decreasing, got {c.tolist()}")
-        if side == "q" and int(c[-1]) > q.shape[0]:
-            bad.append(f"cu_seqlens_q[-1] ({int(c[-1])}) exceeds the {q.shape[0]} tokens of q")
-        if used is not None and bool(((used.long() < 0) | (used.long() > slots)).any()):
-            bad.append(f"seqused_{side} must lie in [0, slot length], got {used.tolist()} for slots {slots.tolist()}")
-        lens = used.long() if used is not None else slots
-        if side == "q" and lens.numel() and int(lens.max()) > bound:
-            bad.append(f"max_seqlen_q ({bound}) is below the longest sequence ({int(lens.max())})")
+    bad = checks.prefix_sum_problems("q", cu_seqlens_q, seqused_q, q.shape[0], max_seqlen_q)
+    if cu_seqlens_k is not None:  # (k's rows are pages: no total to end within)
+        bad += checks.prefix_sum_problems("k", cu_seqlens_k, seqused_k, None, max_seqlen_k)
     lens = _key_lengths(cu_seqlens_k, seqused_k).long()
     capacity = block_table.shape[1] * k.shape[1]
     if bool(((lens < 0) | (lens > min(capacity, max_seqlen_k))).any()):
