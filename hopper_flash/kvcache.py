@@ -82,11 +82,43 @@ def _page_plan(page_size: int, head_dim: int, k_cache=None, v_cache=None) -> boo
             and k_cache is not None and plan.contiguous_pools(k_cache, v_cache))
 
 
+def validate_packed_queries(q, cu_seqlens_q, max_seqlen_q, k) -> tuple[int, int]:
+    """FA3's packed queries: q ``[total_q, nheads, headdim]`` with int32
+    ``cu_seqlens_q`` ``[batch + 1]`` on q's device and ``max_seqlen_q`` a
+    positive int (a host-side bound, as in ``flash_attn_varlen_func``); no
+    new keys to append. Returns ``(batch, max_seqlen_q)``."""
+    checks._check_thd("q", q)
+    what = "int32 prefix sums of the query lengths, [batch + 1], starting at 0"
+    if not isinstance(cu_seqlens_q, torch.Tensor):
+        raise TypeError(f"cu_seqlens_q must be a torch.Tensor ({what}), got {type(cu_seqlens_q).__name__}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q must be 1-D with batch + 1 >= 2 entries ({what}), got shape "
+                         f"{tuple(cu_seqlens_q.shape)}")
+    batch = cu_seqlens_q.shape[0] - 1
+    checks._check_index_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, q.device, what)
+    max_seqlen_q = checks.check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    if q.shape[0] > batch * max_seqlen_q:
+        raise ValueError(f"q has {q.shape[0]} tokens, more than batch ({batch}) x max_seqlen_q ({max_seqlen_q}): "
+                         f"max_seqlen_q must be at least the longest sequence in cu_seqlens_q")
+    if k is not None:
+        raise NotImplementedError("appending new keys (k, v) with packed queries (cu_seqlens_q) is not supported: "
+                                  "write them into the cache first, or pass q as [batch, seqlen_q, nheads, headdim]")
+    return batch, max_seqlen_q
+
+
 def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                      causal, num_splits, pack_gqa, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                     cache_leftpad=None):
-    """Check everything that can be checked without reading device memory."""
-    _check_4d("q", q, "[batch, seqlen_q, nheads, headdim]")
+                     cache_leftpad=None, cu_seqlens_q=None, max_seqlen_q=None):
+    """Check everything that can be checked without reading device memory
+    (with ``cu_seqlens_q``: ``validate_packed_queries``)."""
+    if cu_seqlens_q is None:
+        _check_4d("q", q, "[batch, seqlen_q, nheads, headdim]")
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q goes with cu_seqlens_q (packed queries); q [batch, seqlen_q, nheads, "
+                             "headdim] has its own")
+        batch = q.shape[0]
+    else:
+        batch, _ = validate_packed_queries(q, cu_seqlens_q, max_seqlen_q, k)
     paged = page_table is not None
     layout = "[num_pages, page_size, nheads_kv, headdim]" if paged else "[batch_cache, seqlen_cache, nheads_kv, headdim]"
     _check_4d("k_cache", k_cache, layout)
@@ -99,9 +131,9 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
             raise ValueError(f"{name} must have q's dtype {_dtype_name(q.dtype)}, got {_dtype_name(t.dtype)}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads, head_dim = q.shape[-2:]
     if head_dim not in plan.SUPPORTED_HEAD_DIMS and not checks.other_head_dim(head_dim):
-        raise ValueError(checks.head_dim_message("q.shape[3]", head_dim))
+        raise ValueError(checks.head_dim_message(f"q.shape[{q.dim() - 1}]", head_dim))
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache and v_cache must have the same shape but for the head dim, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -128,7 +160,7 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
             raise ValueError(f"k_cache must have at least q's batch size {batch} rows, got {k_cache.shape[0]}")
     if cache_batch_idx is not None:
         _check_index("cache_batch_idx", cache_batch_idx, "[batch]", (batch,), q.device)
-    validate_leftpad(q, k_cache, v_cache, cache_leftpad, page_table)
+    validate_leftpad(batch, q.device, k_cache, v_cache, cache_leftpad, page_table)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
             raise TypeError(f"cache_seqlens must be an int or an int32 tensor [batch], got "
@@ -171,11 +203,11 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
     check_device(q)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.numel():
-            _check_tma_addressable(name, t)
+            _check_tma_addressable(name, t if t.dim() == 4 else t.unsqueeze(0))
     return softmax_scale
 
 
-def validate_leftpad(q, k_cache, v_cache, cache_leftpad, page_table) -> None:
+def validate_leftpad(batch: int, device, k_cache, v_cache, cache_leftpad, page_table) -> None:
     """``cache_leftpad``: None, or int32 ``[batch]`` on q's device, without
     pages (as in flash-attn), over a cache whose rows number fewer than 2**31
     (``slot_rows_args``' row offsets are int32)."""
@@ -184,7 +216,7 @@ def validate_leftpad(q, k_cache, v_cache, cache_leftpad, page_table) -> None:
     if page_table is not None:  # a paged row starts at its first page's first key
         raise ValueError("cache_leftpad cannot be combined with page_table (as in flash-attn; leave the padding "
                          "out of the page table instead)")
-    _check_index("cache_leftpad", cache_leftpad, "[batch]", (q.shape[0],), q.device)
+    _check_index("cache_leftpad", cache_leftpad, "[batch]", (batch,), device)
     if k_cache.shape[0] * (_rows_per_slot(k_cache, v_cache) or k_cache.shape[1]) >= 2 ** 31:
         raise ValueError(f"cache_leftpad needs fewer than 2**31 cache rows in all (k_cache's batch x its row "
                          f"spacing: {k_cache.shape[0]} x {k_cache.shape[1]} or more)")
@@ -195,11 +227,15 @@ def _capacity(k_cache, page_table):
 
 
 def check_contract(k_cache, cache_seqlens_new, cache_batch_idx, page_table, cache_leftpad=None,
-                   cache_seqlens=None) -> None:
+                   cache_seqlens=None, packed=None) -> None:
     """The opt-in device-value check (one host sync). ``cache_seqlens``:
-    the lengths before the append (bounding ``cache_leftpad``)."""
+    the lengths before the append (bounding ``cache_leftpad``); ``packed``:
+    ``(total_q, cu_seqlens_q, max_seqlen_q)`` of packed queries."""
     cap = _capacity(k_cache, page_table)
     bad = []
+    if packed is not None:
+        total_q, cu_seqlens_q, max_seqlen_q = packed
+        bad += checks.prefix_sum_problems("q", cu_seqlens_q, None, total_q, max_seqlen_q)
     lens = cache_seqlens_new
     if cache_leftpad is not None and bool(((cache_leftpad < 0) | (cache_leftpad > cache_seqlens)).any()):
         bad.append(f"cache_leftpad must lie in [0, cache_seqlens], got {cache_leftpad.tolist()} for "
@@ -414,19 +450,29 @@ def _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rot
 
 def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
                     num_splits, pack_gqa, return_lse, check=None, window=None, softcap=0.0, sink=None,
-                    rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_leftpad=None):
-    """Validated append + attention; returns ``(out, lse or None)``.
+                    rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_leftpad=None,
+                    cu_seqlens_q=None, max_seqlen_q=None):
+    """Validated append + attention; returns ``(out, lse or None)``
+    (``[batch, seqlen_q, nheads, headdim_v]`` and ``[batch, nheads,
+    seqlen_q]``, or with packed queries ``[total_q, nheads, headdim_v]`` and
+    ``[nheads, total_q]``).
     ``window``: ``checks.window_bounds``'s ``(left, right)`` or None;
     ``softcap``: ``checks.check_softcap``'s float; ``sink``: attention
     sinks (checked, ``checks.check_learnable_sink``) or None;
     ``rotary_*``: flash-attn's rotary embedding (``kernels/append.py``);
     ``cache_leftpad``: int32 ``[batch]``, each row's first live key
-    (``varlen_over_cache``)."""
+    (``varlen_over_cache``); ``cu_seqlens_q``, ``max_seqlen_q``: packed
+    queries (``validate_packed_queries``)."""
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa, rotary_cos, rotary_sin,
-                                     rotary_interleaved, cache_leftpad)
+                                     rotary_interleaved, cache_leftpad, cu_seqlens_q, max_seqlen_q)
     capacity = _capacity(k_cache, page_table)
-    batch, seqlen_q, nheads, head_dim = q.shape
+    packed = cu_seqlens_q is not None
+    if packed:
+        batch, seqlen_q, (nheads, head_dim) = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), q.shape[1:]
+        cu_seqlens_q = cu_seqlens_q.contiguous()
+    else:
+        batch, seqlen_q, nheads, head_dim = q.shape
     # The kernels (the append's, the attention's) read these as dense int32
     # vectors and rows.
     if cache_seqlens is None:
@@ -447,7 +493,8 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     if cache_leftpad is not None:
         cache_leftpad = cache_leftpad.contiguous()
     if check:
-        check_contract(k_cache, seqused, cache_batch_idx, page_table, cache_leftpad, seqlens)
+        check_contract(k_cache, seqused, cache_batch_idx, page_table, cache_leftpad, seqlens,
+                       (q.shape[0], cu_seqlens_q, seqlen_q) if packed else None)
     rotary = None
     if rotary_cos is not None:
         # flash-attn's rule: under a causal or local mask query row i sits at
@@ -459,6 +506,15 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
         with plan.on_device(q):
             q = _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary)
 
+    if packed:
+        if capacity == 0:  # a cache with no rows at all (TMA cannot describe it): nothing to see
+            out = torch.zeros(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device)
+            lse = torch.empty((nheads, q.shape[0]), dtype=torch.float32, device=q.device) if return_lse else None
+            if lse is not None:
+                dispatch.fill_empty_lse(lse, sink)
+            return out, lse
+        return varlen_over_cache(q, cu_seqlens_q, seqlen_q, None, k_cache, v_cache, seqused, cache_batch_idx,
+                                 cache_leftpad, page_table, softmax_scale, causal, return_lse, window, softcap, sink)
     if cache_leftpad is not None and seqlen_q and capacity:
         # Rows that start past 0: the varlen kernel over q's rows as a packed batch.
         cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
@@ -505,46 +561,58 @@ def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                 pack_gqa: int, window_left: int = -1, window_right: int = -1,
                 softcap: float = 0.0, sink: torch.Tensor | None = None, rotary_cos: torch.Tensor | None = None,
                 rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = True,
-                cache_leftpad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                cache_leftpad: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                max_seqlen_q: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Append + attention; returns ``(out, lse)``. ``pack_gqa``: -1 auto, 0 off, 1 on;
     ``window_left``/``window_right``: ``checks.window_bounds``'s, -1 -1 for none;
     ``softcap``: logit soft-capping, 0.0 for none; ``sink``: attention sinks;
     ``rotary_*``: flash-attn's rotary embedding of the new keys and q;
-    ``cache_leftpad``: each row's first live key."""
+    ``cache_leftpad``: each row's first live key; ``cu_seqlens_q``,
+    ``max_seqlen_q``: packed queries (FA3's; 0: none)."""
     window = checks.op_window(window_left, window_right, causal)
-    checks.check_learnable_sink(sink, q.shape[2], q.device)
+    checks.check_learnable_sink(sink, q.shape[-2], q.device)
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                                causal, num_splits, None if pack_gqa < 0 else bool(pack_gqa), True, window=window,
                                softcap=checks.check_softcap(softcap), sink=sink, rotary_cos=rotary_cos,
                                rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-                               cache_leftpad=cache_leftpad)
+                               cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q,
+                               max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None)
     return out, lse
 
 
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
                       num_splits, pack_gqa, window_left=-1, window_right=-1, softcap=0.0, sink=None, rotary_cos=None,
-                      rotary_sin=None, rotary_interleaved=True, cache_leftpad=None):
+                      rotary_sin=None, rotary_interleaved=True, cache_leftpad=None, cu_seqlens_q=None,
+                      max_seqlen_q=0):
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
-    checks.check_learnable_sink(sink, q.shape[2], q.device)
+    checks.check_learnable_sink(sink, q.shape[-2], q.device)
+    if cu_seqlens_q is not None:
+        batch, _ = validate_packed_queries(q, cu_seqlens_q, max_seqlen_q, k)
+    else:
+        batch = q.shape[0]
     if rotary_cos is not None or rotary_sin is not None:  # shapes, dtypes, devices: checkable at trace time
         validate_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, _capacity(k_cache, page_table))
-    validate_leftpad(q, k_cache, v_cache, cache_leftpad, page_table)
+    validate_leftpad(batch, q.device, k_cache, v_cache, cache_leftpad, page_table)
+    out = torch.empty(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device)
+    if cu_seqlens_q is not None:  # flash-attn's varlen LSE layout
+        return out, torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     batch, seqlen_q, nheads, _ = q.shape
-    return (torch.empty(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device),
-            torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device))
+    return out, torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, pack_gqa=None,
-                            return_softmax_lse=False, check_contract=None, learnable_sink=None):
+                            return_softmax_lse=False, check_contract=None, learnable_sink=None, cu_seqlens_q=None,
+                            max_seqlen_q=None, cu_seqlens_k_new=None):
     """Attention of ``q`` over a KV cache, with an optional in-place append.
 
     Args:
-        q: ``[batch, seqlen_q, nheads, headdim]`` (bf16/fp16, headdim 64/128/256).
+        q: ``[batch, seqlen_q, nheads, headdim]`` (bf16/fp16, headdim 64/128/256),
+            or with ``cu_seqlens_q`` packed: ``[total_q, nheads, headdim]``.
         k_cache, v_cache: ``[batch_cache, seqlen_cache, nheads_kv, headdim]``,
             or paged ``[num_pages, page_size, nheads_kv, headdim]`` with
             ``page_table``. ``nheads`` must be a multiple of ``nheads_kv``.
@@ -585,9 +653,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
             packed-batch (varlen) mode, which has no split-KV or PackGQA:
             correct on any length, but long caches decode at the prefill
             kernel's rate rather than at memory speed.
+        cu_seqlens_q, max_seqlen_q: FA3's packed queries: int32 ``[batch +
+            1]`` prefix sums on q's device and a host-side bound on every
+            query length (as in ``flash_attn_varlen_func``); sequence ``b``'s
+            queries attend to its cache row's keys, bottom-right causal
+            against its own length. Run by the forward kernel's varlen mode
+            (no split-KV or PackGQA), without an append (``k``/``v`` None)
+            or rotary embedding. The output is then ``[total_q, nheads,
+            headdim_v]`` and the LSE ``[nheads, total_q]``.
+        cu_seqlens_k_new: FA3's packed new keys: accepted where no new keys
+            are given (k None), where FA3 ignores it too.
         alibi_slopes: flash-attn's, accepted only as None.
         num_splits: KV splits (0: heuristic); pack_gqa: None = heuristic.
-        return_softmax_lse: also return the LSE ``[batch, nheads, seqlen_q]``.
+        return_softmax_lse: also return the LSE ``[batch, nheads, seqlen_q]``
+            (packed queries: ``[nheads, total_q]``).
         check_contract: validate the device values (lengths within the cache,
             left pads within the lengths, valid rows and pages) at the cost of
             one host sync; default from
@@ -599,27 +678,38 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
         page_table = block_table
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes must be None (ALiBi is not supported)")
+    if cu_seqlens_k_new is not None and k is not None:
+        raise NotImplementedError("cu_seqlens_k_new (packed new keys) is not supported: pass k and v as "
+                                  "[batch, seqlen_new, nheads_kv, headdim], or write them into the cache first")
+    if cu_seqlens_q is None and max_seqlen_q is not None:
+        raise ValueError("max_seqlen_q goes with cu_seqlens_q (packed queries); q [batch, seqlen_q, nheads, "
+                         "headdim] has its own")
     if not isinstance(rotary_interleaved, bool):
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
-    if learnable_sink is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
+    if learnable_sink is not None and isinstance(q, torch.Tensor) and q.dim() == (3 if cu_seqlens_q is not None
+                                                                                   else 4):
         # Checked before anything runs (the append mutates the cache); a bad
         # q is reported by q's own checks below.
-        checks.check_learnable_sink(learnable_sink, q.shape[2], q.device)
+        checks.check_learnable_sink(learnable_sink, q.shape[-2], q.device)
     if torch.compiler.is_compiling() or torch.is_grad_enabled() and getattr(q, "requires_grad", False):
         if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-            cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+            packed = isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1  # (else the fake says so)
+            batch = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
+            cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         out, lse = fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, float(scale),
                                bool(causal), int(num_splits), -1 if pack_gqa is None else int(bool(pack_gqa)),
                                *(window or (-1, -1)), softcap,
                                None if learnable_sink is None else learnable_sink.detach(),  # (no gradient)
-                               rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
+                               rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, cu_seqlens_q,
+                               0 if cu_seqlens_q is None else checks.check_max_seqlen("max_seqlen_q", max_seqlen_q))
         return (out, lse) if return_softmax_lse else out
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                                causal, num_splits, pack_gqa, return_softmax_lse, check_contract, window, softcap,
-                               learnable_sink, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad)
+                               learnable_sink, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
+                               cu_seqlens_q, max_seqlen_q)
     return (out, lse) if return_softmax_lse else out

@@ -171,3 +171,53 @@ def test_the_contract_check_names_bad_pages():
     table[0, 1] = 10 ** 6  # covers keys 16..31 of a 40-key row
     with pytest.raises(ValueError, match="block_table entries covering live keys"):
         hopper_flash.flash_attn_varlen_func(q, kp, vp, cq, ck, 3, 40, block_table=table, check_contract=True)
+
+
+# FA3's packed queries in flash_attn_with_kvcache (cu_seqlens_q, max_seqlen_q).
+
+def test_kvcache_packed_queries_over_pages_equal_the_paged_varlen_call():
+    q, k, v, cq, ck, kp, vp, table = paged_batch(**MIXED, page=16, seed=41)
+    lens = ck[1:] - ck[:-1]
+    out, lse = hopper_flash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, page_table=table,
+                                                    cu_seqlens_q=cq, max_seqlen_q=1000, causal=True,
+                                                    return_softmax_lse=True)
+    check(out, lse, q, k, v, cq, ck, True)
+    same, same_lse = hopper_flash.flash_attn_varlen_func(q, kp, vp, cq, None, 1000, 4099, seqused_k=lens,
+                                                         block_table=table, causal=True, return_lse=True)
+    assert torch.equal(out, same) and torch.equal(lse, same_lse)
+
+
+@pytest.mark.parametrize("with_pad", [False, True], ids=["rows", "rows-leftpad"])
+def test_kvcache_packed_queries_over_contiguous_rows(with_pad):
+    """Cache rows picked by cache_batch_idx, NaN outside each sequence's
+    keys (before its pad, past its length, in rows nobody reads)."""
+    lq, lk = MIXED["lq"], MIXED["lk"]
+    pads = [0, 2, 100, 7, 999, 3000, 1, 0] if with_pad else [0] * len(lk)
+    rows = [7, 2, 5, 0, 1, 3, 4, 6]
+    cap = 4200
+    kc, vc = rnd(9, cap, 2, 128, seed=51), rnd(9, cap, 2, 128, seed=52)
+    q = rnd(sum(lq), 8, 128, seed=53)
+    live = torch.zeros(9, cap, dtype=torch.bool, device=DEV)
+    for r, p, n in zip(rows, pads, lk):
+        live[r, p:n] = True
+    kc[~live], vc[~live] = math.nan, math.nan
+    cq = cu(lq)
+    out, lse = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=i32(lk), cache_batch_idx=i32(rows),
+                                                    cache_leftpad=i32(pads) if with_pad else None, cu_seqlens_q=cq,
+                                                    max_seqlen_q=1000, causal=True, return_softmax_lse=True)
+    k = torch.cat([kc[r, p:n] for r, p, n in zip(rows, pads, lk)])
+    v = torch.cat([vc[r, p:n] for r, p, n in zip(rows, pads, lk)])
+    check(out, lse, q, k, v, cq, cu([n - p for p, n in zip(pads, lk)]), True)
+
+
+def test_kvcache_packed_queries_under_torch_compile():
+    q, k, v, cq, ck, kp, vp, table = paged_batch(**MIXED, page=64, seed=61)
+    lens = ck[1:] - ck[:-1]
+
+    def step(q, kp, vp, lens):
+        return hopper_flash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, page_table=table,
+                                                    cu_seqlens_q=cq, max_seqlen_q=1000, causal=True)
+
+    eager = step(q, kp, vp, lens)
+    assert torch.equal(torch.compile(step, fullgraph=True)(q, kp, vp, lens), eager)
+    check(eager, None, q, k, v, cq, ck, True)
