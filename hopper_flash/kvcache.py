@@ -466,7 +466,8 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa, rotary_cos, rotary_sin,
                                      rotary_interleaved, cache_leftpad, cu_seqlens_q, max_seqlen_q)
-    capacity = _capacity(k_cache, page_table)
+    # (A pool without pages holds no live key under the contract: nothing to see, nothing TMA could describe.)
+    capacity = _capacity(k_cache, page_table) if k_cache.shape[0] else 0
     packed = cu_seqlens_q is not None
     if packed:
         batch, seqlen_q, (nheads, head_dim) = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), q.shape[1:]
@@ -495,6 +496,16 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     if check:
         check_contract(k_cache, seqused, cache_batch_idx, page_table, cache_leftpad, seqlens,
                        (q.shape[0], cu_seqlens_q, seqlen_q) if packed else None)
+    if packed and cache_leftpad is None and seqlen_q and q.shape[0] == batch * seqlen_q:
+        # Every sequence has max_seqlen_q queries (lengths of at most that
+        # summing to batch times it, the contract): a decode step (SGLang's
+        # cu_seqlens_q = arange, max_seqlen_q = 1) or a fixed draft length,
+        # run as q [batch, max_seqlen_q, H, D] with split-KV and PackGQA.
+        out, lse = kvcache_forward(q.view(batch, seqlen_q, nheads, head_dim), k_cache, v_cache, None, None, seqused,
+                                   cache_batch_idx, page_table, softmax_scale, causal, num_splits, pack_gqa,
+                                   return_lse, False, window, softcap, sink)
+        return (out.view(q.shape[0], nheads, out.shape[3]),
+                lse.permute(1, 0, 2).reshape(nheads, q.shape[0]) if lse is not None else None)
     rotary = None
     if rotary_cos is not None:
         # flash-attn's rule: under a causal or local mask query row i sits at
@@ -657,10 +668,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
             1]`` prefix sums on q's device and a host-side bound on every
             query length (as in ``flash_attn_varlen_func``); sequence ``b``'s
             queries attend to its cache row's keys, bottom-right causal
-            against its own length. Run by the forward kernel's varlen mode
-            (no split-KV or PackGQA), without an append (``k``/``v`` None)
-            or rotary embedding. The output is then ``[total_q, nheads,
-            headdim_v]`` and the LSE ``[nheads, total_q]``.
+            against its own length, without an append (``k``/``v`` None)
+            or rotary embedding. Where every sequence has ``max_seqlen_q``
+            queries (``total_q == batch * max_seqlen_q``, known from shapes:
+            a decode step) the call is the unpacked one's, split-KV and
+            PackGQA included; otherwise the forward kernel's varlen mode runs
+            it (no split-KV or PackGQA there). The output is then
+            ``[total_q, nheads, headdim_v]`` and the LSE ``[nheads,
+            total_q]``.
         cu_seqlens_k_new: FA3's packed new keys: accepted where no new keys
             are given (k None), where FA3 ignores it too.
         alibi_slopes: flash-attn's, accepted only as None.

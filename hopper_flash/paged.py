@@ -4,14 +4,17 @@ with ``block_table`` (FA2's and vLLM's form), forward only.
 q is THD ``[total_q, H, D]`` with ``cu_seqlens_q``; k and v are page pools
 ``[num_pages, page_size, Hkv, D]``; sequence ``b``'s keys are the first
 ``seqused_k[b]`` (or ``cu_seqlens_k[b+1] - cu_seqlens_k[b]``) keys of the
-pages its row of ``block_table`` names, in order. Three routes, all decided
-on the host from shapes alone (nothing read back from the device):
+pages its row of ``block_table`` names, in order. It is the KV cache's call
+with FA3's packed queries (``kvcache.kvcache_forward`` with
+``cu_seqlens_q``; ``kvcache.varlen_over_cache`` where ``seqused_q`` leaves
+gaps), whose three routes are all decided on the host from shapes alone
+(nothing read back from the device):
 
 * every sequence has ``max_seqlen_q`` queries (``total_q == batch *
   max_seqlen_q``, no ``seqused_q``; a decode step, or speculative decoding's
   fixed draft length): q is a ``[batch, max_seqlen_q, H, D]`` view and the
-  call is ``flash_attn_with_kvcache``'s over the same pages, with its
-  split-KV and PackGQA (``kvcache.kvcache_forward``);
+  call is ``flash_attn_with_kvcache``'s decode path over the same pages,
+  with its split-KV and PackGQA;
 * otherwise (a mixed batch: prefill chunks beside decodes) the forward
   kernel's VARLEN mode reads the pages itself (``Mode.page_size``: TMA
   boxes per page, or rows gathered under 16 keys), as the KV cache does;
@@ -120,14 +123,6 @@ def _key_lengths(cu_seqlens_k, seqused_k) -> torch.Tensor:
     return (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).contiguous()
 
 
-def uniform_queries(q, cu_seqlens_q, max_seqlen_q: int, seqused_q) -> bool:
-    """Whether every sequence has ``max_seqlen_q`` queries, known from
-    shapes: lengths of at most ``max_seqlen_q`` summing to ``batch *
-    max_seqlen_q`` (the contract) are all of it."""
-    batch = cu_seqlens_q.shape[0] - 1
-    return seqused_q is None and q.shape[0] == batch * max_seqlen_q
-
-
 def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                          block_table, softmax_scale, causal, return_lse, check_contract=None, window=None,
                          softcap=0.0, sink=None):
@@ -144,19 +139,13 @@ def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         check_paged_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                     seqused_k, block_table)
     lens = _key_lengths(cu_seqlens_k, seqused_k)
-    batch = cu_seqlens_q.shape[0] - 1
-    total_q, nheads, head_dim = q.shape
-    if uniform_queries(q, cu_seqlens_q, max_seqlen_q, seqused_q) and k.shape[0]:
-        # flash_attn_with_kvcache's decode path: split-KV and PackGQA. (No
-        # page at all: no live key under the contract; the varlen path's
-        # zeros below, and nothing for TMA to describe.)
-        out, lse = kvcache.kvcache_forward(q.view(batch, max_seqlen_q, nheads, head_dim), k, v, None, None, lens,
-                                           None, block_table, softmax_scale, bool(causal), 0, None, return_lse,
-                                           check=False, window=window, softcap=softcap, sink=sink)
-        out = out.view(total_q, nheads, out.shape[3])
-        if lse is not None:
-            lse = lse.permute(1, 0, 2).reshape(nheads, total_q)
-        return out, lse
+    if seqused_q is None:
+        # flash_attn_with_kvcache's packed queries over the same pages: its
+        # decode path where every sequence has max_seqlen_q queries, else
+        # the varlen kernel reading the pages.
+        return kvcache.kvcache_forward(q, k, v, None, None, lens, None, block_table, softmax_scale, bool(causal), 0,
+                                       None, return_lse, check=False, window=window, softcap=softcap, sink=sink,
+                                       cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
     return kvcache.varlen_over_cache(q, cu_seqlens_q, max_seqlen_q, seqused_q, k, v, lens, None, None, block_table,
                                      softmax_scale, causal, return_lse, window, softcap, sink, max_seqlen_k)
 

@@ -177,3 +177,26 @@ def test_the_contract_check_reads_the_query_prefix_sums():
         kvcache.check_contract(kc, lens, None, None, packed=(6, i32([0, 2, 6]), 3))
     with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing"):
         kvcache.check_contract(kc, lens, None, None, packed=(6, i32([0, 3, 2]), 4))
+
+
+def test_one_query_per_sequence_takes_the_decode_launch(stand_in, monkeypatch):
+    """SGLang's decode step (cu_seqlens_q = arange, max_seqlen_q = 1): the
+    unpacked call's launch, split-KV and PackGQA free to apply, on a
+    [batch, 1, H, D] view of q; the LSE back in the packed layout."""
+    seen = {}
+
+    def decode(q4, k, v, out, lse, scale, causal, cfg, **kw):
+        seen.update(q4=q4, kw=kw)
+        out.fill_(1)
+        lse.copy_(torch.arange(3 * 4, dtype=torch.float32).view(3, 4, 1))
+
+    monkeypatch.setattr(plan, "launch_forward", decode)
+    q = torch.randn(3, 4, 64).to(BF16)
+    kc = torch.zeros(3, 32, 2, 64, dtype=BF16)
+    out, lse = hopper_flash.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=i32([5, 0, 32]),
+                                                    cu_seqlens_q=i32([0, 1, 2, 3]), max_seqlen_q=1, causal=True,
+                                                    return_softmax_lse=True, num_splits=3)
+    assert stand_in == [] and seen["q4"].shape == (3, 1, 4, 64) and seen["q4"].data_ptr() == q.data_ptr()
+    assert seen["kw"]["num_splits"] == 3 and seen["kw"]["seqused_k"].tolist() == [5, 0, 32]
+    assert out.shape == (3, 4, 64) and (out == 1).all()
+    assert torch.equal(lse, torch.arange(12, dtype=torch.float32).view(3, 4).t())

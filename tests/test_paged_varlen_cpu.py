@@ -69,29 +69,33 @@ def no_device(monkeypatch):
     """The device checks pass on CPU tensors; no device context."""
     monkeypatch.setattr(paged.checks, "check_device", lambda t, name="q": None)
     monkeypatch.setattr(paged.checks, "check_tma_addressable", lambda name, t: None)
+    monkeypatch.setattr(kvcache, "check_device", lambda t, name="q": None)
+    monkeypatch.setattr(kvcache, "_check_tma_addressable", lambda name, t: None)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
 
 
 def test_uniform_query_lengths_take_the_kv_cache_decode_path(monkeypatch, no_device):
     """Every sequence with max_seqlen_q queries: flash_attn_with_kvcache's
-    path on a [batch, Sq, H, D] view of q, the pages and lengths as given;
-    its LSE [B, H, Sq] comes back in the varlen layout [H, total_q]."""
+    decode launch on a [batch, Sq, H, D] view of q, the pages and lengths
+    as given; its LSE [B, H, Sq] comes back in the varlen layout [H, total_q]."""
     lq, lk = [2, 2, 2], [5, 40, 17]
     q, kp, vp, table, *_ = paged_batch(lq, lk)
     seen = {}
 
-    def decode(q4, k, v, kn, vn, lens, idx, pt, scale, causal, num_splits, pack_gqa, return_lse, **kw):
-        seen.update(q4=q4, k=k, lens=lens, pt=pt, kw=kw, causal=causal)
-        lse = torch.arange(3 * 4 * 2, dtype=torch.float32).view(3, 4, 2)  # [B, H, Sq]
-        return q4.new_zeros(q4.shape), lse
+    def decode(q4, k, v, out, lse, scale, causal, cfg, **kw):
+        seen.update(q4=q4, k=k, kw=kw, causal=causal)
+        out.zero_()
+        lse.copy_(torch.arange(3 * 4 * 2, dtype=torch.float32).view(3, 4, 2))  # [B, H, Sq]
 
-    monkeypatch.setattr(kvcache, "kvcache_forward", decode)
+    monkeypatch.setattr(plan, "launch_forward", decode)
+    monkeypatch.setattr(plan, "launch_forward_varlen", lambda *a, **k: pytest.fail("the varlen kernel"))
     out, lse = hopper_flash.flash_attn_varlen_func(q, kp, vp, cu(lq), None, 2, 40, seqused_k=i32(lk),
                                                    block_table=table, causal=True, return_lse=True,
                                                    window_size=(8, 0))
     assert seen["q4"].shape == (3, 2, 4, 64) and seen["q4"].data_ptr() == q.data_ptr()
-    assert seen["k"] is kp and seen["pt"] is table and seen["lens"].tolist() == lk and seen["causal"] is True
-    assert seen["kw"]["window"] == (8, 0)
+    assert seen["k"] is kp and seen["kw"]["page_table"].data_ptr() == table.data_ptr()
+    assert seen["kw"]["seqused_k"].tolist() == lk and seen["causal"] is True and seen["kw"]["window"] == (8, 0)
     assert out.shape == q.shape
     want = torch.arange(24, dtype=torch.float32).view(3, 4, 2).permute(1, 0, 2).reshape(4, 6)
     assert torch.equal(lse, want)
@@ -223,11 +227,18 @@ def test_the_contract_check():
         paged.check_paged_varlen_contract(q, kp, cq, None, 2, 48, None, i32([1, 1]), table)
 
 
-def test_the_uniform_route_is_decided_from_shapes_alone():
-    q = torch.zeros(6, 4, 64)
-    assert paged.uniform_queries(q, i32([0, 2, 4, 6]), 2, None)
-    assert not paged.uniform_queries(q, i32([0, 2, 4, 6]), 3, None)  # lengths could be 1, 2, 3
-    assert not paged.uniform_queries(q, i32([0, 2, 4, 6]), 2, i32([2, 2, 2]))  # gaps possible
+def test_the_uniform_route_is_decided_from_shapes_alone(monkeypatch, no_device):
+    """total_q == batch * max_seqlen_q (lengths at most max summing to it)
+    takes the decode launch; a larger bound, or seqused_q (gaps), the
+    varlen kernel."""
+    calls = []
+    monkeypatch.setattr(plan, "launch_forward", lambda *a, **k: calls.append("decode"))
+    monkeypatch.setattr(plan, "launch_forward_varlen", lambda *a, **k: calls.append("varlen"))
+    q, kp, vp, table, *_ = paged_batch([2, 2, 2], [5, 40, 17])
+    for max_q, used_q in ((2, None), (3, None), (2, i32([2, 2, 2]))):
+        hopper_flash.flash_attn_varlen_func(q, kp, vp, cu([2, 2, 2]), None, max_q, 40, seqused_k=i32([5, 40, 17]),
+                                            seqused_q=used_q, block_table=table)
+    assert calls == ["decode", "varlen", "varlen"]
 
 
 @pytest.mark.parametrize("lq,max_q", [([1, 1], 1), ([3, 0], 3)], ids=["uniform", "mixed"])
@@ -236,7 +247,7 @@ def test_pools_without_pages_give_zeros(monkeypatch, no_device, lq, max_q, page,
     """No page at all: no key can be live (the contract), zeros and -inf,
     nothing launched (TMA cannot describe an empty pool)."""
     monkeypatch.setattr(plan, "launch_forward_varlen", lambda *a, **k: pytest.fail("launched"))
-    monkeypatch.setattr(kvcache, "kvcache_forward", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(plan, "launch_forward", lambda *a, **k: pytest.fail("launched"))
     q = torch.randn(sum(lq), 4, d).to(BF16)
     pool = torch.zeros(0, page, 2, d, dtype=BF16)
     out, lse = hopper_flash.flash_attn_varlen_func(q, pool, pool, cu(lq), None, max_q, 8, seqused_k=i32([0, 0]),
