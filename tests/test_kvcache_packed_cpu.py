@@ -200,3 +200,82 @@ def test_one_query_per_sequence_takes_the_decode_launch(stand_in, monkeypatch):
     assert seen["kw"]["num_splits"] == 3 and seen["kw"]["seqused_k"].tolist() == [5, 0, 32]
     assert out.shape == (3, 4, 64) and (out == 1).all()
     assert torch.equal(lse, torch.arange(12, dtype=torch.float32).view(3, 4).t())
+
+
+def _decode_stand_in(q4, k, v, out, lse, scale, causal, cfg, seqused_k=None, kv_batch=None, page_table=None,
+                     window=None, **kw):
+    """plan.launch_forward's contract in the decode modes, by the float64
+    reference: batch row b over the first seqused_k[b] keys of its cache row
+    (kv_batch) or of its pages."""
+    for b in range(q4.shape[0]):
+        n = int(seqused_k[b])
+        if page_table is not None:
+            keys, vals = (t[page_table[b].long().clamp(0, t.shape[0] - 1)].flatten(0, 1)[:n] for t in (k, v))
+        else:
+            r = int(kv_batch[b]) if kv_batch is not None else b
+            keys, vals = k[r, :n], v[r, :n]
+        if n == 0:
+            out[b] = 0
+            if lse is not None:
+                lse[b] = float("-inf")
+            continue
+        o, l = attention_reference(q4[b:b + 1], keys[None], vals[None], causal=causal, softmax_scale=scale,
+                                   window=window)
+        out[b] = o[0].to(out.dtype)
+        if lse is not None:
+            lse[b] = l[0].float()
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_calls_give_each_sequence_its_own_attention(stand_in, monkeypatch, seed):
+    """Random packed or unpacked queries (one length or mixed), contiguous
+    rows (cache_batch_idx, cache_leftpad) or pages of 1-64 keys, causal or
+    not: whichever route runs them (the decode launch or the varlen kernel,
+    both stood in for by the float64 reference), each sequence's output and
+    LSE are its attention over its own keys."""
+    monkeypatch.setattr(plan, "launch_forward", _decode_stand_in)
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    batch, hkv, group, d = pick(1, 2, 3), pick(1, 2), pick(1, 2), 64
+    packed, uniform, paged, causal = pick(True, False), pick(True, False), pick(True, False), pick(True, False)
+    max_q = pick(1, 3, 7)
+    lq = [max_q] * batch if uniform or not packed else [int(x) for x in torch.randint(0, max_q + 1, (batch,),
+                                                                                       generator=g)]
+    cap = pick(32, 48, 64)
+    ends = [int(x) for x in torch.randint(0, cap + 1, (batch,), generator=g)]
+    pads = [int(torch.randint(0, e + 1, (1,), generator=g)) for e in ends] if not paged and pick(True, False) \
+        else None
+    rows = torch.randperm(batch + 2, generator=g)[:batch].tolist() if not paged and pick(True, False) else None
+    b_cache = batch + 2 if rows is not None else batch
+    kc = torch.randn(b_cache, cap, hkv, d, generator=g).to(BF16)
+    vc = torch.randn(b_cache, cap, hkv, d, generator=g).to(BF16)
+    q = torch.randn(sum(lq), hkv * group, d, generator=g).to(BF16)
+    kw = dict(cache_seqlens=i32(ends), causal=causal, return_softmax_lse=True)
+    if paged:
+        page = pick(1, 4, 16)
+        n_pages = batch * (cap // page)
+        perm = torch.randperm(n_pages, generator=g).view(batch, cap // page).to(torch.int32)
+        kp = torch.empty(n_pages, page, hkv, d, dtype=BF16)
+        vp = torch.empty_like(kp)
+        for b in range(batch):
+            for p in range(cap // page):
+                kp[perm[b, p]], vp[perm[b, p]] = kc[b, p * page:(p + 1) * page], vc[b, p * page:(p + 1) * page]
+        k_arg, v_arg, kw["page_table"] = kp, vp, perm
+    else:
+        k_arg, v_arg = kc, vc
+        if rows is not None:
+            kw["cache_batch_idx"] = i32(rows)
+        if pads is not None:
+            kw["cache_leftpad"] = i32(pads)
+    if packed:
+        out, lse = hopper_flash.flash_attn_with_kvcache(q, k_arg, v_arg, cu_seqlens_q=cu(lq), max_seqlen_q=max_q,
+                                                        **kw)
+    else:
+        out4, lse4 = hopper_flash.flash_attn_with_kvcache(q.view(batch, max_q, *q.shape[1:]), k_arg, v_arg, **kw)
+        out, lse = out4.flatten(0, 1), lse4.permute(1, 0, 2).flatten(1)
+    want, want_lse = _expected(q, lq, kc, vc, rows or list(range(batch)), pads or [0] * batch, ends, causal)
+    torch.testing.assert_close(out.double(), want.to(BF16).double(), rtol=0, atol=0)
+    torch.testing.assert_close(lse.double(), want_lse.float().double(), rtol=0, atol=0)
