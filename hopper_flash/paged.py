@@ -6,7 +6,7 @@ q is THD ``[total_q, H, D]`` with ``cu_seqlens_q``; k and v are page pools
 ``seqused_k[b]`` (or ``cu_seqlens_k[b+1] - cu_seqlens_k[b]``) keys of the
 pages its row of ``block_table`` names, in order. It is the KV cache's call
 with FA3's packed queries (``kvcache.kvcache_forward`` with
-``cu_seqlens_q``; ``kvcache.varlen_over_cache`` where ``seqused_q`` leaves
+``cu_seqlens_q``; ``cache_layout.varlen_over_cache`` where ``seqused_q`` leaves
 gaps), whose three routes are all decided on the host from shapes alone
 (nothing read back from the device):
 
@@ -18,7 +18,7 @@ gaps), whose three routes are all decided on the host from shapes alone
 * otherwise (a mixed batch: prefill chunks beside decodes) the forward
   kernel's VARLEN mode reads the pages itself (``Mode.page_size``: TMA
   boxes per page, or rows gathered under 16 keys), as the KV cache does;
-* pages that mode cannot read in place (``kvcache._page_plan``: small pages
+* pages that mode cannot read in place (``cache_layout.page_plan``: small pages
   at head dim 256 or in strided pools, or a v head dim of its own) are
   gathered into a contiguous cache first, read through ``seqused_k`` as
   one sequence axis (correct, not at memory speed).
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, dispatch, kvcache, plan
+from . import cache_layout, checks, dispatch, kvcache, plan
 
 
 def check_paged_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
@@ -146,7 +146,7 @@ def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         return kvcache.kvcache_forward(q, k, v, None, None, lens, None, block_table, softmax_scale, bool(causal), 0,
                                        None, return_lse, check=False, window=window, softcap=softcap, sink=sink,
                                        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
-    return kvcache.varlen_over_cache(q, cu_seqlens_q, max_seqlen_q, seqused_q, k, v, lens, None, None, block_table,
+    return cache_layout.varlen_over_cache(q, cu_seqlens_q, max_seqlen_q, seqused_q, k, v, lens, None, None, block_table,
                                      softmax_scale, causal, return_lse, window, softcap, sink, max_seqlen_k)
 
 

@@ -302,7 +302,7 @@ def gathers(page_size: int, head_dim: int) -> bool:
 def contiguous_pools(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether paged K and V pools can be gathered from in place: the kernel
     reads pool rows as ``(page * page_size + key) * Hkv + head``, so a
-    strided pool (a slice of a wider one) cannot (``kvcache._page_plan``
+    strided pool (a slice of a wider one) cannot (``cache_layout.page_plan``
     copies those first; ``launch_forward`` refuses them)."""
     return k.is_contiguous() and v.is_contiguous()
 

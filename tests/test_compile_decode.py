@@ -32,7 +32,7 @@ SPECS = [
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=128)),
     (C[128], "bfloat16", False, False, Mode(pack_g=4, seqused=True, page_size=256)),
     (C[256], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
-    # Pages shorter than a tile: one TMA box per page (kvcache.MIN_TMA_PAGE up).
+    # Pages shorter than a tile: one TMA box per page (cache_layout.MIN_TMA_PAGE up).
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
     (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, page_size=32)),
     (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=32)),

@@ -166,25 +166,25 @@ def test_a_window_reaches_the_device_check():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_pages_of_16_keys_and_more_are_read_by_tma_on_the_contiguous_tiles(head_dim):
-    """Which paged caches the kernel reads in place (kvcache._page_plan) and
+    """Which paged caches the kernel reads in place (cache_layout.page_plan) and
     with what TMA box (plan.block_shapes): whole tiles for pages of a tile or
     more, one page per box for 16 keys up to half a tile, and a gathered
     copy below 16."""
-    from hopper_flash import kvcache
+    from hopper_flash import cache_layout
 
     cfg = plan.CONFIGS[head_dim]
     tile = {64: 128, 128: 128, 256: 64}[head_dim]  # the configs' KV tile (plan.CONFIGS)
     box_rows = {16: 16, 32: 32, 64: 64, 128: tile, 256: tile, 512: tile}  # a page, or a whole tile
     for page_size in (1, 2, 4, 8):
-        assert not kvcache._page_plan(page_size, head_dim), page_size  # (no pools: by TMA only)
+        assert not cache_layout.page_plan(page_size, head_dim), page_size  # (no pools: by TMA only)
         # Gathered in the kernel from contiguous pools at head dims 64 and 128,
         # copied first from strided ones (and at 256).
         pool = torch.empty(3, page_size, 2, head_dim)
-        assert kvcache._page_plan(page_size, head_dim, pool, pool) == (head_dim <= 128), (page_size, head_dim)
-        assert not kvcache._page_plan(page_size, head_dim, pool[:, :, :1], pool[:, :, :1])
+        assert cache_layout.page_plan(page_size, head_dim, pool, pool) == (head_dim <= 128), (page_size, head_dim)
+        assert not cache_layout.page_plan(page_size, head_dim, pool[:, :, :1], pool[:, :, :1])
         assert plan.block_shapes(cfg, 1, page_size)["k"] == [1, tile if head_dim <= 128 else page_size, 1, head_dim]
     for page_size, rows in box_rows.items():
-        assert kvcache._page_plan(page_size, head_dim), page_size
+        assert cache_layout.page_plan(page_size, head_dim), page_size
         boxes = plan.block_shapes(cfg, 1, page_size)
         assert boxes["k"] == boxes["v"] == [1, rows, 1, head_dim], page_size
     assert plan.block_shapes(cfg)["k"] == [1, tile, 1, head_dim]  # contiguous caches: one box per tile

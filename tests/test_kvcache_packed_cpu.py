@@ -1,6 +1,6 @@
 """FA3's packed queries in ``flash_attn_with_kvcache`` (``cu_seqlens_q``,
 ``max_seqlen_q``) on the CPU: the argument checks on every path, and the
-call through ``kvcache.varlen_over_cache`` with the float64 varlen reference
+call through ``cache_layout.varlen_over_cache`` with the float64 varlen reference
 standing in for the kernel, against each sequence's attention over its own
 cache keys (contiguous rows with ``cache_batch_idx`` and ``cache_leftpad``,
 or pages)."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hopper_flash
-from hopper_flash import kvcache, plan
+from hopper_flash import cache_layout, kvcache, plan
 from hopper_flash.reference import attention_reference, varlen_reference
 
 BF16 = torch.bfloat16

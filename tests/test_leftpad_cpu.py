@@ -1,5 +1,5 @@
 """flash_attn_with_kvcache's ``cache_leftpad`` on the CPU: the packed batch it
-hands the forward kernel's varlen mode (``kvcache.slot_rows_args``),
+hands the forward kernel's varlen mode (``cache_layout.slot_rows_args``),
 judged through the float64 varlen reference against each row's own keys
 (``cache_leftpad[b] .. seqused[b] - 1``, the causal mask and window counted
 from there), the whole call with that reference standing in for the
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hopper_flash
-from hopper_flash import kvcache, plan
+from hopper_flash import cache_layout, kvcache, plan
 from hopper_flash.reference import attention_reference, varlen_reference
 
 BF16 = torch.bfloat16
@@ -78,7 +78,7 @@ def test_the_packed_batch_sees_each_rows_keys_from_its_left_pad(case):
     _poison_outside(kc, vc, rows, case["starts"], case["ends"])
     q = torch.randn(batch, case["sq"], h, d, generator=torch.Generator().manual_seed(7)).to(BF16)
     idx = _i32(case["rows"]) if case["rows"] is not None else None
-    k3, v3, cu_k, used_k = kvcache.slot_rows_args(kc, vc, batch, idx, _i32(case["starts"]), _i32(case["ends"]))
+    k3, v3, cu_k, used_k = cache_layout.slot_rows_args(kc, vc, batch, idx, _i32(case["starts"]), _i32(case["ends"]))
     q3 = q.reshape(batch * case["sq"], h, d)
     cu_q = torch.arange(0, (batch + 1) * case["sq"], case["sq"], dtype=torch.int32)
     if case.get("spacing"):  # a slice of a longer cache is read in place
@@ -96,14 +96,14 @@ def test_caches_that_cannot_be_one_axis_are_copied():
     """k and v caches whose rows are spaced differently (or not by whole
     rows) are read from contiguous copies; agreeing ones in place."""
     kc, vc = _cache(3, 50, 2, 64, seed=1, spacing=70)
-    assert kvcache._rows_per_slot(kc, vc) == 70
-    assert kvcache._rows_per_slot(kc, vc.contiguous()) is None
+    assert cache_layout.rows_per_slot(kc, vc) == 70
+    assert cache_layout.rows_per_slot(kc, vc.contiguous()) is None
     odd = torch.zeros(3 * 50 * 2 * 64 + 7, dtype=BF16)[7:].view(3, 50, 2, 64)
-    assert kvcache._rows_per_slot(odd, odd) == 50
-    assert kvcache._rows_per_slot(kc.transpose(1, 2).contiguous().transpose(1, 2), vc) is None
-    assert kvcache._rows_per_slot(kc[:1], vc[:1].contiguous()) == 50  # one cache row: any spacing
+    assert cache_layout.rows_per_slot(odd, odd) == 50
+    assert cache_layout.rows_per_slot(kc.transpose(1, 2).contiguous().transpose(1, 2), vc) is None
+    assert cache_layout.rows_per_slot(kc[:1], vc[:1].contiguous()) == 50  # one cache row: any spacing
     lens, pads = _i32([50, 20, 3]), _i32([1, 2, 3])
-    k3, v3, cu_k, _ = kvcache.slot_rows_args(kc, vc.contiguous(), 3, None, pads, lens)
+    k3, v3, cu_k, _ = cache_layout.slot_rows_args(kc, vc.contiguous(), 3, None, pads, lens)
     assert k3.data_ptr() != kc.data_ptr() and k3.shape == v3.shape[:2] + (64,) and k3.shape[0] == 150
     assert cu_k.tolist() == [1, 52, 103, 0]
 

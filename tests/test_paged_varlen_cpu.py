@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hopper_flash
-from hopper_flash import dispatch, kvcache, paged, plan
+from hopper_flash import cache_layout, dispatch, kvcache, paged, plan
 from hopper_flash.reference import attention_reference, varlen_reference
 
 BF16 = torch.bfloat16
@@ -134,7 +134,7 @@ def test_pages_the_kernel_cannot_read_are_copied_and_read_as_one_axis(monkeypatc
         wide_v = wide_k.clone()
         wide_k[:, :4], wide_v[:, :4] = kp, vp
         kp, vp = wide_k[:, :4], wide_v[:, :4]
-    assert not kvcache._page_plan(4, d, kp, vp)
+    assert not cache_layout.page_plan(4, d, kp, vp)
     seen = {}
 
     def launch(q3, k3, v3, out, lse, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, **kw):

@@ -146,7 +146,7 @@ from .softmax import LOG2E, softcap, softmax_exp, softmax_finish, softmax_first,
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
 WG_M = gl.constexpr(64)
-# The smallest page read by TMA, one box per page (kvcache.MIN_TMA_PAGE);
+# The smallest page read by TMA, one box per page (cache_layout.MIN_TMA_PAGE);
 # smaller pages are gathered row by row (Mode.GATHER).
 GATHER_MIN_PAGE = gl.constexpr(16)
 
