@@ -162,19 +162,61 @@ def _check_same_device_and_dtype(q, k, v) -> None:
         raise ValueError(f"q.dtype must be one of ({supported}), got {dtype_name(q.dtype)}")
 
 
-def _check_heads_and_head_dim(q, k, heads_axis: int) -> None:
-    """k's head dim equals q's and is supported; k has heads, and q's are a
-    multiple of them (GQA/MQA). ``heads_axis``: 2 for BSHD, 1 for THD; the
-    head dim is the last axis."""
+# Head dims without kernels of their own run on the next head dim's
+# (plan.kernel_head_dim): multiples of 8 (TMA's 16-byte rows) below the
+# largest.
+HEAD_DIM_MULTIPLE = 8
+
+
+def head_dim_message(name: str, head_dim) -> str:
+    """The error for a head dim no kernel serves (``name``: where it was read)."""
+    return (f"head dim ({name}) must be one of {plan.SUPPORTED_HEAD_DIMS} or a multiple of "
+            f"{HEAD_DIM_MULTIPLE} below {max(plan.SUPPORTED_HEAD_DIMS)} (run on the next of those), "
+            f"got {head_dim}")
+
+
+def other_head_dim(head_dim) -> bool:
+    """Whether ``head_dim`` has no kernels of its own but runs on the next
+    head dim's (``plan.kernel_head_dim``): a multiple of 8 below the
+    largest. The kernels read such tensors as they are: TMA's boxes span
+    the kernel's head dim, reading zeros past the last feature (which add
+    nothing to the scores and give output features nobody reads) and
+    clipping the stores there."""
+    return (head_dim not in plan.SUPPORTED_HEAD_DIMS and head_dim % HEAD_DIM_MULTIPLE == 0
+            and 0 < head_dim < max(plan.SUPPORTED_HEAD_DIMS))
+
+
+def supported_head_dim(head_dim) -> bool:
+    """A kernel's head dim, or ``other_head_dim``."""
+    return head_dim in plan.SUPPORTED_HEAD_DIMS or other_head_dim(head_dim)
+
+
+def _check_kv_shapes(k, v) -> None:
+    """k and v agree but for the head dim (v's may differ from q's and k's,
+    as in FA3: DeepSeek's 192 for q and k, 128 for v)."""
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape but for the head dim, got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
+
+
+def _check_heads_and_head_dim(q, k, v, heads_axis: int, kv_heads_axis: int | None = None) -> None:
+    """k's head dim equals q's; q's and v's are supported (a kernel's, or
+    ``other_head_dim``; they may differ, and run on the kernels of the wider:
+    ``plan.kernel_head_dim``); k has heads, and q's are a multiple of them
+    (GQA/MQA). ``heads_axis``: 2 for BSHD, 1 for THD; ``kv_heads_axis``:
+    k's, where it differs (2 for THD queries over page pools); the head dim
+    is the last axis."""
     head_dim, dim_axis = q.shape[-1], q.dim() - 1
     if k.shape[-1] != head_dim:
-        raise ValueError(f"k and v must have q's head dim {head_dim}, got {k.shape[-1]}")
-    if head_dim not in plan.SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim (q.shape[{dim_axis}]) must be one of {plan.SUPPORTED_HEAD_DIMS}, "
-                         f"got {head_dim}")
-    nheads, nheads_kv = q.shape[heads_axis], k.shape[heads_axis]
+        raise ValueError(f"k must have q's head dim {head_dim}, got {k.shape[-1]}")
+    if not supported_head_dim(head_dim):
+        raise ValueError(head_dim_message(f"q.shape[{dim_axis}]", head_dim))
+    if not supported_head_dim(v.shape[-1]):
+        raise ValueError(head_dim_message(f"v.shape[{dim_axis}]", v.shape[-1]))
+    kv_heads_axis = heads_axis if kv_heads_axis is None else kv_heads_axis
+    nheads, nheads_kv = q.shape[heads_axis], k.shape[kv_heads_axis]
     if nheads_kv == 0:
-        raise ValueError(f"k and v must have at least one head (k.shape[{heads_axis}] >= 1), got 0")
+        raise ValueError(f"k and v must have at least one head (k.shape[{kv_heads_axis}] >= 1), got 0")
     if nheads % nheads_kv:
         raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k/v's number of heads "
                          f"({nheads_kv})")
@@ -189,15 +231,15 @@ def check_arguments(q, k, v, softmax_scale, causal) -> float:
         _check_tensor(name, t)
     _check_same_device_and_dtype(q, k, v)
     batch, seqlen_q, nheads, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    _check_kv_shapes(k, v)
     if k.shape[0] != batch:
         raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
-    _check_heads_and_head_dim(q, k, heads_axis=2)
+    _check_heads_and_head_dim(q, k, v, heads_axis=2)
     check_causal(causal)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
     # int(): under dynamic shapes the head dim is a SymInt (unhashable); the kernel specialises on it anyway.
-    if plan.triton_cdiv(seqlen_q, plan.CONFIGS[int(head_dim)].block_m) * nheads * batch > plan.MAX_WORK_ITEMS:
+    block_m = plan.CONFIGS[plan.kernel_head_dim(int(head_dim), int(v.shape[3]))].block_m
+    if plan.triton_cdiv(seqlen_q, block_m) * nheads * batch > plan.MAX_WORK_ITEMS:
         raise ValueError(f"batch ({batch}) x nheads ({nheads}) x query tiles of seqlen_q ({seqlen_q}) exceeds "
                          f"the limit of {plan.MAX_WORK_ITEMS} work items (the kernel numbers them in int32)")
     return softmax_scale
@@ -421,9 +463,8 @@ def check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         _check_thd(name, t)
     _check_same_device_and_dtype(q, k, v)
     total_q, nheads, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    _check_heads_and_head_dim(q, k, heads_axis=1)
+    _check_kv_shapes(k, v)
+    _check_heads_and_head_dim(q, k, v, heads_axis=1)
     what = "int32 prefix sums of the sequence lengths, [batch + 1], starting at 0"
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise TypeError(f"cu_seqlens_q must be a torch.Tensor ({what}), got {type(cu_seqlens_q).__name__}")
@@ -451,7 +492,8 @@ def check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"max_seqlen_k must be at least the longest sequence in cu_seqlens_k")
     check_causal(causal)
     softmax_scale = check_softmax_scale(softmax_scale, head_dim)
-    if plan.triton_cdiv(max_seqlen_q, plan.CONFIGS[int(head_dim)].block_m) * nheads * batch > plan.MAX_WORK_ITEMS:
+    block_m = plan.CONFIGS[plan.kernel_head_dim(int(head_dim), int(v.shape[2]))].block_m
+    if plan.triton_cdiv(max_seqlen_q, block_m) * nheads * batch > plan.MAX_WORK_ITEMS:
         raise ValueError(f"batch ({batch}) x nheads ({nheads}) x query tiles of max_seqlen_q ({max_seqlen_q}) "
                          f"exceeds the limit of {plan.MAX_WORK_ITEMS} work items (the kernel numbers them in int32)")
     return softmax_scale, max_seqlen_q, max_seqlen_k
@@ -462,28 +504,36 @@ def check_tma_addressable_thd(name: str, t: torch.Tensor) -> None:
     check_tma_addressable(name, t.unsqueeze(0))
 
 
+def prefix_sum_problems(side: str, cu: torch.Tensor, used, total: int | None, bound: int) -> list[str]:
+    """What is wrong with one side's device values (reads them: a sync):
+    ``cu_seqlens_{side}`` from 0 and non-decreasing, ending within ``total``
+    rows (None: no such bound), ``seqused_{side}`` within its slots, every
+    live length at most ``bound`` (``max_seqlen_{side}``)."""
+    bad = []
+    c = cu.long()
+    slots = c[1:] - c[:-1]
+    lens = used.long() if used is not None else slots
+    if int(c[0]) != 0:
+        bad.append(f"cu_seqlens_{side}[0] must be 0, got {int(c[0])}")
+    if bool((slots < 0).any()):
+        bad.append(f"cu_seqlens_{side} must be non-decreasing, got {c.tolist()}")
+    if total is not None and int(c[-1]) > total:
+        bad.append(f"cu_seqlens_{side}[-1] ({int(c[-1])}) exceeds the {total} tokens of {side}")
+    if used is not None and bool(((lens < 0) | (lens > slots)).any()):
+        bad.append(f"seqused_{side} must lie in [0, slot length], got {lens.tolist()} for slots "
+                   f"{slots.tolist()}")
+    if lens.numel() and int(lens.max()) > bound:
+        bad.append(f"max_seqlen_{side} ({bound}) is below the longest sequence ({int(lens.max())})")
+    return bad
+
+
 def check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                           seqused_k) -> None:
     """The opt-in check of the device values (one host sync): prefix sums
     from 0, non-decreasing, ending within the tensors; every live length at
     most ``max_seqlen_*``; ``seqused`` within its slot. Enabled by
     ``check_contract=True`` or ``HOPPER_FLASH_CHECK_VARLEN=1``."""
-    bad = []
-    for side, cu, used, total, bound in (("q", cu_seqlens_q, seqused_q, q.shape[0], max_seqlen_q),
-                                          ("k", cu_seqlens_k, seqused_k, k.shape[0], max_seqlen_k)):
-        c = cu.long()
-        slots = c[1:] - c[:-1]
-        lens = used.long() if used is not None else slots
-        if int(c[0]) != 0:
-            bad.append(f"cu_seqlens_{side}[0] must be 0, got {int(c[0])}")
-        if bool((slots < 0).any()):
-            bad.append(f"cu_seqlens_{side} must be non-decreasing, got {c.tolist()}")
-        if int(c[-1]) > total:
-            bad.append(f"cu_seqlens_{side}[-1] ({int(c[-1])}) exceeds the {total} tokens of {side}")
-        if used is not None and bool(((lens < 0) | (lens > slots)).any()):
-            bad.append(f"seqused_{side} must lie in [0, slot length], got {lens.tolist()} for slots "
-                       f"{slots.tolist()}")
-        if lens.numel() and int(lens.max()) > bound:
-            bad.append(f"max_seqlen_{side} ({bound}) is below the longest sequence ({int(lens.max())})")
+    bad = (prefix_sum_problems("q", cu_seqlens_q, seqused_q, q.shape[0], max_seqlen_q)
+           + prefix_sum_problems("k", cu_seqlens_k, seqused_k, k.shape[0], max_seqlen_k))
     if bad:
         raise ValueError("flash_attn_varlen_func contract violated: " + "; ".join(bad))

@@ -25,7 +25,7 @@ BWD_SASS_OPS = SASS_OPS + ("RED", "ATOM", "BAR")
 
 def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool = True,
                      deterministic: bool = False, varlen: bool = False, seqused: bool = False, window=None,
-                     softcap: bool = False, short_rows: bool = False):
+                     softcap: bool = False, short_rows: bool = False, o_dim: int = 0):
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -40,7 +40,8 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
         return f"tensordesc<{sig_dtype}[{', '.join(map(str, block))}],{smem_layout(block, tdtype)!r}>"
 
     blocks = block_shapes(cfg)
-    constexprs = kernel_constexprs(cfg, causal, deterministic, varlen, seqused, seqused, window, softcap, short_rows)
+    constexprs = kernel_constexprs(cfg, causal, deterministic, varlen, seqused, seqused, window, softcap, short_rows,
+                                   o_dim)
     signature = {f"{name}_desc": desc_sig(blocks[name]) for name in ("q", "k", "v", "do", "dk", "dv")}
     dq_block = blocks["dq_accum"]
     signature["dq_desc"] = (f"tensordesc<fp32[{', '.join(map(str, dq_block))}],"
@@ -61,12 +62,14 @@ def compile_backward(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool 
 
 def census(cfg: BackwardConfig, dtype: str = "bfloat16", causal: bool = True,
            deterministic: bool = False, varlen: bool = False, seqused: bool = False, window=None,
-           softcap: bool = False, short_rows: bool = False) -> CompileReport:
+           softcap: bool = False, short_rows: bool = False, o_dim: int = 0) -> CompileReport:
     """``softcap``: the soft-capped specialisation (run with
     ``plan_backward.softcap_config(cfg)``, as the plan does); ``short_rows``:
     fixed lengths short enough for the persistent grid (D = 128 causal fast
-    mode, ``plan_backward.persistent_grid``)."""
-    compiled = compile_backward(cfg, dtype, causal, deterministic, varlen, seqused, window, softcap, short_rows)
+    mode, ``plan_backward.persistent_grid``); ``o_dim``: varlen's narrower
+    dK/dV (``kernel_constexprs``)."""
+    compiled = compile_backward(cfg, dtype, causal, deterministic, varlen, seqused, window, softcap, short_rows,
+                                o_dim)
     return read_census(compiled, BWD_SASS_OPS, head_dim=cfg.head_dim, dtype=dtype, causal=causal,
                        write_lse=deterministic)
 

@@ -81,11 +81,12 @@ def forward_validated(q, k, v, softmax_scale: float, causal, return_lse, out=Non
     batch, seqlen_q, nheads, _ = q.shape
     seqlen_k = k.shape[1]
     causal = bool(causal)
+    out_shape = plan.out_shape(q, v)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out must match q's shape, dtype and device, got {tuple(out.shape)} {out.dtype} "
-                         f"on {out.device}")
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    elif out.shape != out_shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must have shape {tuple(out_shape)} (q's, with v's head dim), q's dtype and device, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     else:
         checks.check_tma_addressable("out", out)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
@@ -158,17 +159,20 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                              softmax_scale: float, causal, return_lse, out=None, window=None, softcap=0.0,
-                             sink=None):
-    """``forward_varlen`` on arguments that passed ``validate_varlen``."""
+                             sink=None, page_table=None):
+    """``forward_varlen`` on arguments that passed ``validate_varlen`` (or,
+    with ``page_table``, ``paged.check_paged_varlen_arguments``: k and v
+    page pools, ``seqused_k`` given)."""
     total_q, nheads, _ = q.shape
     # Gaps (rows past seqused_q) are never written by the kernel: zero them up
     # front. Without seqused_q the sequences tile q (the caller's contract).
     gaps = seqused_q is not None
+    out_shape = plan.out_shape(q, v)
     if out is None:
-        out = (torch.zeros if gaps else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous and match q's shape, dtype and device, got {tuple(out.shape)} "
-                         f"{out.dtype} on {out.device}")
+        out = (torch.zeros if gaps else torch.empty)(out_shape, dtype=q.dtype, device=q.device)
+    elif out.shape != out_shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous with shape {tuple(out_shape)} (q's, with v's head dim), q's dtype "
+                         f"and device, got {tuple(out.shape)} {out.dtype} on {out.device}")
     if return_lse:
         lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
         if gaps:
@@ -185,5 +189,5 @@ def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     with plan.on_device(q):
         plan.launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                    max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), window=window,
-                                   softcap=softcap, sink=plan.sink_arg(sink))
+                                   softcap=softcap, sink=plan.sink_arg(sink), page_table=page_table)
     return out, lse

@@ -11,7 +11,9 @@ implement are accepted at their no-op values and refused with a
 ``NotImplementedError`` otherwise.
 
 Modules: ``checks`` (argument checks) <- ``dispatch`` (validated eager
-calls) <- ``ops`` (custom ops) <- ``interface``; nothing imports upwards.
+calls) <- ``ops`` (custom ops), ``kvcache`` (the KV cache) and ``paged``
+(packed queries over a paged cache, over ``kvcache``) <- ``interface``;
+nothing imports upwards.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Literal, overload
 
 import torch
 
-from . import checks, dispatch, ops
+from . import checks, dispatch, ops, paged
 
 
 _needs_op = ops.needs_op
@@ -86,9 +88,15 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     """Exact attention forward on Hopper, flash-attn compatible.
 
     Args:
-        q: ``[batch, seqlen_q, nheads, headdim]``.
+        q: ``[batch, seqlen_q, nheads, headdim]``. Head dims 64, 128 and 256
+            have kernels of their own; other multiples of 8 below 256 run on
+            the next of those, at its cost, forward and backward, read as
+            they are (``plan.kernel_head_dim``: no copy).
         k, v: ``[batch, seqlen_k, nheads_kv, headdim]``; ``nheads`` must be a
-            multiple of ``nheads_kv`` (GQA/MQA, read without a copy).
+            multiple of ``nheads_kv`` (GQA/MQA, read without a copy). v's
+            head dim may differ from q's and k's (FA3's ``hdim_v``, e.g.
+            192 and 128): both run on the kernels of the wider, and ``out``
+            has v's head dim.
         softmax_scale: scale of ``q @ k^T`` before the softmax; default
             ``1 / sqrt(headdim)``.
         causal: mask aligned to the bottom-right corner, as flash-attn >= 2.1:
@@ -124,7 +132,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     (``dropout_p`` before ``softmax_scale``) would otherwise be misread.
 
     Returns:
-        ``out`` shaped like q (contiguous), or ``(out, lse)``.
+        ``out`` shaped like q with v's head dim (contiguous), or ``(out, lse)``.
 
     Views work without a copy as long as the head dim is contiguous and the
     other strides are multiples of 16 bytes (for example q, k, v sliced out of
@@ -195,6 +203,25 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 
+def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table,
+                  softmax_scale, causal, return_lse, check_contract, window, softcap, sink):
+    """``flash_attn_varlen_func`` with ``block_table`` (``hopper_flash.paged``):
+    checked before anything runs on every path; the custom op under
+    torch.compile, the eager function otherwise."""
+    paged.refuse_gradients(q, k, v, sink)
+    if not torch.compiler.is_compiling():
+        return paged.paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                          seqused_k, block_table, softmax_scale, causal, return_lse, check_contract,
+                                          window, softcap, sink)
+    softmax_scale, max_seqlen_q, max_seqlen_k = paged.check_paged_varlen_arguments(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table,
+        softmax_scale, causal)
+    checks.check_op_device(q)
+    return paged.varlen_fwd_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                                  max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), *(window or (-1, -1)),
+                                  softcap, sink)
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, deterministic=False, return_lse=False,
                            check_contract=None, dropout_p=0.0, window_size=(-1, -1), softcap=0.0,
@@ -204,8 +231,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Args:
         q: ``[total_q, nheads, headdim]``: the batch's query sequences one
-            after the other (THD).
-        k, v: ``[total_k, nheads_kv, headdim]``; ``nheads`` a multiple of
+            after the other (THD); head dims as in ``flash_attn_func``.
+        k, v: ``[total_k, nheads_kv, headdim]`` (v's head dim may differ, as
+            in ``flash_attn_func``); ``nheads`` a multiple of
             ``nheads_kv`` (GQA/MQA).
         cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` device tensors of
             prefix sums: sequence ``b`` occupies rows ``cu[b] .. cu[b+1] - 1``.
@@ -216,7 +244,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             ``seqused[b]`` rows of each slot are live (the rest is never
             read: it may hold anything, NaN included). Rows of q past
             ``seqused_q`` get a zero output and an LSE of -inf.
-        softmax_scale: default ``1 / sqrt(headdim)``.
+        softmax_scale: default ``1 / sqrt(headdim)`` (q's).
         causal: bottom-right aligned per sequence: query ``i`` of sequence
             ``b`` sees key ``j`` iff ``j <= i + len_k(b) - len_q(b)``. Rows and
             sequences that see no key give zeros and an LSE of -inf.
@@ -231,9 +259,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         softcap: logit soft-capping as in ``flash_attn_func``.
         learnable_sink: attention sinks as in ``flash_attn_func``; rows past
             ``seqused_q`` then get an LSE equal to their head's sink.
-        dropout_p, alibi_slopes, return_attn_probs,
-            block_table: flash-attn's options, accepted at their no-op values
-            only.
+        block_table: int32 ``[batch, max_pages]``: k and v are then a paged
+            KV cache, page pools ``[num_pages, page_size, nheads_kv,
+            headdim]`` (page_size a power of two up to 1024), and sequence
+            ``b``'s keys the first ``seqused_k[b]`` (or ``cu_seqlens_k[b+1]
+            - cu_seqlens_k[b]``; ``cu_seqlens_k`` may then be None) keys of
+            the pages its row names (FA2's and vLLM's form; forward only).
+            See ``hopper_flash.paged`` for how each batch is run.
+        dropout_p, alibi_slopes, return_attn_probs: flash-attn's options,
+            accepted at their no-op values only.
 
     **Caller's contract** (as in flash-attn, unchecked by default since only
     the device knows the values): ``cu_seqlens_*`` start at 0, never
@@ -248,16 +282,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     torch.compile. Differentiable in q, k and v.
 
     Returns:
-        ``out`` ``[total_q, nheads, headdim]``, or ``(out, lse)``.
+        ``out`` ``[total_q, nheads, headdim_v]``, or ``(out, lse)``.
     """
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    if block_table is not None:
-        raise NotImplementedError("block_table must be None (paged K/V is served by flash_attn_with_kvcache)")
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
     sink = learnable_sink
     if sink is not None and isinstance(q, torch.Tensor) and q.dim() == 3:  # (q's own errors: the checks below)
         checks.check_learnable_sink(sink, q.shape[1], q.device)
+    if block_table is not None:
+        out, lse = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                 seqused_k, block_table, softmax_scale, causal, return_lse, check_contract, window,
+                                 softcap, sink)
+        return (out, lse) if return_lse else out
     if _needs_op(q, k, v, sink):
         if ops.plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink):
             # The op's autograd without its dispatch (host time per call), on

@@ -3,8 +3,10 @@
 Follows flash-attn's semantics and names. One decode step is
 
 1. the optional in-place append of the new keys/values ``k``, ``v`` into the
-   cache at ``cache_seqlens`` (plain indexed writes on the device, no host
-   sync; a declared mutation of the custom op), then
+   cache at ``cache_seqlens`` (one Triton kernel, ``kernels/append.py``, no
+   host sync; a declared mutation of the custom op), which also applies
+   flash-attn's rotary embedding to the new keys and to ``q`` where
+   ``rotary_cos``/``rotary_sin`` are given, then
 2. attention of ``q`` over the first ``cache_seqlens + seqlen_new`` keys of
    each cache row, run by the forward kernel in its decode modes
    (``plan.launch_forward``): per-batch lengths read on the device, split-KV
@@ -15,7 +17,8 @@ captured in a CUDA graph and replayed with new ``cache_seqlens``.
 
 **Caller's contract** (as in flash-attn; not checked by default because
 checking needs a host sync): ``cache_seqlens[b] + seqlen_new`` is at most the
-cache's capacity (``S_cache``, or ``max_pages * page_size``), every
+cache's capacity (``S_cache``, or ``max_pages * page_size``),
+``0 <= cache_leftpad[b] <= cache_seqlens[b]``, every
 ``cache_batch_idx`` entry is a valid cache row, and every page-table entry that
 covers a live key is a valid page index. Pass ``check_contract=True`` (or set
 ``HOPPER_FLASH_CHECK_KVCACHE=1``) to validate these at the cost of one sync.
@@ -29,20 +32,9 @@ import os
 import torch
 
 from . import checks, dispatch, plan
+from .cache_layout import cache_capacity, page_plan, rows_per_slot, varlen_over_cache
 from .checks import check_device
 from .checks import check_tma_addressable as _check_tma_addressable
-
-# Page sizes served by TMA straight from the pages (the page is the TMA batch
-# coordinate): multiples of a config's block_n, and powers of two from 16 up
-# to block_n / 2, which load a tile as one box per page (kernels/forward.py,
-# _load_kv_tile), so they keep the contiguous cache's tiles (pages of 16 keys
-# with more producer registers, plan.register_split). Smaller pages are read
-# from the pages too, the kernel's producer warpgroup copying each tile row
-# by row (plan.gathers, the kernel's GATHER mode), where the pools are
-# contiguous; other small-page pools are gathered into a contiguous per-batch
-# cache first (correct, graph-capturable, not at memory speed).
-MIN_TMA_PAGE = plan.GATHER_PAGE
-
 
 def _dtype_name(dtype):
     return str(dtype).removeprefix("torch.")
@@ -66,21 +58,43 @@ def _check_index(name, t, shape_desc, expect_shape, device):
         raise ValueError(f"{name} must have shape {shape_desc} = {tuple(expect_shape)}, got {tuple(t.shape)}")
 
 
-def _page_plan(page_size: int, head_dim: int, k_cache=None, v_cache=None) -> bool:
-    """Whether a paged cache of ``page_size`` is read by the kernel from its
-    pages: by TMA, or (smaller pages) gathered row by row from contiguous
-    pools (``k_cache``, ``v_cache``; without them: by TMA only)."""
-    block_n = plan.CONFIGS[head_dim].block_n
-    if page_size % block_n == 0 or (page_size >= MIN_TMA_PAGE and block_n % page_size == 0):
-        return True
-    return (plan.gathers(page_size, head_dim) and k_cache is not None
-            and plan.contiguous_pools(k_cache, v_cache))
+def validate_packed_queries(q, cu_seqlens_q, max_seqlen_q, k) -> tuple[int, int]:
+    """FA3's packed queries: q ``[total_q, nheads, headdim]`` with int32
+    ``cu_seqlens_q`` ``[batch + 1]`` on q's device and ``max_seqlen_q`` a
+    positive int (a host-side bound, as in ``flash_attn_varlen_func``); no
+    new keys to append. Returns ``(batch, max_seqlen_q)``."""
+    checks._check_thd("q", q)
+    what = "int32 prefix sums of the query lengths, [batch + 1], starting at 0"
+    if not isinstance(cu_seqlens_q, torch.Tensor):
+        raise TypeError(f"cu_seqlens_q must be a torch.Tensor ({what}), got {type(cu_seqlens_q).__name__}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q must be 1-D with batch + 1 >= 2 entries ({what}), got shape "
+                         f"{tuple(cu_seqlens_q.shape)}")
+    batch = cu_seqlens_q.shape[0] - 1
+    checks._check_index_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, q.device, what)
+    max_seqlen_q = checks.check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    if q.shape[0] > batch * max_seqlen_q:
+        raise ValueError(f"q has {q.shape[0]} tokens, more than batch ({batch}) x max_seqlen_q ({max_seqlen_q}): "
+                         f"max_seqlen_q must be at least the longest sequence in cu_seqlens_q")
+    if k is not None:
+        raise NotImplementedError("appending new keys (k, v) with packed queries (cu_seqlens_q) is not supported: "
+                                  "write them into the cache first, or pass q as [batch, seqlen_q, nheads, headdim]")
+    return batch, max_seqlen_q
 
 
 def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                     causal, num_splits, pack_gqa):
-    """Check everything that can be checked without reading device memory."""
-    _check_4d("q", q, "[batch, seqlen_q, nheads, headdim]")
+                     causal, num_splits, pack_gqa, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                     cache_leftpad=None, cu_seqlens_q=None, max_seqlen_q=None):
+    """Check everything that can be checked without reading device memory
+    (with ``cu_seqlens_q``: ``validate_packed_queries``)."""
+    if cu_seqlens_q is None:
+        _check_4d("q", q, "[batch, seqlen_q, nheads, headdim]")
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q goes with cu_seqlens_q (packed queries); q [batch, seqlen_q, nheads, "
+                             "headdim] has its own")
+        batch = q.shape[0]
+    else:
+        batch, _ = validate_packed_queries(q, cu_seqlens_q, max_seqlen_q, k)
     paged = page_table is not None
     layout = "[num_pages, page_size, nheads_kv, headdim]" if paged else "[batch_cache, seqlen_cache, nheads_kv, headdim]"
     _check_4d("k_cache", k_cache, layout)
@@ -93,15 +107,18 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
             raise ValueError(f"{name} must have q's dtype {_dtype_name(q.dtype)}, got {_dtype_name(t.dtype)}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    batch, seqlen_q, nheads, head_dim = q.shape
-    if head_dim not in plan.SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim (q.shape[3]) must be one of {plan.SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
-    nheads_kv = k_cache.shape[2]
+    nheads, head_dim = q.shape[-2:]
+    if head_dim not in plan.SUPPORTED_HEAD_DIMS and not checks.other_head_dim(head_dim):
+        raise ValueError(checks.head_dim_message(f"q.shape[{q.dim() - 1}]", head_dim))
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache and v_cache must have the same shape but for the head dim, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    nheads_kv, head_dim_v = k_cache.shape[2], v_cache.shape[3]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache must have q's head dim {head_dim}, got {k_cache.shape[3]}")
+    # v's may differ from q's and k's (FA3's hdim_v); equal, it passed q's check (every decode call comes here)
+    if head_dim_v != head_dim and not checks.supported_head_dim(head_dim_v):
+        raise ValueError(checks.head_dim_message("v_cache.shape[3]", head_dim_v))
     if nheads_kv == 0 or nheads % nheads_kv:
         raise ValueError(f"q's number of heads ({nheads}) must be a multiple of k_cache's ({nheads_kv})")
     if paged:
@@ -119,6 +136,7 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
             raise ValueError(f"k_cache must have at least q's batch size {batch} rows, got {k_cache.shape[0]}")
     if cache_batch_idx is not None:
         _check_index("cache_batch_idx", cache_batch_idx, "[batch]", (batch,), q.device)
+    validate_leftpad(batch, q.device, k_cache, v_cache, cache_leftpad, page_table)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
             raise TypeError(f"cache_seqlens must be an int or an int32 tensor [batch], got "
@@ -131,16 +149,16 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
         raise ValueError("k and v must be given together (the new keys and values to append), got "
                          f"k={'None' if k is None else 'a tensor'} and v={'None' if v is None else 'a tensor'}")
     if k is not None:
-        for name, t in (("k", k), ("v", v)):
+        for name, t, dim in (("k", k, head_dim), ("v", v, head_dim_v)):
             _check_4d(name, t, "[batch, seqlen_new, nheads_kv, headdim]")
             if t.dtype != q.dtype or t.device != q.device:
                 raise ValueError(f"{name} must have q's dtype and device ({_dtype_name(q.dtype)}, {q.device}), "
                                  f"got {_dtype_name(t.dtype)} on {t.device}")
-            if tuple(t.shape) != (batch, t.shape[1], nheads_kv, head_dim):
+            if tuple(t.shape) != (batch, t.shape[1], nheads_kv, dim):
                 raise ValueError(f"{name} must have shape [batch, seqlen_new, nheads_kv, headdim] = "
-                                 f"({batch}, seqlen_new, {nheads_kv}, {head_dim}), got {tuple(t.shape)}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+                                 f"({batch}, seqlen_new, {nheads_kv}, {dim}), got {tuple(t.shape)}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k and v must have as many new tokens, got {k.shape[1]} and {v.shape[1]}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
@@ -155,24 +173,45 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
         softmax_scale = float(softmax_scale)
         if not math.isfinite(softmax_scale) or softmax_scale <= 0:
             raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
+    validate_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, cache_capacity(k_cache, page_table))
     if not q.is_cuda:
         raise ValueError(f"q must be a CUDA tensor, got device {q.device}")
     check_device(q)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.numel():
-            _check_tma_addressable(name, t)
+            _check_tma_addressable(name, t if t.dim() == 4 else t.unsqueeze(0))
     return softmax_scale
 
 
-def _capacity(k_cache, page_table):
-    return page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
+def validate_leftpad(batch: int, device, k_cache, v_cache, cache_leftpad, page_table) -> None:
+    """``cache_leftpad``: None, or int32 ``[batch]`` on q's device, without
+    pages (as in flash-attn), over a cache whose rows number fewer than 2**31
+    (``cache_layout.slot_rows_args``' row offsets are int32)."""
+    if cache_leftpad is None:
+        return
+    if page_table is not None:  # a paged row starts at its first page's first key
+        raise ValueError("cache_leftpad cannot be combined with page_table (as in flash-attn; leave the padding "
+                         "out of the page table instead)")
+    _check_index("cache_leftpad", cache_leftpad, "[batch]", (batch,), device)
+    if k_cache.shape[0] * (rows_per_slot(k_cache, v_cache) or k_cache.shape[1]) >= 2 ** 31:
+        raise ValueError(f"cache_leftpad needs fewer than 2**31 cache rows in all (k_cache's batch x its row "
+                         f"spacing: {k_cache.shape[0]} x {k_cache.shape[1]} or more)")
 
 
-def check_contract(k_cache, cache_seqlens_new, cache_batch_idx, page_table) -> None:
-    """The opt-in device-value check (one host sync)."""
-    cap = _capacity(k_cache, page_table)
+def check_contract(k_cache, cache_seqlens_new, cache_batch_idx, page_table, cache_leftpad=None,
+                   cache_seqlens=None, packed=None) -> None:
+    """The opt-in device-value check (one host sync). ``cache_seqlens``:
+    the lengths before the append (bounding ``cache_leftpad``); ``packed``:
+    ``(total_q, cu_seqlens_q, max_seqlen_q)`` of packed queries."""
+    cap = cache_capacity(k_cache, page_table)
     bad = []
+    if packed is not None:
+        total_q, cu_seqlens_q, max_seqlen_q = packed
+        bad += checks.prefix_sum_problems("q", cu_seqlens_q, None, total_q, max_seqlen_q)
     lens = cache_seqlens_new
+    if cache_leftpad is not None and bool(((cache_leftpad < 0) | (cache_leftpad > cache_seqlens)).any()):
+        bad.append(f"cache_leftpad must lie in [0, cache_seqlens], got {cache_leftpad.tolist()} for "
+                   f"cache_seqlens {cache_seqlens.tolist()}")
     if bool(((lens < 0) | (lens > cap)).any()):
         bad.append(f"cache_seqlens + seqlen_new must lie in [0, {cap}] (the cache's capacity), got "
                    f"{lens.tolist()}")
@@ -187,74 +226,217 @@ def check_contract(k_cache, cache_seqlens_new, cache_batch_idx, page_table) -> N
         raise ValueError("flash_attn_with_kvcache contract violated: " + "; ".join(bad))
 
 
-def _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table):
-    """Write k, v [B, S_new, Hkv, D] into the caches at positions seqlens[b] + j."""
-    batch, s_new = k.shape[:2]
-    pos = seqlens.long()[:, None] + torch.arange(s_new, device=k.device)[None, :]
-    if page_table is not None:
-        page_size = k_cache.shape[1]
-        pages = torch.gather(page_table.long(), 1, pos // page_size)
-        rows = pos % page_size
-        k_cache[pages, rows] = k
-        v_cache[pages, rows] = v
-    else:
-        brow = (cache_batch_idx.long() if cache_batch_idx is not None
-                else torch.arange(batch, device=k.device))[:, None].expand(batch, s_new)
-        k_cache[brow, pos] = k
-        v_cache[brow, pos] = v
+def validate_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity: int) -> None:
+    """flash-attn's rotary arguments: ``rotary_cos``/``rotary_sin``
+    ``[seqlen_ro, rotary_dim / 2]`` on q's device, in q's dtype or float32,
+    with ``rotary_dim <= headdim`` and ``seqlen_ro`` at least the cache's
+    capacity (flash-attn's rule), and the new keys given (they are what is
+    rotated into the cache)."""
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
+    if rotary_cos is None and rotary_sin is None:
+        return
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together, got "
+                         f"rotary_cos={'None' if rotary_cos is None else 'a tensor'} and "
+                         f"rotary_sin={'None' if rotary_sin is None else 'a tensor'}")
+    if k is None:
+        raise ValueError("rotary_cos/rotary_sin need the new keys k and v: the rotation is applied to the keys "
+                         "appended to the cache and to q (as in flash-attn); rotate q yourself without an append")
+    head_dim = q.shape[3]
+    for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must have 2 dimensions [seqlen_ro, rotary_dim / 2], got shape {tuple(t.shape)}")
+        if t.dtype not in (q.dtype, torch.float32):
+            raise ValueError(f"{name} must have q's dtype {_dtype_name(q.dtype)} or float32, got "
+                             f"{_dtype_name(t.dtype)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(rotary_cos.shape)} and "
+                         f"{tuple(rotary_sin.shape)}")
+    seqlen_ro, half = rotary_cos.shape
+    if not 1 <= half <= head_dim // 2:
+        raise ValueError(f"rotary_cos.shape[1] (rotary_dim / 2) must lie in [1, {head_dim // 2}] (rotary_dim <= "
+                         f"headdim {head_dim}), got {half}")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos must have at least the cache's capacity ({capacity}) rows (positions), "
+                         f"got {seqlen_ro}")
+
+
+def _rows_last_contiguous(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, q=None, q_out=None, rotary=None):
+    """The append kernel's launch (``kernels/append.py``) as ``(grid, args,
+    constexprs)``: ``k``, ``v`` [B, S_new, Hkv, D] into the caches at
+    ``seqlens[b] + j``. ``rotary``: None, or ``(cos, sin, interleaved,
+    q_pos_step)``, with which the new keys are rotated on the way and ``q``
+    is rotated into ``q_out`` (both [B, Sq, H, D]). Tensors' head dims are
+    contiguous (``_rows_last_contiguous``); strides are in elements."""
+    batch, s_new, nheads_kv, head_dim = k.shape
+    head_dim_v = v.shape[3]
+    # A power of two: the kernel's rows, masked at head_dim (k, q) and head_dim_v (v).
+    width = plan.kernel_head_dim(head_dim, head_dim_v)
+    nheads = q.shape[2] if rotary is not None else nheads_kv
+    heads = max(nheads, nheads_kv)
+    block_h = min(1 << (heads - 1).bit_length(), max(1, 2048 // width))
+    rows = batch * s_new + (batch * q.shape[1] if rotary is not None else 0)
+    grid = (rows, -(-heads // block_h), 1)
+    cos, sin, interleaved, q_pos_step = rotary if rotary is not None else (seqlens, seqlens, False, False)
+    q_in, q_o = (q, q_out) if rotary is not None else (k, k)
+    paged = page_table is not None
+    # Where the kernel reads no tensor it is handed another's pointer (its
+    # constexprs never dereference it), so every launch has one signature.
+    args = (k, v, k_cache, v_cache, seqlens,
+            cache_batch_idx if cache_batch_idx is not None else seqlens,
+            page_table if paged else seqlens, q_in, q_o, cos, sin,
+            batch, s_new, q_in.shape[1], nheads_kv, nheads, head_dim, head_dim_v,
+            *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            page_table.stride(0) if paged else 0, k_cache.shape[1] if paged else 1,
+            *q_in.stride()[:3], *q_o.stride()[:3],
+            cos.stride(0) if rotary is not None else 0, cos.shape[0] if rotary is not None else 1,
+            cos.shape[1] if rotary is not None else 0)
+    constexprs = dict(HEAD_DIM=width, BLOCK_H=block_h, PAGED=paged, BATCH_IDX=cache_batch_idx is not None,
+                      ROTARY=rotary is not None, INTERLEAVED=bool(interleaved), Q_POS_STEP=bool(q_pos_step))
+    return grid, args, constexprs
+
+
+def _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary):
+    """Launch the append (and the rotation); returns the queries the
+    attention reads: ``q`` itself, or its rotated copy."""
+    from .kernels.append import append_kernel
+
+    k, v = _rows_last_contiguous(k), _rows_last_contiguous(v)
+    q_out = None
+    if rotary is not None:
+        cos, sin = rotary[:2]
+        if cos.stride() != sin.stride() or cos.stride(-1) != 1:  # the kernel takes one row stride for both
+            cos, sin = cos.contiguous(), sin.contiguous()
+        rotary = (cos, sin, *rotary[2:])
+        q = _rows_last_contiguous(q)
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    grid, args, constexprs = append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, q, q_out,
+                                           rotary)
+    if grid[0] == 0:
+        return q
+    if all(-2 ** 31 <= a < 2 ** 31 for a in args if type(a) is int):
+        plan.launch_triton(append_kernel, grid, args, constexprs, num_warps=4)
+    else:  # strides past int32: Triton's JIT types them as 64-bit (the cached fast launch would not)
+        append_kernel[grid](*args, **constexprs, num_warps=4)
+    return q_out if q_out is not None else q
 
 
 def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                    num_splits, pack_gqa, return_lse, check=None, window=None, softcap=0.0, sink=None):
-    """Validated append + attention; returns ``(out, lse or None)``.
+                    num_splits, pack_gqa, return_lse, check=None, window=None, softcap=0.0, sink=None,
+                    rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_leftpad=None,
+                    cu_seqlens_q=None, max_seqlen_q=None):
+    """Validated append + attention; returns ``(out, lse or None)``
+    (``[batch, seqlen_q, nheads, headdim_v]`` and ``[batch, nheads,
+    seqlen_q]``, or with packed queries ``[total_q, nheads, headdim_v]`` and
+    ``[nheads, total_q]``).
     ``window``: ``checks.window_bounds``'s ``(left, right)`` or None;
     ``softcap``: ``checks.check_softcap``'s float; ``sink``: attention
-    sinks (checked, ``checks.check_learnable_sink``) or None."""
+    sinks (checked, ``checks.check_learnable_sink``) or None;
+    ``rotary_*``: flash-attn's rotary embedding (``kernels/append.py``);
+    ``cache_leftpad``: int32 ``[batch]``, each row's first live key
+    (``cache_layout.varlen_over_cache``); ``cu_seqlens_q``, ``max_seqlen_q``: packed
+    queries (``validate_packed_queries``)."""
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
-                                     softmax_scale, causal, num_splits, pack_gqa)
-    batch, seqlen_q, nheads, head_dim = q.shape
+                                     softmax_scale, causal, num_splits, pack_gqa, rotary_cos, rotary_sin,
+                                     rotary_interleaved, cache_leftpad, cu_seqlens_q, max_seqlen_q)
+    # (A pool without pages holds no live key under the contract: nothing to see, nothing TMA could describe.)
+    capacity = cache_capacity(k_cache, page_table) if k_cache.shape[0] else 0
+    packed = cu_seqlens_q is not None
+    if packed:
+        batch, seqlen_q, (nheads, head_dim) = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), q.shape[1:]
+        cu_seqlens_q = cu_seqlens_q.contiguous()
+    else:
+        batch, seqlen_q, nheads, head_dim = q.shape
+    # The kernels (the append's, the attention's) read these as dense int32
+    # vectors and rows.
     if cache_seqlens is None:
-        seqlens = torch.full((batch,), _capacity(k_cache, page_table) - (k.shape[1] if k is not None else 0),
-                             dtype=torch.int32, device=q.device)
+        seqlens = torch.full((batch,), capacity - (k.shape[1] if k is not None else 0), dtype=torch.int32,
+                             device=q.device)
     elif isinstance(cache_seqlens, torch.Tensor):
-        seqlens = cache_seqlens
+        seqlens = cache_seqlens.contiguous()
     else:
         seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    s_new = k.shape[1] if k is not None else 0
-    seqused = seqlens + s_new if s_new else seqlens
-    if check is None:
-        check = os.environ.get("HOPPER_FLASH_CHECK_KVCACHE", "0") not in ("", "0")
-    if check:
-        check_contract(k_cache, seqused, cache_batch_idx, page_table)
-    if s_new:
-        _append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table)
-    # The kernel reads these as dense int32 vectors / rows.
-    seqused = seqused.to(torch.int32).contiguous()
     if cache_batch_idx is not None:
         cache_batch_idx = cache_batch_idx.contiguous()
     if page_table is not None:
         page_table = page_table.contiguous()
+    s_new = k.shape[1] if k is not None else 0
+    seqused = seqlens + s_new if s_new else seqlens  # int32, contiguous
+    if check is None:
+        check = os.environ.get("HOPPER_FLASH_CHECK_KVCACHE", "0") not in ("", "0")
+    if cache_leftpad is not None:
+        cache_leftpad = cache_leftpad.contiguous()
+    if check:
+        check_contract(k_cache, seqused, cache_batch_idx, page_table, cache_leftpad, seqlens,
+                       (q.shape[0], cu_seqlens_q, seqlen_q) if packed else None)
+    if packed and cache_leftpad is None and seqlen_q and q.shape[0] == batch * seqlen_q:
+        # Every sequence has max_seqlen_q queries (lengths of at most that
+        # summing to batch times it, the contract): a decode step (SGLang's
+        # cu_seqlens_q = arange, max_seqlen_q = 1) or a fixed draft length,
+        # run as q [batch, max_seqlen_q, H, D] with split-KV and PackGQA.
+        out, lse = kvcache_forward(q.view(batch, seqlen_q, nheads, head_dim), k_cache, v_cache, None, None, seqused,
+                                   cache_batch_idx, page_table, softmax_scale, causal, num_splits, pack_gqa,
+                                   return_lse, False, window, softcap, sink)
+        return (out.view(q.shape[0], nheads, out.shape[3]),
+                lse.permute(1, 0, 2).reshape(nheads, q.shape[0]) if lse is not None else None)
+    rotary = None
+    if rotary_cos is not None:
+        # flash-attn's rule: under a causal or local mask query row i sits at
+        # cache_seqlens + i, otherwise every row at cache_seqlens. Its
+        # windows reaching past the cache's capacity are no window ("local").
+        local = window is not None and any(0 <= w < capacity for w in window)
+        rotary = (rotary_cos, rotary_sin, rotary_interleaved, bool(causal) or local)
+    if s_new or rotary is not None:
+        with plan.on_device(q):
+            q = _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary)
 
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if packed:
+        if capacity == 0:  # a cache with no rows at all (TMA cannot describe it): nothing to see
+            out = torch.zeros(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device)
+            lse = torch.empty((nheads, q.shape[0]), dtype=torch.float32, device=q.device) if return_lse else None
+            if lse is not None:
+                dispatch.fill_empty_lse(lse, sink)
+            return out, lse
+        return varlen_over_cache(q, cu_seqlens_q, seqlen_q, None, k_cache, v_cache, seqused, cache_batch_idx,
+                                 cache_leftpad, page_table, softmax_scale, causal, return_lse, window, softcap, sink)
+    if cache_leftpad is not None and seqlen_q and capacity:
+        # Rows that start past 0: the varlen kernel over q's rows as a packed batch.
+        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
+        out, lse = varlen_over_cache(q.reshape(batch * seqlen_q, nheads, head_dim), cu_q, seqlen_q, None, k_cache,
+                                     v_cache, seqused, cache_batch_idx, cache_leftpad, None, softmax_scale, causal,
+                                     return_lse, window, softcap, sink)
+        out = out.view(batch, seqlen_q, nheads, out.shape[2])
+        return out, lse.view(nheads, batch, seqlen_q).permute(1, 0, 2).contiguous() if return_lse else None
+    out = torch.empty(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() == 0:
         return out, lse
-    if _capacity(k_cache, page_table) == 0:
+    if capacity == 0:
         # A cache with no rows at all (TMA cannot describe it): nothing to see.
         out.zero_()
         if lse is not None:
             dispatch.fill_empty_lse(lse, sink)
         return out, lse
-    cfg = plan.CONFIGS[head_dim]
+    head_dim_v = v_cache.shape[3]
+    cfg = plan.CONFIGS[plan.kernel_head_dim(head_dim, head_dim_v)]
     kc, vc, pt = k_cache, v_cache, page_table
     if page_table is not None:
-        if not _page_plan(k_cache.shape[1], head_dim, k_cache, v_cache):
+        if not page_plan(k_cache.shape[1], head_dim, k_cache, v_cache):
             # Small pages in pools with gaps: gather each batch's pages into a contiguous cache.
             nkv = k_cache.shape[2]
             # Entries past a row's live pages may be anything: clamp them.
             idx = page_table.long().clamp(0, k_cache.shape[0] - 1)
             kc = k_cache[idx].reshape(batch, -1, nkv, head_dim)
-            vc = v_cache[idx].reshape(batch, -1, nkv, head_dim)
+            vc = v_cache[idx].reshape(batch, -1, nkv, head_dim_v)
             pt = None
     args = (q, kc, vc, out, lse, softmax_scale, causal, cfg)
     kwargs = dict(seqused_k=seqused, kv_batch=cache_batch_idx if pt is None else None, page_table=pt,
@@ -270,40 +452,65 @@ def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
                 page_table: torch.Tensor | None, softmax_scale: float, causal: bool, num_splits: int,
                 pack_gqa: int, window_left: int = -1, window_right: int = -1,
-                softcap: float = 0.0, sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                softcap: float = 0.0, sink: torch.Tensor | None = None, rotary_cos: torch.Tensor | None = None,
+                rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = True,
+                cache_leftpad: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                max_seqlen_q: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Append + attention; returns ``(out, lse)``. ``pack_gqa``: -1 auto, 0 off, 1 on;
     ``window_left``/``window_right``: ``checks.window_bounds``'s, -1 -1 for none;
-    ``softcap``: logit soft-capping, 0.0 for none; ``sink``: attention sinks."""
+    ``softcap``: logit soft-capping, 0.0 for none; ``sink``: attention sinks;
+    ``rotary_*``: flash-attn's rotary embedding of the new keys and q;
+    ``cache_leftpad``: each row's first live key; ``cu_seqlens_q``,
+    ``max_seqlen_q``: packed queries (FA3's; 0: none)."""
     window = checks.op_window(window_left, window_right, causal)
-    checks.check_learnable_sink(sink, q.shape[2], q.device)
+    checks.check_learnable_sink(sink, q.shape[-2], q.device)
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                                causal, num_splits, None if pack_gqa < 0 else bool(pack_gqa), True, window=window,
-                               softcap=checks.check_softcap(softcap), sink=sink)
+                               softcap=checks.check_softcap(softcap), sink=sink, rotary_cos=rotary_cos,
+                               rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                               cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q,
+                               max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None)
     return out, lse
 
 
 @fwd_kvcache.register_fake
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                      num_splits, pack_gqa, window_left=-1, window_right=-1, softcap=0.0, sink=None):
+                      num_splits, pack_gqa, window_left=-1, window_right=-1, softcap=0.0, sink=None, rotary_cos=None,
+                      rotary_sin=None, rotary_interleaved=True, cache_leftpad=None, cu_seqlens_q=None,
+                      max_seqlen_q=0):
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
-    checks.check_learnable_sink(sink, q.shape[2], q.device)
+    checks.check_learnable_sink(sink, q.shape[-2], q.device)
+    if cu_seqlens_q is not None:
+        batch, _ = validate_packed_queries(q, cu_seqlens_q, max_seqlen_q, k)
+    else:
+        batch = q.shape[0]
+    if rotary_cos is not None or rotary_sin is not None:  # shapes, dtypes, devices: checkable at trace time
+        validate_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, cache_capacity(k_cache, page_table))
+    validate_leftpad(batch, q.device, k_cache, v_cache, cache_leftpad, page_table)
+    out = torch.empty(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device)
+    if cu_seqlens_q is not None:  # flash-attn's varlen LSE layout
+        return out, torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     batch, seqlen_q, nheads, _ = q.shape
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device))
+    return out, torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
-                            page_table=None, block_table=None, softmax_scale=None, causal=False,
-                            window_size=(-1, -1), softcap=0.0, num_splits=0, pack_gqa=None,
-                            return_softmax_lse=False, check_contract=None, learnable_sink=None):
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                            block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, pack_gqa=None,
+                            return_softmax_lse=False, check_contract=None, learnable_sink=None, cu_seqlens_q=None,
+                            max_seqlen_q=None, cu_seqlens_k_new=None):
     """Attention of ``q`` over a KV cache, with an optional in-place append.
 
     Args:
-        q: ``[batch, seqlen_q, nheads, headdim]`` (bf16/fp16, headdim 64/128/256).
+        q: ``[batch, seqlen_q, nheads, headdim]`` (bf16/fp16, headdim 64/128/256),
+            or with ``cu_seqlens_q`` packed: ``[total_q, nheads, headdim]``.
         k_cache, v_cache: ``[batch_cache, seqlen_cache, nheads_kv, headdim]``,
             or paged ``[num_pages, page_size, nheads_kv, headdim]`` with
             ``page_table``. ``nheads`` must be a multiple of ``nheads_kv``.
+            v_cache's head dim may differ from q's and k_cache's (as in
+            ``flash_attn_func``; the output has v's).
         k, v: optional new keys/values ``[batch, seqlen_new, nheads_kv,
             headdim]``, written into the caches in place at ``cache_seqlens``.
         cache_seqlens: int or int32 tensor ``[batch]``: each cache row's live
@@ -320,34 +527,86 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         softcap: logit soft-capping as in ``flash_attn_func`` (0.0: none).
         learnable_sink: attention sinks as in ``flash_attn_func`` (a
             floating ``[nheads]`` tensor; inference: no gradient).
+        rotary_cos, rotary_sin: optional ``[seqlen_ro, rotary_dim / 2]``
+            (q's dtype or float32; ``seqlen_ro`` at least the cache's
+            capacity): flash-attn's rotary embedding, given with ``k``/``v``.
+            The first ``rotary_dim`` features of the new keys are rotated at
+            their cache positions ``cache_seqlens + j`` before they are
+            written; q's rows are rotated at ``cache_seqlens + i`` under a
+            causal or local mask, else all at ``cache_seqlens`` (q itself is
+            not modified).
+        rotary_interleaved: pairs features ``(0, 1), (2, 3), ...`` (True,
+            GPT-J) or ``(0, rotary_dim / 2), ...`` (False, GPT-NeoX).
+        cache_leftpad: int32 ``[batch]``: each cache row's first live key
+            (flash-attn's; contiguous caches only, not with pages). Row ``b``
+            attends to keys ``cache_leftpad[b] .. seqlen_k - 1``: its causal
+            mask and window count from there (``seqlen_k - cache_leftpad``
+            keys), while new keys are still written, and rotated, at their
+            cache positions ``cache_seqlens + j``. Runs the forward kernel's
+            packed-batch (varlen) mode, which has no split-KV or PackGQA:
+            correct on any length, but long caches decode at the prefill
+            kernel's rate rather than at memory speed.
+        cu_seqlens_q, max_seqlen_q: FA3's packed queries: int32 ``[batch +
+            1]`` prefix sums on q's device and a host-side bound on every
+            query length (as in ``flash_attn_varlen_func``); sequence ``b``'s
+            queries attend to its cache row's keys, bottom-right causal
+            against its own length, without an append (``k``/``v`` None)
+            or rotary embedding. Where every sequence has ``max_seqlen_q``
+            queries (``total_q == batch * max_seqlen_q``, known from shapes:
+            a decode step) the call is the unpacked one's, split-KV and
+            PackGQA included; otherwise the forward kernel's varlen mode runs
+            it (no split-KV or PackGQA there). The output is then
+            ``[total_q, nheads, headdim_v]`` and the LSE ``[nheads,
+            total_q]``.
+        cu_seqlens_k_new: FA3's packed new keys: accepted where no new keys
+            are given (k None), where FA3 ignores it too.
+        alibi_slopes: flash-attn's, accepted only as None.
         num_splits: KV splits (0: heuristic); pack_gqa: None = heuristic.
-        return_softmax_lse: also return the LSE ``[batch, nheads, seqlen_q]``.
+        return_softmax_lse: also return the LSE ``[batch, nheads, seqlen_q]``
+            (packed queries: ``[nheads, total_q]``).
         check_contract: validate the device values (lengths within the cache,
-            valid rows and pages) at the cost of one host sync; default from
+            left pads within the lengths, valid rows and pages) at the cost of
+            one host sync; default from
             ``HOPPER_FLASH_CHECK_KVCACHE``. See the module docstring.
     """
     if page_table is not None and block_table is not None:
         raise ValueError("pass page_table or block_table (FA2's name for it), not both")
     if block_table is not None:
         page_table = block_table
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes must be None (ALiBi is not supported)")
+    if cu_seqlens_k_new is not None and k is not None:
+        raise NotImplementedError("cu_seqlens_k_new (packed new keys) is not supported: pass k and v as "
+                                  "[batch, seqlen_new, nheads_kv, headdim], or write them into the cache first")
+    if cu_seqlens_q is None and max_seqlen_q is not None:
+        raise ValueError("max_seqlen_q goes with cu_seqlens_q (packed queries); q [batch, seqlen_q, nheads, "
+                         "headdim] has its own")
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
-    if learnable_sink is not None and isinstance(q, torch.Tensor) and q.dim() == 4:
+    if learnable_sink is not None and isinstance(q, torch.Tensor) and q.dim() == (3 if cu_seqlens_q is not None
+                                                                                   else 4):
         # Checked before anything runs (the append mutates the cache); a bad
         # q is reported by q's own checks below.
-        checks.check_learnable_sink(learnable_sink, q.shape[2], q.device)
+        checks.check_learnable_sink(learnable_sink, q.shape[-2], q.device)
     if torch.compiler.is_compiling() or torch.is_grad_enabled() and getattr(q, "requires_grad", False):
         if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-            cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
+            packed = isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1  # (else the fake says so)
+            batch = cu_seqlens_q.shape[0] - 1 if packed else q.shape[0]
+            cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32, device=q.device)
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         out, lse = fwd_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, float(scale),
                                bool(causal), int(num_splits), -1 if pack_gqa is None else int(bool(pack_gqa)),
                                *(window or (-1, -1)), softcap,
-                               None if learnable_sink is None else learnable_sink.detach())  # (no gradient)
+                               None if learnable_sink is None else learnable_sink.detach(),  # (no gradient)
+                               rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, cu_seqlens_q,
+                               0 if cu_seqlens_q is None else checks.check_max_seqlen("max_seqlen_q", max_seqlen_q))
         return (out, lse) if return_softmax_lse else out
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                                causal, num_splits, pack_gqa, return_softmax_lse, check_contract, window, softcap,
-                               learnable_sink)
+                               learnable_sink, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
+                               cu_seqlens_q, max_seqlen_q)
     return (out, lse) if return_softmax_lse else out

@@ -33,7 +33,7 @@ import torch
 
 from torch.autograd.function import once_differentiable
 
-from . import checks, dispatch, plan_backward, sinks
+from . import checks, dispatch, plan, plan_backward, sinks
 
 
 def needs_op(*tensors) -> bool:
@@ -75,7 +75,7 @@ def _fwd_fake(q, k, v, softmax_scale, causal, deterministic=False, window_left=-
     if q.device.type != "meta":
         checks.check_device(q)
     batch, seqlen_q, nheads, _ = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(plan.out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     return out, lse
 
@@ -108,7 +108,7 @@ def _backward_fake(grad_out, q, k, v, out, causal, window_left, window_right, so
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
     checks.check_learnable_sink(sink, q.shape[-2], q.device)
-    plan_backward.check_head_dim(q.shape[-1])
+    plan_backward.check_head_dim(q.shape[-1], v.shape[-1])
     plan_backward.check_grad_out_meta(grad_out, out)
     dsink = q.new_empty(0) if sink is None else torch.empty(sink.shape, dtype=sink.dtype, device=sink.device)
     return (*(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)), dsink)
@@ -220,7 +220,7 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
     if q.device.type != "meta":
         checks.check_device(q)
     total_q, nheads, _ = q.shape
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+    return (torch.empty(plan.out_shape(q, v), dtype=q.dtype, device=q.device),
             torch.empty((nheads, total_q), dtype=torch.float32, device=q.device))
 
 

@@ -113,6 +113,40 @@ CONFIGS: dict[int, ForwardConfig] = {
 SUPPORTED_HEAD_DIMS = tuple(sorted(CONFIGS))
 
 
+def kernel_head_dim(head_dim: int, head_dim_v: int | None = None) -> int:
+    """The head dim whose kernels serve ``head_dim``: itself where it is one
+    of ``SUPPORTED_HEAD_DIMS``, else the next one up (``checks`` admits the
+    multiples of 8 below the largest). With ``head_dim_v`` (v's head dim,
+    where it differs from q's and k's), the kernels that serve the wider of
+    the two: both run on them as they are, as a narrower head dim does. The forward runs such a head dim on
+    those kernels as it is: TMA's boxes span the kernel's head dim, read
+    zeros past the tensor's last feature (q and k then add nothing to the
+    scores, v gives output features nobody reads) and clip the stores there;
+    the few stores and loads by address take the narrower width: varlen's O
+    (``Mode.o_dim``) and dK/dV (``plan_backward.kernel_constexprs``'s
+    ``o_dim``), the combine's and the backward's small kernels' ``OUT_DIM``,
+    the append's ``head_dim``. Gathered pages are not served (``gathers``'s
+    callers copy them instead)."""
+    if head_dim_v is not None and head_dim_v > head_dim:
+        head_dim = head_dim_v
+    return head_dim if head_dim in CONFIGS else min(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
+
+
+def out_shape(q, v) -> torch.Size:
+    """The attention output's shape: q's, with v's head dim (they may
+    differ: ``kernel_head_dim``)."""
+    return q.shape if q.shape[-1] == v.shape[-1] else torch.Size((*q.shape[:-1], v.shape[-1]))
+
+
+def narrower_width(head_dim: int, width: int | None = None) -> int:
+    """What the kernels storing by address take as a tensor's row width
+    (``Mode.o_dim``, the backward's ``o_dim``, the small kernels'
+    ``OUT_DIM``): ``head_dim`` where narrower than the kernel's rows
+    (``width``; default ``kernel_head_dim(head_dim)``), else 0 (the rows'
+    own, and the kernels compiled for the native head dims)."""
+    return head_dim if head_dim < (kernel_head_dim(head_dim) if width is None else width) else 0
+
+
 def wide_configs(triton_version: str) -> dict[int, ForwardConfig]:
     """Three consumer warpgroups on 192-row tiles, per head dim: FA3's tiles
     for head dim 64, where the softmax bounds the step (while one warpgroup
@@ -224,6 +258,10 @@ class Mode:
     # ONE_ITEM_MAX_KV_TILES KV tiles, and not with soft-capping or sinks
     # (_plan_launch).
     one_item: bool = False
+    # Varlen's O, stored by address, where its head dim is narrower than the
+    # kernel's (kernel_head_dim); 0: the kernel's. The other modes' O and
+    # partials need none (a TMA store clips; the partials are the kernel's).
+    o_dim: int = 0
 
     @property
     def kernel_sink(self) -> bool:
@@ -264,7 +302,7 @@ def gathers(page_size: int, head_dim: int) -> bool:
 def contiguous_pools(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether paged K and V pools can be gathered from in place: the kernel
     reads pool rows as ``(page * page_size + key) * Hkv + head``, so a
-    strided pool (a slice of a wider one) cannot (``kvcache._page_plan``
+    strided pool (a slice of a wider one) cannot (``cache_layout.page_plan``
     copies those first; ``launch_forward`` refuses them)."""
     return k.is_contiguous() and v.is_contiguous()
 
@@ -315,6 +353,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         SINK=mode.kernel_sink,
         RING_PTX=ptx_rings.version_for(cfg.head_dim),
         ONE_ITEM=mode.one_item,
+        O_DIM=mode.o_dim,
     )
 
 
@@ -725,7 +764,13 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     # Paged: the page table's extent bounds the key length; seqused_k holds the lengths.
     seqlen_k = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
     page_size = k.shape[1] if paged else 0
-    gather = (k, v) if gathers(page_size, head_dim) else None
+    cfg = cfg or CONFIGS[kernel_head_dim(head_dim, v.shape[3])]
+    gather = (k, v) if gathers(page_size, cfg.head_dim) else None
+    if gather is not None and (head_dim != cfg.head_dim or v.shape[3] != cfg.head_dim):
+        # A gathered row is the kernel's head dim wide: past a narrower
+        # tensor's features it would read the next head's.
+        raise ValueError(f"launch_forward: gathered pages (page_size {page_size}) need a kernel head dim, "
+                         f"got {head_dim}; copy them first")
     if gather is not None:
         if not contiguous_pools(k, v):
             raise ValueError("launch_forward: gathered pages (page_size "
@@ -734,7 +779,6 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         # (over the pools as one sequence) only lay out the tiles.
         k, v = k.view(1, -1, *k.shape[2:]), v.view(1, -1, *v.shape[2:])
     write_lse = lse is not None
-    cfg = cfg or CONFIGS[head_dim]
     lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
                       page_size, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
                       bool(causal), write_lse, window, softcap > 0, sink_mode(sink))
@@ -772,10 +816,10 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
 
 def _partials_size(lp: LaunchPlan, q) -> tuple[int, int]:
     """A split launch's partials' element counts: fp32 O [splits, B, Sq, H,
-    D], then LSE [splits, B, H, Sq], in one allocation. Returns O's and the
-    whole's."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    n_o = lp.num_splits * batch * seqlen_q * nheads * head_dim
+    D] (D the kernel's head dim), then LSE [splits, B, H, Sq], in one
+    allocation. Returns O's and the whole's."""
+    batch, seqlen_q, nheads, _ = q.shape
+    n_o = lp.num_splits * batch * seqlen_q * nheads * lp.cfg.head_dim
     return n_o, n_o + lp.num_splits * batch * nheads * seqlen_q
 
 
@@ -787,8 +831,8 @@ def _partials(lp: LaunchPlan, q) -> tuple[torch.Tensor, int]:
 
 def _partial_views(part: torch.Tensor, n_o: int, lp: LaunchPlan, q) -> tuple[torch.Tensor, torch.Tensor]:
     """``_partials``'s O and LSE as the combine reads them."""
-    batch, seqlen_q, nheads, head_dim = q.shape
-    return (part[:n_o].view(lp.num_splits, batch, seqlen_q, nheads, head_dim),
+    batch, seqlen_q, nheads, _ = q.shape
+    return (part[:n_o].view(lp.num_splits, batch, seqlen_q, nheads, lp.cfg.head_dim),
             part[n_o:].view(lp.num_splits, batch, nheads, seqlen_q))
 
 
@@ -820,7 +864,9 @@ _COMBINE_OF: dict[tuple, KernelLaunch] = {}
 
 
 def _combine_key(lp: LaunchPlan, out, lse) -> tuple:
-    return lp.key, lp.num_splits, out.data_ptr() % 16 == 0, None if lse is None else lse.data_ptr() % 16 == 0
+    # out's head dim: narrower ones (kernel_head_dim) share lp.key but not the combine (OUT_DIM).
+    return (lp.key, lp.num_splits, out.shape[-1], out.data_ptr() % 16 == 0,
+            None if lse is None else lse.data_ptr() % 16 == 0)
 
 
 def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, lse, softmax_scale: float,
@@ -857,12 +903,12 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
         if combine is not None:
             _COMBINE_OF[_combine_key(lp, out, lse)] = combine
         return
-    batch, seqlen_q, nheads, head_dim = q.shape
+    batch, seqlen_q, nheads, _ = q.shape
     combine.launch_addresses((batch * seqlen_q * nheads, 1, 1), stream, (),
                              (*_combine_args(o_part, lse_part, out_ptr, lse_ptr, lp.num_splits, q.shape, out.stride(),
                                              sink_ptr),
-                              *_combine_constexprs(head_dim, lp.num_splits, lse is not None,
-                                                   sink_ptr is not None).values()))
+                              *_combine_constexprs(lp.cfg.head_dim, lp.num_splits, lse is not None,
+                                                   sink_ptr is not None, out.shape[3]).values()))
 
 
 class _Slot:
@@ -897,12 +943,14 @@ class _PreparedLaunch:
                  "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch", "out_strides")
 
     def __init__(self, lp: LaunchPlan, kernel: KernelLaunch, combine: KernelLaunch | None, q, nheads_kv: int,
-                 softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None):
+                 softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None,
+                 head_dim_v: int | None = None):
         self.lp, self.kernel, self.combine = lp, kernel, combine
         self.current_stream = driver.active.get_current_stream
         batch, seqlen_q, nheads, head_dim = q.shape
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v  # v's and out's
         # Prepared calls allocate out contiguous (PreparedForward.__call__).
-        self.out_strides = (seqlen_q * nheads * head_dim, nheads * head_dim, head_dim, 1)
+        self.out_strides = (seqlen_q * nheads * head_dim_v, nheads * head_dim_v, head_dim_v, 1)
         lse = _LSE if return_lse else None
         split = lp.mode.split
         args = _kernel_args(lp, q, _SEQLEN_K, nheads_kv, softmax_scale, _OUT, lse, None, None, None, 0,
@@ -915,24 +963,24 @@ class _PreparedLaunch:
             self.combine_grid = (batch * seqlen_q * nheads, 1, 1)
             self.combine_template = [*_combine_args(_O_PART, _LSE_PART, _OUT, lse, lp.num_splits, q.shape,
                                                     self.out_strides, sink),
-                                     *_combine_constexprs(head_dim, lp.num_splits, return_lse,
-                                                          sink is not None).values()]
+                                     *_combine_constexprs(lp.cfg.head_dim, lp.num_splits, return_lse,
+                                                          sink is not None, head_dim_v).values()]
             self.combine_slots = _slots(self.combine_template)
-        self.c_state = self._c_state(q, nheads_kv) if c_launch.enabled() else None
+        self.c_state = self._c_state(q, nheads_kv, head_dim_v) if c_launch.enabled() else None
         self.c_launch = c_launch.module().launch if self.c_state is not None else None
 
-    def _c_state(self, q, nheads_kv: int):
+    def _c_state(self, q, nheads_kv: int, head_dim_v: int):
         """The templates as ``c_launch``'s state, or None (the Python path).
         The descriptors' tensors: q and out fixed by the signature (out
-        contiguous), k and v of ``[batch, length, heads, dim]`` with the
-        length and the strides given per call."""
+        contiguous, ``head_dim_v`` wide), k and v of ``[batch, length, heads,
+        dim]`` with the length and the strides given per call."""
         kernel, lp = self.kernel, self.lp
         if kernel.direct is None or len(kernel.direct.encode) != 4:
             return None
-        batch, _, _, head_dim = q.shape
-        kv_shape = (batch, 0, nheads_kv, head_dim)
-        layouts = ((tuple(q.shape), tma_strides(q)), (kv_shape, (0,) * 4), (kv_shape, (0,) * 4),
-                   (tuple(q.shape), self.out_strides))
+        batch, seqlen_q, nheads, head_dim = q.shape
+        k_shape, v_shape = (batch, 0, nheads_kv, head_dim), (batch, 0, nheads_kv, head_dim_v)
+        layouts = ((tuple(q.shape), tma_strides(q)), (k_shape, (0,) * 4), (v_shape, (0,) * 4),
+                   ((batch, seqlen_q, nheads, head_dim_v), self.out_strides))
         descs = [(slot, enc[2], enc[1], enc[0], list(enc[3]), list(shape), list(strides))
                  for slot, (enc, (shape, strides)) in enumerate(zip(kernel.direct.encode, layouts))]
         leading = 9 * len(descs)  # per descriptor: the map, its shape, its strides
@@ -990,12 +1038,15 @@ class PreparedForward:
     kernels' direct launches do."""
 
     __slots__ = ("table", "config", "head_dim", "block_n", "softmax_scale", "softcap", "return_lse", "lse_shape",
-                 "launches", "device_index", "sink")
+                 "launches", "device_index", "sink", "out_shape")
 
-    def __init__(self, q, softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None):
+    def __init__(self, q, softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None,
+                 head_dim_v: int | None = None):
         self.table = _COMPILED
         self.device_index = q.device.index  # the signature holds the device
-        self.head_dim = q.shape[3]
+        # v's head dim where it differs from q's (the signature holds both): out's.
+        self.out_shape = None if head_dim_v in (None, q.shape[3]) else (*q.shape[:3], head_dim_v)
+        self.head_dim = kernel_head_dim(q.shape[3], head_dim_v)
         self.config = CONFIGS.get(self.head_dim)
         self.block_n = self.config.block_n  # launch_forward counts KV tiles of the head dim's config
         self.softmax_scale = softmax_scale
@@ -1021,7 +1072,7 @@ class PreparedForward:
             self.launches.clear()
         self.launches[triton_cdiv(k.shape[1], self.block_n)] = _PreparedLaunch(
             lp, self.table[lp.key], combine, q, k.shape[2], self.softmax_scale, self.return_lse, self.softcap,
-            self.sink)
+            self.sink, out.shape[3])
 
     def usable(self) -> bool:
         return (self.table is _COMPILED and FAST_LAUNCH and CONFIGS.get(self.head_dim) is self.config
@@ -1037,7 +1088,10 @@ class PreparedForward:
         if launch is None or launch.kernel.direct is None or not self.usable():
             return None
         # empty_like: half torch.empty's host time; q's layout is BSHD, not its memory order
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        if self.out_shape is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        else:
+            out = q.new_empty(self.out_shape)
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         device = self.device_index
         if current_device() == device:  # on_device's test, without a guard to enter and leave
@@ -1073,7 +1127,7 @@ def remember_prepared(key, lp: LaunchPlan, q, k, out, lse, softmax_scale: float,
         if len(_PREPARED) >= _PREPARED_LIMIT:
             _PREPARED.clear()
         call = _PREPARED[key] = PreparedForward(q, softmax_scale, lse is not None, softcap,
-                                                None if sink is None else sink.data_ptr())
+                                                None if sink is None else sink.data_ptr(), out.shape[3])
     call.add(lp, q, k, out, lse)
 
 
@@ -1128,7 +1182,7 @@ def launch_combine(o_part, lse_part, out, lse, sink=None) -> KernelLaunch:
     num_splits, batch, seqlen_q, nheads, head_dim = o_part.shape
     args = _combine_args(o_part, lse_part, out, lse, num_splits, out.shape, out.stride(), sink)
     return launch_triton(combine_kernel, (batch * seqlen_q * nheads, 1, 1), args,
-                         _combine_constexprs(head_dim, num_splits, lse is not None, sink is not None),
+                         _combine_constexprs(head_dim, num_splits, lse is not None, sink is not None, out.shape[-1]),
                          num_warps=1 if head_dim <= 128 else 2, launch_pdl=True)
 
 
@@ -1144,25 +1198,32 @@ def _combine_args(o_part, lse_part, out, lse, num_splits: int, out_shape, out_st
 
 
 @lru_cache(maxsize=None)
-def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: bool = False) -> dict:
+def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: bool = False,
+                        out_dim: int | None = None) -> dict:
     """The combine kernel's constexprs, in its parameter order: launched
-    dependent on the split grid (``launch_combine``'s ``launch_pdl``)."""
+    dependent on the split grid (``launch_combine``'s ``launch_pdl``).
+    ``head_dim``: the partials' (the kernel's); ``out_dim``: the output's,
+    where narrower (``kernel_head_dim``)."""
     return dict(HEAD_DIM=head_dim, S_MAX=max(16, 1 << (num_splits - 1).bit_length()), WRITE_LSE=write_lse,
-                DEPENDENT=True, SINK=sink)
+                DEPENDENT=True, SINK=sink, OUT_DIM=0 if out_dim is None else narrower_width(out_dim, head_dim))
 
 
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
-                 write_lse, window=None, softcap=False, sink="") -> LaunchPlan:
+                 write_lse, window=None, softcap=False, sink="", o_dim=0, page_size=0) -> LaunchPlan:
     """``_plan_launch`` for a packed batch: no PackGQA, no split; the grid
     covers ``max_seqlen_q`` for every sequence (items past a sequence's rows
-    exit at once)."""
+    exit at once). ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V
+    (``Mode.page_size``, with ``seqused_k``)."""
     sms = sm_count(device)
     items = work_items(batch, nheads, max_seqlen_q, cfg)
-    dynamic = cfg.persistent and choose_dynamic(items, triton_cdiv(max_seqlen_q, cfg.block_m), causal, True, sms)
+    # Gathered pages take the static deal: their four-warp producer has only
+    # ever run it (the decode modes), never the dynamic order's draws.
+    dynamic = (cfg.persistent and not gathers(page_size, cfg.head_dim)
+               and choose_dynamic(items, triton_cdiv(max_seqlen_q, cfg.block_m), causal, True, sms))
     window_left, window_right = window or (-1, -1)
     mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic, window_left=window_left,
-                window_right=window_right, softcap=bool(softcap), sink=sink)
+                window_right=window_right, softcap=bool(softcap), sink=sink, o_dim=o_dim, page_size=page_size)
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items, cfg, device)
     # No more heads to a section than a sequence has: most sections then lie
     # inside one sequence, whose dead items (query tiles past its rows) run
@@ -1178,40 +1239,61 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
 def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: float, causal: bool,
                           cfg: ForwardConfig | None = None, window: tuple[int, int] | None = None,
-                          softcap: float = 0.0, sink: torch.Tensor | None = None) -> None:
+                          softcap: float = 0.0, sink: torch.Tensor | None = None,
+                          page_table: torch.Tensor | None = None) -> None:
     """Launch the forward kernel's VARLEN mode on THD tensors (``window``,
     ``softcap`` and ``sink`` as in ``launch_forward``).
 
     Arguments are assumed validated (``checks.check_varlen_arguments``):
-    q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` (TMA-addressable views),
-    ``out`` contiguous like q, ``lse`` None or contiguous fp32 ``[H, total_q]``,
+    q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` (v's head dim may
+    differ; TMA-addressable views), ``out`` contiguous like q with v's head dim, ``lse`` None or contiguous fp32 ``[H, total_q]``,
     int32 ``cu_seqlens_*`` [B+1] and ``seqused_*`` [B] on q's device, q's
-    device current. Nothing is read back from the device."""
+    device current. With ``page_table`` (int32 ``[B, max_pages]``, vLLM's
+    layout) k and v are page pools ``[num_pages, page_size, Hkv, D]`` as in
+    ``launch_forward`` and sequence ``b``'s keys are the first
+    ``seqused_k[b]`` of its row (``seqused_k`` required; ``cu_seqlens_k``
+    unread, may be None). Nothing is read back from the device."""
     total_q, nheads, head_dim = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     device = q.device.index
     write_lse = lse is not None
-    cfg = cfg or CONFIGS[head_dim]
-    lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], cfg,
+    paged = page_table is not None
+    cfg = cfg or CONFIGS[kernel_head_dim(head_dim, v.shape[-1])]
+    page_size = k.shape[1] if paged else 0
+    assert not paged or (seqused_k is not None and k.dim() == 4)
+    k_pool = v_pool = out  # (no page pools to gather)
+    if paged and gathers(page_size, cfg.head_dim):
+        # As in launch_forward: the kernel copies rows from the pools itself,
+        # which must be contiguous and of the kernel's head dim; its K/V
+        # descriptors (over the pools as one sequence) only lay out the tiles.
+        if head_dim != cfg.head_dim or v.shape[3] != cfg.head_dim or not contiguous_pools(k, v):
+            raise ValueError(f"launch_forward_varlen: gathered pages (page_size {page_size}) need contiguous k and "
+                             f"v pools of a kernel head dim; copy them first")
+        k_pool, v_pool = k, v
+        k, v = k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+    nheads_kv = k.shape[-2]
+    lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
-                      sink_mode(sink))
+                      sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
-    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    cu_q = cu_seqlens_q.contiguous()
+    cu_k = cu_seqlens_k.contiguous() if cu_seqlens_k is not None else cu_q  # (paged: unread)
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q
     used_k = seqused_k.contiguous() if seqused_k is not None else cu_k
     # o_part_ptr carries O itself (row-predicated stores, not a TMA box).
-    ptrs = (lse if write_lse else out, used_k, out, out, out, out, cu_q, cu_k, used_q,
-            _item_counter(q.device) if lp.mode.dynamic else out, out, out,  # (no page pools to gather)
-            sink if sink is not None else out)
-    scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // k.shape[1], batch,
-               *kernel_scales(softmax_scale, softcap), 1, lp.pair, 0, total_q, lp.section)
-    q4, k4, v4, o4 = (t.unsqueeze(0) for t in (q, k, v, out))
+    ptrs = (lse if write_lse else out, used_k, out, page_table if paged else out, out, out, cu_q, cu_k, used_q,
+            _item_counter(q.device) if lp.mode.dynamic else out, k_pool, v_pool, sink if sink is not None else out)
+    scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, batch,
+               *kernel_scales(softmax_scale, softcap), 1, lp.pair, page_table.stride(0) if paged else 0, total_q,
+               lp.section)
+    q4, o4 = q.unsqueeze(0), out.unsqueeze(0)
+    k4, v4 = (k, v) if k.dim() == 4 else (k.unsqueeze(0), v.unsqueeze(0))
     # Triton specialises pointer arguments on 16-byte alignment: a cu_seqlens
     # view at an odd offset must not reuse a kernel compiled for aligned ones.
     key = lp.key + tuple(t.data_ptr() % 16 == 0 for t in ptrs)
     kernel = _COMPILED.get(key)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
-        blocks = block_shapes(cfg)
+        blocks = block_shapes(cfg, 1, page_size)
         descs = (_descriptor(q4, blocks["q"]), _descriptor(k4, blocks["k"]), _descriptor(v4, blocks["v"]),
                  _descriptor(o4, blocks["o"]))
         _COMPILED[key] = _jit_launch(lp, cfg, (*descs, *ptrs, *scalars))

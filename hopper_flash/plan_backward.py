@@ -103,9 +103,11 @@ for _cfg in BACKWARD_CONFIGS.values():
 @lru_cache(maxsize=None)
 def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, varlen: bool = False,
                       seqused_q: bool = False, seqused_k: bool = False, window=None, softcap: bool = False,
-                      short_rows: bool = False) -> dict:
+                      short_rows: bool = False, o_dim: int = 0) -> dict:
     """The constexpr arguments of ``attention_backward_kernel``.
-    ``short_rows``: fixed lengths with ``seqlen_q <= PERSISTENT_MAX_SEQLEN_Q``."""
+    ``short_rows``: fixed lengths with ``seqlen_q <= PERSISTENT_MAX_SEQLEN_Q``;
+    ``o_dim``: varlen's dK/dV head dim where narrower than the kernel's
+    (``plan.kernel_head_dim``), else 0 (TMA stores clip the others)."""
     # In the kernel's parameter order: the fast launch passes them positionally.
     return dict(
         BLOCK_M=cfg.block_m,
@@ -124,6 +126,7 @@ def kernel_constexprs(cfg: BackwardConfig, causal: bool, deterministic: bool, va
         WINDOW_RIGHT=window[1] if window else -1,
         SOFTCAP=bool(softcap),
         PERSISTENT=persistent_grid(cfg, causal, deterministic, varlen, short_rows),
+        O_DIM=o_dim,
     )
 
 
@@ -309,7 +312,8 @@ def _plan_key(dout, q, k, out, lse, dq, dk, dv, softmax_scale, causal, determini
     every pointer argument that is not a fresh allocation (the compiled
     kernels are specialised on it). The descriptors' tensors are not in it:
     ``KernelLaunch`` caches their encodings by address, shape and strides."""
-    key = (q.shape, k.shape, q.dtype, q.device.index, out.stride(), dout.stride(), dq.stride(), lse.stride(),
+    key = (q.shape, k.shape, out.shape[-1], dk.shape[-1], q.dtype, q.device.index, out.stride(), dout.stride(),
+           dq.stride(), lse.stride(),
            softmax_scale, causal, deterministic, cfg, window, softcap, sink, _aligned(lse), _aligned(dq),
            _aligned(dk), _aligned(dv))
     if varlen is None:
@@ -356,7 +360,8 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
         _, nheads, head_dim = q.shape
         nheads_kv = k.shape[1]
         seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
-    cfg = cfg or BACKWARD_CONFIGS[head_dim]
+    # v's head dim (out's) may differ from q's: the kernels of the wider.
+    cfg = cfg or BACKWARD_CONFIGS[plan.kernel_head_dim(head_dim, out.shape[-1])]
     if softcap:
         cfg = softcap_config(cfg)
     m_tiles = triton_cdiv(seqlen_q, cfg.block_m)
@@ -391,7 +396,8 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
     constexprs = kernel_constexprs(cfg, causal, deterministic, varlen is not None,
                                    varlen is not None and varlen.seqused_q is not None,
                                    varlen is not None and varlen.seqused_k is not None, window, softcap > 0,
-                                   varlen is None and seqlen_q <= PERSISTENT_MAX_SEQLEN_Q)
+                                   varlen is None and seqlen_q <= PERSISTENT_MAX_SEQLEN_Q,
+                                   plan.narrower_width(dk.shape[-1], cfg.head_dim) if varlen is not None else 0)
     key = (q.device.index, q.dtype, bool(causal), bool(deterministic), cfg, tuple(constexprs.values()))
     zero_tails = (None, None)
     if varlen is not None:
@@ -401,8 +407,9 @@ def _make_plan(dout, q, k, out, lse, dq, dk, softmax_scale, causal, deterministi
         ctas = min(ctas, plan.sm_count(q.device.index))
     return BackwardPlan(cfg, rows, sem_shape, (ctas, 1, 1), (*stride_kv, *scalars, *constexprs.values()),
                         constexprs, key,
-                        preprocess_launch(out, dout, lse, seqlen_q_rounded, cfg.block_m, small, sink),
-                        postprocess_launch(dq, seqlen_q_rounded, softmax_scale, cfg.block_m, small), zero_tails,
+                        preprocess_launch(out, dout, lse, seqlen_q_rounded, cfg.block_m, small, sink, cfg.head_dim),
+                        postprocess_launch(dq, seqlen_q_rounded, softmax_scale, cfg.block_m, small, cfg.head_dim),
+                        zero_tails,
                         1 if varlen is None else batch + 1)
 
 
@@ -533,7 +540,7 @@ def _strides8(*strides: int) -> tuple[int, ...]:
 
 
 def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, seqlen_q_rounded: int,
-                      block_m: int, varlen=None, sink: bool = False) -> SmallLaunch:
+                      block_m: int, varlen=None, sink: bool = False, width: int | None = None) -> SmallLaunch:
     """The preprocess's launch; its pointers are ``(out, dout, lse, delta,
     lse2, dq_accum, cu_seqlens_q, seqused_q, sink, part, order)`` (``sink``: the
     sinks' partial gradients into ``part``, ``[batch, grid[0], H]``; varlen:
@@ -542,7 +549,9 @@ def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, 
     ``varlen = (seqused_q given, batch, max_seqlen_q)``: THD ``out``/``dout``,
     ``lse [H, total_q]``, stats ``[H, seqlen_q_rounded]`` (the padded total).
     ``out`` and ``dout`` are TMA-addressable (strides multiples of 16 bytes
-    on every axis of extent above 1); dq_accum's rows are the stats'."""
+    on every axis of extent above 1); dq_accum's rows are the stats', each
+    ``width`` features (the main kernel's head dim; default ``out``'s
+    ``plan.kernel_head_dim``)."""
     block = 64
     assert block_m % block == 0 and seqlen_q_rounded % block == 0
     if varlen is None:
@@ -557,19 +566,22 @@ def preprocess_launch(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, 
         strides = (0, *_strides8(so[0], so[1]), 0, *_strides8(sdo[0], sdo[1]), 0, lse.stride(0))
         # (At least one block: block 0's programs write the order.)
         m_blocks = max(1, triton_cdiv(max_seqlen_q, block_m)) * (block_m // block)
+    width = width or plan.kernel_head_dim(head_dim)
     return SmallLaunch(_pre._bwd_preprocess_kernel, (m_blocks, nheads, batch),
                        (*strides, seqlen_q, seqlen_q_rounded, nheads),
-                       dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
-                            SEQUSED=varlen is not None and varlen[0], SINK=bool(sink)))
+                       dict(BLOCK=block, HEAD_DIM=width, BLOCK_M=block_m,
+                            VARLEN=varlen is not None, SEQUSED=varlen is not None and varlen[0], SINK=bool(sink),
+                            OUT_DIM=plan.narrower_width(head_dim, width)))
 
 
 def postprocess_launch(dq: torch.Tensor, seqlen_q_rounded: int, scale: float, block_m: int,
-                       varlen=None) -> SmallLaunch:
+                       varlen=None, width: int | None = None) -> SmallLaunch:
     """The postprocess's launch; its pointers are ``(dq_accum, dq,
     cu_seqlens_q, seqused_q)``, ``dq_accum`` ``[rows, D]`` (fixed: rows =
     B·H·seqlen_q_rounded; varlen: H·seqlen_q_rounded). ``dq`` has a
     contiguous head dim and strides that are multiples of 8 elements (a view
-    of a packed gradient will do). ``varlen`` as ``preprocess_launch``'s."""
+    of a packed gradient will do). ``varlen`` and ``width`` (dq_accum's row)
+    as ``preprocess_launch``'s."""
     block = 64
     if varlen is None:
         batch, seqlen_q, nheads, head_dim = dq.shape
@@ -581,10 +593,12 @@ def postprocess_launch(dq: torch.Tensor, seqlen_q_rounded: int, scale: float, bl
         seqlen_q = 0
         strides = (0, *_strides8(dq.stride(0), dq.stride(1)))
         m_blocks = triton_cdiv(max_seqlen_q, block)
+    width = width or plan.kernel_head_dim(head_dim)
     return SmallLaunch(_pre._bwd_postprocess_kernel, (m_blocks, nheads, batch),
                        (*strides, seqlen_q, seqlen_q_rounded, nheads, scale),
-                       dict(BLOCK=block, HEAD_DIM=head_dim, BLOCK_M=block_m, VARLEN=varlen is not None,
-                            SEQUSED=varlen is not None and varlen[0]))
+                       dict(BLOCK=block, HEAD_DIM=width, BLOCK_M=block_m,
+                            VARLEN=varlen is not None, SEQUSED=varlen is not None and varlen[0],
+                            OUT_DIM=plan.narrower_width(head_dim, width)))
 
 
 def _small_varlen(varlen):
@@ -609,7 +623,8 @@ def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, del
     sinks' gradient (as ``launch_backward``). ``order`` (a scratch tensor if
     None): int32, varlen ``[batch + 1]``, the sequences' order and the main
     kernel's item counter, zeroed; fixed lengths ``[1]``, the counter."""
-    launch = preprocess_launch(out, dout, lse, delta.shape[-1], block_m, _small_varlen(varlen), sink is not None)
+    launch = preprocess_launch(out, dout, lse, delta.shape[-1], block_m, _small_varlen(varlen), sink is not None,
+                               dq_accum.shape[-1])
     part, sink_ptrs = _sink_partials(launch, plan.sink_arg(sink), delta)
     if varlen is None:
         order = torch.empty(1, dtype=torch.int32, device=delta.device) if order is None else order
@@ -622,9 +637,9 @@ def bwd_preprocess(out: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor, del
 def bwd_postprocess(dq_accum: torch.Tensor, dq: torch.Tensor, scale: float, block_m: int, varlen=None) -> None:
     """The postprocess alone (for scripts): ``dq_accum`` ``[rows, D]``, see
     ``postprocess_launch``; ``varlen`` as ``bwd_preprocess``'s."""
-    head_dim = dq.shape[-1]
+    width = plan.kernel_head_dim(dq.shape[-1])  # dq_accum's rows
     per_head = dq.shape[0] * dq.shape[2] if varlen is None else dq.shape[1]
-    launch = postprocess_launch(dq, dq_accum.numel() // (head_dim * per_head), scale, block_m,
+    launch = postprocess_launch(dq, dq_accum.numel() // (width * per_head), scale, block_m,
                                 _small_varlen(varlen))
     launch((dq_accum, dq, *_small_ptrs(dq_accum, varlen)))
 
@@ -644,7 +659,8 @@ def zero_tail_launch(x: torch.Tensor, pair: bool, batch: int) -> SmallLaunch | N
     block = 64
     return SmallLaunch(_pre._zero_tail_kernel, (triton_cdiv(total, block), 1, 1),
                        (batch, total, *_strides8(x.stride(0), x.stride(1)), nheads),
-                       dict(BLOCK=block, HEAD_DIM=head_dim, PAIR=pair))
+                       dict(BLOCK=block, HEAD_DIM=plan.kernel_head_dim(head_dim), PAIR=pair,
+                            OUT_DIM=plan.narrower_width(head_dim)))
 
 
 def zero_tail(x: torch.Tensor, y: torch.Tensor | None, cu_seqlens: torch.Tensor) -> None:
@@ -660,20 +676,24 @@ def workspace_bytes(batch: int, nheads: int, seqlen_q: int, head_dim: int, deter
     lengths): dq_accum, Δ and L2, the persistent grid's item counter (one
     int32, zeroed every call, read only on that grid) and, deterministic,
     the semaphores."""
-    cfg = BACKWARD_CONFIGS[head_dim]
+    cfg = BACKWARD_CONFIGS[plan.kernel_head_dim(head_dim)]  # dq_accum's rows are the kernel's head dim wide
     m_tiles = triton_cdiv(seqlen_q, cfg.block_m)
     rows = batch * nheads * m_tiles * cfg.block_m
-    return 4 * rows * (head_dim + 2) + 4 + (4 * batch * nheads * m_tiles if deterministic else 0)
+    return 4 * rows * (cfg.head_dim + 2) + 4 + (4 * batch * nheads * m_tiles if deterministic else 0)
 
 
 __all__ = ["BackwardConfig", "BACKWARD_CONFIGS", "BACKWARD_HEAD_DIMS", "block_shapes", "grid",
            "kernel_constexprs", "launch_backward", "workspace_bytes"]
 
 
-def check_head_dim(head_dim: int) -> None:
-    if head_dim not in BACKWARD_CONFIGS:
-        raise NotImplementedError(f"hopper_flash's backward supports head dims {BACKWARD_HEAD_DIMS}, got {head_dim} "
-                                  f"(the forward supports it; run it under torch.no_grad())")
+def check_head_dim(head_dim: int, head_dim_v: int | None = None) -> None:
+    """The backward's head dims: its kernels' own, and the multiples of 8
+    below the largest, run on the next one's (``plan.kernel_head_dim``), as
+    the forward's; v's (``head_dim_v``) may differ from q's."""
+    for d in (head_dim,) if head_dim_v is None else (head_dim, head_dim_v):
+        if d not in BACKWARD_CONFIGS and not checks.other_head_dim(d):
+            raise NotImplementedError(f"hopper_flash's backward supports head dims {BACKWARD_HEAD_DIMS} and the "
+                                      f"multiples of 8 below {max(BACKWARD_HEAD_DIMS)}, got {d}")
 
 
 def _tma_addressable(t: torch.Tensor) -> bool:
@@ -722,7 +742,7 @@ def backward(grad_out, q, k, v, out, lse, softmax_scale: float, causal: bool, de
     TMA-addressable strides (views of one packed gradient, say).
     ``sink``: the forward's attention sinks (``[H]``; ``out`` and ``lse``
     sink-normalised): a fourth result, their gradient (``launch_backward``)."""
-    check_head_dim(q.shape[3])
+    check_head_dim(q.shape[3], v.shape[3])
     grad_out = check_grad_out(grad_out, out)
     dq, dk, dv = _gradients(q, k, v, grads, torch.empty)
     if q.numel() == 0 or k.numel() == 0:
@@ -797,8 +817,12 @@ def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_sc
     """dq, dk, dv (contiguous THD, like q, k, v) of a varlen forward; rows
     outside every sequence's live part get zero gradients. ``grads``:
     ``(dq, dk, dv)`` to write instead, of any content (dk and dv with equal
-    strides; views of one packed gradient, say). ``sink`` as ``backward``'s."""
-    check_head_dim(q.shape[2])
+    strides; views of one packed gradient, say). ``sink`` as ``backward``'s.
+
+    Where v's head dim differs from k's, the kernel's dK and dV rows (one
+    pair of strides, stored by address) are written into two buffers of the
+    wider head dim, and the narrower gradient is copied out of its buffer."""
+    check_head_dim(q.shape[2], v.shape[2])
     grad_out = check_grad_out_thd(grad_out, out)
     dq, dk, dv = _gradients(q, k, v, grads, torch.empty)
     if q.numel() == 0 or k.numel() == 0:
@@ -808,7 +832,16 @@ def backward_varlen(grad_out, q, k, v, out, lse, varlen: VarlenBatch, softmax_sc
     if not _tma_addressable(out.unsqueeze(0)):
         out = out.clone(memory_format=torch.contiguous_format)  # see check_grad_out
     lse = lse.contiguous()
+    dk_w, dv_w = dk, dv
+    if dk.shape[2] != dv.shape[2]:
+        wide = (*dk.shape[:2], max(dk.shape[2], dv.shape[2]))
+        dk_w = dk if dk.shape == wide else torch.empty(wide, dtype=dk.dtype, device=dk.device)
+        dv_w = dv if dv.shape == wide else torch.empty(wide, dtype=dv.dtype, device=dv.device)
     with plan.on_device(q):
-        ds = launch_backward(grad_out, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal, deterministic,
+        ds = launch_backward(grad_out, q, k, v, out, lse, dq, dk_w, dv_w, softmax_scale, causal, deterministic,
                              varlen=varlen, window=window, softcap=softcap, sink=sink)
+    if dk_w is not dk:
+        dk.copy_(dk_w[..., :dk.shape[2]])
+    if dv_w is not dv:
+        dv.copy_(dv_w[..., :dv.shape[2]])
     return _with_sink((dq, dk, dv), sink, ds)

@@ -20,7 +20,8 @@ outputs alike.
 Conventions (shared with the kernels):
 
 * BSHD layout as in flash-attn: q ``[batch, seqlen_q, nheads, headdim]``,
-  k and v ``[batch, seqlen_k, nheads_kv, headdim]``; q head ``h`` reads kv
+  k and v ``[batch, seqlen_k, nheads_kv, headdim]`` (v's head dim may
+  differ, as in FA3, and the output has it); q head ``h`` reads kv
   head ``h // (nheads // nheads_kv)``.
 * Causal masks are aligned to the bottom-right (flash-attn >= 2.1): query row
   ``i`` sees key ``j`` iff ``j <= i + (seqlen_k - seqlen_q)``.
@@ -77,8 +78,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[in
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D BSHD, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     batch, seqlen_q, nheads, headdim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:  # (v's head dim may differ: FA3's hdim_v)
+        raise ValueError(f"k and v shapes differ but for the head dim: {tuple(k.shape)} vs {tuple(v.shape)}")
     if k.shape[0] != batch or k.shape[3] != headdim:
         raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} in batch or headdim")
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
@@ -165,7 +166,7 @@ def attention_reference(
     row_idx = _row_index(rows, seqlen_q, device)
     n_rows = row_idx.numel()
 
-    out = torch.zeros(batch, nheads, n_rows, headdim, dtype=dtype, device=device)
+    out = torch.zeros(batch, nheads, n_rows, v.shape[3], dtype=dtype, device=device)
     lse = torch.full((batch, nheads, n_rows), -math.inf, dtype=dtype, device=device)
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # BHSD views
     cols = torch.arange(seqlen_k, device=device)
@@ -249,7 +250,7 @@ def attention_baseline(
         visible = window_visible(row_idx, torch.arange(seqlen_k, device=q.device), seqlen_q, seqlen_k, window)
         mask = visible if mask is None else mask & visible
     if qt.numel() == 0 or seqlen_k == 0:
-        return torch.zeros(batch, row_idx.numel(), nheads, headdim, dtype=q.dtype, device=q.device)
+        return torch.zeros(batch, row_idx.numel(), nheads, v.shape[3], dtype=q.dtype, device=q.device)
     try:
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             out = sdpa(qt, kt, vt, attn_mask=mask, scale=scale)
@@ -454,8 +455,9 @@ def attention_reference_grads(
     runs; the backward's products shrink to the sampled rows and keys.
     """
     batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim = _check_inputs(q, k, v)
-    if dout.shape != q.shape:
-        raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    if dout.shape != q.shape[:3] + v.shape[3:]:
+        raise ValueError(f"dout must have the output's shape {tuple(q.shape[:3] + v.shape[3:])} (q's, with v's head "
+                         f"dim), got {tuple(dout.shape)}")
     if rows is not None or key_rows is not None:
         if softcap:
             raise NotImplementedError("sampled reference gradients with softcap")
@@ -469,7 +471,7 @@ def attention_reference_grads(
     qh, kh, vh, doh = (x.transpose(1, 2) for x in (q, k, v, dout))
     dq = torch.zeros(batch, nheads, seqlen_q, headdim, dtype=f64, device=device)
     dk = torch.zeros(batch, nheads_kv, seqlen_k, headdim, dtype=f64, device=device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros(batch, nheads_kv, seqlen_k, v.shape[3], dtype=f64, device=device)
     cols = torch.arange(seqlen_k, device=device)
     pairs = batch * nheads
     pairs_per_chunk, rows_per_chunk = _chunking(pairs, seqlen_q, seqlen_k, headdim)
@@ -527,7 +529,7 @@ def _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_row
     delta = (doh.to(f64) * out.transpose(1, 2)).sum(-1)  # [B, H, Sq]
     dq = torch.zeros(batch, nheads, row_idx.numel(), headdim, dtype=f64, device=device)
     dk = torch.zeros(batch, nheads_kv, key_idx.numel(), headdim, dtype=f64, device=device)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros(batch, nheads_kv, key_idx.numel(), v.shape[3], dtype=f64, device=device)
     pairs = batch * nheads
 
     def probabilities(b, h, r, keys, kc):
@@ -590,8 +592,9 @@ def attention_baseline_grads(q, k, v, dout, *, causal: bool = False, softmax_sca
     window is blind (a row's leftmost key is never past the last key).
     """
     _, seqlen_q, seqlen_k, _, _, _ = _check_inputs(q, k, v)
-    if dout.shape != q.shape:
-        raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    if dout.shape != q.shape[:3] + v.shape[3:]:
+        raise ValueError(f"dout must have the output's shape {tuple(q.shape[:3] + v.shape[3:])} (q's, with v's head "
+                         f"dim), got {tuple(dout.shape)}")
     if softcap:
         dq, dk, dv = softcap_eager_grads(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, softcap=softcap,
                                          window=window)
@@ -888,16 +891,20 @@ def check_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 def check_kvcache(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lens, *,
                   causal: bool, rows=None, softmax_scale: float | None = None,
                   lse: torch.Tensor | None = None, window: tuple[int, int] | None = None,
-                  softcap: float = 0.0) -> list[Verdict]:
+                  softcap: float = 0.0, starts=None) -> list[Verdict]:
     """Verdicts on a KV-cache attention's ``out`` ``[B, Sq, H, D]`` (and its
     ``lse``): batch row ``b`` attends to the first ``lens[b]`` keys of cache
     row ``rows[b]`` (default ``b``) of a contiguous ``[B_cache, S_cache, Hkv,
-    D]`` cache, bottom-right causal against that length. Each row is judged
-    by :func:`check_attention` over its live keys alone, so whatever lies past
-    a row's length (NaN in the tests) has no part in the reference. A row with
-    no live key must be exactly 0 with an LSE of -inf."""
+    D]`` cache, bottom-right causal against that length. With ``starts``
+    (flash-attn's ``cache_leftpad``) its keys are ``starts[b] .. lens[b] -
+    1`` instead, the mask counted against ``lens[b] - starts[b]``. Each row is
+    judged by :func:`check_attention` over its live keys alone, so whatever
+    lies outside them (NaN in the tests) has no part in the reference. A row
+    with no live key must be exactly 0 with an LSE of -inf."""
     verdicts = []
-    for b, length in enumerate(int(x) for x in lens):
+    for b, end in enumerate(int(x) for x in lens):
+        start = 0 if starts is None else int(starts[b])
+        length = end - start
         r = b if rows is None else int(rows[b])
         row_lse = None if lse is None else lse[b:b + 1]
         name = f"row {b} (len {length})"
@@ -905,8 +912,8 @@ def check_kvcache(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_c
             ok = bool((out[b] == 0).all()) and (row_lse is None or bool((row_lse == -math.inf).all()))
             verdicts.append(Verdict(name, ok, f"{name}: {'ok' if ok else 'FAIL: not 0 / -inf'} (no live key)"))
             continue
-        verdicts += check_attention(out[b:b + 1], q[b:b + 1], k_cache[r:r + 1, :length], v_cache[r:r + 1, :length],
-                                    causal=causal, softmax_scale=softmax_scale, lse=row_lse, name=name,
+        verdicts += check_attention(out[b:b + 1], q[b:b + 1], k_cache[r:r + 1, start:end],
+                                    v_cache[r:r + 1, start:end], causal=causal, softmax_scale=softmax_scale, lse=row_lse, name=name,
                                     window=window, softcap=softcap)
     return verdicts
 
@@ -1072,10 +1079,10 @@ def varlen_apply(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seq
                  with_lse=False):
     """Run ``fn(q_b, k_b, v_b)`` (BSHD, batch 1) -> ``out_b`` or
     ``(out_b, lse_b)`` on each sequence's live rows of the THD tensors and
-    assemble ``[total_q, H, D]`` (zeros outside live rows) and, with
+    assemble ``[total_q, H, Dv]`` (zeros outside live rows) and, with
     ``with_lse``, ``[H, total_q]`` (-inf outside)."""
-    total_q, nheads, headdim = q.shape
-    out = torch.zeros(total_q, nheads, headdim, dtype=out_dtype or q.dtype, device=q.device)
+    total_q, nheads, _ = q.shape
+    out = torch.zeros(total_q, nheads, v.shape[-1], dtype=out_dtype or q.dtype, device=q.device)
     lse = torch.full((nheads, total_q), -math.inf, dtype=torch.float64, device=q.device) if with_lse else None
     for (qs, lq), (ks, lk) in zip(varlen_spans(cu_seqlens_q, seqused_q), varlen_spans(cu_seqlens_k, seqused_k)):
         if lq == 0:

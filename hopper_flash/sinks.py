@@ -92,7 +92,8 @@ def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink: to
             plan.launch_triton(_sink_grad_kernel, (blocks, out.shape[-2], batch),
                                (out, dout, lse, plan.sink_arg(sink), part, rows, *so, *_row_layout(dout, lse)[2],
                                 *_lse_strides(lse)),
-                               dict(BLOCK=block, HEAD_DIM=out.shape[-1]), num_warps=4)
+                               dict(BLOCK=block, HEAD_DIM=plan.kernel_head_dim(out.shape[-1]),
+                                    OUT_DIM=plan.narrower_width(out.shape[-1])), num_warps=4)
         # (per-block partials summed in a fixed order: deterministic; each
         # head's contiguous, as plan_backward._sink_partials lays them out)
         return part.sum(dim=1).to(sink.dtype)

@@ -1,6 +1,6 @@
 """Where the host time of one ``flash_attn_with_kvcache`` call goes (B8 H32/8
 Sq1 Sk4096 D128 causal, no grad): wall time of back-to-back calls, without
-and with a one-token append, the CPU time to enqueue a burst, the parts
+and with a one-token append (and rotary embedding), the CPU time to enqueue a burst, the parts
 (validation, ``plan.launch_forward``, one allocation) and a cProfile.
 
     PYTHONPATH=. python -P scripts/decode_host.py      (on the GPU machine)"""
@@ -28,9 +28,15 @@ def call():
 def call_append():
     return hopper_flash.flash_attn_with_kvcache(q, kc, vc, knew, knew, cache_seqlens=lens_app, causal=True)
 
+cos, sin = (torch.randn(SK, D // 2, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+def call_rotary():
+    return hopper_flash.flash_attn_with_kvcache(q, kc, vc, knew, knew, rotary_cos=cos, rotary_sin=sin,
+                                                cache_seqlens=lens_app, causal=True)
+
 with torch.no_grad():
     print("lp:", plan._plan_launch.cache_info())
-    for name, f in (("no append", call), ("append 1", call_append)):
+    for name, f in (("no append", call), ("append 1", call_append), ("append 1 + rotary", call_rotary)):
         print(f"{name}: wall {host_us(f):.1f} us/call, CPU to enqueue {enqueue_us(f):.1f} us/call")
     # components
     sc = kvcache.validate_kvcache

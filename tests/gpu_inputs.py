@@ -1,6 +1,6 @@
 """Inputs and checks the GPU test files share: seeded random tensors on
-the GPU, varlen prefix sums, and the backward kernel's check on its own
-forward (imported as ``from gpu_inputs import ...``, as ``launch_fakes``
+the GPU, NaN-tailed and paged KV caches, varlen prefix sums, and the
+backward kernel's check on its own forward (imported as ``from gpu_inputs import ...``, as ``launch_fakes``
 is)."""
 import math
 
@@ -67,3 +67,36 @@ def check_kernel_backward(batch, seqlen_q, seqlen_k, h, hkv, d, causal, *, windo
                                      softcap=softcap)
     assert all(verdicts), "; ".join(x.message for x in verdicts if not x)
     return q, k, v, do, dq, dk, dv
+
+
+def nan_tailed_cache(B, cap, Hkv, D, lens, dtype=torch.bfloat16, seed=0, k_magnitude=1.0):
+    """Random K and V caches ``[B, cap, Hkv, D]`` (K times ``k_magnitude``)
+    with NaN past each row's live length ``lens[b]``: uninitialised cache
+    memory may hold anything, and 0 * NaN = NaN in PV."""
+    kc = rnd(B, cap, Hkv, D, dtype=dtype, seed=seed, magnitude=k_magnitude)
+    vc = rnd(B, cap, Hkv, D, dtype=dtype, seed=seed + 1)
+    for b, L in enumerate(lens):
+        kc[b, L:] = math.nan
+        vc[b, L:] = math.nan
+    return kc, vc
+
+
+def paged_copy(kc, vc, page_size, lens, seed=0):
+    """The same caches as pages in random order; page-table entries past each
+    row's live pages are garbage."""
+    B, cap, Hkv, D = kc.shape
+    max_pages = -(-cap // page_size)
+    n_pages = B * max_pages + 3
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    perm = torch.randperm(n_pages, device=DEV, generator=gen)[: B * max_pages].view(B, max_pages).to(torch.int32)
+    kp = torch.full((n_pages, page_size, Hkv, D), float("nan"), device=DEV, dtype=kc.dtype)
+    vp = torch.full((n_pages, page_size, Hkv, vc.shape[3]), float("nan"), device=DEV, dtype=vc.dtype)
+    for b in range(B):
+        for p in range(max_pages):
+            lo, hi = p * page_size, min((p + 1) * page_size, cap)
+            kp[perm[b, p], : hi - lo] = kc[b, lo:hi]
+            vp[perm[b, p], : hi - lo] = vc[b, lo:hi]
+    pt = perm.clone()
+    for b, L in enumerate(lens):
+        pt[b, -(-L // page_size) + 1:] = 10 ** 6
+    return kp, vp, pt

@@ -108,8 +108,8 @@ def test_bf16_and_fp16_pass_argument_checks(dtype):
 
 def test_k_v_shape_mismatch():
     q, k, v = qkv(k_shape=(B, S, H, D), v_shape=(B, S + 1, H, D))
-    with pytest.raises(ValueError, match=r"k and v must have the same shape, got k \(2, 8, 4, 128\) "
-                                         r"and v \(2, 9, 4, 128\)"):
+    with pytest.raises(ValueError, match=r"k and v must have the same shape but for the head dim, got k "
+                                         r"\(2, 8, 4, 128\) and v \(2, 9, 4, 128\)"):
         flash_attn_func(q, k, v)
 
 
@@ -121,15 +121,24 @@ def test_batch_mismatch():
 
 def test_head_dim_mismatch():
     q, k, v = qkv(kv_shape=(B, S, H, 64))
-    with pytest.raises(ValueError, match=rf"k and v must have q's head dim {D}, got 64"):
+    with pytest.raises(ValueError, match=rf"k must have q's head dim {D}, got 64$"):
         flash_attn_func(q, k, v)
 
 
-@pytest.mark.parametrize("head_dim", [32, 96, 80, 192, 512])
+@pytest.mark.parametrize("head_dim_v", [4, 100, 264])
+def test_unsupported_v_head_dim_is_named(head_dim_v):
+    # v's head dim may differ from q's and k's (FA3's hdim_v), but must be one the kernels serve.
+    q, k, v = qkv(v_shape=(B, S, H, head_dim_v))
+    with pytest.raises(ValueError, match=rf"head dim \(v\.shape\[3\]\) must be one of \(64, 128, 256\) or a "
+                                         rf"multiple of 8 below 256 \(run on the next of those\), got {head_dim_v}$"):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("head_dim", [4, 12, 100, 264, 512])
 def test_unsupported_head_dim_lists_supported(head_dim):
     q, k, v = qkv(q_shape=(B, S, H, head_dim))
-    with pytest.raises(ValueError, match=rf"head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\), "
-                                         rf"got {head_dim}"):
+    with pytest.raises(ValueError, match=rf"head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\) or a "
+                                         rf"multiple of 8 below 256 \(run on the next of those\), got {head_dim}$"):
         flash_attn_func(q, k, v)
 
 
@@ -538,9 +547,13 @@ def test_the_ops_take_a_window_a_softcap_and_a_sink():
     # Every op takes the attention sinks last: the forwards into their
     # kernels' normaliser (sinks.py), the backwards for the sinks' gradient,
     # their fourth result (the preprocess's partial sums).
+    # The KV-cache op takes flash-attn's rotary arguments, cache_leftpad and FA3's packed queries after them.
+    rotary = {kvcache.fwd_kvcache: ["rotary_cos", "rotary_sin", "rotary_interleaved", "cache_leftpad", "cu_seqlens_q",
+                                    "max_seqlen_q"]}
     for op in (ops.fwd, ops.varlen_fwd, kvcache.fwd_kvcache, ops.bwd, ops.varlen_bwd):
         names = [a.name for a in op._opoverload._schema.arguments]
-        assert names[-4:] == ["window_left", "window_right", "softcap", "sink"], names
+        assert names[-4 - len(rotary.get(op, [])):] == ["window_left", "window_right", "softcap", "sink",
+                                                         *rotary.get(op, [])], names
     for op in (ops.bwd, ops.varlen_bwd):
         assert len(op._opoverload._schema.returns) == 4
 
@@ -586,8 +599,12 @@ PATHS = {"eager": _eager, "autograd": _autograd, "compiled": _compiled}
 BAD_CALLS = {
     "float32": (dict(dtype=torch.float32), {}, ValueError,
                 r"^q\.dtype must be one of \(bfloat16, float16\), got float32$"),
-    "head_dim_96": (dict(q_shape=(B, S, H, 96)), {}, ValueError,
-                    r"^head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\), got 96$"),
+    "head_dim_100": (dict(q_shape=(B, S, H, 100)), {}, ValueError,
+                     r"^head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\) or a multiple of 8 below 256 "
+                     r"\(run on the next of those\), got 100$"),
+    # Other multiples of 8 run on the next kernel head dim's kernels, on every path: a well-formed call gets to
+    # the device check.
+    "head_dim_96": (dict(q_shape=(B, S, H, 96)), dict(causal=True), ValueError, "^" + DEVICE_ERROR + "$"),
     "causal_str": ({}, dict(causal="yes"), TypeError, r"^causal must be a bool, got builtins\.str$"),
     "scale_bool": ({}, dict(softmax_scale=True), TypeError,
                    r"^softmax_scale must be a positive float or None, got True$"),
@@ -615,7 +632,8 @@ def _meta(*shape, dtype=BF16):
 
 @pytest.mark.parametrize("dtype, head_dim, hkv, scale, exc, message", [
     (torch.float32, 128, H, 0.1, ValueError, r"^q\.dtype must be one of \(bfloat16, float16\), got float32$"),
-    (BF16, 96, H, 0.1, ValueError, r"^head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\), got 96$"),
+    (BF16, 100, H, 0.1, ValueError, r"^head dim \(q\.shape\[3\]\) must be one of \(64, 128, 256\) or a multiple "
+                                    r"of 8 below 256 \(run on the next of those\), got 100$"),
     (BF16, 128, 3, 0.1, ValueError, r"^q's number of heads \(4\) must be a multiple of k/v's number of heads"),
     (BF16, 128, H, -1.0, ValueError, r"^softmax_scale must be a finite positive number, got -1\.0$"),
     (BF16, 128, H, math.nan, ValueError, r"^softmax_scale must be a finite positive number, got nan$"),

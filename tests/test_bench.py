@@ -330,3 +330,30 @@ def test_window_passes_to_flash_attn_style_backends_and_sdpa_declines(monkeypatc
     assert seen["window_size"] == (3, 0) and seen["causal"] is True
     with pytest.raises(backends.Unsupported, match="no sliding window"):
         backends._build_sdpa("CUDNN_ATTENTION")(cfg, q, q, q, 1.0)
+
+
+def test_headdim_v_counts_each_matmul_at_its_depth_and_labels_itself(tmp_path):
+    """FA3's hdim_v: QK at q's head dim, PV at v's (2 B H Sq Sk (D + Dv)
+    FLOPs without a mask, half of it causal), K and V read at their own
+    widths; the option, the JSON field and the record carry it."""
+    from hopper_flash.bench.configs import kv_bytes
+
+    cfg = Config(seqlen=1000, seqlen_k=3000, batch=2, heads=16, kv_heads=4, headdim=192, headdim_v=128,
+                 causal=False)
+    assert attention_flops(cfg) == 2 * 2 * 16 * 1000 * 3000 * (192 + 128)
+    causal = Config(seqlen=1024, batch=2, heads=16, headdim=192, headdim_v=128)
+    assert attention_flops(causal) == 2 * 16 * 1024 * 1024 * (192 + 128)
+    square = Config(seqlen=1024, batch=2, heads=16, headdim=128)  # one head dim: the convention unchanged
+    assert attention_flops(square) == 2 * 2 * 16 * 1024 * 1024 * 128
+    assert attention_flops(Config(seqlen=7, seqlen_k=11, headdim=192, headdim_v=128)) == \
+        2 * 4 * 32 * (192 + 128) * causal_pairs(7, 11)
+    assert kv_bytes(cfg) == 2 * 4 * 3000 * (192 + 128) * 2
+    assert "D192x128" in cfg.label and "D128 " in square.label
+    assert cfg.to_record()["headdim_v"] == 128 and square.to_record()["headdim_v"] == 128
+    (c,) = configs_for("--seqlen", "512", "--headdim", "192", "--headdim-v", "128")
+    assert (c.headdim, c.head_dim_v) == (192, 128)
+    path = tmp_path / "dv.json"
+    path.write_text('[{"seqlen": 512, "headdim": 192, "headdim_v": 128}]')
+    assert load_config_file(path)[0].head_dim_v == 128
+    with pytest.raises(ConfigError, match="headdim_v must be a positive integer"):
+        Config(seqlen=512, headdim_v=0)

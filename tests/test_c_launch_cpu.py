@@ -87,7 +87,7 @@ def _compiled(key):
                "lse_ptr": "*fp32", "sink_ptr": "*fp32", "n_splits": "i32", "batch": "i32", "seqlen_q": "i32", "num_heads": "i32",
                "stride_ob": "i32", "stride_oq": "i32", "stride_oh": "i32",
                "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr", "DEPENDENT": "constexpr",
-               "SINK": "constexpr"}
+               "SINK": "constexpr", "OUT_DIM": "constexpr"}
         constexprs = plan._combine_constexprs(cfg.head_dim, 16, write_lse)
         comb = triton.compile(ASTSource(real, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 1 if cfg.head_dim <= 128 else 2})
@@ -183,6 +183,9 @@ CASES = {
                                      _decode_kv(1, 4, 5000, 256, torch.float16), True, True, True),
     "decode-d64": lambda: (torch.randn(2, 1, 8, 64).to(torch.bfloat16), _decode_kv(2, 2, 3000, 64),
                            _decode_kv(2, 2, 3000, 64), True, False, True),
+    # v's head dim other than q's and k's: v's and out's maps 128 wide on head dim 256's kernel
+    "decode-dv-192-128": lambda: (torch.randn(2, 1, 8, 192).to(torch.bfloat16), _decode_kv(2, 2, 3000, 192),
+                                  _decode_kv(2, 2, 3000, 128), True, True, True),
     # prefill: O through its map (no combine), with the LSE; and the dynamic order's item counter
     "prefill-lse": lambda: (*(torch.randn(2, 130, 8, 128).to(torch.bfloat16) for _ in range(3)), False, True, False),
     "prefill-dynamic": lambda: (*(torch.randn(4, 2048, 32, 128).to(torch.bfloat16) for _ in range(3)), True, False,
@@ -220,7 +223,8 @@ def test_the_c_launch_hands_the_driver_what_the_python_path_does(standin, prepar
     [(tiles, launch)] = call.launches.items()
     assert launch.c_state is None  # prepared while the C path was off
     monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", "1")
-    call.launches[tiles] = type(launch)(launch.lp, launch.kernel, launch.combine, q, k.shape[2], 0.1, return_lse)
+    call.launches[tiles] = type(launch)(launch.lp, launch.kernel, launch.combine, q, k.shape[2], 0.1, return_lse,
+                                        head_dim_v=v.shape[3])
     state = call.launches[tiles].c_state
     assert state is not None, "no C state"
     standin.lib.standin_reset(0, 0)

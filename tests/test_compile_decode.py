@@ -32,7 +32,7 @@ SPECS = [
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=128)),
     (C[128], "bfloat16", False, False, Mode(pack_g=4, seqused=True, page_size=256)),
     (C[256], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
-    # Pages shorter than a tile: one TMA box per page (kvcache.MIN_TMA_PAGE up).
+    # Pages shorter than a tile: one TMA box per page (cache_layout.MIN_TMA_PAGE up).
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
     (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, page_size=32)),
     (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=32)),
@@ -239,11 +239,43 @@ def test_combine_kernel_compiles():
            "sink_ptr": "*fp32", "n_splits": "i32", "batch": "i32", "seqlen_q": "i32", "num_heads": "i32",
            "stride_ob": "i32", "stride_oq": "i32", "stride_oh": "i32",
            "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr", "DEPENDENT": "constexpr",
-           "SINK": "constexpr"}
-    for sink in (False, True):
+           "SINK": "constexpr", "OUT_DIM": "constexpr"}
+    for sink, out_dim in ((False, 0), (True, 0), (False, 96)):
         src = ASTSource(combine_kernel, sig, constexprs={"HEAD_DIM": 128, "S_MAX": 16, "WRITE_LSE": True,
-                                                         "DEPENDENT": True, "SINK": sink})
+                                                         "DEPENDENT": True, "SINK": sink, "OUT_DIM": out_dim})
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
         assert "ex2.approx" in k.asm["ptx"] or "ex2" in k.asm["ptx"]
         # Launched dependent on the split grid: it must wait for that grid's partials.
         assert "griddepcontrol.wait" in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, "bf16"), (128, "bf16"), (128, "fp16"), (256, "bf16")])
+def test_append_kernel_compiles(head_dim, dtype):
+    """The KV cache's append (``kernels/append.py``) for sm_90a in every
+    mode it is launched in: plain, through cache_batch_idx, paged, and with
+    rotary embedding either pairing and either query position rule, its
+    tables in the queries' dtype or float32. No local memory."""
+    import itertools
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hopper_flash.kernels.append import append_kernel
+
+    names = append_kernel.arg_names
+    pointers = {"k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "q_ptr", "q_out_ptr"}
+    flags = ("PAGED", "BATCH_IDX", "ROTARY", "INTERLEAVED", "Q_POS_STEP")
+    for paged, batch_idx, rotary, interleaved, step, table in itertools.product(
+            (False, True), (False, True), (False, True), (False, True), (False, True), (dtype, "fp32")):
+        if (paged and batch_idx) or (not rotary and (interleaved or step or table == "fp32")):
+            continue  # never launched so
+        sig = {n: (f"*{dtype}" if n in pointers else f"*{table}" if n in ("cos_ptr", "sin_ptr")
+                   else "*i32" if n.endswith("_ptr") else "i32") for n in names}
+        consts = dict(zip(flags, (paged, batch_idx, rotary, interleaved, step)),
+                      HEAD_DIM=head_dim, BLOCK_H=max(1, 2048 // head_dim))
+        sig.update({n: "constexpr" for n in consts})
+        k = triton.compile(ASTSource(append_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "enable_fp_fusion": True})  # as plan.launch_triton
+        assert ".local" not in k.asm["ptx"], (consts, table)
+        assert ("fma.rn.f32" in k.asm["ptx"] or "mul.f32" in k.asm["ptx"]) == rotary, consts

@@ -13,7 +13,8 @@ import torch
 import hopper_flash
 from hopper_flash import checks
 from hopper_flash.reference import check_kvcache
-from gpu_inputs import rnd
+from gpu_inputs import capture, nan_tailed_cache, paged_copy, rnd
+from rotary_ref import rotate64
 
 pytestmark = pytest.mark.gpu
 
@@ -26,14 +27,6 @@ def assert_close(out, q, kc, vc, lens, causal, rows=None, lse=None, window=None)
     bad = [v.message for v in check_kvcache(out, q, kc, vc, lens, causal=causal, rows=rows, lse=lse, window=window)
            if not v]
     assert not bad, "\n".join(bad)
-
-
-def nan_tailed_cache(B, cap, Hkv, D, lens, dtype=torch.bfloat16, seed=0):
-    kc, vc = rnd(B, cap, Hkv, D, dtype=dtype, seed=seed), rnd(B, cap, Hkv, D, dtype=dtype, seed=seed + 1)
-    for b, L in enumerate(lens):
-        kc[b, L:] = float("nan")
-        vc[b, L:] = float("nan")
-    return kc, vc
 
 
 @pytest.mark.parametrize("lens", [[1, 777, 4099], [0, 5, 129, 65536], [17, 128, 129, 3001]],
@@ -105,27 +98,6 @@ def test_kvcache_int_seqlens_and_full_cache():
     assert_close(out, q, kc2, vc2, [1000, 1000], False)
 
 
-def paged_copy(kc, vc, page_size, lens, seed=0):
-    """The same caches as pages in random order; page-table entries past each
-    row's live pages are garbage."""
-    B, cap, Hkv, D = kc.shape
-    max_pages = -(-cap // page_size)
-    n_pages = B * max_pages + 3
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    perm = torch.randperm(n_pages, device=DEV, generator=gen)[: B * max_pages].view(B, max_pages).to(torch.int32)
-    kp = torch.full((n_pages, page_size, Hkv, D), float("nan"), device=DEV, dtype=kc.dtype)
-    vp = kp.clone()
-    for b in range(B):
-        for p in range(max_pages):
-            lo, hi = p * page_size, min((p + 1) * page_size, cap)
-            kp[perm[b, p], : hi - lo] = kc[b, lo:hi]
-            vp[perm[b, p], : hi - lo] = vc[b, lo:hi]
-    pt = perm.clone()
-    for b, L in enumerate(lens):
-        pt[b, -(-L // page_size) + 1:] = 10 ** 6
-    return kp, vp, pt
-
-
 @pytest.mark.parametrize("page_size", [1, 2, 8, 16, 32, 64, 128, 256])
 @pytest.mark.parametrize("seqlen_q", [1, 5])
 def test_paged_equals_contiguous(page_size, seqlen_q):
@@ -192,6 +164,84 @@ def test_append_matches_appending_by_hand(paged, seqlen_new):
     byhand = hopper_flash.flash_attn_with_kvcache(q, kh, vh, cache_seqlens=cs + seqlen_new, causal=True)
     assert torch.equal(out, byhand)
     assert_close(out, q, kh, vh, [L + seqlen_new for L in lens], True)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("rotary_dim", [128, 64], ids=["rot128", "rot64"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("mask", ["causal", "full", "local"])
+def test_rotary_matches_rotating_by_hand(mask, interleaved, rotary_dim, paged):
+    """flash-attn's rotary embedding: the appended keys rotated at their
+    cache positions (within one bf16 rounding of a float64 rotation), the
+    rest of the cache untouched, q rotated at cache_seqlens + i under a
+    causal or local mask and at cache_seqlens otherwise, and the output the
+    float64 reference's over the rotated q and the cache."""
+    lens, cap, B, s_new, D = [0, 500, 1300], 2048, 3, 3, 128
+    causal, window_size = mask == "causal", (700, 0) if mask == "local" else (-1, -1)
+    kc, vc = nan_tailed_cache(B, cap, 8, D, lens, seed=rotary_dim)
+    q = rnd(B, s_new, 32, D, seed=51)
+    kn, vn = rnd(B, s_new, 8, D, seed=52), rnd(B, s_new, 8, D, seed=53)
+    angle = torch.rand(cap, rotary_dim // 2, device=DEV, generator=torch.Generator(DEV).manual_seed(54)) * 6.3
+    cos, sin = torch.cos(angle).to(torch.bfloat16), torch.sin(angle).to(torch.bfloat16)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q0, kn0 = q.clone(), kn.clone()
+    kw = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, cache_seqlens=cs, causal=causal,
+              window_size=window_size)
+    before = kc.clone()
+    if paged:
+        kp, vp, pt = paged_copy(kc, vc, 128, [cap] * B)
+        out = hopper_flash.flash_attn_with_kvcache(q, kp, vp, kn, vn, block_table=pt, **kw)
+        kc = torch.stack([kp[pt[b].long()].reshape(cap, 8, D) for b in range(B)])
+        vc = torch.stack([vp[pt[b].long()].reshape(cap, 8, D) for b in range(B)])
+    else:
+        out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, kn, vn, **kw)
+    assert torch.equal(q, q0) and torch.equal(kn, kn0), "the caller's q and k are not written"
+    pos = cs.long()[:, None] + torch.arange(s_new, device=DEV)[None, :]
+    want_k = rotate64(kn, cos, sin, pos[..., None], interleaved)
+    q_pos = pos if mask != "full" else cs.long()[:, None].expand(B, s_new)
+    q_rot = rotate64(q, cos, sin, q_pos[..., None], interleaved).to(torch.bfloat16)
+    for b, L in enumerate(lens):
+        got = kc[b, L:L + s_new].double()
+        assert ((got - want_k[b]).abs() <= want_k[b].abs() * 2.0 ** -7 + 1e-5).all()
+        assert torch.equal(got[..., rotary_dim:], kn[b, ..., rotary_dim:].double())
+        assert torch.equal(vc[b, L:L + s_new], vn[b])
+        assert torch.equal(kc[b, :L], before[b, :L]), "the append wrote before its rows"
+        if not paged:
+            assert torch.isnan(kc[b, L + s_new:]).all(), "the append wrote past its rows"
+    window = checks.window_bounds(window_size, causal)
+    assert_close(out, q_rot, kc, vc, [L + s_new for L in lens], causal, window=window)
+
+
+def test_rotary_under_torch_compile_and_cuda_graphs():
+    """A decode step with rotary embedding traced by torch.compile (the
+    fake checks the rotary arguments) and captured in a CUDA graph: both
+    give the eager step's output and caches."""
+    B, cap, D = 2, 1024, 128
+    kc, vc = rnd(B, cap, 8, D, seed=61), rnd(B, cap, 8, D, seed=62)
+    q, kn, vn = rnd(B, 1, 32, D, seed=63), rnd(B, 1, 8, D, seed=64), rnd(B, 1, 8, D, seed=65)
+    angle = torch.rand(cap, D // 2, device=DEV, generator=torch.Generator(DEV).manual_seed(66)) * 6.3
+    cos, sin = torch.cos(angle), torch.sin(angle)  # float32 tables
+    cs = torch.tensor([10, 600], dtype=torch.int32, device=DEV)
+
+    def step(q, kc, vc, kn, vn, cs):
+        return hopper_flash.flash_attn_with_kvcache(q, kc, vc, kn, vn, rotary_cos=cos, rotary_sin=sin,
+                                                    rotary_interleaved=False, cache_seqlens=cs, causal=True)
+
+    k1, v1 = kc.clone(), vc.clone()
+    eager = step(q, k1, v1, kn, vn, cs)
+    k2, v2 = kc.clone(), vc.clone()
+    compiled = torch.compile(step, fullgraph=True)(q, k2, v2, kn, vn, cs)
+    assert torch.equal(eager, compiled)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2), "the compiled append must mutate the caches"
+    k3, v3 = kc.clone(), vc.clone()
+    graph, out = capture(lambda: step(q, k3, v3, kn, vn, cs))
+    for lens in ([0, 1023], [500, 7]):
+        cs.copy_(torch.tensor(lens, dtype=torch.int32))
+        k4, v4 = k3.clone(), v3.clone()  # the graph's caches as they stand, earlier appends included
+        graph.replay()
+        assert torch.equal(out, step(q, k4, v4, kn, vn, cs))
+        for b, L in enumerate(lens):
+            assert torch.equal(k3[b, L], k4[b, L]) and torch.equal(v3[b, L], v4[b, L])
 
 
 def test_cache_batch_idx():

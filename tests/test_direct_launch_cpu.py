@@ -50,9 +50,10 @@ def fakes(monkeypatch):
     return log
 
 
+@pytest.mark.parametrize("head_dim", [128, 96])
 @pytest.mark.parametrize("with_lse", [False, True])
-def test_split_decode_direct_launch_matches_the_first(fakes, with_lse):
-    batch, nheads, nheads_kv, seqlen_k, head_dim = 2, 8, 2, 8192, 128
+def test_split_decode_direct_launch_matches_the_first(fakes, with_lse, head_dim):
+    batch, nheads, nheads_kv, seqlen_k = 2, 8, 2, 8192
     q = torch.randn(batch, 1, nheads, head_dim).to(torch.bfloat16)
     k = torch.randn(batch, seqlen_k, nheads_kv, head_dim).to(torch.bfloat16)
     v = torch.randn_like(k)
@@ -82,7 +83,7 @@ def test_split_decode_direct_launch_matches_the_first(fakes, with_lse):
     names = names[4:]
     assert len(got) == len(first) == len(names)
     o_slot, lse_slot = names.index("o_part_ptr"), names.index("lse_part_ptr")
-    n_o = splits * batch * 1 * nheads * head_dim
+    n_o = splits * batch * 1 * nheads * 128  # the kernel's head dim (96 runs on 128's kernel)
     assert got[lse_slot] - got[o_slot] == 4 * n_o == first[lse_slot] - first[o_slot]
     for i, name in enumerate(names):
         if i not in (o_slot, lse_slot):
@@ -183,6 +184,28 @@ def test_the_combine_is_compiled_per_split_bound(fakes, monkeypatch):
     direct = [(entry[0]["S_MAX"], entry[1]["S_MAX"], entry[1]["n_splits"]) for entry in log
               if isinstance(entry[0], dict)]
     assert direct == [(16, 16, 4)] * 2 + [(32, 32, 20)] * 2 + [(64, 64, 40), (16, 16, 4)]
+
+
+def test_a_narrower_head_dim_gets_its_own_combine(fakes, monkeypatch):
+    # Head dim 96 runs on head dim 128's kernel and plan (plan.kernel_head_dim):
+    # its combine writes 96 features a row (OUT_DIM), so a direct launch must
+    # not reuse head dim 128's, nor 128's reuse it; both read partials of the
+    # kernel's width.
+    log = []
+    monkeypatch.setattr(forward, "attention_forward_kernel", _TaggingJIT(log, forward.attention_forward_kernel.real))
+    monkeypatch.setattr(combine, "combine_kernel", _TaggingJIT(log, combine.combine_kernel.real))
+    monkeypatch.setattr(launcher, "direct_parts", _direct_parts)
+    runs = []
+    for head_dim in (128, 128, 96, 96, 128, 96):
+        q = torch.randn(1, 1, 8, head_dim).to(torch.bfloat16)
+        k = torch.randn(1, 8192, 2, head_dim).to(torch.bfloat16)
+        out = torch.empty_like(q)
+        plan.launch_forward(q, k, k, out, None, 0.1, True, num_splits=4, pack_gqa=None)
+        runs.append(head_dim)
+    direct = [(entry[0]["OUT_DIM"], entry[1]["OUT_DIM"], entry[1]["HEAD_DIM"]) for entry in log
+              if isinstance(entry[0], dict)]
+    assert direct == [(0, 0, 128), (96, 96, 128), (0, 0, 128), (96, 96, 128)]
+    assert [e[1] for e in log if e[0] == "jit"].count("attention_forward_kernel") == 1  # one forward kernel
 
 
 @pytest.fixture

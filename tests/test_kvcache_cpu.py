@@ -25,7 +25,7 @@ def call(q, kc, vc, *a, **kw):
     (lambda q, kc, vc: (q.float(), kc, vc, {}), "q.dtype"),
     (lambda q, kc, vc: (q, kc.half(), vc, {}), "k_cache must have q's dtype"),
     (lambda q, kc, vc: (q, kc, vc[:, :100], {}), "k_cache and v_cache must have the same shape"),
-    (lambda q, kc, vc: (q[..., :96], kc[..., :96], vc[..., :96], {}), "head dim"),
+    (lambda q, kc, vc: (q[..., :100], kc[..., :100], vc[..., :100], {}), "head dim"),
     (lambda q, kc, vc: (q[:, :, :30], kc, vc, {}), "multiple of k_cache"),
     (lambda q, kc, vc: (q, kc, vc, dict(cache_seqlens=torch.zeros(2, dtype=torch.int64))), "cache_seqlens must have dtype int32"),
     (lambda q, kc, vc: (q, kc, vc, dict(cache_seqlens=torch.zeros(3, dtype=torch.int32))), "cache_seqlens must have shape"),
@@ -51,6 +51,57 @@ def test_bad_arguments_name_themselves(bad, match):
     k, v = kw.pop("k", None), kw.pop("v", None)
     with pytest.raises((ValueError, TypeError), match=match):
         call(q, kc, vc, k, v, **kw)
+
+
+def _rot(rows=256, half=64, dtype=bf16):
+    return torch.zeros(rows, half, dtype=dtype), torch.zeros(rows, half, dtype=dtype)
+
+
+NEW = dict(k=torch.zeros(2, 1, 8, 128, dtype=bf16), v=torch.zeros(2, 1, 8, 128, dtype=bf16))
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    (dict(NEW, rotary_cos=_rot()[0]), ValueError, "rotary_cos and rotary_sin must be given together"),
+    (dict(NEW, rotary_sin=_rot()[1]), ValueError, "rotary_cos and rotary_sin must be given together"),
+    (dict(rotary_cos=_rot()[0], rotary_sin=_rot()[1]), ValueError, "rotary_cos/rotary_sin need the new keys k and v"),
+    (dict(NEW, rotary_cos=_rot()[0][None], rotary_sin=_rot()[1][None]), ValueError,
+     r"rotary_cos must have 2 dimensions \[seqlen_ro, rotary_dim / 2\]"),
+    (dict(NEW, rotary_cos=[[1.0]], rotary_sin=_rot()[1]), TypeError, "rotary_cos must be a torch.Tensor"),
+    (dict(NEW, rotary_cos=_rot()[0], rotary_sin=_rot(dtype=torch.float16)[1]), ValueError,
+     "rotary_sin must have q's dtype bfloat16 or float32, got float16"),
+    (dict(NEW, rotary_cos=_rot()[0], rotary_sin=_rot(half=32)[1]), ValueError,
+     "rotary_cos and rotary_sin must have the same shape"),
+    (dict(NEW, rotary_cos=_rot(half=65)[0], rotary_sin=_rot(half=65)[1]), ValueError,
+     r"rotary_cos.shape\[1\] \(rotary_dim / 2\) must lie in \[1, 64\]"),
+    (dict(NEW, rotary_cos=_rot(half=0)[0], rotary_sin=_rot(half=0)[1]), ValueError, r"rotary_cos.shape\[1\]"),
+    (dict(NEW, rotary_cos=_rot(rows=255)[0], rotary_sin=_rot(rows=255)[1]), ValueError,
+     r"rotary_cos must have at least the cache's capacity \(256\) rows"),
+    (dict(NEW, rotary_cos=_rot()[0], rotary_sin=_rot()[1], rotary_interleaved=1), TypeError,
+     "rotary_interleaved must be a bool"),
+    (dict(alibi_slopes=torch.zeros(32)), NotImplementedError, "alibi_slopes must be None"),
+], ids=["cos-alone", "sin-alone", "no-append", "rank", "not-a-tensor", "dtype", "shapes-differ", "wider-than-head",
+        "empty", "short-table", "interleaved-int", "alibi"])
+def test_rotary_and_flash_attn_options_name_themselves(kw, error, match):
+    """flash-attn's rotary arguments are checked by name before anything
+    touches a GPU (or the caches); alibi_slopes is accepted only as None
+    (cache_leftpad's checks: test_leftpad_cpu.py)."""
+    q, kc, vc = args()
+    with pytest.raises(error, match=match):
+        call(q, kc, vc, cache_seqlens=10, **kw)
+
+
+def test_rotary_capacity_counts_pages():
+    """A paged cache's capacity is max_pages * page_size: the rotary tables
+    must cover it, as flash-attn requires."""
+    q = torch.zeros(2, 1, 32, 128, dtype=bf16)
+    kc = vc = torch.zeros(16, 64, 8, 128, dtype=bf16)
+    pt = torch.zeros(2, 4, dtype=torch.int32)
+    cos, sin = _rot(rows=255)
+    with pytest.raises(ValueError, match=r"capacity \(256\)"):
+        call(q, kc, vc, rotary_cos=cos, rotary_sin=sin, cache_seqlens=10, page_table=pt, **NEW)
+    cos, sin = _rot(rows=256)
+    with pytest.raises(ValueError, match="CUDA"):  # past the rotary checks, to the device's
+        call(q, kc, vc, rotary_cos=cos, rotary_sin=sin, cache_seqlens=10, page_table=pt, **NEW)
 
 
 def test_cpu_tensors_are_refused():
@@ -115,25 +166,25 @@ def test_a_window_reaches_the_device_check():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_pages_of_16_keys_and_more_are_read_by_tma_on_the_contiguous_tiles(head_dim):
-    """Which paged caches the kernel reads in place (kvcache._page_plan) and
+    """Which paged caches the kernel reads in place (cache_layout.page_plan) and
     with what TMA box (plan.block_shapes): whole tiles for pages of a tile or
     more, one page per box for 16 keys up to half a tile, and a gathered
     copy below 16."""
-    from hopper_flash import kvcache
+    from hopper_flash import cache_layout
 
     cfg = plan.CONFIGS[head_dim]
     tile = {64: 128, 128: 128, 256: 64}[head_dim]  # the configs' KV tile (plan.CONFIGS)
     box_rows = {16: 16, 32: 32, 64: 64, 128: tile, 256: tile, 512: tile}  # a page, or a whole tile
     for page_size in (1, 2, 4, 8):
-        assert not kvcache._page_plan(page_size, head_dim), page_size  # (no pools: by TMA only)
+        assert not cache_layout.page_plan(page_size, head_dim), page_size  # (no pools: by TMA only)
         # Gathered in the kernel from contiguous pools at head dims 64 and 128,
         # copied first from strided ones (and at 256).
         pool = torch.empty(3, page_size, 2, head_dim)
-        assert kvcache._page_plan(page_size, head_dim, pool, pool) == (head_dim <= 128), (page_size, head_dim)
-        assert not kvcache._page_plan(page_size, head_dim, pool[:, :, :1], pool[:, :, :1])
+        assert cache_layout.page_plan(page_size, head_dim, pool, pool) == (head_dim <= 128), (page_size, head_dim)
+        assert not cache_layout.page_plan(page_size, head_dim, pool[:, :, :1], pool[:, :, :1])
         assert plan.block_shapes(cfg, 1, page_size)["k"] == [1, tile if head_dim <= 128 else page_size, 1, head_dim]
     for page_size, rows in box_rows.items():
-        assert kvcache._page_plan(page_size, head_dim), page_size
+        assert cache_layout.page_plan(page_size, head_dim), page_size
         boxes = plan.block_shapes(cfg, 1, page_size)
         assert boxes["k"] == boxes["v"] == [1, rows, 1, head_dim], page_size
     assert plan.block_shapes(cfg)["k"] == [1, tile, 1, head_dim]  # contiguous caches: one box per tile

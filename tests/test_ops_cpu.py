@@ -71,6 +71,25 @@ def test_ops_check_their_window_ints(window, error, match):
                                            -1, *window)
 
 
+def test_kvcache_op_checks_rotary_at_trace_time():
+    """The KV-cache op's fake checks flash-attn's rotary arguments (shapes,
+    dtypes, the append they need), so torch.compile fails while tracing,
+    naming them; good ones give the output's shapes."""
+    q, k_cache = meta(2, 1, 8, 128), meta(2, 256, 2, 128)
+    k = meta(2, 1, 2, 128)
+    cos = meta(256, 32)
+    op = torch.ops.hopper_flash.fwd_kvcache
+    rest = (None, None, None, 0.1, True, 0, -1, -1, -1, 0.0, None)  # cache_seqlens .. sink
+    with pytest.raises(ValueError, match="rotary_cos/rotary_sin need the new keys k and v"):
+        op(q, k_cache, k_cache, None, None, *rest, cos, cos, True)
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin must be given together"):
+        op(q, k_cache, k_cache, k, k, *rest, cos, None, True)
+    with pytest.raises(ValueError, match=r"capacity \(256\)"):
+        op(q, k_cache, k_cache, k, k, *rest, cos[:100], cos[:100], True)
+    out, lse = op(q, k_cache, k_cache, k, k, *rest, cos, cos, False)
+    assert out.shape == q.shape and lse.shape == (2, 8, 1)
+
+
 def test_flash_attn_func_routes_grad_inputs_through_op(monkeypatch):
     monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)  # meta tensors stand in for CUDA ones
     q = meta(2, 64, 4, 128, requires_grad=True)

@@ -588,3 +588,29 @@ def test_reference_and_its_grads_apply_the_window_as_a_dense_mask_does(sq, sk, c
     torch.testing.assert_close(dq, want[0][:, rows])
     torch.testing.assert_close(dk, want[1][:, keys])
     torch.testing.assert_close(dv, want[2][:, keys])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_v_of_its_own_head_dim_is_the_zero_padded_problem_cut_back(causal):
+    """FA3's hdim_v: v's head dim other than q's and k's. The reference, its
+    gradients, the sampled gradients and the baseline give what the same
+    problem with v zero-padded to q's head dim gives, cut back to v's."""
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 9, 4, 16, generator=g).to(BF16)
+    k = torch.randn(2, 13, 2, 16, generator=g).to(BF16)
+    v = torch.randn(2, 13, 2, 8, generator=g).to(BF16)
+    dout = torch.randn(2, 9, 4, 8, generator=g).to(BF16)
+    wide = torch.nn.functional.pad(v, (0, 8))
+    out, lse = attention_reference(q, k, v, causal=causal)
+    out_w, lse_w = attention_reference(q, k, wide, causal=causal)
+    assert out.shape == (2, 9, 4, 8) and torch.equal(out, out_w[..., :8]) and torch.equal(lse, lse_w)
+    base = attention_baseline(q, k, v, causal=causal)
+    assert base.shape == out.shape and max_abs_err(base.double(), out) < 0.05
+    dq, dk, dv = reference.attention_reference_grads(q, k, v, dout, causal=causal)
+    dq_w, dk_w, dv_w = reference.attention_reference_grads(q, k, wide, torch.nn.functional.pad(dout, (0, 8)),
+                                                           causal=causal)
+    assert dv.shape == v.shape
+    for a, b in ((dq, dq_w), (dk, dk_w), (dv, dv_w[..., :8])):
+        assert max_abs_err(a, b) < 1e-12
+    sq, sk, sv = reference._sampled_reference_grads(q, k, v, dout, causal, None, [0, 8], [1, 12])
+    assert sv.shape == (2, 2, 2, 8) and max_abs_err(sv, dv[:, [1, 12]]) < 1e-12

@@ -235,7 +235,7 @@ def test_a_good_sink_reaches_the_device_check():
         hopper_flash.flash_attn_func(q, k, k, learnable_sink=torch.zeros(4))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 96])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_sink_gradient_kernel_compiles_for_sm90_with_vector_loads(head_dim, dtype):
     """kernels/sink.py's row pass compiles for sm_90a (no GPU needed), and
@@ -252,7 +252,9 @@ def test_sink_gradient_kernel_compiles_for_sm90_with_vector_loads(head_dim, dtyp
     from hopper_flash.compile_check import _bindir
     from hopper_flash.kernels.sink import _INTS, _sink_grad_kernel
 
-    consts = {"BLOCK": 64, "HEAD_DIM": head_dim}
+    from hopper_flash import plan
+    # (96: rows of head dim 128's width, masked at 96)
+    consts = {"BLOCK": 64, "HEAD_DIM": plan.kernel_head_dim(head_dim), "OUT_DIM": plan.narrower_width(head_dim)}
     ints = {n: "i32" for n in _INTS}
     grad = {"o_ptr": f"*{dtype}", "do_ptr": f"*{dtype}", "lse_ptr": "*fp32", "sink_ptr": "*fp32",
             "part_ptr": "*fp32", **ints, **{n: "constexpr" for n in consts}}
@@ -267,3 +269,52 @@ def test_sink_gradient_kernel_compiles_for_sm90_with_vector_loads(head_dim, dtyp
     finally:
         os.unlink(f.name)
     assert "LDG.E.128" in sass and "LDG.E.U16" not in sass
+
+
+_SINK_CHILD = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, sys.argv[1])
+import torch
+from hopper_flash import plan, sinks
+# The interpreter runs CPU tensors through the JIT: take the kernel's path
+# (sinks._fused is False off the GPU) and launch it the JIT's way.
+sinks._fused = lambda *tensors: True
+plan.launch_triton = lambda kernel, grid, args, constexprs, num_warps, launch_pdl=False: \\
+    kernel[grid](*args, **constexprs, num_warps=num_warps)
+torch.save([sinks.sink_grad(*case) for case in torch.load(sys.argv[2])], sys.argv[3])
+"""
+
+
+def test_sink_gradient_kernel_on_other_head_dims(tmp_path):
+    """kernels/sink.py through Triton's interpreter: head dims without
+    kernels of their own (rows of the next power of two, masked at the head
+    dim; NaN past it in the tensors' memory must not reach the sums) give
+    torch's formula (``sink_grad``'s path off the GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    from hopper_flash import _triton_support
+    if _triton_support.parse_minor(_triton_support.installed_version()) < (3, 7):
+        pytest.skip("triton 3.6's interpreter cannot use a scalar kernel argument under numpy 2")
+    gen = torch.Generator().manual_seed(3)
+    cases = []
+    for d, layout in ((96, "bshd"), (40, "thd"), (64, "bshd")):
+        shape = (2, 33, 4) if layout == "bshd" else (45, 4)
+        # Rows of a wider buffer whose extra features hold NaN: a read past the head dim poisons the sum.
+        out = torch.full((*shape, d + 8), float("nan")).to(torch.bfloat16)[..., :d]
+        dout = torch.full((*shape, d + 8), float("nan")).to(torch.bfloat16)[..., :d]
+        out.copy_(torch.randn(*shape, d, generator=gen))
+        dout.copy_(torch.randn(*shape, d, generator=gen))
+        lse = torch.randn(2, 4, 33, generator=gen) if layout == "bshd" else torch.randn(4, 45, generator=gen)
+        sink = torch.randn(4, generator=gen)
+        cases.append((dout, out, lse, sink))
+    torch.save(cases, tmp_path / "cases.pt")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", _SINK_CHILD, root, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+                   check=True, capture_output=True, text=True, timeout=600)
+    for case, got in zip(cases, torch.load(tmp_path / "out.pt")):
+        want = sinks.sink_grad(*case)  # torch's ops (CPU tensors)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

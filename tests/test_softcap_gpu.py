@@ -33,7 +33,7 @@ from hopper_flash.reference import (
     varlen_reference,
     varlen_spans,
 )
-from gpu_inputs import check_kernel_backward, cu, rnd
+from gpu_inputs import check_kernel_backward, cu, nan_tailed_cache, rnd
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -121,20 +121,12 @@ def test_varlen_softcap_with_seqused_and_nan_gaps():
 
 # ---- KV cache ----------------------------------------------------------------
 
-def nan_tailed_cache(B, cap, Hkv, D, lens, seed=0):
-    kc, vc = rnd(B, cap, Hkv, D, seed=seed, magnitude=3.0), rnd(B, cap, Hkv, D, seed=seed + 1)
-    for b, L in enumerate(lens):
-        kc[b, L:] = math.nan
-        vc[b, L:] = math.nan
-    return kc, vc
-
-
 @pytest.mark.parametrize("seqlen_q", [1, 4, 128])
 @pytest.mark.parametrize("num_splits, pack_gqa", [(0, None), (1, False), (5, True)])
 def test_kvcache_softcap(seqlen_q, num_splits, pack_gqa):
     lens = [1, 777, 20000, 4099, 0]
     B, H, Hkv, D = len(lens), 32, 8, 128
-    kc, vc = nan_tailed_cache(B, max(lens) + 77, Hkv, D, lens, seed=seqlen_q)
+    kc, vc = nan_tailed_cache(B, max(lens) + 77, Hkv, D, lens, seed=seqlen_q, k_magnitude=3.0)
     q = rnd(B, seqlen_q, H, D, seed=seqlen_q + 100, magnitude=3.0)
     cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
     out, lse = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True, softcap=50.0,
@@ -149,7 +141,7 @@ def test_kvcache_softcap_paged_equals_contiguous(page_size):
     lens = [3000, 130, 1]
     B, H, Hkv, D = len(lens), 16, 4, 128
     cap = 3072
-    kc, vc = nan_tailed_cache(B, cap, Hkv, D, lens, seed=11)
+    kc, vc = nan_tailed_cache(B, cap, Hkv, D, lens, seed=11, k_magnitude=3.0)
     q = rnd(B, 2, H, D, seed=12, magnitude=3.0)
     cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
     pages_per_row = cap // page_size
@@ -168,7 +160,7 @@ def test_kvcache_softcap_paged_equals_contiguous(page_size):
 
 
 def test_decode_softcap_in_a_cuda_graph_and_compiled():
-    kc, vc = nan_tailed_cache(2, 4096, 8, 128, [3000, 1000], seed=41)
+    kc, vc = nan_tailed_cache(2, 4096, 8, 128, [3000, 1000], seed=41, k_magnitude=3.0)
     q = rnd(2, 1, 32, 128, seed=43, magnitude=3.0)
     cs = torch.tensor([3000, 1000], dtype=torch.int32, device=DEV)
 

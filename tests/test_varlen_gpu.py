@@ -200,6 +200,16 @@ def test_backward_length_mix(d, causal, h, hkv):
     check_backward(MIX["lq"], MIX["lk"], h, hkv, d, causal)
 
 
+@pytest.mark.parametrize("d", [40, 96, 192])
+def test_other_head_dims(d):
+    """Head dims without kernels of their own run on the next one's, read as
+    they are (``plan.kernel_head_dim``: varlen's O, dK and dV stored to the
+    head dim), forward and backward, NaN gaps included."""
+    check_forward([300, 140, 90, 33], [310, 150, 40, 260], 8, 2, d, True, used_q=[257, 100, 0, 33],
+                  used_k=[300, 129, 40, 1], seed=d)
+    check_backward(MIX["lq"], MIX["lk"], 8, 2, d, True, seed=d)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_backward_q_longer_and_shorter_than_k_mqa(causal):
     check_backward([300, 10, 129, 64], [40, 700, 128, 1], 4, 1, 128, causal)

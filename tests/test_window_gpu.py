@@ -29,7 +29,7 @@ from hopper_flash.reference import (
     varlen_reference,
     varlen_spans,
 )
-from gpu_inputs import check_kernel_backward, cu, rnd
+from gpu_inputs import check_kernel_backward, cu, nan_tailed_cache, rnd
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -143,14 +143,6 @@ def test_varlen_window_with_seqused_and_nan_gaps():
 
 
 # ---- KV cache --------------------------------------------------------------
-
-def nan_tailed_cache(B, cap, Hkv, D, lens, seed=0):
-    kc, vc = rnd(B, cap, Hkv, D, seed=seed), rnd(B, cap, Hkv, D, seed=seed + 1)
-    for b, L in enumerate(lens):
-        kc[b, L:] = math.nan
-        vc[b, L:] = math.nan
-    return kc, vc
-
 
 @pytest.mark.parametrize("seqlen_q", [1, 4, 128])
 @pytest.mark.parametrize("num_splits, pack_gqa", [(0, None), (1, False), (5, True)])

@@ -20,7 +20,7 @@ from .runner import PASSES
 from .timing import Timer
 
 # Options that override fields of every config in the set.
-OVERRIDES = ("batch", "heads", "kv_heads", "headdim", "causal", "dtype", "window")
+OVERRIDES = ("batch", "heads", "kv_heads", "headdim", "headdim_v", "causal", "dtype", "window")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--heads", type=int, metavar="N", help="query heads (default 32 with --seqlen)")
     shape.add_argument("--kv-heads", type=int, metavar="N", help="key/value heads for GQA (default: = heads)")
     shape.add_argument("--headdim", type=int, metavar="N", help="head dimension (default 128)")
+    shape.add_argument("--headdim-v", type=int, metavar="N",
+                       help="v's head dimension where it differs from q's and k's (FA3's hdim_v; default: "
+                            "--headdim); TFLOP/s count QK at the one and PV at the other")
     shape.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                        help="causal mask, bottom-right aligned (default: causal)")
     shape.add_argument("--dtype", choices=DTYPES, help="input dtype (default bf16)")
@@ -61,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "forward, backward and both")
     shape.add_argument("--config", metavar="FILE.json",
                        help="JSON list of config objects with fields: " + ", ".join(
-                           ("seqlen", "seqlen_k", "batch", "heads", "kv_heads", "headdim", "causal", "dtype",
-                            "window")))
+                           ("seqlen", "seqlen_k", "batch", "heads", "kv_heads", "headdim", "headdim_v", "causal",
+                            "dtype", "window")))
     run = p.add_argument_group("running")
     run.add_argument("--pass", dest="passes", nargs="+", choices=PASSES, default=["fwd"], metavar="PASS",
                      help="what to time, one table block each: fwd (the output), bwd (dq, dk, dv of a fixed "

@@ -28,7 +28,9 @@ class Config:
     query side"; they stay ``None`` so that overriding ``seqlen``/``heads``
     later (CLI options applied to the default set) keeps them equal.
     ``window``: flash-attn's ``window_size`` ``(left, right)`` (-1: no bound
-    on that side; ``causal`` makes ``right`` 0), or None.
+    on that side; ``causal`` makes ``right`` 0), or None. ``headdim_v``: v's
+    head dim where it differs from q's and k's (FA3's ``hdim_v``, e.g.
+    DeepSeek's 192/128); None: ``headdim``.
     """
 
     seqlen: int
@@ -40,11 +42,12 @@ class Config:
     causal: bool = True
     dtype: str = "bf16"
     window: tuple[int, int] | None = None
+    headdim_v: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("seqlen", "batch", "heads", "kv_heads", "seqlen_k", "headdim"):
+        for name in ("seqlen", "batch", "heads", "kv_heads", "seqlen_k", "headdim", "headdim_v"):
             value = getattr(self, name)
-            if value is None and name in ("kv_heads", "seqlen_k"):
+            if value is None and name in ("kv_heads", "seqlen_k", "headdim_v"):
                 continue
             # bool is an int subclass; "causal": 1 in a JSON file is a typo worth catching.
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -87,6 +90,10 @@ class Config:
         return self.heads if self.kv_heads is None else self.kv_heads
 
     @property
+    def head_dim_v(self) -> int:
+        return self.headdim if self.headdim_v is None else self.headdim_v
+
+    @property
     def label(self) -> str:
         """Short human label, e.g. ``B4 H32 S4096 D128 causal bf16``."""
         heads = f"H{self.heads}" if self.nheads_kv == self.heads else f"H{self.heads}/{self.nheads_kv}"
@@ -94,7 +101,8 @@ class Config:
         mode = "causal" if self.causal else "full"
         if self.window_bounds is not None:
             mode += " win{},{}".format(*self.window_bounds)
-        return f"B{self.batch} {heads} {seq} D{self.headdim} {mode} {self.dtype}"
+        dims = f"D{self.headdim}" if self.head_dim_v == self.headdim else f"D{self.headdim}x{self.head_dim_v}"
+        return f"B{self.batch} {heads} {seq} {dims} {mode} {self.dtype}"
 
     def to_record(self) -> dict:
         """Flat dict with the defaults resolved (used in JSON/CSV results)."""
@@ -108,6 +116,7 @@ class Config:
             "causal": self.causal,
             "dtype": self.dtype,
             "window": list(self.window) if self.window is not None else None,
+            "headdim_v": self.head_dim_v,
         }
 
 
@@ -210,13 +219,14 @@ def kv_bytes(cfg: Config) -> int:
     window = cfg.window_bounds
     if window is not None:
         keys = window_keys(cfg.seqlen_q, cfg.seqlen_kv, *window)
-    return 2 * cfg.batch * cfg.nheads_kv * keys * cfg.headdim * 2
+    return cfg.batch * cfg.nheads_kv * keys * (cfg.headdim + cfg.head_dim_v) * 2
 
 
 def attention_flops(cfg: Config) -> int:
     """Forward FLOPs: two matmuls (QK^T and PV), 2 FLOPs per multiply-add, so
-    4 * B * H * S_q * S_k * D without a mask. H is the number of query heads
-    (GQA shares K/V but does not reduce the work).
+    4 * B * H * S_q * S_k * D without a mask (with v's own head dim Dv:
+    2 * B * H * S_q * S_k * (D + Dv)). H is the number of query heads (GQA
+    shares K/V but does not reduce the work).
 
     A sliding window counts its visible pairs exactly (``window_pairs``).
 
@@ -227,11 +237,12 @@ def attention_flops(cfg: Config) -> int:
       * S_q != S_k: 4 * B * H * D * causal_pairs(S_q, S_k), the visible pairs
         under bottom-right alignment (there is no established "half").
     """
-    b, h, d, sq, sk = cfg.batch, cfg.heads, cfg.headdim, cfg.seqlen_q, cfg.seqlen_kv
+    b, h, sq, sk = cfg.batch, cfg.heads, cfg.seqlen_q, cfg.seqlen_kv
+    dd = cfg.headdim + cfg.head_dim_v  # QK's and PV's depths: 2 * D with one head dim
     if cfg.window_bounds is not None:
-        return 4 * b * h * d * window_pairs(sq, sk, *cfg.window_bounds)
+        return 2 * b * h * dd * window_pairs(sq, sk, *cfg.window_bounds)
     if not cfg.causal:
-        return 4 * b * h * sq * sk * d
+        return 2 * b * h * sq * sk * dd
     if sq == sk:
-        return 2 * b * h * sq * sk * d
-    return 4 * b * h * d * causal_pairs(sq, sk)
+        return b * h * sq * sk * dd
+    return 2 * b * h * dd * causal_pairs(sq, sk)

@@ -94,12 +94,13 @@ class GradReference:
 
 def make_grad_out(cfg: Config, device: str, seed: int = 1):
     """The fixed output gradient every backend's backward gets: standard
-    normal, q's shape and dtype, from its own seeded generator."""
+    normal, the output's shape (q's, with v's head dim) and q's dtype, from
+    its own seeded generator."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-    return torch.randn(cfg.batch, cfg.seqlen_q, cfg.heads, cfg.headdim, generator=gen, device=device).to(dtype)
+    return torch.randn(cfg.batch, cfg.seqlen_q, cfg.heads, cfg.head_dim_v, generator=gen, device=device).to(dtype)
 
 
 def compute_grad_reference(cfg: Config, q, k, v, dout, scale: float) -> GradReference:

@@ -54,6 +54,7 @@ class Result:
     bench_pass: str = "fwd"  # "fwd", "bwd" or "fwd+bwd" (runner.PASSES); records before passes existed are "fwd"
     peak_mib: float | None = None  # --memory: peak MiB allocated during one call beyond what was allocated before
     window: list | None = None  # [left, right] of a sliding window (configs.Config.window), or None
+    headdim_v: int | None = None  # v's head dim (configs.Config.head_dim_v); None in records before it existed
 
     @property
     def failed(self) -> bool:

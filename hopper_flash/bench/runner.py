@@ -30,8 +30,13 @@ def make_inputs(cfg: Config, device: str, seed: int = 0):
 
     from hopper_flash.reference import random_qkv
 
-    return random_qkv(cfg.batch, cfg.seqlen_q, cfg.seqlen_kv, cfg.heads, cfg.nheads_kv, cfg.headdim,
-                      dtype=getattr(torch, TORCH_DTYPES[cfg.dtype]), seed=seed, device=device)
+    dtype = getattr(torch, TORCH_DTYPES[cfg.dtype])
+    q, k, v = random_qkv(cfg.batch, cfg.seqlen_q, cfg.seqlen_kv, cfg.heads, cfg.nheads_kv, cfg.headdim,
+                         dtype=dtype, seed=seed, device=device)
+    if cfg.head_dim_v != cfg.headdim:  # v of its own head dim, from a generator of its own
+        v = random_qkv(cfg.batch, 0, cfg.seqlen_kv, cfg.heads, cfg.nheads_kv, cfg.head_dim_v, dtype=dtype,
+                       seed=seed + 7919, device=device)[2]
+    return q, k, v
 
 
 def _short(e: BaseException) -> str:
@@ -63,7 +68,7 @@ def _prepare(backend: Backend, cfg: Config, q, k, v, dout, scale: float, bench_p
     one cell; the callable has been called once (compilation, probes)."""
     import torch
 
-    expected = (cfg.batch, cfg.seqlen_q, cfg.heads, cfg.headdim)
+    expected = (cfg.batch, cfg.seqlen_q, cfg.heads, cfg.head_dim_v)
 
     def shape_ok(out):
         if tuple(out.shape) != expected:

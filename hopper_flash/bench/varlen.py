@@ -12,6 +12,9 @@ the default runs all three); the forward output is checked against the float64
 reference per sequence, judged against PyTorch's error
 (``hopper_flash.reference.judge``). FLOPs follow flash-attn's convention
 (causal: half the pairs; backward 2.5x the forward), summed over sequences.
+The same keys as a paged cache (``PAGE_SIZE`` keys a page, the pages in a
+shuffled pool, ``block_table``; vLLM's layout) are timed for the forward
+alone (``hopper_flash-varlen-paged16``: the varlen kernel reading the pages).
 """
 from __future__ import annotations
 
@@ -20,6 +23,10 @@ import json
 from dataclasses import asdict, dataclass, field
 
 PASSES = ("fwd", "bwd", "fwd+bwd")
+# The paged backend's page size (vLLM's default block size).
+PAGE_SIZE = 16
+# Backends without a backward.
+FORWARD_ONLY = ("hopper_flash-varlen-paged16",)
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,12 @@ def _backends(cfg: VarlenConfig, lengths):
         qf, kf, vf = (x[:cfg.batch * s].view(cfg.batch, s, *x.shape[1:]) for x in (q, k, v))
         return lambda: hopper_flash.flash_attn_func(qf, kf, vf, causal=cfg.causal)
 
-    out = {"hopper_flash-varlen": hf_varlen}
+    def hf_paged(q, k, v, cu):
+        kp, vp, table = paged_copy(k, v, cu, PAGE_SIZE, seed=cfg.seed)
+        return lambda: hopper_flash.flash_attn_varlen_func(q, kp, vp, cu, cu, mx, mx, block_table=table,
+                                                           causal=cfg.causal)
+
+    out = {"hopper_flash-varlen": hf_varlen, "hopper_flash-varlen-paged16": hf_paged}
     try:
         importlib.import_module("flash_attn_interface").flash_attn_varlen_func  # noqa: B018
         out["fa3-varlen"] = fa3_varlen
@@ -139,6 +151,31 @@ def _backends(cfg: VarlenConfig, lengths):
         pass
     out["hopper_flash (fixed, equal tokens)"] = hf_fixed
     return out
+
+
+def paged_copy(k, v, cu, page_size: int, seed: int = 0):
+    """THD ``k``, ``v`` (sequences at ``cu``) as page pools ``[num_pages,
+    page_size, Hkv, D]`` in a shuffled order, and the int32 block table
+    ``[batch, max_pages]`` naming each sequence's pages in order."""
+    import torch
+
+    starts, ends = cu[:-1].tolist(), cu[1:].tolist()
+    batch = len(starts)
+    pages = [-(-(e - s) // page_size) for s, e in zip(starts, ends)]
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(sum(pages), generator=gen).tolist()
+    kp = k.new_zeros((sum(pages), page_size, *k.shape[1:]))
+    vp = v.new_zeros((sum(pages), page_size, *v.shape[1:]))
+    table = torch.zeros((batch, max(1, max(pages))), dtype=torch.int32)
+    n = 0
+    for b, (s, e) in enumerate(zip(starts, ends)):
+        for p in range(pages[b]):
+            lo, hi = s + p * page_size, min(s + (p + 1) * page_size, e)
+            kp[order[n], :hi - lo] = k[lo:hi]
+            vp[order[n], :hi - lo] = v[lo:hi]
+            table[b, p] = order[n]
+            n += 1
+    return kp, vp, table.to(k.device)
 
 
 def run(cfg: VarlenConfig, timer, *, device: str = "cuda", passes=PASSES) -> VarlenReport:
@@ -171,6 +208,8 @@ def run(cfg: VarlenConfig, timer, *, device: str = "cuda", passes=PASSES) -> Var
             report.results.append(VarlenResult(name, "fwd", status="error", message=f"{type(e).__name__}: {e}"))
             continue
         for which in passes:
+            if which != "fwd" and name in FORWARD_ONLY:
+                continue
             try:
                 timed = _pass_fn(which, factory, q, k, v, cu)
                 t = timer(timed)

@@ -305,7 +305,7 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
     """A padded batch as one varlen call, with no host sync (see the module docstring)."""
     import hopper_flash
 
-    batch, nheads, seqlen_q, head_dim = query.shape
+    batch, nheads, seqlen_q, _ = query.shape
     seqlen_k = key.shape[2]
     if mask.is_floating_point():
         raise TypeError(f"a 2-D attention_mask must be boolean or integer (1 = keep), got dtype {mask.dtype}")
@@ -331,7 +331,7 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
         _thd(query), _thd(key), _thd(value), cu_q, cu_k, seqlen_q, seqlen_k, seqused_q=used_q, seqused_k=lens_k,
         softmax_scale=scaling, causal=is_causal and seqlen_q > 1, window_size=window_size, softcap=softcap,
         learnable_sink=sink)
-    return out.view(batch, seqlen_q, nheads, head_dim)
+    return out.view(batch, seqlen_q, nheads, value.shape[-1])
 
 
 def _packed_from_kwargs(kwargs, query, key):
@@ -385,12 +385,12 @@ def _packed_from_position_ids(position_ids, query, key):
 def _run_packed(query, key, value, packed, is_causal, scaling, window_size=(-1, -1), softcap=0.0, sink=None):
     import hopper_flash
 
-    batch, nheads, seqlen_q, head_dim = query.shape
+    batch, nheads, seqlen_q, _ = query.shape
     cu_q, cu_k, max_q, max_k = packed
     out = hopper_flash.flash_attn_varlen_func(
         _thd(query), _thd(key), _thd(value), cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=is_causal,
         window_size=window_size, softcap=softcap, learnable_sink=sink)
-    return out.view(batch, seqlen_q, nheads, head_dim)
+    return out.view(batch, seqlen_q, nheads, value.shape[-1])
 
 
 # --------------------------------------------------------------------------

@@ -233,11 +233,13 @@ def _zero_tile_tail(bufs, slot, row0, limit, ROWS: gl.constexpr, COLS: gl.conste
 
 @gluon.jit
 def _store_rows(buf, ptr, row_start, n_rows, stride_row, col_off, ROWS: gl.constexpr, COLS: gl.constexpr,
-                NUM_WARPS: gl.constexpr):
+                NUM_WARPS: gl.constexpr, COL_LIMIT: gl.constexpr = 0):
     """Store rows ``0 .. n_rows - 1`` of the shared tile ``buf`` to
     ``ptr + (row_start + r)·stride_row + col_off + c``: a varlen dK/dV tile
     stops at its sequence's end instead of a TMA box overwriting the next
-    sequence's rows (which another CTA writes)."""
+    sequence's rows (which another CTA writes). ``COL_LIMIT``: columns
+    ``c < COL_LIMIT`` only (a head dim narrower than the tile's,
+    ``BwdMode.O_DIM``); 0: all."""
     CH: gl.constexpr = NUM_WARPS * 32 * 8 // COLS
     TPW_D: gl.constexpr = COLS // 8 if COLS // 8 < 32 else 32
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [NUM_WARPS, 1], [1, 0])
@@ -247,7 +249,10 @@ def _store_rows(buf, ptr, row_start, n_rows, stride_row, col_off, ROWS: gl.const
             rows = c * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, layout))
             x = buf.slice(c * CH, CH, dim=0).load(layout)
             offs = (row_start + rows).to(gl.int64)[:, None] * stride_row + col_off + cols[None, :]
-            gl.store(ptr + offs, x, mask=(rows < n_rows)[:, None])
+            live = (rows < n_rows)[:, None]
+            if COL_LIMIT > 0:
+                live = live & (cols < COL_LIMIT)[None, :]
+            gl.store(ptr + offs, x, mask=live)
 
 
 @gluon.jit
@@ -326,10 +331,14 @@ class BwdMode:
     WINDOW_LEFT: gl.constexpr  # a sliding window (mask.py); -1: no bound on that side
     WINDOW_RIGHT: gl.constexpr
     SOFTCAP: gl.constexpr  # logit soft-capping (module docstring)
+    # VARLEN's dK and dV, stored by address: their head dim where narrower
+    # than HEAD_DIM (plan.kernel_head_dim; the boxes read zeros past it),
+    # else 0.
+    O_DIM: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D,
-                 WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP):
+                 WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, O_DIM):
         init_fields(self, locals(), constexpr=True)
 
 
@@ -714,9 +723,9 @@ def _store_dk_dv(rings: BwdRings, prob: BwdProblem, tile: KvTile, mode: BwdMode,
         col0 = tile.hk * prob.stride_kv_head
         n_rows = tile.lk - tile.n * mode.BLOCK_N
         _store_rows(dk_buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]), prob.dk_ptr, row0, n_rows,
-                    prob.stride_kv_row, col0, mode.BLOCK_N, mode.HEAD_DIM, NUM_WARPS)
+                    prob.stride_kv_row, col0, mode.BLOCK_N, mode.HEAD_DIM, NUM_WARPS, mode.O_DIM)
         _store_rows(dv_buf.reshape([mode.BLOCK_N, mode.HEAD_DIM]), prob.dv_ptr, row0, n_rows,
-                    prob.stride_kv_row, col0, mode.BLOCK_N, mode.HEAD_DIM, NUM_WARPS)
+                    prob.stride_kv_row, col0, mode.BLOCK_N, mode.HEAD_DIM, NUM_WARPS, mode.O_DIM)
     else:
         fence_async_shared()
         thread_barrier()
@@ -1002,7 +1011,7 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
                               VARLEN: gl.constexpr = False, SEQUSED_Q: gl.constexpr = False,
                               SEQUSED_K: gl.constexpr = False, WINDOW_LEFT: gl.constexpr = -1,
                               WINDOW_RIGHT: gl.constexpr = -1, SOFTCAP: gl.constexpr = False,
-                              PERSISTENT: gl.constexpr = False):
+                              PERSISTENT: gl.constexpr = False, O_DIM: gl.constexpr = 0):
     """VARLEN: q/k/v/dO are THD tensors viewed as ``[1, total, H, D]``,
     sequence ``b`` = grid axis 2 (see ``bwd_sequence``), ``seqlen_q`` and
     ``seqlen_k`` unused (the grid covers ``max_seqlen_k``; a CTA past its
@@ -1020,7 +1029,7 @@ def attention_backward_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc,
     gl.static_assert(q_desc.block_type.shape[3] == HEAD_DIM, "every head-dim operand is one TMA box wide")
     dtype: gl.constexpr = q_desc.dtype
     mode = BwdMode(BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DO_STAGES, IS_CAUSAL, DETERMINISTIC, VARLEN, SPLIT_D,
-                   WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP)
+                   WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, O_DIM)
     # Grid: axis 0 only, (KV tile, KV head, batch) in the section order
     # (module docstring). Deterministic mode relies on a head's lower tiles
     # starting first.

@@ -94,9 +94,12 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr,
                            part_ptr, order_ptr, so8_b, so8_s, so8_h, sdo8_b, sdo8_s, sdo8_h, slse_b, slse_h,
                            seqlen_q, seqlen_q_rounded, num_heads,
                            BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                           VARLEN: tl.constexpr, SEQUSED: tl.constexpr, SINK: tl.constexpr):
+                           VARLEN: tl.constexpr, SEQUSED: tl.constexpr, SINK: tl.constexpr,
+                           OUT_DIM: tl.constexpr = 0):
     """VARLEN: o/dO are THD (``so_b = sdo_b = 0``), lse is ``[H, total_q]``
-    (``slse_b = 0``); the stats go to the sequence's padded rows. SINK:
+    (``slse_b = 0``); the stats go to the sequence's padded rows. HEAD_DIM:
+    the kernel's (dq_accum's rows); OUT_DIM: O's and dO's where narrower
+    (``plan.kernel_head_dim``), else 0. SINK:
     ``sink_ptr`` the sinks ``[H]``, ``part_ptr`` fp32 ``[H, B, blocks]``
     (neither read otherwise). VARLEN: the programs of block 0, head 0 also
     rank the sequences for the main kernel's grid into ``order_ptr`` (int32
@@ -122,9 +125,11 @@ def _bwd_preprocess_kernel(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, acc_ptr,
     cols = tl.arange(0, HEAD_DIM)
     valid = rows < length
     rows64 = (start + rows).to(tl.int64)
-    o = tl.load(o_ptr + b * so_b + h * so_h + rows64[:, None] * so_s + cols[None, :], mask=valid[:, None], other=0.0)
-    do = tl.load(do_ptr + b * sdo_b + h * sdo_h + rows64[:, None] * sdo_s + cols[None, :], mask=valid[:, None],
-                 other=0.0)
+    live = valid[:, None]
+    if OUT_DIM > 0:
+        live = live & (cols < OUT_DIM)[None, :]
+    o = tl.load(o_ptr + b * so_b + h * so_h + rows64[:, None] * so_s + cols[None, :], mask=live, other=0.0)
+    do = tl.load(do_ptr + b * sdo_b + h * sdo_h + rows64[:, None] * sdo_s + cols[None, :], mask=live, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     lse = tl.load(lse_ptr + b * slse_b + h * slse_h + rows64, mask=valid, other=0.0)
     lse2 = tl.where(lse == -float("inf"), 0.0, lse * 1.4426950408889634)
@@ -156,7 +161,9 @@ def dq_accum_row(row):
 @triton.jit(do_not_specialize=_POST_INTS)
 def _bwd_postprocess_kernel(acc_ptr, dq_ptr, cu_ptr, used_ptr, sdq8_b, sdq8_s, sdq8_h, seqlen_q, seqlen_q_rounded,
                             num_heads, scale, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                            VARLEN: tl.constexpr, SEQUSED: tl.constexpr):
+                            VARLEN: tl.constexpr, SEQUSED: tl.constexpr, OUT_DIM: tl.constexpr = 0):
+    """dQ from ``dq_accum`` (rows of the kernel's HEAD_DIM) into ``dq``
+    (OUT_DIM features a row where narrower, ``plan.kernel_head_dim``)."""
     sdq_b, sdq_s, sdq_h = sdq8_b * 8, sdq8_s * 8, sdq8_h * 8
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
@@ -172,12 +179,15 @@ def _bwd_postprocess_kernel(acc_ptr, dq_ptr, cu_ptr, used_ptr, sdq8_b, sdq8_s, s
                   mask=valid[:, None], other=0.0)
     dq = (acc * scale).to(dq_ptr.dtype.element_ty)
     rows64 = (start + rows).to(tl.int64)
-    tl.store(dq_ptr + b * sdq_b + h * sdq_h + rows64[:, None] * sdq_s + cols[None, :], dq, mask=valid[:, None])
+    live = valid[:, None]
+    if OUT_DIM > 0:
+        live = live & (cols < OUT_DIM)[None, :]
+    tl.store(dq_ptr + b * sdq_b + h * sdq_h + rows64[:, None] * sdq_s + cols[None, :], dq, mask=live)
 
 
 @triton.jit(do_not_specialize=["batch", "total", "s8_row", "s8_head", "num_heads"])
 def _zero_tail_kernel(x_ptr, y_ptr, cu_ptr, batch, total, s8_row, s8_head, num_heads, BLOCK: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, PAIR: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, PAIR: tl.constexpr, OUT_DIM: tl.constexpr = 0):
     """Zero rows ``cu[batch] .. total`` of THD gradients ``x`` (and ``y``
     with ``PAIR``: dV beside dK, same strides), the rows past the last
     sequence that no backward kernel writes. The tail's length lives on the
@@ -193,7 +203,10 @@ def _zero_tail_kernel(x_ptr, y_ptr, cu_ptr, batch, total, s8_row, s8_head, num_h
         cols = tl.arange(0, HEAD_DIM)
         offs = rows.to(tl.int64)[:, None] * s_row + cols[None, :]
         zeros = tl.zeros([BLOCK, HEAD_DIM], x_ptr.dtype.element_ty)
+        live = keep[:, None]
+        if OUT_DIM > 0:  # rows of OUT_DIM features, narrower than HEAD_DIM (a power of two)
+            live = live & (cols < OUT_DIM)[None, :]
         for h in range(num_heads):
-            tl.store(x_ptr + h * s_head + offs, zeros, mask=keep[:, None])
+            tl.store(x_ptr + h * s_head + offs, zeros, mask=live)
             if PAIR:
-                tl.store(y_ptr + h * s_head + offs, zeros, mask=keep[:, None])
+                tl.store(y_ptr + h * s_head + offs, zeros, mask=live)

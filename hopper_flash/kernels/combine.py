@@ -22,7 +22,7 @@ import triton.language as tl
 def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, sink_ptr, n_splits, batch, seqlen_q, num_heads,
                    stride_ob, stride_oq, stride_oh,
                    HEAD_DIM: tl.constexpr, S_MAX: tl.constexpr, WRITE_LSE: tl.constexpr,
-                   DEPENDENT: tl.constexpr, SINK: tl.constexpr = False):
+                   DEPENDENT: tl.constexpr, SINK: tl.constexpr = False, OUT_DIM: tl.constexpr = 0):
     if DEPENDENT:
         # Launched by programmatic dependent launch right after the split
         # kernel, which triggers it at its start (forward.py): the launch and
@@ -61,7 +61,11 @@ def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, sink_ptr, n_split
         # An empty split's O_s is 0, so w = 0 never meets a NaN here.
         acc += w * o_s
     out_off = b.to(tl.int64) * stride_ob + q.to(tl.int64) * stride_oq + h.to(tl.int64) * stride_oh
-    tl.store(out_ptr + out_off + d, acc.to(out_ptr.dtype.element_ty))
+    if OUT_DIM > 0:
+        # The output's head dim is narrower than the kernel's (plan.kernel_head_dim): its features only.
+        tl.store(out_ptr + out_off + d, acc.to(out_ptr.dtype.element_ty), mask=d < OUT_DIM)
+    else:
+        tl.store(out_ptr + out_off + d, acc.to(out_ptr.dtype.element_ty))
     if WRITE_LSE:
         lse = tl.where(total == 0.0, -float("inf"), m + tl.log(total))
         tl.store(lse_ptr + (b * num_heads + h).to(tl.int64) * seqlen_q + q, lse)

@@ -107,7 +107,9 @@ Decode and chunked prefill run the same kernel in other *modes*
   V rows zeroed as in ``SEQUSED``; O is stored with plain row-predicated
   16-byte stores after a round trip through shared memory (a TMA box would
   overwrite the neighbour's output), and the LSE goes to flash-attn's varlen
-  layout ``[H, total_q]``.
+  layout ``[H, total_q]``. With pages (``PAGE_SIZE``, vLLM's layout) K and
+  V are page pools as in ``SEQUSED`` and sequence ``b``'s keys are the
+  first ``seqused_k[b]`` of its page-table row.
 * In these modes a consumer warpgroup whose 64 rows hold no query row (a
   decode tile has ``seqlen_q * G`` live rows) only keeps the barrier rings
   turning, so the tensor cores serve the live warpgroup alone.
@@ -144,7 +146,7 @@ from .softmax import LOG2E, softcap, softmax_exp, softmax_finish, softmax_first,
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
 WG_M = gl.constexpr(64)
-# The smallest page read by TMA, one box per page (kvcache.MIN_TMA_PAGE);
+# The smallest page read by TMA, one box per page (cache_layout.MIN_TMA_PAGE);
 # smaller pages are gathered row by row (Mode.GATHER).
 GATHER_MIN_PAGE = gl.constexpr(16)
 
@@ -226,6 +228,9 @@ class Mode:
     SINK: gl.constexpr
     # Every CTA of the launch runs exactly one work item (plan.Mode.one_item).
     ONE_ITEM: gl.constexpr
+    # VARLEN's O, stored by address: its head dim where narrower than
+    # HEAD_DIM (plan.kernel_head_dim; the boxes read zeros past it), else 0.
+    O_DIM: gl.constexpr
     # The static deal's coordinates without run-time divisions (_num_splits):
     # plain causal prefill (windows, soft-capping and sinks included), none
     # of the decode modes.
@@ -238,7 +243,7 @@ class Mode:
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
                  PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT,
-                 SOFTCAP, SINK, ONE_ITEM):
+                 SOFTCAP, SINK, ONE_ITEM, O_DIM):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -359,7 +364,10 @@ def _item_rows(bm, b, prob: Problem, mode: Mode):
     holds any query row (VARLEN; always true otherwise)."""
     if mode.VARLEN:
         q_start = gl.load(prob.cu_q_ptr + b)
-        k_start = gl.load(prob.cu_k_ptr + b)
+        if mode.PAGE_SIZE > 0:
+            k_start = b * 0  # sequence b's keys: its page-table row (_kv_coords)
+        else:
+            k_start = gl.load(prob.cu_k_ptr + b)
         if mode.SEQUSED_Q:
             lq = gl.load(prob.used_q_ptr + b)
         else:
@@ -941,9 +949,15 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         row_major: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
         o_vals = o_rows_smem.load(row_major)
         o_rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, row_major))
-        o_off = ((q_start + o_rows).to(gl.int64) * prob.num_heads + q_head0) * mode.HEAD_DIM
+        # O's rows are O_DIM features wide where its head dim is narrower
+        # than the kernel's (the features past it are never stored).
+        o_width: gl.constexpr = mode.O_DIM if mode.O_DIM > 0 else mode.HEAD_DIM
+        o_off = ((q_start + o_rows).to(gl.int64) * prob.num_heads + q_head0) * o_width
         cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, row_major))
-        gl.store(prob.o_part_ptr + o_off[:, None] + cols[None, :], o_vals, mask=(o_rows < seqlen_q)[:, None])
+        o_mask = (o_rows < seqlen_q)[:, None]
+        if mode.O_DIM > 0:
+            o_mask = o_mask & (cols < mode.O_DIM)[None, :]
+        gl.store(prob.o_part_ptr + o_off[:, None] + cols[None, :], o_vals, mask=o_mask)
         if mode.WRITE_LSE:
             lse_off = lse_head.to(gl.int64) * prob.total_q + q_start + lse_q
             gl.store(prob.lse_ptr + lse_off, lse, mask=lse_q < seqlen_q)
@@ -1044,7 +1058,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              DYNAMIC: gl.constexpr = False, Q_STAGES: gl.constexpr = 1,
                              WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1,
                              SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False,
-                             RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False):
+                             RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False, O_DIM: gl.constexpr = 0):
     # RING_PTX: which form of ``hopper_flash.ptx_rings`` compiled this
     # specialisation (0: triton's named barriers around the K/V ring kept);
     # unused here, it keys the compiled kernel.
@@ -1053,8 +1067,9 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(BLOCK_M == NC * WG_M and (NC == 2 or NC == 3), "two or three consumer warpgroups of 64 rows")
     gl.static_assert(not DYNAMIC or (PERSISTENT and not SPLIT), "the dynamic order runs a persistent grid, no split")
     gl.static_assert(Q_STAGES == 1 or not O_IN_Q, "O staged in Q's rows leaves no room for a second Q")
-    gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH or PAGE_SIZE > 0)),
-                     "varlen runs without PackGQA, split-KV, cache_batch_idx or pages")
+    gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH)),
+                     "varlen runs without PackGQA, split-KV or cache_batch_idx")
+    gl.static_assert(not (VARLEN and PAGE_SIZE > 0 and not SEQUSED), "paged varlen reads seqused_k's lengths")
     gl.static_assert(not (SINK and SPLIT), "a split run's sink is the combine's")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle two warpgroups")
     gl.static_assert(not (0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE) or (HEAD_DIM <= 128 and BLOCK_M == 128),
@@ -1067,7 +1082,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                SINK, ONE_ITEM)
+                SINK, ONE_ITEM, O_DIM)
     if SPLIT:
         # The combine follows this grid by programmatic dependent launch
         # (plan.launch_combine) and may be scheduled from now on: its

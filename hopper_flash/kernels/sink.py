@@ -14,6 +14,9 @@ LSE's row stride is 1 (the kernels write it contiguous). The strides of
 ``backward_pre``): unspecialised integers would leave the compiler unsure
 that rows start 16-byte aligned, and it would load them element by element
 (the first version, with plain strides, was slower than torch's ops).
+``HEAD_DIM`` is a power of two (``tl.arange``'s): a narrower head dim
+(``plan.kernel_head_dim``) comes as ``OUT_DIM``, its rows masked there (0:
+``HEAD_DIM``'s own).
 """
 import triton
 import triton.language as tl
@@ -28,9 +31,19 @@ def _row_offsets(b, h, r, s8_b, s8_s, s8_h, HEAD_DIM: tl.constexpr):
     return b * (s8_b * 8) + h * (s8_h * 8) + r.to(tl.int64)[:, None] * (s8_s * 8) + cols[None, :]
 
 
+@triton.jit
+def _row_mask(valid, HEAD_DIM: tl.constexpr, OUT_DIM: tl.constexpr):
+    """The rows' live elements: ``valid`` rows, and where ``OUT_DIM`` > 0 its first features."""
+    if OUT_DIM > 0:
+        mask = valid[:, None] & (tl.arange(0, HEAD_DIM) < OUT_DIM)[None, :]
+    else:
+        mask = valid[:, None]
+    return mask
+
+
 @triton.jit(do_not_specialize=_INTS)
 def _sink_grad_kernel(o_ptr, do_ptr, lse_ptr, sink_ptr, part_ptr, rows, so8_b, so8_s, so8_h, sd8_b, sd8_s, sd8_h,
-                      sl_b, sl_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+                      sl_b, sl_h, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, OUT_DIM: tl.constexpr = 0):
     """``part`` ``[H, B, blocks]`` fp32: each block's share of ``ds_h``."""
     b = tl.program_id(2).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -39,8 +52,9 @@ def _sink_grad_kernel(o_ptr, do_ptr, lse_ptr, sink_ptr, part_ptr, rows, so8_b, s
     valid = r < rows
     sink = tl.load(sink_ptr + h).to(tl.float32)
     lse = tl.load(lse_ptr + b * sl_b + h * sl_h + r, mask=valid, other=sink)
-    o = tl.load(o_ptr + _row_offsets(b, h, r, so8_b, so8_s, so8_h, HEAD_DIM), mask=valid[:, None], other=0.0)
-    do = tl.load(do_ptr + _row_offsets(b, h, r, sd8_b, sd8_s, sd8_h, HEAD_DIM), mask=valid[:, None], other=0.0)
+    live = _row_mask(valid, HEAD_DIM, OUT_DIM)
+    o = tl.load(o_ptr + _row_offsets(b, h, r, so8_b, so8_s, so8_h, HEAD_DIM), mask=live, other=0.0)
+    do = tl.load(do_ptr + _row_offsets(b, h, r, sd8_b, sd8_s, sd8_h, HEAD_DIM), mask=live, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     terms = tl.where(valid & (lse > sink), tl.exp(sink - lse) * delta, 0.0)
     tl.store(part_ptr + (h * tl.num_programs(2) + b) * tl.num_programs(0) + blk, -tl.sum(terms, axis=0))
