@@ -51,6 +51,16 @@ def cache_capacity(k_cache, page_table):
     return page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
 
 
+def live_pages_invalid(page_table, k_cache, lens) -> bool:
+    """Whether an entry of ``page_table`` ``[batch, max_pages]`` that covers
+    one of the first ``lens[b]`` keys of its row names no page of the pool
+    ``k_cache`` (the opt-in contract checks; reads device values: a sync).
+    Entries past a row's live pages may be anything."""
+    used = torch.arange(page_table.shape[1], device=page_table.device)[None, :] * k_cache.shape[1] < lens[:, None]
+    pages = page_table.long()
+    return bool((used & ((pages < 0) | (pages >= k_cache.shape[0]))).any())
+
+
 def rows_per_slot(k_cache, v_cache) -> int | None:
     """The rows (of the sequence axis's stride) from one cache row's start to
     the next's, where both caches agree on it and their rows do not overlap;

@@ -450,6 +450,24 @@ def _check_index_vector(name: str, t, length: int, device: torch.device, what: s
         raise ValueError(f"{name} must be on q's device {device}, got {t.device}")
 
 
+PREFIX_SUMS = "int32 prefix sums of the sequence lengths, [batch + 1], starting at 0"
+
+
+def check_cu_seqlens_q(cu_seqlens_q, device) -> int:
+    """``cu_seqlens_q``: an int32 ``[batch + 1]`` tensor (``batch >= 1``) on
+    ``device``, the batch size it gives (every varlen call's first check of
+    it: flash_attn_varlen_func's, paged or not, and flash_attn_with_kvcache's
+    packed queries)."""
+    if not isinstance(cu_seqlens_q, torch.Tensor):
+        raise TypeError(f"cu_seqlens_q must be a torch.Tensor ({PREFIX_SUMS}), got {type(cu_seqlens_q).__name__}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
+        raise ValueError(f"cu_seqlens_q must be 1-D with batch + 1 >= 2 entries ({PREFIX_SUMS}), got shape "
+                         f"{tuple(cu_seqlens_q.shape)}")
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_index_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, device, PREFIX_SUMS)
+    return batch
+
+
 def check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                            softmax_scale, causal):
     """Every check of ``flash_attn_varlen_func``'s arguments that needs no
@@ -465,16 +483,9 @@ def check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     total_q, nheads, head_dim = q.shape
     _check_kv_shapes(k, v)
     _check_heads_and_head_dim(q, k, v, heads_axis=1)
-    what = "int32 prefix sums of the sequence lengths, [batch + 1], starting at 0"
-    if not isinstance(cu_seqlens_q, torch.Tensor):
-        raise TypeError(f"cu_seqlens_q must be a torch.Tensor ({what}), got {type(cu_seqlens_q).__name__}")
-    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
-        raise ValueError(f"cu_seqlens_q must be 1-D with batch + 1 >= 2 entries ({what}), got shape "
-                         f"{tuple(cu_seqlens_q.shape)}")
-    batch = cu_seqlens_q.shape[0] - 1
-    _check_index_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, q.device, what)
+    batch = check_cu_seqlens_q(cu_seqlens_q, q.device)
     _check_index_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, q.device,
-                        what + ", as many as cu_seqlens_q")
+                        PREFIX_SUMS + ", as many as cu_seqlens_q")
     for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
         if t is not None:
             _check_index_vector(name, t, batch, q.device, "int32 live length of each sequence, [batch]")

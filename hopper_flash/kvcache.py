@@ -32,7 +32,7 @@ import os
 import torch
 
 from . import checks, dispatch, plan
-from .cache_layout import cache_capacity, page_plan, rows_per_slot, varlen_over_cache
+from .cache_layout import cache_capacity, live_pages_invalid, page_plan, rows_per_slot, varlen_over_cache
 from .checks import check_device
 from .checks import check_tma_addressable as _check_tma_addressable
 
@@ -64,14 +64,7 @@ def validate_packed_queries(q, cu_seqlens_q, max_seqlen_q, k) -> tuple[int, int]
     positive int (a host-side bound, as in ``flash_attn_varlen_func``); no
     new keys to append. Returns ``(batch, max_seqlen_q)``."""
     checks._check_thd("q", q)
-    what = "int32 prefix sums of the query lengths, [batch + 1], starting at 0"
-    if not isinstance(cu_seqlens_q, torch.Tensor):
-        raise TypeError(f"cu_seqlens_q must be a torch.Tensor ({what}), got {type(cu_seqlens_q).__name__}")
-    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
-        raise ValueError(f"cu_seqlens_q must be 1-D with batch + 1 >= 2 entries ({what}), got shape "
-                         f"{tuple(cu_seqlens_q.shape)}")
-    batch = cu_seqlens_q.shape[0] - 1
-    checks._check_index_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, q.device, what)
+    batch = checks.check_cu_seqlens_q(cu_seqlens_q, q.device)
     max_seqlen_q = checks.check_max_seqlen("max_seqlen_q", max_seqlen_q)
     if q.shape[0] > batch * max_seqlen_q:
         raise ValueError(f"q has {q.shape[0]} tokens, more than batch ({batch}) x max_seqlen_q ({max_seqlen_q}): "
@@ -217,11 +210,8 @@ def check_contract(k_cache, cache_seqlens_new, cache_batch_idx, page_table, cach
                    f"{lens.tolist()}")
     if cache_batch_idx is not None and bool(((cache_batch_idx < 0) | (cache_batch_idx >= k_cache.shape[0])).any()):
         bad.append(f"cache_batch_idx entries must lie in [0, {k_cache.shape[0]}), got {cache_batch_idx.tolist()}")
-    if page_table is not None:
-        used = torch.arange(page_table.shape[1], device=page_table.device)[None, :] * k_cache.shape[1] < lens[:, None]
-        pt = page_table.long()
-        if bool((used & ((pt < 0) | (pt >= k_cache.shape[0]))).any()):
-            bad.append(f"page_table entries covering live keys must lie in [0, {k_cache.shape[0]})")
+    if page_table is not None and live_pages_invalid(page_table, k_cache, lens):
+        bad.append(f"page_table entries covering live keys must lie in [0, {k_cache.shape[0]})")
     if bad:
         raise ValueError("flash_attn_with_kvcache contract violated: " + "; ".join(bad))
 

@@ -214,13 +214,20 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, 
                      sink=None):
     checks.check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                   seqused_k, softmax_scale, causal)
+    return varlen_fake_outputs(q, v, causal, window_left, window_right, softcap, sink)
+
+
+def varlen_fake_outputs(q, v, causal, window_left, window_right, softcap, sink):
+    """A varlen forward op's fake after its arguments' own checks: the
+    options' checks, the device's (but on meta), and ``(out [total_q, H,
+    Dv], lse [H, total_q])`` (paged or not)."""
     checks.op_window(window_left, window_right, causal)
     checks.check_softcap(softcap)
     checks.check_learnable_sink(sink, q.shape[1], q.device)
     if q.device.type != "meta":
         checks.check_device(q)
     total_q, nheads, _ = q.shape
-    return (torch.empty(plan.out_shape(q, v), dtype=q.dtype, device=q.device),
+    return (torch.empty((total_q, nheads, v.shape[-1]), dtype=q.dtype, device=q.device),
             torch.empty((nheads, total_q), dtype=torch.float32, device=q.device))
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cache_layout, checks, dispatch, kvcache, plan
+from . import cache_layout, checks, dispatch, kvcache, ops, plan
 
 
 def check_paged_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
@@ -53,19 +53,12 @@ def check_paged_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
     page_size = k.shape[1]
     if page_size < 1 or page_size & (page_size - 1) or page_size > 1024:
         raise ValueError(f"page size (k.shape[1]) must be a power of two from 1 to 1024, got {page_size}")
-    what = "int32 prefix sums of the sequence lengths, [batch + 1], starting at 0"
-    if not isinstance(cu_seqlens_q, torch.Tensor):
-        raise TypeError(f"cu_seqlens_q must be a torch.Tensor ({what}), got {type(cu_seqlens_q).__name__}")
-    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 2:
-        raise ValueError(f"cu_seqlens_q must be 1-D with batch + 1 >= 2 entries ({what}), got shape "
-                         f"{tuple(cu_seqlens_q.shape)}")
-    batch = cu_seqlens_q.shape[0] - 1
-    checks._check_index_vector("cu_seqlens_q", cu_seqlens_q, batch + 1, q.device, what)
+    batch = checks.check_cu_seqlens_q(cu_seqlens_q, q.device)
     if cu_seqlens_k is None and seqused_k is None:
         raise ValueError("with block_table, the key lengths come from seqused_k or cu_seqlens_k: give one")
     if cu_seqlens_k is not None:
         checks._check_index_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, q.device,
-                                   what + ", as many as cu_seqlens_q")
+                                   checks.PREFIX_SUMS + ", as many as cu_seqlens_q")
     for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
         if t is not None:
             checks._check_index_vector(name, t, batch, q.device, "int32 live length of each sequence, [batch]")
@@ -108,9 +101,7 @@ def check_paged_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     if bool(((lens < 0) | (lens > min(capacity, max_seqlen_k))).any()):
         bad.append(f"key lengths must lie in [0, min(max_seqlen_k, block_table's {capacity} keys)] = "
                    f"[0, {min(capacity, max_seqlen_k)}], got {lens.tolist()}")
-    used = torch.arange(block_table.shape[1], device=q.device)[None, :] * k.shape[1] < lens[:, None]
-    pages = block_table.long()
-    if bool((used & ((pages < 0) | (pages >= k.shape[0]))).any()):
+    if cache_layout.live_pages_invalid(block_table, k, lens):
         bad.append(f"block_table entries covering live keys must lie in [0, {k.shape[0]})")
     if bad:
         raise ValueError("flash_attn_varlen_func contract violated: " + "; ".join(bad))
@@ -173,14 +164,7 @@ def _varlen_fwd_paged_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, sequs
                            sink=None):
     check_paged_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                  seqused_k, block_table, softmax_scale, causal)
-    checks.op_window(window_left, window_right, causal)
-    checks.check_softcap(softcap)
-    checks.check_learnable_sink(sink, q.shape[1], q.device)
-    if q.device.type != "meta":
-        checks.check_device(q)
-    total_q, nheads, _ = q.shape
-    return (torch.empty((total_q, nheads, v.shape[3]), dtype=q.dtype, device=q.device),
-            torch.empty((nheads, total_q), dtype=torch.float32, device=q.device))
+    return ops.varlen_fake_outputs(q, v, causal, window_left, window_right, softcap, sink)
 
 
 def refuse_gradients(q, k, v, sink=None) -> None:
