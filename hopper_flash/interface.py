@@ -12,8 +12,8 @@ implement are accepted at their no-op values and refused with a
 
 Modules: ``checks`` (argument checks) <- ``dispatch`` (validated eager
 calls) <- ``ops`` (custom ops), ``kvcache`` (the KV cache) and ``paged``
-(packed queries over a paged cache, over ``kvcache``) <- ``interface``;
-nothing imports upwards.
+(packed queries over a paged cache), both over ``cache_layout`` (how the
+kernels read a cache) <- ``interface``; nothing imports upwards.
 """
 from __future__ import annotations
 
@@ -279,7 +279,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     No host synchronisation: CUDA-graph capturable (replays may change the
     values of ``cu_seqlens``/``seqused`` but not ``batch``) and traceable by
-    torch.compile. Differentiable in q, k and v.
+    torch.compile. Differentiable in q, k and v (but with ``block_table``).
 
     Returns:
         ``out`` ``[total_q, nheads, headdim_v]``, or ``(out, lse)``.
