@@ -47,6 +47,17 @@ def page_plan(page_size: int, head_dim: int, k_cache=None, v_cache=None) -> bool
             and k_cache is not None and plan.contiguous_pools(k_cache, v_cache))
 
 
+def pages_copied(k_cache, v_cache, page_table):
+    """Pages the kernel cannot read in place (``page_plan``): each row's pages
+    copied into one contiguous cache row ``[batch, max_pages * page_size,
+    Hkv, D]`` (correct, graph-capturable, not at memory speed). Entries past
+    a row's live pages may be anything: clamped to a valid page."""
+    idx = page_table.long().clamp(0, k_cache.shape[0] - 1)
+    rows = page_table.shape[1] * k_cache.shape[1]
+    return (k_cache[idx].reshape(page_table.shape[0], rows, *k_cache.shape[2:]),
+            v_cache[idx].reshape(page_table.shape[0], rows, *v_cache.shape[2:]))
+
+
 def cache_capacity(k_cache, page_table):
     return page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
 
@@ -139,12 +150,7 @@ def varlen_over_cache(q, cu_seqlens_q, max_seqlen_q: int, seqused_q, k_cache, v_
                                                      bound, seqused_q, seqused, softmax_scale, causal,
                                                      return_lse, window=window, softcap=softcap, sink=sink,
                                                      page_table=page_table)
-        # Pages the kernel cannot read in place: each row's pages copied into
-        # one contiguous cache row (entries past its live pages may be
-        # anything: clamped).
-        idx = page_table.long().clamp(0, k_cache.shape[0] - 1)
-        k_cache = k_cache[idx].reshape(batch, capacity, *k_cache.shape[2:])
-        v_cache = v_cache[idx].reshape(batch, capacity, *v_cache.shape[2:])
+        k_cache, v_cache = pages_copied(k_cache, v_cache, page_table)
     k3, v3, cu_k, used_k = slot_rows_args(k_cache, v_cache, batch, cache_batch_idx, cache_leftpad, seqused)
     return dispatch.forward_varlen_validated(q, k3, v3, cu_seqlens_q, cu_k, max_seqlen_q, bound, seqused_q,
                                              used_k, softmax_scale, causal, return_lse, window=window,

@@ -32,7 +32,8 @@ import os
 import torch
 
 from . import checks, dispatch, plan
-from .cache_layout import cache_capacity, live_pages_invalid, page_plan, rows_per_slot, varlen_over_cache
+from .cache_layout import (cache_capacity, live_pages_invalid, page_plan, pages_copied, rows_per_slot,
+                           varlen_over_cache)
 from .checks import check_device
 from .checks import check_tma_addressable as _check_tma_addressable
 
@@ -338,6 +339,19 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa, rotary_cos, rotary_sin,
                                      rotary_interleaved, cache_leftpad, cu_seqlens_q, max_seqlen_q)
+    return kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                                     softmax_scale, causal, num_splits, pack_gqa, return_lse, check, window, softcap,
+                                     sink, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, cu_seqlens_q,
+                                     max_seqlen_q)
+
+
+def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
+                              softmax_scale: float, causal, num_splits, pack_gqa, return_lse, check=None, window=None,
+                              softcap=0.0, sink=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                              cache_leftpad=None, cu_seqlens_q=None, max_seqlen_q=None):
+    """``kvcache_forward`` on arguments that passed ``validate_kvcache`` (or,
+    for the paged varlen call, ``paged.check_paged_varlen_arguments``), the
+    softmax scale resolved: the checks run once per call."""
     # (A pool without pages holds no live key under the contract: nothing to see, nothing TMA could describe.)
     capacity = cache_capacity(k_cache, page_table) if k_cache.shape[0] else 0
     packed = cu_seqlens_q is not None
@@ -373,9 +387,9 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
         # summing to batch times it, the contract): a decode step (SGLang's
         # cu_seqlens_q = arange, max_seqlen_q = 1) or a fixed draft length,
         # run as q [batch, max_seqlen_q, H, D] with split-KV and PackGQA.
-        out, lse = kvcache_forward(q.view(batch, seqlen_q, nheads, head_dim), k_cache, v_cache, None, None, seqused,
-                                   cache_batch_idx, page_table, softmax_scale, causal, num_splits, pack_gqa,
-                                   return_lse, False, window, softcap, sink)
+        out, lse = kvcache_forward_validated(q.view(batch, seqlen_q, nheads, head_dim), k_cache, v_cache, None, None,
+                                             seqused, cache_batch_idx, page_table, softmax_scale, causal, num_splits,
+                                             pack_gqa, return_lse, False, window, softcap, sink)
         return (out.view(q.shape[0], nheads, out.shape[3]),
                 lse.permute(1, 0, 2).reshape(nheads, q.shape[0]) if lse is not None else None)
     rotary = None
@@ -421,12 +435,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     kc, vc, pt = k_cache, v_cache, page_table
     if page_table is not None:
         if not page_plan(k_cache.shape[1], head_dim, k_cache, v_cache):
-            # Small pages in pools with gaps: gather each batch's pages into a contiguous cache.
-            nkv = k_cache.shape[2]
-            # Entries past a row's live pages may be anything: clamp them.
-            idx = page_table.long().clamp(0, k_cache.shape[0] - 1)
-            kc = k_cache[idx].reshape(batch, -1, nkv, head_dim)
-            vc = v_cache[idx].reshape(batch, -1, nkv, head_dim_v)
+            kc, vc = pages_copied(k_cache, v_cache, page_table)
             pt = None
     args = (q, kc, vc, out, lse, softmax_scale, causal, cfg)
     kwargs = dict(seqused_k=seqused, kv_batch=cache_batch_idx if pt is None else None, page_table=pt,

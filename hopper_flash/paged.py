@@ -134,9 +134,10 @@ def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         # flash_attn_with_kvcache's packed queries over the same pages: its
         # decode path where every sequence has max_seqlen_q queries, else
         # the varlen kernel reading the pages.
-        return kvcache.kvcache_forward(q, k, v, None, None, lens, None, block_table, softmax_scale, bool(causal), 0,
-                                       None, return_lse, check=False, window=window, softcap=softcap, sink=sink,
-                                       cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+        return kvcache.kvcache_forward_validated(q, k, v, None, None, lens, None, block_table, softmax_scale,
+                                                 bool(causal), 0, None, return_lse, check=False, window=window,
+                                                 softcap=softcap, sink=sink, cu_seqlens_q=cu_seqlens_q,
+                                                 max_seqlen_q=max_seqlen_q)
     return cache_layout.varlen_over_cache(q, cu_seqlens_q, max_seqlen_q, seqused_q, k, v, lens, None, None, block_table,
                                      softmax_scale, causal, return_lse, window, softcap, sink, max_seqlen_k)
 

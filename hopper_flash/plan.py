@@ -724,6 +724,26 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
                       constexprs, tuple(constexprs.values()))
 
 
+def gathered_pools(k, v, page_size: int, cfg: ForwardConfig, caller: str):
+    """``(k, v, gather)`` for a launch over page pools of ``page_size``
+    keys: where the kernel gathers the pages row by row (``gathers``), the
+    pools themselves as ``gather`` and ``k``, ``v`` viewed as one sequence
+    ``[1, pages * page_size, Hkv, D]`` (its K/V descriptors then only lay out
+    the tiles); otherwise ``k``, ``v`` as given and None. A gathered row is
+    the kernel's head dim wide (past a narrower tensor's features it would
+    read the next head's) from contiguous pools: others are refused (their
+    callers copy them first, ``cache_layout.page_plan``)."""
+    if not gathers(page_size, cfg.head_dim):
+        return k, v, None
+    if k.shape[3] != cfg.head_dim or v.shape[3] != cfg.head_dim:
+        raise ValueError(f"{caller}: gathered pages (page_size {page_size}) need a kernel head dim, "
+                         f"got {k.shape[3]}; copy them first")
+    if not contiguous_pools(k, v):
+        raise ValueError(f"{caller}: gathered pages (page_size {page_size}) need contiguous k and v pools; "
+                         f"copy them first")
+    return k.view(1, -1, *k.shape[2:]), v.view(1, -1, *v.shape[2:]), (k, v)
+
+
 def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: ForwardConfig | None = None,
                    *, seqused_k=None, kv_batch=None, page_table=None, num_splits: int = 1,
                    pack_gqa: bool | None = False, window: tuple[int, int] | None = None,
@@ -765,19 +785,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     seqlen_k = page_table.shape[1] * k.shape[1] if paged else k.shape[1]
     page_size = k.shape[1] if paged else 0
     cfg = cfg or CONFIGS[kernel_head_dim(head_dim, v.shape[3])]
-    gather = (k, v) if gathers(page_size, cfg.head_dim) else None
-    if gather is not None and (head_dim != cfg.head_dim or v.shape[3] != cfg.head_dim):
-        # A gathered row is the kernel's head dim wide: past a narrower
-        # tensor's features it would read the next head's.
-        raise ValueError(f"launch_forward: gathered pages (page_size {page_size}) need a kernel head dim, "
-                         f"got {head_dim}; copy them first")
-    if gather is not None:
-        if not contiguous_pools(k, v):
-            raise ValueError("launch_forward: gathered pages (page_size "
-                             f"{page_size}) need contiguous k and v pools; copy them first")
-        # The kernel copies rows from the pools itself; its K/V descriptors
-        # (over the pools as one sequence) only lay out the tiles.
-        k, v = k.view(1, -1, *k.shape[2:]), v.view(1, -1, *v.shape[2:])
+    k, v, gather = gathered_pools(k, v, page_size, cfg, "launch_forward")
     write_lse = lse is not None
     lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
                       page_size, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
@@ -1261,16 +1269,8 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     cfg = cfg or CONFIGS[kernel_head_dim(head_dim, v.shape[-1])]
     page_size = k.shape[1] if paged else 0
     assert not paged or (seqused_k is not None and k.dim() == 4)
-    k_pool = v_pool = out  # (no page pools to gather)
-    if paged and gathers(page_size, cfg.head_dim):
-        # As in launch_forward: the kernel copies rows from the pools itself,
-        # which must be contiguous and of the kernel's head dim; its K/V
-        # descriptors (over the pools as one sequence) only lay out the tiles.
-        if head_dim != cfg.head_dim or v.shape[3] != cfg.head_dim or not contiguous_pools(k, v):
-            raise ValueError(f"launch_forward_varlen: gathered pages (page_size {page_size}) need contiguous k and "
-                             f"v pools of a kernel head dim; copy them first")
-        k_pool, v_pool = k, v
-        k, v = k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+    k, v, gather = gathered_pools(k, v, page_size, cfg, "launch_forward_varlen")
+    k_pool, v_pool = gather if gather is not None else (out, out)  # (out: no page pools to gather)
     nheads_kv = k.shape[-2]
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
