@@ -130,7 +130,7 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
             raise ValueError(f"k_cache must have at least q's batch size {batch} rows, got {k_cache.shape[0]}")
     if cache_batch_idx is not None:
         _check_index("cache_batch_idx", cache_batch_idx, "[batch]", (batch,), q.device)
-    validate_leftpad(batch, q.device, k_cache, v_cache, cache_leftpad, page_table)
+    validate_leftpad(batch, q.device, k_cache, v_cache, cache_leftpad, page_table, cu_seqlens_q is not None)
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
             raise TypeError(f"cache_seqlens must be an int or an int32 tensor [batch], got "
@@ -177,17 +177,18 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
     return softmax_scale
 
 
-def validate_leftpad(batch: int, device, k_cache, v_cache, cache_leftpad, page_table) -> None:
+def validate_leftpad(batch: int, device, k_cache, v_cache, cache_leftpad, page_table, packed: bool = False) -> None:
     """``cache_leftpad``: None, or int32 ``[batch]`` on q's device, without
-    pages (as in flash-attn), over a cache whose rows number fewer than 2**31
-    (``cache_layout.slot_rows_args``' row offsets are int32)."""
+    pages (as in flash-attn); with packed queries over a cache whose rows
+    number fewer than 2**31 (``cache_layout.slot_rows_args``' row offsets
+    are int32)."""
     if cache_leftpad is None:
         return
     if page_table is not None:  # a paged row starts at its first page's first key
         raise ValueError("cache_leftpad cannot be combined with page_table (as in flash-attn; leave the padding "
                          "out of the page table instead)")
     _check_index("cache_leftpad", cache_leftpad, "[batch]", (batch,), device)
-    if k_cache.shape[0] * (rows_per_slot(k_cache, v_cache) or k_cache.shape[1]) >= 2 ** 31:
+    if packed and k_cache.shape[0] * (rows_per_slot(k_cache, v_cache) or k_cache.shape[1]) >= 2 ** 31:
         raise ValueError(f"cache_leftpad needs fewer than 2**31 cache rows in all (k_cache's batch x its row "
                          f"spacing: {k_cache.shape[0]} x {k_cache.shape[1]} or more)")
 
@@ -382,14 +383,15 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     if check:
         check_contract(k_cache, seqused, cache_batch_idx, page_table, cache_leftpad, seqlens,
                        (q.shape[0], cu_seqlens_q, seqlen_q) if packed else None)
-    if packed and cache_leftpad is None and seqlen_q and q.shape[0] == batch * seqlen_q:
+    if packed and seqlen_q and q.shape[0] == batch * seqlen_q:
         # Every sequence has max_seqlen_q queries (lengths of at most that
         # summing to batch times it, the contract): a decode step (SGLang's
         # cu_seqlens_q = arange, max_seqlen_q = 1) or a fixed draft length,
         # run as q [batch, max_seqlen_q, H, D] with split-KV and PackGQA.
         out, lse = kvcache_forward_validated(q.view(batch, seqlen_q, nheads, head_dim), k_cache, v_cache, None, None,
                                              seqused, cache_batch_idx, page_table, softmax_scale, causal, num_splits,
-                                             pack_gqa, return_lse, False, window, softcap, sink)
+                                             pack_gqa, return_lse, False, window, softcap, sink,
+                                             cache_leftpad=cache_leftpad)
         return (out.view(q.shape[0], nheads, out.shape[3]),
                 lse.permute(1, 0, 2).reshape(nheads, q.shape[0]) if lse is not None else None)
     rotary = None
@@ -412,14 +414,6 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
             return out, lse
         return varlen_over_cache(q, cu_seqlens_q, seqlen_q, None, k_cache, v_cache, seqused, cache_batch_idx,
                                  cache_leftpad, page_table, softmax_scale, causal, return_lse, window, softcap, sink)
-    if cache_leftpad is not None and seqlen_q and capacity:
-        # Rows that start past 0: the varlen kernel over q's rows as a packed batch.
-        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
-        out, lse = varlen_over_cache(q.reshape(batch * seqlen_q, nheads, head_dim), cu_q, seqlen_q, None, k_cache,
-                                     v_cache, seqused, cache_batch_idx, cache_leftpad, None, softmax_scale, causal,
-                                     return_lse, window, softcap, sink)
-        out = out.view(batch, seqlen_q, nheads, out.shape[2])
-        return out, lse.view(nheads, batch, seqlen_q).permute(1, 0, 2).contiguous() if return_lse else None
     out = torch.empty(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() == 0:
@@ -438,9 +432,11 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
             kc, vc = pages_copied(k_cache, v_cache, page_table)
             pt = None
     args = (q, kc, vc, out, lse, softmax_scale, causal, cfg)
+    if cache_leftpad is not None and cache_leftpad.data_ptr() % 16:
+        cache_leftpad = cache_leftpad.clone()  # (a fresh allocation: the kernel is specialised on 16-byte pointers)
     kwargs = dict(seqused_k=seqused, kv_batch=cache_batch_idx if pt is None else None, page_table=pt,
                   num_splits=num_splits, pack_gqa=pack_gqa, window=window, softcap=softcap,
-                  sink=plan.sink_arg(sink))
+                  sink=plan.sink_arg(sink), leftpad=cache_leftpad)
     with plan.on_device(q):
         plan.launch_forward(*args, **kwargs)
     return out, lse
@@ -486,7 +482,7 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
         batch = q.shape[0]
     if rotary_cos is not None or rotary_sin is not None:  # shapes, dtypes, devices: checkable at trace time
         validate_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, cache_capacity(k_cache, page_table))
-    validate_leftpad(batch, q.device, k_cache, v_cache, cache_leftpad, page_table)
+    validate_leftpad(batch, q.device, k_cache, v_cache, cache_leftpad, page_table, cu_seqlens_q is not None)
     out = torch.empty(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device)
     if cu_seqlens_q is not None:  # flash-attn's varlen LSE layout
         return out, torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
@@ -541,10 +537,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
             attends to keys ``cache_leftpad[b] .. seqlen_k - 1``: its causal
             mask and window count from there (``seqlen_k - cache_leftpad``
             keys), while new keys are still written, and rotated, at their
-            cache positions ``cache_seqlens + j``. Runs the forward kernel's
-            packed-batch (varlen) mode, which has no split-KV or PackGQA:
-            correct on any length, but long caches decode at the prefill
-            kernel's rate rather than at memory speed.
+            cache positions ``cache_seqlens + j``. The decode modes read
+            each row from its pad on (split-KV and PackGQA as without one);
+            with packed queries, the varlen mode.
         cu_seqlens_q, max_seqlen_q: FA3's packed queries: int32 ``[batch +
             1]`` prefix sums on q's device and a host-side bound on every
             query length (as in ``flash_attn_varlen_func``); sequence ``b``'s

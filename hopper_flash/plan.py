@@ -262,6 +262,9 @@ class Mode:
     # kernel's (kernel_head_dim); 0: the kernel's. The other modes' O and
     # partials need none (a TMA store clips; the partials are the kernel's).
     o_dim: int = 0
+    # flash-attn's cache_leftpad (with seqused, no pages): batch b's keys
+    # start at row leftpad[b] of its cache row (the kernel's cu_k_ptr).
+    leftpad: bool = False
 
     @property
     def kernel_sink(self) -> bool:
@@ -354,6 +357,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         RING_PTX=ptx_rings.version_for(cfg.head_dim),
         ONE_ITEM=mode.one_item,
         O_DIM=mode.o_dim,
+        LEFTPAD=mode.leftpad,
     )
 
 
@@ -679,13 +683,15 @@ ONE_ITEM_MAX_KV_TILES = 128
 
 @lru_cache(maxsize=4096)
 def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cfg, page_size, seqused, kv_batch,
-                 num_splits, pack_gqa, causal, write_lse, window=None, softcap=False, sink="") -> LaunchPlan:
+                 num_splits, pack_gqa, causal, write_lse, window=None, softcap=False, sink="",
+                 leftpad=False) -> LaunchPlan:
     """Mode, split count and grid for a launch. Cached, and keyed by the KV
     tile count rather than the key length: a decode loop grows the cache by
     one key per step, and this is host time on every step. ``window``:
     ``(left, right)`` of a sliding window (``checks.window_bounds``) or None;
     ``softcap``: whether scores are soft-capped (``Mode.softcap``); ``sink``:
-    the attention sinks' dtype, "" for none (``Mode.sink``)."""
+    the attention sinks' dtype, "" for none (``Mode.sink``); ``leftpad``:
+    ``Mode.leftpad``."""
     group = nheads // nheads_kv
     if pack_gqa is None:
         pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m)
@@ -716,7 +722,7 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
                 and n_blocks <= ONE_ITEM_MAX_KV_TILES)
     mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
                 dynamic=dynamic, window_left=window_left, window_right=window_right, softcap=bool(softcap),
-                sink=sink, one_item=one_item)
+                sink=sink, one_item=one_item, leftpad=leftpad)
     section = l2_section(n_blocks * cfg.block_n, cfg.head_dim, dtype.itemsize, group)
     kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
@@ -747,7 +753,8 @@ def gathered_pools(k, v, page_size: int, cfg: ForwardConfig, caller: str):
 def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: ForwardConfig | None = None,
                    *, seqused_k=None, kv_batch=None, page_table=None, num_splits: int = 1,
                    pack_gqa: bool | None = False, window: tuple[int, int] | None = None,
-                   softcap: float = 0.0, sink: torch.Tensor | None = None) -> LaunchPlan | None:
+                   softcap: float = 0.0, sink: torch.Tensor | None = None,
+                   leftpad: torch.Tensor | None = None) -> LaunchPlan | None:
     """Launch the forward kernel on the current stream of q's device.
     Returns the plan where the launch was direct (``_launch_forward_direct``;
     ``PreparedForward`` replays it), else None.
@@ -767,7 +774,10 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     specialisation of its own (compiled on first use). ``softcap``: logit
     soft-capping at that cap (0: none; ``kernel_scales``). ``sink``:
     attention sinks, one logit per query head (``sink_arg``'s ``[H]``),
-    in every row's normaliser (``sinks.py``); None: none.
+    in every row's normaliser (``sinks.py``); None: none. ``leftpad``
+    (int32 [B], with ``seqused_k``, no pages): batch ``b``'s keys start at
+    row ``leftpad[b]`` of its cache row and number ``seqused_k[b] -
+    leftpad[b]`` (flash-attn's ``cache_leftpad``).
 
     The first launch of a specialisation goes through Triton's JIT (compile,
     cache). Later launches skip the JIT (``launcher.KernelLaunch``: the
@@ -789,13 +799,13 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     write_lse = lse is not None
     lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
                       page_size, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
-                      bool(causal), write_lse, window, softcap > 0, sink_mode(sink))
+                      bool(causal), write_lse, window, softcap > 0, sink_mode(sink), leftpad is not None)
     cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
     kernel = _COMPILED.get(lp.key)
     page_stride = page_table.stride(0) if paged else 0
     if kernel is not None and kernel.direct is not None and FAST_LAUNCH and not _launch_hooked():
         _launch_forward_direct(kernel, lp, q, k, v, out, lse, softmax_scale, seqused_k, kv_batch, page_table,
-                               seqlen_k, page_stride, gather, softcap, sink)
+                               seqlen_k, page_stride, gather, softcap, sink, leftpad)
         return lp
     if mode.split:
         part, n_o = _partials(lp, q)
@@ -804,7 +814,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         o_part = lse_part = out
     args = _kernel_args(lp, q, seqlen_k, k.shape[2], softmax_scale, out, lse, seqused_k, kv_batch, page_table,
                         page_stride, o_part, lse_part, _item_counter(q.device) if mode.dynamic else None, gather,
-                        softcap, sink)
+                        softcap, sink, leftpad)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
         # First launch, an unchecked triton, or a profiler hook is installed
         # (it wants the JIT's launch metadata): take Triton's regular path.
@@ -846,7 +856,7 @@ def _partial_views(part: torch.Tensor, n_o: int, lp: LaunchPlan, q) -> tuple[tor
 
 def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale: float, out, lse, seqused_k,
                  kv_batch, page_table, page_stride: int, o_part, lse_part, sched, gather=None,
-                 softcap: float = 0.0, sink=None) -> tuple:
+                 softcap: float = 0.0, sink=None, leftpad=None) -> tuple:
     """``attention_forward_kernel``'s arguments after its descriptors and
     before its constexprs, for the fixed-length modes: the pointers (tensors,
     or addresses on the direct path; ``out`` stands in for those the mode
@@ -857,7 +867,7 @@ def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale
     k_pool, v_pool = gather if gather is not None else (out, out)
     return (lse if lse is not None else out, seqused_k if seqused_k is not None else out,
             kv_batch if kv_batch is not None else out, page_table if page_table is not None else out,
-            o_part, lse_part, out, out, out,  # cu_seqlens_q/k, seqused_q: varlen only
+            o_part, lse_part, out, leftpad if leftpad is not None else out, out,  # cu_q, cu_k (or leftpad), used_q
             sched if sched is not None else out, k_pool, v_pool, sink if sink is not None else out,
             seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, *kernel_scales(softmax_scale, softcap),
             lp.num_splits, lp.pair, page_stride, 0, lp.section)
@@ -879,7 +889,7 @@ def _combine_key(lp: LaunchPlan, out, lse) -> tuple:
 
 def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, lse, softmax_scale: float,
                            seqused_k, kv_batch, page_table, seqlen_k: int, page_stride: int, gather=None,
-                           softcap: float = 0.0, sink=None) -> None:
+                           softcap: float = 0.0, sink=None, leftpad=None) -> None:
     """``launch_forward`` once its kernel is compiled and can be called
     directly (``KernelLaunch.direct``): the same launch with every pointer
     passed as an address, so the split partials need no views, and the
@@ -901,7 +911,8 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
                         kv_batch.data_ptr() if kv_batch is not None else None,
                         page_table.data_ptr() if page_table is not None else None, page_stride, o_part, lse_part,
                         _item_counter(q.device).data_ptr() if lp.mode.dynamic else None,
-                        None if gather is None else (gather[0].data_ptr(), gather[1].data_ptr()), softcap, sink_ptr)
+                        None if gather is None else (gather[0].data_ptr(), gather[1].data_ptr()), softcap, sink_ptr,
+                        leftpad.data_ptr() if leftpad is not None else None)
     kernel.launch_addresses((lp.n_ctas, 1, 1), stream, (q, k, v, out), (*args, *lp.constexpr_values))
     if not split:
         return

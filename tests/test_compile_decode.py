@@ -78,6 +78,13 @@ SPECS = [
     (C[64], "bfloat16", True, True, Mode(pack_g=4, seqused=True, page_size=4, sink="float32")),
     (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, seqused_q=True, dynamic=True, sink="float16")),
     (C[256], "bfloat16", True, True, Mode(varlen=True, sink="float32")),
+    # cache_leftpad: each row's keys from its pad on (LEFTPAD), with split-KV, PackGQA, cache_batch_idx.
+    (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, leftpad=True)),
+    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, kv_batch=True, leftpad=True)),
+    (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, leftpad=True)),
+    (C[256], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, leftpad=True)),
+    (C[128], "bfloat16", True, True, Mode(pack_g=4, split=True, seqused=True, window_left=4095, window_right=0,
+                                          leftpad=True)),
     # One item per CTA (chunked prefill, V_AT_ISSUE) with soft-capping and sinks.
     (C[128], "bfloat16", True, False, Mode(one_item=True, softcap=True)),
     (C[128], "float16", False, True, Mode(one_item=True, softcap=True)),
@@ -107,6 +114,8 @@ def spec_id(spec):
         parts.append(f"sink_{m.sink}")
     if m.one_item:
         parts.append("one_item")
+    if m.leftpad:
+        parts.append("leftpad")
     if cfg.consumers == 3:
         parts.append("wide")
     return "-".join(parts)

@@ -203,17 +203,19 @@ def test_one_query_per_sequence_takes_the_decode_launch(stand_in, monkeypatch):
 
 
 def _decode_stand_in(q4, k, v, out, lse, scale, causal, cfg, seqused_k=None, kv_batch=None, page_table=None,
-                     window=None, **kw):
+                     window=None, leftpad=None, **kw):
     """plan.launch_forward's contract in the decode modes, by the float64
     reference: batch row b over the first seqused_k[b] keys of its cache row
-    (kv_batch) or of its pages."""
+    (kv_batch) or of its pages, from leftpad[b] on."""
     for b in range(q4.shape[0]):
         n = int(seqused_k[b])
+        start = int(leftpad[b]) if leftpad is not None else 0
         if page_table is not None:
             keys, vals = (t[page_table[b].long().clamp(0, t.shape[0] - 1)].flatten(0, 1)[:n] for t in (k, v))
         else:
             r = int(kv_batch[b]) if kv_batch is not None else b
-            keys, vals = k[r, :n], v[r, :n]
+            keys, vals = k[r, start:n], v[r, start:n]
+        n -= start
         if n == 0:
             out[b] = 0
             if lse is not None:

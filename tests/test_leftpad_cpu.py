@@ -1,8 +1,10 @@
-"""flash_attn_with_kvcache's ``cache_leftpad`` on the CPU: the packed batch it
-hands the forward kernel's varlen mode (``cache_layout.slot_rows_args``),
+"""flash_attn_with_kvcache's ``cache_leftpad`` on the CPU: the packed batch
+packed queries hand the forward kernel's varlen mode
+(``cache_layout.slot_rows_args``),
 judged through the float64 varlen reference against each row's own keys
 (``cache_leftpad[b] .. seqused[b] - 1``, the causal mask and window counted
-from there), the whole call with that reference standing in for the
+from there), the unpacked call through the decode launch (its `LEFTPAD`
+mode) with that reference standing in for the
 kernel, and the argument checks on every path."""
 import contextlib
 
@@ -108,37 +110,39 @@ def test_caches_that_cannot_be_one_axis_are_copied():
     assert cu_k.tolist() == [1, 52, 103, 0]
 
 
-def test_the_call_returns_the_packed_output_in_the_caches_layout(monkeypatch):
-    """The whole call, the float64 varlen reference standing in for the
-    kernel: output ``[B, Sq, H, Dv]`` and LSE ``[B, H, Sq]`` as each row's
-    own attention over keys ``cache_leftpad[b] ..``, after an append at
-    ``cache_seqlens`` (absolute cache rows)."""
-    batch, s_cache, h, hkv, d, dv, sq = 3, 96, 4, 2, 64, 64, 2
-    kc, vc = _cache(batch, s_cache, hkv, d, seed=3, dv=dv)
+def test_the_call_reads_each_row_from_its_pad_in_the_decode_launch(monkeypatch):
+    """The whole call, the float64 reference standing in for the decode
+    launch (``test_kvcache_packed_cpu._decode_stand_in``, which reads row
+    ``b`` from ``leftpad[b]``): the launch gets the pads (the kernel's
+    ``LEFTPAD`` mode: split-KV and PackGQA as without them), the lengths
+    after an append at ``cache_seqlens`` (absolute cache rows), and the
+    output and LSE are each row's own attention over keys ``cache_leftpad[b] ..``."""
+    from test_kvcache_packed_cpu import _decode_stand_in
+
+    batch, s_cache, h, hkv, d, sq = 3, 96, 4, 2, 64, 2
+    kc, vc = _cache(batch, s_cache, hkv, d, seed=3)
     seqlens, pads = [40, 10, 0], [5, 10, 0]
     kn = torch.randn(batch, sq, hkv, d, generator=torch.Generator().manual_seed(4)).to(BF16)
-    vn = torch.randn(batch, sq, hkv, dv, generator=torch.Generator().manual_seed(5)).to(BF16)
+    vn = torch.randn(batch, sq, hkv, d, generator=torch.Generator().manual_seed(5)).to(BF16)
     q = torch.randn(batch, sq, h, d, generator=torch.Generator().manual_seed(6)).to(BF16)
     ends = [s + sq for s in seqlens]
     _poison_outside(kc, vc, range(batch), pads, seqlens)
-    launched = []
+    seen = {}
 
-    def stand_in(q3, k3, v3, out3, lse3, cu_q, cu_k, used_q, used_k, max_q, max_k, scale, causal, **kw):
-        assert used_q is None and max_q == sq and max_k == s_cache and kw["page_table"] is None
-        o, lse = varlen_reference(q3, k3, v3, cu_q, cu_k, seqused_k=used_k, causal=causal, softmax_scale=scale)
-        out3.copy_(o)
-        lse3.copy_(lse)
-        launched.append(out3)
+    def launch(*args, **kw):
+        seen.update(kw)
+        _decode_stand_in(*args, **kw)
 
-    monkeypatch.setattr(plan, "launch_forward_varlen", stand_in)
+    monkeypatch.setattr(plan, "launch_forward", launch)
+    monkeypatch.setattr(plan, "launch_forward_varlen", lambda *a, **k: pytest.fail("the varlen kernel"))
     monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
     monkeypatch.setattr(kvcache, "validate_kvcache", lambda *a: 0.125)  # (its checks: the tests below)
     monkeypatch.setattr(kvcache, "_append", lambda q, kc, vc, k, v, lens, *rest: _append_by_hand(kc, vc, k, v, lens)
                         or q)
     out, lse = kvcache.kvcache_forward(q, kc, vc, kn, vn, _i32(seqlens), None, None, 0.125, True, 0, None, True,
                                        cache_leftpad=_i32(pads))
-    assert len(launched) == 1 and launched[0].data_ptr() == out.data_ptr()
-    assert out.shape == (batch, sq, h, dv) and lse.shape == (batch, h, sq) and lse.is_contiguous()
+    assert seen["leftpad"].tolist() == pads and seen["seqused_k"].tolist() == ends
+    assert out.shape == (batch, sq, h, d) and lse.shape == (batch, h, sq)
     want, want_lse = _expected(q, kc, vc, range(batch), pads, ends, True)
     torch.testing.assert_close(out.double(), want.to(BF16).double(), rtol=0, atol=0)
     torch.testing.assert_close(lse.double(), want_lse.float().double(), rtol=0, atol=0)

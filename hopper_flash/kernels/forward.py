@@ -89,7 +89,9 @@ Decode and chunked prefill run the same kernel in other *modes*
   from the page the table names (``_gather_kv_tile``). What lies past a
   row's live length is never trusted: scores there are masked (``where``
   also drops NaN) and V rows there are zeroed in shared memory before PV,
-  since 0 * NaN = NaN.
+  since 0 * NaN = NaN. With ``LEFTPAD`` (flash-attn's ``cache_leftpad``, no
+  pages) batch ``b``'s keys start at row ``cu_k[b]`` of its cache row: the
+  tiles are read from there and the mask counts from there.
 * ``PACK_G`` > 1 (PackGQA): the query rows of the ``PACK_G`` heads that share
   a KV head share one tile, head fastest: the TMA box ``[1, 64 / G, G, D]``
   over BSHD is exactly that tile, so K and V are read once per KV head.
@@ -231,6 +233,10 @@ class Mode:
     # VARLEN's O, stored by address: its head dim where narrower than
     # HEAD_DIM (plan.kernel_head_dim; the boxes read zeros past it), else 0.
     O_DIM: gl.constexpr
+    # SEQUSED over a contiguous cache whose row b starts at key cu_k[b]
+    # (flash-attn's cache_leftpad): its keys are cu_k[b] .. seqused[b] - 1,
+    # the mask and the window counted from cu_k[b].
+    LEFTPAD: gl.constexpr
     # The static deal's coordinates without run-time divisions (_num_splits):
     # plain causal prefill (windows, soft-capping and sinks included), none
     # of the decode modes.
@@ -243,7 +249,7 @@ class Mode:
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
                  PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT,
-                 SOFTCAP, SINK, ONE_ITEM, O_DIM):
+                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -329,11 +335,14 @@ class Rings:
 
 
 @gluon.jit
-def _item_kv(b, bm, split, seqlen_q, seqlen_k, prob: Problem, mode: Mode):
+def _item_kv(b, bm, split, seqlen_q, seqlen_k, k_start, prob: Problem, mode: Mode):
     """K/V side of a work item: the cache row, the KV tiles ``[n_lo, n_hi)`` it
-    visits and the key length its mask uses (0 for an empty split)."""
+    visits (from ``k_start``) and the key length its mask uses (0 for an
+    empty split)."""
     if mode.SEQUSED:
         seqlen_k = gl.load(prob.seqused_ptr + b)
+        if mode.LEFTPAD:
+            seqlen_k -= k_start
     if mode.KV_BATCH:
         kb = gl.load(prob.kv_batch_ptr + b)
     else:
@@ -376,7 +385,10 @@ def _item_rows(bm, b, prob: Problem, mode: Mode):
         live = bm * mode.BLOCK_M < lq
     else:
         q_start = b * 0
-        k_start = b * 0
+        if mode.LEFTPAD:
+            k_start = gl.load(prob.cu_k_ptr + b)
+        else:
+            k_start = b * 0
         lq = prob.seqlen_q
         tb = b
         live = True
@@ -437,14 +449,14 @@ def _item_bounds(b, bm, split, h, lq, k_start, prob: Problem, mode: Mode):
     and the key length the mask uses."""
     q_head0, hk = _item_heads(h, prob.kv_group, mode.PACK_G)
     lk = _item_seqlen_k(b, k_start, prob, mode)
-    kb, n_lo, n_hi, lk = _item_kv(b, bm, split, lq, lk, prob, mode)
+    kb, n_lo, n_hi, lk = _item_kv(b, bm, split, lq, lk, k_start, prob, mode)
     return q_head0, hk, kb, n_lo, n_hi, lk
 
 
 @gluon.jit
 def _kv_coords(b, kb, bn, hk, k_start, prob: Problem, mode: Mode):
     """TMA coordinates of KV tile ``bn``: a cache row, or a page of the page
-    table (``k_start``: the sequence's first key row, 0 unless VARLEN). Pages
+    table (``k_start``: the sequence's first key row, 0 unless VARLEN or LEFTPAD). Pages
     shorter than a tile are looked up per box by ``_load_kv_tile``."""
     row = bn * mode.BLOCK_N
     if mode.PAGE_SIZE > 0 and mode.PAGE_SIZE < mode.BLOCK_N:
@@ -1058,7 +1070,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              DYNAMIC: gl.constexpr = False, Q_STAGES: gl.constexpr = 1,
                              WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1,
                              SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False,
-                             RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False, O_DIM: gl.constexpr = 0):
+                             RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False, O_DIM: gl.constexpr = 0,
+                             LEFTPAD: gl.constexpr = False):
     # RING_PTX: which form of ``hopper_flash.ptx_rings`` compiled this
     # specialisation (0: triton's named barriers around the K/V ring kept);
     # unused here, it keys the compiled kernel.
@@ -1071,6 +1084,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                      "varlen runs without PackGQA, split-KV or cache_batch_idx")
     gl.static_assert(not (VARLEN and PAGE_SIZE > 0 and not SEQUSED), "paged varlen reads seqused_k's lengths")
     gl.static_assert(not (SINK and SPLIT), "a split run's sink is the combine's")
+    gl.static_assert(not LEFTPAD or (SEQUSED and not VARLEN and PAGE_SIZE == 0),
+                     "a left pad offsets a contiguous cache row's keys (SEQUSED, no pages)")
     gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle two warpgroups")
     gl.static_assert(not (0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE) or (HEAD_DIM <= 128 and BLOCK_M == 128),
                      "pages are gathered at head dims 64 and 128, two consumers (plan.gathers)")
@@ -1082,7 +1097,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                SINK, ONE_ITEM, O_DIM)
+                SINK, ONE_ITEM, O_DIM, LEFTPAD)
     if SPLIT:
         # The combine follows this grid by programmatic dependent launch
         # (plan.launch_combine) and may be scheduled from now on: its
