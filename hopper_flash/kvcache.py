@@ -413,7 +413,8 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
                 dispatch.fill_empty_lse(lse, sink)
             return out, lse
         return varlen_over_cache(q, cu_seqlens_q, seqlen_q, None, k_cache, v_cache, seqused, cache_batch_idx,
-                                 cache_leftpad, page_table, softmax_scale, causal, return_lse, window, softcap, sink)
+                                 cache_leftpad, page_table, softmax_scale, causal, return_lse, window, softcap, sink,
+                                 pack_gqa=pack_gqa)
     out = torch.empty(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() == 0:

@@ -430,16 +430,29 @@ def grid(batch: int, nheads: int, seqlen_q: int, cfg: ForwardConfig, device: int
 
 # ---- Decode heuristics (FA3's rules, shared/notes/varlen-decode.md §5-6) ----
 
+def packable(group: int) -> bool:
+    """PackGQA needs g a power of two dividing 64 (the TMA box [1, 64/g, g, D]), g > 1."""
+    return 1 < group <= 64 and not group & (group - 1)
+
+
 def choose_pack_gqa(seqlen_q: int, group: int, block_m: int = 128) -> bool:
     """Pack when the query tiles fill better packed: fill(Sq) < 0.9 fill(Sq * g).
-    Only for g a power of two dividing 64 (the TMA box [1, 64/g, g, D])."""
-    if group <= 1 or group > 64 or group & (group - 1):
+    Only where ``packable``."""
+    if not packable(group):
         return False
 
     def fill(rows):
         return rows / (triton_cdiv(rows, block_m) * block_m)
 
     return fill(seqlen_q) < 0.9 * fill(seqlen_q * group)
+
+
+def choose_varlen_pack_gqa(group: int) -> bool:
+    """PackGQA for a packed (varlen) batch, whose query lengths the host does
+    not know: FA3's rule, always where the group allows it. A decode-like
+    sequence (a few query rows) then reads each K/V tile once per KV head
+    instead of once per query head; a long one costs about the same."""
+    return packable(group)
 
 
 def choose_dynamic(items: int, n_tiles: int, causal: bool, varlen: bool, sms: int) -> bool:
@@ -1229,27 +1242,34 @@ def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: b
 
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
-                 write_lse, window=None, softcap=False, sink="", o_dim=0, page_size=0) -> LaunchPlan:
-    """``_plan_launch`` for a packed batch: no PackGQA, no split; the grid
-    covers ``max_seqlen_q`` for every sequence (items past a sequence's rows
-    exit at once). ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V
-    (``Mode.page_size``, with ``seqused_k``)."""
+                 write_lse, window=None, softcap=False, sink="", o_dim=0, page_size=0, pack_gqa=None) -> LaunchPlan:
+    """``_plan_launch`` for a packed batch: no split; the grid covers
+    ``max_seqlen_q`` for every sequence (items past a sequence's rows exit
+    at once). ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V
+    (``Mode.page_size``, with ``seqused_k``); ``pack_gqa``: PackGQA (None:
+    ``choose_varlen_pack_gqa``)."""
     sms = sm_count(device)
-    items = work_items(batch, nheads, max_seqlen_q, cfg)
+    if pack_gqa is None:
+        pack_gqa = choose_varlen_pack_gqa(group)
+    pack_g = group if pack_gqa and packable(group) else 1
+    items = work_items(batch, nheads, max_seqlen_q, cfg, Mode(pack_g=pack_g))
     # Gathered pages take the static deal: their four-warp producer has only
     # ever run it (the decode modes), never the dynamic order's draws.
     dynamic = (cfg.persistent and not gathers(page_size, cfg.head_dim)
-               and choose_dynamic(items, triton_cdiv(max_seqlen_q, cfg.block_m), causal, True, sms))
+               and choose_dynamic(items, triton_cdiv(max_seqlen_q * pack_g, cfg.block_m), causal, True, sms))
     window_left, window_right = window or (-1, -1)
-    mode = Mode(seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic, window_left=window_left,
-                window_right=window_right, softcap=bool(softcap), sink=sink, o_dim=o_dim, page_size=page_size)
+    mode = Mode(pack_g=pack_g, seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic,
+                window_left=window_left, window_right=window_right, softcap=bool(softcap), sink=sink, o_dim=o_dim,
+                page_size=page_size)
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items, cfg, device)
     # No more heads to a section than a sequence has: most sections then lie
     # inside one sequence, whose dead items (query tiles past its rows) run
     # contiguously there and are skipped with one atomic
     # (forward._skip_dead_run; a section across two sequences draws them
-    # one by one).
-    section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group), nheads)
+    # one by one). Under PackGQA an item's head is a KV head, whose query
+    # heads are already in its tile.
+    item_heads = nheads // pack_g
+    section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group // pack_g), item_heads)
     constexprs = kernel_constexprs(cfg, causal, write_lse, mode)
     return LaunchPlan(cfg, mode, 1, n_ctas, pair, section, (device, dtype, causal, write_lse, cfg, mode), constexprs,
                       tuple(constexprs.values()))
@@ -1259,9 +1279,10 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
                           max_seqlen_k: int, softmax_scale: float, causal: bool,
                           cfg: ForwardConfig | None = None, window: tuple[int, int] | None = None,
                           softcap: float = 0.0, sink: torch.Tensor | None = None,
-                          page_table: torch.Tensor | None = None) -> None:
+                          page_table: torch.Tensor | None = None, pack_gqa: bool | None = None) -> None:
     """Launch the forward kernel's VARLEN mode on THD tensors (``window``,
-    ``softcap`` and ``sink`` as in ``launch_forward``).
+    ``softcap`` and ``sink`` as in ``launch_forward``; ``pack_gqa``: PackGQA,
+    None for ``choose_varlen_pack_gqa``).
 
     Arguments are assumed validated (``checks.check_varlen_arguments``):
     q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` (v's head dim may
@@ -1285,7 +1306,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     nheads_kv = k.shape[-2]
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
-                      sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size)
+                      sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size, pack_gqa)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cu_q = cu_seqlens_q.contiguous()
     cu_k = cu_seqlens_k.contiguous() if cu_seqlens_k is not None else cu_q  # (paged: unread)
@@ -1304,7 +1325,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     key = lp.key + tuple(t.data_ptr() % 16 == 0 for t in ptrs)
     kernel = _COMPILED.get(key)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
-        blocks = block_shapes(cfg, 1, page_size)
+        blocks = block_shapes(cfg, lp.mode.pack_g, page_size)
         descs = (_descriptor(q4, blocks["q"]), _descriptor(k4, blocks["k"]), _descriptor(v4, blocks["v"]),
                  _descriptor(o4, blocks["o"]))
         _COMPILED[key] = _jit_launch(lp, cfg, (*descs, *ptrs, *scalars))

@@ -86,8 +86,31 @@ def test_varlen_always_takes_the_dynamic_order():
     for batch, max_q in [(16, 8192), (2, 1), (1, 100)]:
         lp = plan._plan_varlen.__wrapped__(0, torch.bfloat16, batch, max_q, max_q, 32, 4, cfg, False, False, True,
                                            False)
-        items = plan.work_items(batch, 32, max_q, cfg)
+        items = plan.work_items(batch, 32, max_q, cfg, lp.mode)
         assert lp.mode.dynamic and (lp.n_ctas, lp.pair) == (min(SMS, items), 1)
+
+
+def test_varlen_packs_gqa_where_the_group_allows_it():
+    """FA3's rule for packed batches (their lengths are the device's): PackGQA
+    whenever the group is a power of two dividing 64; an item's head is then
+    a KV head, and an L2 section counts KV heads."""
+    cfg = plan.CONFIGS[128]
+
+    def varlen_plan(nheads, group, pack_gqa=None, max_q=4096):
+        return plan._plan_varlen.__wrapped__(0, torch.bfloat16, 16, max_q, 8192, nheads, group, cfg, False, False,
+                                             True, False, pack_gqa=pack_gqa)
+
+    packed = varlen_plan(32, 4)
+    assert packed.mode.pack_g == 4
+    assert packed.n_ctas == min(SMS, plan.work_items(16, 32, 4096, cfg, packed.mode))
+    # One section per KV head at most (8 of them), as many as fit L2 (4 MB each at 8192 keys).
+    assert packed.section == 8
+    assert varlen_plan(32, 4, pack_gqa=False).mode.pack_g == 1
+    assert varlen_plan(32, 32, pack_gqa=False).section == 32  # unpacked: the query heads of 8 KV heads... capped
+    for group in (1, 3, 6, 128):
+        assert varlen_plan(group * 2 if group < 128 else 128, group).mode.pack_g == 1
+    assert [plan.choose_varlen_pack_gqa(g) for g in (1, 2, 3, 4, 8, 16, 64, 96, 128)] == \
+        [False, True, False, True, True, True, True, False, False]
 
 
 def test_l2_section_holds_32_mb_of_kv_per_section():

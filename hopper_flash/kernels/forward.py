@@ -382,7 +382,7 @@ def _item_rows(bm, b, prob: Problem, mode: Mode):
         else:
             lq = gl.load(prob.cu_q_ptr + b + 1) - q_start
         tb = b * 0
-        live = bm * mode.BLOCK_M < lq
+        live = bm * mode.BLOCK_M < lq * mode.PACK_G
     else:
         q_start = b * 0
         if mode.LEFTPAD:
@@ -660,7 +660,7 @@ def _no_rows(item, bm, b, prob: Problem, mode: Mode):
     """VARLEN: item ``item`` (query tile ``bm`` of batch ``b``) exists but
     lies past its sequence's rows."""
     tb, q_start, k_start, lq, live = _item_rows(bm, b, prob, mode)
-    return (item < prob.total_tiles) & (bm * mode.BLOCK_M >= lq)
+    return (item < prob.total_tiles) & (bm * mode.BLOCK_M >= lq * mode.PACK_G)
 
 
 @gluon.jit
@@ -671,14 +671,15 @@ def _skip_dead_run(item, n_tiles, prob: Problem, mode: Mode):
     section's items run head fastest, then the query tile from the last
     down): move the shared counter past them with one atomic max, so that no
     CTA draws them one by one (``draw_item``: next = counter + grid)."""
+    item_heads = prob.num_heads // mode.PACK_G  # heads of the items: KV heads under PackGQA
     per_section = prob.section * n_tiles
     sec = item // per_section
     hb0 = sec * prob.section
-    heads = gl.minimum(prob.section, prob.num_heads * prob.batch - hb0)
-    b = hb0 // prob.num_heads
-    one_sequence = (b == (hb0 + heads - 1) // prob.num_heads) & (item < prob.total_tiles)
+    heads = gl.minimum(prob.section, item_heads * prob.batch - hb0)
+    b = hb0 // item_heads
+    one_sequence = (b == (hb0 + heads - 1) // item_heads) & (item < prob.total_tiles)
     tb, q_start, k_start, lq, live = _item_rows(item * 0, gl.minimum(b, prob.batch - 1), prob, mode)
-    first_live = sec * per_section + (n_tiles - gl.cdiv(lq, mode.BLOCK_M)) * heads
+    first_live = sec * per_section + (n_tiles - gl.cdiv(lq * mode.PACK_G, mode.BLOCK_M)) * heads
     if one_sequence:
         gl.atomic_max(prob.sched_ptr, first_live - gl.num_programs(0), sem="relaxed", scope="gpu")
 
@@ -961,12 +962,13 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         row_major: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
         o_vals = o_rows_smem.load(row_major)
         o_rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, row_major))
+        o_q = o_rows // mode.PACK_G  # PackGQA: packed row p is query p // G of head q_head0 + p % G
         # O's rows are O_DIM features wide where its head dim is narrower
         # than the kernel's (the features past it are never stored).
         o_width: gl.constexpr = mode.O_DIM if mode.O_DIM > 0 else mode.HEAD_DIM
-        o_off = ((q_start + o_rows).to(gl.int64) * prob.num_heads + q_head0) * o_width
+        o_off = ((q_start + o_q).to(gl.int64) * prob.num_heads + q_head0 + o_rows % mode.PACK_G) * o_width
         cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, row_major))
-        o_mask = (o_rows < seqlen_q)[:, None]
+        o_mask = (o_q < seqlen_q)[:, None]
         if mode.O_DIM > 0:
             o_mask = o_mask & (cols < mode.O_DIM)[None, :]
         gl.store(prob.o_part_ptr + o_off[:, None] + cols[None, :], o_vals, mask=o_mask)
@@ -1080,8 +1082,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(BLOCK_M == NC * WG_M and (NC == 2 or NC == 3), "two or three consumer warpgroups of 64 rows")
     gl.static_assert(not DYNAMIC or (PERSISTENT and not SPLIT), "the dynamic order runs a persistent grid, no split")
     gl.static_assert(Q_STAGES == 1 or not O_IN_Q, "O staged in Q's rows leaves no room for a second Q")
-    gl.static_assert(not (VARLEN and (PACK_G > 1 or SPLIT or KV_BATCH)),
-                     "varlen runs without PackGQA, split-KV or cache_batch_idx")
+    gl.static_assert(not (VARLEN and (SPLIT or KV_BATCH)), "varlen runs without split-KV or cache_batch_idx")
     gl.static_assert(not (VARLEN and PAGE_SIZE > 0 and not SEQUSED), "paged varlen reads seqused_k's lengths")
     gl.static_assert(not (SINK and SPLIT), "a split run's sink is the combine's")
     gl.static_assert(not LEFTPAD or (SEQUSED and not VARLEN and PAGE_SIZE == 0),

@@ -1,0 +1,90 @@
+"""PackGQA in the varlen forward, timed: the same packed (THD) batch through
+``dispatch.forward_varlen`` packed and unpacked, next to FA3's
+``flash_attn_varlen_func`` (which packs every varlen batch with GQA) when
+``flash_attn_interface`` imports. Every timed output is judged against the
+float64 reference per sequence first (``reference.judge``).
+
+Batches: issue 12's (16 sequences, lengths uniform in 512..8192, causal,
+GQA 32/8) at head dims 64, 128 and 256, and serving mixes: many one-query
+sequences (decodes) over caches of 1000..8000 keys beside one or two
+prefill chunks, causal, D=128, GQA 32/8. For the mixes the K/V read rate
+(every live key's K and V once per KV head) is printed too.
+
+    PYTHONPATH=.:/tmp/fa3pkg python scripts/varlen_pack_bench.py [--quick]
+"""
+import argparse
+import importlib
+
+import torch
+import triton
+
+from hopper_flash import dispatch
+from hopper_flash.reference import judge, varlen_baseline, varlen_reference
+
+
+def cu(lengths):
+    return torch.tensor([0] + list(lengths), device="cuda").cumsum(0).to(torch.int32)
+
+
+def batches(quick):
+    gen = torch.Generator().manual_seed(0)
+    prefill = torch.randint(512, 8193, (16,), generator=gen).tolist()
+    out = []
+    for d, h, hkv in ([(128, 32, 8)] if quick else [(64, 32, 8), (128, 32, 8), (256, 16, 4)]):
+        out.append((f"issue12 B16 512..8192 H{h}/{hkv} D{d}", prefill, prefill, h, hkv, d))
+    for n_dec, chunks in ((64, [512]), (128, [256, 1024]), (32, [2048])):
+        dec_k = torch.randint(1000, 8001, (n_dec,), generator=gen).tolist()
+        lq = [1] * n_dec + chunks
+        lk = dec_k + [c + 1024 for c in chunks]
+        out.append((f"mix {n_dec} decodes + chunks {chunks} H32/8 D128", lq, lk, 32, 8, 128))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    try:
+        fa3 = importlib.import_module("flash_attn_interface").flash_attn_varlen_func
+    except Exception:
+        fa3 = None
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+    for label, lq, lk, h, hkv, d in batches(args.quick):
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q = torch.randn(sum(lq), h, d, generator=gen, device="cuda").to(torch.bfloat16)
+        k = torch.randn(sum(lk), hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
+        v = torch.randn(sum(lk), hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
+        cq, ck = cu(lq), cu(lk)
+        mq, mk = max(lq), max(lk)
+        fns = {
+            "packed": lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, True, False,
+                                                      pack_gqa=True)[0],
+            "unpacked": lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, True, False,
+                                                        pack_gqa=False)[0],
+        }
+        if fa3 is not None:
+            def fa3_fn():
+                o = fa3(q, k, v, cq, ck, mq, mk, causal=True)
+                return o[0] if isinstance(o, tuple) else o
+            fns["fa3"] = fa3_fn
+        ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
+        base = varlen_baseline(q, k, v, cq, ck, causal=True)
+        kv_bytes = 2 * sum(lk) * hkv * d * 2
+        times = {}
+        for name, fn in fns.items():
+            verdict = judge(name, fn(), ref, base)
+            if not verdict:
+                raise SystemExit(f"{label}: {verdict.message}")
+            times[name] = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+        fa = times.get("fa3")
+        parts = []
+        for name, t in times.items():
+            extra = f" {kv_bytes / (t * 1e-3) / 1e12:.2f} TB/s" if label.startswith("mix") else ""
+            vs = f" {fa / t:.3f}x fa3" if fa else ""
+            parts.append(f"{name} {t * 1e3:.1f} us{extra}{vs}")
+        print(f"{label}: " + "; ".join(parts) + f"; packed/unpacked speed {times['unpacked'] / times['packed']:.3f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""PackGQA in the forward kernel's VARLEN mode on a Hopper GPU: the query
+rows of the heads that share a KV head share one tile, in packed (THD)
+batches too (FA3 packs every varlen batch with GQA; ``plan.choose_varlen_pack_gqa``).
+
+Each case runs the same inputs packed and unpacked (``dispatch.forward_varlen``'s
+``pack_gqa``) and judges both against the float64 reference run sequence by
+sequence, relative to PyTorch's own attention on the same inputs
+(``reference.judge``). NaN sits where no kernel may look (rows past
+``seqused``, pages past the live ones), and outputs are poisoned first.
+The mixes put decode-like sequences (one or a few queries over long keys)
+beside a prefill chunk, the batch a serving engine sends: there a packed
+tile holds the queries of every head of the group, and the items of the
+short sequences past their first tile are dead (skipped by the dynamic
+order, ``forward._skip_dead_run``).
+"""
+import math
+
+import pytest
+import torch
+
+import hopper_flash
+from hopper_flash import checks, dispatch, plan
+from hopper_flash.reference import (assert_judged, attention_reference, sink_eager, varlen_apply, varlen_baseline,
+                                   varlen_reference, varlen_spans)
+from gpu_inputs import capture, cu, rnd
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def i32(x):
+    return torch.tensor(x, dtype=torch.int32, device=DEV)
+
+
+def batch(lq, lk, h, hkv, d, *, used_q=None, used_k=None, dtype=torch.bfloat16, seed=0):
+    """THD q, k, v (NaN in the gaps past seqused) and the int32 metadata."""
+    q = rnd(sum(lq), h, d, dtype=dtype, seed=seed)
+    k = rnd(sum(lk), hkv, d, dtype=dtype, seed=seed + 1)
+    v = rnd(sum(lk), hkv, d, dtype=dtype, seed=seed + 2)
+    cq, ck = cu(lq), cu(lk)
+    uq = i32(used_q) if used_q is not None else None
+    uk = i32(used_k) if used_k is not None else None
+    for t, c, u in ((q, cq, used_q), (k, ck, used_k), (v, ck, used_k)):
+        if u is not None:
+            for b, n in enumerate(u):
+                t[int(c[b]) + n:int(c[b + 1])] = math.nan
+    return q, k, v, cq, ck, uq, uk
+
+
+def live_rows(total, c, u):
+    m = torch.zeros(total, dtype=torch.bool, device=DEV)
+    for start, n in varlen_spans(c, u):
+        m[start:start + n] = True
+    return m
+
+
+def ran_packed(group: int) -> bool:
+    """Whether a VARLEN kernel packed by ``group`` was launched (its plan is
+    part of every compiled kernel's key)."""
+    return any(isinstance(key[5], plan.Mode) and key[5].varlen and key[5].pack_g == group
+               for key in plan._COMPILED if isinstance(key, tuple) and len(key) > 5)
+
+
+def run_both(q, k, v, cq, ck, uq, uk, causal, *, window=None, softcap=0.0, sink=None):
+    """The forward packed and unpacked into NaN-poisoned outputs: ``{pack: (out, lse)}``."""
+    mq = max([n for _, n in varlen_spans(cq, uq)] + [1])
+    mk = max([n for _, n in varlen_spans(ck, uk)] + [1])
+    results = {}
+    for pack in (True, False):
+        out = torch.full(plan.out_shape(q, v), math.nan, dtype=q.dtype, device=DEV)
+        if uq is not None:
+            out.zero_()  # rows past seqused_q are the caller's zeros (dispatch.forward_varlen_validated)
+        results[pack] = dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, uq, uk, None, causal, True, out=out,
+                                                window=window, softcap=softcap, sink=sink, pack_gqa=pack)
+    return results
+
+
+def check_both(lq, lk, h, hkv, d, causal, *, used_q=None, used_k=None, dtype=torch.bfloat16, window_size=(-1, -1),
+               softcap=0.0, seed=0):
+    q, k, v, cq, ck, uq, uk = batch(lq, lk, h, hkv, d, used_q=used_q, used_k=used_k, dtype=dtype, seed=seed)
+    window = checks.window_bounds(window_size, causal)
+    results = run_both(q, k, v, cq, ck, uq, uk, causal, window=window, softcap=softcap)
+    ref_window = window if window_size != (-1, -1) else None
+    ref, ref_lse = varlen_reference(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=ref_window,
+                                    softcap=softcap)
+    base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=ref_window,
+                           softcap=softcap)
+    live = live_rows(q.shape[0], cq, uq)
+    for pack, (out, lse) in results.items():
+        assert_judged(f"out (pack_gqa={pack})", out, ref, base)
+        assert_judged(f"lse (pack_gqa={pack})", lse[:, live], ref_lse[:, live].to(lse.device))
+        assert (out[~live] == 0).all() and (lse[:, ~live] == -math.inf).all()
+    assert ran_packed(h // hkv)
+    return results
+
+
+MIX = dict(lq=[1, 0, 127, 128, 129, 1000, 3001, 17], lk=[1, 5, 127, 128, 129, 1000, 3001, 0])
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_length_mix(d, causal):
+    check_both(MIX["lq"], MIX["lk"], 8, 2, d, causal)
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 2), (16, 2), (16, 1)], ids=["g2", "g8", "mqa16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_group_sizes(h, hkv, causal):
+    check_both(MIX["lq"], MIX["lk"], h, hkv, 128, causal, seed=1)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_decodes_beside_a_prefill_chunk(causal):
+    """A serving batch: one- and few-query sequences over long, odd key
+    lengths next to a 700-query chunk (max_seqlen_q = 700: most items of the
+    short sequences are dead), GQA 32/8."""
+    lq = [1] * 20 + [4, 3, 700, 1, 2, 16]
+    lk = [1, 2, 127, 129, 1000, 3001, 4097, 5, 64, 65, 200, 300, 999, 1023, 1025, 2048, 77, 33, 8192, 12,
+          4100, 3, 1400, 1, 9, 16]
+    check_both(lq, lk, 32, 8, 128, causal, seed=2)
+
+
+def test_queries_longer_than_keys_and_empty_sequences():
+    check_both([300, 5, 0, 64, 1], [100, 0, 7, 64, 1], 8, 2, 128, True, seed=3)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_seqused_shorter_than_slots_with_nan_gaps(d):
+    check_both([200, 50, 9, 1], [400, 60, 30, 5000], 8, 4, d, True, used_q=[130, 0, 9, 1],
+               used_k=[300, 60, 11, 4099], seed=4)
+
+
+def test_fp16_windows_and_softcap():
+    check_both(MIX["lq"], MIX["lk"], 8, 2, 128, True, dtype=torch.float16, window_size=(100, 0), softcap=30.0,
+               seed=5)
+    check_both(MIX["lq"], MIX["lk"], 8, 2, 64, False, window_size=(64, 37), seed=6)
+
+
+def test_sinks():
+    """Attention sinks: each packed row's normaliser takes its own head's logit."""
+    lq, lk = [1, 129, 33, 4], [900, 129, 2000, 4]
+    q, k, v, cq, ck, uq, uk = batch(lq, lk, 8, 2, 128, seed=7)
+    sink = rnd(8, dtype=torch.float32, seed=8) * 2.0 + 1.0
+    ref, ref_lse = varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=True, sink=sink), q, k, v, cq, ck,
+                                out_dtype=torch.float64, with_lse=True)
+    base = varlen_apply(lambda a, b, c: sink_eager(a, b, c, sink, causal=True), q, k, v, cq, ck)
+    for pack, (out, lse) in run_both(q, k, v, cq, ck, uq, uk, True, sink=sink).items():
+        assert_judged(f"out (pack_gqa={pack})", out, ref, base)
+        assert_judged(f"lse (pack_gqa={pack})", lse, ref_lse.to(lse.device))
+    assert ran_packed(4)
+
+
+@pytest.mark.parametrize("page", [4, 16, 64])
+def test_paged_keys(page):
+    """flash_attn_varlen_func(block_table=...) packs by default: against the
+    same keys packed (THD), judged against the reference."""
+    lq, lk = [1, 1, 37, 1, 3], [5000, 17, 300, 1, 129]
+    h, hkv, d = 16, 4, 128
+    q = rnd(sum(lq), h, d, seed=9)
+    k, v = rnd(sum(lk), hkv, d, seed=10), rnd(sum(lk), hkv, d, seed=11)
+    cq, ck = cu(lq), cu(lk)
+    max_pages = -(-max(lk) // page)
+    n_pages = len(lq) * max_pages + 3
+    gen = torch.Generator(device=DEV).manual_seed(12)
+    perm = torch.randperm(n_pages, device=DEV, generator=gen)[:len(lq) * max_pages].view(len(lq), max_pages)
+    kp = torch.full((n_pages, page, hkv, d), math.nan, dtype=q.dtype, device=DEV)
+    vp = kp.clone()
+    table = torch.full((len(lq), max_pages), 10 ** 6, dtype=torch.int32, device=DEV)
+    for b, (start, n) in enumerate(zip(ck[:-1].tolist(), lk)):
+        for p in range(-(-n // page)):
+            lo, hi = p * page, min((p + 1) * page, n)
+            kp[perm[b, p], :hi - lo] = k[start + lo:start + hi]
+            vp[perm[b, p], :hi - lo] = v[start + lo:start + hi]
+            table[b, p] = perm[b, p]
+    out, lse = hopper_flash.flash_attn_varlen_func(q, kp, vp, cq, None, max(lq), max(lk), seqused_k=i32(lk),
+                                                   causal=True, return_lse=True, block_table=table)
+    ref, ref_lse = varlen_reference(q, k, v, cq, ck, causal=True)
+    base = varlen_baseline(q, k, v, cq, ck, causal=True)
+    assert_judged("out", out, ref, base)
+    assert_judged("lse", lse, ref_lse.to(lse.device))
+    assert ran_packed(h // hkv)
+
+
+def test_kvcache_mixed_packed_queries():
+    """flash_attn_with_kvcache with packed queries of mixed lengths (the
+    varlen route over the cache) honours pack_gqa and packs by default."""
+    lq, lens = [1, 5, 1, 130], [4000, 9, 1, 700]
+    h, hkv, d, cap = 16, 4, 128, 4096
+    q = rnd(sum(lq), h, d, seed=13)
+    kc, vc = rnd(len(lq), cap, hkv, d, seed=14), rnd(len(lq), cap, hkv, d, seed=15)
+    for b, n in enumerate(lens):
+        kc[b, n:] = math.nan
+        vc[b, n:] = math.nan
+    cq = cu(lq)
+    keys = [kc[b, :n] for b, n in enumerate(lens)]
+    vals = [vc[b, :n] for b, n in enumerate(lens)]
+    k, v, ck = torch.cat(keys), torch.cat(vals), cu(lens)
+    ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
+    base = varlen_baseline(q, k, v, cq, ck, causal=True)
+    for pack in (None, True, False):
+        out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=i32(lens), causal=True,
+                                                   cu_seqlens_q=cq, max_seqlen_q=max(lq), pack_gqa=pack)
+        assert_judged(f"out (pack_gqa={pack})", out, ref, base)
+    assert ran_packed(h // hkv)
+
+
+def test_cuda_graph_replay_with_new_lengths():
+    """A captured packed call replayed with new cu_seqlens and seqused of the
+    same batch size (what a serving loop does each step)."""
+    h, hkv, d, slots = 16, 4, 128, 6
+    q = rnd(slots * 300, h, d, seed=16)
+    k, v = rnd(slots * 3000, hkv, d, seed=17), rnd(slots * 3000, hkv, d, seed=18)
+    cq, ck = (torch.zeros(slots + 1, dtype=torch.int32, device=DEV) for _ in range(2))
+    uq, uk = torch.zeros(slots, dtype=torch.int32, device=DEV), torch.zeros(slots, dtype=torch.int32, device=DEV)
+
+    def step():
+        return hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, 300, 3000, seqused_q=uq, seqused_k=uk,
+                                                   causal=True)
+
+    def set_lengths(lq, lk):
+        cq.copy_(cu([300] * slots))
+        ck.copy_(cu([3000] * slots))
+        uq.copy_(i32(lq))
+        uk.copy_(i32(lk))
+
+    set_lengths([1] * slots, [1] * slots)
+    graph, out = capture(step)
+    for seed, (lq, lk) in enumerate([([1, 2, 300, 1, 0, 4], [2999, 5, 300, 1, 0, 77]),
+                                     ([7, 1, 1, 1, 129, 1], [7, 3000, 1000, 2, 129, 1])]):
+        set_lengths(lq, lk)
+        graph.replay()
+        ref, _ = varlen_reference(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)
+        base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)
+        live = live_rows(q.shape[0], cq, uq)
+        assert_judged(f"replay {seed}", out[live], ref[live], base[live])
+    assert ran_packed(h // hkv)
