@@ -550,7 +550,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
             queries (``total_q == batch * max_seqlen_q``, known from shapes:
             a decode step) the call is the unpacked one's, split-KV and
             PackGQA included; otherwise the forward kernel's varlen mode runs
-            it (no split-KV or PackGQA there). The output is then
+            it (PackGQA as ``pack_gqa`` says, no split-KV there). The output is then
             ``[total_q, nheads, headdim_v]`` and the LSE ``[nheads,
             total_q]``.
         cu_seqlens_k_new: FA3's packed new keys: accepted where no new keys

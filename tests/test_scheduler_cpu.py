@@ -106,7 +106,8 @@ def test_varlen_packs_gqa_where_the_group_allows_it():
     # One section per KV head at most (8 of them), as many as fit L2 (4 MB each at 8192 keys).
     assert packed.section == 8
     assert varlen_plan(32, 4, pack_gqa=False).mode.pack_g == 1
-    assert varlen_plan(32, 32, pack_gqa=False).section == 32  # unpacked: the query heads of 8 KV heads... capped
+    # Unpacked, a section counts query heads (those sharing a KV head read the same K and V), capped at a sequence's.
+    assert varlen_plan(32, 4, pack_gqa=False).section == 32
     for group in (1, 3, 6, 128):
         assert varlen_plan(group * 2 if group < 128 else 128, group).mode.pack_g == 1
     assert [plan.choose_varlen_pack_gqa(g) for g in (1, 2, 3, 4, 8, 16, 64, 96, 128)] == \

@@ -111,7 +111,10 @@ Decode and chunked prefill run the same kernel in other *modes*
   overwrite the neighbour's output), and the LSE goes to flash-attn's varlen
   layout ``[H, total_q]``. With pages (``PAGE_SIZE``, vLLM's layout) K and
   V are page pools as in ``SEQUSED`` and sequence ``b``'s keys are the
-  first ``seqused_k[b]`` of its page-table row.
+  first ``seqused_k[b]`` of its page-table row. With ``PACK_G`` a tile
+  holds ``BLOCK_M / G`` queries of the group's heads, as in the decode
+  modes: a sequence has ``cdiv(len_q * G, BLOCK_M)`` tiles, and O's packed
+  row ``p`` is stored at query ``p // G`` of head ``q_head0 + p % G``.
 * In these modes a consumer warpgroup whose 64 rows hold no query row (a
   decode tile has ``seqlen_q * G`` live rows) only keeps the barrier rings
   turning, so the tensor cores serve the live warpgroup alone.
