@@ -682,6 +682,86 @@ def test_mistral_sliding_window_greedy_generate_matches_sdpa_cpu(registered, fak
 
 
 # --------------------------------------------------------------------------
+# Continuous batching: "paged|hopper_flash"
+# --------------------------------------------------------------------------
+def _continuous_batching():
+    """transformers' continuous batching module, or skip (it came with 4.56)."""
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching import cache as cb_cache
+    except ImportError:
+        pytest.skip("transformers without continuous batching")
+    return ContinuousBatchingConfig, cb_cache
+
+
+def _generate_batch(model, prompts, new_tokens=6, **cb):
+    """``model.generate_batch`` greedy, a small cache: ``{request index: generated tokens}``."""
+    ContinuousBatchingConfig, _ = _continuous_batching()
+    config = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
+                                           pad_token_id=0)
+    cb = dict(dict(block_size=16, num_blocks=128, max_batch_tokens=64), **cb)
+    out = model.generate_batch(inputs=prompts, generation_config=config,
+                               continuous_batching_config=ContinuousBatchingConfig(**cb))
+    return {int(k.removeprefix("req_")): list(r.generated_tokens) for k, r in out.items()}
+
+
+def test_register_registers_the_paged_name(registered):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert ALL_ATTENTION_FUNCTIONS.get(hft.PAGED_NAME) is hft.hopper_flash_paged_attention_forward
+    model = _set_attn(_llama(), hft.PAGED_NAME)  # no FlashAttention kernel looked up for the name
+    assert model.config._attn_implementation == hft.PAGED_NAME
+
+
+def test_paged_call_without_a_cache_or_with_a_block_table_raises():
+    q, k, v = _qkv(batch=1)
+    module = _Module()
+    module.layer_idx = 0
+    with pytest.raises(ValueError, match="without a paged attention cache"):
+        hft.hopper_flash_paged_attention_forward(module, q, k, v, None)
+    with pytest.raises(NotImplementedError, match="block table"):
+        hft.hopper_flash_paged_attention_forward(module, q, k, v, None, cache=object(),
+                                                 block_table=torch.zeros(1, 1, 1, dtype=torch.int32))
+
+
+def test_continuous_batching_matches_paged_sdpa_cpu(registered, fake_varlen, monkeypatch):
+    """generate_batch on a model loaded with "hopper_flash" runs
+    "paged|hopper_flash": each step one varlen call per layer over the
+    requests' new tokens and their cached keys (prefill chunks beside
+    decodes), whose arguments pass the real argument checks; the greedy
+    tokens are paged|sdpa's (float32, the stand-in for the kernel)."""
+    from hopper_flash import checks
+
+    _, cb_cache = _continuous_batching()
+    # The cache sizes itself from the accelerator's free memory; on the CPU, 1 GiB.
+    monkeypatch.setattr(cb_cache, "get_device_and_memory_breakdown",
+                        lambda *a, **k: (torch.device("cpu"), 1 << 30, 0, 0))
+    checked = []
+    real_fake = hopper_flash.flash_attn_varlen_func
+
+    def checked_fake(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        # The kernel's own checks on what transformers passes (in bf16, the kernel's dtypes).
+        checks.check_varlen_arguments(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu_q, cu_k, max_q, max_k,
+                                      kwargs.get("seqused_q"), kwargs.get("seqused_k"),
+                                      kwargs.get("softmax_scale"), kwargs.get("causal"))
+        checked.append((cu_q.tolist(), cu_k.tolist()))
+        return real_fake(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+    monkeypatch.setattr(hopper_flash, "flash_attn_varlen_func", checked_fake)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 3, 30, 70)]
+    model = _llama()
+    ref = _generate_batch(_set_attn(model, "paged|sdpa"), prompts)
+    out = _generate_batch(_set_attn(model, NAME), prompts)
+    assert model.config._attn_implementation == NAME  # restored after the batch
+    assert out == ref and all(len(t) == 6 for t in out.values())
+    assert len(checked) >= 2 * 6  # two layers, at least one call per step
+    assert any(cu_q[-1] > len(cu_q) - 1 and cu_k[-1] > cu_q[-1] for cu_q, cu_k in checked), \
+        "a prefill chunk beside cached keys"
+    assert all(call["causal"] and call["window_size"] == (-1, -1) for call in fake_varlen)
+
+
+# --------------------------------------------------------------------------
 # GPU: the real kernel in a bf16 model
 # --------------------------------------------------------------------------
 def _gpu_models():
@@ -920,3 +1000,43 @@ def test_llama_compiled_fullgraph_varlen_cpu(registered, varlen_op_on_cpu, how):
     with torch.no_grad():
         out = torch.compile(model, fullgraph=True, backend="eager")(ids, **kwargs).logits
     torch.testing.assert_close(out[live], ref[live])
+
+
+@pytest.mark.gpu
+def test_continuous_batching_greedy_tokens_gpu():
+    """generate_batch in bf16 with the real kernels (paged|hopper_flash; the
+    scheduler mixes prefill chunks and decodes): every generated token is the
+    float32 model's greedy choice up to the bf16 noise floor, teacher-forced
+    on the prompt and the tokens generated before it."""
+    _continuous_batching()
+    hft.register()
+    model = _set_attn(_llama(seed=0).to(device="cuda", dtype=torch.bfloat16), NAME)
+    calls = []
+    real = hopper_flash.flash_attn_varlen_func
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (300, 7, 129, 1, 64, 700)]
+    try:
+        hopper_flash.flash_attn_varlen_func = counted
+        out = _generate_batch(model, prompts, new_tokens=8, block_size=256, num_blocks=16, max_batch_tokens=256)
+    finally:
+        hopper_flash.flash_attn_varlen_func = real
+    assert calls, "continuous batching did not reach the varlen call"
+    ref32 = _set_attn(_llama(seed=0).to(device="cuda"), "sdpa")
+    ref16 = _set_attn(model, "sdpa")
+    for i, prompt in enumerate(prompts):
+        tokens = out[i]
+        assert len(tokens) == 8, (i, tokens)
+        ids = torch.tensor([prompt + tokens[:-1]], device="cuda")
+        f32 = _logits(ref32, ids).float()[0, len(prompt) - 1:]
+        b16 = _logits(ref16, ids).float()[0, len(prompt) - 1:]
+        noise = (b16 - f32).abs().max().item()
+        chosen = f32.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0]
+        gap = (f32.max(dim=1).values - chosen).max().item()
+        print(f"\nrequest {i} ({len(prompt)} tokens): chosen logit below the float32 maximum by {gap:.3e}, "
+              f"bf16 noise {noise:.3e}")
+        assert gap <= 2 * noise + 1e-3, (i, gap, noise)

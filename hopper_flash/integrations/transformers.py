@@ -85,9 +85,13 @@ import torch
 
 from .. import checks, dispatch, interface
 
-__all__ = ["NAME", "register", "is_registered", "hopper_flash_attention_forward", "padding_mask"]
+__all__ = ["NAME", "PAGED_NAME", "register", "is_registered", "hopper_flash_attention_forward",
+           "hopper_flash_paged_attention_forward", "padding_mask"]
 
 NAME = "hopper_flash"
+# transformers' continuous batching (``generate_batch``, ``init_continuous_batching``)
+# runs a model under the ``paged|`` form of its attention implementation's name.
+PAGED_NAME = f"paged|{NAME}"
 
 _INSTALL_HINT = "pip install 'transformers>=4.48'"
 
@@ -394,6 +398,74 @@ def _run_packed(query, key, value, packed, is_causal, scaling, window_size=(-1, 
 
 
 # --------------------------------------------------------------------------
+# Continuous batching: the paged form of the name
+# --------------------------------------------------------------------------
+def hopper_flash_paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers ``AttentionInterface`` function for continuous batching
+    (``attn_implementation="paged|hopper_flash"``; ``generate_batch`` switches
+    a model loaded with ``"hopper_flash"`` to it).
+
+    Continuous batching packs every scheduled request's new tokens into one
+    row: ``query`` ``[1, heads, total_q, head_dim]``, ``key``/``value`` the
+    new tokens ``[1, heads_kv, total_q, head_dim]``, and ``cache`` (its
+    ``PagedAttentionCache``) with ``read_index``/``write_index``,
+    ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_seqlen_q``/``max_seqlen_k``
+    (per layer type where the model mixes sliding and full layers). As
+    transformers' own ``paged|flash_attention_*`` path does without its
+    decode fast path, the new keys are written into the cache and each
+    request's keys read back packed (``cache.update``), then one
+    :func:`hopper_flash.flash_attn_varlen_func` call, bottom-right causal per
+    request (PackGQA: a decode's queries of a group share a tile), runs the
+    batch: prefill chunks and decodes together, no host sync. A layer's
+    ``sliding_window`` is flash-attn's ``(w - 1, 0)``, soft-capping and sinks
+    (``s_aux``) are passed on. Returns ``(out [total_q, heads, head_dim_v],
+    None)``.
+    """
+    cache = kwargs.get("cache")
+    if cache is None:
+        raise ValueError(f"`{PAGED_NAME}` was called without a paged attention cache: it runs transformers' "
+                         f"continuous batching (generate_batch); use attn_implementation='{NAME}' for a plain "
+                         "forward")
+    if dropout:
+        raise NotImplementedError(f"hopper_flash has no attention dropout (got dropout={dropout})")
+    if kwargs.get("block_table") is not None:
+        # transformers builds a block table only for FlashAttention 2/3 names
+        # (its flash_attn_with_kvcache decode fast path), never for this one.
+        raise NotImplementedError(f"`{PAGED_NAME}` reads the cache through cache.update, not a block table: "
+                                  "set the continuous batching config's max_blocks_per_request to 0")
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise ValueError(f"`{PAGED_NAME}` takes the packed batch as query [1, heads, total_q, head_dim], got "
+                         f"shape {tuple(query.shape)}")
+    sliding = getattr(module, "sliding_window", None)
+    window_size = (sliding - 1, 0) if sliding else (-1, -1)
+    cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_k"]
+    if isinstance(cu_k, dict):  # per layer type, for models mixing sliding and full layers
+        layer_type = "sliding_attention" if sliding else "full_attention"
+        cu_k, max_k = cu_k[layer_type], max_k[layer_type]
+    # The new keys into the cache, and each request's keys back, packed [total_k, heads_kv, head_dim].
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                              read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    sink = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    import hopper_flash  # attribute looked up per call: the public entry point
+
+    out = hopper_flash.flash_attn_varlen_func(
+        query[0].transpose(0, 1), key, value, kwargs["cu_seq_lens_q"].to(torch.int32), cu_k.to(torch.int32),
+        int(kwargs["max_seqlen_q"]), int(max_k), softmax_scale=scaling, causal=True, window_size=window_size,
+        softcap=0.0 if softcap is None else checks.check_softcap(softcap), learnable_sink=sink)
+    return out, None
+
+
+# --------------------------------------------------------------------------
 # Registration
 # --------------------------------------------------------------------------
 def _allow_flash_named_backend(transformers) -> None:
@@ -417,7 +489,7 @@ def _allow_flash_named_backend(transformers) -> None:
     if original is not None and getattr(original, "_hopper_flash_skips", None) != NAME:
         @functools.wraps(original)
         def lazy_import_flash_attention(implementation, *args, **kwargs):
-            if implementation == NAME:
+            if implementation in (NAME, PAGED_NAME):
                 return None  # hopper_flash is no FlashAttention kernel: nothing to pre-import
             return original(implementation, *args, **kwargs)
 
@@ -473,7 +545,8 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
 
 
 def register() -> str:
-    """Register ``"hopper_flash"`` with transformers; return that name.
+    """Register ``"hopper_flash"`` with transformers (and ``"paged|hopper_flash"``,
+    its continuous-batching form); return ``"hopper_flash"``.
 
     Idempotent, and needs no GPU: the kernel is only reached when a model
     runs. Raises ImportError with an install hint when transformers is
@@ -481,6 +554,7 @@ def register() -> str:
     """
     transformers = _import_transformers()
     transformers.AttentionInterface.register(NAME, hopper_flash_attention_forward)
+    transformers.AttentionInterface.register(PAGED_NAME, hopper_flash_paged_attention_forward)
     try:
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError:
