@@ -71,6 +71,11 @@ The backend computes exactly what SDPA computes, or raises:
 * attention sinks (gpt-oss's ``s_aux``) become flash-attn's
   ``learnable_sink``, forward and backward (the sink's gradient included);
 * dropout > 0 and position biases raise ``NotImplementedError``;
+* continuous batching (``generate_batch``): transformers runs the model
+  under ``"paged|hopper_flash"`` (registered too,
+  :func:`hopper_flash_paged_attention_forward`): the paged cache's
+  ``update`` writes the new keys and reads each request's keys back packed,
+  and one varlen call per layer runs prefill chunks and decodes together;
 * ``query``/``key``/``value`` arrive as ``[batch, heads, seq, head_dim]`` and
   are handed to :func:`hopper_flash.flash_attn_func` as BSHD views
   (``.transpose(1, 2)``, no copy); k/v keep their own number of heads (GQA is
