@@ -100,3 +100,46 @@ def paged_copy(kc, vc, page_size, lens, seed=0):
     for b, L in enumerate(lens):
         pt[b, -(-L // page_size) + 1:] = 10 ** 6
     return kp, vp, pt
+
+
+def varlen_batch(lq, lk, h, hkv, d, *, used_q=None, used_k=None, dtype=torch.bfloat16, seed=0):
+    """A packed (THD) batch: q ``[sum(lq), h, d]``, k and v ``[sum(lk), hkv,
+    d]`` drawn from ``seed``, NaN in the gaps past ``used_q``/``used_k``
+    (seqused, whose rows no kernel may read), and the int32 metadata on the
+    GPU: ``(q, k, v, cu_q, cu_k, seqused_q, seqused_k)`` (None where not
+    given)."""
+    q = rnd(sum(lq), h, d, dtype=dtype, seed=seed)
+    k = rnd(sum(lk), hkv, d, dtype=dtype, seed=seed + 1)
+    v = rnd(sum(lk), hkv, d, dtype=dtype, seed=seed + 2)
+    cq, ck = cu(lq), cu(lk)
+    for t, c, u in ((q, cq, used_q), (k, ck, used_k), (v, ck, used_k)):
+        if u is not None:
+            starts = c.tolist()
+            for b, n in enumerate(u):
+                t[starts[b] + n:starts[b + 1]] = math.nan
+    uq = torch.tensor(used_q, dtype=torch.int32, device=DEV) if used_q is not None else None
+    uk = torch.tensor(used_k, dtype=torch.int32, device=DEV) if used_k is not None else None
+    return q, k, v, cq, ck, uq, uk
+
+
+def paged_pools(k, v, cu_k, page_size, seed=0, spare=5):
+    """THD keys ``k``, ``v`` (sequence ``b`` at ``cu_k[b]``) as page pools
+    ``[num_pages, page_size, Hkv, D]`` in shuffled order (vLLM's layout),
+    NaN in every unused slot (``spare`` pages more than needed), and the
+    int32 block table ``[batch, max_pages]``, garbage (10**6) past each
+    row's live pages: ``(k_pool, v_pool, table)``."""
+    starts, lengths = cu_k[:-1].tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+    batch, max_pages = len(lengths), max(1, -(-max(lengths, default=0) // page_size))
+    n_pages = batch * max_pages + spare
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    perm = torch.randperm(n_pages, device=DEV, generator=gen)[:batch * max_pages].view(batch, max_pages)
+    kp = torch.full((n_pages, page_size, *k.shape[1:]), math.nan, dtype=k.dtype, device=DEV)
+    vp = torch.full((n_pages, page_size, *v.shape[1:]), math.nan, dtype=v.dtype, device=DEV)
+    table = torch.full((batch, max_pages), 10 ** 6, dtype=torch.int32, device=DEV)
+    for b, (start, n) in enumerate(zip(starts, lengths)):
+        for p in range(-(-n // page_size)):
+            lo, hi = p * page_size, min((p + 1) * page_size, n)
+            kp[perm[b, p], :hi - lo] = k[start + lo:start + hi]
+            vp[perm[b, p], :hi - lo] = v[start + lo:start + hi]
+            table[b, p] = perm[b, p]
+    return kp, vp, table

@@ -18,7 +18,7 @@ import torch
 import hopper_flash
 from hopper_flash import checks
 from hopper_flash.reference import assert_judged, varlen_baseline, varlen_reference
-from gpu_inputs import capture, cu, rnd
+from gpu_inputs import capture, cu, paged_pools, rnd, varlen_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -33,25 +33,8 @@ def paged_batch(lq, lk, page, h=8, hkv=2, d=128, dtype=torch.bfloat16, seed=0, u
     """q THD (NaN past ``used_q``), the keys packed (THD, for the reference
     and the packed call) and the same keys in shuffled pages with their
     block table."""
-    q = rnd(sum(lq), h, d, dtype=dtype, seed=seed)
-    k, v = rnd(sum(lk), hkv, d, dtype=dtype, seed=seed + 1), rnd(sum(lk), hkv, d, dtype=dtype, seed=seed + 2)
-    cq, ck = cu(lq), cu(lk)
-    if used_q is not None:
-        for (start, n), u in zip(zip(cq[:-1].tolist(), lq), used_q):
-            q[start + u:start + n] = math.nan
-    batch, max_pages = len(lq), max(1, -(-max(lk) // page))
-    n_pages = batch * max_pages + 5
-    gen = torch.Generator(device=DEV).manual_seed(seed + 3)
-    perm = torch.randperm(n_pages, device=DEV, generator=gen)[:batch * max_pages].view(batch, max_pages)
-    kp = torch.full((n_pages, page, hkv, d), math.nan, dtype=dtype, device=DEV)
-    vp = kp.clone()
-    table = torch.full((batch, max_pages), 10 ** 6, dtype=torch.int32, device=DEV)
-    for b, (start, n) in enumerate(zip(ck[:-1].tolist(), lk)):
-        for p in range(-(-n // page)):
-            lo, hi = p * page, min((p + 1) * page, n)
-            kp[perm[b, p], :hi - lo] = k[start + lo:start + hi]
-            vp[perm[b, p], :hi - lo] = v[start + lo:start + hi]
-            table[b, p] = perm[b, p]
+    q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, h, hkv, d, used_q=used_q, dtype=dtype, seed=seed)
+    kp, vp, table = paged_pools(k, v, ck, page, seed=seed + 3)
     return q, k, v, cq, ck, kp, vp, table
 
 

@@ -24,7 +24,7 @@ from hopper_flash.reference import (
     varlen_reference,
     varlen_spans,
 )
-from gpu_inputs import capture, cu
+from gpu_inputs import capture, cu, varlen_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -32,19 +32,7 @@ DEV = "cuda"
 
 def make(lq, lk, h, hkv, d, *, used_q=None, used_k=None, dtype=torch.bfloat16, seed=0):
     """THD q, k, v with NaN in the gaps past seqused, and the int32 metadata."""
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(sum(lq), h, d, generator=gen, device=DEV).to(dtype)
-    k = torch.randn(sum(lk), hkv, d, generator=gen, device=DEV).to(dtype)
-    v = torch.randn(sum(lk), hkv, d, generator=gen, device=DEV).to(dtype)
-    cq, ck = cu(lq), cu(lk)
-    uq = torch.tensor(used_q, dtype=torch.int32, device=DEV) if used_q is not None else None
-    uk = torch.tensor(used_k, dtype=torch.int32, device=DEV) if used_k is not None else None
-    for t, c, u in ((q, cq, uq), (k, ck, uk), (v, ck, uk)):
-        if u is not None:
-            cl = c.tolist()
-            for b, n in enumerate(u.tolist()):
-                t[cl[b] + n:cl[b + 1]] = math.nan
-    return q, k, v, cq, ck, uq, uk
+    return varlen_batch(lq, lk, h, hkv, d, used_q=used_q, used_k=used_k, dtype=dtype, seed=seed)
 
 
 def live_mask(total, c, u):

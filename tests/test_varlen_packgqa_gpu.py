@@ -22,7 +22,7 @@ import hopper_flash
 from hopper_flash import checks, dispatch, plan
 from hopper_flash.reference import (assert_judged, attention_reference, sink_eager, varlen_apply, varlen_baseline,
                                    varlen_reference, varlen_spans)
-from gpu_inputs import capture, cu, rnd
+from gpu_inputs import capture, cu, paged_pools, rnd, varlen_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -32,19 +32,7 @@ def i32(x):
     return torch.tensor(x, dtype=torch.int32, device=DEV)
 
 
-def batch(lq, lk, h, hkv, d, *, used_q=None, used_k=None, dtype=torch.bfloat16, seed=0):
-    """THD q, k, v (NaN in the gaps past seqused) and the int32 metadata."""
-    q = rnd(sum(lq), h, d, dtype=dtype, seed=seed)
-    k = rnd(sum(lk), hkv, d, dtype=dtype, seed=seed + 1)
-    v = rnd(sum(lk), hkv, d, dtype=dtype, seed=seed + 2)
-    cq, ck = cu(lq), cu(lk)
-    uq = i32(used_q) if used_q is not None else None
-    uk = i32(used_k) if used_k is not None else None
-    for t, c, u in ((q, cq, used_q), (k, ck, used_k), (v, ck, used_k)):
-        if u is not None:
-            for b, n in enumerate(u):
-                t[int(c[b]) + n:int(c[b + 1])] = math.nan
-    return q, k, v, cq, ck, uq, uk
+batch = varlen_batch  # THD q, k, v (NaN in the gaps past seqused) and the int32 metadata
 
 
 def live_rows(total, c, u):
@@ -156,22 +144,8 @@ def test_paged_keys(page):
     same keys packed (THD), judged against the reference."""
     lq, lk = [1, 1, 37, 1, 3], [5000, 17, 300, 1, 129]
     h, hkv, d = 16, 4, 128
-    q = rnd(sum(lq), h, d, seed=9)
-    k, v = rnd(sum(lk), hkv, d, seed=10), rnd(sum(lk), hkv, d, seed=11)
-    cq, ck = cu(lq), cu(lk)
-    max_pages = -(-max(lk) // page)
-    n_pages = len(lq) * max_pages + 3
-    gen = torch.Generator(device=DEV).manual_seed(12)
-    perm = torch.randperm(n_pages, device=DEV, generator=gen)[:len(lq) * max_pages].view(len(lq), max_pages)
-    kp = torch.full((n_pages, page, hkv, d), math.nan, dtype=q.dtype, device=DEV)
-    vp = kp.clone()
-    table = torch.full((len(lq), max_pages), 10 ** 6, dtype=torch.int32, device=DEV)
-    for b, (start, n) in enumerate(zip(ck[:-1].tolist(), lk)):
-        for p in range(-(-n // page)):
-            lo, hi = p * page, min((p + 1) * page, n)
-            kp[perm[b, p], :hi - lo] = k[start + lo:start + hi]
-            vp[perm[b, p], :hi - lo] = v[start + lo:start + hi]
-            table[b, p] = perm[b, p]
+    q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, h, hkv, d, seed=9)
+    kp, vp, table = paged_pools(k, v, ck, page, seed=12)
     out, lse = hopper_flash.flash_attn_varlen_func(q, kp, vp, cq, None, max(lq), max(lk), seqused_k=i32(lk),
                                                    causal=True, return_lse=True, block_table=table)
     ref, ref_lse = varlen_reference(q, k, v, cq, ck, causal=True)
