@@ -143,3 +143,14 @@ def paged_pools(k, v, cu_k, page_size, seed=0, spare=5):
             vp[perm[b, p], :hi - lo] = v[start + lo:start + hi]
             table[b, p] = perm[b, p]
     return kp, vp, table
+
+
+def live_rows(total, cu_seqlens, seqused=None):
+    """Boolean ``[total]`` on the GPU: the rows inside some sequence's live
+    part (``cu_seqlens``, ``seqused``), the rows a varlen kernel writes."""
+    from hopper_flash.reference import varlen_spans
+
+    m = torch.zeros(total, dtype=torch.bool, device=DEV)
+    for start, n in varlen_spans(cu_seqlens, seqused):
+        m[start:start + n] = True
+    return m

@@ -24,7 +24,7 @@ from hopper_flash.reference import (
     varlen_reference,
     varlen_spans,
 )
-from gpu_inputs import capture, cu, varlen_batch
+from gpu_inputs import capture, cu, live_rows, varlen_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -33,13 +33,6 @@ DEV = "cuda"
 def make(lq, lk, h, hkv, d, *, used_q=None, used_k=None, dtype=torch.bfloat16, seed=0):
     """THD q, k, v with NaN in the gaps past seqused, and the int32 metadata."""
     return varlen_batch(lq, lk, h, hkv, d, used_q=used_q, used_k=used_k, dtype=dtype, seed=seed)
-
-
-def live_mask(total, c, u):
-    m = torch.zeros(total, dtype=torch.bool, device=DEV)
-    for start, n in varlen_spans(c, u):
-        m[start:start + n] = True
-    return m
 
 
 def check_forward(lq, lk, h, hkv, d, causal, *, used_q=None, used_k=None, dtype=torch.bfloat16, seed=0):
@@ -52,7 +45,7 @@ def check_forward(lq, lk, h, hkv, d, causal, *, used_q=None, used_k=None, dtype=
     base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal)
     assert out.shape == q.shape and lse.shape == (h, q.shape[0]) and lse.dtype == torch.float32
     assert_judged("out", out, ref, base)
-    live = live_mask(q.shape[0], cq, uq)
+    live = live_rows(q.shape[0], cq, uq)
     assert_judged("lse", lse[:, live], ref_lse[:, live].to(lse.device))
     # Rows outside every live part: zero output, -inf LSE.
     assert (out[~live] == 0).all() and (lse[:, ~live] == -math.inf).all()
@@ -131,7 +124,7 @@ def test_cuda_graph_replay_with_new_cu_seqlens():
         graph.replay()
         ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
         base = varlen_baseline(q, k, v, cq, ck, causal=True)
-        live = live_mask(total, cq, None)
+        live = live_rows(total, cq, None)
         assert_judged("graph out", out[live], ref[live].to(out.device), base[live])
         assert torch.equal(out[live], step()[live])
 
@@ -161,7 +154,7 @@ def backward_case(lq, lk, h, hkv, d, causal, *, used_q=None, used_k=None, determ
                                               causal=causal, deterministic=deterministic)
     gen = torch.Generator(device=DEV).manual_seed(seed + 100)
     dout = torch.randn(out.shape, generator=gen, device=DEV).to(out.dtype)
-    live = live_mask(q.shape[0], cq, uq)
+    live = live_rows(q.shape[0], cq, uq)
     dout[~live] = math.nan  # never read
     dq, dk, dv = torch.autograd.grad(out, (qg, kg, vg), dout)
     dref = dout.masked_fill(~live[:, None, None], 0.0)
@@ -245,7 +238,7 @@ def test_backward_cuda_graph_replay_with_new_cu_seqlens():
         cq.copy_(cu(lens_q))
         ck.copy_(cu(lens_k))
         graph.replay()
-        live_q, live_k = live_mask(total, cq, None), live_mask(total, ck, None)
+        live_q, live_k = live_rows(total, cq, None), live_rows(total, ck, None)
         dref = dout.masked_fill(~live_q[:, None, None], 0.0)
         ref = varlen_grads(lambda a, b, c, e: attention_reference_grads(a, b, c, e, causal=True), qd, kd, vd, dref,
                            cq, ck, out_dtype=torch.float64)
@@ -284,7 +277,7 @@ def test_forward_writes_exactly_the_live_rows(d):
     q, k, v, cq, ck, uq, uk = make(lq, lk, 8, 2, d, used_q=used_q, used_k=used_k, seed=9)
     out = torch.full_like(q, math.nan)
     out, lse = dispatch.forward_varlen(q, k, v, cq, ck, 257, 300, uq, uk, None, True, True, out=out)
-    live = live_mask(q.shape[0], cq, uq)
+    live = live_rows(q.shape[0], cq, uq)
     assert out[~live].isnan().all(), "a tile wrote outside its sequence's live rows"
     ref, _ = varlen_reference(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)
     base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)

@@ -22,7 +22,7 @@ import hopper_flash
 from hopper_flash import checks, dispatch, plan
 from hopper_flash.reference import (assert_judged, attention_reference, sink_eager, varlen_apply, varlen_baseline,
                                    varlen_reference, varlen_spans)
-from gpu_inputs import capture, cu, paged_pools, rnd, varlen_batch
+from gpu_inputs import capture, cu, live_rows, paged_pools, rnd, varlen_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -30,16 +30,6 @@ DEV = "cuda"
 
 def i32(x):
     return torch.tensor(x, dtype=torch.int32, device=DEV)
-
-
-batch = varlen_batch  # THD q, k, v (NaN in the gaps past seqused) and the int32 metadata
-
-
-def live_rows(total, c, u):
-    m = torch.zeros(total, dtype=torch.bool, device=DEV)
-    for start, n in varlen_spans(c, u):
-        m[start:start + n] = True
-    return m
 
 
 def ran_packed(group: int) -> bool:
@@ -65,7 +55,7 @@ def run_both(q, k, v, cq, ck, uq, uk, causal, *, window=None, softcap=0.0, sink=
 
 def check_both(lq, lk, h, hkv, d, causal, *, used_q=None, used_k=None, dtype=torch.bfloat16, window_size=(-1, -1),
                softcap=0.0, seed=0):
-    q, k, v, cq, ck, uq, uk = batch(lq, lk, h, hkv, d, used_q=used_q, used_k=used_k, dtype=dtype, seed=seed)
+    q, k, v, cq, ck, uq, uk = varlen_batch(lq, lk, h, hkv, d, used_q=used_q, used_k=used_k, dtype=dtype, seed=seed)
     window = checks.window_bounds(window_size, causal)
     results = run_both(q, k, v, cq, ck, uq, uk, causal, window=window, softcap=softcap)
     ref_window = window if window_size != (-1, -1) else None
@@ -127,7 +117,7 @@ def test_fp16_windows_and_softcap():
 def test_sinks():
     """Attention sinks: each packed row's normaliser takes its own head's logit."""
     lq, lk = [1, 129, 33, 4], [900, 129, 2000, 4]
-    q, k, v, cq, ck, uq, uk = batch(lq, lk, 8, 2, 128, seed=7)
+    q, k, v, cq, ck, uq, uk = varlen_batch(lq, lk, 8, 2, 128, seed=7)
     sink = rnd(8, dtype=torch.float32, seed=8) * 2.0 + 1.0
     ref, ref_lse = varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=True, sink=sink), q, k, v, cq, ck,
                                 out_dtype=torch.float64, with_lse=True)

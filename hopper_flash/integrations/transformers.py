@@ -466,7 +466,7 @@ def hopper_flash_paged_attention_forward(
     out = hopper_flash.flash_attn_varlen_func(
         query[0].transpose(0, 1), key, value, kwargs["cu_seq_lens_q"].to(torch.int32), cu_k.to(torch.int32),
         int(kwargs["max_seqlen_q"]), int(max_k), softmax_scale=scaling, causal=True, window_size=window_size,
-        softcap=0.0 if softcap is None else checks.check_softcap(softcap), learnable_sink=sink)
+        softcap=0.0 if softcap is None else softcap, learnable_sink=sink)
     return out, None
 
 
