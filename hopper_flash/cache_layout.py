@@ -128,17 +128,18 @@ def slot_rows_args(k_cache, v_cache, batch: int, cache_batch_idx, cache_leftpad,
 
 def varlen_over_cache(q, cu_seqlens_q, max_seqlen_q: int, seqused_q, k_cache, v_cache, seqused, cache_batch_idx,
                       cache_leftpad, page_table, softmax_scale: float, causal, return_lse, window=None, softcap=0.0,
-                      sink=None, max_seqlen_k: int | None = None, pack_gqa=None):
+                      sink=None, max_seqlen_k: int | None = None, pack_gqa=None, num_splits: int = 0):
     """Packed (THD) queries ``q`` ``[total_q, H, D]`` (sequence ``b`` at
     ``cu_seqlens_q[b]``) over a KV cache, each sequence's keys the first
     ``seqused[b]`` of its cache row (from ``cache_leftpad[b]`` on) or of its
     pages, by the forward kernel's VARLEN mode: pages read in place where it
     can (``page_plan``; else each row's pages are copied into a contiguous
     cache first), contiguous caches as one sequence axis
-    (``slot_rows_args``). That mode has PackGQA (``pack_gqa``, None for
-    ``plan.choose_varlen_pack_gqa``) but no split-KV: a few sequences over
-    long caches are not spread over the GPU. Returns ``(out [total_q, H,
-    Dv], lse [H, total_q] or None)``; nothing is read on the host.
+    (``slot_rows_args``), with PackGQA (``pack_gqa``, None for
+    ``plan.choose_varlen_pack_gqa``) and split-KV (``num_splits``, 0 for
+    the heuristic on the host's bounds, ``plan._plan_varlen``). Returns
+    ``(out [total_q, H, Dv], lse [H, total_q] or None)``; nothing is read
+    on the host.
     ``max_seqlen_k``: a bound on the key lengths (default: the cache's
     capacity)."""
     batch = cu_seqlens_q.shape[0] - 1
@@ -150,9 +151,11 @@ def varlen_over_cache(q, cu_seqlens_q, max_seqlen_q: int, seqused_q, k_cache, v_
             return dispatch.forward_varlen_validated(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q,
                                                      bound, seqused_q, seqused, softmax_scale, causal,
                                                      return_lse, window=window, softcap=softcap, sink=sink,
-                                                     page_table=page_table, pack_gqa=pack_gqa)
+                                                     page_table=page_table, pack_gqa=pack_gqa,
+                                                     num_splits=num_splits)
         k_cache, v_cache = pages_copied(k_cache, v_cache, page_table)
     k3, v3, cu_k, used_k = slot_rows_args(k_cache, v_cache, batch, cache_batch_idx, cache_leftpad, seqused)
     return dispatch.forward_varlen_validated(q, k3, v3, cu_seqlens_q, cu_k, max_seqlen_q, bound, seqused_q,
                                              used_k, softmax_scale, causal, return_lse, window=window,
-                                             softcap=softcap, sink=sink, pack_gqa=pack_gqa)
+                                             softcap=softcap, sink=sink, pack_gqa=pack_gqa,
+                                             num_splits=num_splits)

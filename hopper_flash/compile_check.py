@@ -82,7 +82,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "seqused_ptr": "*i32",
         "kv_batch_ptr": "*i32",
         "page_table_ptr": "*i32",
-        "o_part_ptr": f"*{sig_dtype}" if mode.varlen else "*fp32",  # varlen: O itself
+        "o_part_ptr": f"*{sig_dtype}" if mode.varlen and not mode.split else "*fp32",  # varlen: O itself
         "lse_part_ptr": "*fp32",
         "cu_q_ptr": "*i32",
         "cu_k_ptr": "*i32",

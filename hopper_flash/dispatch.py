@@ -142,7 +142,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                    softmax_scale, causal, return_lse, check_contract=None, out=None, window=None, softcap=0.0,
-                   sink=None, pack_gqa=None):
+                   sink=None, pack_gqa=None, num_splits=1):
     """Validated varlen forward on THD tensors; returns ``(out, lse)`` with
     ``lse`` ``[nheads, total_q]`` (None unless ``return_lse``).
 
@@ -150,18 +150,19 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     zero output and an LSE of -inf (with sinks, ``sink``, their head's
     logit). ``out`` lets tests hand in a poisoned buffer (then those rows
     are left as they are). ``pack_gqa``: PackGQA (None:
-    ``plan.choose_varlen_pack_gqa``)."""
+    ``plan.choose_varlen_pack_gqa``); ``num_splits``: KV splits (0: the
+    heuristic, ``plan._plan_varlen``)."""
     softmax_scale, max_seqlen_q, max_seqlen_k = validate_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
         causal, check_contract)
     return forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                     seqused_k, softmax_scale, causal, return_lse, out, window, softcap, sink,
-                                    pack_gqa=pack_gqa)
+                                    pack_gqa=pack_gqa, num_splits=num_splits)
 
 
 def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                              softmax_scale: float, causal, return_lse, out=None, window=None, softcap=0.0,
-                             sink=None, page_table=None, pack_gqa=None):
+                             sink=None, page_table=None, pack_gqa=None, num_splits=1):
     """``forward_varlen`` on arguments that passed ``validate_varlen`` (or,
     with ``page_table``, ``paged.check_paged_varlen_arguments``: k and v
     page pools, ``seqused_k`` given)."""
@@ -192,5 +193,5 @@ def forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         plan.launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                    max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), window=window,
                                    softcap=softcap, sink=plan.sink_arg(sink), page_table=page_table,
-                                   pack_gqa=pack_gqa)
+                                   pack_gqa=pack_gqa, num_splits=num_splits)
     return out, lse

@@ -414,7 +414,7 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
             return out, lse
         return varlen_over_cache(q, cu_seqlens_q, seqlen_q, None, k_cache, v_cache, seqused, cache_batch_idx,
                                  cache_leftpad, page_table, softmax_scale, causal, return_lse, window, softcap, sink,
-                                 pack_gqa=pack_gqa)
+                                 pack_gqa=pack_gqa, num_splits=num_splits)
     out = torch.empty(plan.out_shape(q, v_cache), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() == 0:
@@ -550,7 +550,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
             queries (``total_q == batch * max_seqlen_q``, known from shapes:
             a decode step) the call is the unpacked one's, split-KV and
             PackGQA included; otherwise the forward kernel's varlen mode runs
-            it (PackGQA as ``pack_gqa`` says, no split-KV there). The output is then
+            it (PackGQA and split-KV as ``pack_gqa`` and ``num_splits`` say). The output is then
             ``[total_q, nheads, headdim_v]`` and the LSE ``[nheads,
             total_q]``.
         cu_seqlens_k_new: FA3's packed new keys: accepted where no new keys

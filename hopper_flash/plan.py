@@ -1242,26 +1242,37 @@ def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: b
 
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
-                 write_lse, window=None, softcap=False, sink="", o_dim=0, page_size=0, pack_gqa=None) -> LaunchPlan:
-    """``_plan_launch`` for a packed batch: no split; the grid covers
-    ``max_seqlen_q`` for every sequence (items past a sequence's rows exit
-    at once). ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V
-    (``Mode.page_size``, with ``seqused_k``); ``pack_gqa``: PackGQA (None:
-    ``choose_varlen_pack_gqa``)."""
+                 write_lse, window=None, softcap=False, sink="", o_dim=0, page_size=0, pack_gqa=None,
+                 num_splits=1) -> LaunchPlan:
+    """``_plan_launch`` for a packed batch: the grid covers ``max_seqlen_q``
+    for every sequence (items past a sequence's rows exit at once).
+    ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V (``Mode.page_size``,
+    with ``seqused_k``); ``pack_gqa``: PackGQA (None:
+    ``choose_varlen_pack_gqa``); ``num_splits``: KV splits (0: FA3's rule,
+    ``choose_num_splits``, on the items and KV tiles the host bounds
+    know: ``max_seqlen_q`` for every sequence, ``max_seqlen_k`` keys)."""
     sms = sm_count(device)
     if pack_gqa is None:
         pack_gqa = choose_varlen_pack_gqa(group)
     pack_g = group if pack_gqa and packable(group) else 1
     items = work_items(batch, nheads, max_seqlen_q, cfg, Mode(pack_g=pack_g))
+    n_blocks = triton_cdiv(max(1, max_seqlen_k), cfg.block_n)
+    if num_splits == 0:
+        read = n_blocks if window is None or window[0] < 0 else min(
+            n_blocks, window_tiles(window[0], window[1], max_seqlen_q, cfg))
+        num_splits = choose_num_splits(items, read, sms)
+    num_splits = max(1, min(num_splits, n_blocks))
+    split = num_splits > 1
     # Gathered pages take the static deal: their four-warp producer has only
-    # ever run it (the decode modes), never the dynamic order's draws.
-    dynamic = (cfg.persistent and not gathers(page_size, cfg.head_dim)
+    # ever run it (the decode modes), never the dynamic order's draws; so
+    # do split runs (the dynamic order has no split coordinate).
+    dynamic = (cfg.persistent and not gathers(page_size, cfg.head_dim) and not split
                and choose_dynamic(items, triton_cdiv(max_seqlen_q * pack_g, cfg.block_m), causal, True, sms))
     window_left, window_right = window or (-1, -1)
-    mode = Mode(pack_g=pack_g, seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic,
+    mode = Mode(pack_g=pack_g, split=split, seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic,
                 window_left=window_left, window_right=window_right, softcap=bool(softcap), sink=sink, o_dim=o_dim,
                 page_size=page_size)
-    n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items, cfg, device)
+    n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items * num_splits, cfg, device)
     # No more heads to a section than a sequence has: most sections then lie
     # inside one sequence, whose dead items (query tiles past its rows) run
     # contiguously there and are skipped with one atomic
@@ -1270,19 +1281,23 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     # heads are already in its tile.
     item_heads = nheads // pack_g
     section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group // pack_g), item_heads)
-    constexprs = kernel_constexprs(cfg, causal, write_lse, mode)
-    return LaunchPlan(cfg, mode, 1, n_ctas, pair, section, (device, dtype, causal, write_lse, cfg, mode), constexprs,
-                      tuple(constexprs.values()))
+    kernel_lse = write_lse and not split  # the combine writes the LSE of a split run
+    constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
+    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section, (device, dtype, causal, kernel_lse, cfg, mode),
+                      constexprs, tuple(constexprs.values()))
 
 
 def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
                           max_seqlen_k: int, softmax_scale: float, causal: bool,
                           cfg: ForwardConfig | None = None, window: tuple[int, int] | None = None,
                           softcap: float = 0.0, sink: torch.Tensor | None = None,
-                          page_table: torch.Tensor | None = None, pack_gqa: bool | None = None) -> None:
+                          page_table: torch.Tensor | None = None, pack_gqa: bool | None = None,
+                          num_splits: int = 1) -> None:
     """Launch the forward kernel's VARLEN mode on THD tensors (``window``,
     ``softcap`` and ``sink`` as in ``launch_forward``; ``pack_gqa``: PackGQA,
-    None for ``choose_varlen_pack_gqa``).
+    None for ``choose_varlen_pack_gqa``; ``num_splits``: KV splits, 0 for
+    the heuristic, merged by the combine kernel: the packed rows are its
+    one sequence of ``total_q`` rows).
 
     Arguments are assumed validated (``checks.check_varlen_arguments``):
     q ``[total_q, H, D]``, k/v ``[total_k, Hkv, D]`` (v's head dim may
@@ -1306,18 +1321,32 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     nheads_kv = k.shape[-2]
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
-                      sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size, pack_gqa)
+                      sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size, pack_gqa,
+                      int(num_splits))
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
+    split = lp.mode.split
+    if split:
+        # fp32 partials [splits, total_q, H, D] and LSEs [splits, H, total_q].
+        # Rows in no sequence (past seqused_q) get none from the kernel: O 0
+        # and LSE -inf there, which the combine turns into 0 and -inf.
+        o_part = q.new_empty((lp.num_splits, 1, total_q, nheads, cfg.head_dim), dtype=torch.float32)
+        lse_part = q.new_empty((lp.num_splits, 1, nheads, total_q), dtype=torch.float32)
+        if seqused_q is not None:
+            o_part.zero_()
+            lse_part.fill_(-math.inf)
+        o_ptr, lse_part_ptr, kernel_lse = o_part, lse_part, out
+    else:
+        o_ptr, lse_part_ptr, kernel_lse = out, out, lse if write_lse else out
     cu_q = cu_seqlens_q.contiguous()
     cu_k = cu_seqlens_k.contiguous() if cu_seqlens_k is not None else cu_q  # (paged: unread)
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q
     used_k = seqused_k.contiguous() if seqused_k is not None else cu_k
-    # o_part_ptr carries O itself (row-predicated stores, not a TMA box).
-    ptrs = (lse if write_lse else out, used_k, out, page_table if paged else out, out, out, cu_q, cu_k, used_q,
+    # o_part_ptr carries O itself (row-predicated stores, not a TMA box), or the split partials.
+    ptrs = (kernel_lse, used_k, out, page_table if paged else out, o_ptr, lse_part_ptr, cu_q, cu_k, used_q,
             _item_counter(q.device) if lp.mode.dynamic else out, k_pool, v_pool, sink if sink is not None else out)
     scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, batch,
-               *kernel_scales(softmax_scale, softcap), 1, lp.pair, page_table.stride(0) if paged else 0, total_q,
-               lp.section)
+               *kernel_scales(softmax_scale, softcap), lp.num_splits, lp.pair, page_table.stride(0) if paged else 0,
+               total_q, lp.section)
     q4, o4 = q.unsqueeze(0), out.unsqueeze(0)
     k4, v4 = (k, v) if k.dim() == 4 else (k.unsqueeze(0), v.unsqueeze(0))
     # Triton specialises pointer arguments on 16-byte alignment: a cu_seqlens
@@ -1332,3 +1361,5 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     else:
         kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (q4, k4, v4, o4),
                (*ptrs, *scalars, *lp.constexpr_values))
+    if split:
+        launch_combine(o_part, lse_part, o4, lse.unsqueeze(0) if write_lse else None, sink)

@@ -114,6 +114,32 @@ def test_forward_varlen_packgqa(spec):
     assert not spills, (r.stack_bytes, r.local_bytes, r.sass_counts)
 
 
+# Split-KV in the varlen mode (the KV cache's mixed route): fp32 partials
+# over the packed rows, the static deal; packed and not, pages read by TMA or gathered.
+SPLIT_SPECS = [(64, True, 4, 0), (128, True, 4, 0), (128, False, 1, 0), (256, True, 4, 0), (128, True, 4, 16),
+               (128, True, 4, 4)]
+
+
+@pytest.mark.parametrize("spec", SPLIT_SPECS, ids=lambda s: f"d{s[0]}-{'causal' if s[1] else 'full'}-g{s[2]}"
+                                                         f"{f'-page{s[3]}' if s[3] else ''}")
+def test_forward_varlen_split(spec):
+    """Split varlen kernels: the same GEMMs, no TMA store (partials from
+    registers), no spills at head dims 64 and 128 (triton 3.6)."""
+    d, causal, group, page = spec
+    r = compile_check.census(CONFIGS[d], "bfloat16", causal, False,
+                             Mode(varlen=True, split=True, pack_g=group, seqused=bool(page), page_size=page))
+    assert r.sass_counts["HGMMA"] == _fwd_prefill_hgmma(d)
+    assert r.sass_counts["UTMASTG"] == 0 and r.sass_counts["UTMALDG"] > 0
+    spills = r.stack_bytes or r.local_bytes or r.sass_counts["LDL"] or r.sass_counts["STL"]
+    if spills and d == 256 and r.stack_bytes <= 8:
+        # Measured under triton 3.6: one value stored in the prologue and
+        # reloaded once in each consumer's epilogue, none in the steady loop.
+        pytest.xfail(f"D=256 split varlen: {r.stack_bytes} B of stack (epilogue reloads)")
+    if spills and _triton_at_least(3, 7):
+        pytest.xfail("triton 3.7+ spills around the V-tail zeroing (as the varlen and decode modes do)")
+    assert not spills, (r.stack_bytes, r.local_bytes, r.sass_counts)
+
+
 # Packed queries over a paged cache (flash_attn_varlen_func's block_table):
 # pages read by TMA (one box per page under a tile) or gathered row by row
 # (under 16 keys; head dims 64 and 128, the static deal: plan._plan_varlen).

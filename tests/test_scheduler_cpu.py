@@ -281,3 +281,26 @@ def test_one_item_up_to_the_timed_length():
     assert prefill_plan(4, 128, 32, causal=True, seqlen_k=tiles * 128, nheads_kv=8).mode.one_item
     longer = prefill_plan(4, 128, 32, causal=True, seqlen_k=tiles * 128 + 1, nheads_kv=8)
     assert not longer.mode.one_item and not longer.mode.dynamic and longer.n_ctas == 128
+
+
+def test_varlen_split_kv_where_the_host_bounds_leave_the_gpu_idle():
+    """Split-KV in the varlen mode (the KV cache's mixed route asks for the
+    heuristic, num_splits=0): FA3's rule on the items and KV tiles the host
+    bounds know. A split run takes the static deal (the dynamic order has no
+    split coordinate) and leaves the LSE to the combine."""
+    cfg = plan.CONFIGS[128]
+
+    def varlen_plan(batch, max_q, max_k, num_splits, write_lse=True, nheads=32, group=4):
+        return plan._plan_varlen.__wrapped__(0, torch.bfloat16, batch, max_q, max_k, nheads, group, cfg, False, True,
+                                             True, write_lse, num_splits=num_splits)
+
+    few_long = varlen_plan(3, 1, 65536, 0)  # three decodes over 64k keys: 24 packed items
+    assert few_long.mode.split and few_long.num_splits > 1 and not few_long.mode.dynamic
+    assert few_long.constexprs["WRITE_LSE"] is False
+    assert few_long.n_ctas <= SMS and few_long.n_ctas >= 24 * few_long.num_splits // 2
+    assert varlen_plan(3, 1, 65536, 5).num_splits == 5  # an explicit count is honoured
+    assert varlen_plan(3, 1, 300, 64).num_splits == 3  # at most one split per KV tile
+    assert not varlen_plan(64, 1, 65536, 0).mode.split  # 512 items fill the GPU
+    assert not varlen_plan(3, 1, 500, 0).mode.split  # four KV tiles are too few to split
+    plain = varlen_plan(16, 4096, 4096, 1)
+    assert not plain.mode.split and plain.mode.dynamic and plain.constexprs["WRITE_LSE"] is True

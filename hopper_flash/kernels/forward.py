@@ -936,14 +936,25 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     lse_head = q_head0 + lse_rows % mode.PACK_G
     if mode.SPLIT:
         # ---- Partial output: fp32 O [splits, B, Sq, H, D] and LSE [splits, B, H, Sq]
-        # straight from registers; combine.py merges them. ----
+        # straight from registers; combine.py merges them. VARLEN: the packed
+        # rows as one sequence, O [splits, 1, total_q, H, D] and LSE
+        # [splits, 1, H, total_q], sequence b's rows from q_start. ----
         o_rows = row0 + gl.arange(0, WG_M, layout=o_row_layout)
         o_q = o_rows // mode.PACK_G
-        o_off = (((split * prob.batch + b) * seqlen_q + o_q).to(gl.int64) * prob.num_heads + q_head0
-                 + o_rows % mode.PACK_G) * mode.HEAD_DIM
+        if mode.VARLEN:
+            o_row0 = split * prob.total_q + q_start
+            lse_row0 = split * prob.num_heads
+            lse_len = prob.total_q
+            lse_q0 = q_start
+        else:
+            o_row0 = (split * prob.batch + b) * seqlen_q
+            lse_row0 = (split * prob.batch + b) * prob.num_heads
+            lse_len = seqlen_q
+            lse_q0 = 0
+        o_off = ((o_row0 + o_q).to(gl.int64) * prob.num_heads + q_head0 + o_rows % mode.PACK_G) * mode.HEAD_DIM
         cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         gl.store(prob.o_part_ptr + o_off[:, None] + cols[None, :], acc_o, mask=(o_q < seqlen_q)[:, None])
-        lse_off = ((split * prob.batch + b) * prob.num_heads + lse_head).to(gl.int64) * seqlen_q + lse_q
+        lse_off = (lse_row0 + lse_head).to(gl.int64) * lse_len + lse_q0 + lse_q
         gl.store(prob.lse_part_ptr + lse_off, lse, mask=lse_q < seqlen_q)
         if mode.O_IN_Q:
             mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
@@ -1085,7 +1096,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(BLOCK_M == NC * WG_M and (NC == 2 or NC == 3), "two or three consumer warpgroups of 64 rows")
     gl.static_assert(not DYNAMIC or (PERSISTENT and not SPLIT), "the dynamic order runs a persistent grid, no split")
     gl.static_assert(Q_STAGES == 1 or not O_IN_Q, "O staged in Q's rows leaves no room for a second Q")
-    gl.static_assert(not (VARLEN and (SPLIT or KV_BATCH)), "varlen runs without split-KV or cache_batch_idx")
+    gl.static_assert(not (VARLEN and KV_BATCH), "varlen runs without cache_batch_idx")
     gl.static_assert(not (VARLEN and PAGE_SIZE > 0 and not SEQUSED), "paged varlen reads seqused_k's lengths")
     gl.static_assert(not (SINK and SPLIT), "a split run's sink is the combine's")
     gl.static_assert(not LEFTPAD or (SEQUSED and not VARLEN and PAGE_SIZE == 0),

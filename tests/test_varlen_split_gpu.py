@@ -1,0 +1,174 @@
+"""Split-KV in the forward kernel's VARLEN mode on a Hopper GPU: each
+sequence's KV tiles are split across ``num_splits`` items, which write fp32
+partials over the packed rows, merged by the combine kernel (the packed rows
+as its one sequence of ``total_q`` rows). The KV cache's mixed packed-query
+route asks for the heuristic (``num_splits=0``), so a few long decodes
+beside a short chunk are spread over the GPU.
+
+Every case is judged against the float64 reference run sequence by sequence,
+relative to PyTorch's own attention on the same inputs (``reference.judge``);
+NaN sits in the gaps past ``seqused`` and past each cache row's live keys,
+outputs are poisoned first, and rows outside every sequence must come back
+zero with an LSE of -inf (or the sink).
+"""
+import math
+
+import pytest
+import torch
+
+import hopper_flash
+from hopper_flash import checks, dispatch, plan
+from hopper_flash.reference import (assert_judged, attention_reference, sink_eager, varlen_apply, varlen_baseline,
+                                   varlen_reference, varlen_spans)
+from gpu_inputs import capture, cu, rnd
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def i32(x):
+    return torch.tensor(x, dtype=torch.int32, device=DEV)
+
+
+def batch(lq, lk, h, hkv, d, *, used_q=None, used_k=None, dtype=torch.bfloat16, seed=0):
+    q = rnd(sum(lq), h, d, dtype=dtype, seed=seed)
+    k = rnd(sum(lk), hkv, d, dtype=dtype, seed=seed + 1)
+    v = rnd(sum(lk), hkv, d, dtype=dtype, seed=seed + 2)
+    cq, ck = cu(lq), cu(lk)
+    for t, c, u in ((q, cq, used_q), (k, ck, used_k), (v, ck, used_k)):
+        if u is not None:
+            for b, n in enumerate(u):
+                t[int(c[b]) + n:int(c[b + 1])] = math.nan
+    return (q, k, v, cq, ck, i32(used_q) if used_q is not None else None,
+            i32(used_k) if used_k is not None else None)
+
+
+def ran_split() -> bool:
+    """Whether a split VARLEN kernel was launched (its plan keys the compiled kernel)."""
+    return any(isinstance(key[5], plan.Mode) and key[5].varlen and key[5].split
+               for key in plan._COMPILED if isinstance(key, tuple) and len(key) > 5)
+
+
+def check_splits(lq, lk, h, hkv, d, causal, splits=(2, 3, 7), *, used_q=None, used_k=None, pack_gqa=None,
+                 window_size=(-1, -1), softcap=0.0, dtype=torch.bfloat16, seed=0):
+    q, k, v, cq, ck, uq, uk = batch(lq, lk, h, hkv, d, used_q=used_q, used_k=used_k, dtype=dtype, seed=seed)
+    mq = max([n for _, n in varlen_spans(cq, uq)] + [1])
+    mk = max([n for _, n in varlen_spans(ck, uk)] + [1])
+    window = checks.window_bounds(window_size, causal)
+    ref_window = window if window_size != (-1, -1) else None
+    ref, ref_lse = varlen_reference(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=ref_window,
+                                    softcap=softcap)
+    base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=ref_window,
+                           softcap=softcap)
+    live = torch.zeros(q.shape[0], dtype=torch.bool, device=DEV)
+    for start, n in varlen_spans(cq, uq):
+        live[start:start + n] = True
+    for s in splits:
+        out = torch.full(plan.out_shape(q, v), math.nan, dtype=q.dtype, device=DEV)
+        out, lse = dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, uq, uk, None, causal, True, out=out,
+                                           window=window, softcap=softcap, pack_gqa=pack_gqa, num_splits=s)
+        assert_judged(f"out ({s} splits)", out, ref, base)
+        assert_judged(f"lse ({s} splits)", lse[:, live], ref_lse[:, live].to(lse.device))
+        assert (out[~live] == 0).all() and (lse[:, ~live] == -math.inf).all()
+    assert ran_split()
+
+
+MIX = dict(lq=[1, 0, 127, 128, 129, 1000, 3001, 17], lk=[1, 5, 127, 128, 129, 1000, 3001, 0])
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_length_mix(d, causal):
+    check_splits(MIX["lq"], MIX["lk"], 8, 2, d, causal)
+
+
+@pytest.mark.parametrize("pack_gqa", [False, True], ids=["unpacked", "packed"])
+def test_long_decodes_beside_a_chunk(pack_gqa):
+    """The case split-KV is for: a few decodes over long, odd key lengths
+    beside a short chunk, GQA 32/8."""
+    check_splits([1, 1, 4, 200, 1], [40000, 17, 9001, 1300, 1], 32, 8, 128, True, splits=(2, 5, 16),
+                 pack_gqa=pack_gqa, seed=1)
+
+
+def test_seqused_gaps_windows_softcap_fp16():
+    check_splits([200, 50, 9, 1], [400, 60, 30, 5000], 8, 4, 128, True, used_q=[130, 0, 9, 1],
+                 used_k=[300, 60, 11, 4099], seed=2)
+    check_splits(MIX["lq"], MIX["lk"], 8, 2, 128, True, window_size=(300, 0), softcap=30.0, dtype=torch.float16,
+                 seed=3)
+
+
+def test_sinks_join_the_combine():
+    """With sinks the combine adds each head's logit once per row (the split
+    kernels leave it out)."""
+    lq, lk = [1, 129, 33, 4], [9000, 129, 2000, 4]
+    q, k, v, cq, ck, _, _ = batch(lq, lk, 8, 2, 128, seed=4)
+    sink = rnd(8, dtype=torch.float32, seed=5) * 2.0 + 1.0
+    ref, ref_lse = varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=True, sink=sink), q, k, v, cq, ck,
+                                out_dtype=torch.float64, with_lse=True)
+    base = varlen_apply(lambda a, b, c: sink_eager(a, b, c, sink, causal=True), q, k, v, cq, ck)
+    for s in (2, 6):
+        out, lse = dispatch.forward_varlen(q, k, v, cq, ck, max(lq), max(lk), None, None, None, True, True,
+                                           sink=sink, num_splits=s)
+        assert_judged(f"out ({s} splits)", out, ref, base)
+        assert_judged(f"lse ({s} splits)", lse, ref_lse.to(lse.device))
+
+
+@pytest.mark.parametrize("page", [None, 4, 16])
+def test_kvcache_mixed_route_splits_by_default(page):
+    """flash_attn_with_kvcache with packed queries of mixed lengths over a
+    contiguous or paged cache: the heuristic splits the long rows, and an
+    explicit count is honoured; against the same keys packed."""
+    lq, lens = [1, 3, 1, 64], [30000, 9, 17000, 700]
+    h, hkv, d, cap = 16, 4, 128, 32768
+    q = rnd(sum(lq), h, d, seed=6)
+    kc, vc = rnd(len(lq), cap, hkv, d, seed=7), rnd(len(lq), cap, hkv, d, seed=8)
+    for b, n in enumerate(lens):
+        kc[b, n:] = math.nan
+        vc[b, n:] = math.nan
+    k = torch.cat([kc[b, :n] for b, n in enumerate(lens)])
+    v = torch.cat([vc[b, :n] for b, n in enumerate(lens)])
+    cq, ck = cu(lq), cu(lens)
+    ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
+    base = varlen_baseline(q, k, v, cq, ck, causal=True)
+    kwargs = {}
+    if page is not None:
+        pages = cap // page
+        perm = torch.randperm(len(lq) * pages, device=DEV, generator=torch.Generator(device=DEV).manual_seed(9))
+        table = perm.view(len(lq), pages).to(torch.int32)
+        kp = torch.empty(len(lq) * pages, page, hkv, d, dtype=q.dtype, device=DEV)
+        vp = torch.empty_like(kp)
+        kp[table.flatten().long()] = kc.reshape(len(lq) * pages, page, hkv, d)
+        vp[table.flatten().long()] = vc.reshape(len(lq) * pages, page, hkv, d)
+        kc, vc, kwargs = kp, vp, dict(page_table=table)
+    for num_splits in (0, 1, 9):
+        out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=i32(lens), causal=True, cu_seqlens_q=cq,
+                                                   max_seqlen_q=max(lq), num_splits=num_splits, **kwargs)
+        assert_judged(f"out (num_splits={num_splits})", out, ref, base)
+    assert ran_split()
+
+
+def test_cuda_graph_replay_with_new_lengths():
+    """A captured split call (partials allocated and initialised inside the
+    capture) replayed with new cu_seqlens and seqused."""
+    h, hkv, d, slots = 16, 4, 128, 4
+    q = rnd(slots * 64, h, d, seed=10)
+    k, v = rnd(slots * 20000, hkv, d, seed=11), rnd(slots * 20000, hkv, d, seed=12)
+    cq, ck = (torch.zeros(slots + 1, dtype=torch.int32, device=DEV) for _ in range(2))
+    uq, uk = (torch.zeros(slots, dtype=torch.int32, device=DEV) for _ in range(2))
+    cq.copy_(cu([64] * slots))
+    ck.copy_(cu([20000] * slots))
+
+    def step():
+        return dispatch.forward_varlen(q, k, v, cq, ck, 64, 20000, uq, uk, None, True, False, num_splits=0)[0]
+
+    uq.copy_(i32([1] * slots))
+    uk.copy_(i32([1] * slots))
+    graph, out = capture(step)
+    for seed, (lq, lk) in enumerate([([1, 2, 64, 0], [19999, 5, 300, 0]), ([7, 1, 1, 1], [7, 20000, 1000, 2])]):
+        uq.copy_(i32(lq))
+        uk.copy_(i32(lk))
+        graph.replay()
+        ref, _ = varlen_reference(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)
+        base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)
+        assert_judged(f"replay {seed}", out, ref, base)
+    assert ran_split()
