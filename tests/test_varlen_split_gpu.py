@@ -20,7 +20,7 @@ import hopper_flash
 from hopper_flash import checks, dispatch, plan
 from hopper_flash.reference import (assert_judged, attention_reference, sink_eager, varlen_apply, varlen_baseline,
                                    varlen_reference, varlen_spans)
-from gpu_inputs import capture, cu, rnd
+from gpu_inputs import capture, cu, rnd, varlen_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -30,17 +30,7 @@ def i32(x):
     return torch.tensor(x, dtype=torch.int32, device=DEV)
 
 
-def batch(lq, lk, h, hkv, d, *, used_q=None, used_k=None, dtype=torch.bfloat16, seed=0):
-    q = rnd(sum(lq), h, d, dtype=dtype, seed=seed)
-    k = rnd(sum(lk), hkv, d, dtype=dtype, seed=seed + 1)
-    v = rnd(sum(lk), hkv, d, dtype=dtype, seed=seed + 2)
-    cq, ck = cu(lq), cu(lk)
-    for t, c, u in ((q, cq, used_q), (k, ck, used_k), (v, ck, used_k)):
-        if u is not None:
-            for b, n in enumerate(u):
-                t[int(c[b]) + n:int(c[b + 1])] = math.nan
-    return (q, k, v, cq, ck, i32(used_q) if used_q is not None else None,
-            i32(used_k) if used_k is not None else None)
+batch = varlen_batch  # THD q, k, v (NaN in the gaps past seqused) and the int32 metadata
 
 
 def ran_split() -> bool:
