@@ -4,6 +4,10 @@
 ``flash_attn_interface`` imports. Every timed output is judged against the
 float64 reference per sequence first (``reference.judge``).
 
+``packed+split`` is the packed call with split-KV's heuristic
+(``num_splits=0``, what ``flash_attn_with_kvcache``'s mixed packed route
+asks for; it splits only where the host bounds leave the GPU idle).
+
 Batches: issue 12's (16 sequences, lengths uniform in 512..8192, causal,
 GQA 32/8) at head dims 64, 128 and 256, and serving mixes: many one-query
 sequences (decodes) over caches of 1000..8000 keys beside one or two
@@ -37,6 +41,9 @@ def batches(quick):
         lq = [1] * n_dec + chunks
         lk = dec_k + [c + 1024 for c in chunks]
         out.append((f"mix {n_dec} decodes + chunks {chunks} H32/8 D128", lq, lk, 32, 8, 128))
+    # Split-KV's case: a few long decodes beside a short chunk.
+    out.append(("mix 3 long decodes + chunk [256] H32/8 D128", [1, 1, 1, 256], [60000, 45000, 30000, 1280], 32, 8,
+                128))
     return out
 
 
@@ -61,6 +68,9 @@ def main():
                                                       pack_gqa=True)[0],
             "unpacked": lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, True, False,
                                                         pack_gqa=False)[0],
+            # PackGQA and split-KV as the KV cache's mixed route runs them (num_splits=0: the heuristic).
+            "packed+split": lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, True, False,
+                                                            pack_gqa=True, num_splits=0)[0],
         }
         if fa3 is not None:
             def fa3_fn():

@@ -97,7 +97,8 @@ Decode and chunked prefill run the same kernel in other *modes*
   over BSHD is exactly that tile, so K and V are read once per KV head.
 * ``SPLIT``: the KV tiles of an item are split across ``num_splits`` items;
   each writes a normalised fp32 partial O and its LSE straight from
-  registers, and ``combine.py`` merges them.
+  registers, and ``combine.py`` merges them (``VARLEN``: over the packed
+  rows, which the combine takes as one sequence).
 * ``VARLEN``: q, k, v and O are packed (THD) tensors viewed as
   ``[1, total, H, D]``; sequence ``b`` starts at row ``cu_q[b]`` / ``cu_k[b]``
   and lives for ``seqused_q[b]`` (``SEQUSED_Q``) or ``cu_q[b+1] - cu_q[b]``
