@@ -20,7 +20,7 @@ import hopper_flash
 from hopper_flash import checks, dispatch, plan
 from hopper_flash.reference import (assert_judged, attention_reference, sink_eager, varlen_apply, varlen_baseline,
                                    varlen_reference, varlen_spans)
-from gpu_inputs import capture, cu, rnd, varlen_batch
+from gpu_inputs import capture, cu, live_rows, rnd, varlen_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -28,9 +28,6 @@ DEV = "cuda"
 
 def i32(x):
     return torch.tensor(x, dtype=torch.int32, device=DEV)
-
-
-batch = varlen_batch  # THD q, k, v (NaN in the gaps past seqused) and the int32 metadata
 
 
 def ran_split() -> bool:
@@ -41,7 +38,7 @@ def ran_split() -> bool:
 
 def check_splits(lq, lk, h, hkv, d, causal, splits=(2, 3, 7), *, used_q=None, used_k=None, pack_gqa=None,
                  window_size=(-1, -1), softcap=0.0, dtype=torch.bfloat16, seed=0):
-    q, k, v, cq, ck, uq, uk = batch(lq, lk, h, hkv, d, used_q=used_q, used_k=used_k, dtype=dtype, seed=seed)
+    q, k, v, cq, ck, uq, uk = varlen_batch(lq, lk, h, hkv, d, used_q=used_q, used_k=used_k, dtype=dtype, seed=seed)
     mq = max([n for _, n in varlen_spans(cq, uq)] + [1])
     mk = max([n for _, n in varlen_spans(ck, uk)] + [1])
     window = checks.window_bounds(window_size, causal)
@@ -50,9 +47,7 @@ def check_splits(lq, lk, h, hkv, d, causal, splits=(2, 3, 7), *, used_q=None, us
                                     softcap=softcap)
     base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=ref_window,
                            softcap=softcap)
-    live = torch.zeros(q.shape[0], dtype=torch.bool, device=DEV)
-    for start, n in varlen_spans(cq, uq):
-        live[start:start + n] = True
+    live = live_rows(q.shape[0], cq, uq)
     for s in splits:
         out = torch.full(plan.out_shape(q, v), math.nan, dtype=q.dtype, device=DEV)
         out, lse = dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, uq, uk, None, causal, True, out=out,
@@ -91,7 +86,7 @@ def test_sinks_join_the_combine():
     """With sinks the combine adds each head's logit once per row (the split
     kernels leave it out)."""
     lq, lk = [1, 129, 33, 4], [9000, 129, 2000, 4]
-    q, k, v, cq, ck, _, _ = batch(lq, lk, 8, 2, 128, seed=4)
+    q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 8, 2, 128, seed=4)
     sink = rnd(8, dtype=torch.float32, seed=5) * 2.0 + 1.0
     ref, ref_lse = varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=True, sink=sink), q, k, v, cq, ck,
                                 out_dtype=torch.float64, with_lse=True)
