@@ -59,6 +59,16 @@ def check_causal(causal) -> bool:
     return bool(causal)
 
 
+def check_num_splits(num_splits) -> int:
+    """FA3's ``num_splits``: an int >= 0 (0: the heuristic, 1: no split).
+    The default returns at once: this runs on every varlen call."""
+    if type(num_splits) is int and num_splits >= 0:
+        return num_splits
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
+    return int(num_splits)
+
+
 def check_softcap(softcap) -> float:
     """flash-attn's ``softcap``: 0 for none, else a finite positive real, the
     cap of ``cap * tanh(score / cap)`` (kernels/softmax.py). Returns a float.

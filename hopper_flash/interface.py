@@ -204,7 +204,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table,
-                  softmax_scale, causal, return_lse, check_contract, window, softcap, sink):
+                  softmax_scale, causal, return_lse, check_contract, window, softcap, sink, num_splits):
     """``flash_attn_varlen_func`` with ``block_table`` (``hopper_flash.paged``):
     checked before anything runs on every path; the custom op under
     torch.compile, the eager function otherwise."""
@@ -212,20 +212,21 @@ def _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     if not torch.compiler.is_compiling():
         return paged.paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                           seqused_k, block_table, softmax_scale, causal, return_lse, check_contract,
-                                          window, softcap, sink)
+                                          window, softcap, sink, num_splits)
     softmax_scale, max_seqlen_q, max_seqlen_k = paged.check_paged_varlen_arguments(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table,
         softmax_scale, causal)
     checks.check_op_device(q)
     return paged.varlen_fwd_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
                                   max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal), *(window or (-1, -1)),
-                                  softcap, sink)
+                                  softcap, sink, num_splits)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, deterministic=False, return_lse=False,
                            check_contract=None, dropout_p=0.0, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, return_attn_probs=False, block_table=None, learnable_sink=None):
+                           alibi_slopes=None, return_attn_probs=False, block_table=None, learnable_sink=None,
+                           num_splits=0):
     """Exact attention over a packed batch of sequences of different lengths,
     flash-attn compatible (``flash_attn_varlen_func``).
 
@@ -266,6 +267,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             - cu_seqlens_k[b]``; ``cu_seqlens_k`` may then be None) keys of
             the pages its row names (FA2's and vLLM's form; forward only).
             See ``hopper_flash.paged`` for how each batch is run.
+        num_splits: split the keys of each (query tile, head) item over this
+            many CTAs, merged by a combine kernel (FA3's name): 0 (default)
+            splits where the batch would leave SMs idle, judged from host
+            values only (FA3's rule on ``max_seqlen_q``, ``max_seqlen_k`` and
+            q's row count: a few long decodes beside a short prefill chunk
+            split, a training batch never does); 1 never splits.
         dropout_p, alibi_slopes, return_attn_probs: flash-attn's options,
             accepted at their no-op values only.
 
@@ -287,13 +294,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
+    num_splits = checks.check_num_splits(num_splits)
     sink = learnable_sink
     if sink is not None and isinstance(q, torch.Tensor) and q.dim() == 3:  # (q's own errors: the checks below)
         checks.check_learnable_sink(sink, q.shape[1], q.device)
     if block_table is not None:
         out, lse = _paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                  seqused_k, block_table, softmax_scale, causal, return_lse, check_contract, window,
-                                 softcap, sink)
+                                 softcap, sink, num_splits)
         return (out, lse) if return_lse else out
     if _needs_op(q, k, v, sink):
         if ops.plain_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink):
@@ -304,7 +312,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 causal, check_contract)
             out, lse = ops.EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                                       max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal),
-                                                      bool(deterministic), window, softcap, sink)
+                                                      bool(deterministic), window, softcap, sink, num_splits)
             return (out, lse) if return_lse else out
         softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
@@ -316,9 +324,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                              seqused_q, seqused_k)
         out, lse = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                   max_seqlen_k, softmax_scale, bool(causal), bool(deterministic),
-                                  *(window or (-1, -1)), softcap, sink)
+                                  *(window or (-1, -1)), softcap, sink, num_splits)
         return (out, lse) if return_lse else out
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k, softmax_scale, causal, return_lse, check_contract, window=window,
-                                       softcap=softcap, sink=sink)
+                                       softcap=softcap, sink=sink, num_splits=num_splits)
     return (out, lse) if return_lse else out

@@ -155,8 +155,7 @@ def validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, 
             raise ValueError(f"k and v must have as many new tokens, got {k.shape[1]} and {v.shape[1]}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
+    checks.check_num_splits(num_splits)
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa must be None or a bool, got {type(pack_gqa).__name__}")
     if softmax_scale is None:
@@ -578,8 +577,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                          "headdim] has its own")
     if not isinstance(rotary_interleaved, bool):
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
-    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0: heuristic), got {num_splits!r}")
+    checks.check_num_splits(num_splits)
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
     if learnable_sink is not None and isinstance(q, torch.Tensor) and q.dim() == (3 if cu_seqlens_q is not None

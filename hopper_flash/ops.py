@@ -196,7 +196,7 @@ def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
                max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
                deterministic: bool = False, window_left: int = -1,
                window_right: int = -1, softcap: float = 0.0,
-               sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               sink: torch.Tensor | None = None, num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention forward on THD tensors; returns ``(out, lse)`` with
     ``lse`` ``[nheads, total_q]``. ``deterministic`` only selects the
     backward's dQ summation order."""
@@ -204,16 +204,18 @@ def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: 
     out, lse = dispatch.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                        seqused_k, softmax_scale, causal, True,
                                        window=checks.op_window(window_left, window_right, causal),
-                                       softcap=checks.check_softcap(softcap), sink=sink)
+                                       softcap=checks.check_softcap(softcap), sink=sink,
+                                       num_splits=checks.check_num_splits(num_splits))
     return out, lse
 
 
 @varlen_fwd.register_fake
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
-                     sink=None):
+                     sink=None, num_splits=0):
     checks.check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                   seqused_k, softmax_scale, causal)
+    checks.check_num_splits(num_splits)
     return varlen_fake_outputs(q, v, causal, window_left, window_right, softcap, sink)
 
 
@@ -292,7 +294,7 @@ def _varlen_backward(ctx, grad_out, grad_lse):
         return varlen_bwd(*args, *ctx.window, ctx.softcap, sink)
 
     dq, dk, dv, ds = _attention_grads(ctx, 15, grad_out, out, lse, run)
-    return dq, dk, dv, *(None,) * 12, ds
+    return dq, dk, dv, *(None,) * 12, ds, None
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -339,10 +341,10 @@ class EagerVarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
                 max_seqlen_k: int, softmax_scale: float, causal: bool, deterministic: bool, window=None,
-                softcap=0.0, sink=None):
+                softcap=0.0, sink=None, num_splits=0):
         out, lse = dispatch.forward_varlen_validated(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                      seqused_q, seqused_k, softmax_scale, causal, True, window=window,
-                                                     softcap=softcap, sink=sink)
+                                                     softcap=softcap, sink=sink, num_splits=num_splits)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic)
         ctx.window = window
@@ -358,7 +360,7 @@ class EagerVarlenAttention(torch.autograd.Function):
         dq, dk, dv, ds = _attention_grads(
             ctx, 14, grad_out, saved[3], saved[4], lambda sink: _varlen_bwd_impl(
                 grad_out, *saved, *ctx.args, window=ctx.window, softcap=ctx.softcap, sink=sink))
-        return dq, dk, dv, *(None,) * 11, ds
+        return dq, dk, dv, *(None,) * 11, ds, None
 
 
 class EagerPackedAttention(torch.autograd.Function):

@@ -116,9 +116,10 @@ def _key_lengths(cu_seqlens_k, seqused_k) -> torch.Tensor:
 
 def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                          block_table, softmax_scale, causal, return_lse, check_contract=None, window=None,
-                         softcap=0.0, sink=None):
+                         softcap=0.0, sink=None, num_splits=0):
     """Checked forward; returns ``(out [total_q, H, Dv], lse [H, total_q] or None)``.
-    ``window``, ``softcap``, ``sink``: as ``dispatch.forward_varlen``'s."""
+    ``window``, ``softcap``, ``sink``, ``num_splits``: as
+    ``dispatch.forward_varlen``'s."""
     softmax_scale, max_seqlen_q, max_seqlen_k = check_paged_varlen_arguments(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table,
         softmax_scale, causal)
@@ -135,11 +136,12 @@ def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         # decode path where every sequence has max_seqlen_q queries, else
         # the varlen kernel reading the pages.
         return kvcache.kvcache_forward_validated(q, k, v, None, None, lens, None, block_table, softmax_scale,
-                                                 bool(causal), 0, None, return_lse, check=False, window=window,
+                                                 bool(causal), num_splits, None, return_lse, check=False, window=window,
                                                  softcap=softcap, sink=sink, cu_seqlens_q=cu_seqlens_q,
                                                  max_seqlen_q=max_seqlen_q)
     return cache_layout.varlen_over_cache(q, cu_seqlens_q, max_seqlen_q, seqused_q, k, v, lens, None, None, block_table,
-                                     softmax_scale, causal, return_lse, window, softcap, sink, max_seqlen_k)
+                                     softmax_scale, causal, return_lse, window, softcap, sink, max_seqlen_k,
+                                     num_splits=num_splits)
 
 
 @torch.library.custom_op("hopper_flash::varlen_fwd_paged", mutates_args=(), device_types="cuda")
@@ -147,7 +149,8 @@ def varlen_fwd_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_k: torch.Tensor | None, seqused_q: torch.Tensor | None,
                      seqused_k: torch.Tensor | None, block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                      softmax_scale: float, causal: bool, window_left: int = -1, window_right: int = -1,
-                     softcap: float = 0.0, sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     softcap: float = 0.0, sink: torch.Tensor | None = None,
+                     num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_varlen_forward`` as an op (torch.compile); returns ``(out, lse)``.
     Forward only: it has no autograd formula (flash-attn's paged varlen has
     no backward either)."""
@@ -155,16 +158,18 @@ def varlen_fwd_paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     out, lse = paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                     seqused_k, block_table, softmax_scale, causal, True,
                                     window=checks.op_window(window_left, window_right, causal),
-                                    softcap=checks.check_softcap(softcap), sink=sink)
+                                    softcap=checks.check_softcap(softcap), sink=sink,
+                                    num_splits=checks.check_num_splits(num_splits))
     return out, lse
 
 
 @varlen_fwd_paged.register_fake
 def _varlen_fwd_paged_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table, max_seqlen_q,
                            max_seqlen_k, softmax_scale, causal, window_left=-1, window_right=-1, softcap=0.0,
-                           sink=None):
+                           sink=None, num_splits=0):
     check_paged_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                  seqused_k, block_table, softmax_scale, causal)
+    checks.check_num_splits(num_splits)
     return ops.varlen_fake_outputs(q, v, causal, window_left, window_right, softcap, sink)
 
 

@@ -1240,27 +1240,44 @@ def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: b
                 DEPENDENT=True, SINK=sink, OUT_DIM=0 if out_dim is None else narrower_width(out_dim, head_dim))
 
 
+def varlen_total_q_key(total_q: int, nheads: int, cfg: ForwardConfig, device) -> int:
+    """``total_q`` as ``_plan_varlen``'s split heuristic needs it (a key of
+    its plan cache): past ``sms * block_m / nheads`` rows the live items'
+    bound reaches one per SM, and the heuristic's answer no longer depends
+    on the rows, so every larger count shares that one plan."""
+    return min(total_q, triton_cdiv(sm_count(device) * cfg.block_m, max(1, nheads)))
+
+
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
                  write_lse, window=None, softcap=False, sink="", o_dim=0, page_size=0, pack_gqa=None,
-                 num_splits=1) -> LaunchPlan:
+                 num_splits=1, total_q=0) -> LaunchPlan:
     """``_plan_launch`` for a packed batch: the grid covers ``max_seqlen_q``
     for every sequence (items past a sequence's rows exit at once).
     ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V (``Mode.page_size``,
     with ``seqused_k``); ``pack_gqa``: PackGQA (None:
     ``choose_varlen_pack_gqa``); ``num_splits``: KV splits (0: FA3's rule,
     ``choose_num_splits``, on the items and KV tiles the host bounds
-    know: ``max_seqlen_q`` for every sequence, ``max_seqlen_k`` keys)."""
+    know: ``max_seqlen_q`` for every sequence, ``max_seqlen_k`` keys, and
+    with ``total_q`` (q's rows, ``varlen_total_q_key``) a bound on the
+    live items that FA3's rule lacks: a few long decodes beside a prefill
+    chunk look like ``batch`` chunks to ``max_seqlen_q`` alone)."""
     sms = sm_count(device)
     if pack_gqa is None:
         pack_gqa = choose_varlen_pack_gqa(group)
     pack_g = group if pack_gqa and packable(group) else 1
     items = work_items(batch, nheads, max_seqlen_q, cfg, Mode(pack_g=pack_g))
+    item_heads = nheads // pack_g
     n_blocks = triton_cdiv(max(1, max_seqlen_k), cfg.block_n)
     if num_splits == 0:
         read = n_blocks if window is None or window[0] < 0 else min(
             n_blocks, window_tiles(window[0], window[1], max_seqlen_q, cfg))
-        num_splits = choose_num_splits(items, read, sms)
+        # Sequence b has ceil(len_q(b) * G / block_m) live query tiles per
+        # item head, and a sum of ceilings is at most the ceiling of the sum
+        # plus batch - 1: at most this many items have rows to compute.
+        live = items if not total_q else min(
+            items, (triton_cdiv(total_q * pack_g, cfg.block_m) + batch - 1) * item_heads)
+        num_splits = choose_num_splits(live, read, sms)
     num_splits = max(1, min(num_splits, n_blocks))
     split = num_splits > 1
     # Gathered pages take the static deal: their four-warp producer has only
@@ -1279,7 +1296,6 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     # (forward._skip_dead_run; a section across two sequences draws them
     # one by one). Under PackGQA an item's head is a KV head, whose query
     # heads are already in its tile.
-    item_heads = nheads // pack_g
     section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group // pack_g), item_heads)
     kernel_lse = write_lse and not split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
@@ -1322,7 +1338,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
                       sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size, pack_gqa,
-                      int(num_splits))
+                      int(num_splits), varlen_total_q_key(total_q, nheads, cfg, device) if num_splits == 0 else 0)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     split = lp.mode.split
     if split:

@@ -6,7 +6,9 @@ float64 reference per sequence first (``reference.judge``).
 
 ``packed+split`` is the packed call with split-KV's heuristic
 (``num_splits=0``, what ``flash_attn_with_kvcache``'s mixed packed route
-asks for; it splits only where the host bounds leave the GPU idle).
+and ``flash_attn_varlen_func``'s default; it splits only where host
+values show an idle GPU); ``fa3 split0`` is FA3 asked for its own split
+heuristic (its ``flash_attn_varlen_func`` defaults to ``num_splits=1``).
 
 Batches: issue 12's (16 sequences, lengths uniform in 512..8192, causal,
 GQA 32/8) at head dims 64, 128 and 256, and serving mixes: many one-query
@@ -41,11 +43,11 @@ def batches(quick):
         lq = [1] * n_dec + chunks
         lk = dec_k + [c + 1024 for c in chunks]
         out.append((f"mix {n_dec} decodes + chunks {chunks} H32/8 D128", lq, lk, 32, 8, 128))
-    # Split-KV's cases. The heuristic sees only the host bounds (max_seqlen_q
-    # for every sequence): speculative decoding's ragged drafts (1..4
-    # queries each, max_seqlen_q 4) over long caches leave the GPU idle and
-    # split; a few long decodes beside a 256-query chunk look like 256
-    # queries each and do not (FA3's rule, on the same bounds).
+    # Split-KV's cases, where the heuristic (host values only) sees an idle
+    # GPU: speculative decoding's ragged drafts (1..4 queries each,
+    # max_seqlen_q 4) over long caches, and a few long decodes beside a
+    # 256-query chunk, which max_seqlen_q alone (FA3's rule) takes for four
+    # chunks but q's 259 rows bound at 96 live items.
     drafts = torch.randint(1, 5, (8,), generator=gen).tolist()
     out.append(("drafts 8 x 1..4 queries over 16k..64k H32/8 D128", drafts,
                 torch.randint(16384, 65537, (8,), generator=gen).tolist(), 32, 8, 128))
@@ -84,6 +86,11 @@ def main():
                 o = fa3(q, k, v, cq, ck, mq, mk, causal=True)
                 return o[0] if isinstance(o, tuple) else o
             fns["fa3"] = fa3_fn
+            if not label.startswith("issue12"):
+                def fa3_split_fn():  # FA3's own split heuristic (its default for this call is num_splits=1)
+                    o = fa3(q, k, v, cq, ck, mq, mk, causal=True, num_splits=0)
+                    return o[0] if isinstance(o, tuple) else o
+                fns["fa3 split0"] = fa3_split_fn
         ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
         base = varlen_baseline(q, k, v, cq, ck, causal=True)
         kv_bytes = 2 * sum(lk) * hkv * d * 2

@@ -98,9 +98,10 @@ def test_eager_varlen_attention_passes_its_arguments(monkeypatch):
     seen = {}
 
     def forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, used_q, used_k, scale, causal, return_lse, window=None,
-                       softcap=0.0, sink=None):
+                       softcap=0.0, sink=None, num_splits=1):
         seen["forward"] = (max_q, max_k, used_q, used_k, scale, causal, return_lse)
         seen["forward window"] = window
+        seen["forward splits"] = num_splits
         seen["forward softcap"] = softcap
         return q * 2, torch.zeros(q.shape[1], q.shape[0], dtype=torch.float64)
 
@@ -121,10 +122,13 @@ def test_eager_varlen_attention_passes_its_arguments(monkeypatch):
     assert seen["forward"] == (4, 4, None, None, 0.5, True, True)
     assert seen["backward"] == ([0, 3, 7], None, None, 4, 4, 0.5, True, True)
     assert seen["forward window"] is None and seen["backward window"] is None
+    assert seen["forward splits"] == 0  # flash_attn_varlen_func's default: the heuristic
     assert not lse.requires_grad
     out, _ = ops.EagerVarlenAttention.apply(q, k, v, cu, cu, None, None, 4, 4, 0.5, True, False, (9, 0))
     torch.autograd.grad(out.sum(), (q,))
     assert seen["forward window"] == (9, 0) and seen["backward window"] == (9, 0)
+    ops.EagerVarlenAttention.apply(q, k, v, cu, cu, None, None, 4, 4, 0.5, True, False, None, 0.0, None, 3)
+    assert seen["forward splits"] == 3
     assert seen["forward softcap"] == 0.0 and seen["backward softcap"] == 0.0
     out, _ = ops.EagerVarlenAttention.apply(q, k, v, cu, cu, None, None, 4, 4, 0.5, True, False, None, 30.0)
     torch.autograd.grad(out.sum(), (q,))

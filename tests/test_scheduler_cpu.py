@@ -304,3 +304,29 @@ def test_varlen_split_kv_where_the_host_bounds_leave_the_gpu_idle():
     assert not varlen_plan(3, 1, 500, 0).mode.split  # four KV tiles are too few to split
     plain = varlen_plan(16, 4096, 4096, 1)
     assert not plain.mode.split and plain.mode.dynamic and plain.constexprs["WRITE_LSE"] is True
+
+
+def test_varlen_split_heuristic_bounds_the_live_items_by_the_rows_of_q():
+    """Three decodes over long caches beside a 256-query chunk: max_seqlen_q
+    alone (FA3's rule) sees four 256-query sequences, 256 items, and does not
+    split; q's 259 rows bound the live items at (ceil(259 * 4 / 128) + 3) * 8
+    = 96 of the 132 SMs, and the keys are split. Enough rows to fill the GPU
+    leave the plan unsplit, and every row count past the point where the
+    bound reaches one item per SM shares one plan-cache key."""
+    cfg = plan.CONFIGS[128]
+
+    def varlen_plan(total_q, max_q=256, batch=4, max_k=60000):
+        return plan._plan_varlen.__wrapped__(0, torch.bfloat16, batch, max_q, max_k, 32, 4, cfg, False, True,
+                                             True, False, num_splits=0, total_q=total_q)
+
+    assert not varlen_plan(0).mode.split  # rows unknown: max_seqlen_q's bound, 256 items
+    mixed = varlen_plan(259)
+    assert mixed.mode.split and mixed.num_splits == plan.choose_num_splits(96, 469, SMS) > 1
+    assert not varlen_plan(256 * 4).mode.split  # four full chunks: 256 live items
+    assert not varlen_plan(259, max_k=500).mode.split  # too few KV tiles to split
+    key = plan.varlen_total_q_key
+    assert key(259, 32, cfg, 0) == 259
+    cap = key(10 ** 6, 32, cfg, 0)
+    assert cap == key(cap + 1, 32, cfg, 0) and cap * 32 >= SMS * cfg.block_m
+    for batch, max_q in ((1, 1), (3, 200), (4, 256), (64, 16), (1, 8192)):  # the cap's plan is every larger count's
+        assert varlen_plan(cap, max_q, batch).num_splits == varlen_plan(4 * cap, max_q, batch).num_splits

@@ -187,6 +187,22 @@ def test_a_softcap_is_checked_then_reaches_the_device_check():
         call(*problem(), causal=True, softcap=30.0)
 
 
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])
+def test_num_splits_is_checked_by_name_on_every_path(bad):
+    with pytest.raises(ValueError, match="num_splits must be an int >= 0"):
+        call(*problem(), num_splits=bad)
+    q, k, v, cq, ck = problem()
+    with pytest.raises(ValueError, match="num_splits must be an int >= 0"):
+        call(q.requires_grad_(), k, v, cq, ck, num_splits=bad)
+    with pytest.raises(ValueError, match="num_splits must be an int >= 0"):
+        call(*problem(), num_splits=bad, block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="num_splits must be an int >= 0"):  # the op's fake (torch.compile)
+        ops._varlen_fwd_fake(meta(q), meta(k), meta(v), meta(cq), meta(ck), None, None, 16, 16, 0.1, True,
+                             num_splits=-1)
+    with pytest.raises(ValueError, match=DEVICE_ERROR):  # a good count passes on to the device check
+        call(*problem(), num_splits=4)
+
+
 def test_flash_attn_no_op_options_accepted():
     with pytest.raises(ValueError, match=DEVICE_ERROR):
         call(*problem(), dropout_p=0.0, window_size=(-1, -1), softcap=0.0, deterministic=True)

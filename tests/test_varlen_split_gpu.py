@@ -2,8 +2,9 @@
 sequence's KV tiles are split across ``num_splits`` items, which write fp32
 partials over the packed rows, merged by the combine kernel (the packed rows
 as its one sequence of ``total_q`` rows). The KV cache's mixed packed-query
-route asks for the heuristic (``num_splits=0``), so a few long decodes
-beside a short chunk are spread over the GPU.
+route and ``flash_attn_varlen_func`` ask for the heuristic (``num_splits=0``,
+their default), so a few long decodes beside a short chunk are spread over
+the GPU.
 
 Every case is judged against the float64 reference run sequence by sequence,
 relative to PyTorch's own attention on the same inputs (``reference.judge``);
@@ -18,8 +19,9 @@ import torch
 
 import hopper_flash
 from hopper_flash import checks, dispatch, plan
-from hopper_flash.reference import (assert_judged, attention_reference, sink_eager, varlen_apply, varlen_baseline,
-                                   varlen_reference, varlen_spans)
+from hopper_flash.reference import (assert_judged, attention_baseline_grads, attention_reference,
+                                   attention_reference_grads, grads_abs_tol, sink_eager, varlen_apply,
+                                   varlen_baseline, varlen_grads, varlen_reference, varlen_spans)
 from gpu_inputs import capture, cu, live_rows, rnd, varlen_batch
 
 pytestmark = pytest.mark.gpu
@@ -157,3 +159,34 @@ def test_cuda_graph_replay_with_new_lengths():
         base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=True)
         assert_judged(f"replay {seed}", out, ref, base)
     assert ran_split()
+
+
+def test_flash_attn_varlen_func_splits_by_default_forward_and_backward(monkeypatch):
+    """flash_attn_varlen_func's default (num_splits=0): three decodes over
+    long caches beside a 256-query chunk look like four chunks to
+    max_seqlen_q, but q's 259 rows bound the live items under one per SM,
+    so the keys are split (the combine runs); the backward, through the
+    combine's LSE, is judged as every varlen backward is. num_splits=1
+    leaves the call unsplit."""
+    combines = []
+    launch_combine = plan.launch_combine
+    monkeypatch.setattr(plan, "launch_combine", lambda *a, **kw: (combines.append(1), launch_combine(*a, **kw))[1])
+    lq, lk = [1, 1, 1, 256], [20000, 9001, 30000, 1280]
+    q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 32, 8, 128, seed=13)
+    ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
+    base = varlen_baseline(q, k, v, cq, ck, causal=True)
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = hopper_flash.flash_attn_varlen_func(qg, kg, vg, cq, ck, max(lq), max(lk), causal=True)
+    assert combines, "the default call did not split"
+    assert_judged("out", out, ref, base)
+    dout = rnd(*out.shape, seed=14)
+    grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+    dref = varlen_grads(lambda a, b, c, e: attention_reference_grads(a, b, c, e, causal=True), q, k, v, dout, cq, ck,
+                        out_dtype=torch.float64)
+    dbase = varlen_grads(lambda a, b, c, e: attention_baseline_grads(a, b, c, e, causal=True), q, k, v, dout, cq, ck)
+    for name, g, r, bl in zip(("dq", "dk", "dv"), grads, dref, dbase):
+        assert_judged(name, g, r, bl, abs_tol=grads_abs_tol(dref, q.dtype))
+    combines.clear()
+    unsplit = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True, num_splits=1)
+    assert not combines
+    assert_judged("out (num_splits=1)", unsplit, ref, base)
