@@ -1240,6 +1240,11 @@ def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: b
                 DEPENDENT=True, SINK=sink, OUT_DIM=0 if out_dim is None else narrower_width(out_dim, head_dim))
 
 
+# A split varlen run gets one CTA per split item up to this many per SM
+# (past it, mostly items with no rows, each costing a CTA's start): _plan_varlen.
+SPLIT_GRID_MAX_WAVES = 8
+
+
 def varlen_total_q_key(total_q: int, nheads: int, cfg: ForwardConfig, device) -> int:
     """``total_q`` as ``_plan_varlen``'s split heuristic needs it (a key of
     its plan cache): past ``sms * block_m / nheads`` rows the live items'
@@ -1290,6 +1295,13 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
                 window_left=window_left, window_right=window_right, softcap=bool(softcap), sink=sink, o_dim=o_dim,
                 page_size=page_size)
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items * num_splits, cfg, device)
+    if split and items * num_splits <= SPLIT_GRID_MAX_WAVES * sms:
+        # One CTA per split item, dealt by the hardware as SMs free up
+        # (items past a sequence's rows exit at once). The static deal's
+        # fixed stride put three long decodes' 96 split items on 33 of the
+        # 132 SMs (their live tiles lie max_seqlen_q's tile count apart):
+        # 313 -> 229 us on an H100 (BENCHMARKS.md, fifty-seventh session).
+        n_ctas, pair = items * num_splits, 1
     # No more heads to a section than a sequence has: most sections then lie
     # inside one sequence, whose dead items (query tiles past its rows) run
     # contiguously there and are skipped with one atomic

@@ -322,6 +322,10 @@ def test_varlen_split_heuristic_bounds_the_live_items_by_the_rows_of_q():
     assert not varlen_plan(0).mode.split  # rows unknown: max_seqlen_q's bound, 256 items
     mixed = varlen_plan(259)
     assert mixed.mode.split and mixed.num_splits == plan.choose_num_splits(96, 469, SMS) > 1
+    # One CTA per split item (256 items: 8 query tiles x 8 KV heads x 4 sequences), the hardware's deal.
+    assert (mixed.n_ctas, mixed.pair) == (256 * mixed.num_splits, 1)
+    many = varlen_plan(259, max_q=8192)  # a loose max_seqlen_q: too many empty items for a CTA each
+    assert many.mode.split and many.n_ctas <= SMS and many.pair == 2
     assert not varlen_plan(256 * 4).mode.split  # four full chunks: 256 live items
     assert not varlen_plan(259, max_k=500).mode.split  # too few KV tiles to split
     key = plan.varlen_total_q_key
