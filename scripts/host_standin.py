@@ -7,6 +7,9 @@ overhead without device time; the GPU machine's figures come from
 ``scripts/backend_host.py`` (the backward's from ``scripts/bwd_host.py``).
 
     python scripts/host_standin.py [SEQLEN_K] [-p]      (-p: a cProfile too)
+    python scripts/host_standin.py --varlen [-p]        one continuous-batching step's flash_attn_varlen_func
+                                                        call (64 decodes + a 512-query chunk), split heuristic
+                                                        on and off
     python scripts/host_standin.py --backward [-p]      a B1 H1 S128 D128 causal backward through
                                                         autograd (torch.autograd.grad; on the CPU the
                                                         engine runs on the calling thread, on the GPU
@@ -75,6 +78,25 @@ if "--backward" in sys.argv:
     g = torch.randn_like(out)
     f = lambda: torch.autograd.grad(out, (qb, kb, vb), g, retain_graph=True)
     print(f"backward call through autograd, CPU stand-in: {timed(f, 2000):.1f} us")
+    if "-p" in sys.argv:
+        pr = cProfile.Profile(); pr.enable()
+        for _ in range(2000): f()
+        pr.disable(); pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+    sys.exit(0)
+
+if "--varlen" in sys.argv:
+    # One continuous-batching step's call (flash_attn_varlen_func, as
+    # paged|hopper_flash makes it per layer): 64 decodes over 4096 keys and a
+    # 512-query chunk, GQA 32/8, with the default split heuristic and without.
+    lq, lk = [1] * 64 + [512], [4096] * 64 + [1536]
+    cq = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
+    ck = torch.tensor([0] + lk).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lq), 32, 128).to(torch.bfloat16)
+    k = torch.randn(sum(lk), 8, 128).to(torch.bfloat16); v = torch.randn_like(k)
+    import hopper_flash
+    for splits in (0, 1):
+        f = lambda: hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, 512, 4096, causal=True, num_splits=splits)
+        print(f"varlen call (num_splits={splits}), CPU stand-in: {timed(f, 2000):.1f} us")
     if "-p" in sys.argv:
         pr = cProfile.Profile(); pr.enable()
         for _ in range(2000): f()
