@@ -14,7 +14,9 @@ argument that is wrong:
 ``validate`` runs all three, and remembers the CUDA argument signatures
 that passed them (``_signature``: everything the three read, the key
 length and K/V strides only by class, ``_kv_class``), so a model's repeated
-calls, and a decode loop's growing cache, skip them. This module imports
+calls, and a decode loop's growing cache, skip them; ``validate_varlen``
+does the same for packed (THD) batches (``_varlen_signature``: a
+continuous-batching step's layers share one). This module imports
 only ``plan``; the public API (``interface``), the custom ops (``ops``) and
 the eager entry points (``dispatch``) sit above it.
 """
@@ -350,7 +352,8 @@ def check_tma_addressable(name: str, t: torch.Tensor) -> None:
         raise ValueError(problem)
 
 
-# Argument signatures ``validate`` has passed, and the scale each resolved to;
+# Argument signatures ``validate`` has passed, and the scale each resolved to
+# (``validate_varlen``'s, tagged "varlen": its three resolved values);
 # only for tensors on devices of this type (the CPU tests stub the device
 # check for CPU tensors, which must not be remembered as passing).
 _PASSED: dict[tuple, float] = {}
@@ -518,6 +521,56 @@ def check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"batch ({batch}) x nheads ({nheads}) x query tiles of max_seqlen_q ({max_seqlen_q}) "
                          f"exceeds the limit of {plan.MAX_WORK_ITEMS} work items (the kernel numbers them in int32)")
     return softmax_scale, max_seqlen_q, max_seqlen_k
+
+
+def _index_signature(t) -> tuple | None:
+    """What the checks read of an index vector (``cu_seqlens_*``,
+    ``seqused_*``); raises AttributeError for what is not a tensor."""
+    return None if t is None else (t.shape, t.dtype, t.device)
+
+
+def _varlen_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                      softmax_scale, causal) -> tuple | None:
+    """Everything ``validate_varlen``'s verdict depends on: q's, k's and v's
+    shapes, strides, dtypes, devices and 16-byte alignment; each index
+    vector's shape, dtype and device (or its absence); the Python values
+    with their types. None where it cannot be read (the checks then name
+    what is wrong). Within one step of transformers' continuous batching
+    every layer's call has one signature."""
+    try:
+        return ("varlen", q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+                q.device, k.device, v.device, q.data_ptr() % _TMA_ALIGN_BYTES, k.data_ptr() % _TMA_ALIGN_BYTES,
+                v.data_ptr() % _TMA_ALIGN_BYTES, _index_signature(cu_seqlens_q), _index_signature(cu_seqlens_k),
+                _index_signature(seqused_q), _index_signature(seqused_k), type(max_seqlen_q), max_seqlen_q,
+                type(max_seqlen_k), max_seqlen_k, type(softmax_scale), softmax_scale, type(causal), causal)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
+def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                    softmax_scale, causal) -> tuple:
+    """``check_varlen_arguments``, the device check and TMA's rules for q, k
+    and v; returns ``(softmax_scale, max_seqlen_q, max_seqlen_k)``. A
+    signature that passed once (``_varlen_signature``) passes again without
+    them, as in ``validate``."""
+    key = _varlen_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                            softmax_scale, causal)
+    try:
+        passed = _PASSED.get(key)
+    except TypeError:  # an unhashable value: the checks name it
+        key = passed = None
+    if passed is not None:
+        return passed
+    passed = check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                    seqused_k, softmax_scale, causal)
+    check_device(q)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tma_addressable_thd(name, t)
+    if key is not None and q.device.type == _PASSED_DEVICE_TYPE:
+        if len(_PASSED) >= _PASSED_LIMIT:
+            _PASSED.clear()
+        _PASSED[key] = passed
+    return passed
 
 
 def check_tma_addressable_thd(name: str, t: torch.Tensor) -> None:

@@ -128,12 +128,9 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     """Every check of a varlen forward, and the contract check where
     ``check_contract`` (None: ``HOPPER_FLASH_CHECK_VARLEN``) asks for it;
     returns ``(softmax_scale, max_seqlen_q, max_seqlen_k)``."""
-    softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
+    softmax_scale, max_seqlen_q, max_seqlen_k = checks.validate_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
         causal)
-    checks.check_device(q)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        checks.check_tma_addressable_thd(name, t)
     if _check_contract_requested(check_contract):
         checks.check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                      seqused_k)

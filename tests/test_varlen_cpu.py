@@ -223,6 +223,86 @@ def test_requires_grad_goes_through_the_op_and_checks_first():
         call(q, k, v, cq, ck)
 
 
+# ---------------------------------------------------------------- remembered signatures
+
+@pytest.fixture
+def remembered(monkeypatch):
+    """checks.validate_varlen's memory of passed signatures, fresh, for CPU
+    tensors (the device check stubbed); the number of times the checks ran."""
+    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
+    monkeypatch.setattr(checks, "_PASSED", {})
+    monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
+    runs = []
+    real = checks.check_varlen_arguments
+    monkeypatch.setattr(checks, "check_varlen_arguments", lambda *a: runs.append(1) or real(*a))
+    return runs
+
+
+def validate(q, k, v, cq, ck, mq=16, mk=16, used_q=None, used_k=None, scale=None, causal=True):
+    return checks.validate_varlen(q, k, v, cq, ck, mq, mk, used_q, used_k, scale, causal)
+
+
+def test_validate_varlen_remembers_a_passed_signature(remembered):
+    # Every layer of a continuous-batching step: new tensors, one signature.
+    assert validate(*problem()) == (pytest.approx(1 / 8), 16, 16)
+    assert validate(*problem()) == (pytest.approx(1 / 8), 16, 16)
+    assert len(remembered) == 1
+    validate(*problem(), mq=17)  # another bound, another signature
+    validate(*problem(), used_q=torch.tensor([5, 9], dtype=torch.int32))
+    assert len(remembered) == 3
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(causal=1), TypeError, r"^causal must be a bool"),  # 1 == True as a dict key
+    (dict(mq=True), TypeError, r"^max_seqlen_q must be a positive int"),  # True == 1
+    (dict(mq=6), ValueError, r"^q has 14 tokens, more than batch \(2\) x max_seqlen_q \(6\)"),
+    (dict(ck="int64"), ValueError, r"^cu_seqlens_k must have dtype int32"),
+    (dict(used_k="short"), ValueError, r"^seqused_k must have 2 entries"),
+    (dict(v="misaligned"), ValueError, r"^v's data pointer must be 16-byte aligned"),
+    (dict(q="strided"), ValueError, r"^q must be contiguous in its last \(headdim\) dimension"),
+    (dict(k="fp16"), ValueError, r"^q, k and v must have the same dtype"),
+])
+def test_a_remembered_varlen_signature_still_refuses_what_differs(remembered, change, error, match):
+    q, k, v, cq, ck = problem()
+    args = dict(q=q, k=k, v=v, cq=cq, ck=ck, mq=7, mk=16, used_q=None, used_k=torch.tensor([7, 3], dtype=torch.int32),
+                causal=True)
+    validate(**args)
+    for name, how in change.items():
+        if how == "fp16":
+            args[name] = args[name].to(torch.float16)
+        elif how == "int64":
+            args[name] = args[name].long()
+        elif how == "short":
+            args[name] = args[name][:1]
+        elif how == "misaligned":
+            buf = torch.randn(args[name].numel() + 1).to(BF16)
+            args[name] = buf[1:].view(args[name].shape)  # 2 bytes past a 16-byte boundary
+        elif how == "strided":
+            args[name] = torch.randn(q.shape[0], q.shape[2], q.shape[1]).to(BF16).transpose(1, 2)
+        else:
+            args[name] = how
+    with pytest.raises(error, match=match):
+        validate(**args)
+
+
+def test_validate_varlen_remembers_no_cpu_tensors(monkeypatch):
+    # The shipped memory is for CUDA tensors only (the device check stubbed
+    # here must not leave a CPU signature passing for later calls).
+    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
+    monkeypatch.setattr(checks, "_PASSED", {})
+    validate(*problem())
+    assert checks._PASSED == {}
+
+
+def test_an_unreadable_signature_is_left_to_the_checks(remembered):
+    q, k, v, cq, ck = problem()
+    with pytest.raises(TypeError, match=r"^cu_seqlens_k must be a torch.Tensor"):
+        validate(q, k, v, cq, [0, 7, 10])
+    with pytest.raises(TypeError, match=r"^softmax_scale"):
+        validate(q, k, v, cq, ck, scale=[0.5])  # unhashable
+    assert checks._PASSED == {}
+
+
 # ---------------------------------------------------------------- the opt-in contract check
 
 def contract(q, k, cq, ck, mq=16, mk=16, uq=None, uk=None):
