@@ -408,23 +408,33 @@ def validate(q, k, v, softmax_scale, causal, key=None) -> float:
     else) passes again without the checks: this is host time on every
     eager call, and a model's layers repeat a few signatures. ``key``: the
     arguments' ``_signature``, where the caller has it already."""
-    if key is None:
-        key = _signature(q, k, v, softmax_scale, causal)
-    try:
-        scale = _PASSED.get(key)
-    except TypeError:  # an unhashable softmax_scale or causal: the checks name it
-        key = scale = None
+    key, scale = _recall(_signature(q, k, v, softmax_scale, causal) if key is None else key)
     if scale is not None:
         return scale
     softmax_scale = check_arguments(q, k, v, softmax_scale, causal)
     check_device(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tma_addressable(name, t)
-    if key is not None and q.device.type == _PASSED_DEVICE_TYPE:
+    _remember(key, q.device, softmax_scale)
+    return softmax_scale
+
+
+def _recall(key) -> tuple:
+    """``(key, what it passed with)``, or ``(key, None)`` where it never
+    passed; ``(None, None)`` for an unhashable key (an unhashable Python
+    value among the arguments: the checks name it)."""
+    try:
+        return key, _PASSED.get(key)
+    except TypeError:
+        return None, None
+
+
+def _remember(key, device: torch.device, value) -> None:
+    """Remember a signature that passed, for tensors on ``_PASSED_DEVICE_TYPE``."""
+    if key is not None and device.type == _PASSED_DEVICE_TYPE:
         if len(_PASSED) >= _PASSED_LIMIT:
             _PASSED.clear()
-        _PASSED[key] = softmax_scale
-    return softmax_scale
+        _PASSED[key] = value
 
 
 # ---------------------------------------------------------------- varlen (THD)
@@ -553,12 +563,8 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     and v; returns ``(softmax_scale, max_seqlen_q, max_seqlen_k)``. A
     signature that passed once (``_varlen_signature``) passes again without
     them, as in ``validate``."""
-    key = _varlen_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-                            softmax_scale, causal)
-    try:
-        passed = _PASSED.get(key)
-    except TypeError:  # an unhashable value: the checks name it
-        key = passed = None
+    key, passed = _recall(_varlen_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            seqused_q, seqused_k, softmax_scale, causal))
     if passed is not None:
         return passed
     passed = check_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
@@ -566,10 +572,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     check_device(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tma_addressable_thd(name, t)
-    if key is not None and q.device.type == _PASSED_DEVICE_TYPE:
-        if len(_PASSED) >= _PASSED_LIMIT:
-            _PASSED.clear()
-        _PASSED[key] = passed
+    _remember(key, q.device, passed)
     return passed
 
 

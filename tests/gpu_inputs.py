@@ -122,6 +122,19 @@ def varlen_batch(lq, lk, h, hkv, d, *, used_q=None, used_k=None, dtype=torch.bfl
     return q, k, v, cq, ck, uq, uk
 
 
+def nan_tailed_cache(lens, cap, hkv, d, seeds=(0, 1)):
+    """A contiguous KV cache ``[batch, cap, Hkv, D]`` (k and v from
+    ``seeds``) whose row ``b`` holds ``lens[b]`` live keys and NaN past
+    them, and those live keys packed (THD, sequence ``b`` after ``b - 1``):
+    ``(k_cache, v_cache, k, v)``."""
+    kc, vc = rnd(len(lens), cap, hkv, d, seed=seeds[0]), rnd(len(lens), cap, hkv, d, seed=seeds[1])
+    for b, n in enumerate(lens):
+        kc[b, n:] = math.nan
+        vc[b, n:] = math.nan
+    return (kc, vc, torch.cat([kc[b, :n] for b, n in enumerate(lens)]),
+            torch.cat([vc[b, :n] for b, n in enumerate(lens)]))
+
+
 def paged_pools(k, v, cu_k, page_size, seed=0, spare=5):
     """THD keys ``k``, ``v`` (sequence ``b`` at ``cu_k[b]``) as page pools
     ``[num_pages, page_size, Hkv, D]`` in shuffled order (vLLM's layout),

@@ -22,7 +22,7 @@ import hopper_flash
 from hopper_flash import checks, dispatch, plan
 from hopper_flash.reference import (assert_judged, attention_reference, sink_eager, varlen_apply, varlen_baseline,
                                    varlen_reference, varlen_spans)
-from gpu_inputs import capture, cu, live_rows, paged_pools, rnd, varlen_batch
+from gpu_inputs import capture, cu, live_rows, nan_tailed_cache, paged_pools, rnd, varlen_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -151,14 +151,8 @@ def test_kvcache_mixed_packed_queries():
     lq, lens = [1, 5, 1, 130], [4000, 9, 1, 700]
     h, hkv, d, cap = 16, 4, 128, 4096
     q = rnd(sum(lq), h, d, seed=13)
-    kc, vc = rnd(len(lq), cap, hkv, d, seed=14), rnd(len(lq), cap, hkv, d, seed=15)
-    for b, n in enumerate(lens):
-        kc[b, n:] = math.nan
-        vc[b, n:] = math.nan
-    cq = cu(lq)
-    keys = [kc[b, :n] for b, n in enumerate(lens)]
-    vals = [vc[b, :n] for b, n in enumerate(lens)]
-    k, v, ck = torch.cat(keys), torch.cat(vals), cu(lens)
+    kc, vc, k, v = nan_tailed_cache(lens, cap, hkv, d, seeds=(14, 15))
+    cq, ck = cu(lq), cu(lens)
     ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
     base = varlen_baseline(q, k, v, cq, ck, causal=True)
     for pack in (None, True, False):

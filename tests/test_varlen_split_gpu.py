@@ -22,7 +22,7 @@ from hopper_flash import checks, dispatch, plan
 from hopper_flash.reference import (assert_judged, attention_baseline_grads, attention_reference,
                                    attention_reference_grads, grads_abs_tol, sink_eager, varlen_apply,
                                    varlen_baseline, varlen_grads, varlen_reference, varlen_spans)
-from gpu_inputs import capture, cu, live_rows, rnd, varlen_batch
+from gpu_inputs import capture, cu, live_rows, nan_tailed_cache, rnd, varlen_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -108,12 +108,7 @@ def test_kvcache_mixed_route_splits_by_default(page):
     lq, lens = [1, 3, 1, 64], [30000, 9, 17000, 700]
     h, hkv, d, cap = 16, 4, 128, 32768
     q = rnd(sum(lq), h, d, seed=6)
-    kc, vc = rnd(len(lq), cap, hkv, d, seed=7), rnd(len(lq), cap, hkv, d, seed=8)
-    for b, n in enumerate(lens):
-        kc[b, n:] = math.nan
-        vc[b, n:] = math.nan
-    k = torch.cat([kc[b, :n] for b, n in enumerate(lens)])
-    v = torch.cat([vc[b, :n] for b, n in enumerate(lens)])
+    kc, vc, k, v = nan_tailed_cache(lens, cap, hkv, d, seeds=(7, 8))
     cq, ck = cu(lq), cu(lens)
     ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
     base = varlen_baseline(q, k, v, cq, ck, causal=True)
