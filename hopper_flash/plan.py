@@ -1353,12 +1353,14 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
                       int(num_splits), varlen_total_q_key(total_q, nheads, cfg, device) if num_splits == 0 else 0)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     split = lp.mode.split
+    q4, o4 = q.unsqueeze(0), out.unsqueeze(0)
     if split:
-        # fp32 partials [splits, total_q, H, D] and LSEs [splits, H, total_q].
-        # Rows in no sequence (past seqused_q) get none from the kernel: O 0
-        # and LSE -inf there, which the combine turns into 0 and -inf.
-        o_part = q.new_empty((lp.num_splits, 1, total_q, nheads, cfg.head_dim), dtype=torch.float32)
-        lse_part = q.new_empty((lp.num_splits, 1, nheads, total_q), dtype=torch.float32)
+        # The fixed-length launch's partials with the packed rows as one
+        # sequence: fp32 O [splits, 1, total_q, H, D], LSE [splits, 1, H,
+        # total_q], one allocation. Rows in no sequence (past seqused_q) get
+        # none from the kernel: O 0 and LSE -inf there, which the combine
+        # turns into 0 and -inf.
+        o_part, lse_part = _partial_views(*_partials(lp, q4), lp, q4)
         if seqused_q is not None:
             o_part.zero_()
             lse_part.fill_(-math.inf)
@@ -1375,7 +1377,6 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, batch,
                *kernel_scales(softmax_scale, softcap), lp.num_splits, lp.pair, page_table.stride(0) if paged else 0,
                total_q, lp.section)
-    q4, o4 = q.unsqueeze(0), out.unsqueeze(0)
     k4, v4 = (k, v) if k.dim() == 4 else (k.unsqueeze(0), v.unsqueeze(0))
     # Triton specialises pointer arguments on 16-byte alignment: a cu_seqlens
     # view at an odd offset must not reuse a kernel compiled for aligned ones.
