@@ -1285,6 +1285,19 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
         num_splits = choose_num_splits(live, read, sms)
     num_splits = max(1, min(num_splits, n_blocks))
     split = num_splits > 1
+    # Head dim 64's 192-row tiles (three consumers, WIDE_CONFIGS) for
+    # unpaged, unsplit launches without a window whose longest query reaches
+    # WIDE_MIN_ROWS, the fixed-length rule's row bound (a host bound; the
+    # keys' bound of choose_wide needs lengths only the device has). Batches
+    # of 512-8192 tokens: 4-8% faster forward; of 128-1024 and 256-2048 the
+    # rule keeps 128 rows, where the wide tiles measured 5-12% slower, as
+    # did pages of 16 keys read in place (3-4%; fifty-seventh and
+    # fifty-eighth sessions, BENCHMARKS.md). A window with PackGQA and
+    # per-sequence lengths spills 232 bytes on the wide tiles.
+    if (cfg in _WIDE_OF and page_size == 0 and not split and window is None
+            and max_seqlen_q >= WIDE_MIN_ROWS):
+        cfg = _WIDE_OF[cfg]
+        items = work_items(batch, nheads, max_seqlen_q, cfg, Mode(pack_g=pack_g))
     # Gathered pages take the static deal: their four-warp producer has only
     # ever run it (the decode modes), never the dynamic order's draws; so
     # do split runs (the dynamic order has no split coordinate).
@@ -1352,6 +1365,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
                       sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size, pack_gqa,
                       int(num_splits), varlen_total_q_key(total_q, nheads, cfg, device) if num_splits == 0 else 0)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
+    cfg = lp.cfg  # the plan may widen the tiles (head dim 64's WIDE_CONFIGS)
     split = lp.mode.split
     q4, o4 = q.unsqueeze(0), out.unsqueeze(0)
     if split:

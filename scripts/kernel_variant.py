@@ -50,13 +50,13 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   head dim 128's step moved its PV wait after the row maximum
   (``MAX_BEFORE_PV``) under it; its text: ``git show
   4328e42:scripts/variants/fwd-softmax-timeline.patch``.)
-* ``varlen-wide64`` (fifty-sixth session, plan only): head dim 64's
-  192-row tiles (three consumers, ``WIDE_CONFIGS``) in every varlen launch
-  whose pages are not gathered, FA3's tile there (the varlen forward at
-  D=64 is 0.925x FA3 on issue 12's batch, the fixed-length one level).
-  The kernels compile spill-free under triton 3.6 (packed, unpacked,
-  seqused; census on the CPU). Screen it with ``VSCREEN_ARGS="--headdim 64"
-  bash scripts/device_session.sh vscreen varlen-wide64``.
+* (``varlen-wide64`` and ``varlen-wide64-long``, fifty-sixth and
+  fifty-seventh sessions: head dim 64's 192-row tiles in every varlen
+  launch whose pages are not gathered, and only in unpaged, unsplit
+  launches whose ``max_seqlen_q`` reaches ``WIDE_MIN_ROWS``. The second
+  shipped in the fifty-eighth session (``plan._plan_varlen``, windows
+  excluded); the first measured 5-12% slower on batches of 128-2048
+  tokens. Their text: ``git show 5164985:scripts/variants/varlen-wide64.patch``.)
 * ``bwd-timeline`` (the backward): the split-keys consumers (D = 64, 128)
   write the SM's clock at nine points of each step and at a CTA's start,
   K/V arrival and end into a buffer (``plan_backward.TRACE``);

@@ -334,3 +334,26 @@ def test_varlen_split_heuristic_bounds_the_live_items_by_the_rows_of_q():
     assert cap == key(cap + 1, 32, cfg, 0) and cap * 32 >= SMS * cfg.block_m
     for batch, max_q in ((1, 1), (3, 200), (4, 256), (64, 16), (1, 8192)):  # the cap's plan is every larger count's
         assert varlen_plan(cap, max_q, batch).num_splits == varlen_plan(4 * cap, max_q, batch).num_splits
+
+
+@pytest.mark.skipif(64 not in plan.WIDE_CONFIGS, reason="no wide tiles under this triton")
+def test_varlen_head_dim_64_takes_the_wide_tiles_for_long_unpaged_unsplit_batches():
+    """Head dim 64's 192-row tiles in the varlen mode: only where the
+    longest query reaches WIDE_MIN_ROWS, with K/V unpaged, the keys unsplit
+    and no window; every other launch keeps the 128-row config."""
+    cfg, wide = plan.CONFIGS[64], plan.WIDE_CONFIGS[64]
+
+    def varlen_plan(max_q, d_cfg=cfg, window=None, page_size=0, num_splits=1, seqused_k=False):
+        return plan._plan_varlen.__wrapped__(0, torch.bfloat16, 16, max_q, 8192, 32, 4, d_cfg, False, seqused_k,
+                                             True, True, window=window, page_size=page_size,
+                                             num_splits=num_splits)
+
+    long = varlen_plan(plan.WIDE_MIN_ROWS)
+    assert long.cfg == wide and long.mode.dynamic
+    # The dynamic order's CTAs count the wide items (192 rows of 4 packed heads).
+    assert long.n_ctas == min(SMS, plan.work_items(16, 32, plan.WIDE_MIN_ROWS, wide, long.mode))
+    assert varlen_plan(plan.WIDE_MIN_ROWS - 1).cfg == cfg
+    assert varlen_plan(8192, window=(256, 0)).cfg == cfg
+    assert varlen_plan(8192, page_size=256, seqused_k=True).cfg == cfg
+    assert varlen_plan(8192, num_splits=4).cfg == cfg
+    assert varlen_plan(8192, d_cfg=plan.CONFIGS[128]).cfg == plan.CONFIGS[128]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import hopper_flash
+from hopper_flash import plan
 from hopper_flash.reference import (
     assert_judged,
     attention_baseline_grads,
@@ -80,6 +81,20 @@ def test_forward_q_longer_and_shorter_than_k(causal):
 def test_forward_seqused_shorter_than_slots_with_nan_gaps(d):
     check_forward([300, 140, 90, 33], [310, 150, 40, 260], 8, 2, d, True,
                   used_q=[257, 100, 0, 33], used_k=[300, 129, 40, 1])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_d64_wide_tiles_with_seqused_and_nan_gaps(causal):
+    """Head dim 64 with a query of WIDE_MIN_ROWS or more takes the 192-row
+    tiles (plan._plan_varlen), PackGQA and per-sequence lengths with them;
+    the backward reads their LSE."""
+    lq, lk = [2100, 140, 1, 2049], [2200, 150, 3001, 2049]
+    used_q, used_k = [2049, 100, 1, 2049], [2100, 129, 3000, 1900]
+    lp = plan._plan_varlen(torch.cuda.current_device(), torch.bfloat16, 4, 2049, 3000, 8, 4, plan.CONFIGS[64],
+                           True, True, causal, True)
+    assert lp.cfg == plan.WIDE_CONFIGS.get(64, plan.CONFIGS[64]), "this case is meant for the wide tiles"
+    check_forward(lq, lk, 8, 2, 64, causal, used_q=used_q, used_k=used_k, seed=11)
+    check_backward(lq, lk, 8, 2, 64, causal, used_q=used_q, used_k=used_k, seed=12)
 
 
 def test_forward_equals_each_sequence_alone():
