@@ -74,9 +74,16 @@ def fake_kernel(monkeypatch):
 
 
 def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, seqused_q=None, seqused_k=None, softmax_scale=None,
-                     causal=False, **unused):
+                     causal=False, block_table=None, **unused):
     """A differentiable float32 flash_attn_varlen_func (per-sequence softmax attention) that also checks
-    the host bounds and the slot contract the kernel relies on; rows outside every sequence are 0."""
+    the host bounds and the slot contract the kernel relies on; rows outside every sequence are 0.
+    With ``block_table`` k and v are page pools, sequence b's keys the first ones of its pages."""
+    if block_table is not None:
+        lens = (cu_k[1:] - cu_k[:-1]).tolist()
+        page = k.shape[1]
+        k, v = (torch.cat([pool[block_table[b, :-(-n // page)].long()].flatten(0, 1)[:n] for b, n in
+                           enumerate(lens)]) for pool in (k, v))
+        cu_k = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     cu_q_l, cu_k_l = cu_q.tolist(), cu_k.tolist()
     assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q_l[0] >= 0
     rows, pos = [], 0
@@ -724,13 +731,71 @@ def test_paged_call_without_a_cache_or_with_a_block_table_raises():
                                                  block_table=torch.zeros(1, 1, 1, dtype=torch.int32))
 
 
-def test_continuous_batching_matches_paged_sdpa_cpu(registered, fake_varlen, monkeypatch):
+class _PagedCache:
+    """The parts of transformers' PagedAttentionCache that paged_cache_view reads: one group of
+    full attention layers, pools [pages, heads_kv, head_dim], blocks of block_size pages."""
+
+    def __init__(self, block_size, num_blocks=12, heads_kv=2, dim=8, sliding=1):
+        self.block_size = block_size
+        self.layer_index_to_group_indices = {0: (0, 0)}
+        self.sliding_windows = {0: sliding}
+        self.key_cache = [torch.randn(num_blocks * block_size, heads_kv, dim)]
+        self.value_cache = [torch.randn(num_blocks * block_size, heads_kv, dim)]
+
+    def read_index(self, lengths, blocks):
+        """FullAttentionCacheAllocator's read indices: request b's key j at blocks[b][j // bs] * bs + j % bs."""
+        bs = self.block_size
+        return torch.tensor([blocks[b][j // bs] * bs + j % bs for b, n in enumerate(lengths) for j in range(n)])
+
+
+@pytest.mark.parametrize("block_size,page", [(16, 16), (12, 4), (6, 2), (2048, 1024)])
+def test_paged_cache_view_reads_each_request_where_transformers_put_it(block_size, page):
+    cache = _PagedCache(block_size, num_blocks=12 if block_size < 2048 else 3)
+    per_block = min(block_size, 40)
+    lengths = [3 * per_block - 1, 1, per_block, 0] if block_size < 2048 else [2049, 1, 0, 5]
+    blocks = [[7, 2, 9], [4], [0, 11], []] if block_size < 2048 else [[2, 0], [1], [], [0]]
+    index = cache.read_index(lengths, blocks)
+    cu_k = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    k, v, table = hft.paged_cache_view(cache, 0, [index], cu_k, max(lengths))
+    assert k.shape == (cache.key_cache[0].shape[0] // page, page, 2, 8) and v.shape == k.shape
+    assert k.data_ptr() == cache.key_cache[0].data_ptr() and table.dtype == torch.int32
+    assert table.shape == (4, -(-max(lengths) // page))
+    for b, n in enumerate(lengths):  # every live key is the cache row transformers' read names
+        start = int(cu_k[b])
+        rows = k[table[b, :-(-n // page)].long()].flatten(0, 1)[:n]
+        torch.testing.assert_close(rows, cache.key_cache[0][index[start:start + n]], rtol=0, atol=0)
+    hft.check_paged_cache_view(index, cu_k, table, page)
+
+
+def test_paged_cache_view_falls_back_where_it_cannot_read_in_place():
+    cache = _PagedCache(16)
+    index = cache.read_index([20], [[3, 5]])
+    cu_k = torch.tensor([0, 20], dtype=torch.int32)
+    assert hft.paged_cache_view(_PagedCache(16, sliding=4096), 0, [index], cu_k, 20) is None
+    assert hft.paged_cache_view(cache, 0, [index[:0]], cu_k, 20) is None  # nothing cached: update's write-only case
+    assert hft.paged_cache_view(object(), 0, [index], cu_k, 20) is None
+    assert hft.paged_cache_view(cache, 1, [index], cu_k, 20) is None  # a layer the cache does not know
+
+
+def test_check_paged_cache_view_refuses_keys_that_are_not_whole_blocks():
+    cache = _PagedCache(16)
+    index = cache.read_index([20], [[3, 5]]) + 1  # shifted: the request no longer starts a block
+    cu_k = torch.tensor([0, 20], dtype=torch.int32)
+    _, _, table = hft.paged_cache_view(cache, 0, [index], cu_k, 20)
+    with pytest.raises(ValueError, match="not whole blocks"):
+        hft.check_paged_cache_view(index, cu_k, table, 16)
+
+
+@pytest.mark.parametrize("block_size,page", [(16, 16), (12, 4)])
+def test_continuous_batching_matches_paged_sdpa_cpu(registered, fake_varlen, monkeypatch, block_size, page):
     """generate_batch on a model loaded with "hopper_flash" runs
     "paged|hopper_flash": each step one varlen call per layer over the
     requests' new tokens and their cached keys (prefill chunks beside
-    decodes), whose arguments pass the real argument checks; the greedy
-    tokens are paged|sdpa's (float32, the stand-in for the kernel)."""
-    from hopper_flash import checks
+    decodes), read in place from the paged cache through a block table, whose
+    arguments pass the real argument checks; the greedy tokens are
+    paged|sdpa's (float32, the stand-in for the kernel). A block size of 12
+    is read as pages of 4 keys."""
+    from hopper_flash import checks, paged
 
     _, cb_cache = _continuous_batching()
     # The cache sizes itself from the accelerator's free memory; on the CPU, 1 GiB.
@@ -741,24 +806,34 @@ def test_continuous_batching_matches_paged_sdpa_cpu(registered, fake_varlen, mon
 
     def checked_fake(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
         # The kernel's own checks on what transformers passes (in bf16, the kernel's dtypes).
-        checks.check_varlen_arguments(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu_q, cu_k, max_q, max_k,
-                                      kwargs.get("seqused_q"), kwargs.get("seqused_k"),
-                                      kwargs.get("softmax_scale"), kwargs.get("causal"))
-        checked.append((cu_q.tolist(), cu_k.tolist()))
+        args = (q.bfloat16(), k.bfloat16(), v.bfloat16(), cu_q, cu_k, max_q, max_k, kwargs.get("seqused_q"),
+                kwargs.get("seqused_k"))
+        if kwargs.get("block_table") is not None:
+            paged.check_paged_varlen_arguments(*args, kwargs["block_table"], kwargs.get("softmax_scale"),
+                                               kwargs.get("causal"))
+        else:
+            checks.check_varlen_arguments(*args, kwargs.get("softmax_scale"), kwargs.get("causal"))
+        checked.append((cu_q.tolist(), cu_k.tolist(), k.dim()))
         return real_fake(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
     monkeypatch.setattr(hopper_flash, "flash_attn_varlen_func", checked_fake)
+    # Every block table checked against transformers' own read index (the layout read in place).
+    monkeypatch.setenv("HOPPER_FLASH_CHECK_VARLEN", "1")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 3, 30, 70)]
     model = _llama()
-    ref = _generate_batch(_set_attn(model, "paged|sdpa"), prompts)
-    out = _generate_batch(_set_attn(model, NAME), prompts)
+    ref = _generate_batch(_set_attn(model, "paged|sdpa"), prompts, block_size=block_size)
+    out = _generate_batch(_set_attn(model, NAME), prompts, block_size=block_size)
     assert model.config._attn_implementation == NAME  # restored after the batch
     assert out == ref and all(len(t) == 6 for t in out.values())
     assert len(checked) >= 2 * 6  # two layers, at least one call per step
-    assert any(cu_q[-1] > len(cu_q) - 1 and cu_k[-1] > cu_q[-1] for cu_q, cu_k in checked), \
+    assert any(cu_q[-1] > len(cu_q) - 1 and cu_k[-1] > cu_q[-1] for cu_q, cu_k, _ in checked), \
         "a prefill chunk beside cached keys"
     assert all(call["causal"] and call["window_size"] == (-1, -1) for call in fake_varlen)
+    in_place = [call for call in fake_varlen if call.get("block_table") is not None]
+    assert in_place and all(call["k"].shape[1] == page for call in in_place)
+    # Steps with cached keys read them in place; only prefills with nothing cached pass k itself.
+    assert all(k_dim == 4 for cu_q, cu_k, k_dim in checked if cu_k[-1] > cu_q[-1])
 
 
 # --------------------------------------------------------------------------

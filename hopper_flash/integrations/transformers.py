@@ -74,8 +74,10 @@ The backend computes exactly what SDPA computes, or raises:
 * continuous batching (``generate_batch``): transformers runs the model
   under ``"paged|hopper_flash"`` (registered too,
   :func:`hopper_flash_paged_attention_forward`): the paged cache's
-  ``update`` writes the new keys and reads each request's keys back packed,
-  and one varlen call per layer runs prefill chunks and decodes together;
+  ``update`` writes the new keys, and one varlen call per layer runs prefill
+  chunks and decodes together, reading a full attention layer's keys in
+  place through a block table (sliding-window layers: read back packed
+  by ``update`` first);
 * ``query``/``key``/``value`` arrive as ``[batch, heads, seq, head_dim]`` and
   are handed to :func:`hopper_flash.flash_attn_func` as BSHD views
   (``.transpose(1, 2)``, no copy); k/v keep their own number of heads (GQA is
@@ -426,15 +428,18 @@ def hopper_flash_paged_attention_forward(
     ``PagedAttentionCache``) with ``read_index``/``write_index``,
     ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_seqlen_q``/``max_seqlen_k``
     (per layer type where the model mixes sliding and full layers). As
-    transformers' own ``paged|flash_attention_*`` path does without its
-    decode fast path, the new keys are written into the cache and each
-    request's keys read back packed (``cache.update``), then one
+    The new keys are written into the cache by ``cache.update``; then one
     :func:`hopper_flash.flash_attn_varlen_func` call, bottom-right causal per
     request (PackGQA: a decode's queries of a group share a tile), runs the
-    batch: prefill chunks and decodes together, no host sync. A layer's
-    ``sliding_window`` is flash-attn's ``(w - 1, 0)``, soft-capping and sinks
-    (``s_aux``) are passed on. Returns ``(out [total_q, heads, head_dim_v],
-    None)``.
+    batch: prefill chunks and decodes together, no host sync. On a full
+    attention layer it reads the keys where the cache keeps them, through a
+    block table built on the device from the step's ``read_index``
+    (:func:`paged_cache_view`); a sliding-window layer, or a cache of
+    another layout, has each request's keys read back packed first
+    (``cache.update``'s read, as transformers' own ``paged|flash_attention_*``
+    path does without its decode fast path). A layer's ``sliding_window`` is
+    flash-attn's ``(w - 1, 0)``, soft-capping and sinks (``s_aux``) are
+    passed on. Returns ``(out [total_q, heads, head_dim_v], None)``.
     """
     cache = kwargs.get("cache")
     if cache is None:
@@ -457,17 +462,93 @@ def hopper_flash_paged_attention_forward(
     if isinstance(cu_k, dict):  # per layer type, for models mixing sliding and full layers
         layer_type = "sliding_attention" if sliding else "full_attention"
         cu_k, max_k = cu_k[layer_type], max_k[layer_type]
-    # The new keys into the cache, and each request's keys back, packed [total_k, heads_kv, head_dim].
-    key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
-                              read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+    cu_k, max_k = cu_k.to(torch.int32), int(max_k)
+    read_index, write_index = kwargs["read_index"], kwargs["write_index"]
+    view = None if sliding else paged_cache_view(cache, module.layer_idx, read_index, cu_k, max_k)
+    if view is None:
+        # The new keys into the cache, and each request's keys back, packed [total_k, heads_kv, head_dim].
+        key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                                  read_index=read_index, write_index=write_index)
+        block_table = None
+    else:
+        # The new keys into the cache only (update's write-only case: an empty read index), then
+        # the requests' keys read in place from the page pools.
+        group = cache.layer_index_to_group_indices[module.layer_idx][0]
+        write_only = [r[:0] if i == group else r for i, r in enumerate(read_index)]
+        cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=write_only,
+                     write_index=write_index)
+        key, value, block_table = view
+        if dispatch._check_contract_requested(None):
+            check_paged_cache_view(read_index[group], cu_k, block_table, key.shape[1])
     sink = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
     import hopper_flash  # attribute looked up per call: the public entry point
 
     out = hopper_flash.flash_attn_varlen_func(
-        query[0].transpose(0, 1), key, value, kwargs["cu_seq_lens_q"].to(torch.int32), cu_k.to(torch.int32),
-        int(kwargs["max_seqlen_q"]), int(max_k), softmax_scale=scaling, causal=True, window_size=window_size,
-        softcap=0.0 if softcap is None else softcap, learnable_sink=sink)
+        query[0].transpose(0, 1), key, value, kwargs["cu_seq_lens_q"].to(torch.int32), cu_k,
+        int(kwargs["max_seqlen_q"]), max_k, softmax_scale=scaling, causal=True, window_size=window_size,
+        softcap=0.0 if softcap is None else softcap, learnable_sink=sink, block_table=block_table)
     return out, None
+
+
+# The largest page the paged kernels take (hopper_flash.paged).
+MAX_PAGE = 1024
+
+
+def paged_cache_view(cache, layer_idx: int, read_index, cu_k: torch.Tensor, max_k: int):
+    """A full attention layer's keys as they lie in transformers' paged
+    cache (``PagedAttentionCache``): ``(k_pages, v_pages, block_table)`` for
+    ``flash_attn_varlen_func(block_table=...)``, or None where the cache is
+    not the layout read here (the caller then reads through ``cache.update``).
+
+    The cache holds a layer group's keys as ``[pages, heads_kv, head_dim]``,
+    ``block_size`` consecutive pages a block, and a request's keys fill whole
+    blocks in order (``FullAttentionCacheAllocator.get_read_indices``: key
+    ``j`` of a request lies at ``blocks[j // block_size] * block_size + j %
+    block_size``). Viewed as pages of ``P`` keys (the largest power of two
+    dividing ``block_size``, at most ``MAX_PAGE``), request ``b``'s page ``p``
+    is then ``read_index[cu_k[b] + p * P] // P``: a ``[batch, ceil(max_k /
+    P)]`` table computed on the device from the index transformers built for
+    its own read, no host sync. Entries past a request's keys are 0 (never
+    read). ``HOPPER_FLASH_CHECK_VARLEN=1`` checks every key's place against
+    ``read_index`` (one sync, :func:`check_paged_cache_view`)."""
+    groups = getattr(cache, "layer_index_to_group_indices", None)
+    block_size = getattr(cache, "block_size", None)
+    key_cache = getattr(cache, "key_cache", None)
+    value_cache = getattr(cache, "value_cache", None)
+    if not (isinstance(groups, dict) and isinstance(block_size, int) and block_size > 0
+            and isinstance(key_cache, list) and isinstance(value_cache, list) and layer_idx in groups):
+        return None
+    group, in_group = groups[layer_idx]
+    if getattr(cache, "sliding_windows", {}).get(layer_idx, 1) != 1:
+        return None
+    index = read_index[group]
+    if index.numel() == 0:
+        return None  # nothing cached to read: update returns the new keys themselves
+    k_pool, v_pool = key_cache[in_group], value_cache[in_group]
+    page = min(block_size & -block_size, MAX_PAGE)
+    if (k_pool.dim() != 3 or v_pool.dim() != 3 or k_pool.shape[0] != v_pool.shape[0]
+            or k_pool.shape[0] % page or not k_pool.is_contiguous() or not v_pool.is_contiguous()):
+        return None
+    starts = cu_k[:-1].long()
+    offsets = torch.arange(0, -(-max_k // page) * page, page, device=cu_k.device)
+    live = offsets[None, :] < (cu_k[1:] - cu_k[:-1])[:, None].long()
+    first_keys = torch.where(live, starts[:, None] + offsets[None, :], 0)
+    table = torch.where(live, index[first_keys] // page, 0).to(torch.int32)
+    return k_pool.view(-1, page, *k_pool.shape[1:]), v_pool.view(-1, page, *v_pool.shape[1:]), table
+
+
+def check_paged_cache_view(index: torch.Tensor, cu_k: torch.Tensor, block_table: torch.Tensor, page: int) -> None:
+    """Every key the block table names is where ``read_index`` says it is
+    (:func:`paged_cache_view`'s reading of the cache's layout). One host sync."""
+    bounds = cu_k.tolist()
+    for b in range(len(bounds) - 1):
+        n = bounds[b + 1] - bounds[b]
+        j = torch.arange(n, device=index.device)
+        placed = block_table[b].long()[j // page] * page + j % page
+        if not torch.equal(placed, index[bounds[b]:bounds[b + 1]]):
+            raise ValueError(f"`{PAGED_NAME}`: request {b}'s keys are not whole blocks of the paged cache in "
+                             f"order (read_index disagrees with the block table built from it): this "
+                             f"transformers' cache layout is not the one hopper_flash reads in place")
 
 
 # --------------------------------------------------------------------------
