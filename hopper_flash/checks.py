@@ -39,6 +39,12 @@ _TMA_MAX_STRIDE_BYTES = 1 << 40
 _TMA_MAX_DIM = (1 << 31) - 1
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph: the opt-in
+    contract checks (a host sync each) are skipped then."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

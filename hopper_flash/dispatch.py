@@ -118,9 +118,13 @@ def fill_empty_lse(lse, sink) -> None:
 
 
 def _check_contract_requested(check_contract) -> bool:
+    """Whether to run a varlen contract check (``check_contract``, None:
+    ``HOPPER_FLASH_CHECK_VARLEN``): never while a CUDA graph is being
+    captured, where its host sync is not allowed (the eager warm-up calls
+    before a capture are checked)."""
     if check_contract is None:
-        return os.environ.get("HOPPER_FLASH_CHECK_VARLEN", "0") not in ("", "0")
-    return bool(check_contract)
+        check_contract = os.environ.get("HOPPER_FLASH_CHECK_VARLEN", "0") not in ("", "0")
+    return bool(check_contract) and not checks.capturing()
 
 
 def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,

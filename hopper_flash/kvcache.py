@@ -379,7 +379,7 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
         check = os.environ.get("HOPPER_FLASH_CHECK_KVCACHE", "0") not in ("", "0")
     if cache_leftpad is not None:
         cache_leftpad = cache_leftpad.contiguous()
-    if check:
+    if check and not checks.capturing():  # (a host sync: not while a CUDA graph is captured)
         check_contract(k_cache, seqused, cache_batch_idx, page_table, cache_leftpad, seqlens,
                        (q.shape[0], cu_seqlens_q, seqlen_q) if packed else None)
     if packed and seqlen_q and q.shape[0] == batch * seqlen_q:
