@@ -337,6 +337,10 @@ def test_contract_check_opt_in_by_env(monkeypatch):
     monkeypatch.setenv("HOPPER_FLASH_CHECK_VARLEN", "1")
     assert dispatch._check_contract_requested(None) is True
     assert dispatch._check_contract_requested(False) is False
+    # Never inside a CUDA graph capture (a host sync is not allowed there), asked for or not.
+    monkeypatch.setattr(checks, "capturing", lambda: True)
+    assert dispatch._check_contract_requested(None) is False
+    assert dispatch._check_contract_requested(True) is False
 
 
 # ---------------------------------------------------------------- custom ops (fake)
