@@ -427,8 +427,8 @@ def hopper_flash_paged_attention_forward(
     new tokens ``[1, heads_kv, total_q, head_dim]``, and ``cache`` (its
     ``PagedAttentionCache``) with ``read_index``/``write_index``,
     ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_seqlen_q``/``max_seqlen_k``
-    (per layer type where the model mixes sliding and full layers). As
-    The new keys are written into the cache by ``cache.update``; then one
+    (per layer type where the model mixes sliding and full layers). The
+    new keys are written into the cache by ``cache.update``; then one
     :func:`hopper_flash.flash_attn_varlen_func` call, bottom-right causal per
     request (PackGQA: a decode's queries of a group share a tile), runs the
     batch: prefill chunks and decodes together, no host sync. On a full
