@@ -786,15 +786,14 @@ def test_check_paged_cache_view_refuses_keys_that_are_not_whole_blocks():
         hft.check_paged_cache_view(index, cu_k, table, 16)
 
 
-@pytest.mark.parametrize("block_size,page", [(16, 16), (12, 4)])
-def test_continuous_batching_matches_paged_sdpa_cpu(registered, fake_varlen, monkeypatch, block_size, page):
-    """generate_batch on a model loaded with "hopper_flash" runs
-    "paged|hopper_flash": each step one varlen call per layer over the
-    requests' new tokens and their cached keys (prefill chunks beside
-    decodes), read in place from the paged cache through a block table, whose
-    arguments pass the real argument checks; the greedy tokens are
-    paged|sdpa's (float32, the stand-in for the kernel). A block size of 12
-    is read as pages of 4 keys."""
+@pytest.fixture
+def checked_cb(registered, fake_varlen, monkeypatch):
+    """Continuous batching on the CPU with the float32 stand-in: each varlen
+    call's arguments pass the kernel's own checks (in bf16, the kernel's
+    dtypes), every block table is checked against transformers' own read
+    index (``HOPPER_FLASH_CHECK_VARLEN=1``), and each call is recorded as
+    ``(cu_q, cu_k, k.dim(), window_size)`` when it is made (transformers
+    reuses the tensors)."""
     from hopper_flash import checks, paged
 
     _, cb_cache = _continuous_batching()
@@ -805,7 +804,6 @@ def test_continuous_batching_matches_paged_sdpa_cpu(registered, fake_varlen, mon
     real_fake = hopper_flash.flash_attn_varlen_func
 
     def checked_fake(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
-        # The kernel's own checks on what transformers passes (in bf16, the kernel's dtypes).
         args = (q.bfloat16(), k.bfloat16(), v.bfloat16(), cu_q, cu_k, max_q, max_k, kwargs.get("seqused_q"),
                 kwargs.get("seqused_k"))
         if kwargs.get("block_table") is not None:
@@ -813,12 +811,23 @@ def test_continuous_batching_matches_paged_sdpa_cpu(registered, fake_varlen, mon
                                                kwargs.get("causal"))
         else:
             checks.check_varlen_arguments(*args, kwargs.get("softmax_scale"), kwargs.get("causal"))
-        checked.append((cu_q.tolist(), cu_k.tolist(), k.dim()))
+        checked.append((cu_q.tolist(), cu_k.tolist(), k.dim(), kwargs.get("window_size")))
         return real_fake(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
     monkeypatch.setattr(hopper_flash, "flash_attn_varlen_func", checked_fake)
-    # Every block table checked against transformers' own read index (the layout read in place).
     monkeypatch.setenv("HOPPER_FLASH_CHECK_VARLEN", "1")
+    return checked
+
+
+@pytest.mark.parametrize("block_size,page", [(16, 16), (12, 4)])
+def test_continuous_batching_matches_paged_sdpa_cpu(checked_cb, fake_varlen, block_size, page):
+    """generate_batch on a model loaded with "hopper_flash" runs
+    "paged|hopper_flash": each step one varlen call per layer over the
+    requests' new tokens and their cached keys (prefill chunks beside
+    decodes), read in place from the paged cache through a block table, whose
+    arguments pass the real argument checks; the greedy tokens are
+    paged|sdpa's (float32, the stand-in for the kernel). A block size of 12
+    is read as pages of 4 keys."""
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 3, 30, 70)]
     model = _llama()
@@ -826,14 +835,42 @@ def test_continuous_batching_matches_paged_sdpa_cpu(registered, fake_varlen, mon
     out = _generate_batch(_set_attn(model, NAME), prompts, block_size=block_size)
     assert model.config._attn_implementation == NAME  # restored after the batch
     assert out == ref and all(len(t) == 6 for t in out.values())
-    assert len(checked) >= 2 * 6  # two layers, at least one call per step
-    assert any(cu_q[-1] > len(cu_q) - 1 and cu_k[-1] > cu_q[-1] for cu_q, cu_k, _ in checked), \
+    assert len(checked_cb) >= 2 * 6  # two layers, at least one call per step
+    assert any(cu_q[-1] > len(cu_q) - 1 and cu_k[-1] > cu_q[-1] for cu_q, cu_k, _, _ in checked_cb), \
         "a prefill chunk beside cached keys"
     assert all(call["causal"] and call["window_size"] == (-1, -1) for call in fake_varlen)
     in_place = [call for call in fake_varlen if call.get("block_table") is not None]
     assert in_place and all(call["k"].shape[1] == page for call in in_place)
     # Steps with cached keys read them in place; only prefills with nothing cached pass k itself.
-    assert all(k_dim == 4 for cu_q, cu_k, k_dim in checked if cu_k[-1] > cu_q[-1])
+    assert all(k_dim == 4 for cu_q, cu_k, k_dim, _ in checked_cb if cu_k[-1] > cu_q[-1])
+
+
+def test_continuous_batching_sliding_layers_and_shared_prefixes_cpu(checked_cb):
+    """A model with a full attention layer and a sliding-window one (two
+    cache groups, Qwen2's max_window_layers) and requests sharing a
+    three-block prompt prefix (transformers shares those blocks): the full
+    layer reads its keys in place (block tables checked against the read
+    index), the sliding layer has them read back packed by cache.update,
+    and the greedy tokens are paged|sdpa's. (The window, 4096 keys, covers
+    every request: the stand-in need not apply it.)"""
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=1000, hidden_size=512, intermediate_size=1024,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=8192, use_sliding_window=True, sliding_window=4096,
+                                      max_window_layers=1)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    assert [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers] == [None, 4096]
+    gen = torch.Generator().manual_seed(8)
+    prefix = torch.randint(1, 1000, (48,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 20)]
+    prompts += [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (7, 33)]
+    ref = _generate_batch(_set_attn(model, "paged|sdpa"), prompts)
+    out = _generate_batch(_set_attn(model, NAME), prompts)
+    assert out == ref and all(len(t) == 6 for t in out.values())
+    cached = [(k_dim, window) for cu_q, cu_k, k_dim, window in checked_cb if cu_k[-1] > cu_q[-1]]
+    assert (4, (-1, -1)) in cached, "the full attention layer read in place"
+    assert (3, (4095, 0)) in cached, "the sliding layer read back packed"
+    assert all(window == (4095, 0) for k_dim, window in cached if k_dim == 3)
 
 
 # --------------------------------------------------------------------------
