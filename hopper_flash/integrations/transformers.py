@@ -508,8 +508,8 @@ def paged_cache_view(cache, layer_idx: int, read_index, cu_k: torch.Tensor, max_
     dividing ``block_size``, at most ``MAX_PAGE``), request ``b``'s page ``p``
     is then ``read_index[cu_k[b] + p * P] // P``: a ``[batch, ceil(max_k /
     P)]`` table computed on the device from the index transformers built for
-    its own read, no host sync. Entries past a request's keys are 0 (never
-    read). ``HOPPER_FLASH_CHECK_VARLEN=1`` checks every key's place against
+    its own read, no host sync. Entries past a request's keys name valid
+    pages that are never read. ``HOPPER_FLASH_CHECK_VARLEN=1`` checks every key's place against
     ``read_index`` (one sync, :func:`check_paged_cache_view`)."""
     groups = getattr(cache, "layer_index_to_group_indices", None)
     block_size = getattr(cache, "block_size", None)
@@ -529,11 +529,12 @@ def paged_cache_view(cache, layer_idx: int, read_index, cu_k: torch.Tensor, max_
     if (k_pool.dim() != 3 or v_pool.dim() != 3 or k_pool.shape[0] != v_pool.shape[0]
             or k_pool.shape[0] % page or not k_pool.is_contiguous() or not v_pool.is_contiguous()):
         return None
-    starts = cu_k[:-1].long()
+    # Each page's first key in the read index; past a request's keys the
+    # entries name some valid page (a later request's, or the index's last
+    # key's: clamped), which the kernels never read. Six small launches.
     offsets = torch.arange(0, -(-max_k // page) * page, page, device=cu_k.device)
-    live = offsets[None, :] < (cu_k[1:] - cu_k[:-1])[:, None].long()
-    first_keys = torch.where(live, starts[:, None] + offsets[None, :], 0)
-    table = torch.where(live, index[first_keys] // page, 0).to(torch.int32)
+    first_keys = (cu_k[:-1, None] + offsets).clamp_max_(index.numel() - 1)
+    table = (index[first_keys] // page).to(torch.int32)
     return k_pool.view(-1, page, *k_pool.shape[1:]), v_pool.view(-1, page, *v_pool.shape[1:]), table
 
 
