@@ -67,6 +67,39 @@ def check_causal(causal) -> bool:
     return bool(causal)
 
 
+def _is_zero_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == 0
+
+
+def check_fa3_options(*, qv=None, q_descale=None, k_descale=None, v_descale=None, attention_chunk=0, sm_margin=0,
+                      num_splits=0, pack_gqa=None) -> None:
+    """FlashAttention-3's further options (``hopper/flash_attn_interface.py``):
+    features hopper_flash lacks pass at their no-op values and are refused
+    by name otherwise; ``num_splits`` and ``pack_gqa``, FA3's scheduling
+    hints, are checked for type (where a function does not honour them its
+    docstring says so: the attention computed is the same)."""
+    if qv is not None:
+        raise NotImplementedError("qv must be None (FA3's extra query part for multi-head latent attention is "
+                                  "not supported)")
+    for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is not None:
+            raise NotImplementedError(f"{name} must be None (FP8 inputs are not supported: q, k and v are bf16 or "
+                                      f"fp16)")
+    if attention_chunk is not None and not _is_zero_number(attention_chunk):
+        raise NotImplementedError(f"attention_chunk must be 0 (chunked local attention is not supported), got "
+                                  f"{attention_chunk!r}")
+    if not _is_zero_number(sm_margin):
+        raise NotImplementedError(f"sm_margin must be 0 (the kernels plan for every SM), got {sm_margin!r}")
+    check_num_splits(num_splits)
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa must be None or a bool, got {type(pack_gqa).__name__}")
+
+
+# FA3's options (qv, the three descales, attention_chunk, sm_margin) as the common call leaves
+# them: one tuple comparison passes it.
+FA3_DEFAULTS = (None, None, None, None, 0, 0)
+
+
 def check_num_splits(num_splits) -> int:
     """FA3's ``num_splits``: an int >= 0 (0: the heuristic, 1: no split).
     The default returns at once: this runs on every varlen call."""

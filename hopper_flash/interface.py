@@ -71,7 +71,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
                     causal: bool = ..., return_lse: Literal[False] = ..., dropout_p: float = ...,
                     window_size: tuple[int, int] = ..., softcap: float = ..., alibi_slopes: None = ...,
                     deterministic: bool = ..., return_attn_probs: Literal[False] = ...,
-                    learnable_sink: torch.Tensor | None = ...) -> torch.Tensor: ...
+                    learnable_sink: torch.Tensor | None = ..., qv: None = ..., q_descale: None = ...,
+                    k_descale: None = ..., v_descale: None = ..., attention_chunk: int = ...,
+                    num_splits: int = ..., pack_gqa: bool | None = ..., sm_margin: int = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -79,12 +81,16 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
                     causal: bool = ..., return_lse: Literal[True], dropout_p: float = ...,
                     window_size: tuple[int, int] = ..., softcap: float = ..., alibi_slopes: None = ...,
                     deterministic: bool = ..., return_attn_probs: Literal[False] = ...,
-                    learnable_sink: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+                    learnable_sink: torch.Tensor | None = ..., qv: None = ..., q_descale: None = ...,
+                    k_descale: None = ..., v_descale: None = ..., attention_chunk: int = ...,
+                    num_splits: int = ..., pack_gqa: bool | None = ...,
+                    sm_margin: int = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=False, dropout_p=0.0,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, learnable_sink=None):
+                    return_attn_probs=False, learnable_sink=None, qv=None, q_descale=None, k_descale=None,
+                    v_descale=None, attention_chunk=0, num_splits=1, pack_gqa=None, sm_margin=0):
     """Exact attention forward on Hopper, flash-attn compatible.
 
     Args:
@@ -127,6 +133,12 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
             return_attn_probs: flash-attn 2's options, accepted at their
             no-op values (0.0, None, any bool, False); other values
             raise ``NotImplementedError``.
+        qv, q_descale, k_descale, v_descale, attention_chunk, sm_margin:
+            FlashAttention-3's options, accepted at their no-op values
+            (None, 0); other values raise ``NotImplementedError``.
+        num_splits, pack_gqa: FlashAttention-3's scheduling hints, checked
+            (an int >= 0; None or a bool) but not honoured: the launch plans
+            its own split-KV and PackGQA from the shapes, the same attention.
 
     Everything after ``v`` is keyword-only: flash-attn 2's positional order
     (``dropout_p`` before ``softmax_scale``) would otherwise be misread.
@@ -143,6 +155,11 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     LSE carries no gradient.
     """
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    if ((qv, q_descale, k_descale, v_descale, attention_chunk, sm_margin) != checks.FA3_DEFAULTS
+            or num_splits != 1 or pack_gqa is not None):
+        checks.check_fa3_options(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                 attention_chunk=attention_chunk, sm_margin=sm_margin, num_splits=num_splits,
+                                 pack_gqa=pack_gqa)
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
     sink = learnable_sink
@@ -226,7 +243,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            seqused_k=None, softmax_scale=None, causal=False, deterministic=False, return_lse=False,
                            check_contract=None, dropout_p=0.0, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, return_attn_probs=False, block_table=None, learnable_sink=None,
-                           num_splits=0):
+                           num_splits=0, qv=None, q_descale=None, k_descale=None, v_descale=None, attention_chunk=0,
+                           pack_gqa=None, sm_margin=0):
     """Exact attention over a packed batch of sequences of different lengths,
     flash-attn compatible (``flash_attn_varlen_func``).
 
@@ -276,6 +294,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             never splits.
         dropout_p, alibi_slopes, return_attn_probs: flash-attn's options,
             accepted at their no-op values only.
+        qv, q_descale, k_descale, v_descale, attention_chunk, sm_margin:
+            FlashAttention-3's options, accepted at their no-op values
+            (None, 0) only. ``pack_gqa``: FA3's hint, checked (None or a
+            bool) but not honoured: the varlen mode packs a GQA group's
+            queries by FA3's own rule (every power-of-two group).
 
     **Caller's contract** (as in flash-attn, unchecked by default since only
     the device knows the values): ``cu_seqlens_*`` start at 0, never
@@ -293,6 +316,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         ``out`` ``[total_q, nheads, headdim_v]``, or ``(out, lse)``.
     """
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    if ((qv, q_descale, k_descale, v_descale, attention_chunk, sm_margin) != checks.FA3_DEFAULTS
+            or pack_gqa is not None):
+        checks.check_fa3_options(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                 attention_chunk=attention_chunk, sm_margin=sm_margin, pack_gqa=pack_gqa)
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
     num_splits = checks.check_num_splits(num_splits)

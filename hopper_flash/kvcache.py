@@ -495,7 +495,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                             block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, pack_gqa=None,
                             return_softmax_lse=False, check_contract=None, learnable_sink=None, cu_seqlens_q=None,
-                            max_seqlen_q=None, cu_seqlens_k_new=None):
+                            max_seqlen_q=None, cu_seqlens_k_new=None, qv=None, rotary_seqlens=None, q_descale=None,
+                            k_descale=None, v_descale=None, attention_chunk=0, scheduler_metadata=None,
+                            sm_margin=0):
     """Attention of ``q`` over a KV cache, with an optional in-place append.
 
     Args:
@@ -555,6 +557,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
         cu_seqlens_k_new: FA3's packed new keys: accepted where no new keys
             are given (k None), where FA3 ignores it too.
         alibi_slopes: flash-attn's, accepted only as None.
+        qv, rotary_seqlens, q_descale, k_descale, v_descale,
+            attention_chunk, scheduler_metadata, sm_margin:
+            FlashAttention-3's options, accepted at their no-op values (None,
+            0) only; other values raise ``NotImplementedError``.
         num_splits: KV splits (0: heuristic); pack_gqa: None = heuristic.
         return_softmax_lse: also return the LSE ``[batch, nheads, seqlen_q]``
             (packed queries: ``[nheads, total_q]``).
@@ -569,6 +575,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
         page_table = block_table
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes must be None (ALiBi is not supported)")
+    if (qv, q_descale, k_descale, v_descale, attention_chunk, sm_margin) != checks.FA3_DEFAULTS:
+        checks.check_fa3_options(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                 attention_chunk=attention_chunk, sm_margin=sm_margin)
+    if rotary_seqlens is not None:
+        raise NotImplementedError("rotary_seqlens must be None (the rotary embedding starts at cache_seqlens)")
+    if scheduler_metadata is not None:
+        raise NotImplementedError("scheduler_metadata must be None (FA3's precomputed schedule: hopper_flash "
+                                  "plans each call itself)")
     if cu_seqlens_k_new is not None and k is not None:
         raise NotImplementedError("cu_seqlens_k_new (packed new keys) is not supported: pass k and v as "
                                   "[batch, seqlen_new, nheads_kv, headdim], or write them into the cache first")

@@ -696,3 +696,55 @@ def test_grad_out_that_tma_cannot_address_is_copied_and_the_rest_kept():
     copied = plan_backward.check_grad_out_thd(misaligned_thd, thd_out)
     assert copied is not misaligned_thd and torch.equal(copied, misaligned_thd)
     assert checks.tma_problem("grad_out", copied.unsqueeze(0)) is None
+
+
+# FlashAttention-3's further options (hopper/flash_attn_interface.py), on the three entry points.
+FA3_REFUSED = [
+    ("qv", torch.zeros(1), r"qv must be None \(FA3's extra query part"),
+    ("q_descale", torch.ones(1), r"q_descale must be None \(FP8 inputs are not supported"),
+    ("k_descale", torch.ones(1), r"k_descale must be None"),
+    ("v_descale", torch.ones(1), r"v_descale must be None"),
+    ("attention_chunk", 128, r"attention_chunk must be 0 \(chunked local attention is not supported\), got 128"),
+    ("sm_margin", 8, r"sm_margin must be 0 \(the kernels plan for every SM\), got 8"),
+]
+
+
+def _fa3_calls():
+    """Each entry point's call on CPU tensors (the device check comes after the options')."""
+    q, k, v = qkv()
+    cq = torch.tensor([0, q.shape[1]], dtype=torch.int32)
+    yield "flash_attn_func", lambda **kw: flash_attn_func(q, k, v, **kw)
+    yield "flash_attn_varlen_func", lambda **kw: hopper_flash.flash_attn_varlen_func(
+        q[0], k[0], v[0], cq, cq, q.shape[1], q.shape[1], **kw)
+    yield "flash_attn_with_kvcache", lambda **kw: hopper_flash.flash_attn_with_kvcache(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("option, value, message", FA3_REFUSED, ids=[o for o, _, _ in FA3_REFUSED])
+def test_fa3_options_refused_by_name_on_every_entry_point(option, value, message):
+    for name, call in _fa3_calls():
+        with pytest.raises(NotImplementedError, match=message):
+            call(**{option: value})
+
+
+def test_fa3_options_at_their_no_op_values_pass():
+    """FA3's defaults, as FA3 callers pass them, reach the device check; its
+    scheduling hints too (flash_attn_func checks them but plans itself)."""
+    defaults = dict(qv=None, q_descale=None, k_descale=None, v_descale=None, attention_chunk=0, sm_margin=0,
+                    pack_gqa=None)
+    for name, call in _fa3_calls():
+        with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+            call(**defaults)
+        with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+            call(num_splits=4, pack_gqa=True)
+        with pytest.raises(ValueError, match="num_splits must be an int >= 0"):
+            call(num_splits=-1)
+        with pytest.raises(TypeError, match="pack_gqa must be None or a bool"):
+            call(pack_gqa=1)
+
+
+def test_kvcache_refuses_fa3_schedule_and_rotary_positions_by_name():
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match=r"scheduler_metadata must be None"):
+        hopper_flash.flash_attn_with_kvcache(q, k, v, scheduler_metadata=torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match=r"rotary_seqlens must be None"):
+        hopper_flash.flash_attn_with_kvcache(q, k, v, rotary_seqlens=torch.zeros(1, dtype=torch.int32))
