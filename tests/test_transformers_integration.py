@@ -742,6 +742,15 @@ class _PagedCache:
         self.key_cache = [torch.randn(num_blocks * block_size, heads_kv, dim)]
         self.value_cache = [torch.randn(num_blocks * block_size, heads_kv, dim)]
 
+    def update(self, key_states, value_states, layer_idx, read_index, write_index):
+        """transformers' update on a full attention layer: the new keys written, then every request's read back."""
+        k, v = (x.transpose(1, 2).squeeze(0) for x in (key_states, value_states))
+        self.key_cache[0].index_copy_(0, write_index[0], k)
+        self.value_cache[0].index_copy_(0, write_index[0], v)
+        if read_index[0].numel() == 0:
+            return k, v
+        return self.key_cache[0][read_index[0]], self.value_cache[0][read_index[0]]
+
     def read_index(self, lengths, blocks):
         """FullAttentionCacheAllocator's read indices: request b's key j at blocks[b][j // bs] * bs + j % bs."""
         bs = self.block_size
@@ -1152,3 +1161,72 @@ def test_continuous_batching_greedy_tokens_gpu():
         print(f"\nrequest {i} ({len(prompt)} tokens): chosen logit below the float32 maximum by {gap:.3e}, "
               f"bf16 noise {noise:.3e}")
         assert gap <= 2 * noise + 1e-3, (i, gap, noise)
+
+
+def _cache_step(past, new, block_size, heads=8, heads_kv=2, dim=128, seed=0):
+    """A continuous-batching step on the GPU over a _PagedCache whose pools
+    hold NaN everywhere but the requests' cached keys: request b has past[b]
+    cached keys and new[b] new tokens, in blocks dealt at random. Returns
+    the attention function's arguments and the keys it should see, packed."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_each = [-(-(p + n) // block_size) for p, n in zip(past, new)]
+    cache = _PagedCache(block_size, num_blocks=sum(blocks_each) + 3, heads_kv=heads_kv, dim=dim)
+    order = torch.randperm(sum(blocks_each) + 3, generator=gen).tolist()
+    dealt, at = [], 0
+    for nb in blocks_each:
+        dealt.append(order[at:at + nb])
+        at += nb
+    read = cache.read_index([p + n for p, n in zip(past, new)], dealt)
+    starts = [0] + torch.tensor([p + n for p, n in zip(past, new)]).cumsum(0).tolist()
+    write = torch.cat([read[s + p:s + p + n] for s, p, n in zip(starts, past, new)])
+    cached = torch.cat([read[s:s + p] for s, p in zip(starts, past)])
+    for pools in (cache.key_cache, cache.value_cache):
+        pool = torch.full(pools[0].shape, math.nan, dtype=torch.bfloat16)
+        pool[cached] = torch.randn(len(cached), heads_kv, dim, generator=gen).bfloat16()
+        pools[0] = pool.cuda()
+    total_q = sum(new)
+    q = torch.randn(1, heads, total_q, dim, generator=gen).bfloat16().cuda()
+    k = torch.randn(1, heads_kv, total_q, dim, generator=gen).bfloat16().cuda()
+    v = torch.randn(1, heads_kv, total_q, dim, generator=gen).bfloat16().cuda()
+    i32 = dict(dtype=torch.int32, device="cuda")
+    kwargs = dict(cache=cache, read_index=[read.cuda()], write_index=[write.cuda()],
+                  cu_seq_lens_q=torch.tensor([0] + new).cumsum(0).to(**i32),
+                  cu_seq_lens_k=torch.tensor(starts).to(**i32), max_seqlen_q=max(new),
+                  max_seqlen_k=max(p + n for p, n in zip(past, new)))
+    return q, k, v, kwargs, read.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [256, 48, 16, 12])
+@pytest.mark.parametrize("step", ["decodes", "mixed"])
+def test_paged_attention_reads_transformers_cache_in_place_gpu(block_size, step):
+    """hopper_flash_paged_attention_forward on the real kernels over a
+    transformers-layout paged cache (pages of 256 read by TMA, 16 by TMA
+    boxes, 4 gathered): the new keys are written, each request's keys read
+    in place (NaN fills every cache row no request owns, and the tails of
+    partly used blocks), and the output is judged against the float64
+    reference over the keys transformers' own read would gather."""
+    from hopper_flash.reference import assert_judged, varlen_baseline, varlen_reference
+
+    past, new = (([300, 1, 2000, 77, 4097], [1] * 5) if step == "decodes"
+                 else ([0, 100, 700, 5000], [50, 1, 64, 1]))
+    q, k, v, kwargs, read = _cache_step(past, new, block_size, seed=block_size)
+    module = _Module()
+    module.layer_idx = 0
+    calls = []
+    view = hft.paged_cache_view
+    hft.paged_cache_view = lambda *a: calls.append(1) or view(*a)
+    try:
+        out, _ = hft.hopper_flash_paged_attention_forward(module, q, k, v, None, **kwargs)
+    finally:
+        hft.paged_cache_view = view
+    assert calls and view(kwargs["cache"], 0, kwargs["read_index"], kwargs["cu_seq_lens_k"],
+                          kwargs["max_seqlen_k"]) is not None, "the in-place route"
+    cache = kwargs["cache"]
+    kp, vp = cache.key_cache[0][read], cache.value_cache[0][read]  # what cache.update's read gathers
+    assert not kp.isnan().any(), "every key a request reads was written"
+    qt = q[0].transpose(0, 1)
+    cq, ck = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
+    ref, _ = varlen_reference(qt, kp, vp, cq, ck, causal=True)
+    base = varlen_baseline(qt, kp, vp, cq, ck, causal=True)
+    assert_judged("out", out, ref, base)
