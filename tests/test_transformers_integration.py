@@ -1163,7 +1163,7 @@ def test_continuous_batching_greedy_tokens_gpu():
         assert gap <= 2 * noise + 1e-3, (i, gap, noise)
 
 
-def _cache_step(past, new, block_size, heads=8, heads_kv=2, dim=128, seed=0):
+def _cache_step(past, new, block_size, heads=8, heads_kv=2, dim=128, seed=0, device="cuda"):
     """A continuous-batching step on the GPU over a _PagedCache whose pools
     hold NaN everywhere but the requests' cached keys: request b has past[b]
     cached keys and new[b] new tokens, in blocks dealt at random. Returns
@@ -1183,17 +1183,17 @@ def _cache_step(past, new, block_size, heads=8, heads_kv=2, dim=128, seed=0):
     for pools in (cache.key_cache, cache.value_cache):
         pool = torch.full(pools[0].shape, math.nan, dtype=torch.bfloat16)
         pool[cached] = torch.randn(len(cached), heads_kv, dim, generator=gen).bfloat16()
-        pools[0] = pool.cuda()
+        pools[0] = pool.to(device)
     total_q = sum(new)
-    q = torch.randn(1, heads, total_q, dim, generator=gen).bfloat16().cuda()
-    k = torch.randn(1, heads_kv, total_q, dim, generator=gen).bfloat16().cuda()
-    v = torch.randn(1, heads_kv, total_q, dim, generator=gen).bfloat16().cuda()
-    i32 = dict(dtype=torch.int32, device="cuda")
-    kwargs = dict(cache=cache, read_index=[read.cuda()], write_index=[write.cuda()],
+    q = torch.randn(1, heads, total_q, dim, generator=gen).bfloat16().to(device)
+    k = torch.randn(1, heads_kv, total_q, dim, generator=gen).bfloat16().to(device)
+    v = torch.randn(1, heads_kv, total_q, dim, generator=gen).bfloat16().to(device)
+    i32 = dict(dtype=torch.int32, device=device)
+    kwargs = dict(cache=cache, read_index=[read.to(device)], write_index=[write.to(device)],
                   cu_seq_lens_q=torch.tensor([0] + new).cumsum(0).to(**i32),
                   cu_seq_lens_k=torch.tensor(starts).to(**i32), max_seqlen_q=max(new),
                   max_seqlen_k=max(p + n for p, n in zip(past, new)))
-    return q, k, v, kwargs, read.cuda()
+    return q, k, v, kwargs, read.to(device)
 
 
 @pytest.mark.gpu
@@ -1230,3 +1230,40 @@ def test_paged_attention_reads_transformers_cache_in_place_gpu(block_size, step)
     ref, _ = varlen_reference(qt, kp, vp, cq, ck, causal=True)
     base = varlen_baseline(qt, kp, vp, cq, ck, causal=True)
     assert_judged("out", out, ref, base)
+
+
+def test_paged_attention_in_place_compiles_fullgraph_cpu(monkeypatch):
+    """torch.compile(fullgraph=True) traces the continuous-batching attention
+    function with its in-place read (the cache object's attributes, the
+    write through cache.update, the block table built on the device, the
+    paged varlen op) without a graph break, and computes what eager does
+    (a CPU kernel for hopper_flash::varlen_fwd_paged: the float32 stand-in)."""
+    from hopper_flash import checks
+
+    def cpu_impl(q, k, v, cq, ck, uq, uk, table, mq, mk, scale, causal, wl=-1, wr=-1, softcap=0.0, sink=None,
+                 num_splits=0):
+        out = _varlen_stand_in(q, k, v, cq, ck, mq, mk, seqused_q=uq, seqused_k=uk, softmax_scale=scale,
+                               causal=causal, block_table=table)
+        return out, torch.zeros(q.shape[1], q.shape[0])
+
+    monkeypatch.setattr(checks, "check_cuda", lambda t, name="q": None)
+    monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
+    monkeypatch.setattr(checks, "check_op_device", lambda t: None)
+    past, new = [300, 1, 40], [1, 1, 9]
+    q, k, v, kwargs, read = _cache_step(past, new, 16, seed=3, device="cpu")
+    module = _Module()
+    module.layer_idx = 0
+
+    def layer(q, k, v):
+        return hft.hopper_flash_paged_attention_forward(module, q, k, v, None, **kwargs)[0]
+
+    with torch.library._scoped_library("hopper_flash", "IMPL") as lib:
+        lib.impl("varlen_fwd_paged", cpu_impl, "CPU")
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out = torch.compile(layer, fullgraph=True, backend="eager")(q, k, v)
+    cache = kwargs["cache"]
+    kp, vp = cache.key_cache[0][read], cache.value_cache[0][read]  # what cache.update's read gathers
+    expected = _varlen_stand_in(q[0].transpose(0, 1), kp, vp, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
+                                max(new), max(p + n for p, n in zip(past, new)), causal=True)
+    torch.testing.assert_close(out, expected)
