@@ -2,7 +2,7 @@
 # The benchmark set behind BENCHMARKS.md's tables, in one run, FA3 beside it.
 # On the H200: build FA3 first (shared/tools/fa3: prepare.sh here, build.sh
 # there), then
-#   PYTHONPATH=/tmp/fa3pkg:. bash scripts/bench_h200.sh OUTDIR [prefill|decode|bwd|varlen ...]
+#   PYTHONPATH=/tmp/fa3pkg:. bash scripts/bench_h200.sh OUTDIR [prefill|decode|bwd|varlen|serving ...]
 # Each block writes OUTDIR/<block>.json and prints its table.
 set -uo pipefail
 out=${1:?usage: bench_h200.sh OUTDIR [block ...]}; shift
@@ -39,6 +39,9 @@ json.dump([c for c in r if c.get('dtype', 'bf16') == 'bf16'], open('$out/prefill
         --json "$out/bwd-d256-full.json" ;;
     varlen)  # issue 12's mixed batch: 16 sequences, lengths uniform in 512..8192, causal, GQA 32/8
       bench --varlen 512:8192 --batch 16 --json "$out/varlen.json" ;;
+    serving)  # packed serving batches beside FA3 (and FA3's own split heuristic), then cache_leftpad's route
+      python -P scripts/varlen_pack_bench.py 2>&1 | tee "$out/varlen-pack.txt"
+      python -P scripts/leftpad_bench.py 2>&1 | tee "$out/leftpad.txt" ;;
     *) echo "unknown block $block" >&2; exit 2 ;;
   esac
 done
