@@ -72,6 +72,7 @@ def main():
     rows = [("64 decodes over 4096 keys", [4096] * 64, [1] * 64),
             ("32 decodes over 16384 keys", [16384] * 32, [1] * 32),
             ("8 decodes over 32768 keys", [32768] * 8, [1] * 8),
+            ("63 decodes over 1024 keys + 1 over 65536", [1024] * 63 + [65536], [1] * 64),
             ("64 decodes over 1024-8192 keys + a 512-token chunk", [random.Random(1).randint(1024, 8192)
                                                                    for _ in range(64)] + [2048], [1] * 64 + [512])]
     for name, past, new in rows:
