@@ -122,17 +122,19 @@ def varlen_batch(lq, lk, h, hkv, d, *, used_q=None, used_k=None, dtype=torch.bfl
     return q, k, v, cq, ck, uq, uk
 
 
-def nan_tailed_cache(lens, cap, hkv, d, seeds=(0, 1)):
-    """A contiguous KV cache ``[batch, cap, Hkv, D]`` (k and v from
-    ``seeds``) whose row ``b`` holds ``lens[b]`` live keys and NaN past
-    them, and those live keys packed (THD, sequence ``b`` after ``b - 1``):
-    ``(k_cache, v_cache, k, v)``."""
-    kc, vc = rnd(len(lens), cap, hkv, d, seed=seeds[0]), rnd(len(lens), cap, hkv, d, seed=seeds[1])
-    for b, n in enumerate(lens):
-        kc[b, n:] = math.nan
-        vc[b, n:] = math.nan
-    return (kc, vc, torch.cat([kc[b, :n] for b, n in enumerate(lens)]),
-            torch.cat([vc[b, :n] for b, n in enumerate(lens)]))
+def packed_queries_over_cache(lq, lens, h, hkv, d, cap, seed=0):
+    """Packed queries (``lq[b]`` rows of sequence ``b``, THD, from ``seed``)
+    over a :func:`nan_tailed_cache` of ``lens`` live keys (``seed + 1``),
+    with the float64 reference and the baseline of causal attention over
+    the same keys packed: ``(q, k_cache, v_cache, cu_q, ref, base)``."""
+    from hopper_flash.reference import varlen_baseline, varlen_reference
+
+    q = rnd(sum(lq), h, d, seed=seed)
+    kc, vc = nan_tailed_cache(len(lens), cap, hkv, d, lens, seed=seed + 1)
+    k, v = (torch.cat([c[b, :n] for b, n in enumerate(lens)]) for c in (kc, vc))
+    cq, ck = cu(lq), cu(lens)
+    return (q, kc, vc, cq, varlen_reference(q, k, v, cq, ck, causal=True)[0],
+            varlen_baseline(q, k, v, cq, ck, causal=True))
 
 
 def paged_pools(k, v, cu_k, page_size, seed=0, spare=5):

@@ -22,7 +22,7 @@ import hopper_flash
 from hopper_flash import checks, dispatch, plan
 from hopper_flash.reference import (assert_judged, attention_reference, sink_eager, varlen_apply, varlen_baseline,
                                    varlen_reference, varlen_spans)
-from gpu_inputs import capture, cu, live_rows, nan_tailed_cache, paged_pools, rnd, varlen_batch
+from gpu_inputs import capture, cu, live_rows, packed_queries_over_cache, paged_pools, rnd, varlen_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -150,11 +150,7 @@ def test_kvcache_mixed_packed_queries():
     varlen route over the cache) honours pack_gqa and packs by default."""
     lq, lens = [1, 5, 1, 130], [4000, 9, 1, 700]
     h, hkv, d, cap = 16, 4, 128, 4096
-    q = rnd(sum(lq), h, d, seed=13)
-    kc, vc, k, v = nan_tailed_cache(lens, cap, hkv, d, seeds=(14, 15))
-    cq, ck = cu(lq), cu(lens)
-    ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
-    base = varlen_baseline(q, k, v, cq, ck, causal=True)
+    q, kc, vc, cq, ref, base = packed_queries_over_cache(lq, lens, h, hkv, d, cap, seed=13)
     for pack in (None, True, False):
         out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=i32(lens), causal=True,
                                                    cu_seqlens_q=cq, max_seqlen_q=max(lq), pack_gqa=pack)

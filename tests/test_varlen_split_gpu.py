@@ -22,7 +22,7 @@ from hopper_flash import checks, dispatch, plan
 from hopper_flash.reference import (assert_judged, attention_baseline_grads, attention_reference,
                                    attention_reference_grads, grads_abs_tol, sink_eager, varlen_apply,
                                    varlen_baseline, varlen_grads, varlen_reference, varlen_spans)
-from gpu_inputs import capture, cu, live_rows, nan_tailed_cache, rnd, varlen_batch
+from gpu_inputs import capture, cu, live_rows, packed_queries_over_cache, rnd, varlen_batch
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -107,11 +107,7 @@ def test_kvcache_mixed_route_splits_by_default(page):
     explicit count is honoured; against the same keys packed."""
     lq, lens = [1, 3, 1, 64], [30000, 9, 17000, 700]
     h, hkv, d, cap = 16, 4, 128, 32768
-    q = rnd(sum(lq), h, d, seed=6)
-    kc, vc, k, v = nan_tailed_cache(lens, cap, hkv, d, seeds=(7, 8))
-    cq, ck = cu(lq), cu(lens)
-    ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
-    base = varlen_baseline(q, k, v, cq, ck, causal=True)
+    q, kc, vc, cq, ref, base = packed_queries_over_cache(lq, lens, h, hkv, d, cap, seed=6)
     kwargs = {}
     if page is not None:
         pages = cap // page
