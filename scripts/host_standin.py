@@ -70,6 +70,14 @@ def timed(f, calls):
     return best
 
 
+def profile_if_asked(f, calls):
+    """With -p: cProfile's 30 most expensive functions over ``calls`` calls of ``f``."""
+    if "-p" in sys.argv:
+        pr = cProfile.Profile(); pr.enable()
+        for _ in range(calls): f()
+        pr.disable(); pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+
+
 if "--backward" in sys.argv:
     from hopper_flash import ops
     qb, kb, vb = (torch.randn(1, 128, 1, 128).to(torch.bfloat16).requires_grad_() for _ in range(3))
@@ -78,10 +86,7 @@ if "--backward" in sys.argv:
     g = torch.randn_like(out)
     f = lambda: torch.autograd.grad(out, (qb, kb, vb), g, retain_graph=True)
     print(f"backward call through autograd, CPU stand-in: {timed(f, 2000):.1f} us")
-    if "-p" in sys.argv:
-        pr = cProfile.Profile(); pr.enable()
-        for _ in range(2000): f()
-        pr.disable(); pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+    profile_if_asked(f, 2000)
     sys.exit(0)
 
 if "--varlen" in sys.argv:
@@ -97,10 +102,7 @@ if "--varlen" in sys.argv:
     for splits in (0, 1):
         f = lambda: hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, 512, 4096, causal=True, num_splits=splits)
         print(f"varlen call (num_splits={splits}), CPU stand-in: {timed(f, 2000):.1f} us")
-    if "-p" in sys.argv:
-        pr = cProfile.Profile(); pr.enable()
-        for _ in range(2000): f()
-        pr.disable(); pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+    profile_if_asked(f, 2000)
     sys.exit(0)
 
 class Module(torch.nn.Module):
@@ -112,7 +114,4 @@ q = torch.randn(1, 32, 1, 128).to(torch.bfloat16)
 k = torch.randn(1, 8, S, 128).to(torch.bfloat16); v = torch.randn_like(k)
 f = lambda: hft.hopper_flash_attention_forward(m, q, k, v, None, scaling=128 ** -0.5)
 print(f"backend decode call, CPU stand-in: {timed(f, 5000):.1f} us")
-if "-p" in sys.argv:
-    pr = cProfile.Profile(); pr.enable()
-    for _ in range(5000): f()
-    pr.disable(); pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+profile_if_asked(f, 5000)
