@@ -70,6 +70,24 @@ def _spy_on_plans(monkeypatch, record):
 
 
 @pytest.fixture
+def signature_memory(monkeypatch):
+    """A function that empties checks' memory of passed argument signatures
+    (``validate``, ``validate_varlen``), keys it for CPU tensors, and
+    returns the list that grows by one each time ``checks.<name>`` (the
+    checks themselves) runs."""
+    from hopper_flash import checks
+
+    def fresh(name):
+        monkeypatch.setattr(checks, "_PASSED", {})
+        monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
+        runs = []
+        real = getattr(checks, name)
+        monkeypatch.setattr(checks, name, lambda *a: runs.append(1) or real(*a))
+        return runs
+    return fresh
+
+
+@pytest.fixture
 def planned_rows(monkeypatch):
     """The tile height (block_m) of every forward launch planned from here on."""
     seen = []

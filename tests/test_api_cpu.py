@@ -338,15 +338,10 @@ def test_validate_accepts_packed_qkv(no_device_check):
 
 
 @pytest.fixture
-def remembered(no_device_check, monkeypatch):
+def remembered(no_device_check, signature_memory):
     """validate's memory of passed signatures, for CPU tensors, fresh; the
     number of times the checks themselves ran."""
-    monkeypatch.setattr(checks, "_PASSED", {})
-    monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
-    runs = []
-    real = checks.check_arguments
-    monkeypatch.setattr(checks, "check_arguments", lambda *a: runs.append(1) or real(*a))
-    return runs
+    return signature_memory("check_arguments")
 
 
 def test_validate_remembers_a_passed_signature(remembered):

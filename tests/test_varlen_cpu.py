@@ -226,16 +226,11 @@ def test_requires_grad_goes_through_the_op_and_checks_first():
 # ---------------------------------------------------------------- remembered signatures
 
 @pytest.fixture
-def remembered(monkeypatch):
+def remembered(signature_memory, monkeypatch):
     """checks.validate_varlen's memory of passed signatures, fresh, for CPU
     tensors (the device check stubbed); the number of times the checks ran."""
     monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
-    monkeypatch.setattr(checks, "_PASSED", {})
-    monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
-    runs = []
-    real = checks.check_varlen_arguments
-    monkeypatch.setattr(checks, "check_varlen_arguments", lambda *a: runs.append(1) or real(*a))
-    return runs
+    return signature_memory("check_varlen_arguments")
 
 
 def validate(q, k, v, cq, ck, mq=16, mk=16, used_q=None, used_k=None, scale=None, causal=True):
