@@ -169,3 +169,37 @@ def live_rows(total, cu_seqlens, seqused=None):
     for start, n in varlen_spans(cu_seqlens, seqused):
         m[start:start + n] = True
     return m
+
+
+def varlen_expected(q, k, v, cq, ck, uq, uk, causal, window=None, softcap=0.0):
+    """What a varlen forward over this batch must give: ``(ref, ref_lse,
+    base, live)``, the float64 reference's output and LSE, the baseline
+    (PyTorch's attention on the same inputs) and :func:`live_rows`."""
+    from hopper_flash.reference import varlen_baseline, varlen_reference
+
+    ref, ref_lse = varlen_reference(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=window,
+                                    softcap=softcap)
+    base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=window,
+                           softcap=softcap)
+    return ref, ref_lse, base, live_rows(q.shape[0], cq, uq)
+
+
+def assert_varlen_forward(label, out, lse, expected):
+    """``out`` and ``lse`` judged against :func:`varlen_expected`'s reference
+    on the live rows, and zero output with an LSE of -inf on every other."""
+    from hopper_flash.reference import assert_judged
+
+    ref, ref_lse, base, live = expected
+    assert_judged(f"out ({label})", out, ref, base)
+    assert_judged(f"lse ({label})", lse[:, live], ref_lse[:, live].to(lse.device))
+    assert (out[~live] == 0).all() and (lse[:, ~live] == -math.inf).all()
+
+
+def varlen_sink_expected(q, k, v, cq, ck, sink):
+    """``(ref, ref_lse, base)`` of causal varlen attention with sinks: the
+    float64 reference and ``sink_eager``'s baseline, sequence by sequence."""
+    from hopper_flash.reference import attention_reference, sink_eager, varlen_apply
+
+    ref, ref_lse = varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=True, sink=sink), q, k, v, cq, ck,
+                                out_dtype=torch.float64, with_lse=True)
+    return ref, ref_lse, varlen_apply(lambda a, b, c: sink_eager(a, b, c, sink, causal=True), q, k, v, cq, ck)

@@ -20,9 +20,9 @@ import torch
 
 import hopper_flash
 from hopper_flash import checks, dispatch, plan
-from hopper_flash.reference import (assert_judged, attention_reference, sink_eager, varlen_apply, varlen_baseline,
-                                   varlen_reference, varlen_spans)
-from gpu_inputs import capture, cu, live_rows, packed_queries_over_cache, paged_pools, rnd, varlen_batch
+from hopper_flash.reference import assert_judged, varlen_baseline, varlen_reference, varlen_spans
+from gpu_inputs import (assert_varlen_forward, capture, cu, live_rows, packed_queries_over_cache, paged_pools,
+                        rnd, varlen_batch, varlen_expected, varlen_sink_expected)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -58,16 +58,9 @@ def check_both(lq, lk, h, hkv, d, causal, *, used_q=None, used_k=None, dtype=tor
     q, k, v, cq, ck, uq, uk = varlen_batch(lq, lk, h, hkv, d, used_q=used_q, used_k=used_k, dtype=dtype, seed=seed)
     window = checks.window_bounds(window_size, causal)
     results = run_both(q, k, v, cq, ck, uq, uk, causal, window=window, softcap=softcap)
-    ref_window = window if window_size != (-1, -1) else None
-    ref, ref_lse = varlen_reference(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=ref_window,
-                                    softcap=softcap)
-    base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=ref_window,
-                           softcap=softcap)
-    live = live_rows(q.shape[0], cq, uq)
+    expected = varlen_expected(q, k, v, cq, ck, uq, uk, causal, window, softcap)
     for pack, (out, lse) in results.items():
-        assert_judged(f"out (pack_gqa={pack})", out, ref, base)
-        assert_judged(f"lse (pack_gqa={pack})", lse[:, live], ref_lse[:, live].to(lse.device))
-        assert (out[~live] == 0).all() and (lse[:, ~live] == -math.inf).all()
+        assert_varlen_forward(f"pack_gqa={pack}", out, lse, expected)
     assert ran_packed(h // hkv)
     return results
 
@@ -119,9 +112,7 @@ def test_sinks():
     lq, lk = [1, 129, 33, 4], [900, 129, 2000, 4]
     q, k, v, cq, ck, uq, uk = varlen_batch(lq, lk, 8, 2, 128, seed=7)
     sink = rnd(8, dtype=torch.float32, seed=8) * 2.0 + 1.0
-    ref, ref_lse = varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=True, sink=sink), q, k, v, cq, ck,
-                                out_dtype=torch.float64, with_lse=True)
-    base = varlen_apply(lambda a, b, c: sink_eager(a, b, c, sink, causal=True), q, k, v, cq, ck)
+    ref, ref_lse, base = varlen_sink_expected(q, k, v, cq, ck, sink)
     for pack, (out, lse) in run_both(q, k, v, cq, ck, uq, uk, True, sink=sink).items():
         assert_judged(f"out (pack_gqa={pack})", out, ref, base)
         assert_judged(f"lse (pack_gqa={pack})", lse, ref_lse.to(lse.device))

@@ -19,10 +19,10 @@ import torch
 
 import hopper_flash
 from hopper_flash import checks, dispatch, plan
-from hopper_flash.reference import (assert_judged, attention_baseline_grads, attention_reference,
-                                   attention_reference_grads, grads_abs_tol, sink_eager, varlen_apply,
-                                   varlen_baseline, varlen_grads, varlen_reference, varlen_spans)
-from gpu_inputs import capture, cu, live_rows, packed_queries_over_cache, rnd, varlen_batch
+from hopper_flash.reference import (assert_judged, attention_baseline_grads, attention_reference_grads,
+                                   grads_abs_tol, varlen_baseline, varlen_grads, varlen_reference, varlen_spans)
+from gpu_inputs import (assert_varlen_forward, capture, cu, packed_queries_over_cache, rnd,
+                        varlen_batch, varlen_expected, varlen_sink_expected)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -44,19 +44,12 @@ def check_splits(lq, lk, h, hkv, d, causal, splits=(2, 3, 7), *, used_q=None, us
     mq = max([n for _, n in varlen_spans(cq, uq)] + [1])
     mk = max([n for _, n in varlen_spans(ck, uk)] + [1])
     window = checks.window_bounds(window_size, causal)
-    ref_window = window if window_size != (-1, -1) else None
-    ref, ref_lse = varlen_reference(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=ref_window,
-                                    softcap=softcap)
-    base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=ref_window,
-                           softcap=softcap)
-    live = live_rows(q.shape[0], cq, uq)
+    expected = varlen_expected(q, k, v, cq, ck, uq, uk, causal, window, softcap)
     for s in splits:
         out = torch.full(plan.out_shape(q, v), math.nan, dtype=q.dtype, device=DEV)
         out, lse = dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, uq, uk, None, causal, True, out=out,
                                            window=window, softcap=softcap, pack_gqa=pack_gqa, num_splits=s)
-        assert_judged(f"out ({s} splits)", out, ref, base)
-        assert_judged(f"lse ({s} splits)", lse[:, live], ref_lse[:, live].to(lse.device))
-        assert (out[~live] == 0).all() and (lse[:, ~live] == -math.inf).all()
+        assert_varlen_forward(f"{s} splits", out, lse, expected)
     assert ran_split()
 
 
@@ -90,9 +83,7 @@ def test_sinks_join_the_combine():
     lq, lk = [1, 129, 33, 4], [9000, 129, 2000, 4]
     q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 8, 2, 128, seed=4)
     sink = rnd(8, dtype=torch.float32, seed=5) * 2.0 + 1.0
-    ref, ref_lse = varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=True, sink=sink), q, k, v, cq, ck,
-                                out_dtype=torch.float64, with_lse=True)
-    base = varlen_apply(lambda a, b, c: sink_eager(a, b, c, sink, causal=True), q, k, v, cq, ck)
+    ref, ref_lse, base = varlen_sink_expected(q, k, v, cq, ck, sink)
     for s in (2, 6):
         out, lse = dispatch.forward_varlen(q, k, v, cq, ck, max(lq), max(lk), None, None, None, True, True,
                                            sink=sink, num_splits=s)
