@@ -5,7 +5,7 @@
 #   run (carry .fa3):  bash scripts/device_session.sh tests
 #       FA3's build starts in the background (its own process session, so it
 #       outlives the call; ~3 min on 16 cores), then the whole GPU suite runs,
-#       4 workers, each test capped at 100 s: a hang (a barrier deadlock, say)
+#       4 workers (SUITE_WORKERS), each test capped at 100 s: a hang (a barrier deadlock, say)
 #       costs one test, not the call. Log: $OUT/pytest-gpu.log.
 #   run (carry .fa3):  bash scripts/device_session.sh bench [prefill decode bwd]
 #       waits for the FA3 build (starting it if no call on this machine
@@ -113,7 +113,7 @@ case "${1:-}" in
     start_fa3
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-    timeout "${SUITE_TIMEOUT:-520}" python -m pytest -m gpu -q -rf -n 4 --timeout 100 -p no:cacheprovider \
+    timeout "${SUITE_TIMEOUT:-520}" python -m pytest -m gpu -q -rf -n "${SUITE_WORKERS:-4}" --timeout 100 -p no:cacheprovider \
       -p no:benchmark "${@:2}" 2>&1 | tee "$OUT/pytest-gpu.log" | quiet | tail -40 ;;
   bench)
     wait_fa3
