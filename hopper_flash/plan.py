@@ -1253,10 +1253,48 @@ def varlen_total_q_key(total_q: int, nheads: int, cfg: ForwardConfig, device) ->
     return min(total_q, triton_cdiv(sm_count(device) * cfg.block_m, max(1, nheads)))
 
 
+# The skewed-keys split (varlen_skew_splits): split when the longest
+# sequence's KV tiles exceed SKEW_RATIO times the mean per-SM load, into
+# pieces of at least SKEW_MIN_TILES tiles, at most SKEW_MAX_SPLITS.
+SKEW_RATIO = 2
+SKEW_MIN_TILES = 16
+SKEW_MAX_SPLITS = 32
+
+
+def varlen_skew_splits(total_k: int, batch: int, max_seqlen_q: int, max_seqlen_k: int, nheads: int, group: int,
+                       cfg: ForwardConfig, pack_gqa, window, device) -> int:
+    """Splits for a packed batch whose keys are skewed: many short sequences
+    beside a long one fill the SMs with items, so FA3's rule does not split,
+    while the long sequence's items read ``max_seqlen_k``'s tiles alone
+    (64 decodes over 1024 keys beside one over 65536: 520 items, the long
+    one's 8 read 512 tiles each while the mean per SM is 66).
+
+    Host values only. The work is bounded above by ``ceil(max_seqlen_q * G
+    / block_m)`` query tiles per sequence and item head times each
+    sequence's KV tiles, whose sum is at most ``ceil(total_k / block_n) +
+    batch`` (``total_k``: k's rows, unpaged); when the longest sequence's
+    tiles exceed ``SKEW_RATIO`` times that bound's share per SM, its items
+    are split into about the share (every sequence's are: the split count is
+    one per launch). 1: no split. An upper bound on the work errs towards
+    not splitting (a prefill chunk's query tiles count for every sequence)."""
+    if window is not None or total_k <= 0 or max_seqlen_k <= SKEW_RATIO * SKEW_MIN_TILES * cfg.block_n:
+        return 1  # (the last: the share is at least SKEW_MIN_TILES)
+    if pack_gqa is None:
+        pack_gqa = choose_varlen_pack_gqa(group)
+    pack_g = group if pack_gqa and packable(group) else 1
+    n_blocks = triton_cdiv(max(1, max_seqlen_k), cfg.block_n)
+    q_tiles = triton_cdiv(max(1, max_seqlen_q) * pack_g, cfg.block_m)
+    work = q_tiles * (triton_cdiv(total_k, cfg.block_n) + batch) * (nheads // pack_g)
+    share = max(work / sm_count(device), SKEW_MIN_TILES)
+    if n_blocks <= SKEW_RATIO * share:
+        return 1
+    return max(1, min(math.ceil(n_blocks / share), n_blocks // SKEW_MIN_TILES, SKEW_MAX_SPLITS))
+
+
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
                  write_lse, window=None, softcap=False, sink="", o_dim=0, page_size=0, pack_gqa=None,
-                 num_splits=1, total_q=0) -> LaunchPlan:
+                 num_splits=1, total_q=0, skew_splits=1) -> LaunchPlan:
     """``_plan_launch`` for a packed batch: the grid covers ``max_seqlen_q``
     for every sequence (items past a sequence's rows exit at once).
     ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V (``Mode.page_size``,
@@ -1266,7 +1304,8 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     know: ``max_seqlen_q`` for every sequence, ``max_seqlen_k`` keys, and
     with ``total_q`` (q's rows, ``varlen_total_q_key``) a bound on the
     live items that FA3's rule lacks: a few long decodes beside a prefill
-    chunk look like ``batch`` chunks to ``max_seqlen_q`` alone)."""
+    chunk look like ``batch`` chunks to ``max_seqlen_q`` alone), and
+    ``skew_splits`` (``varlen_skew_splits``) where that rule does not split."""
     sms = sm_count(device)
     if pack_gqa is None:
         pack_gqa = choose_varlen_pack_gqa(group)
@@ -1283,6 +1322,8 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
         live = items if not total_q else min(
             items, (triton_cdiv(total_q * pack_g, cfg.block_m) + batch - 1) * item_heads)
         num_splits = choose_num_splits(live, read, sms)
+        if num_splits == 1:
+            num_splits = skew_splits
     num_splits = max(1, min(num_splits, n_blocks))
     split = num_splits > 1
     # Head dim 64's 192-row tiles (three consumers, WIDE_CONFIGS) for
@@ -1363,7 +1404,10 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
                       sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size, pack_gqa,
-                      int(num_splits), varlen_total_q_key(total_q, nheads, cfg, device) if num_splits == 0 else 0)
+                      int(num_splits), varlen_total_q_key(total_q, nheads, cfg, device) if num_splits == 0 else 0,
+                      varlen_skew_splits(k.shape[0], batch, int(max_seqlen_q), int(max_seqlen_k), nheads,
+                                         nheads // nheads_kv, cfg, pack_gqa, window, device)
+                      if num_splits == 0 and not paged else 1)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cfg = lp.cfg  # the plan may widen the tiles (head dim 64's WIDE_CONFIGS)
     split = lp.mode.split

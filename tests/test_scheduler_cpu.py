@@ -357,3 +357,35 @@ def test_varlen_head_dim_64_takes_the_wide_tiles_for_long_unpaged_unsplit_batche
     assert varlen_plan(8192, page_size=256, seqused_k=True).cfg == cfg
     assert varlen_plan(8192, num_splits=4).cfg == cfg
     assert varlen_plan(8192, d_cfg=plan.CONFIGS[128]).cfg == plan.CONFIGS[128]
+
+
+def test_varlen_splits_skewed_keys_the_item_count_hides():
+    """Many short decodes beside one long one (varlen_skew_splits): the
+    items fill the SMs, so FA3's rule does not split, but the long decode's
+    items would read all of its KV tiles alone; the keys are split into
+    pieces about the mean per-SM load. Even keys, a prefill chunk's query
+    tiles, a window or unknown totals leave the launch unsplit."""
+    cfg = plan.CONFIGS[128]
+
+    def skew(lens_k, max_q=1, window=None, total_k=None):
+        total_k = sum(lens_k) if total_k is None else total_k
+        return plan.varlen_skew_splits(total_k, len(lens_k), max_q, max(lens_k), 32, 4, cfg, None, window, 0)
+
+    # 64 decodes over 1024 keys + one over 65536: (1024 + 65) tiles x 8 KV heads over 132 SMs, 66 each;
+    # the long decode's 512 tiles in 8 pieces.
+    assert skew([1024] * 64 + [65536]) == 8
+    assert skew([512] * 128 + [131072]) == 11
+    assert skew([4096] * 64) == 1  # even keys
+    assert skew([1024] * 64 + [65536], max_q=512) == 1  # a chunk's 16 query tiles a sequence: no skew shown
+    assert skew([1024] * 64 + [65536], window=(4096, 0)) == 1
+    assert skew([1024] * 64 + [65536], total_k=0) == 1  # paged: total unknown
+    assert skew([100] * 2 + [2000]) == 1  # 16 KV tiles: too few to split past SKEW_MIN_TILES
+
+    def varlen_plan(skew_splits, num_splits=0):
+        return plan._plan_varlen.__wrapped__(0, torch.bfloat16, 65, 1, 65536, 32, 4, cfg, False, False, True,
+                                             False, num_splits=num_splits, total_q=65, skew_splits=skew_splits)
+
+    assert not varlen_plan(1).mode.split  # 520 items: FA3's rule leaves the keys whole
+    skewed = varlen_plan(8)
+    assert skewed.mode.split and skewed.num_splits == 8
+    assert varlen_plan(8, num_splits=1).num_splits == 1  # an explicit count is honoured

@@ -1267,3 +1267,23 @@ def test_paged_attention_in_place_compiles_fullgraph_cpu(monkeypatch):
     expected = _varlen_stand_in(q[0].transpose(0, 1), kp, vp, kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"],
                                 max(new), max(p + n for p, n in zip(past, new)), causal=True)
     torch.testing.assert_close(out, expected)
+
+
+def test_in_place_step_with_a_long_request_asks_for_splits(fake_varlen, monkeypatch):
+    """A continuous-batching step whose keys are skewed (many short requests
+    beside a long one: hopper_flash.plan.varlen_skew_splits on the read
+    index's length) passes an explicit split count; an even step leaves the
+    kernels' heuristic (num_splits=0)."""
+    from hopper_flash import plan
+
+    monkeypatch.setattr(plan, "sm_count", lambda device=None: 132)
+    module = _Module()
+    module.layer_idx = 0
+    for past, skewed in (([1023] * 64 + [65535], True), ([4095] * 64, False)):
+        new = [1] * len(past)
+        q, k, v, kwargs, _ = _cache_step(past, new, 256, heads=32, heads_kv=8, dim=8, seed=4, device="cpu")
+        fake_varlen.clear()
+        hft.hopper_flash_paged_attention_forward(module, q, k, v, None, **kwargs)
+        (call,) = fake_varlen
+        assert call["block_table"] is not None
+        assert (call["num_splits"] > 1) if skewed else call["num_splits"] == 0, (skewed, call["num_splits"])

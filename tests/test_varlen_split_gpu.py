@@ -172,3 +172,26 @@ def test_flash_attn_varlen_func_splits_by_default_forward_and_backward(monkeypat
     unsplit = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True, num_splits=1)
     assert not combines
     assert_judged("out (num_splits=1)", unsplit, ref, base)
+
+
+def test_skewed_keys_split_by_default(monkeypatch):
+    """Many short decodes beside one long one (plan.varlen_skew_splits): the
+    items fill the SMs, so FA3's rule alone would not split, but the long
+    decode's items would read its keys alone; the default call splits
+    (the combine runs), NaN past each sequence's live keys, and is judged
+    as every varlen forward is."""
+    combines = []
+    launch_combine = plan.launch_combine
+    monkeypatch.setattr(plan, "launch_combine", lambda *a, **kw: (combines.append(1), launch_combine(*a, **kw))[1])
+    lk = [300 + 7 * i for i in range(40)] + [40001]
+    lq = [1] * len(lk)
+    used_k = [n - (i % 3) for i, n in enumerate(lk)]
+    q, k, v, cq, ck, uq, uk = varlen_batch(lq, lk, 32, 8, 128, used_k=used_k, seed=21)
+    sms = plan.sm_count(q.device.index)
+    assert plan.varlen_skew_splits(k.shape[0], len(lk), 1, max(lk), 32, 4, plan.CONFIGS[128], None, None,
+                                   q.device.index) > 1, f"not a skewed batch on {sms} SMs"
+    ref, _ = varlen_reference(q, k, v, cq, ck, seqused_k=uk, causal=True)
+    base = varlen_baseline(q, k, v, cq, ck, seqused_k=uk, causal=True)
+    out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, 1, max(lk), seqused_k=uk, causal=True)
+    assert combines, "the default call did not split"
+    assert_judged("out", out, ref, base)

@@ -90,7 +90,7 @@ import functools
 
 import torch
 
-from .. import checks, dispatch, interface
+from .. import checks, dispatch, interface, plan
 
 __all__ = ["NAME", "PAGED_NAME", "register", "is_registered", "hopper_flash_attention_forward",
            "hopper_flash_paged_attention_forward", "padding_mask"]
@@ -464,6 +464,7 @@ def hopper_flash_paged_attention_forward(
         cu_k, max_k = cu_k[layer_type], max_k[layer_type]
     cu_k, max_k = cu_k.to(torch.int32), int(max_k)
     read_index, write_index = kwargs["read_index"], kwargs["write_index"]
+    num_splits = 0
     view = None if sliding else paged_cache_view(cache, module.layer_idx, read_index, cu_k, max_k)
     if view is None:
         # The new keys into the cache, and each request's keys back, packed [total_k, heads_kv, head_dim].
@@ -480,14 +481,28 @@ def hopper_flash_paged_attention_forward(
         key, value, block_table = view
         if dispatch._check_contract_requested(None):
             check_paged_cache_view(read_index[group], cu_k, block_table, key.shape[1])
+        num_splits = skew_splits(query, key, value, read_index[group], cu_k, int(kwargs["max_seqlen_q"]), max_k)
     sink = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
     import hopper_flash  # attribute looked up per call: the public entry point
 
     out = hopper_flash.flash_attn_varlen_func(
         query[0].transpose(0, 1), key, value, kwargs["cu_seq_lens_q"].to(torch.int32), cu_k,
         int(kwargs["max_seqlen_q"]), max_k, softmax_scale=scaling, causal=True, window_size=window_size,
-        softcap=0.0 if softcap is None else softcap, learnable_sink=sink, block_table=block_table)
+        softcap=0.0 if softcap is None else softcap, learnable_sink=sink, block_table=block_table,
+        num_splits=num_splits)
     return out, None
+
+
+def skew_splits(query, k_pages, v_pages, index, cu_k, max_q: int, max_k: int) -> int:
+    """The split count for a step whose keys are read in place: 0 (the
+    kernels' heuristic) unless ``plan.varlen_skew_splits`` sees a skewed
+    batch (a long request beside many short ones) in host values: the read
+    index's length bounds the step's keys, as k's rows do for a packed
+    call."""
+    cfg = plan.CONFIGS[plan.kernel_head_dim(query.shape[-1], v_pages.shape[-1])]
+    splits = plan.varlen_skew_splits(index.numel(), cu_k.shape[0] - 1, max_q, max_k, query.shape[1],
+                                     query.shape[1] // k_pages.shape[2], cfg, None, None, query.device.index)
+    return splits if splits > 1 else 0
 
 
 # The largest page the paged kernels take (hopper_flash.paged).
