@@ -290,8 +290,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             splits where the batch would leave SMs idle, judged from host
             values only (FA3's rule on ``max_seqlen_q``, ``max_seqlen_k`` and
             q's row count: a few long decodes beside a short prefill chunk
-            split, a batch whose rows can fill the SMs never does); 1
-            never splits.
+            split, a batch whose rows can fill the SMs never does; and,
+            for unpaged k, a skewed batch whose longest sequence has over
+            twice the mean per-SM share of KV tiles that k's rows bound,
+            e.g. many short decodes beside one long one,
+            ``plan.varlen_skew_splits``); 1 never splits.
         dropout_p, alibi_slopes, return_attn_probs: flash-attn's options,
             accepted at their no-op values only.
         qv, q_descale, k_descale, v_descale, attention_chunk, sm_margin:
