@@ -7,13 +7,15 @@ float64 reference per sequence first (``reference.judge``).
 ``packed+split`` is the packed call with split-KV's heuristic
 (``num_splits=0``, what ``flash_attn_with_kvcache``'s mixed packed route
 and ``flash_attn_varlen_func``'s default; it splits only where host
-values show an idle GPU); ``fa3 split0`` is FA3 asked for its own split
+values show an idle GPU or skewed keys); ``fa3 split0`` is FA3 asked for its own split
 heuristic (its ``flash_attn_varlen_func`` defaults to ``num_splits=1``).
 
 Batches: issue 12's (16 sequences, lengths uniform in 512..8192, causal,
 GQA 32/8) at head dims 64, 128 and 256, and serving mixes: many one-query
 sequences (decodes) over caches of 1000..8000 keys beside one or two
-prefill chunks, causal, D=128, GQA 32/8. For the mixes and drafts the K/V read rate
+prefill chunks, causal, D=128, GQA 32/8; speculative drafts, a few long
+decodes beside a chunk, and skewed keys (64 short decodes beside one
+long). For the mixes and drafts the K/V read rate
 (every live key's K and V once per KV head) is printed too.
 
     PYTHONPATH=.:/tmp/fa3pkg python scripts/varlen_pack_bench.py [--quick]
@@ -53,6 +55,11 @@ def batches(quick):
                 torch.randint(16384, 65537, (8,), generator=gen).tolist(), 32, 8, 128))
     out.append(("mix 3 long decodes + chunk [256] H32/8 D128", [1, 1, 1, 256], [60000, 45000, 30000, 1280], 32, 8,
                 128))
+    # Skewed keys (plan.varlen_skew_splits): 64 short decodes beside one
+    # long one fill the SMs with items, so no rule on max_seqlen_q and the
+    # item count splits, while the long decode's items read its keys alone.
+    out.append(("skewed 64 decodes over 1024 keys + 1 over 65536 H32/8 D128", [1] * 65, [1024] * 64 + [65536], 32,
+                8, 128))
     return out
 
 
