@@ -451,8 +451,10 @@ def hopper_flash_paged_attention_forward(
     if kwargs.get("block_table") is not None:
         # transformers builds a block table only for FlashAttention 2/3 names
         # (its flash_attn_with_kvcache decode fast path), never for this one.
-        raise NotImplementedError(f"`{PAGED_NAME}` reads the cache through cache.update, not a block table: "
-                                  "set the continuous batching config's max_blocks_per_request to 0")
+        raise NotImplementedError(f"`{PAGED_NAME}` builds its own block table from the step's read index, and "
+                                  "transformers' decode fast path (a block table for FlashAttention's "
+                                  "flash_attn_with_kvcache) is not its route: set the continuous batching config's "
+                                  "max_blocks_per_request to 0")
     if query.dim() != 4 or query.shape[0] != 1:
         raise ValueError(f"`{PAGED_NAME}` takes the packed batch as query [1, heads, total_q, head_dim], got "
                          f"shape {tuple(query.shape)}")
