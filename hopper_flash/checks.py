@@ -86,8 +86,8 @@ def check_fa3_options(*, qv=None, q_descale=None, k_descale=None, v_descale=None
             raise NotImplementedError(f"{name} must be None (FP8 inputs are not supported: q, k and v are bf16 or "
                                       f"fp16)")
     if attention_chunk is not None and not _is_zero_number(attention_chunk):
-        raise NotImplementedError(f"attention_chunk must be 0 (chunked local attention is not supported), got "
-                                  f"{attention_chunk!r}")
+        raise NotImplementedError(f"attention_chunk must be 0 with the KV cache (chunked attention is taken by "
+                                  f"flash_attn_func and flash_attn_varlen_func), got {attention_chunk!r}")
     if not _is_zero_number(sm_margin):
         raise NotImplementedError(f"sm_margin must be 0 (the kernels plan for every SM), got {sm_margin!r}")
     check_num_splits(num_splits)

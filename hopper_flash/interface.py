@@ -22,7 +22,7 @@ from typing import Literal, overload
 
 import torch
 
-from . import checks, dispatch, ops, paged
+from . import checks, chunked, dispatch, ops, paged
 
 
 _needs_op = ops.needs_op
@@ -133,7 +133,16 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
             return_attn_probs: flash-attn 2's options, accepted at their
             no-op values (0.0, None, any bool, False); other values
             raise ``NotImplementedError``.
-        qv, q_descale, k_descale, v_descale, attention_chunk, sm_margin:
+        attention_chunk: FlashAttention-3's chunked attention (Llama 4's
+            local layers): with ``C > 0`` query ``i``, at key position ``a =
+            i + seqlen_k - seqlen_q``, sees only keys ``floor(a / C) * C ..
+            floor(a / C) * C + C - 1``, with ``causal`` and ``window_size``
+            applied as well (rows with ``a < 0`` see none). Runs on the
+            varlen kernels over the chunks as sequences (``chunked.py``: no
+            copy), forward and backward (FA3's own backward has none);
+            where one chunk holds every key it is the plain call. 0
+            (default): none.
+        qv, q_descale, k_descale, v_descale, sm_margin:
             FlashAttention-3's options, accepted at their no-op values
             (None, 0); other values raise ``NotImplementedError``.
         num_splits, pack_gqa: FlashAttention-3's scheduling hints, checked
@@ -155,11 +164,16 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, return_lse=Fal
     LSE carries no gradient.
     """
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    chunk = 0
     if ((qv, q_descale, k_descale, v_descale, attention_chunk, sm_margin) != checks.FA3_DEFAULTS
             or num_splits != 1 or pack_gqa is not None):
+        chunk = chunked.check_attention_chunk(attention_chunk)
         checks.check_fa3_options(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                 attention_chunk=attention_chunk, sm_margin=sm_margin, num_splits=num_splits,
-                                 pack_gqa=pack_gqa)
+                                 sm_margin=sm_margin, num_splits=num_splits, pack_gqa=pack_gqa)
+    if chunk:
+        return _chunked_func(q, k, v, chunk, softmax_scale=softmax_scale, causal=causal, return_lse=return_lse,
+                             window_size=window_size, softcap=softcap, deterministic=deterministic,
+                             learnable_sink=learnable_sink)
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
     sink = learnable_sink
@@ -297,7 +311,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             ``plan.varlen_skew_splits``); 1 never splits.
         dropout_p, alibi_slopes, return_attn_probs: flash-attn's options,
             accepted at their no-op values only.
-        qv, q_descale, k_descale, v_descale, attention_chunk, sm_margin:
+        attention_chunk: chunked attention as in ``flash_attn_func``, per
+            sequence (``chunked.varlen_segments``: the segments built on the
+            device, no sync); not with ``block_table``. Packed self attention
+            (the same ``cu_seqlens`` tensor for q and k, no ``seqused``)
+            plans the tightest grid.
+        qv, q_descale, k_descale, v_descale, sm_margin:
             FlashAttention-3's options, accepted at their no-op values
             (None, 0) only. ``pack_gqa``: FA3's hint, checked (None or a
             bool) but not honoured: the varlen mode packs a GQA group's
@@ -319,10 +338,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         ``out`` ``[total_q, nheads, headdim_v]``, or ``(out, lse)``.
     """
     _check_options(dropout_p, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+    chunk = 0
     if ((qv, q_descale, k_descale, v_descale, attention_chunk, sm_margin) != checks.FA3_DEFAULTS
             or pack_gqa is not None):
+        chunk = chunked.check_attention_chunk(attention_chunk)
         checks.check_fa3_options(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                 attention_chunk=attention_chunk, sm_margin=sm_margin, pack_gqa=pack_gqa)
+                                 sm_margin=sm_margin, pack_gqa=pack_gqa)
+    if chunk:
+        return _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, chunk,
+                               seqused_q=seqused_q, seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
+                               deterministic=deterministic, return_lse=return_lse, check_contract=check_contract,
+                               window_size=window_size, softcap=softcap, block_table=block_table,
+                               learnable_sink=learnable_sink, num_splits=num_splits)
     window = checks.window_bounds(window_size, causal)
     softcap = checks.check_softcap(softcap)
     num_splits = checks.check_num_splits(num_splits)
@@ -361,3 +388,53 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                        seqused_k, softmax_scale, causal, return_lse, check_contract, window=window,
                                        softcap=softcap, sink=sink, num_splits=num_splits)
     return (out, lse) if return_lse else out
+
+
+# --------------------------------------------------------------------------
+# attention_chunk (FA3's; Llama 4): the varlen kernels over chunk segments
+# --------------------------------------------------------------------------
+def _chunked_func(q, k, v, chunk: int, *, softmax_scale, causal, return_lse, window_size, softcap, deterministic,
+                  learnable_sink):
+    """``flash_attn_func`` with ``attention_chunk``: the rows as a varlen
+    batch of chunk segments (``chunked.fixed_segments``; views, no copy),
+    or the plain call where one chunk holds every key a query sees."""
+    checks.check_arguments(q, k, v, softmax_scale, causal)  # errors named as flash_attn_func's
+    batch, seqlen_q, nheads, _ = q.shape
+    seqlen_k = k.shape[1]
+    plain = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                 deterministic=deterministic, learnable_sink=learnable_sink)
+    if seqlen_q == 0 or seqlen_k == 0 or seqlen_q <= seqlen_k <= chunk:
+        return flash_attn_func(q, k, v, return_lse=return_lse, **plain)
+    seg = chunked.fixed_segments(batch, seqlen_q, seqlen_k, chunk, q.device)
+    res = flash_attn_varlen_func(q.reshape(batch * seqlen_q, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                 v.reshape(-1, *v.shape[2:]), seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q,
+                                 seg.max_seqlen_k, return_lse=return_lse, **plain)
+    out, lse = res if return_lse else (res, None)
+    out = out.view(batch, seqlen_q, nheads, out.shape[-1])
+    if not return_lse:
+        return out
+    return out, lse.view(nheads, batch, seqlen_q).permute(1, 0, 2).contiguous()  # flash_attn_func's [B, H, S]
+
+
+def _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, chunk: int, *, seqused_q,
+                    seqused_k, softmax_scale, causal, deterministic, return_lse, check_contract, window_size, softcap,
+                    block_table, learnable_sink, num_splits):
+    """``flash_attn_varlen_func`` with ``attention_chunk``: the sequences'
+    chunk segments as the varlen batch (``chunked.varlen_segments``, built
+    on the device). The call's own arguments are checked first, and its
+    contract where asked; the segments then keep it."""
+    if block_table is not None:
+        raise NotImplementedError("attention_chunk with block_table: a chunk segment would start inside a page "
+                                  "row; pass the keys packed (without block_table) for chunked attention")
+    softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale, causal)
+    if dispatch._check_contract_requested(check_contract) and not torch.compiler.is_compiling():
+        checks.check_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                     seqused_k)
+    seg = chunked.varlen_segments(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
+                                  chunk)
+    return flash_attn_varlen_func(q, k, v, seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q, seg.max_seqlen_k,
+                                  seqused_q=seg.seqused_q, seqused_k=seg.seqused_k, softmax_scale=softmax_scale,
+                                  causal=causal, deterministic=deterministic, return_lse=return_lse,
+                                  check_contract=False, window_size=window_size, softcap=softcap,
+                                  learnable_sink=learnable_sink, num_splits=num_splits)

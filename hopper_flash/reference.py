@@ -124,6 +124,7 @@ def attention_reference(
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     sink: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention ``softmax(scale * q k^T + mask) v`` and its LSE.
 
@@ -139,7 +140,8 @@ def attention_reference(
     ``window``: a sliding window ``(left, right)`` (flash-attn's
     ``window_size``, -1 = no bound on that side): row ``r`` sees keys
     ``r + off - left .. r + off + right``, ``off = seqlen_k - seqlen_q``; with
-    ``causal`` as well both masks apply.
+    ``causal`` as well both masks apply. ``chunk`` (> 0): FA3's
+    ``attention_chunk`` as well (``chunk_visible``).
 
     The inputs (any float dtype: pass the kernel's bf16 inputs themselves) are
     upcast to ``dtype`` (float64; float32 only for a quick look) and every
@@ -183,7 +185,7 @@ def attention_reference(
             s = (qh[b[:, None], h[:, None], r[None, :]].to(dtype) @ kc.transpose(-1, -2)) * scale
             if softcap:
                 s = softcap * torch.tanh(s / softcap)
-            _mask_scores(s, r, cols, seqlen_q, seqlen_k, causal, window)
+            _mask_scores(s, r, cols, seqlen_q, seqlen_k, causal, window, chunk)
             if sink is not None:
                 column = sink.to(dtype)[h][:, None, None].expand(-1, s.shape[1], 1)
                 row_lse = torch.logsumexp(torch.cat([s, column], dim=-1), dim=-1)  # finite
@@ -207,9 +209,11 @@ def attention_baseline(
     cudnn: bool = True,
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """The same attention from PyTorch, in q's dtype: the error a judged value
-    is allowed (a multiple of) is this one's.
+    is allowed (a multiple of) is this one's (``chunk``: FA3's
+    ``attention_chunk``, an explicit mask).
 
     With ``softcap`` (which SDPA does not express): :func:`softcap_eager`,
     the bf16/fp16 PyTorch path of transformers' eager Gemma 2 attention.
@@ -232,7 +236,7 @@ def attention_baseline(
     group = nheads // nheads_kv
     row_idx = _row_index(rows, seqlen_q, q.device)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    if (cudnn and window is None and q.is_cuda and group == 1 and (seqlen_q == seqlen_k or not causal)
+    if (cudnn and window is None and not chunk and q.is_cuda and group == 1 and (seqlen_q == seqlen_k or not causal)
             and min(seqlen_q, seqlen_k) > 0):
         try:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -248,6 +252,9 @@ def attention_baseline(
         mask = torch.arange(seqlen_k, device=q.device)[None, :] <= row_idx[:, None] + (seqlen_k - seqlen_q)
     if window is not None:
         visible = window_visible(row_idx, torch.arange(seqlen_k, device=q.device), seqlen_q, seqlen_k, window)
+        mask = visible if mask is None else mask & visible
+    if chunk:
+        visible = chunk_visible(row_idx, torch.arange(seqlen_k, device=q.device), seqlen_q, seqlen_k, chunk)
         mask = visible if mask is None else mask & visible
     if qt.numel() == 0 or seqlen_k == 0:
         return torch.zeros(batch, row_idx.numel(), nheads, v.shape[3], dtype=q.dtype, device=q.device)
@@ -386,14 +393,26 @@ def sink_eager_grads(q, k, v, sink: torch.Tensor, dout, *, causal: bool = False,
 
 
 def _mask_scores(s: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,
-                 causal: bool, window: tuple[int, int] | None) -> None:
+                 causal: bool, window: tuple[int, int] | None, chunk: int = 0) -> None:
     """Set to -inf, in place, the scores ``s`` ``[..., len(rows), len(cols)]``
-    of keys a query row does not see: bottom-right causal, and a sliding
-    window (``window_visible``)."""
+    of keys a query row does not see: bottom-right causal, a sliding
+    window (``window_visible``) and chunks (``chunk_visible``)."""
     if causal:
         s.masked_fill_(cols[None, None, :] > rows[None, :, None] + (seqlen_k - seqlen_q), -math.inf)
     if window is not None:
         s.masked_fill_(~window_visible(rows, cols, seqlen_q, seqlen_k, window)[None], -math.inf)
+    if chunk:
+        s.masked_fill_(~chunk_visible(rows, cols, seqlen_q, seqlen_k, chunk)[None], -math.inf)
+
+
+def chunk_visible(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,
+                  chunk: int) -> torch.Tensor:
+    """``[len(rows), len(cols)]`` boolean: FA3's ``attention_chunk``, query
+    row ``r`` (key position ``a = r + seqlen_k - seqlen_q``) sees only the
+    keys of its own chunk, ``floor(a / chunk) == floor(col / chunk)``."""
+    pos = rows[:, None] + (seqlen_k - seqlen_q)
+    return (torch.div(pos, chunk, rounding_mode="floor")
+            == torch.div(cols[None, :], chunk, rounding_mode="floor"))
 
 
 def window_visible(rows: torch.Tensor, cols: torch.Tensor, seqlen_q: int, seqlen_k: int,
@@ -434,6 +453,7 @@ def attention_reference_grads(
     key_rows=None,
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact float64 ``(dq, dk, dv)`` (BSHD, shaped like q, k, v) of
     :func:`attention_reference`'s output for the output gradient ``dout``
@@ -459,15 +479,15 @@ def attention_reference_grads(
         raise ValueError(f"dout must have the output's shape {tuple(q.shape[:3] + v.shape[3:])} (q's, with v's head "
                          f"dim), got {tuple(dout.shape)}")
     if rows is not None or key_rows is not None:
-        if softcap:
-            raise NotImplementedError("sampled reference gradients with softcap")
+        if softcap or chunk:
+            raise NotImplementedError("sampled reference gradients with softcap or chunk")
         return _sampled_reference_grads(q, k, v, dout, causal, softmax_scale, rows, key_rows, window)
     f64 = torch.float64
     scale = _scale(softmax_scale, headdim)
     group = nheads // nheads_kv
     device = q.device
     _, lse = attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window,
-                                 softcap=softcap)
+                                 softcap=softcap, chunk=chunk)
     qh, kh, vh, doh = (x.transpose(1, 2) for x in (q, k, v, dout))
     dq = torch.zeros(batch, nheads, seqlen_q, headdim, dtype=f64, device=device)
     dk = torch.zeros(batch, nheads_kv, seqlen_k, headdim, dtype=f64, device=device)
@@ -489,7 +509,7 @@ def attention_reference_grads(
             if softcap:
                 t = torch.tanh(s / softcap)
                 s = softcap * t
-            _mask_scores(s, r, cols, seqlen_q, seqlen_k, causal, window)
+            _mask_scores(s, r, cols, seqlen_q, seqlen_k, causal, window, chunk)
             p = torch.exp(s - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
             dvc += p.transpose(-1, -2) @ doc
             ds = _ds(p, doc @ vc.transpose(-1, -2))
@@ -1096,21 +1116,21 @@ def varlen_apply(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seq
 
 
 def varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seqused_k=None, causal=False,
-                     softmax_scale=None, window=None, softcap=0.0):
+                     softmax_scale=None, window=None, softcap=0.0, chunk=0):
     """float64 ``(out [total_q, H, D], lse [H, total_q])`` of a varlen batch:
     :func:`attention_reference` per sequence (bottom-right causal per
     sequence), zeros and -inf outside the live rows."""
     return varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=causal, softmax_scale=softmax_scale,
-                                                            window=window, softcap=softcap),
+                                                            window=window, softcap=softcap, chunk=chunk),
                         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
                         out_dtype=torch.float64, with_lse=True)
 
 
 def varlen_baseline(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_q=None, seqused_k=None, causal=False,
-                    softmax_scale=None, window=None, softcap=0.0):
+                    softmax_scale=None, window=None, softcap=0.0, chunk=0):
     """:func:`attention_baseline` per sequence (q's dtype), zeros outside."""
     return varlen_apply(lambda a, b, c: attention_baseline(a, b, c, causal=causal, softmax_scale=softmax_scale,
-                                                           window=window, softcap=softcap),
+                                                           window=window, softcap=softcap, chunk=chunk),
                         q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k)
 
 

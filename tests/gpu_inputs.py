@@ -171,16 +171,16 @@ def live_rows(total, cu_seqlens, seqused=None):
     return m
 
 
-def varlen_expected(q, k, v, cq, ck, uq, uk, causal, window=None, softcap=0.0):
+def varlen_expected(q, k, v, cq, ck, uq, uk, causal, window=None, softcap=0.0, chunk=0):
     """What a varlen forward over this batch must give: ``(ref, ref_lse,
     base, live)``, the float64 reference's output and LSE, the baseline
     (PyTorch's attention on the same inputs) and :func:`live_rows`."""
     from hopper_flash.reference import varlen_baseline, varlen_reference
 
     ref, ref_lse = varlen_reference(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=window,
-                                    softcap=softcap)
+                                    softcap=softcap, chunk=chunk)
     base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, seqused_k=uk, causal=causal, window=window,
-                           softcap=softcap)
+                           softcap=softcap, chunk=chunk)
     return ref, ref_lse, base, live_rows(q.shape[0], cq, uq)
 
 

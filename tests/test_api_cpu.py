@@ -699,7 +699,6 @@ FA3_REFUSED = [
     ("q_descale", torch.ones(1), r"q_descale must be None \(FP8 inputs are not supported"),
     ("k_descale", torch.ones(1), r"k_descale must be None"),
     ("v_descale", torch.ones(1), r"v_descale must be None"),
-    ("attention_chunk", 128, r"attention_chunk must be 0 \(chunked local attention is not supported\), got 128"),
     ("sm_margin", 8, r"sm_margin must be 0 \(the kernels plan for every SM\), got 8"),
 ]
 

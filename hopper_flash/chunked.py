@@ -1,0 +1,141 @@
+"""Chunked attention (FlashAttention-3's ``attention_chunk``, Llama 4's local
+layers) as a variable-length batch of chunk segments, on the varlen kernels.
+
+With a chunk size ``C``, query ``i`` of a sequence, at key position ``a = i
++ len_k - len_q`` (bottom-right alignment, as the causal mask), sees only
+the keys of its own chunk ``floor(a / C) * C .. floor(a / C) * C + C - 1``,
+intersected with the causal mask and a sliding window as usual. Queries
+with ``a < 0`` lie in a chunk before every key and see none (zeros, LSE
+-inf; FA3 has no defined answer there).
+
+Every query of chunk ``c`` sees the same key range, so the call is exactly
+a varlen batch whose sequences are the chunks: chunk ``c``'s queries
+against chunk ``c``'s keys, both contiguous in the original rows. Within
+such a segment the bottom-right offset ``len_k - len_q`` equals the
+original one minus ``c * C`` in both coordinates, so ``a - j`` is the same
+for every pair: the causal mask and the window carry over unchanged, and
+soft-capping, sinks and the LSE are per row anyway. The backward is the
+varlen backward's (FA3's own kernels have no chunked backward). Nothing is
+copied: the segments are prefix sums over the same q, k and v rows.
+
+Each sequence becomes ``HEAD_SLOTS`` segments, ``n_chunks`` chunk segments
+and, with ``seqused``, one tail segment, in row order:
+
+- queries with ``a < 0`` (no key; only where ``len_q > len_k``);
+- keys before the first query's chunk, with no query (only where ``len_k -
+  len_q >= C``: a query block over a longer cache);
+- chunk ``first + t`` for ``t < n_chunks``, ``n_chunks = ceil(max_seqlen_k
+  / C)`` (empty past the keys);
+- the slot's rows past ``seqused`` (no key, no live query: zero output).
+
+The lengths are computed on the device from ``cu_seqlens``/``seqused``
+(no host sync, CUDA-graph capturable, traced by torch.compile); the host
+knows from the shapes which head slots can be non-empty and bounds the
+segments' lengths (``Segments``)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Segments(NamedTuple):
+    """The chunk segments as a varlen batch: int32 prefix sums over q's and
+    k's rows, host bounds on every segment's live length, and (where the
+    call had ``seqused``) each segment's live length: a tail segment's is 0,
+    so its rows stay the kernels' gaps (zero output, zero gradient), not a
+    sequence whose length no bound covers."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    seqused_q: torch.Tensor | None = None
+    seqused_k: torch.Tensor | None = None
+
+
+def check_attention_chunk(attention_chunk) -> int:
+    """``attention_chunk`` as an int >= 0 (0 or None: no chunking), or a
+    clear error."""
+    if attention_chunk is None:
+        return 0
+    if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int):
+        raise TypeError(f"attention_chunk must be an int (0 for none), got {type(attention_chunk).__name__}")
+    if attention_chunk < 0:
+        raise ValueError(f"attention_chunk must be >= 0 (0 for none), got {attention_chunk}")
+    return attention_chunk
+
+
+def n_chunks(max_seqlen_k: int, chunk: int) -> int:
+    """Chunk segments per sequence: a sequence's keys span at most this many
+    chunks from its first query's."""
+    return max(1, -(-max_seqlen_k // chunk))
+
+
+def segment_lengths(len_q: torch.Tensor, len_k: torch.Tensor, chunk: int, chunks: int, *, blind_queries: bool,
+                    skipped_keys: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_lens, k_lens)``, int64 ``[batch, slots]``: each sequence's
+    segments in row order (the module docstring's list but the tail; a head
+    slot only where its flag says it can be non-empty). ``len_q``/``len_k``:
+    the live lengths ``[batch]`` on the device."""
+    len_q, len_k = len_q.long(), len_k.long()
+    offset = len_k - len_q
+    first_pos = offset.clamp(min=0)                    # the first query that sees keys: its key position
+    first = torch.div(first_pos, chunk, rounding_mode="floor")
+    has_q = len_q > 0
+    starts = (first[:, None] + torch.arange(chunks, device=len_q.device)[None, :]) * chunk
+    ends = torch.minimum(starts + chunk, len_k[:, None])
+    q_cols = [torch.where(has_q[:, None], (ends - torch.maximum(starts, first_pos[:, None])).clamp(min=0), 0)]
+    k_cols = [torch.where(has_q[:, None], (ends - starts).clamp(min=0), 0)]
+    if skipped_keys:  # keys before the first query's chunk; a sequence without queries has every key there
+        q_cols.insert(0, torch.zeros_like(len_q)[:, None])
+        k_cols.insert(0, torch.where(has_q, first * chunk, len_k)[:, None])
+    if blind_queries:  # queries at a < 0
+        q_cols.insert(0, (-offset).clamp(min=0)[:, None])
+        k_cols.insert(0, torch.zeros_like(len_q)[:, None])
+    return torch.cat(q_cols, dim=1), torch.cat(k_cols, dim=1)
+
+
+def _prefix_sums(lengths: torch.Tensor) -> torch.Tensor:
+    """int32 ``[n + 1]`` prefix sums (from 0) of the flattened lengths."""
+    flat = lengths.reshape(-1)
+    return torch.nn.functional.pad(flat.cumsum(0), (1, 0)).to(torch.int32)
+
+
+def fixed_segments(batch: int, seqlen_q: int, seqlen_k: int, chunk: int, device) -> Segments:
+    """``flash_attn_func``'s ``[batch, seqlen, ...]`` rows as chunk segments
+    (every sequence alike, so the head slots and the bounds are exact)."""
+    chunks = n_chunks(seqlen_k, chunk)
+    len_q = torch.full((batch,), seqlen_q, dtype=torch.int64, device=device)
+    len_k = torch.full((batch,), seqlen_k, dtype=torch.int64, device=device)
+    offset = seqlen_k - seqlen_q
+    skipped = (max(offset, 0) // chunk) * chunk
+    q_lens, k_lens = segment_lengths(len_q, len_k, chunk, chunks, blind_queries=offset < 0,
+                                     skipped_keys=skipped > 0)
+    return Segments(_prefix_sums(q_lens), _prefix_sums(k_lens), max(-offset, min(chunk, seqlen_q), 1),
+                    max(skipped, min(chunk, seqlen_k), 1))
+
+
+def varlen_segments(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, seqused_q, seqused_k,
+                    max_seqlen_q: int, max_seqlen_k: int, chunk: int) -> Segments:
+    """A varlen batch's sequences as chunk segments. The lengths stay on the
+    device, so the host bounds are the call's own ``max_seqlen_*`` but where
+    the shapes tell more: the same ``cu_seqlens`` for q and k without
+    ``seqused`` means every sequence has as many queries as keys (self
+    attention, packed training), so no head slot and segments of at most
+    ``chunk`` queries."""
+    slot_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    slot_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+    len_q = slot_q if seqused_q is None else seqused_q
+    len_k = slot_k if seqused_k is None else seqused_k
+    self_attention = cu_seqlens_q is cu_seqlens_k and seqused_q is None and seqused_k is None
+    q_lens, k_lens = segment_lengths(len_q, len_k, chunk, n_chunks(max_seqlen_k, chunk),
+                                     blind_queries=not self_attention, skipped_keys=not self_attention)
+    max_q = min(chunk, max_seqlen_q) if self_attention else max_seqlen_q
+    if seqused_q is None and seqused_k is None:
+        return Segments(_prefix_sums(q_lens), _prefix_sums(k_lens), max_q, max_seqlen_k)
+    # The rows past seqused: one more slot per sequence, with nothing live in it.
+    tail_q, tail_k = (slot_q - len_q).long()[:, None], (slot_k - len_k).long()[:, None]
+    none = torch.zeros_like(tail_q)
+    return Segments(_prefix_sums(torch.cat([q_lens, tail_q], dim=1)), _prefix_sums(torch.cat([k_lens, tail_k], dim=1)),
+                    max_q, max_seqlen_k, torch.cat([q_lens, none], dim=1).reshape(-1).to(torch.int32),
+                    torch.cat([k_lens, none], dim=1).reshape(-1).to(torch.int32))

@@ -1,0 +1,129 @@
+"""attention_chunk (FA3's chunked attention, Llama 4's local layers) on a
+Hopper GPU: flash_attn_func and flash_attn_varlen_func against the float64
+reference with the chunk mask (``reference.chunk_visible``), judged
+relative to PyTorch's attention with the same explicit mask, forward and
+backward; NaN in varlen gaps; CUDA-graph replay with new cu_seqlens; and
+torch.compile. The segments themselves are checked on the CPU
+(tests/test_chunked_cpu.py)."""
+import math
+
+import pytest
+import torch
+
+import hopper_flash
+from hopper_flash.reference import (
+    assert_judged,
+    attention_baseline,
+    attention_reference,
+    attention_reference_grads,
+    grads_abs_tol,
+)
+from gpu_inputs import assert_varlen_forward, capture, cu, rnd, varlen_batch, varlen_expected
+
+pytestmark = pytest.mark.gpu
+
+
+# (batch, seqlen_q, seqlen_k, chunk): several chunks with a partial last one,
+# queries over a longer cache (keys skipped before the first query's chunk),
+# queries longer than the keys, and chunks smaller than a tile.
+FORWARD = [(2, 1000, 1000, 256), (1, 300, 3001, 1024), (2, 129, 127, 64), (1, 3001, 3001, 8192),
+           (2, 257, 257, 48)]
+
+
+@pytest.mark.parametrize("b,sq,sk,chunk", FORWARD, ids=[f"b{b}-{q}x{k}-c{c}" for b, q, k, c in FORWARD])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_equals_the_chunk_mask(b, sq, sk, chunk, causal):
+    q, k, v = rnd(b, sq, 8, 128, seed=1), rnd(b, sk, 2, 128, seed=2), rnd(b, sk, 2, 128, seed=3)
+    out, lse = hopper_flash.flash_attn_func(q, k, v, causal=causal, attention_chunk=chunk, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, chunk=chunk)
+    base = attention_baseline(q, k, v, causal=causal, chunk=chunk)
+    assert out.shape == q.shape and lse.shape == (b, 8, sq)
+    assert_judged("out", out, ref, base)
+    seen = torch.isfinite(ref_lse)
+    assert_judged("lse", lse[seen], ref_lse[seen].to(lse.device))
+    assert (lse[~seen] == -math.inf).all() and (out.transpose(1, 2)[~seen] == 0).all()
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_backward_equals_the_chunk_mask(d):
+    b, s, chunk = 2, 777, 256
+    q, k, v = (rnd(b, s, h, d, seed=i).requires_grad_() for i, h in ((1, 4), (2, 2), (3, 2)))
+    dout = rnd(b, s, 4, d, seed=4)
+    out = hopper_flash.flash_attn_func(q, k, v, causal=True, attention_chunk=chunk)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = attention_reference_grads(q.detach(), k.detach(), v.detach(), dout, causal=True, chunk=chunk)
+    with torch.enable_grad():
+        base_out = attention_baseline(q, k, v, causal=True, chunk=chunk, cudnn=False)
+        base = torch.autograd.grad(base_out, (q, k, v), dout)
+    tol = grads_abs_tol(ref, q.dtype)
+    for name, g, r, bl in zip(("dq", "dk", "dv"), grads, ref, base):
+        assert_judged(name, g, r, bl, abs_tol=tol)
+
+
+def test_keys_skipped_before_the_first_chunk_get_no_gradient():
+    q, k, v = rnd(1, 100, 4, 128, seed=1), rnd(1, 1000, 4, 128, seed=2), rnd(1, 1000, 4, 128, seed=3)
+    k.requires_grad_()
+    v.requires_grad_()
+    out = hopper_flash.flash_attn_func(q, k, v, causal=True, attention_chunk=256)  # queries at 900..999
+    dk, dv = torch.autograd.grad(out, (k, v), torch.ones_like(out))
+    assert (dk[:, :768] == 0).all() and (dv[:, :768] == 0).all()
+    assert dk[:, 768:].abs().sum() > 0
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_with_nan_gaps(causal):
+    lq, lk = [1, 0, 127, 1000, 3001, 17, 600], [1, 5, 127, 1000, 3001, 0, 2000]
+    used_q, used_k = [1, 0, 100, 1000, 2900, 17, 600], [1, 5, 127, 999, 3001, 0, 1700]
+    q, k, v, cq, ck, uq, uk = varlen_batch(lq, lk, 8, 2, 128, used_q=used_q, used_k=used_k, seed=7)
+    out, lse = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(used_q), max(used_k), seqused_q=uq,
+                                                   seqused_k=uk, causal=causal, attention_chunk=512, return_lse=True)
+    assert_varlen_forward("chunked", out, lse, varlen_expected(q, k, v, cq, ck, uq, uk, causal, chunk=512))
+
+
+def test_packed_self_attention_forward_and_backward():
+    """Packed training's call (one cu_seqlens for q and k): each sequence
+    judged alone against the chunk mask, its gradients too."""
+    lens = [2048, 1, 700, 4096, 129]
+    q, k, v, cq, _, _, _ = varlen_batch(lens, lens, 8, 2, 128, seed=11)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, cq, max(lens), max(lens), causal=True,
+                                              attention_chunk=1024)
+    dout = rnd(*out.shape, seed=12)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for s, n in zip(cq[:-1].tolist(), lens):
+        rows = slice(s, s + n)
+        one = [x.detach()[rows][None] for x in (q, k, v)]
+        ref, _ = attention_reference(*one, causal=True, chunk=1024)
+        assert_judged(f"out ({n})", out.detach()[rows][None], ref,
+                      attention_baseline(*one, causal=True, chunk=1024))
+        ref_g = attention_reference_grads(*one, dout[rows][None], causal=True, chunk=1024)
+        leaves = [x.clone().requires_grad_() for x in one]
+        with torch.enable_grad():
+            base_g = torch.autograd.grad(attention_baseline(*leaves, causal=True, chunk=1024, cudnn=False), leaves,
+                                         dout[rows][None])
+        for name, g, r, bl in zip(("dq", "dk", "dv"), grads, ref_g, base_g):
+            assert_judged(f"{name} ({n})", g[rows][None], r, bl, abs_tol=grads_abs_tol(ref_g, q.dtype))
+
+
+def test_cuda_graph_replay_with_new_cu_seqlens():
+    lens = [900, 100, 1500]
+    q, k, v, cq, _, _, _ = varlen_batch(lens, lens, 8, 2, 128, seed=13)
+    cu_in = cq.clone()
+    graph, out = capture(lambda: hopper_flash.flash_attn_varlen_func(q, k, v, cu_in, cu_in, 2048, 2048, causal=True,
+                                                                      attention_chunk=256))
+    for new in ([500, 500, 1500], [2000, 1, 499]):
+        cu_in.copy_(cu(new))
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = varlen_expected(q, k, v, cu_in, cu_in, None, None, True, chunk=256)
+        ref, _, base, _ = expected
+        assert_judged(f"out {new}", out, ref, base)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    q, k, v = rnd(2, 1000, 8, 128, seed=1), rnd(2, 1000, 2, 128, seed=2), rnd(2, 1000, 2, 128, seed=3)
+    eager = hopper_flash.flash_attn_func(q, k, v, causal=True, attention_chunk=256)
+    compiled = torch.compile(lambda a, b, c: hopper_flash.flash_attn_func(a, b, c, causal=True, attention_chunk=256),
+                             fullgraph=True)
+    assert torch.equal(compiled(q, k, v), eager)
