@@ -104,11 +104,11 @@ def _prefix_sums(lengths: torch.Tensor) -> torch.Tensor:
 def fixed_segments(batch: int, seqlen_q: int, seqlen_k: int, chunk: int, device) -> Segments:
     """``flash_attn_func``'s ``[batch, seqlen, ...]`` rows as chunk segments
     (every sequence alike, so the head slots and the bounds are exact)."""
-    chunks = n_chunks(seqlen_k, chunk)
     len_q = torch.full((batch,), seqlen_q, dtype=torch.int64, device=device)
     len_k = torch.full((batch,), seqlen_k, dtype=torch.int64, device=device)
     offset = seqlen_k - seqlen_q
     skipped = (max(offset, 0) // chunk) * chunk
+    chunks = n_chunks(seqlen_k, chunk) - skipped // chunk  # from the first query's chunk to the last key's
     q_lens, k_lens = segment_lengths(len_q, len_k, chunk, chunks, blind_queries=offset < 0,
                                      skipped_keys=skipped > 0)
     return Segments(_prefix_sums(q_lens), _prefix_sums(k_lens), max(-offset, min(chunk, seqlen_q), 1),
