@@ -18,15 +18,16 @@ soft-capping, sinks and the LSE are per row anyway. The backward is the
 varlen backward's (FA3's own kernels have no chunked backward). Nothing is
 copied: the segments are prefix sums over the same q, k and v rows.
 
-Each sequence becomes ``HEAD_SLOTS`` segments, ``n_chunks`` chunk segments
-and, with ``seqused``, one tail segment, in row order:
+Each sequence becomes these segments, in row order (a fixed number per
+sequence, most of them empty for most sequences):
 
-- queries with ``a < 0`` (no key; only where ``len_q > len_k``);
+- queries with ``a < 0`` (no key; only where ``len_q > len_k`` can be);
 - keys before the first query's chunk, with no query (only where ``len_k -
-  len_q >= C``: a query block over a longer cache);
-- chunk ``first + t`` for ``t < n_chunks``, ``n_chunks = ceil(max_seqlen_k
-  / C)`` (empty past the keys);
-- the slot's rows past ``seqused`` (no key, no live query: zero output).
+  len_q >= C`` can be: a query block over a longer cache);
+- chunk ``first + t`` for ``t < n_chunks``, ``first`` the first query's
+  chunk and ``n_chunks = ceil(max_seqlen_k / C)`` (empty past the keys);
+- with ``seqused``, the slot's rows past it, as the segment's own unused
+  rows (``seqused`` 0: zero output, no gradient).
 
 The lengths are computed on the device from ``cu_seqlens``/``seqused``
 (no host sync, CUDA-graph capturable, traced by torch.compile); the host

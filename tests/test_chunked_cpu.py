@@ -185,9 +185,9 @@ def test_varlen_random_mixes(calls):
         torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12, msg=f"trial {trial}")
 
 
-def test_segments_are_built_on_the_device_side_only():
-    """No host read of the device values: the lengths stay tensors (what a
-    CUDA graph captures and torch.compile traces)."""
+def test_varlen_segments_of_packed_self_attention():
+    """The prefix sums themselves: sequences of 5 and 35 tokens in chunks
+    of 16 (three chunk slots each: 5, 0, 0 and 16, 16, 3)."""
     cu = torch.tensor([0, 5, 40], dtype=torch.int32)
     seg = chunked.varlen_segments(cu, cu, None, None, 35, 35, 16)
     assert seg.cu_seqlens_q.dtype == torch.int32 and seg.cu_seqlens_q.numel() == 2 * 3 + 1
