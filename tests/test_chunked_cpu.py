@@ -230,19 +230,24 @@ def test_attention_chunk_refused_with_block_table_and_the_kv_cache():
 
 def test_segments_trace_without_graph_breaks(monkeypatch):
     """The segments are torch ops on the device values (nothing read back to
-    the host), so ``torch.compile(fullgraph=True)`` traces the chunked
-    calls; the kernels are a stand-in that uses the prefix sums."""
+    the host), so torch.compile traces the chunked calls in one graph
+    (``torch._dynamo.explain``: this torch's ``fullgraph=True`` lets a
+    ``tolist`` through on the CPU); the kernels are a stand-in that uses the
+    prefix sums."""
     def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, seqused_q=None, return_lse=False, **_):
         out = q + (cu_q.sum() + cu_k.sum()).to(q.dtype) * 0
         return (out, torch.zeros(q.shape[1], q.shape[0])) if return_lse else out
     monkeypatch.setattr(interface, "flash_attn_varlen_func", varlen)
     q = torch.randn(2, 40, 4, 64, dtype=torch.bfloat16)
-    fixed = torch.compile(lambda a: hopper_flash.flash_attn_func(a, a, a, causal=True, attention_chunk=16),
-                          fullgraph=True, backend="aot_eager")
-    assert torch.equal(fixed(q), q)
     cu = torch.tensor([0, 30, 80], dtype=torch.int32)
     used = torch.tensor([25, 50], dtype=torch.int32)
-    packed = torch.compile(lambda a, c, u: hopper_flash.flash_attn_varlen_func(
-        a, a, a, c, c, 50, 50, seqused_q=u, seqused_k=u, causal=True, attention_chunk=16), fullgraph=True,
-        backend="aot_eager")
-    assert torch.equal(packed(q.reshape(80, 4, 64), cu, used), q.reshape(80, 4, 64))
+    calls = [(lambda a: hopper_flash.flash_attn_func(a, a, a, causal=True, attention_chunk=16), (q,)),
+             (lambda a, c, u: hopper_flash.flash_attn_varlen_func(a, a, a, c, c, 50, 50, seqused_q=u, seqused_k=u,
+                                                                  causal=True, attention_chunk=16),
+              (q.reshape(80, 4, 64), cu, used)),
+             (lambda a, c: hopper_flash.flash_attn_varlen_func(a, a, a, c, c, 50, 50, attention_chunk=16),
+              (q.reshape(80, 4, 64), cu))]
+    for fn, args in calls:
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(fn)(*args)
+        assert explained.graph_break_count == 0, explained.break_reasons
