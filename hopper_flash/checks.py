@@ -71,7 +71,7 @@ def _is_zero_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and x == 0
 
 
-def check_fa3_options(*, qv=None, q_descale=None, k_descale=None, v_descale=None, attention_chunk=0, sm_margin=0,
+def check_fa3_options(*, qv=None, q_descale=None, k_descale=None, v_descale=None, sm_margin=0,
                       num_splits=0, pack_gqa=None) -> None:
     """FlashAttention-3's further options (``hopper/flash_attn_interface.py``):
     features hopper_flash lacks pass at their no-op values and are refused
@@ -85,9 +85,6 @@ def check_fa3_options(*, qv=None, q_descale=None, k_descale=None, v_descale=None
         if t is not None:
             raise NotImplementedError(f"{name} must be None (FP8 inputs are not supported: q, k and v are bf16 or "
                                       f"fp16)")
-    if attention_chunk is not None and not _is_zero_number(attention_chunk):
-        raise NotImplementedError(f"attention_chunk must be 0 with the KV cache (chunked attention is taken by "
-                                  f"flash_attn_func and flash_attn_varlen_func), got {attention_chunk!r}")
     if not _is_zero_number(sm_margin):
         raise NotImplementedError(f"sm_margin must be 0 (the kernels plan for every SM), got {sm_margin!r}")
     check_num_splits(num_splits)

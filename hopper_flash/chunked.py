@@ -25,7 +25,8 @@ sequence, most of them empty for most sequences):
 - keys before the first query's chunk, with no query (only where ``len_k -
   len_q >= C`` can be: a query block over a longer cache);
 - chunk ``first + t`` for ``t < n_chunks``, ``first`` the first query's
-  chunk and ``n_chunks = ceil(max_seqlen_k / C)`` (empty past the keys);
+  chunk (``n_chunks``: the most chunks a sequence's queries can span, from
+  the host bounds; empty past the keys);
 - with ``seqused``, the slot's rows past it, as the segment's own unused
   rows (``seqused`` 0: zero output, no gradient).
 
@@ -66,10 +67,12 @@ def check_attention_chunk(attention_chunk) -> int:
     return attention_chunk
 
 
-def n_chunks(max_seqlen_k: int, chunk: int) -> int:
-    """Chunk segments per sequence: a sequence's keys span at most this many
-    chunks from its first query's."""
-    return max(1, -(-max_seqlen_k // chunk))
+def n_chunks(max_seqlen_q: int, max_seqlen_k: int, chunk: int) -> int:
+    """Chunk segments per sequence: from its first query's chunk to its last
+    key's (the last query's), at most ``ceil(max_seqlen_k / C)`` chunks, and
+    at most ``(max_seqlen_q - 1) // C + 2`` (the queries' key positions are
+    ``len_q`` consecutive ones; a decode's single query spans one)."""
+    return max(1, min(-(-max_seqlen_k // chunk), (max(max_seqlen_q, 1) - 1) // chunk + 2))
 
 
 def segment_lengths(len_q: torch.Tensor, len_k: torch.Tensor, chunk: int, chunks: int, *, blind_queries: bool,
@@ -109,7 +112,7 @@ def fixed_segments(batch: int, seqlen_q: int, seqlen_k: int, chunk: int, device)
     len_k = torch.full((batch,), seqlen_k, dtype=torch.int64, device=device)
     offset = seqlen_k - seqlen_q
     skipped = (max(offset, 0) // chunk) * chunk
-    chunks = n_chunks(seqlen_k, chunk) - skipped // chunk  # from the first query's chunk to the last key's
+    chunks = -(-seqlen_k // chunk) - skipped // chunk  # from the first query's chunk to the last key's
     q_lens, k_lens = segment_lengths(len_q, len_k, chunk, chunks, blind_queries=offset < 0,
                                      skipped_keys=skipped > 0)
     return Segments(_prefix_sums(q_lens), _prefix_sums(k_lens), max(-offset, min(chunk, seqlen_q), 1),
@@ -129,7 +132,7 @@ def varlen_segments(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, sequ
     len_q = slot_q if seqused_q is None else seqused_q
     len_k = slot_k if seqused_k is None else seqused_k
     self_attention = cu_seqlens_q is cu_seqlens_k and seqused_q is None and seqused_k is None
-    q_lens, k_lens = segment_lengths(len_q, len_k, chunk, n_chunks(max_seqlen_k, chunk),
+    q_lens, k_lens = segment_lengths(len_q, len_k, chunk, n_chunks(max_seqlen_q, max_seqlen_k, chunk),
                                      blind_queries=not self_attention, skipped_keys=not self_attention)
     max_q = min(chunk, max_seqlen_q) if self_attention else max_seqlen_q
     if seqused_q is None and seqused_k is None:
@@ -140,3 +143,20 @@ def varlen_segments(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, sequ
     return Segments(_prefix_sums(torch.cat([q_lens, tail_q], dim=1)), _prefix_sums(torch.cat([k_lens, tail_k], dim=1)),
                     max_q, max_seqlen_k, torch.cat([q_lens, none], dim=1).reshape(-1).to(torch.int32),
                     torch.cat([k_lens, none], dim=1).reshape(-1).to(torch.int32))
+
+
+def cache_segments(cu_seqlens_q: torch.Tensor, max_seqlen_q: int, k_starts: torch.Tensor, k_lens: torch.Tensor,
+                   max_seqlen_k: int, chunk: int) -> Segments:
+    """Packed queries over a KV cache's rows as chunk segments: sequence
+    ``b``'s keys are the rows ``k_starts[b] .. k_starts[b] + k_lens[b] - 1``
+    (``cache_layout.slot_rows_args``: cache rows in any order, which the
+    kernels read as ``cu_seqlens_k[s]`` and ``seqused_k[s]`` alone). The
+    queries tile q (prefix sums); each segment's keys start where its
+    sequence's earlier segments' end, as ``cu_seqlens_k`` (not a prefix sum
+    here) with their lengths as ``seqused_k``."""
+    len_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    q_lens, seg_k = segment_lengths(len_q, k_lens, chunk, n_chunks(max_seqlen_q, max_seqlen_k, chunk),
+                                    blind_queries=True, skipped_keys=True)
+    starts = k_starts.long()[:, None] + (seg_k.cumsum(1) - seg_k)
+    return Segments(_prefix_sums(q_lens), torch.nn.functional.pad(starts.reshape(-1), (0, 1)).to(torch.int32),
+                    max_seqlen_q, max_seqlen_k, None, seg_k.reshape(-1).to(torch.int32))

@@ -31,9 +31,9 @@ import os
 
 import torch
 
-from . import checks, dispatch, plan
+from . import checks, chunked, dispatch, plan
 from .cache_layout import (cache_capacity, live_pages_invalid, page_plan, pages_copied, rows_per_slot,
-                           varlen_over_cache)
+                           slot_rows_args, varlen_over_cache)
 from .checks import check_device
 from .checks import check_tma_addressable as _check_tma_addressable
 
@@ -324,7 +324,7 @@ def _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rot
 def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
                     num_splits, pack_gqa, return_lse, check=None, window=None, softcap=0.0, sink=None,
                     rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_leftpad=None,
-                    cu_seqlens_q=None, max_seqlen_q=None):
+                    cu_seqlens_q=None, max_seqlen_q=None, chunk: int = 0):
     """Validated append + attention; returns ``(out, lse or None)``
     (``[batch, seqlen_q, nheads, headdim_v]`` and ``[batch, nheads,
     seqlen_q]``, or with packed queries ``[total_q, nheads, headdim_v]`` and
@@ -335,20 +335,21 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     ``rotary_*``: flash-attn's rotary embedding (``kernels/append.py``);
     ``cache_leftpad``: int32 ``[batch]``, each row's first live key
     (``cache_layout.varlen_over_cache``); ``cu_seqlens_q``, ``max_seqlen_q``: packed
-    queries (``validate_packed_queries``)."""
+    queries (``validate_packed_queries``); ``chunk``: FA3's ``attention_chunk``
+    (``_chunked_over_cache``), 0 for none."""
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa, rotary_cos, rotary_sin,
                                      rotary_interleaved, cache_leftpad, cu_seqlens_q, max_seqlen_q)
     return kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa, return_lse, check, window, softcap,
                                      sink, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, cu_seqlens_q,
-                                     max_seqlen_q)
+                                     max_seqlen_q, chunk)
 
 
 def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                               softmax_scale: float, causal, num_splits, pack_gqa, return_lse, check=None, window=None,
                               softcap=0.0, sink=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                              cache_leftpad=None, cu_seqlens_q=None, max_seqlen_q=None):
+                              cache_leftpad=None, cu_seqlens_q=None, max_seqlen_q=None, chunk: int = 0):
     """``kvcache_forward`` on arguments that passed ``validate_kvcache`` (or,
     for the paged varlen call, ``paged.check_paged_varlen_arguments``), the
     softmax scale resolved: the checks run once per call."""
@@ -390,7 +391,7 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
         out, lse = kvcache_forward_validated(q.view(batch, seqlen_q, nheads, head_dim), k_cache, v_cache, None, None,
                                              seqused, cache_batch_idx, page_table, softmax_scale, causal, num_splits,
                                              pack_gqa, return_lse, False, window, softcap, sink,
-                                             cache_leftpad=cache_leftpad)
+                                             cache_leftpad=cache_leftpad, chunk=chunk)
         return (out.view(q.shape[0], nheads, out.shape[3]),
                 lse.permute(1, 0, 2).reshape(nheads, q.shape[0]) if lse is not None else None)
     rotary = None
@@ -403,6 +404,11 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     if s_new or rotary is not None:
         with plan.on_device(q):
             q = _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary)
+    if chunk and capacity:
+        with plan.on_device(q):
+            return _chunked_over_cache(q, cu_seqlens_q, seqlen_q, k_cache, v_cache, seqused, cache_batch_idx,
+                                       cache_leftpad, capacity, softmax_scale, causal, return_lse, window, softcap,
+                                       sink, num_splits, chunk)
 
     if packed:
         if capacity == 0:  # a cache with no rows at all (TMA cannot describe it): nothing to see
@@ -442,6 +448,34 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     return out, lse
 
 
+def _chunked_over_cache(q, cu_seqlens_q, seqlen_q: int, k_cache, v_cache, seqused, cache_batch_idx, cache_leftpad,
+                        capacity: int, softmax_scale: float, causal, return_lse, window, softcap, sink, num_splits,
+                        chunk: int):
+    """Attention with FA3's ``attention_chunk`` over a contiguous cache
+    (after the append): the cache's rows as the varlen mode's keys
+    (``slot_rows_args``, leftpad and ``cache_batch_idx`` included) and each
+    sequence's chunks as segments (``chunked.cache_segments``), q packed
+    (``[batch, seqlen_q, ...]`` viewed as rows). Returns what
+    ``kvcache_forward_validated`` does."""
+    unpacked = cu_seqlens_q is None
+    if unpacked:
+        batch, _, nheads, head_dim = q.shape
+        cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
+        q = q.reshape(batch * seqlen_q, nheads, head_dim)
+    batch = cu_seqlens_q.shape[0] - 1
+    k_rows, v_rows, cu_k, used_k = slot_rows_args(k_cache, v_cache, batch, cache_batch_idx, cache_leftpad, seqused)
+    seg = chunked.cache_segments(cu_seqlens_q, max(seqlen_q, 1), cu_k[:-1], used_k, capacity, chunk)
+    out, lse = dispatch.forward_varlen_validated(q, k_rows, v_rows, seg.cu_seqlens_q, seg.cu_seqlens_k,
+                                                 seg.max_seqlen_q, seg.max_seqlen_k, None, seg.seqused_k,
+                                                 softmax_scale, causal, return_lse, window=window, softcap=softcap,
+                                                 sink=sink, num_splits=num_splits)
+    if not unpacked:
+        return out, lse
+    nheads = q.shape[1]
+    return (out.view(batch, seqlen_q, nheads, out.shape[-1]),
+            lse.view(nheads, batch, seqlen_q).permute(1, 0, 2).contiguous() if lse is not None else None)
+
+
 @torch.library.custom_op("hopper_flash::fwd_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda")
 def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
                 v: torch.Tensor | None, cache_seqlens: torch.Tensor | None, cache_batch_idx: torch.Tensor | None,
@@ -450,13 +484,14 @@ def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                 softcap: float = 0.0, sink: torch.Tensor | None = None, rotary_cos: torch.Tensor | None = None,
                 rotary_sin: torch.Tensor | None = None, rotary_interleaved: bool = True,
                 cache_leftpad: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
-                max_seqlen_q: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                max_seqlen_q: int = 0, attention_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Append + attention; returns ``(out, lse)``. ``pack_gqa``: -1 auto, 0 off, 1 on;
     ``window_left``/``window_right``: ``checks.window_bounds``'s, -1 -1 for none;
     ``softcap``: logit soft-capping, 0.0 for none; ``sink``: attention sinks;
     ``rotary_*``: flash-attn's rotary embedding of the new keys and q;
     ``cache_leftpad``: each row's first live key; ``cu_seqlens_q``,
-    ``max_seqlen_q``: packed queries (FA3's; 0: none)."""
+    ``max_seqlen_q``: packed queries (FA3's; 0: none); ``attention_chunk``:
+    FA3's chunked attention (0: none)."""
     window = checks.op_window(window_left, window_right, causal)
     checks.check_learnable_sink(sink, q.shape[-2], q.device)
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
@@ -464,7 +499,8 @@ def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
                                softcap=checks.check_softcap(softcap), sink=sink, rotary_cos=rotary_cos,
                                rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                                cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q,
-                               max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None)
+                               max_seqlen_q=max_seqlen_q if cu_seqlens_q is not None else None,
+                               chunk=attention_chunk)
     return out, lse
 
 
@@ -472,8 +508,9 @@ def fwd_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
 def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
                       num_splits, pack_gqa, window_left=-1, window_right=-1, softcap=0.0, sink=None, rotary_cos=None,
                       rotary_sin=None, rotary_interleaved=True, cache_leftpad=None, cu_seqlens_q=None,
-                      max_seqlen_q=0):
+                      max_seqlen_q=0, attention_chunk=0):
     checks.op_window(window_left, window_right, causal)
+    chunked.check_attention_chunk(attention_chunk)
     checks.check_softcap(softcap)
     checks.check_learnable_sink(sink, q.shape[-2], q.device)
     if cu_seqlens_q is not None:
@@ -557,8 +594,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
         cu_seqlens_k_new: FA3's packed new keys: accepted where no new keys
             are given (k None), where FA3 ignores it too.
         alibi_slopes: flash-attn's, accepted only as None.
+        attention_chunk: FA3's chunked attention as in ``flash_attn_func``
+            (each row's keys counted from its left pad), after the append;
+            contiguous caches only (not with ``page_table``). Run as the
+            varlen mode over the cache's rows with each row's chunks as
+            segments (``_chunked_over_cache``), without split-KV's decode
+            route.
         qv, rotary_seqlens, q_descale, k_descale, v_descale,
-            attention_chunk, scheduler_metadata, sm_margin:
+            scheduler_metadata, sm_margin:
             FlashAttention-3's options, accepted at their no-op values (None,
             0) only; other values raise ``NotImplementedError``.
         num_splits: KV splits (0: heuristic); pack_gqa: None = heuristic.
@@ -575,9 +618,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
         page_table = block_table
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes must be None (ALiBi is not supported)")
+    chunk = 0
     if (qv, q_descale, k_descale, v_descale, attention_chunk, sm_margin) != checks.FA3_DEFAULTS:
+        chunk = chunked.check_attention_chunk(attention_chunk)
         checks.check_fa3_options(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                 attention_chunk=attention_chunk, sm_margin=sm_margin)
+                                 sm_margin=sm_margin)
+        if chunk and page_table is not None:
+            raise NotImplementedError("attention_chunk with a paged cache (page_table/block_table): a chunk would "
+                                      "start inside a page; use a contiguous cache for chunked attention")
     if rotary_seqlens is not None:
         raise NotImplementedError("rotary_seqlens must be None (the rotary embedding starts at cache_seqlens)")
     if scheduler_metadata is not None:
@@ -610,10 +658,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                                *(window or (-1, -1)), softcap,
                                None if learnable_sink is None else learnable_sink.detach(),  # (no gradient)
                                rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, cu_seqlens_q,
-                               0 if cu_seqlens_q is None else checks.check_max_seqlen("max_seqlen_q", max_seqlen_q))
+                               0 if cu_seqlens_q is None else checks.check_max_seqlen("max_seqlen_q", max_seqlen_q),
+                               chunk)
         return (out, lse) if return_softmax_lse else out
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                                causal, num_splits, pack_gqa, return_softmax_lse, check_contract, window, softcap,
                                learnable_sink, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
-                               cu_seqlens_q, max_seqlen_q)
+                               cu_seqlens_q, max_seqlen_q, chunk)
     return (out, lse) if return_softmax_lse else out

@@ -542,10 +542,10 @@ def test_the_ops_take_a_window_a_softcap_and_a_sink():
     # Every op takes the attention sinks last: the forwards into their
     # kernels' normaliser (sinks.py), the backwards for the sinks' gradient,
     # their fourth result (the preprocess's partial sums).
-    # The KV-cache op takes flash-attn's rotary arguments, cache_leftpad and FA3's packed queries after them,
-    # the varlen forward FA3's num_splits.
+    # The KV-cache op takes flash-attn's rotary arguments, cache_leftpad and FA3's packed queries and
+    # attention_chunk after them, the varlen forward FA3's num_splits.
     rotary = {kvcache.fwd_kvcache: ["rotary_cos", "rotary_sin", "rotary_interleaved", "cache_leftpad", "cu_seqlens_q",
-                                    "max_seqlen_q"], ops.varlen_fwd: ["num_splits"]}
+                                    "max_seqlen_q", "attention_chunk"], ops.varlen_fwd: ["num_splits"]}
     for op in (ops.fwd, ops.varlen_fwd, kvcache.fwd_kvcache, ops.bwd, ops.varlen_bwd):
         names = [a.name for a in op._opoverload._schema.arguments]
         assert names[-4 - len(rotary.get(op, [])):] == ["window_left", "window_right", "softcap", "sink",

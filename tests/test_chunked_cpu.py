@@ -217,15 +217,15 @@ def test_bad_attention_chunk_is_refused_by_name(value, error, message):
         hopper_flash.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 8, 8, attention_chunk=value)
 
 
-def test_attention_chunk_refused_with_block_table_and_the_kv_cache():
+def test_attention_chunk_refused_with_pages():
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="attention_chunk with block_table"):
-        hopper_flash.flash_attn_varlen_func(q[0], q, q, cu, None, 8, 8, attention_chunk=4,
-                                            block_table=torch.zeros(1, 1, dtype=torch.int32),
+        hopper_flash.flash_attn_varlen_func(q[0], q, q, cu, None, 8, 8, attention_chunk=4, block_table=table,
                                             seqused_k=torch.tensor([8], dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="attention_chunk must be 0 with the KV cache"):
-        hopper_flash.flash_attn_with_kvcache(q, q, q, attention_chunk=4)
+    with pytest.raises(NotImplementedError, match="attention_chunk with a paged cache"):
+        hopper_flash.flash_attn_with_kvcache(q, q, q, attention_chunk=4, page_table=table)
 
 
 def test_segments_trace_without_graph_breaks(monkeypatch):
@@ -251,3 +251,45 @@ def test_segments_trace_without_graph_breaks(monkeypatch):
         torch._dynamo.reset()
         explained = torch._dynamo.explain(fn)(*args)
         assert explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kv_cache_chunks_equal_the_chunk_mask_per_row(monkeypatch, packed, causal):
+    """flash_attn_with_kvcache's route (after the append): the cache rows
+    as the varlen mode's keys, in cache_batch_idx's order and from each
+    row's left pad, with NaN outside every live key; each row judged alone
+    against the chunk mask counted from its pad."""
+    from hopper_flash import dispatch, kvcache
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, scale, causal, return_lse, **_):
+        assert seqused_q is None and seqused_k is not None  # the kernels read cu_k[s] and seqused_k[s] alone
+        spans = [(int(s), int(n)) for s, n in zip(cu_k[:-1].tolist(), seqused_k.tolist())]
+        assert all(n <= max_k and s + n <= k.shape[0] for s, n in spans)
+        assert all(n <= max_q for n in (cu_q[1:] - cu_q[:-1]).tolist())
+        return varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=causal, softmax_scale=scale),
+                            q, k, v, cu_q, cu_k, seqused_k=seqused_k, out_dtype=F64, with_lse=True)
+    monkeypatch.setattr(dispatch, "forward_varlen_validated", varlen)
+    g = torch.Generator().manual_seed(21)
+    cap, chunk = 70, 16
+    k_cache = torch.randn(4, cap, 2, 16, generator=g, dtype=F64)
+    v_cache = torch.randn(4, cap, 2, 16, generator=g, dtype=F64)
+    rows, seqlens, pads = [2, 0, 3], [70, 17, 40], [0, 3, 9]
+    lq = [3, 1, 31] if packed else [3, 3, 3]
+    for r, n, p in zip(rows, seqlens, pads):  # no kernel may read past a row's keys or before its pad
+        k_cache[r, n:], v_cache[r, n:], k_cache[r, :p], v_cache[r, :p] = math.nan, math.nan, math.nan, math.nan
+    q = torch.randn(sum(lq), 4, 16, generator=g, dtype=F64)
+    cu_q = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    out, lse = kvcache._chunked_over_cache(q if packed else q.view(3, 3, 4, 16), cu_q if packed else None,
+                                           max(lq), k_cache, v_cache, as_int(seqlens), as_int(rows), as_int(pads),
+                                           cap, 0.25, causal, True, None, 0.0, None, 0, chunk)
+    if not packed:
+        assert out.shape == (3, 3, 4, 16) and lse.shape == (3, 4, 3)
+        out, lse = out.reshape(9, 4, 16), lse.permute(1, 0, 2).reshape(4, 9)
+    for b, (r, n, p) in enumerate(zip(rows, seqlens, pads)):
+        qs = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        ref, ref_lse = attention_reference(q[qs][None], k_cache[r, p:n][None], v_cache[r, p:n][None], causal=causal,
+                                           softmax_scale=0.25, chunk=chunk)
+        torch.testing.assert_close(out[qs], ref[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[:, qs], ref_lse[0], rtol=1e-12, atol=1e-12)

@@ -18,7 +18,7 @@ from hopper_flash.reference import (
     attention_reference_grads,
     grads_abs_tol,
 )
-from gpu_inputs import assert_varlen_forward, capture, cu, rnd, varlen_batch, varlen_expected
+from gpu_inputs import assert_varlen_forward, capture, cu, nan_tailed_cache, rnd, varlen_batch, varlen_expected
 
 pytestmark = pytest.mark.gpu
 
@@ -127,3 +127,26 @@ def test_torch_compile_fullgraph_matches_eager():
     compiled = torch.compile(lambda a, b, c: hopper_flash.flash_attn_func(a, b, c, causal=True, attention_chunk=256),
                              fullgraph=True)
     assert torch.equal(compiled(q, k, v), eager)
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 4, 300])
+def test_kv_cache_with_append_and_nan_tails(seqlen_q):
+    """flash_attn_with_kvcache(attention_chunk=...): the new keys appended
+    in place, then each row's queries against its chunk of cache + new keys
+    (rows whose queries straddle a chunk boundary included), NaN past every
+    row's keys."""
+    b, cap, chunk = 3, 5000, 1024
+    lens = [4000, 17, 2047]
+    k_cache, v_cache = nan_tailed_cache(b, cap, 2, 128, lens, seed=31)
+    q = rnd(b, seqlen_q, 8, 128, seed=33)
+    k_new, v_new = rnd(b, seqlen_q, 2, 128, seed=34), rnd(b, seqlen_q, 2, 128, seed=35)
+    keys = [torch.cat([k_cache[i, :n], k_new[i]]) for i, n in enumerate(lens)]
+    values = [torch.cat([v_cache[i, :n], v_new[i]]) for i, n in enumerate(lens)]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = hopper_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True,
+                                               attention_chunk=chunk)
+    for i in range(b):
+        assert torch.equal(k_cache[i, lens[i]:lens[i] + seqlen_q], k_new[i])  # the append
+        ref, _ = attention_reference(q[i:i + 1], keys[i][None], values[i][None], causal=True, chunk=chunk)
+        base = attention_baseline(q[i:i + 1], keys[i][None], values[i][None], causal=True, chunk=chunk)
+        assert_judged(f"out row {i}", out[i:i + 1], ref, base)
