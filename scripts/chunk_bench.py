@@ -3,7 +3,8 @@
 ``flash_attn_func(attention_chunk=C, causal=True)`` forward beside FA3's
 forward with the same chunk (``flash_attn_interface``, when it imports;
 FA3 has no chunked backward) and beside our plain causal call on the same
-rows (what the chunks save), then our backward. ``do_bench`` medians;
+rows (what the chunks save), then our backward; and a decode step through
+``flash_attn_with_kvcache`` beside FA3's. ``do_bench`` medians;
 TFLOP/s count each call's visible (query, key) pairs, 4·D FLOPs each
 forward and 2.5x that backward. Every output is judged first against the float64
 reference on sampled rows (``reference.judge``, the chunk mask of
@@ -21,6 +22,7 @@ import hopper_flash
 from hopper_flash.reference import attention_baseline, attention_reference, judge
 
 ROWS = [(1, 32768, 40, 8, 128, 8192), (2, 16384, 40, 8, 128, 8192), (4, 8192, 40, 8, 128, 2048)]
+DECODE_ROWS = [(8, 32768, 40, 8, 128, 8192), (8, 30000, 40, 8, 128, 8192)]
 
 
 def visible_pairs(seqlen: int, chunk: int) -> int:
@@ -64,6 +66,37 @@ def main():
                                      warmup=20, rep=300)
         line.append(f"chunked backward {ms:.3f} ms ({2.5 * 4 * d * pairs / ms / 1e9:.0f} TFLOP/s)")
         print(f"B{b} S{s} H{h}/{hkv} D{d} chunk {chunk}: " + "; ".join(line), flush=True)
+    for b, cap, h, hkv, d, chunk in DECODE_ROWS:
+        decode_row(b, cap, h, hkv, d, chunk)
+
+
+def decode_row(b, cap, h, hkv, d, chunk):
+    """One decode step (a query per row) over caches of ``cap`` keys with
+    the chunk: ours and FA3's ``flash_attn_with_kvcache``, judged on every
+    row first; K/V TB/s of the keys each query sees (the last chunk's)."""
+    try:
+        fa3 = importlib.import_module("flash_attn_interface").flash_attn_with_kvcache
+    except Exception:
+        fa3 = None
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(b, 1, h, d, generator=gen, device="cuda").to(torch.bfloat16)
+    k_cache, v_cache = (torch.randn(b, cap, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in "kv")
+    lens = torch.full((b,), cap, dtype=torch.int32, device="cuda")
+    calls = {"chunked": lambda: hopper_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                                                       causal=True, attention_chunk=chunk)}
+    if fa3 is not None:
+        calls["fa3 chunked"] = lambda: (lambda o: o[0] if isinstance(o, tuple) else o)(
+            fa3(q, k_cache, v_cache, cache_seqlens=lens, causal=True, attention_chunk=chunk))
+    ref, _ = attention_reference(q, k_cache, v_cache, causal=True, chunk=chunk)
+    base = attention_baseline(q, k_cache, v_cache, causal=True, chunk=chunk)
+    seen = (cap - 1) % chunk + 1  # keys in the last query's chunk
+    line = []
+    for name, fn in calls.items():
+        verdict = judge(name, fn(), ref, base)
+        assert verdict, verdict.message
+        us = triton.testing.do_bench(fn, warmup=50, rep=300) * 1e3
+        line.append(f"{name} {us:.1f} us ({2 * b * seen * hkv * d * 2 / us / 1e6:.2f} TB/s of the chunk's K/V)")
+    print(f"decode B{b} cache {cap} H{h}/{hkv} D{d} chunk {chunk}: " + "; ".join(line), flush=True)
 
 
 if __name__ == "__main__":
