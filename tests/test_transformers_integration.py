@@ -1295,3 +1295,23 @@ def test_in_place_step_with_a_long_request_asks_for_splits(fake_varlen, monkeypa
         (call,) = fake_varlen
         assert call["block_table"] is not None
         assert (call["num_splits"] > 1) if skewed else call["num_splits"] == 0, (skewed, call["num_splits"])
+
+
+def test_block_table_built_once_per_step_and_again_when_the_index_changes(monkeypatch):
+    """Layers of one step (the same read index and cu_seq_lens_k tensors)
+    share one block table; a rewritten index (its version moves) or a new
+    step's index gets a new one, equal to a fresh build."""
+    cache = _PagedCache(16)
+    storage = torch.zeros(64, dtype=torch.int64)
+    storage[:20] = cache.read_index([20], [[3, 5]])
+    index, cu_k = storage[:20], torch.tensor([0, 20], dtype=torch.int32)
+    first = hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2]
+    assert hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2] is first  # the next layer of the step
+    storage[:20] = cache.read_index([20], [[7, 1]])  # the next step writes the same storage
+    rebuilt = hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2]
+    assert rebuilt is not first and rebuilt.tolist() == [[7, 1]]
+    fresh = hft.paged_cache_view(cache, 0, [storage[:20].clone()], cu_k, 20)[2]  # a new index tensor
+    assert fresh is not rebuilt and torch.equal(fresh, rebuilt)
+    monkeypatch.setattr(hft.checks, "capturing", lambda: True)  # a CUDA graph capture: built every time
+    assert hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2] is not hft.paged_cache_view(cache, 0, [index], cu_k,
+                                                                                            20)[2]

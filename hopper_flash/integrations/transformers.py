@@ -546,13 +546,40 @@ def paged_cache_view(cache, layer_idx: int, read_index, cu_k: torch.Tensor, max_
     if (k_pool.dim() != 3 or v_pool.dim() != 3 or k_pool.shape[0] != v_pool.shape[0]
             or k_pool.shape[0] % page or not k_pool.is_contiguous() or not v_pool.is_contiguous()):
         return None
-    # Each page's first key in the read index; past a request's keys the
-    # entries name some valid page (a later request's, or the index's last
-    # key's: clamped), which the kernels never read. Six small launches.
+    table = _block_table(index, cu_k, max_k, page)
+    return k_pool.view(-1, page, *k_pool.shape[1:]), v_pool.view(-1, page, *v_pool.shape[1:]), table
+
+
+# The last block table built (_block_table): the tensors it was read from,
+# their version counters and the host values, then the table.
+_LAST_TABLE: list = [None]
+
+
+def _block_table(index: torch.Tensor, cu_k: torch.Tensor, max_k: int, page: int) -> torch.Tensor:
+    """The ``[batch, ceil(max_k / page)]`` block table of
+    :func:`paged_cache_view`: each page's first key in the read index; past
+    a request's keys the entries name some valid page (a later request's, or
+    the index's last key's: clamped), which the kernels never read. Six
+    small launches.
+
+    Every full attention layer of a group gets the same ``read_index``
+    tensor and ``cu_seq_lens_k`` within a step, so the table is built once
+    per step and reused while both are the same objects with the same
+    version counters (a new step hands a new index view, or rewrites the
+    storage, which moves the counter). Not while tracing (torch.compile
+    fuses the launches) or capturing a CUDA graph (the graph must build it
+    from the index it replays on)."""
+    reuse = not torch.compiler.is_compiling() and not checks.capturing()
+    key = (index._version, cu_k._version, max_k, page) if reuse else None
+    last = _LAST_TABLE[0]
+    if reuse and last is not None and last[0] is index and last[1] is cu_k and last[2] == key:
+        return last[3]
     offsets = torch.arange(0, -(-max_k // page) * page, page, device=cu_k.device)
     first_keys = (cu_k[:-1, None] + offsets).clamp_max_(index.numel() - 1)
     table = (index[first_keys] // page).to(torch.int32)
-    return k_pool.view(-1, page, *k_pool.shape[1:]), v_pool.view(-1, page, *v_pool.shape[1:]), table
+    if reuse:
+        _LAST_TABLE[0] = (index, cu_k, key, table)
+    return table
 
 
 def check_paged_cache_view(index: torch.Tensor, cu_k: torch.Tensor, block_table: torch.Tensor, page: int) -> None:
