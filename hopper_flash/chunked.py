@@ -99,6 +99,17 @@ def segment_lengths(len_q: torch.Tensor, len_k: torch.Tensor, chunk: int, chunks
     return torch.cat(q_cols, dim=1), torch.cat(k_cols, dim=1)
 
 
+def as_batch(out: torch.Tensor, lse: torch.Tensor | None, batch: int, seqlen_q: int):
+    """A varlen result over ``batch * seqlen_q`` packed rows back in the
+    fixed-length layouts: ``out`` ``[batch, seqlen_q, H, Dv]`` (a view) and
+    ``lse`` ``[batch, H, seqlen_q]`` (contiguous, as flash-attn returns it)."""
+    nheads = out.shape[1]
+    out = out.view(batch, seqlen_q, nheads, out.shape[-1])
+    if lse is not None:
+        lse = lse.view(nheads, batch, seqlen_q).permute(1, 0, 2).contiguous()
+    return out, lse
+
+
 def _prefix_sums(lengths: torch.Tensor) -> torch.Tensor:
     """int32 ``[n + 1]`` prefix sums (from 0) of the flattened lengths."""
     flat = lengths.reshape(-1)

@@ -399,8 +399,7 @@ def _chunked_func(q, k, v, chunk: int, *, softmax_scale, causal, return_lse, win
     batch of chunk segments (``chunked.fixed_segments``; views, no copy),
     or the plain call where one chunk holds every key a query sees."""
     checks.check_arguments(q, k, v, softmax_scale, causal)  # errors named as flash_attn_func's
-    batch, seqlen_q, nheads, _ = q.shape
-    seqlen_k = k.shape[1]
+    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     plain = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                  deterministic=deterministic, learnable_sink=learnable_sink)
     if seqlen_q == 0 or seqlen_k == 0 or seqlen_q <= seqlen_k <= chunk:
@@ -409,11 +408,8 @@ def _chunked_func(q, k, v, chunk: int, *, softmax_scale, causal, return_lse, win
     res = flash_attn_varlen_func(q.reshape(batch * seqlen_q, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
                                  v.reshape(-1, *v.shape[2:]), seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q,
                                  seg.max_seqlen_k, return_lse=return_lse, **plain)
-    out, lse = res if return_lse else (res, None)
-    out = out.view(batch, seqlen_q, nheads, out.shape[-1])
-    if not return_lse:
-        return out
-    return out, lse.view(nheads, batch, seqlen_q).permute(1, 0, 2).contiguous()  # flash_attn_func's [B, H, S]
+    out, lse = chunked.as_batch(*(res if return_lse else (res, None)), batch, seqlen_q)
+    return (out, lse) if return_lse else out
 
 
 def _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, chunk: int, *, seqused_q,

@@ -459,9 +459,8 @@ def _chunked_over_cache(q, cu_seqlens_q, seqlen_q: int, k_cache, v_cache, sequse
     ``kvcache_forward_validated`` does."""
     unpacked = cu_seqlens_q is None
     if unpacked:
-        batch, _, nheads, head_dim = q.shape
-        cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q
-        q = q.reshape(batch * seqlen_q, nheads, head_dim)
+        cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device) * seqlen_q
+        q = q.flatten(0, 1)
     batch = cu_seqlens_q.shape[0] - 1
     k_rows, v_rows, cu_k, used_k = slot_rows_args(k_cache, v_cache, batch, cache_batch_idx, cache_leftpad, seqused)
     seg = chunked.cache_segments(cu_seqlens_q, max(seqlen_q, 1), cu_k[:-1], used_k, capacity, chunk)
@@ -469,11 +468,7 @@ def _chunked_over_cache(q, cu_seqlens_q, seqlen_q: int, k_cache, v_cache, sequse
                                                  seg.max_seqlen_q, seg.max_seqlen_k, None, seg.seqused_k,
                                                  softmax_scale, causal, return_lse, window=window, softcap=softcap,
                                                  sink=sink, num_splits=num_splits)
-    if not unpacked:
-        return out, lse
-    nheads = q.shape[1]
-    return (out.view(batch, seqlen_q, nheads, out.shape[-1]),
-            lse.view(nheads, batch, seqlen_q).permute(1, 0, 2).contiguous() if lse is not None else None)
+    return chunked.as_batch(out, lse, batch, seqlen_q) if unpacked else (out, lse)
 
 
 @torch.library.custom_op("hopper_flash::fwd_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda")
