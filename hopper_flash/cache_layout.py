@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch, plan
+from . import chunked, dispatch, plan
 
 # Page sizes served by TMA straight from the pages (the page is the TMA batch
 # coordinate): multiples of a config's block_n, and powers of two from 16 up
@@ -128,7 +128,8 @@ def slot_rows_args(k_cache, v_cache, batch: int, cache_batch_idx, cache_leftpad,
 
 def varlen_over_cache(q, cu_seqlens_q, max_seqlen_q: int, seqused_q, k_cache, v_cache, seqused, cache_batch_idx,
                       cache_leftpad, page_table, softmax_scale: float, causal, return_lse, window=None, softcap=0.0,
-                      sink=None, max_seqlen_k: int | None = None, pack_gqa=None, num_splits: int = 0):
+                      sink=None, max_seqlen_k: int | None = None, pack_gqa=None, num_splits: int = 0,
+                      chunk: int = 0):
     """Packed (THD) queries ``q`` ``[total_q, H, D]`` (sequence ``b`` at
     ``cu_seqlens_q[b]``) over a KV cache, each sequence's keys the first
     ``seqused[b]`` of its cache row (from ``cache_leftpad[b]`` on) or of its
@@ -141,7 +142,9 @@ def varlen_over_cache(q, cu_seqlens_q, max_seqlen_q: int, seqused_q, k_cache, v_
     ``(out [total_q, H, Dv], lse [H, total_q] or None)``; nothing is read
     on the host.
     ``max_seqlen_k``: a bound on the key lengths (default: the cache's
-    capacity)."""
+    capacity). ``chunk``: FA3's ``attention_chunk`` (contiguous caches, no
+    ``seqused_q``): each sequence's chunks run as sequences of their own
+    (``chunked.cache_segments``)."""
     batch = cu_seqlens_q.shape[0] - 1
     capacity = cache_capacity(k_cache, page_table)
     bound = capacity if max_seqlen_k is None else min(int(max_seqlen_k), capacity)
@@ -155,6 +158,11 @@ def varlen_over_cache(q, cu_seqlens_q, max_seqlen_q: int, seqused_q, k_cache, v_
                                                      num_splits=num_splits)
         k_cache, v_cache = pages_copied(k_cache, v_cache, page_table)
     k3, v3, cu_k, used_k = slot_rows_args(k_cache, v_cache, batch, cache_batch_idx, cache_leftpad, seqused)
+    if chunk:
+        assert page_table is None and seqused_q is None
+        seg = chunked.cache_segments(cu_seqlens_q, max_seqlen_q, cu_k[:-1], used_k, bound, chunk)
+        cu_seqlens_q, cu_k, max_seqlen_q, bound, used_k = (seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q,
+                                                           seg.max_seqlen_k, seg.seqused_k)
     return dispatch.forward_varlen_validated(q, k3, v3, cu_seqlens_q, cu_k, max_seqlen_q, bound, seqused_q,
                                              used_k, softmax_scale, causal, return_lse, window=window,
                                              softcap=softcap, sink=sink, pack_gqa=pack_gqa,

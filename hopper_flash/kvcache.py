@@ -33,7 +33,7 @@ import torch
 
 from . import checks, chunked, dispatch, plan
 from .cache_layout import (cache_capacity, live_pages_invalid, page_plan, pages_copied, rows_per_slot,
-                           slot_rows_args, varlen_over_cache)
+                           varlen_over_cache)
 from .checks import check_device
 from .checks import check_tma_addressable as _check_tma_addressable
 
@@ -336,7 +336,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     ``cache_leftpad``: int32 ``[batch]``, each row's first live key
     (``cache_layout.varlen_over_cache``); ``cu_seqlens_q``, ``max_seqlen_q``: packed
     queries (``validate_packed_queries``); ``chunk``: FA3's ``attention_chunk``
-    (``_chunked_over_cache``), 0 for none."""
+    (``cache_layout.varlen_over_cache``), 0 for none."""
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa, rotary_cos, rotary_sin,
                                      rotary_interleaved, cache_leftpad, cu_seqlens_q, max_seqlen_q)
@@ -405,10 +405,14 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
         with plan.on_device(q):
             q = _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary)
     if chunk and capacity:
-        with plan.on_device(q):
-            return _chunked_over_cache(q, cu_seqlens_q, seqlen_q, k_cache, v_cache, seqused, cache_batch_idx,
-                                       cache_leftpad, capacity, softmax_scale, causal, return_lse, window, softcap,
-                                       sink, num_splits, chunk)
+        # FA3's attention_chunk: the varlen mode over the cache with each
+        # sequence's chunks as sequences (varlen_over_cache), q's rows packed.
+        rows, cu = (q, cu_seqlens_q) if packed else (
+            q.flatten(0, 1), torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q)
+        out, lse = varlen_over_cache(rows, cu, max(seqlen_q, 1), None, k_cache, v_cache, seqused, cache_batch_idx,
+                                     cache_leftpad, None, softmax_scale, causal, return_lse, window, softcap, sink,
+                                     pack_gqa=pack_gqa, num_splits=num_splits, chunk=chunk)
+        return (out, lse) if packed else chunked.as_batch(out, lse, batch, seqlen_q)
 
     if packed:
         if capacity == 0:  # a cache with no rows at all (TMA cannot describe it): nothing to see
@@ -446,29 +450,6 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     with plan.on_device(q):
         plan.launch_forward(*args, **kwargs)
     return out, lse
-
-
-def _chunked_over_cache(q, cu_seqlens_q, seqlen_q: int, k_cache, v_cache, seqused, cache_batch_idx, cache_leftpad,
-                        capacity: int, softmax_scale: float, causal, return_lse, window, softcap, sink, num_splits,
-                        chunk: int):
-    """Attention with FA3's ``attention_chunk`` over a contiguous cache
-    (after the append): the cache's rows as the varlen mode's keys
-    (``slot_rows_args``, leftpad and ``cache_batch_idx`` included) and each
-    sequence's chunks as segments (``chunked.cache_segments``), q packed
-    (``[batch, seqlen_q, ...]`` viewed as rows). Returns what
-    ``kvcache_forward_validated`` does."""
-    unpacked = cu_seqlens_q is None
-    if unpacked:
-        cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device) * seqlen_q
-        q = q.flatten(0, 1)
-    batch = cu_seqlens_q.shape[0] - 1
-    k_rows, v_rows, cu_k, used_k = slot_rows_args(k_cache, v_cache, batch, cache_batch_idx, cache_leftpad, seqused)
-    seg = chunked.cache_segments(cu_seqlens_q, max(seqlen_q, 1), cu_k[:-1], used_k, capacity, chunk)
-    out, lse = dispatch.forward_varlen_validated(q, k_rows, v_rows, seg.cu_seqlens_q, seg.cu_seqlens_k,
-                                                 seg.max_seqlen_q, seg.max_seqlen_k, None, seg.seqused_k,
-                                                 softmax_scale, causal, return_lse, window=window, softcap=softcap,
-                                                 sink=sink, num_splits=num_splits)
-    return chunked.as_batch(out, lse, batch, seqlen_q) if unpacked else (out, lse)
 
 
 @torch.library.custom_op("hopper_flash::fwd_kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda")
@@ -593,7 +574,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
             (each row's keys counted from its left pad), after the append;
             contiguous caches only (not with ``page_table``). Run as the
             varlen mode over the cache's rows with each row's chunks as
-            segments (``_chunked_over_cache``), without split-KV's decode
+            segments (``cache_layout.varlen_over_cache``), without split-KV's decode
             route.
         qv, rotary_seqlens, q_descale, k_descale, v_descale,
             scheduler_metadata, sm_margin:

@@ -281,9 +281,10 @@ def test_kv_cache_chunks_equal_the_chunk_mask_per_row(monkeypatch, packed, causa
     q = torch.randn(sum(lq), 4, 16, generator=g, dtype=F64)
     cu_q = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
     as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    out, lse = kvcache._chunked_over_cache(q if packed else q.view(3, 3, 4, 16), cu_q if packed else None,
-                                           max(lq), k_cache, v_cache, as_int(seqlens), as_int(rows), as_int(pads),
-                                           cap, 0.25, causal, True, None, 0.0, None, 0, chunk)
+    out, lse = kvcache.kvcache_forward_validated(
+        q if packed else q.view(3, 3, 4, 16), k_cache, v_cache, None, None, as_int(seqlens), as_int(rows), None, 0.25,
+        causal, 0, None, True, check=False, cache_leftpad=as_int(pads), cu_seqlens_q=cu_q if packed else None,
+        max_seqlen_q=max(lq) if packed else None, chunk=chunk)
     if not packed:
         assert out.shape == (3, 3, 4, 16) and lse.shape == (3, 4, 3)
         out, lse = out.reshape(9, 4, 16), lse.permute(1, 0, 2).reshape(4, 9)
