@@ -22,7 +22,7 @@ from typing import Literal, overload
 
 import torch
 
-from . import checks, chunked, dispatch, ops, paged
+from . import cache_layout, checks, chunked, dispatch, ops, paged
 
 
 _needs_op = ops.needs_op
@@ -313,7 +313,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             accepted at their no-op values only.
         attention_chunk: chunked attention as in ``flash_attn_func``, per
             sequence (``chunked.varlen_segments``: the segments built on the
-            device, no sync); not with ``block_table``. Packed self attention
+            device, no sync); with ``block_table`` the segments read the
+            pages in place where the chunk is a multiple of the page size
+            (``chunked.paged_segments``), else each sequence's pages are
+            copied into packed rows first (correct, not at memory speed).
+            Packed self attention
             (the same ``cu_seqlens`` tensor for q and k, no ``seqused``)
             plans the tightest grid.
         qv, q_descale, k_descale, v_descale, sm_margin:
@@ -420,8 +424,11 @@ def _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     on the device). The call's own arguments are checked first, and its
     contract where asked; the segments then keep it."""
     if block_table is not None:
-        raise NotImplementedError("attention_chunk with block_table: a chunk segment would start inside a page "
-                                  "row; pass the keys packed (without block_table) for chunked attention")
+        return _chunked_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, chunk,
+                                     seqused_q=seqused_q, seqused_k=seqused_k, softmax_scale=softmax_scale,
+                                     causal=causal, return_lse=return_lse, check_contract=check_contract,
+                                     window_size=window_size, softcap=softcap, block_table=block_table,
+                                     learnable_sink=learnable_sink, num_splits=num_splits)
     softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale, causal)
     if dispatch._check_contract_requested(check_contract) and not torch.compiler.is_compiling():
@@ -434,3 +441,35 @@ def _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                   causal=causal, deterministic=deterministic, return_lse=return_lse,
                                   check_contract=False, window_size=window_size, softcap=softcap,
                                   learnable_sink=learnable_sink, num_splits=num_splits)
+
+
+def _chunked_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, chunk: int, *,
+                          seqused_q, seqused_k, softmax_scale, causal, return_lse, check_contract, window_size,
+                          softcap, block_table, learnable_sink, num_splits):
+    """``flash_attn_varlen_func`` with ``attention_chunk`` and ``block_table``:
+    where the chunk is a multiple of the page size every chunk starts at a
+    page, and the segments are a paged batch of their own
+    (``chunked.paged_segments``: their page-table rows gathered on the
+    device); otherwise each sequence's pages are copied into packed rows
+    first (correct, not at memory speed) and chunked as unpaged keys."""
+    paged.refuse_gradients(q, k, v, learnable_sink)
+    softmax_scale, max_seqlen_q, max_seqlen_k = paged.check_paged_varlen_arguments(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table,
+        softmax_scale, causal)
+    if dispatch._check_contract_requested(check_contract) and not torch.compiler.is_compiling():
+        paged.check_paged_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                          seqused_k, block_table)
+    lens = paged._key_lengths(cu_seqlens_k, seqused_k)
+    common = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, check_contract=False,
+                  window_size=window_size, softcap=softcap, learnable_sink=learnable_sink, num_splits=num_splits)
+    page_size = k.shape[1]
+    if chunk % page_size == 0:
+        seg, table = chunked.paged_segments(cu_seqlens_q.contiguous(), seqused_q, max_seqlen_q, lens, max_seqlen_k,
+                                            chunk, block_table.contiguous(), page_size)
+        return flash_attn_varlen_func(q, k, v, seg.cu_seqlens_q, None, seg.max_seqlen_q, seg.max_seqlen_k,
+                                      seqused_q=seg.seqused_q, seqused_k=seg.seqused_k, block_table=table, **common)
+    k_rows, v_rows = (t.flatten(0, 1) for t in cache_layout.pages_copied(k, v, block_table))
+    rows = block_table.shape[1] * page_size
+    cu_k = torch.arange(block_table.shape[0] + 1, dtype=torch.int32, device=q.device) * rows
+    return _chunked_varlen(q, k_rows, v_rows, cu_seqlens_q, cu_k, max_seqlen_q, min(max_seqlen_k, rows), chunk,
+                           seqused_q=seqused_q, seqused_k=lens, deterministic=False, block_table=None, **common)

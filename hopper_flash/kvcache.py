@@ -410,8 +410,8 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
         rows, cu = (q, cu_seqlens_q) if packed else (
             q.flatten(0, 1), torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q)
         out, lse = varlen_over_cache(rows, cu, max(seqlen_q, 1), None, k_cache, v_cache, seqused, cache_batch_idx,
-                                     cache_leftpad, None, softmax_scale, causal, return_lse, window, softcap, sink,
-                                     pack_gqa=pack_gqa, num_splits=num_splits, chunk=chunk)
+                                     cache_leftpad, page_table, softmax_scale, causal, return_lse, window, softcap,
+                                     sink, pack_gqa=pack_gqa, num_splits=num_splits, chunk=chunk)
         return (out, lse) if packed else chunked.as_batch(out, lse, batch, seqlen_q)
 
     if packed:
@@ -571,11 +571,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
             are given (k None), where FA3 ignores it too.
         alibi_slopes: flash-attn's, accepted only as None.
         attention_chunk: FA3's chunked attention as in ``flash_attn_func``
-            (each row's keys counted from its left pad), after the append;
-            contiguous caches only (not with ``page_table``). Run as the
-            varlen mode over the cache's rows with each row's chunks as
-            segments (``cache_layout.varlen_over_cache``), without split-KV's decode
-            route.
+            (each row's keys counted from its left pad), after the append.
+            Run as the varlen mode over the cache's rows with each row's
+            chunks as segments (``cache_layout.varlen_over_cache``), without
+            split-KV's decode route. With ``page_table`` the pages are read
+            in place where the chunk is a multiple of the page size (each
+            chunk then starts at a page); otherwise each row's pages are
+            copied into a contiguous row first (correct, not at memory
+            speed).
         qv, rotary_seqlens, q_descale, k_descale, v_descale,
             scheduler_metadata, sm_margin:
             FlashAttention-3's options, accepted at their no-op values (None,
@@ -599,9 +602,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
         chunk = chunked.check_attention_chunk(attention_chunk)
         checks.check_fa3_options(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                  sm_margin=sm_margin)
-        if chunk and page_table is not None:
-            raise NotImplementedError("attention_chunk with a paged cache (page_table/block_table): a chunk would "
-                                      "start inside a page; use a contiguous cache for chunked attention")
     if rotary_seqlens is not None:
         raise NotImplementedError("rotary_seqlens must be None (the rotary embedding starts at cache_seqlens)")
     if scheduler_metadata is not None:
