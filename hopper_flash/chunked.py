@@ -164,6 +164,26 @@ def varlen_segments(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, sequ
                     torch.cat([k_lens, none], dim=1).reshape(-1).to(torch.int32))
 
 
+def last_chunk_start(live_k: torch.Tensor, chunk: int) -> torch.Tensor:
+    """int32 ``[batch]``: where the chunk of each row's last key starts
+    (counted from the row's first live key; 0 for a row without keys). A
+    single query per row sits at its row's last key position, so it sees
+    exactly the keys from there on: the decode route with each row's keys
+    starting there (``kvcache``: a left pad, or a page table shifted by it)
+    computes the chunked call with split-KV and PackGQA, where the chunk
+    segments would run a varlen launch of mostly empty sequences."""
+    return torch.div((live_k - 1).clamp(min=0), chunk, rounding_mode="floor").mul(chunk).to(torch.int32)
+
+
+def shifted_pages(page_table: torch.Tensor, start: torch.Tensor, page_size: int, width: int) -> torch.Tensor:
+    """int32 ``[batch, width]``: each row of ``page_table`` from page
+    ``start[b] / page_size`` on (``start`` a multiple of the page size),
+    entries past the row clamped to its last entry."""
+    pages = torch.div(start.long(), page_size, rounding_mode="floor")[:, None] + torch.arange(width,
+                                                                                             device=start.device)
+    return page_table.gather(1, pages.clamp_(max=page_table.shape[1] - 1))
+
+
 def paged_segments(cu_seqlens_q: torch.Tensor, seqused_q, max_seqlen_q: int, k_lens: torch.Tensor,
                    max_seqlen_k: int, chunk: int, page_table: torch.Tensor,
                    page_size: int) -> tuple[Segments, torch.Tensor]:

@@ -401,13 +401,20 @@ def _chunked_func(q, k, v, chunk: int, *, softmax_scale, causal, return_lse, win
                   learnable_sink):
     """``flash_attn_func`` with ``attention_chunk``: the rows as a varlen
     batch of chunk segments (``chunked.fixed_segments``; views, no copy),
-    or the plain call where one chunk holds every key a query sees."""
+    or the plain call where every query lies in one chunk (over that
+    chunk's keys, a view)."""
     checks.check_arguments(q, k, v, softmax_scale, causal)  # errors named as flash_attn_func's
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     plain = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                  deterministic=deterministic, learnable_sink=learnable_sink)
     if seqlen_q == 0 or seqlen_k == 0 or seqlen_q <= seqlen_k <= chunk:
         return flash_attn_func(q, k, v, return_lse=return_lse, **plain)
+    first = seqlen_k - seqlen_q  # the first query's key position
+    if first >= 0 and first // chunk == (seqlen_k - 1) // chunk:
+        # Every query in the last chunk (a decode step, a short query block):
+        # the plain call over that chunk's keys, a view of k and v.
+        start = first // chunk * chunk
+        return flash_attn_func(q, k[:, start:], v[:, start:], return_lse=return_lse, **plain)
     seg = chunked.fixed_segments(batch, seqlen_q, seqlen_k, chunk, q.device)
     res = flash_attn_varlen_func(q.reshape(batch * seqlen_q, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
                                  v.reshape(-1, *v.shape[2:]), seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q,

@@ -404,6 +404,17 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     if s_new or rotary is not None:
         with plan.on_device(q):
             q = _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary)
+    if chunk and capacity and seqlen_q == 1 and not packed:
+        # One query per row sees its row's last chunk alone: the decode route
+        # over the keys from that chunk's start (a left pad; pages: the
+        # table shifted by it, where every chunk starts at a page).
+        start = chunked.last_chunk_start(seqused if cache_leftpad is None else seqused - cache_leftpad, chunk)
+        if page_table is None:
+            cache_leftpad, chunk = (start if cache_leftpad is None else cache_leftpad + start), 0
+        elif chunk % k_cache.shape[1] == 0 and page_plan(k_cache.shape[1], head_dim, k_cache, v_cache):
+            width = min(page_table.shape[1], chunk // k_cache.shape[1])
+            page_table = chunked.shifted_pages(page_table, start, k_cache.shape[1], width)
+            seqused, chunk = seqused - start, 0
     if chunk and capacity:
         # FA3's attention_chunk: the varlen mode over the cache with each
         # sequence's chunks as sequences (varlen_over_cache), q's rows packed.
@@ -572,9 +583,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
         alibi_slopes: flash-attn's, accepted only as None.
         attention_chunk: FA3's chunked attention as in ``flash_attn_func``
             (each row's keys counted from its left pad), after the append.
-            Run as the varlen mode over the cache's rows with each row's
-            chunks as segments (``cache_layout.varlen_over_cache``), without
-            split-KV's decode route. With ``page_table`` the pages are read
+            A decode step (one query per row) runs the decode route over
+            each row's last chunk (its start as a left pad, or the page
+            table shifted to it), with split-KV and PackGQA; longer queries
+            run as the varlen mode over the cache's rows with each row's
+            chunks as segments (``cache_layout.varlen_over_cache``). With
+            ``page_table`` the pages are read
             in place where the chunk is a multiple of the page size (each
             chunk then starts at a page); otherwise each row's pages are
             copied into a contiguous row first (correct, not at memory

@@ -112,6 +112,30 @@ def test_fixed_length_gradients_equal_the_chunk_mask(calls, sq, sk, chunk):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
 
 
+# (seqlen_q, seqlen_k, chunk) whose every query lies in the last chunk: a
+# decode step, a block ending at a chunk's last key, one past a boundary.
+ONE_CHUNK = [(1, 100, 16), (4, 96, 32), (3, 100, 16), (1, 33, 1)]
+
+
+@pytest.mark.parametrize("sq,sk,chunk", ONE_CHUNK, ids=[f"{a}x{b}c{c}" for a, b, c in ONE_CHUNK])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_queries_in_one_chunk_run_the_plain_call_over_its_keys(calls, sq, sk, chunk, causal):
+    """No segments where every query sits in the last chunk: the plain call
+    over that chunk's keys (views of k and v), outputs, LSE and gradients
+    as the chunk mask's over all keys (the keys before it: no gradient)."""
+    q, k, v = qkv(2, sq, sk, seed=sq + sk, requires_grad=True)
+    out, lse = interface._chunked_func(q, k, v, chunk, softmax_scale=None, causal=causal, return_lse=True,
+                                       window_size=(-1, -1), softcap=0.0, deterministic=False, learnable_sink=None)
+    assert calls == [dict(plain=True)]
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, chunk=chunk)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for g, r in zip(grads, torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
 def varlen_case(lq, lk, used_q=None, used_k=None, seed=0, h=4, hkv=2, d=16):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(sum(lq), h, d, generator=g, dtype=F64)
@@ -453,3 +477,66 @@ def test_kv_cache_chunks_equal_the_chunk_mask_per_row(monkeypatch, packed, causa
                                            softmax_scale=0.25, chunk=chunk)
         torch.testing.assert_close(out[qs], ref[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lse[:, qs], ref_lse[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["rows", "pages", "pages-unaligned"])
+def test_kv_cache_decode_step_runs_the_decode_route_over_the_last_chunk(monkeypatch, layout):
+    """One query per row (a decode step): no segments, but the decode launch
+    over the row's last chunk, whose start is a left pad added to the row's
+    own (``cache_batch_idx`` rows) or, over pages, a page-table row shifted
+    by it (a chunk a multiple of the page size; otherwise the segments run
+    over the copied pages). Each row judged alone against the chunk mask
+    counted from its pad, NaN outside every live key."""
+    import contextlib
+
+    from test_kvcache_packed_cpu import _decode_stand_in
+
+    from hopper_flash import dispatch, kvcache
+    seen = {}
+
+    def launch(*args, **kw):
+        seen.update(kw, route="decode")
+        _decode_stand_in(*args, **kw)
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, scale, causal, return_lse, *rest,
+               page_table=None, **_):
+        seen.update(route="varlen")
+        return paged_varlen_stand_in([])(q, *(t[:, None] for t in (k, v)), cu_q, seqused_q, seqused_k, torch.stack(
+            [torch.arange(int(s), int(s) + max_k).clamp(max=k.shape[0] - 1) for s in cu_k[:-1].tolist()]).to(
+                torch.int32), max_q, max_k, scale, causal)
+    monkeypatch.setattr(plan, "launch_forward", launch)
+    monkeypatch.setattr(dispatch, "forward_varlen_validated", varlen)
+    monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
+    g = torch.Generator().manual_seed(5)
+    cap, hkv, d = 80, 2, 16
+    seqlens = [70, 17, 40, 0]
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    q = torch.randn(4, 1, 4, d, generator=g, dtype=F64)
+    if layout == "rows":
+        chunk, rows, pads = 16, [2, 0, 3, 1], [0, 3, 9, 0]
+        k_cache = torch.randn(4, cap, hkv, d, generator=g, dtype=F64)
+        v_cache = torch.randn(4, cap, hkv, d, generator=g, dtype=F64)
+        for r, n, p in zip(rows, seqlens, pads):
+            k_cache[r, n:], v_cache[r, n:], k_cache[r, :p], v_cache[r, :p] = (math.nan,) * 4
+        out, lse = kvcache.kvcache_forward_validated(q, k_cache, v_cache, None, None, as_int(seqlens), as_int(rows),
+                                                     None, 0.25, True, 0, None, True, check=False,
+                                                     cache_leftpad=as_int(pads), chunk=chunk)
+        keys = [(k_cache[r, p:n], v_cache[r, p:n]) for r, n, p in zip(rows, seqlens, pads)]
+        assert seen["route"] == "decode"
+        assert seen["leftpad"].tolist() == [p + (n - p - 1) // chunk * chunk if n > p else p
+                                            for n, p in zip(seqlens, pads)]
+    else:
+        chunk = 32 if layout == "pages" else 24
+        k_pool, v_pool, table = paged_case(seqlens, 16, 24, 6, seed=9)
+        out, lse = kvcache.kvcache_forward_validated(q, k_pool, v_pool, None, None, as_int(seqlens), None, table, 0.25,
+                                                     True, 0, None, True, check=False, chunk=chunk)
+        keys = [(paged_rows(k_pool, table[b], n), paged_rows(v_pool, table[b], n)) for b, n in enumerate(seqlens)]
+        assert seen["route"] == ("decode" if layout == "pages" else "varlen")
+        if layout == "pages":
+            assert seen["page_table"].shape == (4, 2)
+            assert seen["seqused_k"].tolist() == [n - max(n - 1, 0) // chunk * chunk for n in seqlens]
+    for b, (kk, vv) in enumerate(keys):
+        ref, ref_lse = attention_reference(q[b:b + 1], kk[None], vv[None], causal=True, softmax_scale=0.25,
+                                           chunk=chunk)
+        torch.testing.assert_close(out[b:b + 1], ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[b:b + 1].double(), ref_lse.to(lse.dtype).double(), rtol=1e-12, atol=1e-12)
