@@ -142,24 +142,36 @@ def varlen_over_cache(q, cu_seqlens_q, max_seqlen_q: int, seqused_q, k_cache, v_
     ``(out [total_q, H, Dv], lse [H, total_q] or None)``; nothing is read
     on the host.
     ``max_seqlen_k``: a bound on the key lengths (default: the cache's
-    capacity). ``chunk``: FA3's ``attention_chunk`` (contiguous caches, no
-    ``seqused_q``): each sequence's chunks run as sequences of their own
-    (``chunked.cache_segments``)."""
+    capacity). ``chunk``: FA3's ``attention_chunk``: each sequence's chunks
+    run as sequences of their own, over pages read in place where ``chunk``
+    is a multiple of the page size (``chunked.paged_segments``, with
+    ``seqused_q`` or without), else over the contiguous cache or the pages
+    copied into one (``chunked.cache_segments``, no ``seqused_q``)."""
     batch = cu_seqlens_q.shape[0] - 1
     capacity = cache_capacity(k_cache, page_table)
     bound = capacity if max_seqlen_k is None else min(int(max_seqlen_k), capacity)
     if page_table is not None:
         page_table = page_table.contiguous()
-        if k_cache.shape[0] == 0 or page_plan(k_cache.shape[1], q.shape[2], k_cache, v_cache):
+        page_size = k_cache.shape[1]
+        in_place = k_cache.shape[0] == 0 or page_plan(page_size, q.shape[2], k_cache, v_cache)
+        if in_place and chunk and chunk % page_size == 0:
+            # Every chunk starts at a page: the segments are a paged batch of their own.
+            seg, page_table = chunked.paged_segments(cu_seqlens_q, seqused_q, max_seqlen_q, seqused, bound, chunk,
+                                                     page_table, page_size)
+            cu_seqlens_q, max_seqlen_q, bound, seqused_q, seqused = (seg.cu_seqlens_q, seg.max_seqlen_q,
+                                                                     seg.max_seqlen_k, seg.seqused_q, seg.seqused_k)
+            chunk = 0
+        if in_place and not chunk:
             return dispatch.forward_varlen_validated(q, k_cache, v_cache, cu_seqlens_q, None, max_seqlen_q,
                                                      bound, seqused_q, seqused, softmax_scale, causal,
                                                      return_lse, window=window, softcap=softcap, sink=sink,
                                                      page_table=page_table, pack_gqa=pack_gqa,
                                                      num_splits=num_splits)
+        # (A chunk starting inside a page: the pages copied, then the contiguous chunk route.)
         k_cache, v_cache = pages_copied(k_cache, v_cache, page_table)
     k3, v3, cu_k, used_k = slot_rows_args(k_cache, v_cache, batch, cache_batch_idx, cache_leftpad, seqused)
     if chunk:
-        assert page_table is None and seqused_q is None
+        assert seqused_q is None
         seg = chunked.cache_segments(cu_seqlens_q, max_seqlen_q, cu_k[:-1], used_k, bound, chunk)
         cu_seqlens_q, cu_k, max_seqlen_q, bound, used_k = (seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q,
                                                            seg.max_seqlen_k, seg.seqused_k)

@@ -33,7 +33,15 @@ sequence, most of them empty for most sequences):
 The lengths are computed on the device from ``cu_seqlens``/``seqused``
 (no host sync, CUDA-graph capturable, traced by torch.compile); the host
 knows from the shapes which head slots can be non-empty and bounds the
-segments' lengths (``Segments``)."""
+segments' lengths (``Segments``).
+
+Over a paged cache (``paged_segments``) a segment's keys are a run of its
+sequence's pages: a chunk starts at a multiple of ``C`` keys, so where ``C``
+is a multiple of the page size every chunk starts at a page, and the
+segment's page-table row is its sequence's row from that page on (gathered
+on the device, each entry clamped to the sequence's last live page). The
+keys before the first query's chunk belong to a segment without queries,
+which reads none."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -48,7 +56,7 @@ class Segments(NamedTuple):
     so its rows stay the kernels' gaps (zero output, zero gradient), not a
     sequence whose length no bound covers."""
     cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
+    cu_seqlens_k: torch.Tensor | None  # None over pages (paged_segments: seqused_k alone)
     max_seqlen_q: int
     max_seqlen_k: int
     seqused_q: torch.Tensor | None = None
@@ -154,6 +162,62 @@ def varlen_segments(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, sequ
     return Segments(_prefix_sums(torch.cat([q_lens, tail_q], dim=1)), _prefix_sums(torch.cat([k_lens, tail_k], dim=1)),
                     max_q, max_seqlen_k, torch.cat([q_lens, none], dim=1).reshape(-1).to(torch.int32),
                     torch.cat([k_lens, none], dim=1).reshape(-1).to(torch.int32))
+
+
+def last_chunk_start(live_k: torch.Tensor, chunk: int) -> torch.Tensor:
+    """int32 ``[batch]``: where the chunk of each row's last key starts
+    (counted from the row's first live key; 0 for a row without keys). A
+    single query per row sits at its row's last key position, so it sees
+    exactly the keys from there on: the decode route with each row's keys
+    starting there (``kvcache``: a left pad, or a page table shifted by it)
+    computes the chunked call with split-KV and PackGQA, where the chunk
+    segments would run a varlen launch of mostly empty sequences."""
+    return torch.div((live_k - 1).clamp(min=0), chunk, rounding_mode="floor").mul(chunk).to(torch.int32)
+
+
+def shifted_pages(page_table: torch.Tensor, start: torch.Tensor, page_size: int, width: int) -> torch.Tensor:
+    """int32 ``[batch, width]``: each row of ``page_table`` from page
+    ``start[b] / page_size`` on (``start`` a multiple of the page size),
+    entries past the row clamped to its last entry."""
+    pages = torch.div(start.long(), page_size, rounding_mode="floor")[:, None] + torch.arange(width,
+                                                                                             device=start.device)
+    return page_table.gather(1, pages.clamp_(max=page_table.shape[1] - 1))
+
+
+def paged_segments(cu_seqlens_q: torch.Tensor, seqused_q, max_seqlen_q: int, k_lens: torch.Tensor,
+                   max_seqlen_k: int, chunk: int, page_table: torch.Tensor,
+                   page_size: int) -> tuple[Segments, torch.Tensor]:
+    """Packed queries over a paged cache (sequence ``b``'s keys: the first
+    ``k_lens[b]`` keys of the pages ``page_table[b]`` names) as chunk
+    segments, with ``chunk`` a multiple of ``page_size``: the segments as a
+    paged varlen batch (``seqused_k`` their key lengths, no
+    ``cu_seqlens_k``) and their page table, int32 ``[segments,
+    ceil(min(chunk, max_seqlen_k) / page_size)]``. With ``seqused_q`` each
+    sequence's rows past it are one more segment, with nothing live."""
+    assert chunk % page_size == 0, (chunk, page_size)
+    slot_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    len_q = slot_q if seqused_q is None else seqused_q
+    q_lens, seg_k = segment_lengths(len_q, k_lens, chunk, n_chunks(max_seqlen_q, max_seqlen_k, chunk),
+                                    blind_queries=True, skipped_keys=True)
+    starts = seg_k.cumsum(1) - seg_k  # each segment's first key in its sequence: a chunk's is a multiple of chunk
+    live_k = torch.where(q_lens > 0, seg_k, 0)  # (the keys before the first query's chunk: no query reads them)
+    max_k = max(1, min(chunk, max_seqlen_k))
+    width = -(-max_k // page_size)
+    batch, slots = q_lens.shape
+    last = (k_lens.long() - 1).clamp(min=0) // page_size
+    pages = torch.minimum(starts[:, :, None] // page_size + torch.arange(width, device=starts.device),
+                          last[:, None, None]).clamp_(max=page_table.shape[1] - 1)
+    table = page_table.gather(1, pages.reshape(batch, slots * width)).view(batch, slots, width)
+    if seqused_q is None:
+        return Segments(_prefix_sums(q_lens), None, max_seqlen_q, max_k, None,
+                        live_k.reshape(-1).to(torch.int32)), table.reshape(batch * slots, width)
+    # The rows past seqused_q: one more slot per sequence, with nothing live (its page row: the first slot's).
+    tail = (slot_q - len_q).long()[:, None]
+    none = torch.zeros_like(tail)
+    return (Segments(_prefix_sums(torch.cat([q_lens, tail], dim=1)), None, max_seqlen_q, max_k,
+                     torch.cat([q_lens, none], dim=1).reshape(-1).to(torch.int32),
+                     torch.cat([live_k, none], dim=1).reshape(-1).to(torch.int32)),
+            torch.cat([table, table[:, :1]], dim=1).reshape(batch * (slots + 1), width))
 
 
 def cache_segments(cu_seqlens_q: torch.Tensor, max_seqlen_q: int, k_starts: torch.Tensor, k_lens: torch.Tensor,

@@ -22,7 +22,7 @@ from typing import Literal, overload
 
 import torch
 
-from . import checks, chunked, dispatch, ops, paged
+from . import cache_layout, checks, chunked, dispatch, ops, paged
 
 
 _needs_op = ops.needs_op
@@ -313,7 +313,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             accepted at their no-op values only.
         attention_chunk: chunked attention as in ``flash_attn_func``, per
             sequence (``chunked.varlen_segments``: the segments built on the
-            device, no sync); not with ``block_table``. Packed self attention
+            device, no sync); with ``block_table`` the segments read the
+            pages in place where the chunk is a multiple of the page size
+            (``chunked.paged_segments``), else each sequence's pages are
+            copied into packed rows first (correct, not at memory speed).
+            Packed self attention
             (the same ``cu_seqlens`` tensor for q and k, no ``seqused``)
             plans the tightest grid.
         qv, q_descale, k_descale, v_descale, sm_margin:
@@ -397,13 +401,20 @@ def _chunked_func(q, k, v, chunk: int, *, softmax_scale, causal, return_lse, win
                   learnable_sink):
     """``flash_attn_func`` with ``attention_chunk``: the rows as a varlen
     batch of chunk segments (``chunked.fixed_segments``; views, no copy),
-    or the plain call where one chunk holds every key a query sees."""
+    or the plain call where every query lies in one chunk (over that
+    chunk's keys, a view)."""
     checks.check_arguments(q, k, v, softmax_scale, causal)  # errors named as flash_attn_func's
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     plain = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                  deterministic=deterministic, learnable_sink=learnable_sink)
     if seqlen_q == 0 or seqlen_k == 0 or seqlen_q <= seqlen_k <= chunk:
         return flash_attn_func(q, k, v, return_lse=return_lse, **plain)
+    first = seqlen_k - seqlen_q  # the first query's key position
+    if first >= 0 and first // chunk == (seqlen_k - 1) // chunk:
+        # Every query in the last chunk (a decode step, a short query block):
+        # the plain call over that chunk's keys, a view of k and v.
+        start = first // chunk * chunk
+        return flash_attn_func(q, k[:, start:], v[:, start:], return_lse=return_lse, **plain)
     seg = chunked.fixed_segments(batch, seqlen_q, seqlen_k, chunk, q.device)
     res = flash_attn_varlen_func(q.reshape(batch * seqlen_q, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
                                  v.reshape(-1, *v.shape[2:]), seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q,
@@ -420,8 +431,11 @@ def _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     on the device). The call's own arguments are checked first, and its
     contract where asked; the segments then keep it."""
     if block_table is not None:
-        raise NotImplementedError("attention_chunk with block_table: a chunk segment would start inside a page "
-                                  "row; pass the keys packed (without block_table) for chunked attention")
+        return _chunked_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, chunk,
+                                     seqused_q=seqused_q, seqused_k=seqused_k, softmax_scale=softmax_scale,
+                                     causal=causal, return_lse=return_lse, check_contract=check_contract,
+                                     window_size=window_size, softcap=softcap, block_table=block_table,
+                                     learnable_sink=learnable_sink, num_splits=num_splits)
     softmax_scale, max_seqlen_q, max_seqlen_k = checks.check_varlen_arguments(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale, causal)
     if dispatch._check_contract_requested(check_contract) and not torch.compiler.is_compiling():
@@ -434,3 +448,35 @@ def _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                                   causal=causal, deterministic=deterministic, return_lse=return_lse,
                                   check_contract=False, window_size=window_size, softcap=softcap,
                                   learnable_sink=learnable_sink, num_splits=num_splits)
+
+
+def _chunked_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, chunk: int, *,
+                          seqused_q, seqused_k, softmax_scale, causal, return_lse, check_contract, window_size,
+                          softcap, block_table, learnable_sink, num_splits):
+    """``flash_attn_varlen_func`` with ``attention_chunk`` and ``block_table``:
+    where the chunk is a multiple of the page size every chunk starts at a
+    page, and the segments are a paged batch of their own
+    (``chunked.paged_segments``: their page-table rows gathered on the
+    device); otherwise each sequence's pages are copied into packed rows
+    first (correct, not at memory speed) and chunked as unpaged keys."""
+    paged.refuse_gradients(q, k, v, learnable_sink)
+    softmax_scale, max_seqlen_q, max_seqlen_k = paged.check_paged_varlen_arguments(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table,
+        softmax_scale, causal)
+    if dispatch._check_contract_requested(check_contract) and not torch.compiler.is_compiling():
+        paged.check_paged_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                          seqused_k, block_table)
+    lens = paged._key_lengths(cu_seqlens_k, seqused_k)
+    common = dict(softmax_scale=softmax_scale, causal=causal, return_lse=return_lse, check_contract=False,
+                  window_size=window_size, softcap=softcap, learnable_sink=learnable_sink, num_splits=num_splits)
+    page_size = k.shape[1]
+    if chunk % page_size == 0:
+        seg, table = chunked.paged_segments(cu_seqlens_q.contiguous(), seqused_q, max_seqlen_q, lens, max_seqlen_k,
+                                            chunk, block_table.contiguous(), page_size)
+        return flash_attn_varlen_func(q, k, v, seg.cu_seqlens_q, None, seg.max_seqlen_q, seg.max_seqlen_k,
+                                      seqused_q=seg.seqused_q, seqused_k=seg.seqused_k, block_table=table, **common)
+    k_rows, v_rows = (t.flatten(0, 1) for t in cache_layout.pages_copied(k, v, block_table))
+    rows = block_table.shape[1] * page_size
+    cu_k = torch.arange(block_table.shape[0] + 1, dtype=torch.int32, device=q.device) * rows
+    return _chunked_varlen(q, k_rows, v_rows, cu_seqlens_q, cu_k, max_seqlen_q, min(max_seqlen_k, rows), chunk,
+                           seqused_q=seqused_q, seqused_k=lens, deterministic=False, block_table=None, **common)

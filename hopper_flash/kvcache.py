@@ -404,14 +404,25 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     if s_new or rotary is not None:
         with plan.on_device(q):
             q = _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary)
+    if chunk and capacity and seqlen_q == 1 and not packed:
+        # One query per row sees its row's last chunk alone: the decode route
+        # over the keys from that chunk's start (a left pad; pages: the
+        # table shifted by it, where every chunk starts at a page).
+        start = chunked.last_chunk_start(seqused if cache_leftpad is None else seqused - cache_leftpad, chunk)
+        if page_table is None:
+            cache_leftpad, chunk = (start if cache_leftpad is None else cache_leftpad + start), 0
+        elif chunk % k_cache.shape[1] == 0 and page_plan(k_cache.shape[1], head_dim, k_cache, v_cache):
+            width = min(page_table.shape[1], chunk // k_cache.shape[1])
+            page_table = chunked.shifted_pages(page_table, start, k_cache.shape[1], width)
+            seqused, chunk = seqused - start, 0
     if chunk and capacity:
         # FA3's attention_chunk: the varlen mode over the cache with each
         # sequence's chunks as sequences (varlen_over_cache), q's rows packed.
         rows, cu = (q, cu_seqlens_q) if packed else (
             q.flatten(0, 1), torch.arange(batch + 1, dtype=torch.int32, device=q.device) * seqlen_q)
         out, lse = varlen_over_cache(rows, cu, max(seqlen_q, 1), None, k_cache, v_cache, seqused, cache_batch_idx,
-                                     cache_leftpad, None, softmax_scale, causal, return_lse, window, softcap, sink,
-                                     pack_gqa=pack_gqa, num_splits=num_splits, chunk=chunk)
+                                     cache_leftpad, page_table, softmax_scale, causal, return_lse, window, softcap,
+                                     sink, pack_gqa=pack_gqa, num_splits=num_splits, chunk=chunk)
         return (out, lse) if packed else chunked.as_batch(out, lse, batch, seqlen_q)
 
     if packed:
@@ -571,11 +582,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
             are given (k None), where FA3 ignores it too.
         alibi_slopes: flash-attn's, accepted only as None.
         attention_chunk: FA3's chunked attention as in ``flash_attn_func``
-            (each row's keys counted from its left pad), after the append;
-            contiguous caches only (not with ``page_table``). Run as the
-            varlen mode over the cache's rows with each row's chunks as
-            segments (``cache_layout.varlen_over_cache``), without split-KV's decode
-            route.
+            (each row's keys counted from its left pad), after the append.
+            A decode step (one query per row) runs the decode route over
+            each row's last chunk (its start as a left pad, or the page
+            table shifted to it), with split-KV and PackGQA; longer queries
+            run as the varlen mode over the cache's rows with each row's
+            chunks as segments (``cache_layout.varlen_over_cache``). With
+            ``page_table`` the pages are read
+            in place where the chunk is a multiple of the page size (each
+            chunk then starts at a page); otherwise each row's pages are
+            copied into a contiguous row first (correct, not at memory
+            speed).
         qv, rotary_seqlens, q_descale, k_descale, v_descale,
             scheduler_metadata, sm_margin:
             FlashAttention-3's options, accepted at their no-op values (None,
@@ -599,9 +616,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
         chunk = chunked.check_attention_chunk(attention_chunk)
         checks.check_fa3_options(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                  sm_margin=sm_margin)
-        if chunk and page_table is not None:
-            raise NotImplementedError("attention_chunk with a paged cache (page_table/block_table): a chunk would "
-                                      "start inside a page; use a contiguous cache for chunked attention")
     if rotary_seqlens is not None:
         raise NotImplementedError("rotary_seqlens must be None (the rotary embedding starts at cache_seqlens)")
     if scheduler_metadata is not None:

@@ -4,7 +4,8 @@
 forward with the same chunk (``flash_attn_interface``, when it imports;
 FA3 has no chunked backward) and beside our plain causal call on the same
 rows (what the chunks save), then our backward; and a decode step through
-``flash_attn_with_kvcache`` beside FA3's. ``do_bench`` medians;
+``flash_attn_with_kvcache`` beside FA3's, and over pages of 64 and 256
+keys (ours alone: FA3's build has no paged KV). ``do_bench`` medians;
 TFLOP/s count each call's visible (query, key) pairs, 4·D FLOPs each
 forward and 2.5x that backward. Every output is judged first against the float64
 reference on sampled rows (``reference.judge``, the chunk mask of
@@ -23,6 +24,7 @@ from hopper_flash.reference import attention_baseline, attention_reference, judg
 
 ROWS = [(1, 32768, 40, 8, 128, 8192), (2, 16384, 40, 8, 128, 8192), (4, 8192, 40, 8, 128, 2048)]
 DECODE_ROWS = [(8, 32768, 40, 8, 128, 8192), (8, 30000, 40, 8, 128, 8192)]
+PAGES = (64, 256)  # paged decode rows beside the contiguous cache (FA3's build here has no paged KV)
 
 
 def visible_pairs(seqlen: int, chunk: int) -> int:
@@ -84,6 +86,18 @@ def decode_row(b, cap, h, hkv, d, chunk):
     lens = torch.full((b,), cap, dtype=torch.int32, device="cuda")
     calls = {"chunked": lambda: hopper_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
                                                                        causal=True, attention_chunk=chunk)}
+    for page in PAGES:  # the same cache as shuffled pages (read in place: the chunk is a multiple of the page)
+        n_pages = -(-cap // page)
+        perm = torch.randperm(b * n_pages, generator=gen, device="cuda")
+        table = perm.view(b, n_pages).to(torch.int32)
+        pools = [torch.full((b * n_pages, page, hkv, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+                 for _ in "kv"]
+        for pool, cache in zip(pools, (k_cache, v_cache)):  # (NaN past each row's keys in its last page)
+            rows = pool[perm].view(b, n_pages * page, hkv, d)
+            rows[:, :cap] = cache
+            pool[perm] = rows.view(b * n_pages, page, hkv, d)
+        calls[f"chunked, pages of {page}"] = (lambda kp, vp, t: lambda: hopper_flash.flash_attn_with_kvcache(
+            q, kp, vp, cache_seqlens=lens, page_table=t, causal=True, attention_chunk=chunk))(*pools, table)
     if fa3 is not None:
         calls["fa3 chunked"] = lambda: (lambda o: o[0] if isinstance(o, tuple) else o)(
             fa3(q, k_cache, v_cache, cache_seqlens=lens, causal=True, attention_chunk=chunk))

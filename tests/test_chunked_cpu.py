@@ -112,6 +112,30 @@ def test_fixed_length_gradients_equal_the_chunk_mask(calls, sq, sk, chunk):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
 
 
+# (seqlen_q, seqlen_k, chunk) whose every query lies in the last chunk: a
+# decode step, a block ending at a chunk's last key, one past a boundary.
+ONE_CHUNK = [(1, 100, 16), (4, 96, 32), (3, 100, 16), (1, 33, 1)]
+
+
+@pytest.mark.parametrize("sq,sk,chunk", ONE_CHUNK, ids=[f"{a}x{b}c{c}" for a, b, c in ONE_CHUNK])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_queries_in_one_chunk_run_the_plain_call_over_its_keys(calls, sq, sk, chunk, causal):
+    """No segments where every query sits in the last chunk: the plain call
+    over that chunk's keys (views of k and v), outputs, LSE and gradients
+    as the chunk mask's over all keys (the keys before it: no gradient)."""
+    q, k, v = qkv(2, sq, sk, seed=sq + sk, requires_grad=True)
+    out, lse = interface._chunked_func(q, k, v, chunk, softmax_scale=None, causal=causal, return_lse=True,
+                                       window_size=(-1, -1), softcap=0.0, deterministic=False, learnable_sink=None)
+    assert calls == [dict(plain=True)]
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, chunk=chunk)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for g, r in zip(grads, torch.autograd.grad(ref, (q, k, v), dout)):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
 def varlen_case(lq, lk, used_q=None, used_k=None, seed=0, h=4, hkv=2, d=16):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(sum(lq), h, d, generator=g, dtype=F64)
@@ -217,15 +241,169 @@ def test_bad_attention_chunk_is_refused_by_name(value, error, message):
         hopper_flash.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 8, 8, attention_chunk=value)
 
 
-def test_attention_chunk_refused_with_pages():
-    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 8], dtype=torch.int32)
-    table = torch.zeros(1, 1, dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="attention_chunk with block_table"):
-        hopper_flash.flash_attn_varlen_func(q[0], q, q, cu, None, 8, 8, attention_chunk=4, block_table=table,
-                                            seqused_k=torch.tensor([8], dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="attention_chunk with a paged cache"):
-        hopper_flash.flash_attn_with_kvcache(q, q, q, attention_chunk=4, page_table=table)
+def paged_rows(pool, table_row, n):
+    """The first ``n`` keys of the pages a page-table row names."""
+    page = pool.shape[1]
+    pages = table_row[:-(-n // page)].long() if n else table_row[:0].long()
+    return pool[pages].reshape(-1, *pool.shape[2:])[:n]
+
+
+def paged_varlen_stand_in(log):
+    """The paged varlen kernels as the float64 reference: segment ``s``'s keys
+    are the first ``seqused_k[s]`` keys of the pages of ``table[s]``, each
+    page used a valid one (the kernels' contract) and every length within
+    the bounds handed over."""
+    def run(q, k_pool, v_pool, cu_q, seqused_q, seqused_k, table, max_q, max_k, scale, causal):
+        log.append(dict(batch=cu_q.numel() - 1, max_q=max_q, max_k=max_k, width=table.shape[1]))
+        assert table.dtype == torch.int32 and table.shape[0] == cu_q.numel() - 1
+        lens = seqused_k.tolist()
+        assert all(0 <= n <= min(max_k, table.shape[1] * k_pool.shape[1]) for n in lens)
+        slots_q = (cu_q[1:] - cu_q[:-1]).tolist()
+        used_q = slots_q if seqused_q is None else seqused_q.tolist()
+        assert all(u <= min(n, max_q) for u, n in zip(used_q, slots_q))
+        for s, n in enumerate(lens):
+            live = table[s, :-(-n // k_pool.shape[1])] if n else table[s, :0]
+            assert ((live >= 0) & (live < k_pool.shape[0])).all(), (s, n, table[s])
+        k = torch.cat([paged_rows(k_pool, table[s], n) for s, n in enumerate(lens)])
+        v = torch.cat([paged_rows(v_pool, table[s], n) for s, n in enumerate(lens)])
+        cu_k = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+        return varlen_apply(lambda a, b, c: attention_reference(a, b, c, causal=causal, softmax_scale=scale),
+                            q, k, v, cu_q, cu_k, seqused_q=seqused_q, out_dtype=F64, with_lse=True)
+    return run
+
+
+def paged_case(lens, page, pool_pages, width, seed):
+    """A page pool with NaN in every page and row no sequence's live keys
+    use, and a shuffled page table whose entries past the live pages are
+    garbage (-1 and out-of-range indices)."""
+    g = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(pool_pages, page, 2, 16, generator=g, dtype=F64)
+    v_pool = torch.randn(pool_pages, page, 2, 16, generator=g, dtype=F64)
+    perm = torch.randperm(pool_pages, generator=g)
+    table = torch.full((len(lens), width), -1, dtype=torch.int32)
+    live = torch.zeros(pool_pages, page, dtype=torch.bool)
+    used = 0
+    for b, n in enumerate(lens):
+        pages = -(-n // page)
+        table[b, :pages] = perm[used:used + pages].to(torch.int32)
+        for j in range(pages):
+            live[perm[used + j], :min(page, n - j * page)] = True
+        used += pages
+        table[b, pages:] = torch.tensor([pool_pages + 5, -1], dtype=torch.int32).repeat(width)[:width - pages]
+    k_pool[~live], v_pool[~live] = math.nan, math.nan
+    return k_pool, v_pool, table
+
+
+# (page size, chunk): every chunk at a page (read in place), a chunk of one
+# page, and a chunk starting inside a page (the pages copied first).
+PAGED = [(16, 32), (16, 16), (16, 24)]
+
+
+@pytest.mark.parametrize("page,chunk", PAGED, ids=[f"p{p}c{c}" for p, c in PAGED])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_paged_varlen_chunks_equal_the_chunk_mask(monkeypatch, page, chunk, causal):
+    """``flash_attn_varlen_func(block_table=..., attention_chunk=C)`` (vLLM's
+    layout): each sequence judged alone against the chunk mask over its
+    pages' keys, with NaN in every unused page row and garbage table
+    entries past the live pages; with ``seqused_q`` gaps too."""
+    from hopper_flash import dispatch, paged
+    log = []
+    monkeypatch.setattr(plan, "SUPPORTED_DTYPES", (*plan.SUPPORTED_DTYPES, F64))
+    monkeypatch.setattr(paged.checks, "check_device", lambda t, name="q": None)
+    monkeypatch.setattr(paged.checks, "check_tma_addressable", lambda name, t: None)
+    run = paged_varlen_stand_in(log)
+
+    def validated(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, scale, causal, return_lse, *rest,
+                  page_table=None, **_):
+        if page_table is None:  # (the copied route: contiguous rows from cu_k with seqused_k)
+            assert cu_k is not None
+            table = torch.stack([torch.arange(int(s), int(s) + max_k) for s in cu_k[:-1].tolist()]).to(torch.int32)
+            pool = lambda t: torch.cat([t, t.new_zeros(max_k, *t.shape[1:])])[:, None]  # noqa: E731
+            return run(q, pool(k), pool(v), cu_q, seqused_q, seqused_k, table, max_q, max_k, scale, causal)
+        return run(q, k, v, cu_q, seqused_q, seqused_k, page_table, max_q, max_k, scale, causal)
+    monkeypatch.setattr(dispatch, "forward_varlen_validated", validated)
+    lk, lq, used_q = [70, 33, 0, 64, 5], [3, 31, 2, 64, 1], [3, 20, 0, 64, 1]
+    k_pool, v_pool, table = paged_case(lk, page, 24, 6, seed=page + chunk)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(lq), 4, 16, generator=g, dtype=F64)
+    cu_q = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    for uq in (None, as_int(used_q)):
+        log.clear()
+        out, lse = hopper_flash.flash_attn_varlen_func(
+            q, k_pool, v_pool, cu_q, None, max(lq), max(lk), seqused_q=uq, seqused_k=as_int(lk), block_table=table,
+            softmax_scale=0.25, causal=causal, return_lse=True, attention_chunk=chunk)
+        in_place = chunk % page == 0
+        assert log and all(c["max_k"] <= (chunk if in_place else max(lk)) for c in log)
+        for b, n in enumerate(lk):
+            live = lq[b] if uq is None else used_q[b]
+            qs = slice(int(cu_q[b]), int(cu_q[b]) + live)
+            ref, ref_lse = attention_reference(q[qs][None], paged_rows(k_pool, table[b], n)[None],
+                                               paged_rows(v_pool, table[b], n)[None], causal=causal,
+                                               softmax_scale=0.25, chunk=chunk)
+            torch.testing.assert_close(out[qs], ref[0], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(lse[:, qs], ref_lse[0], rtol=1e-12, atol=1e-12)
+            gap = slice(int(cu_q[b]) + live, int(cu_q[b + 1]))
+            assert (out[gap] == 0).all()
+
+
+@pytest.mark.parametrize("page,chunk", PAGED, ids=[f"p{p}c{c}" for p, c in PAGED])
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "packed"])
+def test_paged_kv_cache_chunks_equal_the_chunk_mask(monkeypatch, page, chunk, packed):
+    """``flash_attn_with_kvcache(page_table=..., attention_chunk=C)`` after
+    the append route: each row judged alone against the chunk mask over its
+    pages' live keys (NaN in every other page row)."""
+    from hopper_flash import dispatch, kvcache
+    log = []
+    run = paged_varlen_stand_in(log)
+
+    def validated(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, scale, causal, return_lse, *rest,
+                  page_table=None, **_):
+        if page_table is None:  # (pages copied into rows: cu_k gives each row's start)
+            table = torch.stack([torch.arange(int(s), int(s) + max_k) for s in cu_k[:-1].tolist()]).to(torch.int32)
+            pool = lambda t: torch.cat([t, t.new_zeros(max_k, *t.shape[1:])])[:, None]  # noqa: E731
+            return run(q, pool(k), pool(v), cu_q, seqused_q, seqused_k, table, max_q, max_k, scale, causal)
+        return run(q, k, v, cu_q, seqused_q, seqused_k, page_table, max_q, max_k, scale, causal)
+    monkeypatch.setattr(dispatch, "forward_varlen_validated", validated)
+    seqlens = [70, 17, 40]
+    k_pool, v_pool, table = paged_case(seqlens, page, 16, 5, seed=7 * page + chunk)
+    lq = [3, 1, 31] if packed else [3, 3, 3]
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(sum(lq), 4, 16, generator=g, dtype=F64)
+    cu_q = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    out, lse = kvcache.kvcache_forward_validated(
+        q if packed else q.view(3, 3, 4, 16), k_pool, v_pool, None, None, as_int(seqlens), None, table, 0.25, True, 0,
+        None, True, check=False, cu_seqlens_q=cu_q if packed else None, max_seqlen_q=max(lq) if packed else None,
+        chunk=chunk)
+    assert log and all(c["max_k"] <= chunk for c in log) == (chunk % page == 0)
+    if not packed:
+        out, lse = out.reshape(9, 4, 16), lse.permute(1, 0, 2).reshape(4, 9)
+    for b, n in enumerate(seqlens):
+        qs = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        ref, ref_lse = attention_reference(q[qs][None], paged_rows(k_pool, table[b], n)[None],
+                                           paged_rows(v_pool, table[b], n)[None], causal=True, softmax_scale=0.25,
+                                           chunk=chunk)
+        torch.testing.assert_close(out[qs], ref[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[:, qs], ref_lse[0], rtol=1e-12, atol=1e-12)
+
+
+def test_paged_segments_tables():
+    """The segments' page rows themselves: a sequence of 70 keys on pages of
+    16 with 3 queries in chunks of 32 (its queries at key positions 67-69:
+    the keys before chunk 2 are a segment no query reads; chunk 2's row
+    starts at the sequence's third page), and one of 0 keys."""
+    table = torch.tensor([[9, 4, 7, 1, 3, -1], [5, -1, -1, -1, -1, -1]], dtype=torch.int32)
+    cu_q = torch.tensor([0, 3, 4], dtype=torch.int32)
+    seg, rows = chunked.paged_segments(cu_q, None, 3, torch.tensor([70, 0], dtype=torch.int32), 70, 32, table, 16)
+    slots = rows.shape[0] // 2
+    assert rows.shape == (2 * slots, 2) and seg.cu_seqlens_k is None and seg.max_seqlen_k == 32
+    q_lens = (seg.cu_seqlens_q[1:] - seg.cu_seqlens_q[:-1]).view(2, slots)
+    k_lens = seg.seqused_k.view(2, slots)
+    live = [(int(q), int(k), rows[s].tolist()) for s, (q, k) in enumerate(zip(q_lens.flatten(), k_lens.flatten()))
+            if q]
+    assert live == [(3, 6, [3, 3]), (1, 0, rows[slots + int((q_lens[1] > 0).nonzero()[0])].tolist())]
+    assert rows[slots:].unique().tolist() == [5]  # a row with no live key: every entry its first page
 
 
 def test_segments_trace_without_graph_breaks(monkeypatch):
@@ -234,8 +412,9 @@ def test_segments_trace_without_graph_breaks(monkeypatch):
     (``torch._dynamo.explain``: this torch's ``fullgraph=True`` lets a
     ``tolist`` through on the CPU); the kernels are a stand-in that uses the
     prefix sums."""
-    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, seqused_q=None, return_lse=False, **_):
-        out = q + (cu_q.sum() + cu_k.sum()).to(q.dtype) * 0
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, seqused_q=None, return_lse=False, block_table=None, **_):
+        keys = cu_k if block_table is None else block_table
+        out = q + (cu_q.sum() + keys.sum()).to(q.dtype) * 0
         return (out, torch.zeros(q.shape[1], q.shape[0])) if return_lse else out
     monkeypatch.setattr(interface, "flash_attn_varlen_func", varlen)
     q = torch.randn(2, 40, 4, 64, dtype=torch.bfloat16)
@@ -246,7 +425,11 @@ def test_segments_trace_without_graph_breaks(monkeypatch):
                                                                   causal=True, attention_chunk=16),
               (q.reshape(80, 4, 64), cu, used)),
              (lambda a, c: hopper_flash.flash_attn_varlen_func(a, a, a, c, c, 50, 50, attention_chunk=16),
-              (q.reshape(80, 4, 64), cu))]
+              (q.reshape(80, 4, 64), cu)),
+             (lambda a, c, pool, u, t: hopper_flash.flash_attn_varlen_func(
+                 a, pool, pool, c, None, 50, 64, seqused_k=u, block_table=t, causal=True, attention_chunk=32),
+              (q.reshape(80, 4, 64), cu, q[:, :32].reshape(4, 16, 4, 64), used, torch.tensor(
+                  [[3, 0, 2, 1], [2, 1, 0, 3]], dtype=torch.int32)))]
     for fn, args in calls:
         torch._dynamo.reset()
         explained = torch._dynamo.explain(fn)(*args)
@@ -294,3 +477,66 @@ def test_kv_cache_chunks_equal_the_chunk_mask_per_row(monkeypatch, packed, causa
                                            softmax_scale=0.25, chunk=chunk)
         torch.testing.assert_close(out[qs], ref[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lse[:, qs], ref_lse[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["rows", "pages", "pages-unaligned"])
+def test_kv_cache_decode_step_runs_the_decode_route_over_the_last_chunk(monkeypatch, layout):
+    """One query per row (a decode step): no segments, but the decode launch
+    over the row's last chunk, whose start is a left pad added to the row's
+    own (``cache_batch_idx`` rows) or, over pages, a page-table row shifted
+    by it (a chunk a multiple of the page size; otherwise the segments run
+    over the copied pages). Each row judged alone against the chunk mask
+    counted from its pad, NaN outside every live key."""
+    import contextlib
+
+    from test_kvcache_packed_cpu import _decode_stand_in
+
+    from hopper_flash import dispatch, kvcache
+    seen = {}
+
+    def launch(*args, **kw):
+        seen.update(kw, route="decode")
+        _decode_stand_in(*args, **kw)
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q, seqused_k, scale, causal, return_lse, *rest,
+               page_table=None, **_):
+        seen.update(route="varlen")
+        return paged_varlen_stand_in([])(q, *(t[:, None] for t in (k, v)), cu_q, seqused_q, seqused_k, torch.stack(
+            [torch.arange(int(s), int(s) + max_k).clamp(max=k.shape[0] - 1) for s in cu_k[:-1].tolist()]).to(
+                torch.int32), max_q, max_k, scale, causal)
+    monkeypatch.setattr(plan, "launch_forward", launch)
+    monkeypatch.setattr(dispatch, "forward_varlen_validated", varlen)
+    monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
+    g = torch.Generator().manual_seed(5)
+    cap, hkv, d = 80, 2, 16
+    seqlens = [70, 17, 40, 0]
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    q = torch.randn(4, 1, 4, d, generator=g, dtype=F64)
+    if layout == "rows":
+        chunk, rows, pads = 16, [2, 0, 3, 1], [0, 3, 9, 0]
+        k_cache = torch.randn(4, cap, hkv, d, generator=g, dtype=F64)
+        v_cache = torch.randn(4, cap, hkv, d, generator=g, dtype=F64)
+        for r, n, p in zip(rows, seqlens, pads):
+            k_cache[r, n:], v_cache[r, n:], k_cache[r, :p], v_cache[r, :p] = (math.nan,) * 4
+        out, lse = kvcache.kvcache_forward_validated(q, k_cache, v_cache, None, None, as_int(seqlens), as_int(rows),
+                                                     None, 0.25, True, 0, None, True, check=False,
+                                                     cache_leftpad=as_int(pads), chunk=chunk)
+        keys = [(k_cache[r, p:n], v_cache[r, p:n]) for r, n, p in zip(rows, seqlens, pads)]
+        assert seen["route"] == "decode"
+        assert seen["leftpad"].tolist() == [p + (n - p - 1) // chunk * chunk if n > p else p
+                                            for n, p in zip(seqlens, pads)]
+    else:
+        chunk = 32 if layout == "pages" else 24
+        k_pool, v_pool, table = paged_case(seqlens, 16, 24, 6, seed=9)
+        out, lse = kvcache.kvcache_forward_validated(q, k_pool, v_pool, None, None, as_int(seqlens), None, table, 0.25,
+                                                     True, 0, None, True, check=False, chunk=chunk)
+        keys = [(paged_rows(k_pool, table[b], n), paged_rows(v_pool, table[b], n)) for b, n in enumerate(seqlens)]
+        assert seen["route"] == ("decode" if layout == "pages" else "varlen")
+        if layout == "pages":
+            assert seen["page_table"].shape == (4, 2)
+            assert seen["seqused_k"].tolist() == [n - max(n - 1, 0) // chunk * chunk for n in seqlens]
+    for b, (kk, vv) in enumerate(keys):
+        ref, ref_lse = attention_reference(q[b:b + 1], kk[None], vv[None], causal=True, softmax_scale=0.25,
+                                           chunk=chunk)
+        torch.testing.assert_close(out[b:b + 1], ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse[b:b + 1].double(), ref_lse.to(lse.dtype).double(), rtol=1e-12, atol=1e-12)

@@ -2,8 +2,9 @@
 Hopper GPU: flash_attn_func and flash_attn_varlen_func against the float64
 reference with the chunk mask (``reference.chunk_visible``), judged
 relative to PyTorch's attention with the same explicit mask, forward and
-backward; NaN in varlen gaps; CUDA-graph replay with new cu_seqlens; and
-torch.compile. The segments themselves are checked on the CPU
+backward; NaN in varlen gaps; CUDA-graph replay with new cu_seqlens;
+torch.compile; and paged caches (pages read in place where the chunk is a
+multiple of the page size, copied otherwise). The segments themselves are checked on the CPU
 (tests/test_chunked_cpu.py)."""
 import math
 
@@ -18,7 +19,8 @@ from hopper_flash.reference import (
     attention_reference_grads,
     grads_abs_tol,
 )
-from gpu_inputs import assert_varlen_forward, capture, cu, nan_tailed_cache, rnd, varlen_batch, varlen_expected
+from gpu_inputs import (assert_varlen_forward, capture, cu, nan_tailed_cache, paged_copy, paged_pools, rnd, varlen_batch,
+                        varlen_expected)
 
 pytestmark = pytest.mark.gpu
 
@@ -150,3 +152,51 @@ def test_kv_cache_with_append_and_nan_tails(seqlen_q):
         ref, _ = attention_reference(q[i:i + 1], keys[i][None], values[i][None], causal=True, chunk=chunk)
         base = attention_baseline(q[i:i + 1], keys[i][None], values[i][None], causal=True, chunk=chunk)
         assert_judged(f"out row {i}", out[i:i + 1], ref, base)
+
+
+# (page size, chunk): pages read in place (the chunk a multiple of the
+# page, small and large pages), and a chunk starting inside a page (copied).
+PAGED = [(16, 1024), (256, 1024), (64, 1000)]
+
+
+@pytest.mark.parametrize("page,chunk", PAGED, ids=[f"p{p}-c{c}" for p, c in PAGED])
+@pytest.mark.parametrize("seqlen_q", [1, 300])
+def test_paged_kv_cache_with_append(page, chunk, seqlen_q):
+    """flash_attn_with_kvcache(page_table=..., attention_chunk=...): the new
+    keys appended into shuffled pages, NaN in every unused page row and
+    garbage past each row's live pages; each row judged against its chunk
+    of cache + new keys, and against the contiguous cache's call."""
+    b, cap = 3, 5000
+    lens = [4000, 17, 2047]
+    k_cache, v_cache = nan_tailed_cache(b, cap, 2, 128, lens, seed=41)
+    kp, vp, table = paged_copy(k_cache, v_cache, page, [n + seqlen_q for n in lens], seed=42)
+    q = rnd(b, seqlen_q, 8, 128, seed=43)
+    k_new, v_new = rnd(b, seqlen_q, 2, 128, seed=44), rnd(b, seqlen_q, 2, 128, seed=45)
+    keys = [torch.cat([k_cache[i, :n], k_new[i]]) for i, n in enumerate(lens)]
+    values = [torch.cat([v_cache[i, :n], v_new[i]]) for i, n in enumerate(lens)]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out, lse = hopper_flash.flash_attn_with_kvcache(q, kp, vp, k_new, v_new, cache_seqlens=seqlens, page_table=table,
+                                                    causal=True, attention_chunk=chunk, return_softmax_lse=True)
+    contiguous = hopper_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                                      causal=True, attention_chunk=chunk)
+    for i in range(b):
+        ref, ref_lse = attention_reference(q[i:i + 1], keys[i][None], values[i][None], causal=True, chunk=chunk)
+        base = attention_baseline(q[i:i + 1], keys[i][None], values[i][None], causal=True, chunk=chunk)
+        assert_judged(f"out row {i}", out[i:i + 1], ref, base)
+        assert_judged(f"lse row {i}", lse[i:i + 1], ref_lse.to(lse.device))
+        assert_judged(f"contiguous row {i}", contiguous[i:i + 1], ref, base)
+
+
+@pytest.mark.parametrize("page,chunk", PAGED, ids=[f"p{p}-c{c}" for p, c in PAGED])
+def test_paged_varlen_block_table(page, chunk):
+    """flash_attn_varlen_func(block_table=..., attention_chunk=...) (vLLM's
+    layout): decodes, a prefill chunk and a query block over longer keys,
+    judged against the same batch packed, NaN in every unused page row."""
+    lq, lk = [1, 300, 5, 2000, 0], [4000, 300, 17, 2100, 9]
+    q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 8, 2, 128, seed=51)
+    kp, vp, table = paged_pools(k, v, ck, page, seed=52)
+    used_k = (ck[1:] - ck[:-1]).to(torch.int32)
+    out, lse = hopper_flash.flash_attn_varlen_func(q, kp, vp, cq, None, max(lq), max(lk), seqused_k=used_k,
+                                                   block_table=table, causal=True, attention_chunk=chunk,
+                                                   return_lse=True)
+    assert_varlen_forward("paged", out, lse, varlen_expected(q, k, v, cq, ck, None, None, True, chunk=chunk))
