@@ -13,8 +13,15 @@ reference on sampled rows (``reference.judge``, the chunk mask of
 mask); a wrong result stops the run.
 
     PYTHONPATH=.:/tmp/fa3pkg python -P scripts/chunk_bench.py      (on the GPU)
+
+FA3 runs beside only with ``HOPPER_FLASH_FA3_LOCAL=1``: its chunked mask is
+compiled into its local (window) kernels, which ``shared/tools/fa3``'s
+build leaves out (``FLASH_ATTENTION_DISABLE_LOCAL``), and its chunked call
+then crashed the process (exit 139, sixtieth session). Build FA3 without
+that flag first.
 """
 import importlib
+import os
 
 import torch
 import triton
@@ -33,11 +40,18 @@ def visible_pairs(seqlen: int, chunk: int) -> int:
     return full * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
 
 
-def main():
+def _fa3(name):
+    """FA3's function ``name``, where asked for and importable (module docstring)."""
+    if os.environ.get("HOPPER_FLASH_FA3_LOCAL", "0") in ("", "0"):
+        return None
     try:
-        fa3 = importlib.import_module("flash_attn_interface").flash_attn_func
+        return getattr(importlib.import_module("flash_attn_interface"), name)
     except Exception:
-        fa3 = None
+        return None
+
+
+def main():
+    fa3 = _fa3("flash_attn_func")
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}, "
           f"FA3 {'beside' if fa3 else 'absent'}")
     for b, s, h, hkv, d, chunk in ROWS:
@@ -76,10 +90,7 @@ def decode_row(b, cap, h, hkv, d, chunk):
     """One decode step (a query per row) over caches of ``cap`` keys with
     the chunk: ours and FA3's ``flash_attn_with_kvcache``, judged on every
     row first; K/V TB/s of the keys each query sees (the last chunk's)."""
-    try:
-        fa3 = importlib.import_module("flash_attn_interface").flash_attn_with_kvcache
-    except Exception:
-        fa3 = None
+    fa3 = _fa3("flash_attn_with_kvcache")
     gen = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(b, 1, h, d, generator=gen, device="cuda").to(torch.bfloat16)
     k_cache, v_cache = (torch.randn(b, cap, hkv, d, generator=gen, device="cuda").to(torch.bfloat16) for _ in "kv")
