@@ -124,6 +124,32 @@ def _prefix_sums(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(flat.cumsum(0), (1, 0)).to(torch.int32)
 
 
+def _with_tail(lens: torch.Tensor, slot: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """``lens`` ``[batch, slots]`` with one more slot per sequence: its rows
+    past ``used`` in a slot of ``slot`` rows (``seqused``'s gap)."""
+    return torch.cat([lens, (slot - used).long()[:, None]], dim=1)
+
+
+def _live_with_tail(lens: torch.Tensor) -> torch.Tensor:
+    """int32 ``[batch * (slots + 1)]``: the segments' live lengths, the tail
+    slot (``_with_tail``) holding none."""
+    return torch.cat([lens, torch.zeros_like(lens[:, :1])], dim=1).reshape(-1).to(torch.int32)
+
+
+def _page_rows(page_table: torch.Tensor, first_pages: torch.Tensor, width: int,
+               last_pages: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 ``[batch, n, width]``: for each ``first_pages[b, i]`` the
+    ``width`` entries of ``page_table[b]`` from that page on, each clamped to
+    ``last_pages[b]`` (a row's last live page) where given and to the row's
+    end."""
+    batch, n = first_pages.shape
+    pages = first_pages[:, :, None] + torch.arange(width, device=first_pages.device)
+    if last_pages is not None:
+        pages = torch.minimum(pages, last_pages[:, None, None])
+    pages = pages.clamp_(max=page_table.shape[1] - 1)
+    return page_table.gather(1, pages.reshape(batch, n * width)).view(batch, n, width)
+
+
 def fixed_segments(batch: int, seqlen_q: int, seqlen_k: int, chunk: int, device) -> Segments:
     """``flash_attn_func``'s ``[batch, seqlen, ...]`` rows as chunk segments
     (every sequence alike, so the head slots and the bounds are exact)."""
@@ -157,11 +183,8 @@ def varlen_segments(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, sequ
     if seqused_q is None and seqused_k is None:
         return Segments(_prefix_sums(q_lens), _prefix_sums(k_lens), max_q, max_seqlen_k)
     # The rows past seqused: one more slot per sequence, with nothing live in it.
-    tail_q, tail_k = (slot_q - len_q).long()[:, None], (slot_k - len_k).long()[:, None]
-    none = torch.zeros_like(tail_q)
-    return Segments(_prefix_sums(torch.cat([q_lens, tail_q], dim=1)), _prefix_sums(torch.cat([k_lens, tail_k], dim=1)),
-                    max_q, max_seqlen_k, torch.cat([q_lens, none], dim=1).reshape(-1).to(torch.int32),
-                    torch.cat([k_lens, none], dim=1).reshape(-1).to(torch.int32))
+    return Segments(_prefix_sums(_with_tail(q_lens, slot_q, len_q)), _prefix_sums(_with_tail(k_lens, slot_k, len_k)),
+                    max_q, max_seqlen_k, _live_with_tail(q_lens), _live_with_tail(k_lens))
 
 
 def last_chunk_start(live_k: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -179,9 +202,8 @@ def shifted_pages(page_table: torch.Tensor, start: torch.Tensor, page_size: int,
     """int32 ``[batch, width]``: each row of ``page_table`` from page
     ``start[b] / page_size`` on (``start`` a multiple of the page size),
     entries past the row clamped to its last entry."""
-    pages = torch.div(start.long(), page_size, rounding_mode="floor")[:, None] + torch.arange(width,
-                                                                                             device=start.device)
-    return page_table.gather(1, pages.clamp_(max=page_table.shape[1] - 1))
+    first = torch.div(start.long(), page_size, rounding_mode="floor")[:, None]
+    return _page_rows(page_table, first, width)[:, 0]
 
 
 def paged_segments(cu_seqlens_q: torch.Tensor, seqused_q, max_seqlen_q: int, k_lens: torch.Tensor,
@@ -203,21 +225,14 @@ def paged_segments(cu_seqlens_q: torch.Tensor, seqused_q, max_seqlen_q: int, k_l
     live_k = torch.where(q_lens > 0, seg_k, 0)  # (the keys before the first query's chunk: no query reads them)
     max_k = max(1, min(chunk, max_seqlen_k))
     width = -(-max_k // page_size)
-    batch, slots = q_lens.shape
-    last = (k_lens.long() - 1).clamp(min=0) // page_size
-    pages = torch.minimum(starts[:, :, None] // page_size + torch.arange(width, device=starts.device),
-                          last[:, None, None]).clamp_(max=page_table.shape[1] - 1)
-    table = page_table.gather(1, pages.reshape(batch, slots * width)).view(batch, slots, width)
+    table = _page_rows(page_table, starts // page_size, width, (k_lens.long() - 1).clamp(min=0) // page_size)
     if seqused_q is None:
-        return Segments(_prefix_sums(q_lens), None, max_seqlen_q, max_k, None,
-                        live_k.reshape(-1).to(torch.int32)), table.reshape(batch * slots, width)
+        return (Segments(_prefix_sums(q_lens), None, max_seqlen_q, max_k, None, live_k.reshape(-1).to(torch.int32)),
+                table.reshape(-1, width))
     # The rows past seqused_q: one more slot per sequence, with nothing live (its page row: the first slot's).
-    tail = (slot_q - len_q).long()[:, None]
-    none = torch.zeros_like(tail)
-    return (Segments(_prefix_sums(torch.cat([q_lens, tail], dim=1)), None, max_seqlen_q, max_k,
-                     torch.cat([q_lens, none], dim=1).reshape(-1).to(torch.int32),
-                     torch.cat([live_k, none], dim=1).reshape(-1).to(torch.int32)),
-            torch.cat([table, table[:, :1]], dim=1).reshape(batch * (slots + 1), width))
+    return (Segments(_prefix_sums(_with_tail(q_lens, slot_q, len_q)), None, max_seqlen_q, max_k,
+                     _live_with_tail(q_lens), _live_with_tail(live_k)),
+            torch.cat([table, table[:, :1]], dim=1).reshape(-1, width))
 
 
 def cache_segments(cu_seqlens_q: torch.Tensor, max_seqlen_q: int, k_starts: torch.Tensor, k_lens: torch.Tensor,

@@ -407,14 +407,17 @@ def _chunked_func(q, k, v, chunk: int, *, softmax_scale, causal, return_lse, win
     batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     plain = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
                  deterministic=deterministic, learnable_sink=learnable_sink)
-    if seqlen_q == 0 or seqlen_k == 0 or seqlen_q <= seqlen_k <= chunk:
-        return flash_attn_func(q, k, v, return_lse=return_lse, **plain)
     first = seqlen_k - seqlen_q  # the first query's key position
+    if seqlen_q == 0 or seqlen_k == 0:
+        return flash_attn_func(q, k, v, return_lse=return_lse, **plain)
     if first >= 0 and first // chunk == (seqlen_k - 1) // chunk:
-        # Every query in the last chunk (a decode step, a short query block):
-        # the plain call over that chunk's keys, a view of k and v.
+        # Every query in the last chunk (one chunk holding every key, a
+        # decode step, a short query block): the plain call over that
+        # chunk's keys, a view of k and v.
         start = first // chunk * chunk
-        return flash_attn_func(q, k[:, start:], v[:, start:], return_lse=return_lse, **plain)
+        if start:
+            k, v = k[:, start:], v[:, start:]
+        return flash_attn_func(q, k, v, return_lse=return_lse, **plain)
     seg = chunked.fixed_segments(batch, seqlen_q, seqlen_k, chunk, q.device)
     res = flash_attn_varlen_func(q.reshape(batch * seqlen_q, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
                                  v.reshape(-1, *v.shape[2:]), seg.cu_seqlens_q, seg.cu_seqlens_k, seg.max_seqlen_q,
