@@ -224,6 +224,10 @@ class Mode:
     # PackGQA: the query rows of the pack_g heads sharing a KV head share one
     # tile (a power of two dividing 64; 1 = off).
     pack_g: int = 1
+    # PackGQA over a group that is not a power of two (choose_pad_pack): the
+    # group, each query's heads padded to pack_g rows (kernels/forward.py,
+    # ``PACK_PAD``); 0: pack_g is the group.
+    pack_group: int = 0
     # Split-KV: fp32 partials merged by kernels/combine.py.
     split: bool = False
     # Per-batch key lengths from an int32 device tensor; K/V a cache whose
@@ -265,6 +269,11 @@ class Mode:
     # flash-attn's cache_leftpad (with seqused, no pages): batch b's keys
     # start at row leftpad[b] of its cache row (the kernel's cu_k_ptr).
     leftpad: bool = False
+
+    @property
+    def item_group(self) -> int:
+        """Query heads per work item's head (1 unpacked)."""
+        return self.pack_group or self.pack_g
 
     @property
     def kernel_sink(self) -> bool:
@@ -358,6 +367,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         ONE_ITEM=mode.one_item,
         O_DIM=mode.o_dim,
         LEFTPAD=mode.leftpad,
+        PACK_PAD=mode.pack_group > 0,
     )
 
 
@@ -402,7 +412,7 @@ MAX_WORK_ITEMS = 2**31 - 1
 def work_items(batch: int, nheads: int, seqlen_q: int, cfg: ForwardConfig, mode: Mode = PREFILL,
                num_splits: int = 1) -> int:
     """(query tile, split, head, batch) items; under PackGQA a head is a KV head."""
-    return triton_cdiv(seqlen_q * mode.pack_g, cfg.block_m) * num_splits * (nheads // mode.pack_g) * batch
+    return triton_cdiv(seqlen_q * mode.pack_g, cfg.block_m) * num_splits * (nheads // mode.item_group) * batch
 
 
 def deal(items: int, cfg: ForwardConfig, device: int | None = None) -> tuple[int, int]:
@@ -445,6 +455,30 @@ def choose_pack_gqa(seqlen_q: int, group: int, block_m: int = 128) -> bool:
         return rows / (triton_cdiv(rows, block_m) * block_m)
 
     return fill(seqlen_q) < 0.9 * fill(seqlen_q * group)
+
+
+# Head dims whose decode kernels take a padded pack without spilling (the
+# compile census: head dim 256's spilled 8 B under triton 3.6).
+PAD_PACK_HEAD_DIMS = (64, 128)
+
+
+def pad_rows(group: int) -> int:
+    """Rows per query of a padded pack (``Mode.pack_group``): the next power
+    of two, or 0 where the group cannot be padded (a power of two already,
+    or more than 64)."""
+    rows = 1 << max(group - 1, 0).bit_length()
+    return rows if 2 < group < rows <= 64 else 0
+
+
+def choose_pad_pack(seqlen_q: int, group: int, block_m: int = 128) -> bool:
+    """Pad-pack a group that is not a power of two where one query tile
+    holds every query of the group (a decode step, a short draft): the
+    padding rows cost tensor-core work only, which such a launch has to
+    spare, and K/V is then read once per KV head instead of once per query
+    head (Llama 4's 40/8: 2.8x the traffic unpacked, BENCHMARKS.md,
+    sixtieth session)."""
+    rows = pad_rows(group)
+    return rows > 0 and seqlen_q * rows <= block_m
 
 
 def choose_varlen_pack_gqa(group: int) -> bool:
@@ -697,19 +731,26 @@ ONE_ITEM_MAX_KV_TILES = 128
 @lru_cache(maxsize=4096)
 def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cfg, page_size, seqused, kv_batch,
                  num_splits, pack_gqa, causal, write_lse, window=None, softcap=False, sink="",
-                 leftpad=False) -> LaunchPlan:
+                 leftpad=False, pad_ok=False) -> LaunchPlan:
     """Mode, split count and grid for a launch. Cached, and keyed by the KV
     tile count rather than the key length: a decode loop grows the cache by
     one key per step, and this is host time on every step. ``window``:
     ``(left, right)`` of a sliding window (``checks.window_bounds``) or None;
     ``softcap``: whether scores are soft-capped (``Mode.softcap``); ``sink``:
     the attention sinks' dtype, "" for none (``Mode.sink``); ``leftpad``:
-    ``Mode.leftpad``."""
+    ``Mode.leftpad``; ``pad_ok``: whether O can take a padded pack's stores
+    by address (contiguous, the kernel's head dim; ``launch_forward``)."""
     group = nheads // nheads_kv
+    pad = pad_ok and cfg.head_dim in PAD_PACK_HEAD_DIMS and nheads >= pad_rows(group) > 0
     if pack_gqa is None:
-        pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m)
-    pack_g = group if pack_gqa else 1
-    tiles = work_items(batch, nheads, seqlen_q, cfg, Mode(pack_g=pack_g))
+        pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m) or (pad and choose_pad_pack(seqlen_q, group,
+                                                                                           cfg.block_m))
+    pack_g, pack_group = 1, 0
+    if pack_gqa and packable(group):
+        pack_g = group
+    elif pack_gqa and pad:
+        pack_g, pack_group = pad_rows(group), group
+    tiles = work_items(batch, nheads, seqlen_q, cfg, Mode(pack_g=pack_g, pack_group=pack_group))
     window_left, window_right = window or (-1, -1)
     if num_splits == 0:
         # Under a window a query tile reads at most the window's tiles, not the whole cache.
@@ -733,9 +774,9 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
     one_item = (plain and not dynamic and tiles <= n_ctas and takes_one_item(cfg)
                 and n_blocks <= ONE_ITEM_MAX_KV_TILES)
-    mode = Mode(pack_g=pack_g, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch, page_size=page_size,
-                dynamic=dynamic, window_left=window_left, window_right=window_right, softcap=bool(softcap),
-                sink=sink, one_item=one_item, leftpad=leftpad)
+    mode = Mode(pack_g=pack_g, pack_group=pack_group, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch,
+                page_size=page_size, dynamic=dynamic, window_left=window_left, window_right=window_right,
+                softcap=bool(softcap), sink=sink, one_item=one_item, leftpad=leftpad)
     section = l2_section(n_blocks * cfg.block_n, cfg.head_dim, dtype.itemsize, group)
     kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
@@ -812,7 +853,8 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     write_lse = lse is not None
     lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
                       page_size, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
-                      bool(causal), write_lse, window, softcap > 0, sink_mode(sink), leftpad is not None)
+                      bool(causal), write_lse, window, softcap > 0, sink_mode(sink), leftpad is not None,
+                      out.shape[3] == cfg.head_dim and out.is_contiguous())
     cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
     kernel = _COMPILED.get(lp.key)
     page_stride = page_table.stride(0) if paged else 0

@@ -53,6 +53,48 @@ def test_kvcache_gqa(nheads, nheads_kv, causal, seqlen_q):
     assert_close(out, q, kc, vc, lens, causal)
 
 
+# Groups that are not powers of two (Llama 4's 40/8, Qwen2.5-7B's 28/4, 24/8, 12/2): PackGQA pads each
+# query's heads to the next power of two (plan.Mode.pack_group); the padding rows read the next group's
+# queries (the last group's: zeros past the last head) and must never be stored.
+@pytest.mark.parametrize("nheads,nheads_kv", [(40, 8), (28, 4), (24, 8), (12, 2)], ids=["g5", "g7", "g3", "g6"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q,num_splits", [(1, 0), (1, 1), (3, 4), (16, 1)])
+def test_kvcache_groups_not_powers_of_two(nheads, nheads_kv, head_dim, seqlen_q, num_splits):
+    lens = [4099, 17, 1, 0]
+    kc, vc = nan_tailed_cache(4, 4200, nheads_kv, head_dim, lens, seed=nheads)
+    q = rnd(4, seqlen_q, nheads, head_dim, seed=nheads_kv)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out, lse = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True, num_splits=num_splits,
+                                                    return_softmax_lse=True)
+    assert_close(out, q, kc, vc, lens, True, lse=lse)
+    kp, vp, pt = paged_copy(kc, vc, 64, lens, seed=3)
+    paged = hopper_flash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=cs, page_table=pt, causal=True,
+                                                 num_splits=num_splits)
+    assert_close(paged, q, kc, vc, lens, True)
+
+
+def test_padded_pack_with_sinks_and_graph_replay():
+    """Sinks index each row's head (a padding row's clamped), and a captured
+    decode step replays with new lengths."""
+    lens = [3000, 5]
+    kc, vc = nan_tailed_cache(2, 3100, 8, 128, lens, seed=7)
+    q = rnd(2, 1, 40, 128, seed=8)
+    sink = torch.randn(40, device=DEV)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True, learnable_sink=sink,
+                                               num_splits=1)
+    from hopper_flash.reference import assert_judged, attention_reference, sink_eager
+    for b, n in enumerate(lens):
+        one = (q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n])
+        ref, _ = attention_reference(*one, causal=True, sink=sink)
+        assert_judged(f"row {b}", out[b:b + 1], ref, sink_eager(*one, sink, causal=True))
+    graph, g_out = capture(lambda: hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True))
+    cs.copy_(torch.tensor([17, 2999], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(g_out, q, kc, vc, [17, 2999], True)
+
+
 @pytest.mark.parametrize("num_splits,pack_gqa", [(1, False), (1, True), (3, False), (3, True), (7, None), (0, None)])
 def test_kvcache_splits_and_packing_agree(num_splits, pack_gqa):
     lens = [3000, 1000, 0]

@@ -148,6 +148,38 @@ def test_pack_gqa_heuristic():
     assert not plan.choose_pack_gqa(1, 128)  # a group wider than a warpgroup's 64 rows
 
 
+def test_groups_not_powers_of_two_pack_padded(monkeypatch):
+    """A group of 3, 5, 6 or 7 heads packs into the next power of two rows
+    per query (plan.Mode.pack_group) where one query tile holds the group's
+    queries, O can be stored by address, the head dim is 64 or 128, and
+    there are at least that many heads; the items run over the KV heads."""
+    assert [plan.pad_rows(g) for g in (1, 2, 3, 4, 5, 6, 7, 8, 12, 33, 65)] == [0, 0, 4, 0, 8, 8, 8, 0, 16, 64, 0]
+    assert plan.choose_pad_pack(1, 5) and plan.choose_pad_pack(16, 5) and not plan.choose_pad_pack(17, 5)
+    assert not plan.choose_pad_pack(1, 4)  # (a power of two packs as it is)
+    monkeypatch.setattr(plan, "sm_count", lambda device=None: 132)
+    plan_of = plan._plan_launch.__wrapped__
+    cfg = plan.CONFIGS[128]
+
+    def mode(seqlen_q=1, nheads=40, nheads_kv=8, pad_ok=True, cfg=cfg, pack_gqa=None, batch=4):
+        lp = plan_of(0, torch.bfloat16, batch, seqlen_q, nheads, nheads_kv, 32, cfg, 0, True, False, 1, pack_gqa,
+                     True, False, None, False, "", False, pad_ok)
+        return lp.mode
+
+    assert (mode().pack_g, mode().pack_group) == (8, 5)
+    assert plan.work_items(4, 40, 1, cfg, mode()) == 4 * 8  # one item per (batch, KV head)
+    assert (mode(nheads=28, nheads_kv=4).pack_g, mode(nheads=28, nheads_kv=4).pack_group) == (8, 7)
+    assert mode(nheads=32).pack_g == 4 and mode(nheads=32).pack_group == 0  # a power of two: packed as it is
+    assert mode(pad_ok=False).pack_g == 1  # O not storable by address (a narrower v, a strided out)
+    assert mode(cfg=plan.CONFIGS[256]).pack_g == 1  # head dim 256's padded kernels spilled
+    assert mode(seqlen_q=64).pack_g == 1  # queries past one tile: the padding would cost real work
+    assert mode(nheads=5, nheads_kv=1).pack_g == 1  # fewer heads than the padded rows
+    assert mode(pack_gqa=True, seqlen_q=64).pack_group == 5  # asked for: padded anyway
+    assert mode(pack_gqa=False).pack_g == 1
+    constexprs = plan.kernel_constexprs(cfg, True, False, mode())
+    assert constexprs["PACK_G"] == 8 and constexprs["PACK_PAD"] is True
+    assert plan.kernel_constexprs(cfg, True, False, mode(nheads=32))["PACK_PAD"] is False
+
+
 def test_grid_deals_singly_below_two_items_per_sm(monkeypatch):
     monkeypatch.setattr(plan, "sm_count", lambda device=None: 132)
     cfg = plan.CONFIGS[128]

@@ -95,6 +95,10 @@ Decode and chunked prefill run the same kernel in other *modes*
 * ``PACK_G`` > 1 (PackGQA): the query rows of the ``PACK_G`` heads that share
   a KV head share one tile, head fastest: the TMA box ``[1, 64 / G, G, D]``
   over BSHD is exactly that tile, so K and V are read once per KV head.
+  A group that is not a power of two (``PACK_PAD``: 5 of Llama 4's 40/8)
+  is padded to ``PACK_G`` rows per query: the box reads the next group's
+  heads (or zeros past the last) into the padding rows, which are computed
+  and never stored; O then goes by address, as in ``VARLEN``.
 * ``SPLIT``: the KV tiles of an item are split across ``num_splits`` items;
   each writes a normalised fp32 partial O and its LSE straight from
   registers, and ``combine.py`` merges them (``VARLEN``: over the packed
@@ -188,6 +192,10 @@ class Mode:
     PERSISTENT: gl.constexpr
     O_IN_Q: gl.constexpr
     PACK_G: gl.constexpr
+    # PackGQA with a group that is not a power of two (plan.Mode.pack_group):
+    # a query's kv_group heads padded to PACK_G rows (heads of the next group,
+    # or zeros past the last: computed, never stored). O then goes by address.
+    PACK_PAD: gl.constexpr
     SPLIT: gl.constexpr
     SEQUSED: gl.constexpr
     KV_BATCH: gl.constexpr
@@ -253,7 +261,7 @@ class Mode:
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
                  PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT,
-                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD):
+                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_PAD):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -358,9 +366,12 @@ def _item_kv(b, bm, split, seqlen_q, seqlen_k, k_start, prob: Problem, mode: Mod
 
 
 @gluon.jit
-def _item_heads(h, kv_group, PACK_G: gl.constexpr):
+def _item_heads(h, kv_group, PACK_G: gl.constexpr, PACK_PAD: gl.constexpr = False):
     """(first query head of the item, its KV head)."""
-    if PACK_G > 1:
+    if PACK_PAD:
+        q_head0 = h * kv_group
+        hk = h
+    elif PACK_G > 1:
         q_head0 = h * PACK_G
         hk = h
     else:
@@ -404,11 +415,20 @@ def _item_at(i, item, n_tiles, prob: Problem, mode: Mode):
     """(bm, split, h, b) of this CTA's ``i``-th work item: the static deal's
     (scheduler.work_coords), or item number ``item`` of the dynamic order."""
     if mode.DYNAMIC:
-        bm, split, h, b = section_coords(item, n_tiles, prob.num_heads // mode.PACK_G, prob.batch, prob.section)
+        bm, split, h, b = section_coords(item, n_tiles, _item_head_count(prob, mode), prob.batch, prob.section)
     else:
-        bm, split, h, b = work_coords(i, n_tiles, _num_splits(prob, mode), prob.num_heads // mode.PACK_G,
+        bm, split, h, b = work_coords(i, n_tiles, _num_splits(prob, mode), _item_head_count(prob, mode),
                                       prob.pair, mode.PERSISTENT, mode.PLAIN_COORDS)
     return bm, split, h, b
+
+
+@gluon.jit
+def _item_head_count(prob: Problem, mode: Mode):
+    """The heads work items run over: query heads, or KV heads under PackGQA."""
+    if mode.PACK_PAD:
+        return prob.num_heads // prob.kv_group
+    else:
+        return prob.num_heads // mode.PACK_G
 
 
 @gluon.jit
@@ -451,7 +471,7 @@ def _item_bounds(b, bm, split, h, lq, k_start, prob: Problem, mode: Mode):
     beyond its coordinates: ``(q_head0, hk, kb, n_lo, n_hi, lk)``, the first
     query head and the KV head, the cache row, the KV tiles ``[n_lo, n_hi)``
     and the key length the mask uses."""
-    q_head0, hk = _item_heads(h, prob.kv_group, mode.PACK_G)
+    q_head0, hk = _item_heads(h, prob.kv_group, mode.PACK_G, mode.PACK_PAD)
     lk = _item_seqlen_k(b, k_start, prob, mode)
     kb, n_lo, n_hi, lk = _item_kv(b, bm, split, lq, lk, k_start, prob, mode)
     return q_head0, hk, kb, n_lo, n_hi, lk
@@ -675,7 +695,7 @@ def _skip_dead_run(item, n_tiles, prob: Problem, mode: Mode):
     section's items run head fastest, then the query tile from the last
     down): move the shared counter past them with one atomic max, so that no
     CTA draws them one by one (``draw_item``: next = counter + grid)."""
-    item_heads = prob.num_heads // mode.PACK_G  # heads of the items: KV heads under PackGQA
+    item_heads = _item_head_count(prob, mode)  # heads of the items: KV heads under PackGQA
     per_section = prob.section * n_tiles
     sec = item // per_section
     hb0 = sec * prob.section
@@ -923,8 +943,10 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     pv = warpgroup_mma(p_op, v, acc_o, is_async=True)
     if mode.SINK:
         # Each row's head's sink logit (PackGQA: the rows of a tile span the group's heads).
-        sink = gl.load(prob.sink_ptr + q_head0 + (row0 + gl.arange(0, WG_M, layout=scores_max.type.layout))
-                       % mode.PACK_G).to(gl.float32)
+        sink_g = (row0 + gl.arange(0, WG_M, layout=scores_max.type.layout)) % mode.PACK_G
+        if mode.PACK_PAD:
+            sink_g = gl.minimum(sink_g, prob.kv_group - 1)  # (a padding row's: any head's)
+        sink = gl.load(prob.sink_ptr + q_head0 + sink_g).to(gl.float32)
     else:
         sink = scores_max  # (unused)
     inv_logsum, lse = softmax_finish(scores_max, logsum, prob.softmax_scale, sink, mode.SINK)
@@ -935,6 +957,9 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     lse_rows = row0 + gl.arange(0, WG_M, layout=gl.SliceLayout(1, s_layout))
     lse_q = lse_rows // mode.PACK_G
     lse_head = q_head0 + lse_rows % mode.PACK_G
+    lse_live = lse_q < seqlen_q
+    if mode.PACK_PAD:
+        lse_live = lse_live & (lse_rows % mode.PACK_G < prob.kv_group)  # not a padding row
     if mode.SPLIT:
         # ---- Partial output: fp32 O [splits, B, Sq, H, D] and LSE [splits, B, H, Sq]
         # straight from registers; combine.py merges them. VARLEN: the packed
@@ -954,15 +979,21 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
             lse_q0 = 0
         o_off = ((o_row0 + o_q).to(gl.int64) * prob.num_heads + q_head0 + o_rows % mode.PACK_G) * mode.HEAD_DIM
         cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(prob.o_part_ptr + o_off[:, None] + cols[None, :], acc_o, mask=(o_q < seqlen_q)[:, None])
+        o_live = o_q < seqlen_q
+        if mode.PACK_PAD:
+            o_live = o_live & (o_rows % mode.PACK_G < prob.kv_group)
+        gl.store(prob.o_part_ptr + o_off[:, None] + cols[None, :], acc_o, mask=o_live[:, None])
         lse_off = (lse_row0 + lse_head).to(gl.int64) * lse_len + lse_q0 + lse_q
-        gl.store(prob.lse_part_ptr + lse_off, lse, mask=lse_q < seqlen_q)
+        gl.store(prob.lse_part_ptr + lse_off, lse, mask=lse_live)
         if mode.O_IN_Q:
             mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
-    elif mode.VARLEN:
+    elif mode.VARLEN or mode.PACK_PAD:
         # ---- Varlen epilogue: O into the sequence's rows only (``o_part_ptr``
         # is O, contiguous THD; a TMA box would overwrite the neighbour's
-        # rows); LSE [H, total_q]. O goes through this warpgroup's staging
+        # rows); LSE [H, total_q]. PACK_PAD (fixed lengths): O [B, Sq, H, D]
+        # contiguous (``o_part_ptr`` aliases it) without its padding rows (a
+        # TMA box would overwrite the next group's heads); LSE [B, H, Sq].
+        # O goes through this warpgroup's staging
         # rows (its own buffer, or its Q rows when O_IN_Q, as in the TMA
         # epilogue) and back into registers along D, so every thread stores
         # 16-byte vectors of whole rows: straight from the wgmma layout each
@@ -981,15 +1012,25 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         # O's rows are O_DIM features wide where its head dim is narrower
         # than the kernel's (the features past it are never stored).
         o_width: gl.constexpr = mode.O_DIM if mode.O_DIM > 0 else mode.HEAD_DIM
-        o_off = ((q_start + o_q).to(gl.int64) * prob.num_heads + q_head0 + o_rows % mode.PACK_G) * o_width
+        if mode.VARLEN:
+            o_row0 = q_start
+        else:
+            o_row0 = b * seqlen_q
+        o_off = ((o_row0 + o_q).to(gl.int64) * prob.num_heads + q_head0 + o_rows % mode.PACK_G) * o_width
         cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, row_major))
-        o_mask = (o_q < seqlen_q)[:, None]
+        o_live = o_q < seqlen_q
+        if mode.PACK_PAD:
+            o_live = o_live & (o_rows % mode.PACK_G < prob.kv_group)
+        o_mask = o_live[:, None]
         if mode.O_DIM > 0:
             o_mask = o_mask & (cols < mode.O_DIM)[None, :]
         gl.store(prob.o_part_ptr + o_off[:, None] + cols[None, :], o_vals, mask=o_mask)
         if mode.WRITE_LSE:
-            lse_off = lse_head.to(gl.int64) * prob.total_q + q_start + lse_q
-            gl.store(prob.lse_ptr + lse_off, lse, mask=lse_q < seqlen_q)
+            if mode.VARLEN:
+                lse_off = lse_head.to(gl.int64) * prob.total_q + q_start + lse_q
+            else:
+                lse_off = (b * prob.num_heads + lse_head).to(gl.int64) * seqlen_q + lse_q
+            gl.store(prob.lse_ptr + lse_off, lse, mask=lse_live)
         if mode.O_IN_Q:
             # The next item's Q lands in these rows by TMA (the async proxy)
             # after the release: order this warpgroup's reads before it.
@@ -1088,7 +1129,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1,
                              SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False,
                              RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False, O_DIM: gl.constexpr = 0,
-                             LEFTPAD: gl.constexpr = False):
+                             LEFTPAD: gl.constexpr = False, PACK_PAD: gl.constexpr = False):
     # RING_PTX: which form of ``hopper_flash.ptx_rings`` compiled this
     # specialisation (0: triton's named barriers around the K/V ring kept);
     # unused here, it keys the compiled kernel.
@@ -1113,7 +1154,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                SINK, ONE_ITEM, O_DIM, LEFTPAD)
+                SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_PAD)
     if SPLIT:
         # The combine follows this grid by programmatic dependent launch
         # (plan.launch_combine) and may be scheduled from now on: its
@@ -1127,7 +1168,9 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # fastest: the seed's 3-D grid order without the 65535 limit of grid axes
     # y and z. Which CTA runs which item is scheduler.py's business; every
     # partition walks the same items in the same order.
-    total_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M) * num_splits * (num_heads // PACK_G) * batch
+    gl.static_assert(not PACK_PAD or (PACK_G > 1 and not VARLEN), "a padded pack: the fixed-length modes")
+    item_group = kv_group if PACK_PAD else PACK_G
+    total_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M) * num_splits * (num_heads // item_group) * batch
 
     # Q as NC [1, 64, 1, D] parts (packed: [1, 64 / G, G, D]), one per
     # consumer warpgroup, for Q_STAGES items: part c of the item in slot j is

@@ -1,0 +1,50 @@
+"""Decode steps at GQA groups that are not powers of two (PackGQA padded,
+``plan.Mode.pack_group``) beside a power-of-two group: one query per row,
+contiguous caches, ``do_bench`` medians and K/V TB/s. Run it for this
+tree and for main's package in the same machine:
+
+    PYTHONPATH=.:/tmp/fa3pkg python -P scripts/pack_pad_bench.py
+    PYTHONPATH=.wt/main:/tmp/fa3pkg python -P scripts/pack_pad_bench.py   (git archive main hopper_flash | tar -x -C .wt/main)
+
+FA3's ``flash_attn_with_kvcache`` (its own split and pack heuristics) is
+timed beside on the same inputs when ``flash_attn_interface`` imports.
+
+Correctness is the GPU tests' (tests/test_decode_gpu.py
+``test_kvcache_groups_not_powers_of_two``)."""
+import torch
+import triton
+
+import hopper_flash
+
+
+def _fa3():
+    try:
+        from flash_attn_interface import flash_attn_with_kvcache
+    except ImportError:
+        return None
+    return flash_attn_with_kvcache
+
+
+def main():
+    fa3 = _fa3()
+    print(hopper_flash.__file__, torch.cuda.get_device_name(),
+          f"FA3 {'beside' if fa3 else 'absent'}", flush=True)
+    for h, hkv in ((40, 8), (28, 4), (32, 8)):
+        for b, s in ((8, 8192), (1, 65536), (64, 2048)):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(b, 1, h, 128, device="cuda", generator=g).to(torch.bfloat16)
+            kc, vc = (torch.randn(b, s, hkv, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in "kv")
+            lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+            calls = {"ours": lambda: hopper_flash.flash_attn_with_kvcache(
+                q, kc, vc, cache_seqlens=lens, causal=True)}
+            if fa3 is not None:
+                calls["fa3"] = lambda: fa3(q, kc, vc, cache_seqlens=lens, causal=True)
+            row = []
+            for name, call in calls.items():
+                us = triton.testing.do_bench(call, warmup=30, rep=150) * 1e3
+                row.append(f"{name} {us:.1f} us ({2 * b * s * hkv * 128 * 2 / us / 1e6:.2f} TB/s)")
+            print(f"H{h}/{hkv} B{b} S{s}: " + ", ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
