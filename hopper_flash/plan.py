@@ -485,8 +485,32 @@ def choose_varlen_pack_gqa(group: int) -> bool:
     """PackGQA for a packed (varlen) batch, whose query lengths the host does
     not know: FA3's rule, always where the group allows it. A decode-like
     sequence (a few query rows) then reads each K/V tile once per KV head
-    instead of once per query head; a long one costs about the same."""
+    instead of once per query head; a long one costs about the same. (A
+    group that is not a power of two: ``pack_layout``.)"""
     return packable(group)
+
+
+def pack_layout(pack_gqa: bool | None, group: int, seqlen_q: int, nheads: int, cfg: ForwardConfig,
+                pad_ok: bool = True, varlen: bool = False) -> tuple[int, int]:
+    """``(Mode.pack_g, Mode.pack_group)`` of a launch: PackGQA as asked
+    (``pack_gqa``; None: ``choose_pack_gqa``, or ``choose_varlen_pack_gqa``
+    for a packed batch), a power-of-two group packed as it is, any other
+    padded (``pad_rows``) where ``pad_ok`` (O storable by address), the
+    head dim's kernels take it and there are at least as many heads as
+    padded rows, and, by default, only where the queries fit one tile
+    (``choose_pad_pack``; ``seqlen_q``: a packed batch's longest, so a
+    batch of decode steps and drafts pads and one with a prefill chunk
+    does not, whose padding rows would be tensor-core work on every tile).
+    ``(1, 0)``: unpacked."""
+    pad = pad_ok and cfg.head_dim in PAD_PACK_HEAD_DIMS and nheads >= pad_rows(group) > 0
+    if pack_gqa is None:
+        pack_gqa = (choose_varlen_pack_gqa(group) if varlen else choose_pack_gqa(seqlen_q, group, cfg.block_m)) or (
+            pad and choose_pad_pack(seqlen_q, group, cfg.block_m))
+    if pack_gqa and packable(group):
+        return group, 0
+    if pack_gqa and pad:
+        return pad_rows(group), group
+    return 1, 0
 
 
 def choose_dynamic(items: int, n_tiles: int, causal: bool, varlen: bool, sms: int) -> bool:
@@ -741,15 +765,7 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     ``Mode.leftpad``; ``pad_ok``: whether O can take a padded pack's stores
     by address (contiguous, the kernel's head dim; ``launch_forward``)."""
     group = nheads // nheads_kv
-    pad = pad_ok and cfg.head_dim in PAD_PACK_HEAD_DIMS and nheads >= pad_rows(group) > 0
-    if pack_gqa is None:
-        pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m) or (pad and choose_pad_pack(seqlen_q, group,
-                                                                                           cfg.block_m))
-    pack_g, pack_group = 1, 0
-    if pack_gqa and packable(group):
-        pack_g = group
-    elif pack_gqa and pad:
-        pack_g, pack_group = pad_rows(group), group
+    pack_g, pack_group = pack_layout(pack_gqa, group, seqlen_q, nheads, cfg, pad_ok)
     tiles = work_items(batch, nheads, seqlen_q, cfg, Mode(pack_g=pack_g, pack_group=pack_group))
     window_left, window_right = window or (-1, -1)
     if num_splits == 0:
@@ -1321,12 +1337,11 @@ def varlen_skew_splits(total_k: int, batch: int, max_seqlen_q: int, max_seqlen_k
     not splitting (a prefill chunk's query tiles count for every sequence)."""
     if window is not None or total_k <= 0 or max_seqlen_k <= SKEW_RATIO * SKEW_MIN_TILES * cfg.block_n:
         return 1  # (the last: the share is at least SKEW_MIN_TILES)
-    if pack_gqa is None:
-        pack_gqa = choose_varlen_pack_gqa(group)
-    pack_g = group if pack_gqa and packable(group) else 1
+    pack_g, pack_group = pack_layout(pack_gqa, group, max_seqlen_q, nheads, cfg, varlen=True)
+    pack = Mode(pack_g=pack_g, pack_group=pack_group)
     n_blocks = triton_cdiv(max(1, max_seqlen_k), cfg.block_n)
-    q_tiles = triton_cdiv(max(1, max_seqlen_q) * pack_g, cfg.block_m)
-    work = q_tiles * (triton_cdiv(total_k, cfg.block_n) + batch) * (nheads // pack_g)
+    q_tiles = triton_cdiv(max(1, max_seqlen_q) * pack.pack_g, cfg.block_m)
+    work = q_tiles * (triton_cdiv(total_k, cfg.block_n) + batch) * (nheads // pack.item_group)
     share = max(work / sm_count(device), SKEW_MIN_TILES)
     if n_blocks <= SKEW_RATIO * share:
         return 1
@@ -1340,8 +1355,9 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     """``_plan_launch`` for a packed batch: the grid covers ``max_seqlen_q``
     for every sequence (items past a sequence's rows exit at once).
     ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V (``Mode.page_size``,
-    with ``seqused_k``); ``pack_gqa``: PackGQA (None:
-    ``choose_varlen_pack_gqa``); ``num_splits``: KV splits (0: FA3's rule,
+    with ``seqused_k``); ``pack_gqa``: PackGQA (``pack_layout``; None:
+    ``choose_varlen_pack_gqa``, groups that are not powers of two padded
+    where ``max_seqlen_q`` fits a tile); ``num_splits``: KV splits (0: FA3's rule,
     ``choose_num_splits``, on the items and KV tiles the host bounds
     know: ``max_seqlen_q`` for every sequence, ``max_seqlen_k`` keys, and
     with ``total_q`` (q's rows, ``varlen_total_q_key``) a bound on the
@@ -1349,11 +1365,10 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     chunk look like ``batch`` chunks to ``max_seqlen_q`` alone), and
     ``skew_splits`` (``varlen_skew_splits``) where that rule does not split."""
     sms = sm_count(device)
-    if pack_gqa is None:
-        pack_gqa = choose_varlen_pack_gqa(group)
-    pack_g = group if pack_gqa and packable(group) else 1
-    items = work_items(batch, nheads, max_seqlen_q, cfg, Mode(pack_g=pack_g))
-    item_heads = nheads // pack_g
+    pack_g, pack_group = pack_layout(pack_gqa, group, max_seqlen_q, nheads, cfg, varlen=True)
+    pack = Mode(pack_g=pack_g, pack_group=pack_group)
+    items = work_items(batch, nheads, max_seqlen_q, cfg, pack)
+    item_heads = nheads // pack.item_group
     n_blocks = triton_cdiv(max(1, max_seqlen_k), cfg.block_n)
     if num_splits == 0:
         read = n_blocks if window is None or window[0] < 0 else min(
@@ -1380,16 +1395,16 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     if (cfg in _WIDE_OF and page_size == 0 and not split and window is None
             and max_seqlen_q >= WIDE_MIN_ROWS):
         cfg = _WIDE_OF[cfg]
-        items = work_items(batch, nheads, max_seqlen_q, cfg, Mode(pack_g=pack_g))
+        items = work_items(batch, nheads, max_seqlen_q, cfg, pack)
     # Gathered pages take the static deal: their four-warp producer has only
     # ever run it (the decode modes), never the dynamic order's draws; so
     # do split runs (the dynamic order has no split coordinate).
     dynamic = (cfg.persistent and not gathers(page_size, cfg.head_dim) and not split
                and choose_dynamic(items, triton_cdiv(max_seqlen_q * pack_g, cfg.block_m), causal, True, sms))
     window_left, window_right = window or (-1, -1)
-    mode = Mode(pack_g=pack_g, split=split, seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic,
-                window_left=window_left, window_right=window_right, softcap=bool(softcap), sink=sink, o_dim=o_dim,
-                page_size=page_size)
+    mode = Mode(pack_g=pack_g, pack_group=pack_group, split=split, seqused=seqused_k, varlen=True,
+                seqused_q=seqused_q, dynamic=dynamic, window_left=window_left, window_right=window_right,
+                softcap=bool(softcap), sink=sink, o_dim=o_dim, page_size=page_size)
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items * num_splits, cfg, device)
     if split and items * num_splits <= SPLIT_GRID_MAX_WAVES * sms:
         # One CTA per split item, dealt by the hardware as SMs free up
@@ -1404,7 +1419,7 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     # (forward._skip_dead_run; a section across two sequences draws them
     # one by one). Under PackGQA an item's head is a KV head, whose query
     # heads are already in its tile.
-    section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group // pack_g), item_heads)
+    section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group // pack.item_group), item_heads)
     kernel_lse = write_lse and not split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
     return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section, (device, dtype, causal, kernel_lse, cfg, mode),

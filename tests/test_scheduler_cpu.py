@@ -114,6 +114,36 @@ def test_varlen_packs_gqa_where_the_group_allows_it():
         [False, True, False, True, True, True, True, False, False]
 
 
+def test_varlen_pads_groups_not_powers_of_two_for_short_queries():
+    """A group of 3, 5, 6 or 7 packs padded to the next power of two rows
+    (plan.pack_layout) where the longest sequence's queries fit one tile
+    (decode steps, drafts), head dims 64 and 128; a batch with a prefill
+    chunk stays unpacked unless asked; the items and the skew split's work
+    bound run over KV heads."""
+    def varlen_plan(nheads, group, max_q, pack_gqa=None, d=128):
+        return plan._plan_varlen.__wrapped__(0, torch.bfloat16, 16, max_q, 8192, nheads, group, plan.CONFIGS[d],
+                                             False, True, True, False, pack_gqa=pack_gqa)
+
+    decode = varlen_plan(40, 5, 1)
+    assert (decode.mode.pack_g, decode.mode.pack_group) == (8, 5)
+    assert plan.work_items(16, 40, 1, plan.CONFIGS[128], decode.mode) == 16 * 8  # (batch, KV head) items
+    assert decode.constexprs["PACK_PAD"] is True and decode.constexprs["PACK_G"] == 8
+    assert decode.section <= 8  # sections count KV heads
+    assert (varlen_plan(28, 7, 16).mode.pack_g, varlen_plan(28, 7, 16).mode.pack_group) == (8, 7)
+    assert varlen_plan(28, 7, 17).mode.pack_g == 1  # 17 queries x 8 rows: past one tile
+    assert varlen_plan(12, 3, 32, d=64).mode.pack_group == 3
+    assert varlen_plan(40, 5, 1, d=256).mode.pack_g == 1  # head dim 256's padded kernels spilled
+    assert varlen_plan(40, 5, 700, pack_gqa=True).mode.pack_group == 5  # asked for: padded anyway
+    assert varlen_plan(40, 5, 1, pack_gqa=False).mode.pack_g == 1
+    assert varlen_plan(32, 4, 1).mode.pack_group == 0  # a power of two packs as it is
+    # The skew split's work bound: 64 decodes of 1024 keys beside one of 65536, 40/8.
+    lens = [1024] * 64 + [65536]
+    cfg = plan.CONFIGS[128]
+    padded = plan.varlen_skew_splits(sum(lens), len(lens), 1, 65536, 40, 5, cfg, None, None, 0)
+    unpacked = plan.varlen_skew_splits(sum(lens), len(lens), 1, 65536, 40, 5, cfg, False, None, 0)
+    assert padded > unpacked >= 1  # five times less work per KV tile packed: the long sequence stands out more
+
+
 def test_l2_section_holds_32_mb_of_kv_per_section():
     # bf16, D=128: one KV head of S keys is S * 512 bytes of K and V.
     assert plan.l2_section(8192, 128, 2, 1) == 8     # 4 MB per head
