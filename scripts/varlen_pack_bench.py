@@ -82,6 +82,14 @@ def group_batches():
         out.append((f"drafts 8 x 1..4 queries over 16k..64k H{h}/{hkv} D128", drafts,
                     torch.randint(16384, 65537, (8,), generator=gen).tolist(), h, hkv, 128))
         out.append((f"mix 64 decodes + chunk [512] H{h}/{hkv} D128", [1] * 64 + [512], dec_k + [1536], h, hkv, 128))
+        # Where a prefill chunk's tensor work outweighs the decodes' K/V reads (the padding rows cost on every
+        # tile of the chunk): the default rule's boundary.
+        for n_dec, chunk in ((64, 2048), (16, 4096), (64, 8192), (256, 8192)):
+            lk = torch.randint(1000, 8001, (n_dec,), generator=gen).tolist() + [chunk + 1024]
+            out.append((f"mix {n_dec} decodes + chunk [{chunk}] H{h}/{hkv} D128", [1] * n_dec + [chunk], lk, h, hkv,
+                        128))
+        prefill = torch.randint(512, 8193, (16,), generator=gen).tolist()
+        out.append((f"prefill B16 512..8192 H{h}/{hkv} D128", prefill, prefill, h, hkv, 128))
     return out
 
 
