@@ -490,6 +490,42 @@ def choose_varlen_pack_gqa(group: int) -> bool:
     return packable(group)
 
 
+# The padded pack in a packed batch with prefill chunks (choose_varlen_pad):
+# tensor-core flops worth one byte of K/V read from HBM. About 160 at the
+# rates measured on the H100 and H200 (~620 TFLOP/s, ~3.5-4 TB/s), halved
+# because an unpacked group's heads re-read their K/V partly from L2 (five
+# heads' items read in 2.8x, not 5x, the padded pack's time: BENCHMARKS.md,
+# sixty-first session), halved again as the estimate's margin.
+PAD_FLOPS_PER_BYTE = 40
+
+
+def choose_varlen_pad(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k: int, total_k: int, group: int,
+                      causal: bool, block_m: int = 128) -> bool:
+    """Whether a packed batch (host values only) pads a group that is not a
+    power of two (``pack_layout``): always where the longest sequence's
+    queries fit one tile (``choose_pad_pack``), else where the K/V reads the
+    pack saves on the decode steps outweigh the padding rows' tensor work on
+    the prefill chunks. The batch is modelled as a serving engine's: chunks
+    of ``max_seqlen_q`` queries (as many as the query rows beyond one per
+    sequence allow) over ``max_seqlen_k`` keys, and one-query decodes over
+    the mean key count (``total_k``: k's rows; 0 where paged, then half of
+    ``max_seqlen_k``). Per KV head, the pack saves ``group - 1`` reads of
+    each decode's 4·D bytes per key, and adds ``pad_rows(group) - group``
+    rows of 4·D flops per key to every chunk query."""
+    rows = pad_rows(group)
+    if rows == 0:
+        return False
+    if choose_pad_pack(max_seqlen_q, group, block_m):
+        return True
+    chunks = min(batch, max(0, total_q - batch) // max(1, max_seqlen_q - 1))
+    decodes = batch - chunks
+    decode_keys = total_k / batch if total_k else max_seqlen_k / 2
+    chunk_keys = max(max_seqlen_k - max_seqlen_q / 2, max_seqlen_q / 2) if causal else max_seqlen_k
+    saved = (group - 1) * decodes * decode_keys * PAD_FLOPS_PER_BYTE
+    added = (rows - group) * chunks * max_seqlen_q * chunk_keys
+    return saved > added
+
+
 def pack_layout(pack_gqa: bool | None, group: int, seqlen_q: int, nheads: int, cfg: ForwardConfig,
                 pad_ok: bool = True, varlen: bool = False) -> tuple[int, int]:
     """``(Mode.pack_g, Mode.pack_group)`` of a launch: PackGQA as asked
@@ -1458,6 +1494,10 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     k, v, gather = gathered_pools(k, v, page_size, cfg, "launch_forward_varlen")
     k_pool, v_pool = gather if gather is not None else (out, out)  # (out: no page pools to gather)
     nheads_kv = k.shape[-2]
+    if pack_gqa is None and pad_rows(nheads // nheads_kv):
+        # (Resolved here, before the cached plan: its key has no room for q's rows.)
+        pack_gqa = choose_varlen_pad(total_q, batch, int(max_seqlen_q), int(max_seqlen_k), 0 if paged else k.shape[0],
+                                     nheads // nheads_kv, bool(causal), cfg.block_m)
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
                       sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size, pack_gqa,

@@ -5,6 +5,7 @@ the GPU (tests/test_forward_gpu.py::test_dynamic_order*, and every causal
 test at 16 or more query tiles), where a skipped or repeated item leaves NaN
 in the poisoned output or races."""
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -142,6 +143,66 @@ def test_varlen_pads_groups_not_powers_of_two_for_short_queries():
     padded = plan.varlen_skew_splits(sum(lens), len(lens), 1, 65536, 40, 5, cfg, None, None, 0)
     unpacked = plan.varlen_skew_splits(sum(lens), len(lens), 1, 65536, 40, 5, cfg, False, None, 0)
     assert padded > unpacked >= 1  # five times less work per KV tile packed: the long sequence stands out more
+
+
+def test_varlen_pads_where_the_decodes_reads_outweigh_the_chunks_padding():
+    """choose_varlen_pad's model of a serving batch (one-query decodes and
+    chunks of max_seqlen_q queries): pad where the K/V reads saved on the
+    decodes outweigh the padding rows' work on the chunks."""
+    def mix(decodes, chunk, group, causal=True, decode_keys=4500, paged=False):
+        keys = decodes * decode_keys + chunk + 1024
+        return plan.choose_varlen_pad(decodes + chunk, decodes + 1, chunk, max(chunk + 1024, 8000),
+                                      0 if paged else keys, group, causal)
+
+    assert plan.choose_varlen_pad(64, 64, 1, 8000, 64 * 4500, 5, True)  # decodes only: one tile
+    assert plan.choose_varlen_pad(64 * 16, 64, 16, 8000, 64 * 4500, 7, True)
+    for group in (3, 5, 6, 7):
+        assert mix(64, 512, group) and mix(64, 2048, group) and mix(256, 8192, group)
+        assert not mix(16, 4096, group)  # a chunk's work against a few decodes' reads
+        assert not mix(0, 8192, group)  # prefill only
+    # 64 decodes beside 8192 queries: 12.5% padding (7 of 8) pays, 37.5% (5 of 8) does not.
+    assert mix(64, 8192, 7) and not mix(64, 8192, 5)
+    # Without the causal mask a chunk query sees every key (8000, not 8000 - 1024).
+    assert mix(64, 2048, 5) and not mix(64, 2048, 5, causal=False)
+    # Pages (k's rows unknown): decodes taken at half the longest key count.
+    assert mix(64, 512, 5, paged=True) and not mix(16, 4096, 5, paged=True)
+    # Prefill batches of one length: never.
+    assert not plan.choose_varlen_pad(16 * 4300, 16, 8192, 8192, 16 * 4300, 7, True)
+    assert not any(plan.choose_varlen_pad(64, 64, 1, 8000, 64 * 4500, g, True) for g in (1, 2, 4, 8))
+
+
+def test_varlen_launch_resolves_the_padded_pack_from_q_rows(monkeypatch):
+    """launch_forward_varlen resolves pack_gqa=None for a group that is not
+    a power of two before the cached plan (whose key lacks q's rows), and
+    leaves it None (FA3's rule, pack_layout) for a power of two."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    signature = inspect.signature(plan._plan_varlen.__wrapped__)
+
+    def fake_plan(*args, **kwargs):
+        seen.append(signature.bind(*args, **kwargs).arguments["pack_gqa"])
+        raise Stop
+
+    monkeypatch.setattr(plan, "_plan_varlen", fake_plan)
+    monkeypatch.setattr(plan, "varlen_skew_splits", lambda *a, **k: 1)
+    monkeypatch.setattr(plan, "varlen_total_q_key", lambda *a, **k: 0)
+
+    def launch(lq, lk, h, hkv):
+        q = torch.zeros(sum(lq), h, 128, dtype=torch.bfloat16)
+        k = torch.zeros(sum(lk), hkv, 128, dtype=torch.bfloat16)
+        cq = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
+        ck = torch.tensor([0] + lk).cumsum(0).to(torch.int32)
+        with pytest.raises(Stop):
+            plan.launch_forward_varlen(q, k, k, torch.empty_like(q), None, cq, ck, None, None, max(lq), max(lk),
+                                       0.1, True, num_splits=0)
+        return seen.pop()
+
+    assert launch([1] * 64 + [512], [4500] * 64 + [1536], 40, 8) is True
+    assert launch([1] * 16 + [4096], [4500] * 16 + [5120], 40, 8) is False
+    assert launch([1] * 64 + [512], [4500] * 64 + [1536], 32, 8) is None
 
 
 def test_l2_section_holds_32_mb_of_kv_per_section():

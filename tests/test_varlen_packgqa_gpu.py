@@ -261,3 +261,24 @@ def test_padded_pack_kvcache_packed_queries_and_graph_replay():
     ck = cu(new)
     assert_judged("replay", g_out, varlen_reference(q, k, v, cq, ck, causal=True)[0],
                   varlen_baseline(q, k, v, cq, ck, causal=True))
+
+
+def test_padded_pack_by_default_beside_a_prefill_chunk():
+    """flash_attn_varlen_func's default pads a 40/8 batch of decodes beside a
+    512-query chunk (plan.choose_varlen_pad: the decodes' K/V reads
+    outweigh the chunk's padding rows) and not one whose chunk dominates."""
+    lq = [1] * 40 + [512]
+    lk = [1000 + 97 * i for i in range(40)] + [1536]
+    q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 40, 8, 128, seed=27)
+    plan._COMPILED.clear()
+    out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True)
+    ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
+    assert_judged("out", out, ref, varlen_baseline(q, k, v, cq, ck, causal=True))
+    assert ran_packed(5, padded=True)
+    lq, lk = [1] * 4 + [3000], [900] * 4 + [3000]
+    q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 40, 8, 128, seed=28)
+    plan._COMPILED.clear()
+    out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True)
+    ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
+    assert_judged("out", out, ref, varlen_baseline(q, k, v, cq, ck, causal=True))
+    assert not ran_packed(5, padded=True)
