@@ -534,9 +534,9 @@ def pack_layout(pack_gqa: bool | None, group: int, seqlen_q: int, nheads: int, c
     padded (``pad_rows``) where ``pad_ok`` (O storable by address), the
     head dim's kernels take it and there are at least as many heads as
     padded rows, and, by default, only where the queries fit one tile
-    (``choose_pad_pack``; ``seqlen_q``: a packed batch's longest, so a
-    batch of decode steps and drafts pads and one with a prefill chunk
-    does not, whose padding rows would be tensor-core work on every tile).
+    (``choose_pad_pack``; ``seqlen_q``: a packed batch's longest; its
+    launch resolves None first by ``choose_varlen_pad``, which weighs a
+    chunk's padding rows against the decodes' K/V reads).
     ``(1, 0)``: unpacked."""
     pad = pad_ok and cfg.head_dim in PAD_PACK_HEAD_DIMS and nheads >= pad_rows(group) > 0
     if pack_gqa is None:
