@@ -1428,8 +1428,10 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     # did pages of 16 keys read in place (3-4%; fifty-seventh and
     # fifty-eighth sessions, BENCHMARKS.md). A window with PackGQA and
     # per-sequence lengths spills 232 bytes on the wide tiles.
+    # A padded pack (choose_varlen_pad over a long chunk) keeps 128 rows: its
+    # wide kernels compile without spills but have not yet run on a GPU.
     if (cfg in _WIDE_OF and page_size == 0 and not split and window is None
-            and max_seqlen_q >= WIDE_MIN_ROWS):
+            and max_seqlen_q >= WIDE_MIN_ROWS and not pack_group):
         cfg = _WIDE_OF[cfg]
         items = work_items(batch, nheads, max_seqlen_q, cfg, pack)
     # Gathered pages take the static deal: their four-warp producer has only

@@ -137,6 +137,9 @@ def test_varlen_pads_groups_not_powers_of_two_for_short_queries():
     assert varlen_plan(40, 5, 700, pack_gqa=True).mode.pack_group == 5  # asked for: padded anyway
     assert varlen_plan(40, 5, 1, pack_gqa=False).mode.pack_g == 1
     assert varlen_plan(32, 4, 1).mode.pack_group == 0  # a power of two packs as it is
+    if 64 in plan.WIDE_CONFIGS:  # head dim 64's wide tiles: not for a padded pack (not yet run on a GPU)
+        assert varlen_plan(12, 3, 4096, pack_gqa=True, d=64).cfg is plan.CONFIGS[64]
+        assert varlen_plan(8, 4, 4096, pack_gqa=True, d=64).cfg is plan.WIDE_CONFIGS[64]
     # The skew split's work bound: 64 decodes of 1024 keys beside one of 65536, 40/8.
     lens = [1024] * 64 + [65536]
     cfg = plan.CONFIGS[128]
