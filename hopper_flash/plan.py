@@ -485,8 +485,68 @@ def choose_varlen_pack_gqa(group: int) -> bool:
     """PackGQA for a packed (varlen) batch, whose query lengths the host does
     not know: FA3's rule, always where the group allows it. A decode-like
     sequence (a few query rows) then reads each K/V tile once per KV head
-    instead of once per query head; a long one costs about the same."""
+    instead of once per query head; a long one costs about the same. (A
+    group that is not a power of two: ``pack_layout``.)"""
     return packable(group)
+
+
+# The padded pack in a packed batch with prefill chunks (choose_varlen_pad):
+# tensor-core flops worth one byte of K/V read from HBM. About 160 at the
+# rates measured on the H100 and H200 (~620 TFLOP/s, ~3.5-4 TB/s), halved
+# because an unpacked group's heads re-read their K/V partly from L2 (five
+# heads' items read in 2.8x, not 5x, the padded pack's time: BENCHMARKS.md,
+# sixty-first session), halved again as the estimate's margin.
+PAD_FLOPS_PER_BYTE = 40
+
+
+def choose_varlen_pad(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k: int, total_k: int, group: int,
+                      causal: bool, block_m: int = 128) -> bool:
+    """Whether a packed batch (host values only) pads a group that is not a
+    power of two (``pack_layout``): always where the longest sequence's
+    queries fit one tile (``choose_pad_pack``), else where the K/V reads the
+    pack saves on the decode steps outweigh the padding rows' tensor work on
+    the prefill chunks. The batch is modelled as a serving engine's: chunks
+    of ``max_seqlen_q`` queries (as many as the query rows beyond one per
+    sequence allow) over ``max_seqlen_k`` keys, and one-query decodes over
+    the mean key count (``total_k``: k's rows; 0 where paged, then half of
+    ``max_seqlen_k``). Per KV head, the pack saves ``group - 1`` reads of
+    each decode's 4·D bytes per key, and adds ``pad_rows(group) - group``
+    rows of 4·D flops per key to every chunk query."""
+    rows = pad_rows(group)
+    if rows == 0:
+        return False
+    if choose_pad_pack(max_seqlen_q, group, block_m):
+        return True
+    chunks = min(batch, max(0, total_q - batch) // max(1, max_seqlen_q - 1))
+    decodes = batch - chunks
+    decode_keys = total_k / batch if total_k else max_seqlen_k / 2
+    chunk_keys = max(max_seqlen_k - max_seqlen_q / 2, max_seqlen_q / 2) if causal else max_seqlen_k
+    saved = (group - 1) * decodes * decode_keys * PAD_FLOPS_PER_BYTE
+    added = (rows - group) * chunks * max_seqlen_q * chunk_keys
+    return saved > added
+
+
+def pack_layout(pack_gqa: bool | None, group: int, seqlen_q: int, nheads: int, cfg: ForwardConfig,
+                pad_ok: bool = True, varlen: bool = False) -> tuple[int, int]:
+    """``(Mode.pack_g, Mode.pack_group)`` of a launch: PackGQA as asked
+    (``pack_gqa``; None: ``choose_pack_gqa``, or ``choose_varlen_pack_gqa``
+    for a packed batch), a power-of-two group packed as it is, any other
+    padded (``pad_rows``) where ``pad_ok`` (O storable by address), the
+    head dim's kernels take it and there are at least as many heads as
+    padded rows, and, by default, only where the queries fit one tile
+    (``choose_pad_pack``; ``seqlen_q``: a packed batch's longest; its
+    launch resolves None first by ``choose_varlen_pad``, which weighs a
+    chunk's padding rows against the decodes' K/V reads).
+    ``(1, 0)``: unpacked."""
+    pad = pad_ok and cfg.head_dim in PAD_PACK_HEAD_DIMS and nheads >= pad_rows(group) > 0
+    if pack_gqa is None:
+        pack_gqa = (choose_varlen_pack_gqa(group) if varlen else choose_pack_gqa(seqlen_q, group, cfg.block_m)) or (
+            pad and choose_pad_pack(seqlen_q, group, cfg.block_m))
+    if pack_gqa and packable(group):
+        return group, 0
+    if pack_gqa and pad:
+        return pad_rows(group), group
+    return 1, 0
 
 
 def choose_dynamic(items: int, n_tiles: int, causal: bool, varlen: bool, sms: int) -> bool:
@@ -741,15 +801,7 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     ``Mode.leftpad``; ``pad_ok``: whether O can take a padded pack's stores
     by address (contiguous, the kernel's head dim; ``launch_forward``)."""
     group = nheads // nheads_kv
-    pad = pad_ok and cfg.head_dim in PAD_PACK_HEAD_DIMS and nheads >= pad_rows(group) > 0
-    if pack_gqa is None:
-        pack_gqa = choose_pack_gqa(seqlen_q, group, cfg.block_m) or (pad and choose_pad_pack(seqlen_q, group,
-                                                                                           cfg.block_m))
-    pack_g, pack_group = 1, 0
-    if pack_gqa and packable(group):
-        pack_g = group
-    elif pack_gqa and pad:
-        pack_g, pack_group = pad_rows(group), group
+    pack_g, pack_group = pack_layout(pack_gqa, group, seqlen_q, nheads, cfg, pad_ok)
     tiles = work_items(batch, nheads, seqlen_q, cfg, Mode(pack_g=pack_g, pack_group=pack_group))
     window_left, window_right = window or (-1, -1)
     if num_splits == 0:
@@ -1321,12 +1373,11 @@ def varlen_skew_splits(total_k: int, batch: int, max_seqlen_q: int, max_seqlen_k
     not splitting (a prefill chunk's query tiles count for every sequence)."""
     if window is not None or total_k <= 0 or max_seqlen_k <= SKEW_RATIO * SKEW_MIN_TILES * cfg.block_n:
         return 1  # (the last: the share is at least SKEW_MIN_TILES)
-    if pack_gqa is None:
-        pack_gqa = choose_varlen_pack_gqa(group)
-    pack_g = group if pack_gqa and packable(group) else 1
+    pack_g, pack_group = pack_layout(pack_gqa, group, max_seqlen_q, nheads, cfg, varlen=True)
+    pack = Mode(pack_g=pack_g, pack_group=pack_group)
     n_blocks = triton_cdiv(max(1, max_seqlen_k), cfg.block_n)
-    q_tiles = triton_cdiv(max(1, max_seqlen_q) * pack_g, cfg.block_m)
-    work = q_tiles * (triton_cdiv(total_k, cfg.block_n) + batch) * (nheads // pack_g)
+    q_tiles = triton_cdiv(max(1, max_seqlen_q) * pack.pack_g, cfg.block_m)
+    work = q_tiles * (triton_cdiv(total_k, cfg.block_n) + batch) * (nheads // pack.item_group)
     share = max(work / sm_count(device), SKEW_MIN_TILES)
     if n_blocks <= SKEW_RATIO * share:
         return 1
@@ -1340,8 +1391,9 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     """``_plan_launch`` for a packed batch: the grid covers ``max_seqlen_q``
     for every sequence (items past a sequence's rows exit at once).
     ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V (``Mode.page_size``,
-    with ``seqused_k``); ``pack_gqa``: PackGQA (None:
-    ``choose_varlen_pack_gqa``); ``num_splits``: KV splits (0: FA3's rule,
+    with ``seqused_k``); ``pack_gqa``: PackGQA (``pack_layout``; None:
+    ``choose_varlen_pack_gqa``, groups that are not powers of two padded
+    where ``max_seqlen_q`` fits a tile); ``num_splits``: KV splits (0: FA3's rule,
     ``choose_num_splits``, on the items and KV tiles the host bounds
     know: ``max_seqlen_q`` for every sequence, ``max_seqlen_k`` keys, and
     with ``total_q`` (q's rows, ``varlen_total_q_key``) a bound on the
@@ -1349,11 +1401,10 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     chunk look like ``batch`` chunks to ``max_seqlen_q`` alone), and
     ``skew_splits`` (``varlen_skew_splits``) where that rule does not split."""
     sms = sm_count(device)
-    if pack_gqa is None:
-        pack_gqa = choose_varlen_pack_gqa(group)
-    pack_g = group if pack_gqa and packable(group) else 1
-    items = work_items(batch, nheads, max_seqlen_q, cfg, Mode(pack_g=pack_g))
-    item_heads = nheads // pack_g
+    pack_g, pack_group = pack_layout(pack_gqa, group, max_seqlen_q, nheads, cfg, varlen=True)
+    pack = Mode(pack_g=pack_g, pack_group=pack_group)
+    items = work_items(batch, nheads, max_seqlen_q, cfg, pack)
+    item_heads = nheads // pack.item_group
     n_blocks = triton_cdiv(max(1, max_seqlen_k), cfg.block_n)
     if num_splits == 0:
         read = n_blocks if window is None or window[0] < 0 else min(
@@ -1377,19 +1428,21 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     # did pages of 16 keys read in place (3-4%; fifty-seventh and
     # fifty-eighth sessions, BENCHMARKS.md). A window with PackGQA and
     # per-sequence lengths spills 232 bytes on the wide tiles.
+    # A padded pack (choose_varlen_pad over a long chunk) keeps 128 rows: its
+    # wide kernels compile without spills but have not yet run on a GPU.
     if (cfg in _WIDE_OF and page_size == 0 and not split and window is None
-            and max_seqlen_q >= WIDE_MIN_ROWS):
+            and max_seqlen_q >= WIDE_MIN_ROWS and not pack_group):
         cfg = _WIDE_OF[cfg]
-        items = work_items(batch, nheads, max_seqlen_q, cfg, Mode(pack_g=pack_g))
+        items = work_items(batch, nheads, max_seqlen_q, cfg, pack)
     # Gathered pages take the static deal: their four-warp producer has only
     # ever run it (the decode modes), never the dynamic order's draws; so
     # do split runs (the dynamic order has no split coordinate).
     dynamic = (cfg.persistent and not gathers(page_size, cfg.head_dim) and not split
                and choose_dynamic(items, triton_cdiv(max_seqlen_q * pack_g, cfg.block_m), causal, True, sms))
     window_left, window_right = window or (-1, -1)
-    mode = Mode(pack_g=pack_g, split=split, seqused=seqused_k, varlen=True, seqused_q=seqused_q, dynamic=dynamic,
-                window_left=window_left, window_right=window_right, softcap=bool(softcap), sink=sink, o_dim=o_dim,
-                page_size=page_size)
+    mode = Mode(pack_g=pack_g, pack_group=pack_group, split=split, seqused=seqused_k, varlen=True,
+                seqused_q=seqused_q, dynamic=dynamic, window_left=window_left, window_right=window_right,
+                softcap=bool(softcap), sink=sink, o_dim=o_dim, page_size=page_size)
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items * num_splits, cfg, device)
     if split and items * num_splits <= SPLIT_GRID_MAX_WAVES * sms:
         # One CTA per split item, dealt by the hardware as SMs free up
@@ -1404,7 +1457,7 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     # (forward._skip_dead_run; a section across two sequences draws them
     # one by one). Under PackGQA an item's head is a KV head, whose query
     # heads are already in its tile.
-    section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group // pack_g), item_heads)
+    section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group // pack.item_group), item_heads)
     kernel_lse = write_lse and not split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
     return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section, (device, dtype, causal, kernel_lse, cfg, mode),
@@ -1443,6 +1496,10 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     k, v, gather = gathered_pools(k, v, page_size, cfg, "launch_forward_varlen")
     k_pool, v_pool = gather if gather is not None else (out, out)  # (out: no page pools to gather)
     nheads_kv = k.shape[-2]
+    if pack_gqa is None and pad_rows(nheads // nheads_kv):
+        # (Resolved here, before the cached plan: its key has no room for q's rows.)
+        pack_gqa = choose_varlen_pad(total_q, batch, int(max_seqlen_q), int(max_seqlen_k), 0 if paged else k.shape[0],
+                                     nheads // nheads_kv, bool(causal), cfg.block_m)
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
                       sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size, pack_gqa,

@@ -18,7 +18,15 @@ decodes beside a chunk, and skewed keys (64 short decodes beside one
 long). For the mixes and drafts the K/V read rate
 (every live key's K and V once per KV head) is printed too.
 
-    PYTHONPATH=.:/tmp/fa3pkg python scripts/varlen_pack_bench.py [--quick]
+``--groups``: groups that are not powers of two (Llama 4's 40/8,
+Qwen2.5-7B's 28/4) instead: decode batches, drafts and a decode mix with a
+prefill chunk, where ``packed`` pads each query's heads to 8 rows
+(``plan.pack_layout``) and ``default`` is the call's default
+(``pack_gqa=None, num_splits=0``: padded only where the longest sequence's
+queries fit one tile). Running them on another tree (``PYTHONPATH=.wt/main``)
+times the unpadded library.
+
+    PYTHONPATH=.:/tmp/fa3pkg python scripts/varlen_pack_bench.py [--quick | --groups]
 """
 import argparse
 import importlib
@@ -63,16 +71,39 @@ def batches(quick):
     return out
 
 
+def group_batches():
+    """Decode batches, drafts and a mix at groups of 5 and 7 (``--groups``)."""
+    gen = torch.Generator().manual_seed(2)
+    out = []
+    for h, hkv in ((40, 8), (28, 4)):
+        dec_k = torch.randint(1000, 8001, (64,), generator=gen).tolist()
+        out.append((f"decodes 64 over 1000..8000 H{h}/{hkv} D128", [1] * 64, dec_k, h, hkv, 128))
+        drafts = torch.randint(1, 5, (8,), generator=gen).tolist()
+        out.append((f"drafts 8 x 1..4 queries over 16k..64k H{h}/{hkv} D128", drafts,
+                    torch.randint(16384, 65537, (8,), generator=gen).tolist(), h, hkv, 128))
+        out.append((f"mix 64 decodes + chunk [512] H{h}/{hkv} D128", [1] * 64 + [512], dec_k + [1536], h, hkv, 128))
+        # Where a prefill chunk's tensor work outweighs the decodes' K/V reads (the padding rows cost on every
+        # tile of the chunk): the default rule's boundary.
+        for n_dec, chunk in ((64, 2048), (16, 4096), (64, 8192), (256, 8192)):
+            lk = torch.randint(1000, 8001, (n_dec,), generator=gen).tolist() + [chunk + 1024]
+            out.append((f"mix {n_dec} decodes + chunk [{chunk}] H{h}/{hkv} D128", [1] * n_dec + [chunk], lk, h, hkv,
+                        128))
+        prefill = torch.randint(512, 8193, (16,), generator=gen).tolist()
+        out.append((f"prefill B16 512..8192 H{h}/{hkv} D128", prefill, prefill, h, hkv, 128))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--groups", action="store_true")
     args = ap.parse_args()
     try:
         fa3 = importlib.import_module("flash_attn_interface").flash_attn_varlen_func
     except Exception:
         fa3 = None
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
-    for label, lq, lk, h, hkv, d in batches(args.quick):
+    for label, lq, lk, h, hkv, d in group_batches() if args.groups else batches(args.quick):
         gen = torch.Generator(device="cuda").manual_seed(1)
         q = torch.randn(sum(lq), h, d, generator=gen, device="cuda").to(torch.bfloat16)
         k = torch.randn(sum(lk), hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
@@ -88,6 +119,9 @@ def main():
             "packed+split": lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, True, False,
                                                             pack_gqa=True, num_splits=0)[0],
         }
+        if args.groups:
+            fns["default"] = lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, True, False,
+                                                             pack_gqa=None, num_splits=0)[0]
         if fa3 is not None:
             def fa3_fn():
                 o = fa3(q, k, v, cq, ck, mq, mk, causal=True)

@@ -5,6 +5,7 @@ the GPU (tests/test_forward_gpu.py::test_dynamic_order*, and every causal
 test at 16 or more query tiles), where a skipped or repeated item leaves NaN
 in the poisoned output or races."""
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -112,6 +113,99 @@ def test_varlen_packs_gqa_where_the_group_allows_it():
         assert varlen_plan(group * 2 if group < 128 else 128, group).mode.pack_g == 1
     assert [plan.choose_varlen_pack_gqa(g) for g in (1, 2, 3, 4, 8, 16, 64, 96, 128)] == \
         [False, True, False, True, True, True, True, False, False]
+
+
+def test_varlen_pads_groups_not_powers_of_two_for_short_queries():
+    """A group of 3, 5, 6 or 7 packs padded to the next power of two rows
+    (plan.pack_layout) where the longest sequence's queries fit one tile
+    (decode steps, drafts), head dims 64 and 128; a batch with a prefill
+    chunk stays unpacked unless asked; the items and the skew split's work
+    bound run over KV heads."""
+    def varlen_plan(nheads, group, max_q, pack_gqa=None, d=128):
+        return plan._plan_varlen.__wrapped__(0, torch.bfloat16, 16, max_q, 8192, nheads, group, plan.CONFIGS[d],
+                                             False, True, True, False, pack_gqa=pack_gqa)
+
+    decode = varlen_plan(40, 5, 1)
+    assert (decode.mode.pack_g, decode.mode.pack_group) == (8, 5)
+    assert plan.work_items(16, 40, 1, plan.CONFIGS[128], decode.mode) == 16 * 8  # (batch, KV head) items
+    assert decode.constexprs["PACK_PAD"] is True and decode.constexprs["PACK_G"] == 8
+    assert decode.section <= 8  # sections count KV heads
+    assert (varlen_plan(28, 7, 16).mode.pack_g, varlen_plan(28, 7, 16).mode.pack_group) == (8, 7)
+    assert varlen_plan(28, 7, 17).mode.pack_g == 1  # 17 queries x 8 rows: past one tile
+    assert varlen_plan(12, 3, 32, d=64).mode.pack_group == 3
+    assert varlen_plan(40, 5, 1, d=256).mode.pack_g == 1  # head dim 256's padded kernels spilled
+    assert varlen_plan(40, 5, 700, pack_gqa=True).mode.pack_group == 5  # asked for: padded anyway
+    assert varlen_plan(40, 5, 1, pack_gqa=False).mode.pack_g == 1
+    assert varlen_plan(32, 4, 1).mode.pack_group == 0  # a power of two packs as it is
+    if 64 in plan.WIDE_CONFIGS:  # head dim 64's wide tiles: not for a padded pack (not yet run on a GPU)
+        assert varlen_plan(12, 3, 4096, pack_gqa=True, d=64).cfg is plan.CONFIGS[64]
+        assert varlen_plan(8, 4, 4096, pack_gqa=True, d=64).cfg is plan.WIDE_CONFIGS[64]
+    # The skew split's work bound: 64 decodes of 1024 keys beside one of 65536, 40/8.
+    lens = [1024] * 64 + [65536]
+    cfg = plan.CONFIGS[128]
+    padded = plan.varlen_skew_splits(sum(lens), len(lens), 1, 65536, 40, 5, cfg, None, None, 0)
+    unpacked = plan.varlen_skew_splits(sum(lens), len(lens), 1, 65536, 40, 5, cfg, False, None, 0)
+    assert padded > unpacked >= 1  # five times less work per KV tile packed: the long sequence stands out more
+
+
+def test_varlen_pads_where_the_decodes_reads_outweigh_the_chunks_padding():
+    """choose_varlen_pad's model of a serving batch (one-query decodes and
+    chunks of max_seqlen_q queries): pad where the K/V reads saved on the
+    decodes outweigh the padding rows' work on the chunks."""
+    def mix(decodes, chunk, group, causal=True, decode_keys=4500, paged=False):
+        keys = decodes * decode_keys + chunk + 1024
+        return plan.choose_varlen_pad(decodes + chunk, decodes + 1, chunk, max(chunk + 1024, 8000),
+                                      0 if paged else keys, group, causal)
+
+    assert plan.choose_varlen_pad(64, 64, 1, 8000, 64 * 4500, 5, True)  # decodes only: one tile
+    assert plan.choose_varlen_pad(64 * 16, 64, 16, 8000, 64 * 4500, 7, True)
+    for group in (3, 5, 6, 7):
+        assert mix(64, 512, group) and mix(64, 2048, group) and mix(256, 8192, group)
+        assert not mix(16, 4096, group)  # a chunk's work against a few decodes' reads
+        assert not mix(0, 8192, group)  # prefill only
+    # 64 decodes beside 8192 queries: 12.5% padding (7 of 8) pays, 37.5% (5 of 8) does not.
+    assert mix(64, 8192, 7) and not mix(64, 8192, 5)
+    # Without the causal mask a chunk query sees every key (8000, not 8000 - 1024).
+    assert mix(64, 2048, 5) and not mix(64, 2048, 5, causal=False)
+    # Pages (k's rows unknown): decodes taken at half the longest key count.
+    assert mix(64, 512, 5, paged=True) and not mix(16, 4096, 5, paged=True)
+    # Prefill batches of one length: never.
+    assert not plan.choose_varlen_pad(16 * 4300, 16, 8192, 8192, 16 * 4300, 7, True)
+    assert not any(plan.choose_varlen_pad(64, 64, 1, 8000, 64 * 4500, g, True) for g in (1, 2, 4, 8))
+
+
+def test_varlen_launch_resolves_the_padded_pack_from_q_rows(monkeypatch):
+    """launch_forward_varlen resolves pack_gqa=None for a group that is not
+    a power of two before the cached plan (whose key lacks q's rows), and
+    leaves it None (FA3's rule, pack_layout) for a power of two."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    signature = inspect.signature(plan._plan_varlen.__wrapped__)
+
+    def fake_plan(*args, **kwargs):
+        seen.append(signature.bind(*args, **kwargs).arguments["pack_gqa"])
+        raise Stop
+
+    monkeypatch.setattr(plan, "_plan_varlen", fake_plan)
+    monkeypatch.setattr(plan, "varlen_skew_splits", lambda *a, **k: 1)
+    monkeypatch.setattr(plan, "varlen_total_q_key", lambda *a, **k: 0)
+
+    def launch(lq, lk, h, hkv):
+        q = torch.zeros(sum(lq), h, 128, dtype=torch.bfloat16)
+        k = torch.zeros(sum(lk), hkv, 128, dtype=torch.bfloat16)
+        cq = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
+        ck = torch.tensor([0] + lk).cumsum(0).to(torch.int32)
+        with pytest.raises(Stop):
+            plan.launch_forward_varlen(q, k, k, torch.empty_like(q), None, cq, ck, None, None, max(lq), max(lk),
+                                       0.1, True, num_splits=0)
+        return seen.pop()
+
+    assert launch([1] * 64 + [512], [4500] * 64 + [1536], 40, 8) is True
+    assert launch([1] * 16 + [4096], [4500] * 16 + [5120], 40, 8) is False
+    assert launch([1] * 64 + [512], [4500] * 64 + [1536], 32, 8) is None
 
 
 def test_l2_section_holds_32_mb_of_kv_per_section():

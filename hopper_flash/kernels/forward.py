@@ -1168,7 +1168,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # fastest: the seed's 3-D grid order without the 65535 limit of grid axes
     # y and z. Which CTA runs which item is scheduler.py's business; every
     # partition walks the same items in the same order.
-    gl.static_assert(not PACK_PAD or (PACK_G > 1 and not VARLEN), "a padded pack: the fixed-length modes")
+    gl.static_assert(not PACK_PAD or PACK_G > 1, "a padded pack packs")
     item_group = kv_group if PACK_PAD else PACK_G
     total_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M) * num_splits * (num_heads // item_group) * batch
 
