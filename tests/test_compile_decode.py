@@ -93,6 +93,8 @@ SPECS = [
     (C[64], "bfloat16", True, True, Mode(pack_g=4, pack_group=3, seqused=True, kv_batch=True)),
     (C[64], "bfloat16", True, True, Mode(pack_g=8, pack_group=5, seqused=True, sink="float32")),
     (C[128], "bfloat16", True, True, Mode(pack_g=8, pack_group=5, seqused=True, leftpad=True)),
+    (C[128], "bfloat16", True, True, Mode(pack_g=8, pack_group=5, seqused=True, window_left=4095, window_right=0)),
+    (C[128], "bfloat16", True, False, Mode(pack_g=8, pack_group=7, seqused=True, softcap=True, split=True)),
     # One item per CTA (chunked prefill, V_AT_ISSUE) with soft-capping and sinks.
     (C[128], "bfloat16", True, False, Mode(one_item=True, softcap=True)),
     (C[128], "float16", False, True, Mode(one_item=True, softcap=True)),
