@@ -91,6 +91,18 @@ def test_forward_varlen_narrower_head_dim(d, o_dim):
     assert r.sass != base.sass, "O_DIM must reach the epilogue"
 
 
+def _assert_varlen_census(r, d):
+    """A varlen forward kernel: the prefill kernel's GEMMs, TMA loads, O by
+    address (no TMA store), no spills (triton 3.6; 3.7+ spills around the
+    V-tail zeroing, as the varlen and decode modes do)."""
+    assert r.sass_counts["HGMMA"] == _fwd_prefill_hgmma(d)
+    assert r.sass_counts["UTMASTG"] == 0 and r.sass_counts["UTMALDG"] > 0
+    spills = r.stack_bytes or r.local_bytes or r.sass_counts["LDL"] or r.sass_counts["STL"]
+    if spills and _triton_at_least(3, 7):
+        pytest.xfail("triton 3.7+ spills around the V-tail zeroing (as the varlen and decode modes do)")
+    assert not spills, (r.stack_bytes, r.local_bytes, r.sass_counts)
+
+
 # PackGQA in the varlen mode (plan.choose_varlen_pack_gqa: every packable
 # group): the group's heads share a tile; pages read by TMA or gathered.
 PACKED_SPECS = [(64, True, 4, 0), (128, True, 4, 0), (128, False, 8, 0), (256, True, 4, 0), (128, True, 2, 16),
@@ -106,17 +118,12 @@ def test_forward_varlen_packgqa(spec):
     r = compile_check.census(CONFIGS[d], "bfloat16", causal, True,
                              Mode(varlen=True, pack_g=group, seqused=bool(page), page_size=page,
                                   dynamic=not plan.gathers(page, d)))
-    assert r.sass_counts["HGMMA"] == _fwd_prefill_hgmma(d)
-    assert r.sass_counts["UTMASTG"] == 0 and r.sass_counts["UTMALDG"] > 0
-    spills = r.stack_bytes or r.local_bytes or r.sass_counts["LDL"] or r.sass_counts["STL"]
-    if spills and _triton_at_least(3, 7):
-        pytest.xfail("triton 3.7+ spills around the V-tail zeroing (as the varlen and decode modes do)")
-    assert not spills, (r.stack_bytes, r.local_bytes, r.sass_counts)
+    _assert_varlen_census(r, d)
 
 
 # PackGQA padded in the varlen mode (plan.pack_layout: a group that is not a
-# power of two where max_seqlen_q fits one tile: batches of decode steps and
-# drafts): (head dim, causal, group, padded rows, page size, split).
+# power of two, padded where plan.choose_varlen_pad says so): (head dim,
+# causal, group, padded rows, page size, split).
 PADDED_SPECS = [(128, True, 5, 8, 0, False), (128, True, 7, 8, 16, False), (64, True, 3, 4, 0, False),
                 (128, True, 5, 8, 0, True), (128, True, 5, 8, 4, False), (64, False, 6, 8, 16, True)]
 
@@ -131,12 +138,7 @@ def test_forward_varlen_padded_pack(spec):
     r = compile_check.census(CONFIGS[d], "bfloat16", causal, not split,
                              Mode(varlen=True, pack_g=rows, pack_group=group, split=split, seqused=bool(page),
                                   page_size=page, dynamic=not (split or plan.gathers(page, d))))
-    assert r.sass_counts["HGMMA"] == _fwd_prefill_hgmma(d)
-    assert r.sass_counts["UTMASTG"] == 0 and r.sass_counts["UTMALDG"] > 0
-    spills = r.stack_bytes or r.local_bytes or r.sass_counts["LDL"] or r.sass_counts["STL"]
-    if spills and _triton_at_least(3, 7):
-        pytest.xfail("triton 3.7+ spills around the V-tail zeroing (as the varlen and decode modes do)")
-    assert not spills, (r.stack_bytes, r.local_bytes, r.sass_counts)
+    _assert_varlen_census(r, d)
 
 
 # The padded pack with the varlen mode's other switches: a window, soft-capping and sinks, per-sequence
@@ -155,11 +157,7 @@ PADDED_FEATURE_MODES = [
 def test_forward_varlen_padded_pack_features(spec):
     d, causal, fields = spec
     r = compile_check.census(CONFIGS[d], "bfloat16", causal, True, Mode(varlen=True, dynamic=True, **fields))
-    assert r.sass_counts["HGMMA"] == _fwd_prefill_hgmma(d)
-    spills = r.stack_bytes or r.local_bytes or r.sass_counts["LDL"] or r.sass_counts["STL"]
-    if spills and _triton_at_least(3, 7):
-        pytest.xfail("triton 3.7+ spills around the V-tail zeroing (as the varlen and decode modes do)")
-    assert not spills, (r.stack_bytes, r.local_bytes, r.sass_counts)
+    _assert_varlen_census(r, d)
 
 
 # Split-KV in the varlen mode (the KV cache's mixed route): fp32 partials
