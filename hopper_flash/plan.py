@@ -491,12 +491,14 @@ def choose_varlen_pack_gqa(group: int) -> bool:
 
 
 # The padded pack in a packed batch with prefill chunks (choose_varlen_pad):
-# tensor-core flops worth one byte of K/V read from HBM. About 160 at the
-# rates measured on the H100 and H200 (~620 TFLOP/s, ~3.5-4 TB/s), halved
-# because an unpacked group's heads re-read their K/V partly from L2 (five
-# heads' items read in 2.8x, not 5x, the padded pack's time: BENCHMARKS.md,
-# sixty-first session), halved again as the estimate's margin.
-PAD_FLOPS_PER_BYTE = 40
+# tensor-core flops worth one byte of K/V read from HBM. Timed on the H100
+# (BENCHMARKS.md, sixty-second session, scripts/varlen_pack_bench.py
+# --groups): the mixes the pad sped up break even at 2-62 flops per byte in
+# this model, the ones it slowed at 110-6000, so the constant sits between
+# (the H200's HBM is 1.4x faster for the same flops, which moves its
+# boundary down by as much: still between). The sixty-first session's 40
+# left a mix 14% slower unpadded (16 decodes beside 4096 queries at 7 of 8).
+PAD_FLOPS_PER_BYTE = 64
 
 
 def choose_varlen_pad(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k: int, total_k: int, group: int,
