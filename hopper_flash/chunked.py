@@ -239,6 +239,8 @@ def _launch_last_chunk(seqused, leftpad, pad_out, used_out, page_table, table_ou
     from . import plan
     from .kernels.last_chunk import last_chunk_kernel
 
+    if seqused.shape[0] == 0:
+        return
     paged = page_table is not None
     args = (seqused, leftpad if leftpad is not None else seqused, pad_out if pad_out is not None else seqused,
             used_out if used_out is not None else seqused, page_table if paged else seqused,
