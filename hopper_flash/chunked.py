@@ -206,6 +206,50 @@ def shifted_pages(page_table: torch.Tensor, start: torch.Tensor, page_size: int,
     return _page_rows(page_table, first, width)[:, 0]
 
 
+def last_chunk_leftpad(seqused: torch.Tensor, chunk: int, cache_leftpad: torch.Tensor | None) -> torch.Tensor:
+    """int32 ``[batch]``: each contiguous cache row's first key of its last
+    chunk, as the decode route's left pad (``cache_leftpad`` plus
+    ``last_chunk_start`` of the keys after it). One launch on the GPU
+    (``kernels/last_chunk.py``)."""
+    if not seqused.is_cuda:
+        pad = 0 if cache_leftpad is None else cache_leftpad
+        return (pad + last_chunk_start(seqused - pad, chunk)).to(torch.int32)
+    out = torch.empty_like(seqused)
+    _launch_last_chunk(seqused, cache_leftpad, out, None, None, None, chunk, 1, 0)
+    return out
+
+
+def last_chunk_pages(seqused: torch.Tensor, chunk: int, page_table: torch.Tensor, page_size: int,
+                     width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(seqused, page_table)`` of each paged row's last chunk (``chunk`` a
+    multiple of ``page_size``): its live keys from the chunk's start, and
+    its ``width`` page-table entries from the chunk's first page
+    (``shifted_pages``). One launch on the GPU (``kernels/last_chunk.py``)."""
+    if not seqused.is_cuda:
+        start = last_chunk_start(seqused, chunk)
+        return seqused - start, shifted_pages(page_table, start, page_size, width)
+    used = torch.empty_like(seqused)
+    table = torch.empty((seqused.shape[0], width), dtype=torch.int32, device=seqused.device)
+    _launch_last_chunk(seqused, None, None, used, page_table, table, chunk, page_size, width)
+    return used, table
+
+
+def _launch_last_chunk(seqused, leftpad, pad_out, used_out, page_table, table_out, chunk: int, page_size: int,
+                       width: int) -> None:
+    from . import plan
+    from .kernels.last_chunk import last_chunk_kernel
+
+    if seqused.shape[0] == 0:
+        return
+    paged = page_table is not None
+    args = (seqused, leftpad if leftpad is not None else seqused, pad_out if pad_out is not None else seqused,
+            used_out if used_out is not None else seqused, page_table if paged else seqused,
+            table_out if paged else seqused, chunk, page_size, width, page_table.shape[1] if paged else 1,
+            page_table.stride(0) if paged else 0)
+    constexprs = {"LEFTPAD": leftpad is not None, "PAGED": paged, "BLOCK": 128}
+    plan.launch_triton(last_chunk_kernel, (seqused.shape[0], 1, 1), args, constexprs, num_warps=1)
+
+
 def paged_segments(cu_seqlens_q: torch.Tensor, seqused_q, max_seqlen_q: int, k_lens: torch.Tensor,
                    max_seqlen_k: int, chunk: int, page_table: torch.Tensor,
                    page_size: int) -> tuple[Segments, torch.Tensor]:

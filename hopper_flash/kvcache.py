@@ -408,13 +408,12 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
         # One query per row sees its row's last chunk alone: the decode route
         # over the keys from that chunk's start (a left pad; pages: the
         # table shifted by it, where every chunk starts at a page).
-        start = chunked.last_chunk_start(seqused if cache_leftpad is None else seqused - cache_leftpad, chunk)
         if page_table is None:
-            cache_leftpad, chunk = (start if cache_leftpad is None else cache_leftpad + start), 0
+            cache_leftpad, chunk = chunked.last_chunk_leftpad(seqused, chunk, cache_leftpad), 0
         elif chunk % k_cache.shape[1] == 0 and page_plan(k_cache.shape[1], head_dim, k_cache, v_cache):
             width = min(page_table.shape[1], chunk // k_cache.shape[1])
-            page_table = chunked.shifted_pages(page_table, start, k_cache.shape[1], width)
-            seqused, chunk = seqused - start, 0
+            seqused, page_table = chunked.last_chunk_pages(seqused, chunk, page_table, k_cache.shape[1], width)
+            chunk = 0
     if chunk and capacity:
         # FA3's attention_chunk: the varlen mode over the cache with each
         # sequence's chunks as sequences (varlen_over_cache), q's rows packed.

@@ -540,3 +540,21 @@ def test_kv_cache_decode_step_runs_the_decode_route_over_the_last_chunk(monkeypa
                                            chunk=chunk)
         torch.testing.assert_close(out[b:b + 1], ref, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lse[b:b + 1].double(), ref_lse.to(lse.dtype).double(), rtol=1e-12, atol=1e-12)
+
+
+def test_last_chunk_rows_hand_counted():
+    """A decode step's last chunk (``chunked.last_chunk_leftpad`` /
+    ``last_chunk_pages``, the torch path; the kernel's GPU test checks it
+    against the same counts): chunks of 256 keys from each row's pad."""
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    used = as_int([0, 1, 255, 256, 257, 1000, 4096, 70])
+    assert chunked.last_chunk_leftpad(used, 256, None).tolist() == [0, 0, 0, 0, 256, 768, 3840, 0]
+    pads = as_int([0, 1, 10, 0, 1, 999, 0, 6])  # keys after the pad: 0, 0, 245, 256, 256, 1, 4096, 64
+    assert chunked.last_chunk_leftpad(used, 256, pads).tolist() == [0, 1, 10, 0, 1, 999, 3840, 6]
+    table = torch.arange(8 * 70, dtype=torch.int32).view(8, 70)
+    rest, rows = chunked.last_chunk_pages(used, 256, table, 64, 4)
+    assert rest.tolist() == [0, 1, 255, 256, 1, 232, 256, 70]
+    assert rows[5].tolist() == [5 * 70 + p for p in (12, 13, 14, 15)]  # key 768: page 12
+    assert rows[6].tolist() == [6 * 70 + p for p in (60, 61, 62, 63)]
+    rest, rows = chunked.last_chunk_pages(as_int([4500]), 256, table[:1], 64, 4)  # past the row's 70 pages: its last
+    assert rest.tolist() == [148] and rows[0].tolist() == [68, 69, 69, 69]  # key 4352: page 68

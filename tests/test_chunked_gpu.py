@@ -200,3 +200,61 @@ def test_paged_varlen_block_table(page, chunk):
                                                    block_table=table, causal=True, attention_chunk=chunk,
                                                    return_lse=True)
     assert_varlen_forward("paged", out, lse, varlen_expected(q, k, v, cq, ck, None, None, True, chunk=chunk))
+
+
+def test_last_chunk_rows_in_one_launch():
+    """kernels/last_chunk.py: each row's last chunk as a left pad (from the
+    row's own pad) or as its page-table row shifted to the chunk's first
+    page, with its live keys from there; hand-counted starts, and equal to
+    the torch ops it replaces (the CPU path) on a strided table."""
+    from hopper_flash import chunked
+    chunk, page = 256, 64
+    used = torch.tensor([0, 1, 255, 256, 257, 1000, 4096, 70], dtype=torch.int32, device="cuda")
+    pads = torch.tensor([0, 1, 10, 0, 1, 999, 0, 6], dtype=torch.int32, device="cuda")
+    assert chunked.last_chunk_leftpad(used, chunk, None).tolist() == [0, 0, 0, 0, 256, 768, 3840, 0]
+    # keys after the pad: 0, 0, 245, 256, 256, 1, 4096, 64
+    assert chunked.last_chunk_leftpad(used, chunk, pads).tolist() == [0, 1, 10, 0, 1, 999, 3840, 6]
+    wide = torch.randint(0, 10**6, (8, 80), dtype=torch.int32, device="cuda")
+    table = wide[:, :70]  # 70 entries a row, rows 80 apart
+    for width in (4, 3):
+        got_used, got_table = chunked.last_chunk_pages(used, chunk, table, page, width)
+        ref_used, ref_table = chunked.last_chunk_pages(used.cpu(), chunk, table.cpu(), page, width)
+        assert torch.equal(got_used.cpu(), ref_used) and torch.equal(got_table.cpu(), ref_table)
+    assert got_used.tolist() == [0, 1, 255, 256, 1, 232, 256, 70]
+    assert torch.equal(got_table[6].cpu(), table[6, 60:63].cpu())  # 4096 keys: the chunk from key 3840, page 60
+    assert torch.equal(got_table[7].cpu(), table[7, 0:3].cpu())
+
+
+@pytest.mark.parametrize("page", [0, 64], ids=["contiguous", "pages64"])
+def test_chunked_decode_step_under_graph_replay(page):
+    """A decode step with attention_chunk captured once and replayed with
+    growing cache_seqlens across chunk boundaries (contiguous caches with
+    cache_leftpad, or pages read in place); each replay judged against the
+    float64 reference over the row's keys from its pad, NaN outside them."""
+    b, cap, chunk = 3, 2048, 512
+    pads = [0, 7, 100] if not page else [0, 0, 0]
+    lens0 = [1024, 519, 1600] if not page else [1024, 512, 1600]  # keys after the pad: 1024, 512, 1500 (1600)
+    k_cache, v_cache = nan_tailed_cache(b, cap, 2, 128, [n + 2 for n in lens0], seed=61)
+    for i, p in enumerate(pads):
+        k_cache[i, :p], v_cache[i, :p] = math.nan, math.nan
+    q = rnd(b, 1, 8, 128, seed=62)
+    seqlens = torch.tensor(lens0, dtype=torch.int32, device="cuda")
+    if page:
+        kc, vc, table = paged_copy(k_cache, v_cache, page, [cap] * b, seed=63)
+        extra = {"page_table": table}
+    else:
+        kc, vc = k_cache, v_cache
+        extra = {"cache_leftpad": torch.tensor(pads, dtype=torch.int32, device="cuda")}
+    graph, out = capture(lambda: hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True,
+                                                                     attention_chunk=chunk, **extra))
+    for step in (0, 1, 2):  # 1: each row's first key of a new chunk
+        lens = [n + step for n in lens0]
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (n, p) in enumerate(zip(lens, pads)):
+            keys, values = k_cache[i, p:n][None], v_cache[i, p:n][None]
+            ref, _ = attention_reference(q[i:i + 1], keys, values, causal=True, chunk=chunk)
+            base = attention_baseline(q[i:i + 1], keys, values, causal=True, chunk=chunk)
+            assert_judged(f"step {step} row {i}", out[i:i + 1], ref, base)
