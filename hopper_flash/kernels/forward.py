@@ -423,12 +423,19 @@ def _item_at(i, item, n_tiles, prob: Problem, mode: Mode):
 
 
 @gluon.jit
-def _item_head_count(prob: Problem, mode: Mode):
-    """The heads work items run over: query heads, or KV heads under PackGQA."""
-    if mode.PACK_PAD:
-        return prob.num_heads // prob.kv_group
+def _item_head_count_of(num_heads, kv_group, PACK_G: gl.constexpr, PACK_PAD: gl.constexpr):
+    """The heads work items run over: query heads, or KV heads under PackGQA
+    (a padded pack's group is ``kv_group``, not its ``PACK_G`` rows)."""
+    if PACK_PAD:
+        n = num_heads // kv_group
     else:
-        return prob.num_heads // mode.PACK_G
+        n = num_heads // PACK_G
+    return n
+
+
+@gluon.jit
+def _item_head_count(prob: Problem, mode: Mode):
+    return _item_head_count_of(prob.num_heads, prob.kv_group, mode.PACK_G, mode.PACK_PAD)
 
 
 @gluon.jit
@@ -1169,8 +1176,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # y and z. Which CTA runs which item is scheduler.py's business; every
     # partition walks the same items in the same order.
     gl.static_assert(not PACK_PAD or PACK_G > 1, "a padded pack packs")
-    item_group = kv_group if PACK_PAD else PACK_G
-    total_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M) * num_splits * (num_heads // item_group) * batch
+    total_tiles = (gl.cdiv(seqlen_q * PACK_G, BLOCK_M) * num_splits
+                   * _item_head_count_of(num_heads, kv_group, PACK_G, PACK_PAD) * batch)
 
     # Q as NC [1, 64, 1, D] parts (packed: [1, 64 / G, G, D]), one per
     # consumer warpgroup, for Q_STAGES items: part c of the item in slot j is
