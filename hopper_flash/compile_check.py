@@ -71,7 +71,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
     def desc_sig(block):
         return f"tensordesc<{sig_dtype}[{', '.join(map(str, block))}],{smem_layout(block, tdtype)!r}>"
 
-    blocks = block_shapes(cfg, mode.pack_g, mode.page_size)
+    blocks = block_shapes(cfg, mode.box_g, mode.page_size)
     constexprs = kernel_constexprs(cfg, causal, write_lse, mode)
     signature = {
         "q_desc": desc_sig(blocks["q"]),
@@ -82,7 +82,8 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "seqused_ptr": "*i32",
         "kv_batch_ptr": "*i32",
         "page_table_ptr": "*i32",
-        "o_part_ptr": f"*{sig_dtype}" if mode.varlen and not mode.split else "*fp32",  # varlen: O itself
+        # varlen and a packed view: O itself (stored by address), unless split
+        "o_part_ptr": f"*{sig_dtype}" if (mode.varlen or mode.pack_view) and not mode.split else "*fp32",
         "lse_part_ptr": "*fp32",
         "cu_q_ptr": "*i32",
         "cu_k_ptr": "*i32",

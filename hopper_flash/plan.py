@@ -222,12 +222,13 @@ class Mode:
     ``Mode()`` is plain prefill over exact-length BSHD K and V."""
 
     # PackGQA: the query rows of the pack_g heads sharing a KV head share one
-    # tile (a power of two dividing 64; 1 = off).
+    # tile (1 = off). A power of two dividing 64 is loaded from q as it is
+    # (the box [1, 64 / g, g, D]); any other group from q packed by the host
+    # (``pack_view``).
     pack_g: int = 1
-    # PackGQA over a group that is not a power of two (choose_pad_pack): the
-    # group, each query's heads padded to pack_g rows (kernels/forward.py,
-    # ``PACK_PAD``); 0: pack_g is the group.
-    pack_group: int = 0
+    # PackGQA from Q packed by the host (``packed_q``: ``[B, Sq * g, Hkv,
+    # D]``; kernels/forward.py, ``PACK_VIEW``), O stored by address.
+    pack_view: bool = False
     # Split-KV: fp32 partials merged by kernels/combine.py.
     split: bool = False
     # Per-batch key lengths from an int32 device tensor; K/V a cache whose
@@ -271,9 +272,10 @@ class Mode:
     leftpad: bool = False
 
     @property
-    def item_group(self) -> int:
-        """Query heads per work item's head (1 unpacked)."""
-        return self.pack_group or self.pack_g
+    def box_g(self) -> int:
+        """Heads in a Q/O TMA box (``block_shapes``): the group where the box
+        packs it, else 1 (a packed view's box is the plain one)."""
+        return 1 if self.pack_view else self.pack_g
 
     @property
     def kernel_sink(self) -> bool:
@@ -367,7 +369,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         ONE_ITEM=mode.one_item,
         O_DIM=mode.o_dim,
         LEFTPAD=mode.leftpad,
-        PACK_PAD=mode.pack_group > 0,
+        PACK_VIEW=mode.pack_view,
     )
 
 
@@ -375,7 +377,8 @@ def block_shapes(cfg: ForwardConfig, pack_g: int = 1, page_size: int = 0) -> dic
     """TMA boxes over the rank-4 ``[B, S, H, D]`` view: one head, ``rows`` of
     the sequence, the whole head dim. Q and O move per consumer warpgroup (64
     rows); under PackGQA a Q/O box holds ``64 / g`` query rows of ``g``
-    adjacent heads, which in BSHD is exactly the packed (head-fastest) tile.
+    adjacent heads, which in BSHD is exactly the packed (head-fastest) tile
+    (``pack_g``: 1 for the plain box, also that of a packed view, ``Mode.box_g``).
     K and V move a tile at a time, or a page at a time where pages are
     shorter than a tile (``page_size``; the kernel then loads one box per
     page of a tile); gathered pages (``gathers``) keep a tile's box, which
@@ -412,7 +415,7 @@ MAX_WORK_ITEMS = 2**31 - 1
 def work_items(batch: int, nheads: int, seqlen_q: int, cfg: ForwardConfig, mode: Mode = PREFILL,
                num_splits: int = 1) -> int:
     """(query tile, split, head, batch) items; under PackGQA a head is a KV head."""
-    return triton_cdiv(seqlen_q * mode.pack_g, cfg.block_m) * num_splits * (nheads // mode.item_group) * batch
+    return triton_cdiv(seqlen_q * mode.pack_g, cfg.block_m) * num_splits * (nheads // mode.pack_g) * batch
 
 
 def deal(items: int, cfg: ForwardConfig, device: int | None = None) -> tuple[int, int]:
@@ -441,14 +444,16 @@ def grid(batch: int, nheads: int, seqlen_q: int, cfg: ForwardConfig, device: int
 # ---- Decode heuristics (FA3's rules, shared/notes/varlen-decode.md §5-6) ----
 
 def packable(group: int) -> bool:
-    """PackGQA needs g a power of two dividing 64 (the TMA box [1, 64/g, g, D]), g > 1."""
+    """Whether the TMA box ``[1, 64/g, g, D]`` packs a group from q as it is
+    (a power of two dividing 64, g > 1). Other groups pack from a packed
+    view (``packed_q``, ``Mode.pack_view``)."""
     return 1 < group <= 64 and not group & (group - 1)
 
 
 def choose_pack_gqa(seqlen_q: int, group: int, block_m: int = 128) -> bool:
-    """Pack when the query tiles fill better packed: fill(Sq) < 0.9 fill(Sq * g).
-    Only where ``packable``."""
-    if not packable(group):
+    """Pack when the query tiles fill better packed: fill(Sq) < 0.9 fill(Sq * g)
+    (FA3's rule), for any group g > 1."""
+    if group <= 1:
         return False
 
     def fill(rows):
@@ -457,98 +462,72 @@ def choose_pack_gqa(seqlen_q: int, group: int, block_m: int = 128) -> bool:
     return fill(seqlen_q) < 0.9 * fill(seqlen_q * group)
 
 
-# Head dims whose decode kernels take a padded pack without spilling (the
-# compile census: head dim 256's spilled 8 B under triton 3.6).
-PAD_PACK_HEAD_DIMS = (64, 128)
-
-
-def pad_rows(group: int) -> int:
-    """Rows per query of a padded pack (``Mode.pack_group``): the next power
-    of two, or 0 where the group cannot be padded (a power of two already,
-    or more than 64)."""
-    rows = 1 << max(group - 1, 0).bit_length()
-    return rows if 2 < group < rows <= 64 else 0
-
-
-def choose_pad_pack(seqlen_q: int, group: int, block_m: int = 128) -> bool:
-    """Pad-pack a group that is not a power of two where one query tile
-    holds every query of the group (a decode step, a short draft): the
-    padding rows cost tensor-core work only, which such a launch has to
-    spare, and K/V is then read once per KV head instead of once per query
-    head (Llama 4's 40/8: 2.8x the traffic unpacked, BENCHMARKS.md,
-    sixtieth session)."""
-    rows = pad_rows(group)
-    return rows > 0 and seqlen_q * rows <= block_m
-
-
 def choose_varlen_pack_gqa(group: int) -> bool:
     """PackGQA for a packed (varlen) batch, whose query lengths the host does
-    not know: FA3's rule, always where the group allows it. A decode-like
-    sequence (a few query rows) then reads each K/V tile once per KV head
-    instead of once per query head; a long one costs about the same. (A
-    group that is not a power of two: ``pack_layout``.)"""
-    return packable(group)
+    not know: FA3's rule, always (g > 1). A decode-like sequence (a few query
+    rows) then reads each K/V tile once per KV head instead of once per
+    query head; a long one costs about the same. (A group that is not a
+    power of two packs from a copy of q: ``launch_forward_varlen`` weighs
+    it first, ``choose_varlen_view``.)"""
+    return group > 1
 
 
-# The padded pack in a packed batch with prefill chunks (choose_varlen_pad):
-# tensor-core flops worth one byte of K/V read from HBM. Timed on the H100
-# (BENCHMARKS.md, sixty-second session, scripts/varlen_pack_bench.py
-# --groups): the mixes the pad sped up break even at 2-62 flops per byte in
-# this model, the ones it slowed at 110-6000, so the constant sits between
-# (the H200's HBM is 1.4x faster for the same flops, which moves its
-# boundary down by as much: still between). The sixty-first session's 40
-# left a mix 14% slower unpadded (16 decodes beside 4096 queries at 7 of 8).
-PAD_FLOPS_PER_BYTE = 64
-
-
-def choose_varlen_pad(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k: int, total_k: int, group: int,
-                      causal: bool, block_m: int = 128) -> bool:
-    """Whether a packed batch (host values only) pads a group that is not a
-    power of two (``pack_layout``): always where the longest sequence's
-    queries fit one tile (``choose_pad_pack``), else where the K/V reads the
-    pack saves on the decode steps outweigh the padding rows' tensor work on
-    the prefill chunks. The batch is modelled as a serving engine's: chunks
-    of ``max_seqlen_q`` queries (as many as the query rows beyond one per
-    sequence allow) over ``max_seqlen_k`` keys, and one-query decodes over
-    the mean key count (``total_k``: k's rows; 0 where paged, then half of
-    ``max_seqlen_k``). Per KV head, the pack saves ``group - 1`` reads of
-    each decode's 4·D bytes per key, and adds ``pad_rows(group) - group``
-    rows of 4·D flops per key to every chunk query."""
-    rows = pad_rows(group)
-    if rows == 0:
-        return False
-    if choose_pad_pack(max_seqlen_q, group, block_m):
-        return True
+def choose_varlen_view(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k: int, total_k: int,
+                       group: int) -> bool:
+    """Whether a packed batch (host values only) packs a group that is not
+    a power of two, whose pack reads a packed copy of q (``packed_q``):
+    where the K/V bytes the pack saves on the batch's decode steps exceed
+    the copy's. The batch is modelled as a serving engine's: chunks of
+    ``max_seqlen_q`` queries (as many as the query rows beyond one per
+    sequence allow) and one-query decodes over the mean key count
+    (``total_k``: k's rows; 0 where paged, then half of ``max_seqlen_k``).
+    Per query head and 4·D bytes: unpacked, a decode step reads each of
+    its keys' K and V row, packed ``1/g`` of them; the copy reads and
+    writes each query row of q once. A chunk's K/V reads hide under its
+    tensor work packed or not (FA3 packs every varlen batch)."""
     chunks = min(batch, max(0, total_q - batch) // max(1, max_seqlen_q - 1))
     decodes = batch - chunks
     decode_keys = total_k / batch if total_k else max_seqlen_k / 2
-    chunk_keys = max(max_seqlen_k - max_seqlen_q / 2, max_seqlen_q / 2) if causal else max_seqlen_k
-    saved = (group - 1) * decodes * decode_keys * PAD_FLOPS_PER_BYTE
-    added = (rows - group) * chunks * max_seqlen_q * chunk_keys
-    return saved > added
+    return decodes * decode_keys * (group - 1) / group > total_q
 
 
-def pack_layout(pack_gqa: bool | None, group: int, seqlen_q: int, nheads: int, cfg: ForwardConfig,
-                pad_ok: bool = True, varlen: bool = False) -> tuple[int, int]:
-    """``(Mode.pack_g, Mode.pack_group)`` of a launch: PackGQA as asked
+# Head dims whose kernels take a packed view without spilling (the compile
+# census, triton 3.6: head dim 256's varlen kernel with a group of 5, the LSE
+# and the dynamic order spilled 16 B; its groups that are not powers of two
+# stay unpacked).
+VIEW_HEAD_DIMS = (64, 128)
+
+
+def pack_layout(pack_gqa: bool | None, group: int, seqlen_q: int, cfg: ForwardConfig, by_address: bool = True,
+                varlen: bool = False) -> tuple[int, bool]:
+    """``(Mode.pack_g, Mode.pack_view)`` of a launch: PackGQA as asked
     (``pack_gqa``; None: ``choose_pack_gqa``, or ``choose_varlen_pack_gqa``
-    for a packed batch), a power-of-two group packed as it is, any other
-    padded (``pad_rows``) where ``pad_ok`` (O storable by address), the
-    head dim's kernels take it and there are at least as many heads as
-    padded rows, and, by default, only where the queries fit one tile
-    (``choose_pad_pack``; ``seqlen_q``: a packed batch's longest; its
-    launch resolves None first by ``choose_varlen_pad``, which weighs a
-    chunk's padding rows against the decodes' K/V reads).
-    ``(1, 0)``: unpacked."""
-    pad = pad_ok and cfg.head_dim in PAD_PACK_HEAD_DIMS and nheads >= pad_rows(group) > 0
+    for a packed batch), a power-of-two group dividing 64 from q as it is,
+    any other from a packed view of q where O can be stored by address
+    (``by_address``: a contiguous O of the kernel's head dim; always in a
+    packed batch) and the head dim's kernels take it (``VIEW_HEAD_DIMS``).
+    ``(1, False)``: unpacked."""
     if pack_gqa is None:
-        pack_gqa = (choose_varlen_pack_gqa(group) if varlen else choose_pack_gqa(seqlen_q, group, cfg.block_m)) or (
-            pad and choose_pad_pack(seqlen_q, group, cfg.block_m))
+        pack_gqa = choose_varlen_pack_gqa(group) if varlen else choose_pack_gqa(seqlen_q, group, cfg.block_m)
     if pack_gqa and packable(group):
-        return group, 0
-    if pack_gqa and pad:
-        return pad_rows(group), group
-    return 1, 0
+        return group, False
+    if pack_gqa and group > 1 and (by_address or varlen) and cfg.head_dim in VIEW_HEAD_DIMS:
+        return group, True
+    return 1, False
+
+
+def packed_q(q: torch.Tensor, group: int) -> torch.Tensor:
+    """Q as a packed view's kernel reads it (``Mode.pack_view``): ``[B, Sq *
+    g, Hkv, D]``, row ``s * g + j`` of KV head ``hk`` being query ``s`` of
+    head ``hk * g + j``. At one query per row that is q itself, restrided
+    (``(H·D, D, g·D, 1)`` for a contiguous q); longer blocks take a copy."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    return q.unflatten(2, (nheads // group, group)).transpose(2, 3).reshape(batch, seqlen_q * group, -1, head_dim)
+
+
+def kernel_q(q: torch.Tensor, mode: Mode) -> torch.Tensor:
+    """The tensor of the kernel's Q descriptor: q, or its packed view."""
+    return packed_q(q, mode.pack_g) if mode.pack_view else q
 
 
 def choose_dynamic(items: int, n_tiles: int, causal: bool, varlen: bool, sms: int) -> bool:
@@ -793,18 +772,18 @@ ONE_ITEM_MAX_KV_TILES = 128
 @lru_cache(maxsize=4096)
 def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cfg, page_size, seqused, kv_batch,
                  num_splits, pack_gqa, causal, write_lse, window=None, softcap=False, sink="",
-                 leftpad=False, pad_ok=False) -> LaunchPlan:
+                 leftpad=False, by_address=False) -> LaunchPlan:
     """Mode, split count and grid for a launch. Cached, and keyed by the KV
     tile count rather than the key length: a decode loop grows the cache by
     one key per step, and this is host time on every step. ``window``:
     ``(left, right)`` of a sliding window (``checks.window_bounds``) or None;
     ``softcap``: whether scores are soft-capped (``Mode.softcap``); ``sink``:
     the attention sinks' dtype, "" for none (``Mode.sink``); ``leftpad``:
-    ``Mode.leftpad``; ``pad_ok``: whether O can take a padded pack's stores
-    by address (contiguous, the kernel's head dim; ``launch_forward``)."""
+    ``Mode.leftpad``; ``by_address``: whether O can take a packed view's
+    stores by address (contiguous, the kernel's head dim; ``launch_forward``)."""
     group = nheads // nheads_kv
-    pack_g, pack_group = pack_layout(pack_gqa, group, seqlen_q, nheads, cfg, pad_ok)
-    tiles = work_items(batch, nheads, seqlen_q, cfg, Mode(pack_g=pack_g, pack_group=pack_group))
+    pack_g, pack_view = pack_layout(pack_gqa, group, seqlen_q, cfg, by_address)
+    tiles = work_items(batch, nheads, seqlen_q, cfg, Mode(pack_g=pack_g))
     window_left, window_right = window or (-1, -1)
     if num_splits == 0:
         # Under a window a query tile reads at most the window's tiles, not the whole cache.
@@ -828,7 +807,7 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
     one_item = (plain and not dynamic and tiles <= n_ctas and takes_one_item(cfg)
                 and n_blocks <= ONE_ITEM_MAX_KV_TILES)
-    mode = Mode(pack_g=pack_g, pack_group=pack_group, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch,
+    mode = Mode(pack_g=pack_g, pack_view=pack_view, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch,
                 page_size=page_size, dynamic=dynamic, window_left=window_left, window_right=window_right,
                 softcap=bool(softcap), sink=sink, one_item=one_item, leftpad=leftpad)
     section = l2_section(n_blocks * cfg.block_n, cfg.head_dim, dtype.itemsize, group)
@@ -910,10 +889,11 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
                       bool(causal), write_lse, window, softcap > 0, sink_mode(sink), leftpad is not None,
                       out.shape[3] == cfg.head_dim and out.is_contiguous())
     cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
+    qd = kernel_q(q, mode)  # the Q descriptor's tensor (q keeps the kernel's scalars)
     kernel = _COMPILED.get(lp.key)
     page_stride = page_table.stride(0) if paged else 0
     if kernel is not None and kernel.direct is not None and FAST_LAUNCH and not _launch_hooked():
-        _launch_forward_direct(kernel, lp, q, k, v, out, lse, softmax_scale, seqused_k, kv_batch, page_table,
+        _launch_forward_direct(kernel, lp, q, qd, k, v, out, lse, softmax_scale, seqused_k, kv_batch, page_table,
                                seqlen_k, page_stride, gather, softcap, sink, leftpad)
         return lp
     if mode.split:
@@ -927,12 +907,12 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
         # First launch, an unchecked triton, or a profiler hook is installed
         # (it wants the JIT's launch metadata): take Triton's regular path.
-        blocks = block_shapes(cfg, mode.pack_g, mode.page_size)
-        descs = (_descriptor(q, blocks["q"]), _descriptor(k, blocks["k"]), _descriptor(v, blocks["v"]),
+        blocks = block_shapes(cfg, mode.box_g, mode.page_size)
+        descs = (_descriptor(qd, blocks["q"]), _descriptor(k, blocks["k"]), _descriptor(v, blocks["v"]),
                  _descriptor(out, blocks["o"]))
         _COMPILED[lp.key] = _jit_launch(lp, cfg, (*descs, *args))
     else:
-        kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (q, k, v, out),
+        kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (qd, k, v, out),
                (*args, *lp.constexpr_values))
     if mode.split:
         combine = launch_combine(o_part, lse_part, out, lse, sink)
@@ -996,14 +976,15 @@ def _combine_key(lp: LaunchPlan, out, lse) -> tuple:
             None if lse is None else lse.data_ptr() % 16 == 0)
 
 
-def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, lse, softmax_scale: float,
+def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, qd, k, v, out, lse, softmax_scale: float,
                            seqused_k, kv_batch, page_table, seqlen_k: int, page_stride: int, gather=None,
                            softcap: float = 0.0, sink=None, leftpad=None) -> None:
     """``launch_forward`` once its kernel is compiled and can be called
     directly (``KernelLaunch.direct``): the same launch with every pointer
     passed as an address, so the split partials need no views, and the
     combine (once it has run through ``launch_combine``) launched directly
-    too. This is the host time of every decode step; keep it short."""
+    too (``qd``: the Q descriptor's tensor, ``kernel_q``). This is the host
+    time of every decode step; keep it short."""
     split = lp.mode.split
     stream = driver.active.get_current_stream(q.device.index)
     out_ptr = out.data_ptr()
@@ -1022,7 +1003,7 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, k, v, out, l
                         _item_counter(q.device).data_ptr() if lp.mode.dynamic else None,
                         None if gather is None else (gather[0].data_ptr(), gather[1].data_ptr()), softcap, sink_ptr,
                         leftpad.data_ptr() if leftpad is not None else None)
-    kernel.launch_addresses((lp.n_ctas, 1, 1), stream, (q, k, v, out), (*args, *lp.constexpr_values))
+    kernel.launch_addresses((lp.n_ctas, 1, 1), stream, (qd, k, v, out), (*args, *lp.constexpr_values))
     if not split:
         return
     combine = _COMBINE_OF.get(_combine_key(lp, out, lse))
@@ -1068,12 +1049,13 @@ class _PreparedLaunch:
     rebuilding the same arguments every call."""
 
     __slots__ = ("lp", "kernel", "combine", "template", "slots", "combine_grid", "combine_template",
-                 "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch", "out_strides")
+                 "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch", "out_strides", "pack_view")
 
     def __init__(self, lp: LaunchPlan, kernel: KernelLaunch, combine: KernelLaunch | None, q, nheads_kv: int,
                  softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None,
                  head_dim_v: int | None = None):
         self.lp, self.kernel, self.combine = lp, kernel, combine
+        self.pack_view = lp.mode.pack_view  # the descriptor's Q is packed per call (kernel_q)
         self.current_stream = driver.active.get_current_stream
         batch, seqlen_q, nheads, head_dim = q.shape
         head_dim_v = head_dim if head_dim_v is None else head_dim_v  # v's and out's
@@ -1107,7 +1089,8 @@ class _PreparedLaunch:
             return None
         batch, seqlen_q, nheads, head_dim = q.shape
         k_shape, v_shape = (batch, 0, nheads_kv, head_dim), (batch, 0, nheads_kv, head_dim_v)
-        layouts = ((tuple(q.shape), tma_strides(q)), (k_shape, (0,) * 4), (v_shape, (0,) * 4),
+        qd = kernel_q(q, lp.mode)
+        layouts = ((tuple(qd.shape), tma_strides(qd)), (k_shape, (0,) * 4), (v_shape, (0,) * 4),
                    ((batch, seqlen_q, nheads, head_dim_v), self.out_strides))
         descs = [(slot, enc[2], enc[1], enc[0], list(enc[3]), list(shape), list(strides))
                  for slot, (enc, (shape, strides)) in enumerate(zip(kernel.direct.encode, layouts))]
@@ -1131,6 +1114,8 @@ class _PreparedLaunch:
             o_part = lse_part = out_ptr
         lse_ptr = lse.data_ptr() if lse is not None else None
         sched = _item_counter(q.device).data_ptr() if lp.mode.dynamic else None
+        if self.pack_view:
+            q = packed_q(q, lp.mode.pack_g)
         if self.c_state is not None:
             self.c_launch(self.c_state, stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out_ptr, lse_ptr, o_part,
                           lse_part, seqlen_k, sched, k.stride(), v.stride())
@@ -1375,11 +1360,10 @@ def varlen_skew_splits(total_k: int, batch: int, max_seqlen_q: int, max_seqlen_k
     not splitting (a prefill chunk's query tiles count for every sequence)."""
     if window is not None or total_k <= 0 or max_seqlen_k <= SKEW_RATIO * SKEW_MIN_TILES * cfg.block_n:
         return 1  # (the last: the share is at least SKEW_MIN_TILES)
-    pack_g, pack_group = pack_layout(pack_gqa, group, max_seqlen_q, nheads, cfg, varlen=True)
-    pack = Mode(pack_g=pack_g, pack_group=pack_group)
+    pack_g, _ = pack_layout(pack_gqa, group, max_seqlen_q, cfg, varlen=True)
     n_blocks = triton_cdiv(max(1, max_seqlen_k), cfg.block_n)
-    q_tiles = triton_cdiv(max(1, max_seqlen_q) * pack.pack_g, cfg.block_m)
-    work = q_tiles * (triton_cdiv(total_k, cfg.block_n) + batch) * (nheads // pack.item_group)
+    q_tiles = triton_cdiv(max(1, max_seqlen_q) * pack_g, cfg.block_m)
+    work = q_tiles * (triton_cdiv(total_k, cfg.block_n) + batch) * (nheads // pack_g)
     share = max(work / sm_count(device), SKEW_MIN_TILES)
     if n_blocks <= SKEW_RATIO * share:
         return 1
@@ -1394,8 +1378,7 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     for every sequence (items past a sequence's rows exit at once).
     ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V (``Mode.page_size``,
     with ``seqused_k``); ``pack_gqa``: PackGQA (``pack_layout``; None:
-    ``choose_varlen_pack_gqa``, groups that are not powers of two padded
-    where ``max_seqlen_q`` fits a tile); ``num_splits``: KV splits (0: FA3's rule,
+    ``choose_varlen_pack_gqa``); ``num_splits``: KV splits (0: FA3's rule,
     ``choose_num_splits``, on the items and KV tiles the host bounds
     know: ``max_seqlen_q`` for every sequence, ``max_seqlen_k`` keys, and
     with ``total_q`` (q's rows, ``varlen_total_q_key``) a bound on the
@@ -1403,10 +1386,10 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     chunk look like ``batch`` chunks to ``max_seqlen_q`` alone), and
     ``skew_splits`` (``varlen_skew_splits``) where that rule does not split."""
     sms = sm_count(device)
-    pack_g, pack_group = pack_layout(pack_gqa, group, max_seqlen_q, nheads, cfg, varlen=True)
-    pack = Mode(pack_g=pack_g, pack_group=pack_group)
+    pack_g, pack_view = pack_layout(pack_gqa, group, max_seqlen_q, cfg, varlen=True)
+    pack = Mode(pack_g=pack_g)
     items = work_items(batch, nheads, max_seqlen_q, cfg, pack)
-    item_heads = nheads // pack.item_group
+    item_heads = nheads // pack_g
     n_blocks = triton_cdiv(max(1, max_seqlen_k), cfg.block_n)
     if num_splits == 0:
         read = n_blocks if window is None or window[0] < 0 else min(
@@ -1430,10 +1413,10 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     # did pages of 16 keys read in place (3-4%; fifty-seventh and
     # fifty-eighth sessions, BENCHMARKS.md). A window with PackGQA and
     # per-sequence lengths spills 232 bytes on the wide tiles.
-    # A padded pack (choose_varlen_pad over a long chunk) keeps 128 rows: its
-    # wide kernels compile without spills but have not yet run on a GPU.
+    # A packed view (choose_varlen_view beside a long chunk) keeps 128 rows:
+    # its wide kernels have not run on a GPU.
     if (cfg in _WIDE_OF and page_size == 0 and not split and window is None
-            and max_seqlen_q >= WIDE_MIN_ROWS and not pack_group):
+            and max_seqlen_q >= WIDE_MIN_ROWS and not pack_view):
         cfg = _WIDE_OF[cfg]
         items = work_items(batch, nheads, max_seqlen_q, cfg, pack)
     # Gathered pages take the static deal: their four-warp producer has only
@@ -1442,7 +1425,7 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     dynamic = (cfg.persistent and not gathers(page_size, cfg.head_dim) and not split
                and choose_dynamic(items, triton_cdiv(max_seqlen_q * pack_g, cfg.block_m), causal, True, sms))
     window_left, window_right = window or (-1, -1)
-    mode = Mode(pack_g=pack_g, pack_group=pack_group, split=split, seqused=seqused_k, varlen=True,
+    mode = Mode(pack_g=pack_g, pack_view=pack_view, split=split, seqused=seqused_k, varlen=True,
                 seqused_q=seqused_q, dynamic=dynamic, window_left=window_left, window_right=window_right,
                 softcap=bool(softcap), sink=sink, o_dim=o_dim, page_size=page_size)
     n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items * num_splits, cfg, device)
@@ -1459,7 +1442,7 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     # (forward._skip_dead_run; a section across two sequences draws them
     # one by one). Under PackGQA an item's head is a KV head, whose query
     # heads are already in its tile.
-    section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group // pack.item_group), item_heads)
+    section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group // pack_g), item_heads)
     kernel_lse = write_lse and not split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
     return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section, (device, dtype, causal, kernel_lse, cfg, mode),
@@ -1498,16 +1481,17 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     k, v, gather = gathered_pools(k, v, page_size, cfg, "launch_forward_varlen")
     k_pool, v_pool = gather if gather is not None else (out, out)  # (out: no page pools to gather)
     nheads_kv = k.shape[-2]
-    if pack_gqa is None and pad_rows(nheads // nheads_kv):
+    group = nheads // nheads_kv
+    if pack_gqa is None and group > 1 and not packable(group):
         # (Resolved here, before the cached plan: its key has no room for q's rows.)
-        pack_gqa = choose_varlen_pad(total_q, batch, int(max_seqlen_q), int(max_seqlen_k), 0 if paged else k.shape[0],
-                                     nheads // nheads_kv, bool(causal), cfg.block_m)
+        pack_gqa = choose_varlen_view(total_q, batch, int(max_seqlen_q), int(max_seqlen_k),
+                                      0 if paged else k.shape[0], group)
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
                       sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size, pack_gqa,
                       int(num_splits), varlen_total_q_key(total_q, nheads, cfg, device) if num_splits == 0 else 0,
                       varlen_skew_splits(k.shape[0], batch, int(max_seqlen_q), int(max_seqlen_k), nheads,
-                                         nheads // nheads_kv, cfg, pack_gqa, window, device)
+                                         group, cfg, pack_gqa, window, device)
                       if num_splits == 0 and not paged else 1)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cfg = lp.cfg  # the plan may widen the tiles (head dim 64's WIDE_CONFIGS)
@@ -1537,17 +1521,18 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
                *kernel_scales(softmax_scale, softcap), lp.num_splits, lp.pair, page_table.stride(0) if paged else 0,
                total_q, lp.section)
     k4, v4 = (k, v) if k.dim() == 4 else (k.unsqueeze(0), v.unsqueeze(0))
+    qd = kernel_q(q4, lp.mode)  # (q4 keeps the partials' shape)
     # Triton specialises pointer arguments on 16-byte alignment: a cu_seqlens
     # view at an odd offset must not reuse a kernel compiled for aligned ones.
     key = lp.key + tuple(t.data_ptr() % 16 == 0 for t in ptrs)
     kernel = _COMPILED.get(key)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
-        blocks = block_shapes(cfg, lp.mode.pack_g, page_size)
-        descs = (_descriptor(q4, blocks["q"]), _descriptor(k4, blocks["k"]), _descriptor(v4, blocks["v"]),
+        blocks = block_shapes(cfg, lp.mode.box_g, page_size)
+        descs = (_descriptor(qd, blocks["q"]), _descriptor(k4, blocks["k"]), _descriptor(v4, blocks["v"]),
                  _descriptor(o4, blocks["o"]))
         _COMPILED[key] = _jit_launch(lp, cfg, (*descs, *ptrs, *scalars))
     else:
-        kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (q4, k4, v4, o4),
+        kernel((lp.n_ctas, 1, 1), driver.active.get_current_stream(device), (qd, k4, v4, o4),
                (*ptrs, *scalars, *lp.constexpr_values))
     if split:
         launch_combine(o_part, lse_part, o4, lse.unsqueeze(0) if write_lse else None, sink)

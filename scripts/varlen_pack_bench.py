@@ -20,11 +20,11 @@ long). For the mixes and drafts the K/V read rate
 
 ``--groups``: groups that are not powers of two (Llama 4's 40/8,
 Qwen2.5-7B's 28/4) instead: decode batches, drafts and a decode mix with a
-prefill chunk, where ``packed`` pads each query's heads to 8 rows
-(``plan.pack_layout``) and ``default`` is the call's default
-(``pack_gqa=None, num_splits=0``: padded only where the longest sequence's
-queries fit one tile). Running them on another tree (``PYTHONPATH=.wt/main``)
-times the unpadded library.
+prefill chunk, where ``packed`` packs from a packed copy of q
+(``plan.pack_layout``, ``plan.packed_q``) and ``default`` is the call's
+default (``pack_gqa=None, num_splits=0``: packed where the decodes' K/V
+reads outweigh the copy, ``plan.choose_varlen_view``). Running them on
+another tree (``PYTHONPATH=.wt/main``) times that tree's packing.
 
     PYTHONPATH=.:/tmp/fa3pkg python scripts/varlen_pack_bench.py [--quick | --groups]
 """
@@ -82,8 +82,7 @@ def group_batches():
         out.append((f"drafts 8 x 1..4 queries over 16k..64k H{h}/{hkv} D128", drafts,
                     torch.randint(16384, 65537, (8,), generator=gen).tolist(), h, hkv, 128))
         out.append((f"mix 64 decodes + chunk [512] H{h}/{hkv} D128", [1] * 64 + [512], dec_k + [1536], h, hkv, 128))
-        # Where a prefill chunk's tensor work outweighs the decodes' K/V reads (the padding rows cost on every
-        # tile of the chunk): the default rule's boundary.
+        # Decodes beside a prefill chunk: the default rule weighs the decodes' K/V reads against the copy of q.
         for n_dec, chunk in ((64, 2048), (16, 4096), (64, 8192), (256, 8192)):
             lk = torch.randint(1000, 8001, (n_dec,), generator=gen).tolist() + [chunk + 1024]
             out.append((f"mix {n_dec} decodes + chunk [{chunk}] H{h}/{hkv} D128", [1] * n_dec + [chunk], lk, h, hkv,

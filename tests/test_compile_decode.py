@@ -85,16 +85,18 @@ SPECS = [
     (C[256], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, leftpad=True)),
     (C[128], "bfloat16", True, True, Mode(pack_g=4, split=True, seqused=True, window_left=4095, window_right=0,
                                           leftpad=True)),
-    # PackGQA over groups that are not powers of two (PACK_PAD: 5 heads in 8 rows, 3 or 7 in 4 or 8), O by
-    # address; head dims 64 and 128 (at 256 it spilled 8 B: plan.PAD_PACK_HEAD_DIMS).
-    (C[128], "bfloat16", True, True, Mode(pack_g=8, pack_group=5, seqused=True)),
-    (C[128], "bfloat16", True, False, Mode(pack_g=8, pack_group=5, split=True, seqused=True)),
-    (C[128], "float16", True, True, Mode(pack_g=8, pack_group=7, seqused=True, page_size=64)),
-    (C[64], "bfloat16", True, True, Mode(pack_g=4, pack_group=3, seqused=True, kv_batch=True)),
-    (C[64], "bfloat16", True, True, Mode(pack_g=8, pack_group=5, seqused=True, sink="float32")),
-    (C[128], "bfloat16", True, True, Mode(pack_g=8, pack_group=5, seqused=True, leftpad=True)),
-    (C[128], "bfloat16", True, True, Mode(pack_g=8, pack_group=5, seqused=True, window_left=4095, window_right=0)),
-    (C[128], "bfloat16", True, False, Mode(pack_g=8, pack_group=7, seqused=True, softcap=True, split=True)),
+    # PackGQA over groups that are not powers of two (PACK_VIEW: Q packed by the host), O by address; head
+    # dims 64 and 128 (plan.VIEW_HEAD_DIMS: at 256 one varlen kernel spilled 16 B).
+    (C[128], "bfloat16", True, True, Mode(pack_g=5, pack_view=True, seqused=True)),
+    (C[128], "bfloat16", True, False, Mode(pack_g=5, pack_view=True, split=True, seqused=True)),
+    (C[128], "float16", True, True, Mode(pack_g=7, pack_view=True, seqused=True, page_size=64)),
+    (C[64], "bfloat16", True, True, Mode(pack_g=3, pack_view=True, seqused=True, kv_batch=True)),
+    (C[64], "bfloat16", True, True, Mode(pack_g=5, pack_view=True, seqused=True, sink="float32")),
+    (C[128], "bfloat16", True, True, Mode(pack_g=5, pack_view=True, seqused=True, leftpad=True)),
+    (C[128], "bfloat16", True, True, Mode(pack_g=5, pack_view=True, seqused=True, window_left=4095, window_right=0)),
+    (C[128], "bfloat16", True, False, Mode(pack_g=7, pack_view=True, seqused=True, softcap=True, split=True)),
+    (C[128], "bfloat16", False, True, Mode(pack_g=12, pack_view=True)),
+    (C[64], "bfloat16", True, False, Mode(pack_g=128, pack_view=True, split=True, seqused=True, page_size=16)),
     # One item per CTA (chunked prefill, V_AT_ISSUE) with soft-capping and sinks.
     (C[128], "bfloat16", True, False, Mode(one_item=True, softcap=True)),
     (C[128], "float16", False, True, Mode(one_item=True, softcap=True)),
@@ -110,7 +112,7 @@ if 64 in plan.WIDE_CONFIGS:  # none under triton 3.9 (plan.wide_configs)
 def spec_id(spec):
     cfg, dtype, causal, lse, m = spec
     parts = [f"d{cfg.head_dim}n{cfg.block_n}", dtype, "causal" if causal else "full", "lse" if lse else "nolse",
-             f"g{m.pack_group}of{m.pack_g}" if m.pack_group else f"g{m.pack_g}"]
+             f"g{m.pack_g}view" if m.pack_view else f"g{m.pack_g}"]
     parts += [name for name, on in (("split", m.split), ("seqused", m.seqused), ("kvbatch", m.kv_batch)) if on]
     if m.page_size:
         parts.append(f"page{m.page_size}")
@@ -236,8 +238,8 @@ def test_instructions(spec):
         assert counts["UTMASTG"] == 0, "split partials are stored from registers"
     elif mode.varlen:
         assert counts["UTMASTG"] == 0, "varlen O goes out in row-predicated stores (a box would cross sequences)"
-    elif mode.pack_group:
-        assert counts["UTMASTG"] == 0, "a padded pack's O goes out by address (a box would cross into the next group)"
+    elif mode.pack_view:
+        assert counts["UTMASTG"] == 0, "a packed view's O goes out by address (no box is its tile)"
     else:
         assert counts["UTMASTG"] > 0, "O goes out through a TMA store"
     # The combine follows a split grid by programmatic dependent launch; the

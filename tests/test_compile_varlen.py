@@ -121,40 +121,40 @@ def test_forward_varlen_packgqa(spec):
     _assert_varlen_census(r, d)
 
 
-# PackGQA padded in the varlen mode (plan.pack_layout: a group that is not a
-# power of two, padded where plan.choose_varlen_pad says so): (head dim,
-# causal, group, padded rows, page size, split).
-PADDED_SPECS = [(128, True, 5, 8, 0, False), (128, True, 7, 8, 16, False), (64, True, 3, 4, 0, False),
-                (128, True, 5, 8, 0, True), (128, True, 5, 8, 4, False), (64, False, 6, 8, 16, True)]
+# PackGQA from a packed view in the varlen mode (plan.pack_layout: a group
+# that is not a power of two, packed where plan.choose_varlen_view says so):
+# (head dim, causal, group, page size, split).
+VIEW_SPECS = [(128, True, 5, 0, False), (128, True, 7, 16, False), (64, True, 3, 0, False),
+              (128, True, 5, 0, True), (128, True, 5, 4, False), (64, False, 6, 16, True)]
 
 
-@pytest.mark.parametrize("spec", PADDED_SPECS, ids=lambda s: f"d{s[0]}-{'causal' if s[1] else 'full'}-g{s[2]}of{s[3]}"
-                                                          f"{f'-page{s[4]}' if s[4] else ''}{'-split' if s[5] else ''}")
-def test_forward_varlen_padded_pack(spec):
-    """Padded packs in the varlen mode: the same GEMMs, O (or the split
+@pytest.mark.parametrize("spec", VIEW_SPECS, ids=lambda s: f"d{s[0]}-{'causal' if s[1] else 'full'}-g{s[2]}view"
+                                                        f"{f'-page{s[3]}' if s[3] else ''}{'-split' if s[4] else ''}")
+def test_forward_varlen_packed_view(spec):
+    """Packed views in the varlen mode: the same GEMMs, O (or the split
     partials) by address, no spills (triton 3.6; 3.7+ as the other varlen
     kernels)."""
-    d, causal, group, rows, page, split = spec
+    d, causal, group, page, split = spec
     r = compile_check.census(CONFIGS[d], "bfloat16", causal, not split,
-                             Mode(varlen=True, pack_g=rows, pack_group=group, split=split, seqused=bool(page),
+                             Mode(varlen=True, pack_g=group, pack_view=True, split=split, seqused=bool(page),
                                   page_size=page, dynamic=not (split or plan.gathers(page, d))))
     _assert_varlen_census(r, d)
 
 
-# The padded pack with the varlen mode's other switches: a window, soft-capping and sinks, per-sequence
+# The packed view with the varlen mode's other switches: a window, soft-capping and sinks, per-sequence
 # query lengths, a narrower v (o_dim).
-PADDED_FEATURE_MODES = [
-    (128, True, dict(pack_g=8, pack_group=5, window_left=255, window_right=0)),
-    (128, True, dict(pack_g=8, pack_group=7, softcap=True, sink="float32")),
-    (64, True, dict(pack_g=8, pack_group=5, seqused=True, seqused_q=True, window_left=100, window_right=0,
+VIEW_FEATURE_MODES = [
+    (128, True, dict(pack_g=5, pack_view=True, window_left=255, window_right=0)),
+    (128, True, dict(pack_g=7, pack_view=True, softcap=True, sink="float32")),
+    (64, True, dict(pack_g=5, pack_view=True, seqused=True, seqused_q=True, window_left=100, window_right=0,
                     softcap=True)),
-    (128, False, dict(pack_g=8, pack_group=5, o_dim=96)),
+    (128, False, dict(pack_g=5, pack_view=True, o_dim=96)),
 ]
 
 
-@pytest.mark.parametrize("spec", PADDED_FEATURE_MODES, ids=lambda s: f"d{s[0]}-" + "-".join(
-    k for k, on in s[2].items() if on and k not in ("pack_g", "pack_group", "window_right")))
-def test_forward_varlen_padded_pack_features(spec):
+@pytest.mark.parametrize("spec", VIEW_FEATURE_MODES, ids=lambda s: f"d{s[0]}-" + "-".join(
+    k for k, on in s[2].items() if on and k not in ("pack_g", "pack_view", "window_right")))
+def test_forward_varlen_packed_view_features(spec):
     d, causal, fields = spec
     r = compile_check.census(CONFIGS[d], "bfloat16", causal, True, Mode(varlen=True, dynamic=True, **fields))
     _assert_varlen_census(r, d)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hopper_flash
-from hopper_flash import checks
+from hopper_flash import checks, plan
 from hopper_flash.reference import check_kvcache
 from gpu_inputs import capture, nan_tailed_cache, paged_copy, rnd
 from rotary_ref import rotate64
@@ -53,12 +53,19 @@ def test_kvcache_gqa(nheads, nheads_kv, causal, seqlen_q):
     assert_close(out, q, kc, vc, lens, causal)
 
 
-# Groups that are not powers of two (Llama 4's 40/8, Qwen2.5-7B's 28/4, 24/8, 12/2): PackGQA pads each
-# query's heads to the next power of two (plan.Mode.pack_group); the padding rows read the next group's
-# queries (the last group's: zeros past the last head) and must never be stored.
+def ran_view(group: int) -> bool:
+    """Whether a kernel packed from a packed view of q (plan.Mode.pack_view)
+    by ``group`` was launched (its plan is part of every compiled kernel's key)."""
+    return any(isinstance(key[5], plan.Mode) and key[5].pack_view and key[5].pack_g == group
+               for key in plan._COMPILED if isinstance(key, tuple) and len(key) > 5)
+
+
+# Groups that are not powers of two (Llama 4's 40/8, Qwen2.5-7B's 28/4, 24/8, 12/2): PackGQA from q
+# packed by the host (plan.Mode.pack_view; a copy past one query per row), O by address. A tile's
+# 128 rows hold 128 / g queries: groups straddle warpgroups and tiles (48 queries of 5 heads: 2 tiles).
 @pytest.mark.parametrize("nheads,nheads_kv", [(40, 8), (28, 4), (24, 8), (12, 2)], ids=["g5", "g7", "g3", "g6"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("seqlen_q,num_splits", [(1, 0), (1, 1), (3, 4), (16, 1)])
+@pytest.mark.parametrize("seqlen_q,num_splits", [(1, 0), (1, 1), (3, 4), (16, 1), (48, 0)])
 def test_kvcache_groups_not_powers_of_two(nheads, nheads_kv, head_dim, seqlen_q, num_splits):
     lens = [4099, 17, 1, 0]
     kc, vc = nan_tailed_cache(4, 4200, nheads_kv, head_dim, lens, seed=nheads)
@@ -71,11 +78,28 @@ def test_kvcache_groups_not_powers_of_two(nheads, nheads_kv, head_dim, seqlen_q,
     paged = hopper_flash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=cs, page_table=pt, causal=True,
                                                  num_splits=num_splits)
     assert_close(paged, q, kc, vc, lens, True)
+    assert ran_view(nheads // nheads_kv)
 
 
-def test_padded_pack_with_sinks_and_graph_replay():
-    """Sinks index each row's head (a padding row's clamped), and a captured
-    decode step replays with new lengths."""
+@pytest.mark.parametrize("seqlen_q", [1, 48, 100])
+def test_flash_attn_func_packed_view_every_launch_path(seqlen_q):
+    """flash_attn_func over a group of 5 (the fill rule packs 1-100 queries):
+    the JIT's first launch, the direct launch and the prepared call
+    (plan.PreparedForward, the C launch) each pass the packed view as Q's
+    descriptor; q a strided slice of a wider tensor (a fused QKV projection's)."""
+    wide = rnd(2, seqlen_q, 40 + 16, 128, seed=seqlen_q)
+    q = wide[:, :, :40]
+    for call in range(3):
+        k, v = rnd(2, 3001, 8, 128, seed=10 * call + 1), rnd(2, 3001, 8, 128, seed=10 * call + 2)
+        q.copy_(rnd(2, seqlen_q, 40, 128, seed=10 * call + 3))
+        out, lse = hopper_flash.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert_close(out, q, k, v, [3001] * 2, True, lse=lse)
+    assert ran_view(5)
+
+
+def test_packed_view_with_sinks_and_graph_replay():
+    """Sinks index each row's head (a tile's rows span the group's heads
+    unevenly), and a captured decode step replays with new lengths."""
     lens = [3000, 5]
     kc, vc = nan_tailed_cache(2, 3100, 8, 128, lens, seed=7)
     q = rnd(2, 1, 40, 128, seed=8)

@@ -144,40 +144,56 @@ def test_a_window_bounds_the_tiles_the_split_heuristic_divides():
 def test_pack_gqa_heuristic():
     assert plan.choose_pack_gqa(1, 4) and plan.choose_pack_gqa(4, 8)
     assert not plan.choose_pack_gqa(4096, 4)  # full tiles either way
-    assert not plan.choose_pack_gqa(1, 1) and not plan.choose_pack_gqa(1, 3)  # MHA; g not a power of two
-    assert not plan.choose_pack_gqa(1, 128)  # a group wider than a warpgroup's 64 rows
+    assert not plan.choose_pack_gqa(1, 1)  # MHA
+    assert plan.choose_pack_gqa(1, 3) and plan.choose_pack_gqa(1, 128)  # any group (a packed view past the box)
+    assert plan.choose_pack_gqa(48, 5) and not plan.choose_pack_gqa(128, 5)  # 240 rows fill 2 tiles; 128 fill 1
 
 
-def test_groups_not_powers_of_two_pack_padded(monkeypatch):
-    """A group of 3, 5, 6 or 7 heads packs into the next power of two rows
-    per query (plan.Mode.pack_group) where one query tile holds the group's
-    queries, O can be stored by address, the head dim is 64 or 128, and
-    there are at least that many heads; the items run over the KV heads."""
-    assert [plan.pad_rows(g) for g in (1, 2, 3, 4, 5, 6, 7, 8, 12, 33, 65)] == [0, 0, 4, 0, 8, 8, 8, 0, 16, 64, 0]
-    assert plan.choose_pad_pack(1, 5) and plan.choose_pad_pack(16, 5) and not plan.choose_pad_pack(17, 5)
-    assert not plan.choose_pad_pack(1, 4)  # (a power of two packs as it is)
+def test_packed_q_is_the_kernels_packed_view():
+    """plan.packed_q: row s * g + j of KV head hk is query s of head hk * g + j,
+    q itself at one query per row (no copy)."""
+    q = torch.randn(3, 7, 40, 16)
+    view = plan.packed_q(q, 5)
+    assert view.shape == (3, 35, 8, 16)
+    for b, s, h in ((0, 0, 0), (1, 3, 17), (2, 6, 39), (2, 5, 4)):
+        assert torch.equal(view[b, s * 5 + h % 5, h // 5], q[b, s, h])
+    one = torch.randn(4, 1, 28, 64)
+    view = plan.packed_q(one, 7)
+    assert view.data_ptr() == one.data_ptr() and view.stride() == (28 * 64, 64, 7 * 64, 1)
+    assert torch.equal(view[3, 6, 2], one[3, 0, 2 * 7 + 6])
+    assert plan.kernel_q(q, plan.Mode(pack_g=4)) is q and plan.kernel_q(q, plan.Mode()) is q
+
+
+def test_groups_not_powers_of_two_pack_from_a_packed_view(monkeypatch):
+    """A group that is no power of two dividing 64 packs from q packed by
+    the host (plan.Mode.pack_view) where the fill rule packs, O can be stored
+    by address and the head dim is 64 or 128; the items run over the KV
+    heads, whose query rows the packed view holds undivided."""
     monkeypatch.setattr(plan, "sm_count", lambda device=None: 132)
     plan_of = plan._plan_launch.__wrapped__
     cfg = plan.CONFIGS[128]
 
-    def mode(seqlen_q=1, nheads=40, nheads_kv=8, pad_ok=True, cfg=cfg, pack_gqa=None, batch=4):
+    def mode(seqlen_q=1, nheads=40, nheads_kv=8, by_address=True, cfg=cfg, pack_gqa=None, batch=4):
         lp = plan_of(0, torch.bfloat16, batch, seqlen_q, nheads, nheads_kv, 32, cfg, 0, True, False, 1, pack_gqa,
-                     True, False, None, False, "", False, pad_ok)
+                     True, False, None, False, "", False, by_address)
         return lp.mode
 
-    assert (mode().pack_g, mode().pack_group) == (8, 5)
+    assert (mode().pack_g, mode().pack_view) == (5, True)
     assert plan.work_items(4, 40, 1, cfg, mode()) == 4 * 8  # one item per (batch, KV head)
-    assert (mode(nheads=28, nheads_kv=4).pack_g, mode(nheads=28, nheads_kv=4).pack_group) == (8, 7)
-    assert mode(nheads=32).pack_g == 4 and mode(nheads=32).pack_group == 0  # a power of two: packed as it is
-    assert mode(pad_ok=False).pack_g == 1  # O not storable by address (a narrower v, a strided out)
-    assert mode(cfg=plan.CONFIGS[256]).pack_g == 1  # head dim 256's padded kernels spilled
-    assert mode(seqlen_q=64).pack_g == 1  # queries past one tile: the padding would cost real work
-    assert mode(nheads=5, nheads_kv=1).pack_g == 1  # fewer heads than the padded rows
-    assert mode(pack_gqa=True, seqlen_q=64).pack_group == 5  # asked for: padded anyway
+    assert plan.work_items(4, 40, 48, cfg, mode(seqlen_q=48)) == 4 * 8 * 2  # 240 packed rows: 2 tiles, not 3
+    assert (mode(nheads=28, nheads_kv=4).pack_g, mode(nheads=28, nheads_kv=4).pack_view) == (7, True)
+    assert (mode(nheads=5, nheads_kv=1).pack_g, mode(nheads=128, nheads_kv=1).pack_g) == (5, 128)
+    assert (mode(nheads=32).pack_g, mode(nheads=32).pack_view) == (4, False)  # a power of two: the box packs it
+    assert mode(by_address=False).pack_g == 1  # O not storable by address (a narrower v, a strided out)
+    assert mode(cfg=plan.CONFIGS[256]).pack_g == 1  # head dim 256's view spilled (plan.VIEW_HEAD_DIMS)
+    assert mode(seqlen_q=128).pack_g == 1  # full tiles either way
+    assert mode(pack_gqa=True, seqlen_q=128).pack_view  # asked for
     assert mode(pack_gqa=False).pack_g == 1
     constexprs = plan.kernel_constexprs(cfg, True, False, mode())
-    assert constexprs["PACK_G"] == 8 and constexprs["PACK_PAD"] is True
-    assert plan.kernel_constexprs(cfg, True, False, mode(nheads=32))["PACK_PAD"] is False
+    assert constexprs["PACK_G"] == 5 and constexprs["PACK_VIEW"] is True
+    assert plan.kernel_constexprs(cfg, True, False, mode(nheads=32))["PACK_VIEW"] is False
+    assert plan.block_shapes(cfg, mode().box_g)["q"] == [1, 64, 1, 128]
+    assert plan.block_shapes(cfg, mode(nheads=32).box_g)["q"] == [1, 16, 4, 128]
 
 
 def test_grid_deals_singly_below_two_items_per_sm(monkeypatch):

@@ -109,75 +109,62 @@ def test_varlen_packs_gqa_where_the_group_allows_it():
     assert varlen_plan(32, 4, pack_gqa=False).mode.pack_g == 1
     # Unpacked, a section counts query heads (those sharing a KV head read the same K and V), capped at a sequence's.
     assert varlen_plan(32, 4, pack_gqa=False).section == 32
-    for group in (1, 3, 6, 128):
-        assert varlen_plan(group * 2 if group < 128 else 128, group).mode.pack_g == 1
-    assert [plan.choose_varlen_pack_gqa(g) for g in (1, 2, 3, 4, 8, 16, 64, 96, 128)] == \
-        [False, True, False, True, True, True, True, False, False]
+    assert varlen_plan(2, 1).mode.pack_g == 1
+    for group in (3, 6, 128):  # by default a packed view (pack_layout; the launch weighs it first)
+        assert (varlen_plan(group * 2, group).mode.pack_g, varlen_plan(group * 2, group).mode.pack_view) == (group, True)
+    assert [plan.choose_varlen_pack_gqa(g) for g in (1, 2, 3, 4, 8, 16, 64, 96, 128)] == [False] + [True] * 8
 
 
-def test_varlen_pads_groups_not_powers_of_two_for_short_queries():
-    """A group of 3, 5, 6 or 7 packs padded to the next power of two rows
-    (plan.pack_layout) where the longest sequence's queries fit one tile
-    (decode steps, drafts), head dims 64 and 128; a batch with a prefill
-    chunk stays unpacked unless asked; the items and the skew split's work
-    bound run over KV heads."""
-    def varlen_plan(nheads, group, max_q, pack_gqa=None, d=128):
+def test_varlen_packs_groups_not_powers_of_two_from_a_packed_view():
+    """A group that is not a power of two packs from a packed view of q
+    (plan.pack_layout) at head dims 64 and 128, at any query length when
+    asked; the items and the skew split's work bound run over KV heads."""
+    def varlen_plan(nheads, group, max_q, pack_gqa=True, d=128):
         return plan._plan_varlen.__wrapped__(0, torch.bfloat16, 16, max_q, 8192, nheads, group, plan.CONFIGS[d],
                                              False, True, True, False, pack_gqa=pack_gqa)
 
     decode = varlen_plan(40, 5, 1)
-    assert (decode.mode.pack_g, decode.mode.pack_group) == (8, 5)
+    assert (decode.mode.pack_g, decode.mode.pack_view) == (5, True)
     assert plan.work_items(16, 40, 1, plan.CONFIGS[128], decode.mode) == 16 * 8  # (batch, KV head) items
-    assert decode.constexprs["PACK_PAD"] is True and decode.constexprs["PACK_G"] == 8
+    assert decode.constexprs["PACK_VIEW"] is True and decode.constexprs["PACK_G"] == 5
     assert decode.section <= 8  # sections count KV heads
-    assert (varlen_plan(28, 7, 16).mode.pack_g, varlen_plan(28, 7, 16).mode.pack_group) == (8, 7)
-    assert varlen_plan(28, 7, 17).mode.pack_g == 1  # 17 queries x 8 rows: past one tile
-    assert varlen_plan(12, 3, 32, d=64).mode.pack_group == 3
-    assert varlen_plan(40, 5, 1, d=256).mode.pack_g == 1  # head dim 256's padded kernels spilled
-    assert varlen_plan(40, 5, 700, pack_gqa=True).mode.pack_group == 5  # asked for: padded anyway
+    assert (varlen_plan(28, 7, 700).mode.pack_g, varlen_plan(28, 7, 700).mode.pack_view) == (7, True)
+    assert varlen_plan(12, 3, 32, d=64).mode.pack_view
+    assert varlen_plan(40, 5, 1, d=256).mode.pack_g == 1  # head dim 256's view spilled (plan.VIEW_HEAD_DIMS)
     assert varlen_plan(40, 5, 1, pack_gqa=False).mode.pack_g == 1
-    assert varlen_plan(32, 4, 1).mode.pack_group == 0  # a power of two packs as it is
-    if 64 in plan.WIDE_CONFIGS:  # head dim 64's wide tiles: not for a padded pack (not yet run on a GPU)
-        assert varlen_plan(12, 3, 4096, pack_gqa=True, d=64).cfg is plan.CONFIGS[64]
-        assert varlen_plan(8, 4, 4096, pack_gqa=True, d=64).cfg is plan.WIDE_CONFIGS[64]
+    assert not varlen_plan(32, 4, 1).mode.pack_view  # a power of two: the box packs it
+    if 64 in plan.WIDE_CONFIGS:  # head dim 64's wide tiles: not for a packed view (not yet run on a GPU)
+        assert varlen_plan(12, 3, 4096, d=64).cfg is plan.CONFIGS[64]
+        assert varlen_plan(8, 4, 4096, d=64).cfg is plan.WIDE_CONFIGS[64]
     # The skew split's work bound: 64 decodes of 1024 keys beside one of 65536, 40/8.
     lens = [1024] * 64 + [65536]
     cfg = plan.CONFIGS[128]
-    padded = plan.varlen_skew_splits(sum(lens), len(lens), 1, 65536, 40, 5, cfg, None, None, 0)
+    packed = plan.varlen_skew_splits(sum(lens), len(lens), 1, 65536, 40, 5, cfg, True, None, 0)
     unpacked = plan.varlen_skew_splits(sum(lens), len(lens), 1, 65536, 40, 5, cfg, False, None, 0)
-    assert padded > unpacked >= 1  # five times less work per KV tile packed: the long sequence stands out more
+    assert packed > unpacked >= 1  # five times less work per KV tile packed: the long sequence stands out more
 
 
-def test_varlen_pads_where_the_decodes_reads_outweigh_the_chunks_padding():
-    """choose_varlen_pad's model of a serving batch (one-query decodes and
-    chunks of max_seqlen_q queries): pad where the K/V reads saved on the
-    decodes outweigh the padding rows' work on the chunks."""
-    def mix(decodes, chunk, group, causal=True, decode_keys=4500, paged=False):
+def test_varlen_view_where_the_decodes_reads_outweigh_the_copy():
+    """choose_varlen_view's model of a serving batch (one-query decodes and
+    chunks of max_seqlen_q queries): pack where the K/V bytes saved on the
+    decodes exceed the bytes of copying q."""
+    def mix(decodes, chunk, group, decode_keys=4500, paged=False):
         keys = decodes * decode_keys + chunk + 1024
-        return plan.choose_varlen_pad(decodes + chunk, decodes + 1, chunk, max(chunk + 1024, 8000),
-                                      0 if paged else keys, group, causal)
+        return plan.choose_varlen_view(decodes + chunk, decodes + 1, chunk, max(chunk + 1024, 8000),
+                                       0 if paged else keys, group)
 
-    assert plan.choose_varlen_pad(64, 64, 1, 8000, 64 * 4500, 5, True)  # decodes only: one tile
-    assert plan.choose_varlen_pad(64 * 16, 64, 16, 8000, 64 * 4500, 7, True)
+    assert plan.choose_varlen_view(64, 64, 1, 8000, 64 * 4500, 5)  # decodes only
     for group in (3, 5, 6, 7):
-        assert mix(64, 512, group) and mix(64, 2048, group) and mix(256, 8192, group)
-        assert not mix(0, 8192, group)  # prefill only
-    # The boundary as timed (BENCHMARKS.md, sixty-second session, H100; the
-    # padded call's speed over the unpacked one's): at 5 of 8 rows 16
-    # decodes beside 4096 queries 0.87x and 64 beside 8192 0.90x, unpadded;
-    # at 7 of 8 (12.5% padding) 1.14x and 1.26x, padded.
-    assert not mix(16, 4096, 5) and not mix(64, 8192, 5)
-    assert mix(16, 4096, 7) and mix(64, 8192, 7)
-    # Without the causal mask a chunk query sees every key (8000, not 8000 - 1024).
-    assert mix(64, 4096, 5) and not mix(64, 4096, 5, causal=False)
+        assert mix(64, 512, group) and mix(16, 4096, group) and mix(256, 8192, group)
+        assert not mix(0, 8192, group)  # prefill only: the copy buys nothing
+        assert mix(1, 4096, group, decode_keys=65536) and not mix(1, 4096, group, decode_keys=2048)
     # Pages (k's rows unknown): decodes taken at half the longest key count.
-    assert mix(64, 512, 5, paged=True) and not mix(16, 4096, 5, paged=True)
+    assert mix(64, 512, 5, paged=True)
     # Prefill batches of one length: never.
-    assert not plan.choose_varlen_pad(16 * 4300, 16, 8192, 8192, 16 * 4300, 7, True)
-    assert not any(plan.choose_varlen_pad(64, 64, 1, 8000, 64 * 4500, g, True) for g in (1, 2, 4, 8))
+    assert not plan.choose_varlen_view(16 * 4300, 16, 8192, 8192, 16 * 4300, 7)
 
 
-def test_varlen_launch_resolves_the_padded_pack_from_q_rows(monkeypatch):
+def test_varlen_launch_resolves_the_packed_view_from_q_rows(monkeypatch):
     """launch_forward_varlen resolves pack_gqa=None for a group that is not
     a power of two before the cached plan (whose key lacks q's rows), and
     leaves it None (FA3's rule, pack_layout) for a power of two."""
@@ -207,7 +194,7 @@ def test_varlen_launch_resolves_the_padded_pack_from_q_rows(monkeypatch):
         return seen.pop()
 
     assert launch([1] * 64 + [512], [4500] * 64 + [1536], 40, 8) is True
-    assert launch([1] * 16 + [4096], [4500] * 16 + [5120], 40, 8) is False
+    assert launch([4096] * 16, [5120] * 16, 40, 8) is False
     assert launch([1] * 64 + [512], [4500] * 64 + [1536], 32, 8) is None
 
 

@@ -32,12 +32,12 @@ def i32(x):
     return torch.tensor(x, dtype=torch.int32, device=DEV)
 
 
-def ran_packed(group: int, padded: bool = False) -> bool:
+def ran_packed(group: int, view: bool = False) -> bool:
     """Whether a VARLEN kernel packed by ``group`` was launched (its plan is
-    part of every compiled kernel's key); ``padded``: with the group's heads
-    padded to a power of two rows (``plan.Mode.pack_group``)."""
-    return any(isinstance(key[5], plan.Mode) and key[5].varlen and key[5].item_group == group
-               and (key[5].pack_group > 0) == padded
+    part of every compiled kernel's key); ``view``: from a packed view of q
+    (``plan.Mode.pack_view``)."""
+    return any(isinstance(key[5], plan.Mode) and key[5].varlen and key[5].pack_g == group
+               and key[5].pack_view == view
                for key in plan._COMPILED if isinstance(key, tuple) and len(key) > 5)
 
 
@@ -56,14 +56,14 @@ def run_both(q, k, v, cq, ck, uq, uk, causal, *, window=None, softcap=0.0, sink=
 
 
 def check_both(lq, lk, h, hkv, d, causal, *, used_q=None, used_k=None, dtype=torch.bfloat16, window_size=(-1, -1),
-               softcap=0.0, seed=0, padded=False):
+               softcap=0.0, seed=0, view=False):
     q, k, v, cq, ck, uq, uk = varlen_batch(lq, lk, h, hkv, d, used_q=used_q, used_k=used_k, dtype=dtype, seed=seed)
     window = checks.window_bounds(window_size, causal)
     results = run_both(q, k, v, cq, ck, uq, uk, causal, window=window, softcap=softcap)
     expected = varlen_expected(q, k, v, cq, ck, uq, uk, causal, window, softcap)
     for pack, (out, lse) in results.items():
         assert_varlen_forward(f"pack_gqa={pack}", out, lse, expected)
-    assert ran_packed(h // hkv, padded)
+    assert ran_packed(h // hkv, view)
     return results
 
 
@@ -109,11 +109,11 @@ def test_fp16_windows_and_softcap():
     check_both(MIX["lq"], MIX["lk"], 8, 2, 64, False, window_size=(64, 37), seed=6)
 
 
-@pytest.mark.parametrize("lq,h,hkv,padded", [([1, 129, 33, 4], 8, 2, False), ([1, 16, 3, 4], 40, 8, True)],
-                         ids=["g4", "g5-padded"])
-def test_sinks(lq, h, hkv, padded):
+@pytest.mark.parametrize("lq,h,hkv,view", [([1, 129, 33, 4], 8, 2, False), ([1, 16, 3, 4], 40, 8, True)],
+                         ids=["g4", "g5-view"])
+def test_sinks(lq, h, hkv, view):
     """Attention sinks: each packed row's normaliser takes its own head's
-    logit (a padded pack's padding rows, their clamped head's: never stored)."""
+    logit (a packed view's rows span the group's heads unevenly across tiles)."""
     lk = [900, 129, 2000, 4]
     q, k, v, cq, ck, uq, uk = varlen_batch(lq, lk, h, hkv, 128, seed=7 + h)
     sink = rnd(h, dtype=torch.float32, seed=8 + h) * 2.0 + 1.0
@@ -121,7 +121,7 @@ def test_sinks(lq, h, hkv, padded):
     for pack, (out, lse) in run_both(q, k, v, cq, ck, uq, uk, True, sink=sink).items():
         assert_judged(f"out (pack_gqa={pack})", out, ref, base)
         assert_judged(f"lse (pack_gqa={pack})", lse, ref_lse.to(lse.device))
-    assert ran_packed(h // hkv, padded)
+    assert ran_packed(h // hkv, view)
 
 
 @pytest.mark.parametrize("page", [4, 16, 64])
@@ -187,34 +187,34 @@ def test_cuda_graph_replay_with_new_lengths():
 
 
 # ---- Groups that are not powers of two (Llama 4's 40/8, Qwen2.5-7B's 28/4,
-# 12/4, 12/2): each query's heads padded to the next power of two rows
-# (plan.pack_layout), by default where the longest sequence's queries fit
-# one tile (a batch of decode steps and drafts). The padding rows read the
-# next group's queries, or zeros past the last head, and are never stored.
+# 12/4, 12/2): packed from a packed copy of q (plan.packed_q, plan.pack_layout),
+# by default where the decodes' K/V reads outweigh the copy
+# (plan.choose_varlen_view). A tile's 128 rows hold 128 / g queries, so a
+# group straddles tiles and warpgroups, and a tile's last query is partial.
 PAD_MIX = dict(lq=[1, 1, 3, 16, 0, 1, 7, 1, 2], lk=[4097, 1, 129, 1000, 5, 0, 3001, 127, 65])
 
 
 @pytest.mark.parametrize("h,hkv", [(40, 8), (28, 4), (12, 4), (12, 2)], ids=["g5", "g7", "g3", "g6"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_padded_pack_decode_mix(h, hkv, d, causal):
-    check_both(PAD_MIX["lq"], PAD_MIX["lk"], h, hkv, d, causal, seed=h + d, padded=True)
+def test_packed_view_decode_mix(h, hkv, d, causal):
+    check_both(PAD_MIX["lq"], PAD_MIX["lk"], h, hkv, d, causal, seed=h + d, view=True)
 
 
-def test_padded_pack_asked_for_over_long_queries():
-    """pack_gqa=True pads whatever the query lengths: tiles of 16 queries x
-    8 rows across sequences of 127-3001 queries."""
-    check_both(MIX["lq"], MIX["lk"], 40, 8, 128, True, seed=20, padded=True)
+def test_packed_view_asked_for_over_long_queries():
+    """pack_gqa=True packs whatever the query lengths: tiles of 25.6 queries
+    x 5 heads across sequences of 127-3001 queries."""
+    check_both(MIX["lq"], MIX["lk"], 40, 8, 128, True, seed=20, view=True)
 
 
-def test_padded_pack_seqused_with_nan_gaps():
+def test_packed_view_seqused_with_nan_gaps():
     check_both([16, 9, 4, 1], [400, 60, 30, 5000], 28, 4, 128, True, used_q=[13, 0, 4, 1],
-               used_k=[300, 60, 11, 4099], seed=21, padded=True)
+               used_k=[300, 60, 11, 4099], seed=21, view=True)
 
 
 @pytest.mark.parametrize("page", [4, 16, 64])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_padded_pack_paged_and_split(page, num_splits):
+def test_packed_view_paged_and_split(page, num_splits):
     """vLLM's decode batch (flash_attn_varlen_func with block_table) at
     40/8, split and not, judged against the same keys packed."""
     lq, lk = [1, 1, 3, 1, 16], [5000, 17, 300, 1, 129]
@@ -228,12 +228,13 @@ def test_padded_pack_paged_and_split(page, num_splits):
     base = varlen_baseline(q, k, v, cq, ck, causal=True)
     assert_judged("out", out, ref, base)
     assert_judged("lse", lse, ref_lse.to(lse.device))
-    assert ran_packed(5, padded=True)
+    assert ran_packed(5, view=True)
 
 
-def test_padded_pack_kvcache_packed_queries_and_graph_replay():
-    """flash_attn_with_kvcache with packed decode queries at 28/4 pads by
-    default, and a captured step replays with new lengths."""
+def test_packed_view_kvcache_packed_queries_and_graph_replay():
+    """flash_attn_with_kvcache with packed decode queries at 28/4 packs from
+    a packed view by default, and a captured step (the copy of q in it)
+    replays with new lengths and new queries."""
     lq, lens = [1, 5, 1, 16], [4000, 9, 1, 700]
     q, kc, vc, cq, ref, base = packed_queries_over_cache(lq, lens, 28, 4, 128, 4096, seed=26)
     cs = i32(lens)
@@ -241,11 +242,12 @@ def test_padded_pack_kvcache_packed_queries_and_graph_replay():
         out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True, cu_seqlens_q=cq,
                                                    max_seqlen_q=max(lq), pack_gqa=pack)
         assert_judged(f"out (pack_gqa={pack})", out, ref, base)
-    assert ran_packed(7, padded=True)
+    assert ran_packed(7, view=True)
     graph, g_out = capture(lambda: hopper_flash.flash_attn_with_kvcache(
         q, kc, vc, cache_seqlens=cs, causal=True, cu_seqlens_q=cq, max_seqlen_q=max(lq)))
     new = [3999, 7, 1, 64]  # (at most the live keys: NaN past them)
     cs.copy_(i32(new))
+    q.copy_(rnd(*q.shape, dtype=q.dtype, seed=29))  # new queries: the replayed copy must read them
     graph.replay()
     torch.cuda.synchronize()
     k, v = (torch.cat([c[b, :n] for b, n in enumerate(new)]) for c in (kc, vc))
@@ -254,10 +256,11 @@ def test_padded_pack_kvcache_packed_queries_and_graph_replay():
                   varlen_baseline(q, k, v, cq, ck, causal=True))
 
 
-def test_padded_pack_by_default_beside_a_prefill_chunk():
-    """flash_attn_varlen_func's default pads a 40/8 batch of decodes beside a
-    512-query chunk (plan.choose_varlen_pad: the decodes' K/V reads
-    outweigh the chunk's padding rows) and not one whose chunk dominates."""
+def test_packed_view_by_default_beside_a_prefill_chunk():
+    """flash_attn_varlen_func's default packs a 40/8 batch of decodes beside a
+    512-query chunk from a packed view (plan.choose_varlen_view: the
+    decodes' K/V reads outweigh the copy of q) and not one whose chunk
+    dominates."""
     lq = [1] * 40 + [512]
     lk = [1000 + 97 * i for i in range(40)] + [1536]
     q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 40, 8, 128, seed=27)
@@ -265,11 +268,11 @@ def test_padded_pack_by_default_beside_a_prefill_chunk():
     out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True)
     ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
     assert_judged("out", out, ref, varlen_baseline(q, k, v, cq, ck, causal=True))
-    assert ran_packed(5, padded=True)
-    lq, lk = [1] * 4 + [3000], [900] * 4 + [3000]
+    assert ran_packed(5, view=True)
+    lq, lk = [1] * 4 + [8000], [900] * 4 + [8000]
     q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 40, 8, 128, seed=28)
     plan._COMPILED.clear()
     out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True)
     ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
     assert_judged("out", out, ref, varlen_baseline(q, k, v, cq, ck, causal=True))
-    assert not ran_packed(5, padded=True)
+    assert not ran_packed(5, view=True)

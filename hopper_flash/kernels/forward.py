@@ -95,10 +95,12 @@ Decode and chunked prefill run the same kernel in other *modes*
 * ``PACK_G`` > 1 (PackGQA): the query rows of the ``PACK_G`` heads that share
   a KV head share one tile, head fastest: the TMA box ``[1, 64 / G, G, D]``
   over BSHD is exactly that tile, so K and V are read once per KV head.
-  A group that is not a power of two (``PACK_PAD``: 5 of Llama 4's 40/8)
-  is padded to ``PACK_G`` rows per query: the box reads the next group's
-  heads (or zeros past the last) into the padding rows, which are computed
-  and never stored; O then goes by address, as in ``VARLEN``.
+  A group that is not a power of two (``PACK_VIEW``: 5 of Llama 4's 40/8)
+  has no such box (TMA boxes are powers of two): the host hands the kernel
+  Q already packed, ``[B, Sq * G, Hkv, D]`` (``plan.packed_q``: q itself,
+  restrided, at one query per row; a copy otherwise), a tile is then the
+  plain box ``[1, 64, 1, D]`` at packed row ``bm * BLOCK_M`` of KV head
+  ``hk``, and O goes by address, as in ``VARLEN``.
 * ``SPLIT``: the KV tiles of an item are split across ``num_splits`` items;
   each writes a normalised fp32 partial O and its LSE straight from
   registers, and ``combine.py`` merges them (``VARLEN``: over the packed
@@ -192,10 +194,9 @@ class Mode:
     PERSISTENT: gl.constexpr
     O_IN_Q: gl.constexpr
     PACK_G: gl.constexpr
-    # PackGQA with a group that is not a power of two (plan.Mode.pack_group):
-    # a query's kv_group heads padded to PACK_G rows (heads of the next group,
-    # or zeros past the last: computed, never stored). O then goes by address.
-    PACK_PAD: gl.constexpr
+    # PackGQA with Q packed by the host (plan.Mode.pack_view; any group):
+    # q_desc is over [B, Sq * PACK_G, Hkv, D], O goes by address.
+    PACK_VIEW: gl.constexpr
     SPLIT: gl.constexpr
     SEQUSED: gl.constexpr
     KV_BATCH: gl.constexpr
@@ -261,7 +262,7 @@ class Mode:
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
                  PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT,
-                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_PAD):
+                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -366,12 +367,9 @@ def _item_kv(b, bm, split, seqlen_q, seqlen_k, k_start, prob: Problem, mode: Mod
 
 
 @gluon.jit
-def _item_heads(h, kv_group, PACK_G: gl.constexpr, PACK_PAD: gl.constexpr = False):
+def _item_heads(h, kv_group, PACK_G: gl.constexpr):
     """(first query head of the item, its KV head)."""
-    if PACK_PAD:
-        q_head0 = h * kv_group
-        hk = h
-    elif PACK_G > 1:
+    if PACK_G > 1:
         q_head0 = h * PACK_G
         hk = h
     else:
@@ -423,19 +421,14 @@ def _item_at(i, item, n_tiles, prob: Problem, mode: Mode):
 
 
 @gluon.jit
-def _item_head_count_of(num_heads, kv_group, PACK_G: gl.constexpr, PACK_PAD: gl.constexpr):
-    """The heads work items run over: query heads, or KV heads under PackGQA
-    (a padded pack's group is ``kv_group``, not its ``PACK_G`` rows)."""
-    if PACK_PAD:
-        n = num_heads // kv_group
-    else:
-        n = num_heads // PACK_G
-    return n
+def _item_head_count_of(num_heads, PACK_G: gl.constexpr):
+    """The heads work items run over: query heads, or KV heads under PackGQA."""
+    return num_heads // PACK_G
 
 
 @gluon.jit
 def _item_head_count(prob: Problem, mode: Mode):
-    return _item_head_count_of(prob.num_heads, prob.kv_group, mode.PACK_G, mode.PACK_PAD)
+    return _item_head_count_of(prob.num_heads, mode.PACK_G)
 
 
 @gluon.jit
@@ -478,7 +471,7 @@ def _item_bounds(b, bm, split, h, lq, k_start, prob: Problem, mode: Mode):
     beyond its coordinates: ``(q_head0, hk, kb, n_lo, n_hi, lk)``, the first
     query head and the KV head, the cache row, the KV tiles ``[n_lo, n_hi)``
     and the key length the mask uses."""
-    q_head0, hk = _item_heads(h, prob.kv_group, mode.PACK_G, mode.PACK_PAD)
+    q_head0, hk = _item_heads(h, prob.kv_group, mode.PACK_G)
     lk = _item_seqlen_k(b, k_start, prob, mode)
     kb, n_lo, n_hi, lk = _item_kv(b, bm, split, lq, lk, k_start, prob, mode)
     return q_head0, hk, kb, n_lo, n_hi, lk
@@ -640,8 +633,11 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
             # Passes on the fresh barriers for the first pass through the Q ring.
             mbarrier.wait(rings.q_empty.index(q_idx), _q_phase(rings.q_full, qi, mode.NC) ^ 1)
             mbarrier.expect(rings.q_full.index(q_idx), q_desc.block_type.nbytes)
-            tma_load(q_desc, [tb, q_start + (bm * mode.BLOCK_M + c * WG_M) // mode.PACK_G, q_head0, 0],
-                     rings.q_full.index(q_idx), rings.q_smem.index(q_idx))
+            if mode.PACK_VIEW:  # the packed view's rows, undivided
+                q_coords = [tb, q_start * mode.PACK_G + bm * mode.BLOCK_M + c * WG_M, hk, 0]
+            else:
+                q_coords = [tb, q_start + (bm * mode.BLOCK_M + c * WG_M) // mode.PACK_G, q_head0, 0]
+            tma_load(q_desc, q_coords, rings.q_full.index(q_idx), rings.q_smem.index(q_idx))
 
         # K and V in separate rings: QK of tile `it` may start while V of tile
         # `it` is still in flight, since PV of `it` only runs one step later.
@@ -951,8 +947,6 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     if mode.SINK:
         # Each row's head's sink logit (PackGQA: the rows of a tile span the group's heads).
         sink_g = (row0 + gl.arange(0, WG_M, layout=scores_max.type.layout)) % mode.PACK_G
-        if mode.PACK_PAD:
-            sink_g = gl.minimum(sink_g, prob.kv_group - 1)  # (a padding row's: any head's)
         sink = gl.load(prob.sink_ptr + q_head0 + sink_g).to(gl.float32)
     else:
         sink = scores_max  # (unused)
@@ -965,8 +959,6 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     lse_q = lse_rows // mode.PACK_G
     lse_head = q_head0 + lse_rows % mode.PACK_G
     lse_live = lse_q < seqlen_q
-    if mode.PACK_PAD:
-        lse_live = lse_live & (lse_rows % mode.PACK_G < prob.kv_group)  # not a padding row
     if mode.SPLIT:
         # ---- Partial output: fp32 O [splits, B, Sq, H, D] and LSE [splits, B, H, Sq]
         # straight from registers; combine.py merges them. VARLEN: the packed
@@ -987,19 +979,17 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         o_off = ((o_row0 + o_q).to(gl.int64) * prob.num_heads + q_head0 + o_rows % mode.PACK_G) * mode.HEAD_DIM
         cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         o_live = o_q < seqlen_q
-        if mode.PACK_PAD:
-            o_live = o_live & (o_rows % mode.PACK_G < prob.kv_group)
         gl.store(prob.o_part_ptr + o_off[:, None] + cols[None, :], acc_o, mask=o_live[:, None])
         lse_off = (lse_row0 + lse_head).to(gl.int64) * lse_len + lse_q0 + lse_q
         gl.store(prob.lse_part_ptr + lse_off, lse, mask=lse_live)
         if mode.O_IN_Q:
             mbarrier.arrive(rings.q_empty.index(q_idx), count=1)
-    elif mode.VARLEN or mode.PACK_PAD:
+    elif mode.VARLEN or mode.PACK_VIEW:
         # ---- Varlen epilogue: O into the sequence's rows only (``o_part_ptr``
         # is O, contiguous THD; a TMA box would overwrite the neighbour's
-        # rows); LSE [H, total_q]. PACK_PAD (fixed lengths): O [B, Sq, H, D]
-        # contiguous (``o_part_ptr`` aliases it) without its padding rows (a
-        # TMA box would overwrite the next group's heads); LSE [B, H, Sq].
+        # rows); LSE [H, total_q]. PACK_VIEW (fixed lengths): O [B, Sq, H, D]
+        # contiguous (``o_part_ptr`` aliases it; no TMA box is a tile of a
+        # group that is not a power of two); LSE [B, H, Sq].
         # O goes through this warpgroup's staging
         # rows (its own buffer, or its Q rows when O_IN_Q, as in the TMA
         # epilogue) and back into registers along D, so every thread stores
@@ -1026,8 +1016,6 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         o_off = ((o_row0 + o_q).to(gl.int64) * prob.num_heads + q_head0 + o_rows % mode.PACK_G) * o_width
         cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, row_major))
         o_live = o_q < seqlen_q
-        if mode.PACK_PAD:
-            o_live = o_live & (o_rows % mode.PACK_G < prob.kv_group)
         o_mask = o_live[:, None]
         if mode.O_DIM > 0:
             o_mask = o_mask & (cols < mode.O_DIM)[None, :]
@@ -1136,7 +1124,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1,
                              SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False,
                              RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False, O_DIM: gl.constexpr = 0,
-                             LEFTPAD: gl.constexpr = False, PACK_PAD: gl.constexpr = False):
+                             LEFTPAD: gl.constexpr = False, PACK_VIEW: gl.constexpr = False):
     # RING_PTX: which form of ``hopper_flash.ptx_rings`` compiled this
     # specialisation (0: triton's named barriers around the K/V ring kept);
     # unused here, it keys the compiled kernel.
@@ -1150,7 +1138,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(not (SINK and SPLIT), "a split run's sink is the combine's")
     gl.static_assert(not LEFTPAD or (SEQUSED and not VARLEN and PAGE_SIZE == 0),
                      "a left pad offsets a contiguous cache row's keys (SEQUSED, no pages)")
-    gl.static_assert(WG_M % PACK_G == 0, "a packed group must not straddle two warpgroups")
+    gl.static_assert(PACK_VIEW or WG_M % PACK_G == 0, "a packed box's group must not straddle two warpgroups")
+    gl.static_assert(not PACK_VIEW or PACK_G > 1, "a packed view packs")
     gl.static_assert(not (0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE) or (HEAD_DIM <= 128 and BLOCK_M == 128),
                      "pages are gathered at head dims 64 and 128, two consumers (plan.gathers)")
     gl.static_assert(PAGE_SIZE % BLOCK_N == 0 or (BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE >= GATHER_MIN_PAGE
@@ -1161,7 +1150,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_PAD)
+                SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW)
     if SPLIT:
         # The combine follows this grid by programmatic dependent launch
         # (plan.launch_combine) and may be scheduled from now on: its
@@ -1175,11 +1164,9 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # fastest: the seed's 3-D grid order without the 65535 limit of grid axes
     # y and z. Which CTA runs which item is scheduler.py's business; every
     # partition walks the same items in the same order.
-    gl.static_assert(not PACK_PAD or PACK_G > 1, "a padded pack packs")
-    total_tiles = (gl.cdiv(seqlen_q * PACK_G, BLOCK_M) * num_splits
-                   * _item_head_count_of(num_heads, kv_group, PACK_G, PACK_PAD) * batch)
+    total_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M) * num_splits * _item_head_count_of(num_heads, PACK_G) * batch
 
-    # Q as NC [1, 64, 1, D] parts (packed: [1, 64 / G, G, D]), one per
+    # Q as NC [1, 64, 1, D] parts (packed: [1, 64 / G, G, D], or the plain box over the packed view), one per
     # consumer warpgroup, for Q_STAGES items: part c of the item in slot j is
     # buffer NC·j + c (_q_slot).
     q_smem = gl.allocate_shared_memory(dtype, [NC * Q_STAGES] + q_desc.block_type.shape, q_desc.layout)

@@ -1,21 +1,21 @@
-"""Decode steps at GQA groups that are not powers of two (PackGQA padded,
-``plan.Mode.pack_group``) beside a power-of-two group: one query per row,
-then query blocks of 48-130 rows (past one padded tile: unpacked by default; FA3 packs them unpadded),
-contiguous caches, ``do_bench`` medians and K/V TB/s. Run it for this
-tree and for main's package in the same machine:
+"""Decode steps and short query blocks at GQA groups that are not powers of
+two (PackGQA from a packed view of q, ``plan.Mode.pack_view``) beside a
+power-of-two group: one query per row (the view is q itself), then query
+blocks of 48-130 rows (a copy of q; FA3 packs them too), contiguous
+caches, ``do_bench`` medians and K/V TB/s, each output judged against the
+float64 reference first (``reference.check_kvcache``). Run it for this tree
+and for main's package in the same machine:
 
-    PYTHONPATH=.:/tmp/fa3pkg python -P scripts/pack_pad_bench.py
-    PYTHONPATH=.wt/main:/tmp/fa3pkg python -P scripts/pack_pad_bench.py   (git archive main hopper_flash | tar -x -C .wt/main)
+    PYTHONPATH=.:/tmp/fa3pkg python -P scripts/pack_view_bench.py
+    PYTHONPATH=.wt/main:/tmp/fa3pkg python -P scripts/pack_view_bench.py   (git archive main hopper_flash | tar -x -C .wt/main)
 
 FA3's ``flash_attn_with_kvcache`` (its own split and pack heuristics) is
-timed beside on the same inputs when ``flash_attn_interface`` imports.
-
-Correctness is the GPU tests' (tests/test_decode_gpu.py
-``test_kvcache_groups_not_powers_of_two``)."""
+timed beside on the same inputs when ``flash_attn_interface`` imports."""
 import torch
 import triton
 
 import hopper_flash
+from hopper_flash.reference import check_kvcache
 
 
 def _fa3():
@@ -31,8 +31,8 @@ def main():
     print(hopper_flash.__file__, torch.cuda.get_device_name(),
           f"FA3 {'beside' if fa3 else 'absent'}", flush=True)
     rows = [(h, hkv, b, 1, s) for h, hkv in ((40, 8), (28, 4), (32, 8)) for b, s in ((8, 8192), (1, 65536), (64, 2048))]
-    # Query blocks past one padded tile, unpacked by default (BENCHMARKS.md, sixty-second session: the
-    # padded pack there, branch pad-tiles, never won; FA3 packs them without padding, 2x at 48 queries of 40/8).
+    # Query blocks of several packed tiles (BENCHMARKS.md, sixty-second session: padded, branch pad-tiles,
+    # they never won; FA3 packs them without padding, 2x at 48 queries of 40/8).
     rows += [(40, 8, 4, 48, 8192), (28, 4, 4, 130, 8192), (28, 4, 4, 96, 8192), (32, 8, 4, 48, 8192)]
     for h, hkv, b, sq, s in rows:
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -43,6 +43,9 @@ def main():
             q, kc, vc, cache_seqlens=lens, causal=True)}
         if fa3 is not None:
             calls["fa3"] = lambda: fa3(q, kc, vc, cache_seqlens=lens, causal=True)
+        bad = [v.message for v in check_kvcache(calls["ours"](), q, kc, vc, [s] * b, causal=True) if not v]
+        if bad:
+            raise SystemExit(f"H{h}/{hkv} B{b} Sq{sq} S{s}: " + "; ".join(bad))
         row = []
         for name, call in calls.items():
             us = triton.testing.do_bench(call, warmup=30, rep=150) * 1e3
