@@ -20,7 +20,13 @@ call's partials (BENCHMARKS.md, twenty-first session).
 query head, each re-reading its KV head's keys (from L2 where the heads of
 a group run together), as cuDNN's decode does.
 
-    PYTHONPATH=. python -P scripts/decode_splits.py [--rep-ms 300] [--combine-cost] [--no-pack-gqa]
+``--blocks``: query blocks of 48-130 rows (drafts, short chunks; B4 over
+8192 keys) instead, whose packed items are whole 128-row tiles: the split
+rule gave H28/4 at 96 queries 4 splits, 134.5 us against 105.6 unsplit on
+an H100 (BENCHMARKS.md, sixty-third session). With ``--no-pack-gqa`` the
+unpacked plan's counts.
+
+    PYTHONPATH=. python -P scripts/decode_splits.py [--rep-ms 300] [--combine-cost] [--no-pack-gqa] [--fill | --blocks]
 """
 from __future__ import annotations
 
@@ -48,6 +54,15 @@ FILL_ROWS = [
     (1, 65536, 16, 2, [57, 66]),
     (1, 65536, 8, 1, [109, 128]),
     (1, 16384, 32, 8, [15, 16]),
+]
+# --blocks: (batch, seqlen_k, query heads, KV heads, split counts, queries).
+BLOCK_ROWS = [
+    (4, 8192, 28, 4, [1, 2, 4], 96),
+    (4, 8192, 32, 8, [1, 2, 4], 96),
+    (4, 8192, 40, 8, [1, 2, 4], 48),
+    (4, 8192, 32, 8, [1, 2, 4], 48),
+    (4, 8192, 28, 4, [1, 2, 4], 130),
+    (8, 8192, 32, 8, [1, 2], 64),
 ]
 D = 128
 SCALE = D ** -0.5
@@ -88,6 +103,7 @@ def main() -> None:
     p.add_argument("--rep-ms", type=float, default=300)
     p.add_argument("--combine-cost", action="store_true")
     p.add_argument("--fill", action="store_true", help="the single-wave rows (FILL_ROWS) instead")
+    p.add_argument("--blocks", action="store_true", help="query blocks of 48-130 rows (BLOCK_ROWS) instead")
     p.add_argument("--no-pack-gqa", action="store_true", help="PackGQA off (pack_gqa=False)")
     args = p.parse_args()
     timer = cuda_graph_timer(args.rep_ms)
@@ -97,11 +113,12 @@ def main() -> None:
         print(f"{'row':>16} {'full':>8} {'split only':>11} {'combine only':>13}  judged (us; cuDNN below)")
     else:
         print(f"{'row':>16} {'splits':>7} {'us':>8} {'K/V TB/s':>9}  judged")
-    for B, S, H, HKV, splits in FILL_ROWS if args.fill else ROWS:
-        q, k, v = random_qkv(B, 1, S, H, HKV, D, seed=B * S + (HKV if args.fill else 0))
+    rows = BLOCK_ROWS if args.blocks else [(*r, 1) for r in (FILL_ROWS if args.fill else ROWS)]
+    for B, S, H, HKV, splits, SQ in rows:
+        q, k, v = random_qkv(B, SQ, S, H, HKV, D, seed=B * S + SQ + (HKV if args.fill or args.blocks else 0))
         lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
         kv_bytes = 2 * k.numel() * k.element_size()
-        name = f"B{B} Sk{S}" + (f" {H}/{HKV}" if args.fill else "")
+        name = f"B{B} Sk{S}" + (f" {H}/{HKV}" if args.fill or args.blocks else "") + (f" Sq{SQ}" if SQ > 1 else "")
 
         def call(s):
             return flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, softmax_scale=SCALE, causal=True,
