@@ -1049,13 +1049,12 @@ class _PreparedLaunch:
     rebuilding the same arguments every call."""
 
     __slots__ = ("lp", "kernel", "combine", "template", "slots", "combine_grid", "combine_template",
-                 "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch", "out_strides", "pack_view")
+                 "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch", "out_strides", "q_view")
 
     def __init__(self, lp: LaunchPlan, kernel: KernelLaunch, combine: KernelLaunch | None, q, nheads_kv: int,
                  softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None,
                  head_dim_v: int | None = None):
         self.lp, self.kernel, self.combine = lp, kernel, combine
-        self.pack_view = lp.mode.pack_view  # the descriptor's Q is packed per call (kernel_q)
         self.current_stream = driver.active.get_current_stream
         batch, seqlen_q, nheads, head_dim = q.shape
         head_dim_v = head_dim if head_dim_v is None else head_dim_v  # v's and out's
@@ -1078,6 +1077,10 @@ class _PreparedLaunch:
             self.combine_slots = _slots(self.combine_template)
         self.c_state = self._c_state(q, nheads_kv, head_dim_v) if c_launch.enabled() else None
         self.c_launch = c_launch.module().launch if self.c_state is not None else None
+        # Whether a call builds q's packed view (kernel_q): the C launch takes
+        # q's address alone, which at one query per row is the view's too
+        # (packed_q restrides q), so there only a copy is built per call.
+        self.q_view = lp.mode.pack_view and (seqlen_q > 1 or self.c_state is None)
 
     def _c_state(self, q, nheads_kv: int, head_dim_v: int):
         """The templates as ``c_launch``'s state, or None (the Python path).
@@ -1114,7 +1117,7 @@ class _PreparedLaunch:
             o_part = lse_part = out_ptr
         lse_ptr = lse.data_ptr() if lse is not None else None
         sched = _item_counter(q.device).data_ptr() if lp.mode.dynamic else None
-        if self.pack_view:
+        if self.q_view:
             q = packed_q(q, lp.mode.pack_g)
         if self.c_state is not None:
             self.c_launch(self.c_state, stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out_ptr, lse_ptr, o_part,
@@ -1486,7 +1489,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
         # (Resolved here, before the cached plan: its key has no room for q's rows.)
         pack_gqa = choose_varlen_view(total_q, batch, int(max_seqlen_q), int(max_seqlen_k),
                                       0 if paged else k.shape[0], group)
-    lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, cfg,
+    lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, group, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
                       sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size, pack_gqa,
                       int(num_splits), varlen_total_q_key(total_q, nheads, cfg, device) if num_splits == 0 else 0,
@@ -1517,7 +1520,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     # o_part_ptr carries O itself (row-predicated stores, not a TMA box), or the split partials.
     ptrs = (kernel_lse, used_k, out, page_table if paged else out, o_ptr, lse_part_ptr, cu_q, cu_k, used_q,
             _item_counter(q.device) if lp.mode.dynamic else out, k_pool, v_pool, sink if sink is not None else out)
-    scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, nheads // nheads_kv, batch,
+    scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, group, batch,
                *kernel_scales(softmax_scale, softcap), lp.num_splits, lp.pair, page_table.stride(0) if paged else 0,
                total_q, lp.section)
     k4, v4 = (k, v) if k.dim() == 4 else (k.unsqueeze(0), v.unsqueeze(0))
