@@ -435,10 +435,25 @@ def deal(items: int, cfg: ForwardConfig, device: int | None = None) -> tuple[int
     return min(sms, triton_cdiv(items, pair)), pair
 
 
-def grid(batch: int, nheads: int, seqlen_q: int, cfg: ForwardConfig, device: int | None = None,
-         mode: Mode = PREFILL, num_splits: int = 1) -> tuple[int, int, int]:
-    """Grid axis x only (kernels/scheduler.py maps CTAs to work items)."""
-    return (deal(work_items(batch, nheads, seqlen_q, cfg, mode, num_splits), cfg, device)[0], 1, 1)
+# A split run gets one CTA per split item up to this many per SM: deal_split.
+SPLIT_GRID_MAX_WAVES = 8
+
+
+def deal_split(items: int, cfg: ForwardConfig, device: int | None = None) -> tuple[int, int]:
+    """``deal`` for the ``items`` of a split-KV run: one CTA per item, dealt
+    by the hardware as SMs free up, up to ``SPLIT_GRID_MAX_WAVES`` per SM
+    (past that, each CTA's start is a cost, and in the varlen mode most
+    such items have no rows); else ``deal``. The split rule (``choose_num_splits``, FA3's) counts waves of
+    single items; dealt in pairs, 96 packed 128-row items split 4 ways ran
+    two pairs (64 KV tiles) on 60 of 132 SMs, as long as no split at all
+    (H28/4 at 96 queries over 8192 keys: 134.5 us split, 105.6 unsplit on an
+    H100, BENCHMARKS.md sixty-third session). In the varlen mode the static
+    deal's fixed stride also put three long decodes' 96 split items on 33 of
+    the 132 SMs (their live tiles lie ``max_seqlen_q``'s tile count apart):
+    313 -> 229 us on an H100 (fifty-seventh session)."""
+    if cfg.persistent and items <= SPLIT_GRID_MAX_WAVES * sm_count(device):
+        return items, 1
+    return deal(items, cfg, device)
 
 
 # ---- Decode heuristics (FA3's rules, shared/notes/varlen-decode.md §5-6) ----
@@ -804,7 +819,10 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     dynamic = (cfg.persistent and plain
                and (choose_dynamic(tiles, triton_cdiv(seqlen_q, cfg.block_m), causal, False, sms)
                     or (causal and cfg.consumers == 3 and tiles > sms)))
-    n_ctas, pair = (min(sms, tiles), 1) if dynamic else deal(tiles * num_splits, cfg, device)
+    if dynamic:
+        n_ctas, pair = min(sms, tiles), 1
+    else:
+        n_ctas, pair = (deal_split if num_splits > 1 else deal)(tiles * num_splits, cfg, device)
     one_item = (plain and not dynamic and tiles <= n_ctas and takes_one_item(cfg)
                 and n_blocks <= ONE_ITEM_MAX_KV_TILES)
     mode = Mode(pack_g=pack_g, pack_view=pack_view, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch,
@@ -1324,11 +1342,6 @@ def _combine_constexprs(head_dim: int, num_splits: int, write_lse: bool, sink: b
                 DEPENDENT=True, SINK=sink, OUT_DIM=0 if out_dim is None else narrower_width(out_dim, head_dim))
 
 
-# A split varlen run gets one CTA per split item up to this many per SM
-# (past it, mostly items with no rows, each costing a CTA's start): _plan_varlen.
-SPLIT_GRID_MAX_WAVES = 8
-
-
 def varlen_total_q_key(total_q: int, nheads: int, cfg: ForwardConfig, device) -> int:
     """``total_q`` as ``_plan_varlen``'s split heuristic needs it (a key of
     its plan cache): past ``sms * block_m / nheads`` rows the live items'
@@ -1431,14 +1444,11 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     mode = Mode(pack_g=pack_g, pack_view=pack_view, split=split, seqused=seqused_k, varlen=True,
                 seqused_q=seqused_q, dynamic=dynamic, window_left=window_left, window_right=window_right,
                 softcap=bool(softcap), sink=sink, o_dim=o_dim, page_size=page_size)
-    n_ctas, pair = (min(sms, items), 1) if dynamic else deal(items * num_splits, cfg, device)
-    if split and items * num_splits <= SPLIT_GRID_MAX_WAVES * sms:
-        # One CTA per split item, dealt by the hardware as SMs free up
-        # (items past a sequence's rows exit at once). The static deal's
-        # fixed stride put three long decodes' 96 split items on 33 of the
-        # 132 SMs (their live tiles lie max_seqlen_q's tile count apart):
-        # 313 -> 229 us on an H100 (BENCHMARKS.md, fifty-seventh session).
-        n_ctas, pair = items * num_splits, 1
+    if dynamic:
+        n_ctas, pair = min(sms, items), 1
+    else:
+        # Split: items past a sequence's rows exit at once (deal_split).
+        n_ctas, pair = (deal_split if split else deal)(items * num_splits, cfg, device)
     # No more heads to a section than a sequence has: most sections then lie
     # inside one sequence, whose dead items (query tiles past its rows) run
     # contiguously there and are skipped with one atomic

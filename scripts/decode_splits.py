@@ -23,14 +23,17 @@ a group run together), as cuDNN's decode does.
 ``--blocks``: query blocks of 48-130 rows (drafts, short chunks; B4 over
 8192 keys) instead, whose packed items are whole 128-row tiles: the split
 rule gave H28/4 at 96 queries 4 splits, 134.5 us against 105.6 unsplit on
-an H100 (BENCHMARKS.md, sixty-third session). With ``--no-pack-gqa`` the
-unpacked plan's counts.
+an H100 (BENCHMARKS.md, sixty-third session), dealt in pairs. Each count
+is timed as shipped (``plan.deal_split``: one CTA per split item) and
+again dealt as before (``pairs``: ``plan.deal``, pairs past one wave of
+items). With ``--no-pack-gqa`` the unpacked plan's counts.
 
     PYTHONPATH=. python -P scripts/decode_splits.py [--rep-ms 300] [--combine-cost] [--no-pack-gqa] [--fill | --blocks]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -57,8 +60,8 @@ FILL_ROWS = [
 ]
 # --blocks: (batch, seqlen_k, query heads, KV heads, split counts, queries).
 BLOCK_ROWS = [
-    (4, 8192, 28, 4, [1, 2, 4], 96),
-    (4, 8192, 32, 8, [1, 2, 4], 96),
+    (4, 8192, 28, 4, [1, 2, 3, 4, 6], 96),
+    (4, 8192, 32, 8, [1, 2, 3, 4, 6], 96),
     (4, 8192, 40, 8, [1, 2, 4], 48),
     (4, 8192, 32, 8, [1, 2, 4], 48),
     (4, 8192, 28, 4, [1, 2, 4], 130),
@@ -68,15 +71,35 @@ D = 128
 SCALE = D ** -0.5
 
 
-def split_counts(timer, name, call, judge, kv_bytes, splits) -> None:
-    """Each count (0: the heuristic's) judged, then timed."""
+def split_counts(timer, name, call, judge, kv_bytes, splits, deals=("",)) -> None:
+    """Each count (0: the heuristic's) judged, then timed, under each deal
+    ("": as shipped; "pairs": ``plan.deal`` for split runs too)."""
     for s in [0] + splits:
-        out = call(s)
-        bad = [x.message for x in judge(out) if not x]
-        t = timer(lambda: call(s)).median_ms * 1e-3
-        label = "heur." if s == 0 else str(s)
-        print(f"{name:>16} {label:>7} {t * 1e6:8.1f} {kv_bytes / t / 1e12:9.2f}  "
-              f"{'ok' if not bad else 'FAIL ' + bad[0]}", flush=True)
+        for deal in deals:
+            with dealt(deal):
+                out = call(s)
+                bad = [x.message for x in judge(out) if not x]
+                t = timer(lambda: call(s)).median_ms * 1e-3
+            label = ("heur." if s == 0 else str(s)) + (f" {deal}" if deal else "")
+            print(f"{name:>16} {label:>7} {t * 1e6:8.1f} {kv_bytes / t / 1e12:9.2f}  "
+                  f"{'ok' if not bad else 'FAIL ' + bad[0]}", flush=True)
+
+
+@contextlib.contextmanager
+def dealt(deal: str):
+    """Split runs dealt as shipped ("") or in pairs past one wave ("pairs",
+    the deal before ``plan.deal_split``); plans and prepared calls rebuilt."""
+    shipped = plan.deal_split
+    if deal == "pairs":
+        plan.deal_split = plan.deal
+    plan._plan_launch.cache_clear()
+    plan._PREPARED.clear()
+    try:
+        yield
+    finally:
+        plan.deal_split = shipped
+        plan._plan_launch.cache_clear()
+        plan._PREPARED.clear()
 
 
 def combine_cost(timer, name, call, judge) -> None:
@@ -130,7 +153,7 @@ def main() -> None:
         if args.combine_cost:
             combine_cost(timer, name, call, judge)
         else:
-            split_counts(timer, name, call, judge, kv_bytes, splits)
+            split_counts(timer, name, call, judge, kv_bytes, splits, ("", "pairs") if args.blocks else ("",))
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -130,6 +130,24 @@ def test_kvcache_splits_and_packing_agree(num_splits, pack_gqa):
     assert_close(out, q, kc, vc, lens, True, lse=lse)
 
 
+@pytest.mark.parametrize("nheads,nheads_kv", [(28, 4), (32, 8)], ids=["g7-view", "g4-box"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "pages64"])
+def test_split_items_past_one_wave(planned_launches, nheads, nheads_kv, paged):
+    """96-query blocks over 8192 keys: 96 packed items that the split rule
+    splits 4 ways, one CTA per split item (plan.deal_split), more CTAs than
+    SMs; rows of different lengths, so some items have no keys."""
+    lens = [8192, 8000, 4099, 96]
+    kc, vc = nan_tailed_cache(4, 8192, nheads_kv, 128, lens, seed=nheads + 96)
+    q = rnd(4, 96, nheads, 128, seed=nheads_kv + 96)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    caches = paged_copy(kc, vc, 64, lens, seed=4) if paged else (kc, vc, None)
+    out, lse = hopper_flash.flash_attn_with_kvcache(q, caches[0], caches[1], cache_seqlens=cs, page_table=caches[2],
+                                                    causal=True, return_softmax_lse=True)
+    assert_close(out, q, kc, vc, lens, True, lse=lse)
+    (lp,) = planned_launches
+    assert lp.mode.split and lp.mode.pack_g > 1 and lp.n_ctas == 96 * lp.num_splits > plan.sm_count()
+
+
 @pytest.mark.parametrize("head_dim,num_splits", [(64, 70), (128, 40), (256, 20)])
 def test_kvcache_many_splits(head_dim, num_splits):
     # Explicit split counts far above the heuristic's, at every head dim: the

@@ -25,13 +25,13 @@ def prefill_plan(batch, seqlen_q, nheads, causal, seqlen_k=None, nheads_kv=None,
     cfg = plan.CONFIGS[head_dim]
     seqlen_k = seqlen_k or seqlen_q
     args = dict(page_size=0, seqused=False, kv_batch=False, num_splits=1, pack_gqa=False, window=None,
-                softcap=False, sink="")
+                softcap=False, sink="", by_address=False)
     args.update(kw)
     return plan._plan_launch.__wrapped__(0, torch.bfloat16, batch, seqlen_q, nheads, nheads_kv or nheads,
                                          plan.triton_cdiv(seqlen_k, cfg.block_n), cfg, args["page_size"],
                                          args["seqused"], args["kv_batch"], args["num_splits"], args["pack_gqa"],
                                          causal, False, window=args["window"], softcap=args["softcap"],
-                                         sink=args["sink"])
+                                         sink=args["sink"], by_address=args["by_address"])
 
 
 @pytest.mark.parametrize("batch,seqlen,nheads", [(4, 2048, 32), (4, 8192, 32), (1, 32768, 32), (2, 12345, 16),
@@ -80,6 +80,23 @@ def test_decode_modes_keep_the_static_deal():
     assert not prefill_plan(8, 4096, 32, True, nheads_kv=8, kv_batch=True).mode.dynamic
     split = prefill_plan(1, 1, 32, True, seqlen_k=65536, nheads_kv=8, num_splits=0, pack_gqa=None)
     assert split.mode.split and not split.mode.dynamic
+
+
+@pytest.mark.parametrize("nheads,nheads_kv,seqlen_q", [(28, 4, 96), (32, 8, 96)])
+def test_split_items_past_one_wave_get_a_cta_each(nheads, nheads_kv, seqlen_q):
+    """96 packed 128-row items over 8192 keys: the split rule (FA3's) counts
+    4 splits in waves of single items; dealt in pairs, 60 of the 132 CTAs ran
+    four items each, as many KV tiles as no split. One CTA per split item
+    instead, dealt by the hardware as SMs free up."""
+    lp = prefill_plan(4, seqlen_q, nheads, True, seqlen_k=8192, nheads_kv=nheads_kv, num_splits=0, pack_gqa=None,
+                       by_address=True)
+    items = plan.work_items(4, nheads, seqlen_q, lp.cfg, lp.mode)
+    assert lp.mode.pack_g > 1 and items == 96 and lp.num_splits == 4
+    assert (lp.n_ctas, lp.pair) == (items * lp.num_splits, 1)
+    # Unsplit runs past one wave keep the pairs; split runs within a wave one item per CTA as before.
+    assert prefill_plan(4, 8192, 32, False).pair == 2
+    one_wave = prefill_plan(1, 1, 32, True, seqlen_k=65536, nheads_kv=8, num_splits=0, pack_gqa=None)
+    assert (one_wave.n_ctas, one_wave.pair) == (8 * one_wave.num_splits, 1) and one_wave.n_ctas <= SMS
 
 
 def test_varlen_always_takes_the_dynamic_order():
