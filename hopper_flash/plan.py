@@ -229,6 +229,10 @@ class Mode:
     # PackGQA from Q packed by the host (``packed_q``: ``[B, Sq * g, Hkv,
     # D]``; kernels/forward.py, ``PACK_VIEW``), O stored by address.
     pack_view: bool = False
+    # A packed view of a packed batch with one query per sequence
+    # (``max_seqlen_q`` 1): q restrided by token, ``[total_q, g, Hkv, D]``,
+    # no copy (``kernel_q``; kernels/forward.py, ``Q_TOKENS``).
+    q_tokens: bool = False
     # Split-KV: fp32 partials merged by kernels/combine.py.
     split: bool = False
     # Per-batch key lengths from an int32 device tensor; K/V a cache whose
@@ -370,6 +374,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         O_DIM=mode.o_dim,
         LEFTPAD=mode.leftpad,
         PACK_VIEW=mode.pack_view,
+        Q_TOKENS=mode.q_tokens,
     )
 
 
@@ -499,7 +504,10 @@ def choose_varlen_view(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k
     Per query head and 4·D bytes: unpacked, a decode step reads each of
     its keys' K and V row, packed ``1/g`` of them; the copy reads and
     writes each query row of q once. A chunk's K/V reads hide under its
-    tensor work packed or not (FA3 packs every varlen batch)."""
+    tensor work packed or not (FA3 packs every varlen batch). One query
+    per sequence needs no copy (``Mode.q_tokens``): always."""
+    if max_seqlen_q <= 1:
+        return True
     chunks = min(batch, max(0, total_q - batch) // max(1, max_seqlen_q - 1))
     decodes = batch - chunks
     decode_keys = total_k / batch if total_k else max_seqlen_k / 2
@@ -541,7 +549,11 @@ def packed_q(q: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def kernel_q(q: torch.Tensor, mode: Mode) -> torch.Tensor:
-    """The tensor of the kernel's Q descriptor: q, or its packed view."""
+    """The tensor of the kernel's Q descriptor: q, or its packed view (a
+    packed batch's ``[1, total_q, H, D]`` by token with ``Mode.q_tokens``:
+    ``[total_q, g, Hkv, D]``, no copy)."""
+    if mode.q_tokens:
+        return packed_q(q.transpose(0, 1), mode.pack_g)
     return packed_q(q, mode.pack_g) if mode.pack_view else q
 
 
@@ -1441,7 +1453,10 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     dynamic = (cfg.persistent and not gathers(page_size, cfg.head_dim) and not split
                and choose_dynamic(items, triton_cdiv(max_seqlen_q * pack_g, cfg.block_m), causal, True, sms))
     window_left, window_right = window or (-1, -1)
-    mode = Mode(pack_g=pack_g, pack_view=pack_view, split=split, seqused=seqused_k, varlen=True,
+    # One query per sequence: q by token, no copy (the host's bound; a
+    # longer sequence breaks flash-attn's contract on max_seqlen_q anyway).
+    mode = Mode(pack_g=pack_g, pack_view=pack_view, q_tokens=pack_view and max_seqlen_q == 1, split=split,
+                seqused=seqused_k, varlen=True,
                 seqused_q=seqused_q, dynamic=dynamic, window_left=window_left, window_right=window_right,
                 softcap=bool(softcap), sink=sink, o_dim=o_dim, page_size=page_size)
     if dynamic:

@@ -149,6 +149,9 @@ VIEW_FEATURE_MODES = [
     (64, True, dict(pack_g=5, pack_view=True, seqused=True, seqused_q=True, window_left=100, window_right=0,
                     softcap=True)),
     (128, False, dict(pack_g=5, pack_view=True, o_dim=96)),
+    # One query per sequence: q by token (Q_TOKENS), with per-sequence lengths, pages and a split.
+    (128, True, dict(pack_g=5, pack_view=True, q_tokens=True, seqused=True, seqused_q=True)),
+    (64, True, dict(pack_g=7, pack_view=True, q_tokens=True, seqused=True, page_size=16)),
 ]
 
 

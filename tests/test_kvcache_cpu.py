@@ -162,6 +162,11 @@ def test_packed_q_is_the_kernels_packed_view():
     assert view.data_ptr() == one.data_ptr() and view.stride() == (28 * 64, 64, 7 * 64, 1)
     assert torch.equal(view[3, 6, 2], one[3, 0, 2 * 7 + 6])
     assert plan.kernel_q(q, plan.Mode(pack_g=4)) is q and plan.kernel_q(q, plan.Mode()) is q
+    # A packed batch with one query per sequence, by token: [total_q, g, Hkv, D], no copy.
+    thd = torch.randn(9, 40, 16)
+    tokens = plan.kernel_q(thd.unsqueeze(0), plan.Mode(pack_g=5, pack_view=True, q_tokens=True, varlen=True))
+    assert tokens.shape == (9, 5, 8, 16) and tokens.data_ptr() == thd.data_ptr()
+    assert torch.equal(tokens[7, 3, 6], thd[7, 6 * 5 + 3])
 
 
 def test_groups_not_powers_of_two_pack_from_a_packed_view(monkeypatch):

@@ -141,7 +141,9 @@ def test_varlen_packs_groups_not_powers_of_two_from_a_packed_view():
                                              False, True, True, False, pack_gqa=pack_gqa)
 
     decode = varlen_plan(40, 5, 1)
-    assert (decode.mode.pack_g, decode.mode.pack_view) == (5, True)
+    assert (decode.mode.pack_g, decode.mode.pack_view, decode.mode.q_tokens) == (5, True, True)
+    assert decode.constexprs["Q_TOKENS"] is True and not varlen_plan(40, 5, 2).mode.q_tokens
+    assert not varlen_plan(32, 4, 1).mode.q_tokens  # (the box packs q as it is)
     assert plan.work_items(16, 40, 1, plan.CONFIGS[128], decode.mode) == 16 * 8  # (batch, KV head) items
     assert decode.constexprs["PACK_VIEW"] is True and decode.constexprs["PACK_G"] == 5
     assert decode.section <= 8  # sections count KV heads
@@ -171,6 +173,7 @@ def test_varlen_view_where_the_decodes_reads_outweigh_the_copy():
                                        0 if paged else keys, group)
 
     assert plan.choose_varlen_view(64, 64, 1, 8000, 64 * 4500, 5)  # decodes only
+    assert plan.choose_varlen_view(64, 64, 1, 1, 64, 7)  # one query per sequence: no copy to outweigh
     for group in (3, 5, 6, 7):
         assert mix(64, 512, group) and mix(16, 4096, group) and mix(256, 8192, group)
         assert not mix(0, 8192, group)  # prefill only: the copy buys nothing

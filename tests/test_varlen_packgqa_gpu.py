@@ -201,6 +201,58 @@ def test_packed_view_decode_mix(h, hkv, d, causal):
     check_both(PAD_MIX["lq"], PAD_MIX["lk"], h, hkv, d, causal, seed=h + d, view=True)
 
 
+def ran_tokens(group: int) -> bool:
+    """Whether a VARLEN kernel read q by token (one query per sequence,
+    ``plan.Mode.q_tokens``: no copy of q) for ``group``."""
+    return any(isinstance(key[5], plan.Mode) and key[5].varlen and key[5].q_tokens and key[5].pack_g == group
+               for key in plan._COMPILED if isinstance(key, tuple) and len(key) > 5)
+
+
+ONE_QUERY = dict(lq=[1, 0, 1, 1, 1, 0, 1], lk=[4097, 5, 1, 129, 0, 17, 3001])
+
+
+@pytest.mark.parametrize("h,hkv", [(40, 8), (28, 4)], ids=["g5", "g7"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_packed_view_one_query_per_sequence(h, hkv, d, causal):
+    """max_seqlen_q 1 (a decode batch): q read by token, no copy; empty
+    sequences, a query over no keys, and (seqused_q) a query row of NaN
+    that no kernel may read."""
+    check_both(ONE_QUERY["lq"], ONE_QUERY["lk"], h, hkv, d, causal, seed=h + d + 3, view=True)
+    check_both([1, 1, 1, 1], [300, 7000, 1, 64], h, hkv, d, causal, used_q=[1, 0, 1, 1], used_k=[300, 6000, 1, 3],
+               seed=h + d + 4, view=True)
+    assert ran_tokens(h // hkv)
+
+
+@pytest.mark.parametrize("page", [16, 64])
+def test_packed_view_one_query_paged_split_and_graph_replay(page):
+    """vLLM's decode batch at 28/4 over pages, split 3 ways: q by token, and
+    a captured call replays with new queries and lengths."""
+    lq, lk = [1] * 5, [5000, 17, 300, 1, 129]
+    h, hkv, d = 28, 4, 128
+    q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, h, hkv, d, seed=40 + page)
+    kp, vp, table = paged_pools(k, v, ck, page, seed=41)
+    used = i32(lk)
+
+    def call():
+        return hopper_flash.flash_attn_varlen_func(q, kp, vp, cq, None, 1, max(lk), seqused_k=used, causal=True,
+                                                   block_table=table, num_splits=3)
+
+    assert_judged("out", call(), varlen_reference(q, k, v, cq, ck, causal=True)[0],
+                  varlen_baseline(q, k, v, cq, ck, causal=True))
+    assert ran_tokens(7)
+    graph, g_out = capture(call)
+    new = [4999, 1, 290, 1, 64]  # (at most the pages' keys)
+    used.copy_(i32(new))
+    q.copy_(rnd(*q.shape, dtype=q.dtype, seed=42))
+    graph.replay()
+    torch.cuda.synchronize()
+    k2, v2 = (torch.cat([t[int(ck[b]):int(ck[b]) + n] for b, n in enumerate(new)]) for t in (k, v))
+    ck2 = cu(new)
+    assert_judged("replay", g_out, varlen_reference(q, k2, v2, cq, ck2, causal=True)[0],
+                  varlen_baseline(q, k2, v2, cq, ck2, causal=True))
+
+
 def test_packed_view_asked_for_over_long_queries():
     """pack_gqa=True packs whatever the query lengths: tiles of 25.6 queries
     x 5 heads across sequences of 127-3001 queries."""

@@ -100,7 +100,9 @@ Decode and chunked prefill run the same kernel in other *modes*
   Q already packed, ``[B, Sq * G, Hkv, D]`` (``plan.packed_q``: q itself,
   restrided, at one query per row; a copy otherwise), a tile is then the
   plain box ``[1, 64, 1, D]`` at packed row ``bm * BLOCK_M`` of KV head
-  ``hk``, and O goes by address, as in ``VARLEN``.
+  ``hk``, and O goes by address, as in ``VARLEN``. A packed batch with one
+  query per sequence (``Q_TOKENS``) needs no copy either: q restrided to
+  ``[total_q, G, Hkv, D]``, loaded at its token's batch coordinate.
 * ``SPLIT``: the KV tiles of an item are split across ``num_splits`` items;
   each writes a normalised fp32 partial O and its LSE straight from
   registers, and ``combine.py`` merges them (``VARLEN``: over the packed
@@ -197,6 +199,10 @@ class Mode:
     # PackGQA with Q packed by the host (plan.Mode.pack_view; any group):
     # q_desc is over [B, Sq * PACK_G, Hkv, D], O goes by address.
     PACK_VIEW: gl.constexpr
+    # VARLEN with PACK_VIEW and one query per sequence (plan.Mode.q_tokens):
+    # q_desc is q restrided, [total_q, PACK_G, Hkv, D], the token its batch
+    # coordinate (no copy of q).
+    Q_TOKENS: gl.constexpr
     SPLIT: gl.constexpr
     SEQUSED: gl.constexpr
     KV_BATCH: gl.constexpr
@@ -262,7 +268,7 @@ class Mode:
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
                  PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT,
-                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW):
+                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -633,7 +639,9 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
             # Passes on the fresh barriers for the first pass through the Q ring.
             mbarrier.wait(rings.q_empty.index(q_idx), _q_phase(rings.q_full, qi, mode.NC) ^ 1)
             mbarrier.expect(rings.q_full.index(q_idx), q_desc.block_type.nbytes)
-            if mode.PACK_VIEW:  # the packed view's rows, undivided
+            if mode.Q_TOKENS:  # one query per sequence: its token's rows of q restrided
+                q_coords = [q_start, bm * mode.BLOCK_M + c * WG_M, hk, 0]
+            elif mode.PACK_VIEW:  # the packed view's rows, undivided
                 q_coords = [tb, q_start * mode.PACK_G + bm * mode.BLOCK_M + c * WG_M, hk, 0]
             else:
                 q_coords = [tb, q_start + (bm * mode.BLOCK_M + c * WG_M) // mode.PACK_G, q_head0, 0]
@@ -1124,7 +1132,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              WINDOW_LEFT: gl.constexpr = -1, WINDOW_RIGHT: gl.constexpr = -1,
                              SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False,
                              RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False, O_DIM: gl.constexpr = 0,
-                             LEFTPAD: gl.constexpr = False, PACK_VIEW: gl.constexpr = False):
+                             LEFTPAD: gl.constexpr = False, PACK_VIEW: gl.constexpr = False,
+                             Q_TOKENS: gl.constexpr = False):
     # RING_PTX: which form of ``hopper_flash.ptx_rings`` compiled this
     # specialisation (0: triton's named barriers around the K/V ring kept);
     # unused here, it keys the compiled kernel.
@@ -1140,6 +1149,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                      "a left pad offsets a contiguous cache row's keys (SEQUSED, no pages)")
     gl.static_assert(PACK_VIEW or WG_M % PACK_G == 0, "a packed box's group must not straddle two warpgroups")
     gl.static_assert(not PACK_VIEW or PACK_G > 1, "a packed view packs")
+    gl.static_assert(not Q_TOKENS or (VARLEN and PACK_VIEW), "q by token: a packed batch's packed view")
     gl.static_assert(not (0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE) or (HEAD_DIM <= 128 and BLOCK_M == 128),
                      "pages are gathered at head dims 64 and 128, two consumers (plan.gathers)")
     gl.static_assert(PAGE_SIZE % BLOCK_N == 0 or (BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE >= GATHER_MIN_PAGE
@@ -1150,7 +1160,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW)
+                SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS)
     if SPLIT:
         # The combine follows this grid by programmatic dependent launch
         # (plan.launch_combine) and may be scheduled from now on: its
