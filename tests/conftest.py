@@ -57,16 +57,18 @@ def pytest_report_header(config):
 
 def _spy_on_plans(monkeypatch, record):
     """Call ``record(lp)`` with the plan (plan.LaunchPlan) of every forward
-    launch planned from here on (plan._plan_launch uncached)."""
+    launch planned from here on, fixed-length and varlen
+    (plan._plan_launch and plan._plan_varlen uncached)."""
     from hopper_flash import plan
 
-    real = plan._plan_launch.__wrapped__
-
-    def spy(*args):
-        lp = real(*args)
-        record(lp)
-        return lp
-    monkeypatch.setattr(plan, "_plan_launch", spy)
+    def spying(real):
+        def spy(*args, **kwargs):
+            lp = real(*args, **kwargs)
+            record(lp)
+            return lp
+        return spy
+    monkeypatch.setattr(plan, "_plan_launch", spying(plan._plan_launch.__wrapped__))
+    monkeypatch.setattr(plan, "_plan_varlen", spying(plan._plan_varlen.__wrapped__))
 
 
 @pytest.fixture
@@ -98,8 +100,9 @@ def planned_rows(monkeypatch):
 @pytest.fixture
 def planned_launches(monkeypatch):
     """The plan (plan.LaunchPlan) of every forward launch planned from here
-    on, to check which kernel a test ran (its ``mode`` and ``cfg``). No
-    launch is a prepared one (plan.PreparedForward replays an earlier plan)."""
+    on, fixed-length and varlen, to check which kernel a test ran (its
+    ``mode`` and ``cfg``). No launch is a prepared one
+    (plan.PreparedForward replays an earlier plan)."""
     from hopper_flash import plan
 
     seen = []

@@ -53,11 +53,10 @@ def test_kvcache_gqa(nheads, nheads_kv, causal, seqlen_q):
     assert_close(out, q, kc, vc, lens, causal)
 
 
-def ran_view(group: int) -> bool:
-    """Whether a kernel packed from a packed view of q (plan.Mode.pack_view)
-    by ``group`` was launched (its plan is part of every compiled kernel's key)."""
-    return any(isinstance(key[5], plan.Mode) and key[5].pack_view and key[5].pack_g == group
-               for key in plan._COMPILED if isinstance(key, tuple) and len(key) > 5)
+def ran_view(launches, group: int) -> bool:
+    """Whether one of ``launches`` (the ``planned_launches`` fixture's: this
+    test's) packed from a packed view of q (plan.Mode.pack_view) by ``group``."""
+    return any(lp.mode.pack_view and lp.mode.pack_g == group for lp in launches)
 
 
 # Groups that are not powers of two (Llama 4's 40/8, Qwen2.5-7B's 28/4, 24/8, 12/2): PackGQA from q
@@ -66,7 +65,7 @@ def ran_view(group: int) -> bool:
 @pytest.mark.parametrize("nheads,nheads_kv", [(40, 8), (28, 4), (24, 8), (12, 2)], ids=["g5", "g7", "g3", "g6"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seqlen_q,num_splits", [(1, 0), (1, 1), (3, 4), (16, 1), (48, 0)])
-def test_kvcache_groups_not_powers_of_two(nheads, nheads_kv, head_dim, seqlen_q, num_splits):
+def test_kvcache_groups_not_powers_of_two(planned_launches, nheads, nheads_kv, head_dim, seqlen_q, num_splits):
     lens = [4099, 17, 1, 0]
     kc, vc = nan_tailed_cache(4, 4200, nheads_kv, head_dim, lens, seed=nheads)
     q = rnd(4, seqlen_q, nheads, head_dim, seed=nheads_kv)
@@ -78,11 +77,11 @@ def test_kvcache_groups_not_powers_of_two(nheads, nheads_kv, head_dim, seqlen_q,
     paged = hopper_flash.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=cs, page_table=pt, causal=True,
                                                  num_splits=num_splits)
     assert_close(paged, q, kc, vc, lens, True)
-    assert ran_view(nheads // nheads_kv)
+    assert ran_view(planned_launches, nheads // nheads_kv)
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 48, 100])
-def test_flash_attn_func_packed_view_every_launch_path(seqlen_q):
+def test_flash_attn_func_packed_view_every_launch_path(planned_launches, seqlen_q):
     """flash_attn_func over a group of 5 (the fill rule packs 1-100 queries):
     the JIT's first launch, the direct launch and the prepared call
     (plan.PreparedForward, the C launch) each pass the packed view as Q's
@@ -94,7 +93,7 @@ def test_flash_attn_func_packed_view_every_launch_path(seqlen_q):
         q.copy_(rnd(2, seqlen_q, 40, 128, seed=10 * call + 3))
         out, lse = hopper_flash.flash_attn_func(q, k, v, causal=True, return_lse=True)
         assert_close(out, q, k, v, [3001] * 2, True, lse=lse)
-    assert ran_view(5)
+    assert ran_view(planned_launches, 5)
 
 
 def test_packed_view_with_sinks_and_graph_replay():

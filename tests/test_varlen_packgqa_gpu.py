@@ -32,13 +32,21 @@ def i32(x):
     return torch.tensor(x, dtype=torch.int32, device=DEV)
 
 
+# The plans of the running test's launches (conftest's planned_launches), for
+# ran_packed and ran_tokens: a kernel compiled by an earlier test does not count.
+_THIS_TEST = {"launches": []}
+
+
+@pytest.fixture(autouse=True)
+def _record_launches(planned_launches):
+    _THIS_TEST["launches"] = planned_launches
+
+
 def ran_packed(group: int, view: bool = False) -> bool:
-    """Whether a VARLEN kernel packed by ``group`` was launched (its plan is
-    part of every compiled kernel's key); ``view``: from a packed view of q
-    (``plan.Mode.pack_view``)."""
-    return any(isinstance(key[5], plan.Mode) and key[5].varlen and key[5].pack_g == group
-               and key[5].pack_view == view
-               for key in plan._COMPILED if isinstance(key, tuple) and len(key) > 5)
+    """Whether this test launched the VARLEN mode packed by ``group``;
+    ``view``: from a packed view of q (``plan.Mode.pack_view``)."""
+    return any(lp.mode.varlen and lp.mode.pack_g == group and lp.mode.pack_view == view
+               for lp in _THIS_TEST["launches"])
 
 
 def run_both(q, k, v, cq, ck, uq, uk, causal, *, window=None, softcap=0.0, sink=None):
@@ -202,10 +210,9 @@ def test_packed_view_decode_mix(h, hkv, d, causal):
 
 
 def ran_tokens(group: int) -> bool:
-    """Whether a VARLEN kernel read q by token (one query per sequence,
-    ``plan.Mode.q_tokens``: no copy of q) for ``group``."""
-    return any(isinstance(key[5], plan.Mode) and key[5].varlen and key[5].q_tokens and key[5].pack_g == group
-               for key in plan._COMPILED if isinstance(key, tuple) and len(key) > 5)
+    """Whether this test launched a VARLEN kernel that read q by token (one
+    query per sequence, ``plan.Mode.q_tokens``: no copy of q) for ``group``."""
+    return any(lp.mode.varlen and lp.mode.q_tokens and lp.mode.pack_g == group for lp in _THIS_TEST["launches"])
 
 
 ONE_QUERY = dict(lq=[1, 0, 1, 1, 1, 0, 1], lk=[4097, 5, 1, 129, 0, 17, 3001])
@@ -316,14 +323,14 @@ def test_packed_view_by_default_beside_a_prefill_chunk():
     lq = [1] * 40 + [512]
     lk = [1000 + 97 * i for i in range(40)] + [1536]
     q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 40, 8, 128, seed=27)
-    plan._COMPILED.clear()
+    _THIS_TEST["launches"].clear()
     out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True)
     ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
     assert_judged("out", out, ref, varlen_baseline(q, k, v, cq, ck, causal=True))
     assert ran_packed(5, view=True)
     lq, lk = [1] * 4 + [8000], [900] * 4 + [8000]
     q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 40, 8, 128, seed=28)
-    plan._COMPILED.clear()
+    _THIS_TEST["launches"].clear()
     out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True)
     ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
     assert_judged("out", out, ref, varlen_baseline(q, k, v, cq, ck, causal=True))
