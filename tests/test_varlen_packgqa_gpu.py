@@ -231,11 +231,15 @@ def test_packed_view_one_query_per_sequence(h, hkv, d, causal):
     assert ran_tokens(h // hkv)
 
 
+@pytest.mark.parametrize("lq", [[1] * 5, [1, 0, 1, 1, 1]], ids=["decode-route", "varlen"])
 @pytest.mark.parametrize("page", [16, 64])
-def test_packed_view_one_query_paged_split_and_graph_replay(page):
-    """vLLM's decode batch at 28/4 over pages, split 3 ways: q by token, and
-    a captured call replays with new queries and lengths."""
-    lq, lk = [1] * 5, [5000, 17, 300, 1, 129]
+def test_packed_view_one_query_paged_split_and_graph_replay(page, lq):
+    """vLLM's decode batch at 28/4 over pages, split 3 ways, and a captured
+    call replayed with new queries and lengths. One query in every sequence
+    takes the decode route (q viewed ``[batch, 1, H, D]``: the fixed-length
+    packed view, q restrided); with an empty sequence among them the varlen
+    kernel reads q by token. Neither copies q."""
+    lk = [5000, 17, 300, 1, 129]
     h, hkv, d = 28, 4, 128
     q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, h, hkv, d, seed=40 + page)
     kp, vp, table = paged_pools(k, v, ck, page, seed=41)
@@ -247,7 +251,10 @@ def test_packed_view_one_query_paged_split_and_graph_replay(page):
 
     assert_judged("out", call(), varlen_reference(q, k, v, cq, ck, causal=True)[0],
                   varlen_baseline(q, k, v, cq, ck, causal=True))
-    assert ran_tokens(7)
+    decode_route = sum(lq) == len(lq)
+    assert ran_tokens(7) != decode_route
+    assert decode_route == any(not lp.mode.varlen and lp.mode.pack_view and lp.mode.pack_g == 7
+                               for lp in _THIS_TEST["launches"])
     graph, g_out = capture(call)
     new = [4999, 1, 290, 1, 64]  # (at most the pages' keys)
     used.copy_(i32(new))
