@@ -216,3 +216,49 @@ def test_json_keeps_the_finished_configs_when_the_process_dies_later(tmp_path):
                      "hopper-flash bench", device="cpu")
     results, meta = read_json(path)
     assert status == 0 and len(results) == 2 and "partial" not in meta
+
+
+def test_rounds_interleave_the_backends_and_pool_their_calls():
+    """--rounds 3: each backend once per round, the order rotated by one each
+    round; a backend's result is over all its rounds' calls; one that raises
+    in a later round drops out with an ERROR and no time."""
+    timed = []  # (backend, round) in the order the timer ran them
+    calls = {}
+
+    def build(name):
+        def b(cfg, q, k, v, scale):
+            def fn():
+                calls[name] = calls.get(name, 0) + 1
+                if name == "flaky" and calls[name] > 2:  # set-up call and round 0 pass, round 1 raises
+                    raise RuntimeError("CUDA error: launch failure")
+                return exact(q, k, v, scale, cfg.causal)
+            return fn
+        return b
+
+    def timer(fn):
+        before = dict(calls)
+        fn()
+        (name,) = [n for n in calls if calls[n] != before.get(n, 0)]
+        n = sum(1 for b, _ in timed if b == name)
+        timed.append((name, n))
+        ms = {"a": [1.0, 3.0, 2.0], "b": [5.0, 5.0, 5.0]}.get(name, [1.0] * 3)[n]
+        return Timing(ms, ms, ms, 2, (ms, ms))
+
+    names = ["a", "b", "flaky"]
+    results = run([SMALL], [backend(n, build(n)) for n in names], timer, device="cpu", rounds=3)
+    # Round 1 runs b, flaky (raises: not timed), a; round 2 the two left, rotated by 2 mod 2.
+    assert [b for b, _ in timed] == ["a", "b", "flaky", "b", "a", "a", "b"]
+    by = {r.backend: r for r in results}
+    assert (by["a"].median_ms, by["a"].min_ms, by["a"].max_ms, by["a"].reps) == (2.0, 1.0, 3.0, 6)
+    assert (by["b"].median_ms, by["b"].reps) == (5.0, 6)
+    assert by["flaky"].status == ERROR and "launch failure" in by["flaky"].message
+    assert by["flaky"].median_ms is None
+
+
+def test_rounds_pool_medians_where_the_timer_keeps_no_calls():
+    from hopper_flash.bench.timing import merge_timings
+
+    assert merge_timings([Timing(1.0, 0.5, 2.0, 3), Timing(4.0, 3.0, 5.0, 3), Timing(2.0, 1.5, 2.5, 3)]) == \
+        Timing(2.0, 0.5, 5.0, 9)
+    assert merge_timings([Timing(1.0, 1.0, 1.0, 1, (1.0,)), Timing(3.0, 2.0, 4.0, 2, (2.0, 4.0))]) == \
+        Timing(2.0, 1.0, 4.0, 3, (1.0, 2.0, 4.0))

@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="untimed warm-up time per cell, in ms (default %(default)g)")
     run.add_argument("--rep-ms", "--reps", type=float, default=500, metavar="MS",
                      help="timed repetition time per cell, in ms, each rep after an L2 flush (default %(default)g)")
+    run.add_argument("--rounds", type=int, default=1, metavar="N",
+                     help="time each cell's backends in N interleaved rounds, the warm-up and rep budgets split "
+                          "over them, each backend's median over all its calls: a power-capped GPU's clock "
+                          "drift then falls on every backend alike (default %(default)s: one backend after "
+                          "the other)")
     run.add_argument("--cuda-graph", action="store_true",
                      help="time replays of a CUDA graph holding back-to-back calls (no host or launch overhead, "
                           "no L2 flush between calls), as serving loops run decode steps")
@@ -180,7 +185,7 @@ def execute(
 
         results: list[Result] = runner.run(
             configs, backends, timer, device=device, matmul_tflops=matmul_tflops, on_step=on_step,
-            passes=passes, memory=memory, on_config=on_config,
+            passes=passes, memory=memory, on_config=on_config, rounds=getattr(args, "rounds", 1),
         )
         progress.update(task, completed=total)
 
@@ -207,10 +212,14 @@ def bench(args: argparse.Namespace, configs: list[Config], command: str) -> int:
     from .backends import variant_backend
     from .timing import cuda_graph_timer, do_bench_timer, matmul_tflops
 
-    timer = cuda_graph_timer(args.rep_ms) if args.cuda_graph else do_bench_timer(args.warmup_ms, args.rep_ms)
+    def make_timer(share: int):
+        if args.cuda_graph:
+            return cuda_graph_timer(args.rep_ms / share)
+        return do_bench_timer(args.warmup_ms / share, args.rep_ms / share)
+
     backends = select_backends(all_backends(), args.backends) + [variant_backend(v) for v in args.variant]
-    return execute(configs, backends, timer, args, command, device="cuda", matmul_tflops=matmul_tflops(timer),
-                   memory=runner.cuda_peak_memory)
+    return execute(configs, backends, make_timer(args.rounds), args, command, device="cuda",
+                   matmul_tflops=matmul_tflops(make_timer(1)), memory=runner.cuda_peak_memory)
 
 
 def missing_extras(args: argparse.Namespace) -> list[str]:
@@ -234,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"hopper-flash bench needs {' and '.join(missing)}, which the base install does not include: "
                   f"pip install 'hopper_flash[bench]' (from a checkout: pip install -e '.[bench]')", file=sys.stderr)
             return 2
+        if args.rounds < 1:
+            args.command_parser.error(f"--rounds must be at least 1, got {args.rounds}")
         if args.varlen:
             from . import varlen
 
@@ -241,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 varlen.parse_range(args.varlen)
                 if args.seqlen or args.config:
                     raise ValueError("--varlen replaces --seqlen/--config")
+                if args.rounds > 1:
+                    raise ValueError("--rounds is not implemented for --varlen (its block times one backend "
+                                     "after the other)")
             except ValueError as e:
                 args.command_parser.error(str(e))
             return varlen.main(args, command)

@@ -16,7 +16,7 @@ from .backends import CUDNN, Backend, Unsupported
 from .configs import Config, attention_flops, kv_bytes
 from .reference import compute_grad_reference, compute_reference, judge_grads, judge_output, make_grad_out
 from .results import ERROR, FAIL, OK, UNAVAILABLE, UNSUPPORTED, Result
-from .timing import Timer
+from .timing import Timer, Timing, merge_timings
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -145,7 +145,17 @@ def run_config(
     on_step: StepHook | None = None,
     bench_pass: str = "fwd",
     memory: MemoryProbe | None = None,
+    rounds: int = 1,
 ) -> list[Result]:
+    """One config's cells for one pass. ``rounds`` > 1 times the backends
+    that passed their set-up in that many rounds, each backend once per
+    round in a rotating order, and summarizes each backend's calls over all
+    rounds (``timer`` gets each round's share of the budget: the caller's
+    job). A power-capped GPU moves its clock by up to 18% over a few
+    seconds (BENCHMARKS.md, sixty-fourth session); interleaved, the drift
+    falls on every backend alike instead of on whichever ran during it.
+    Every backend's callable (and its memory) is then held until the last
+    round."""
     import torch
 
     if bench_pass not in PASSES:
@@ -156,6 +166,7 @@ def run_config(
     dout = make_grad_out(cfg, device) if bench_pass != "fwd" else None
     reference = grad_reference = None  # computed on first need, shared by all backends
     results = []
+    waiting = []  # (result, callable) judged and waiting for the rounds (rounds > 1)
     for backend in backends:
         if on_step:
             on_step(cfg, backend.name)
@@ -192,10 +203,12 @@ def run_config(
                 r.status, r.message = FAIL, "; ".join(v.message for v in verdicts if not v)
             # A FAIL is still timed (useful while debugging) but never plotted
             # or counted as a pass.
+            if rounds > 1:
+                waiting.append((r, fn))
+                continue
             t = timer(fn)
             if memory is not None:
-                peak = memory(fn)
-                r.peak_mib = None if peak is None else peak / 2**20
+                _record_memory(r, memory, fn)
         except Unsupported as e:
             r.status, r.message = UNSUPPORTED, str(e)
             continue
@@ -204,17 +217,60 @@ def run_config(
             continue
         finally:
             fn = out = grads = None  # free this backend's memory (and its autograd graph) before the next one
-        r.median_ms, r.min_ms, r.max_ms, r.reps = t.median_ms, t.min_ms, t.max_ms, t.reps
-        r.tflops = flops / (t.median_ms * 1e-3) / 1e12
-        if bench_pass == "fwd":  # the K/V read rate of a forward (decode's measure)
-            r.kv_tbs = kv_bytes(cfg) / (t.median_ms * 1e-3) / 1e12
-        if matmul_tflops:
-            r.pct_matmul = 100.0 * r.tflops / matmul_tflops
+        _record_timing(r, t, flops, cfg, bench_pass, matmul_tflops)
+    for r, t in _time_in_rounds(waiting, timer, rounds, memory):
+        _record_timing(r, t, flops, cfg, bench_pass, matmul_tflops)
+    waiting = None
     _add_cudnn_ratio(results)
     del q, k, v, dout, reference, grad_reference
     if device == "cuda" and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return results
+
+
+def _record_memory(r: Result, memory: MemoryProbe, fn) -> None:
+    peak = memory(fn)
+    r.peak_mib = None if peak is None else peak / 2**20
+
+
+def _time_in_rounds(waiting: list, timer: Timer, rounds: int, memory: MemoryProbe | None):
+    """``(result, Timing)`` of each waiting ``(result, callable)``: timed in
+    ``rounds`` rounds, the order rotated by one each round (no backend
+    always first after the set-up or last before the next config). A
+    backend that raises drops out with an ERROR (and no timing)."""
+    times: dict[int, list[Timing]] = {i: [] for i in range(len(waiting))}
+    for n in range(rounds):
+        live = [i for i, ts in times.items() if ts is not None]
+        if not live:
+            break
+        first = n % len(live)
+        for i in live[first:] + live[:first]:
+            r, fn = waiting[i]
+            try:
+                times[i].append(timer(fn))
+            except Exception as e:
+                r.status, r.message = ERROR, _short(e)
+                times[i] = None
+    for i, (r, fn) in enumerate(waiting):
+        if times[i] is None:
+            continue
+        if memory is not None:
+            try:
+                _record_memory(r, memory, fn)
+            except Exception as e:
+                r.status, r.message = ERROR, _short(e)
+                continue
+        yield r, merge_timings(times[i])
+
+
+def _record_timing(r: Result, t: Timing, flops: int, cfg: Config, bench_pass: str,
+                   matmul_tflops: float | None) -> None:
+    r.median_ms, r.min_ms, r.max_ms, r.reps = t.median_ms, t.min_ms, t.max_ms, t.reps
+    r.tflops = flops / (t.median_ms * 1e-3) / 1e12
+    if bench_pass == "fwd":  # the K/V read rate of a forward (decode's measure)
+        r.kv_tbs = kv_bytes(cfg) / (t.median_ms * 1e-3) / 1e12
+    if matmul_tflops:
+        r.pct_matmul = 100.0 * r.tflops / matmul_tflops
 
 
 def _add_cudnn_ratio(results: list[Result]) -> None:
@@ -237,17 +293,20 @@ def run(
     passes: Sequence[str] = ("fwd",),
     memory: MemoryProbe | None = None,
     on_config: Callable[[list[Result]], None] | None = None,
+    rounds: int = 1,
 ) -> list[Result]:
     """All cells: configs in order, each config's passes in the given order.
     Availability is checked once per backend. ``on_config`` gets the results
     so far after each config (the CLI writes them, so a process that dies
-    later, a backend's segfault say, leaves the rows it finished)."""
+    later, a backend's segfault say, leaves the rows it finished);
+    ``rounds``: ``run_config``'s."""
     unavailable = {b.name: reason for b in backends if (reason := b.unavailable_reason()) is not None}
     results = []
     for cfg in configs:
         for bench_pass in passes:
             results += run_config(cfg, backends, timer, device=device, matmul_tflops=matmul_tflops,
-                                  unavailable=unavailable, on_step=on_step, bench_pass=bench_pass, memory=memory)
+                                  unavailable=unavailable, on_step=on_step, bench_pass=bench_pass, memory=memory,
+                                  rounds=rounds)
         if on_config is not None:
             on_config(results)
     return results

@@ -28,13 +28,23 @@ class Timing:
     min_ms: float
     max_ms: float
     reps: int  # timed calls behind the numbers
+    samples: tuple[float, ...] = ()  # the per-call times, where the timer has them (merge_timings)
 
 
 Timer = Callable[[Callable[[], object]], Timing]
 
 
 def summarize(times_ms: list[float]) -> Timing:
-    return Timing(statistics.median(times_ms), min(times_ms), max(times_ms), len(times_ms))
+    return Timing(statistics.median(times_ms), min(times_ms), max(times_ms), len(times_ms), tuple(times_ms))
+
+
+def merge_timings(timings: list[Timing]) -> Timing:
+    """One Timing over several rounds' calls: the median of all their calls
+    where every round kept them, else the median of the rounds' medians."""
+    if all(t.samples for t in timings):
+        return summarize([x for t in timings for x in t.samples])
+    return Timing(statistics.median(t.median_ms for t in timings), min(t.min_ms for t in timings),
+                  max(t.max_ms for t in timings), sum(t.reps for t in timings))
 
 
 def do_bench_timer(warmup_ms: float = 100, rep_ms: float = 500) -> Timer:
