@@ -42,7 +42,7 @@ json.dump([c for c in r if c.get('dtype', 'bf16') == 'bf16'], open('$out/prefill
       bench --pass bwd --seqlen 8192 --headdim 256 --heads 16 --no-causal --backends hopper_flash fa3 sdpa-cudnn \
         --json "$out/bwd-d256-full.json" ;;
     varlen)  # issue 12's mixed batch: 16 sequences, lengths uniform in 512..8192, causal, GQA 32/8
-      bench --varlen 512:8192 --batch 16 --rounds 1 --json "$out/varlen.json" ;;  # (no rounds in --varlen)
+      bench --varlen 512:8192 --batch 16 --json "$out/varlen.json" ;;
     serving)  # packed serving batches beside FA3 (and FA3's own split heuristic), groups of 5 and 7 too (packed
       # and fixed-length), then cache_leftpad's route and the chunked decode step (attention_chunk, contiguous and paged)
       python -P scripts/varlen_pack_bench.py 2>&1 | tee "$out/varlen-pack.txt"

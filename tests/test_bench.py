@@ -66,11 +66,9 @@ def test_bad_option_values_exit_2_with_message(capsys):
     assert "multiple of kv_heads" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "--backends", "nonsense"])
-    for bad, message in ((["--rounds", "0"], "--rounds must be at least 1"),
-                         (["--varlen", "512:8192", "--rounds", "2"], "--rounds is not implemented for --varlen")):
-        with pytest.raises(SystemExit) as e:
-            main(["bench", *bad])
-        assert e.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--rounds", "0"])
+    assert e.value.code == 2 and "--rounds must be at least 1" in capsys.readouterr().err
 
 
 # --- config files ----------------------------------------------------------------

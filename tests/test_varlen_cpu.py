@@ -646,6 +646,46 @@ def test_bench_varlen_config_and_flops():
     assert bv.pass_flops(100, "fwd+bwd") == 350
 
 
+def test_bench_varlen_rounds_interleave_the_cells(monkeypatch):
+    """--rounds with --varlen: every judged cell once per round, the order
+    rotated; each median over all its rounds' calls."""
+    from hopper_flash.bench import varlen as bv
+    from hopper_flash.bench.timing import Timing
+    from hopper_flash.reference import varlen_reference
+
+    cfg = bv.VarlenConfig(lo=3, hi=9, batch=3, heads=2, kv_heads=1, headdim=16)
+
+    def backend():
+        def exact(q, k, v, cu):
+            return lambda: varlen_reference(q, k, v, cu, cu, causal=cfg.causal)[0].to(q.dtype)
+        return exact
+
+    fakes = {name: backend() for name in "abc"}
+    monkeypatch.setattr(bv, "_backends", lambda cfg, lengths: fakes)
+    order = []
+
+    def timer(fn):
+        name = next(n for n, f in fakes.items() if f is current[fn])
+        order.append(name)
+        ms = {"a": [1.0, 3.0, 2.0], "b": [4.0, 4.0, 4.0], "c": [9.0, 1.0, 1.0]}[name][order.count(name) - 1]
+        return Timing(ms, ms, ms, 2, (ms, ms))
+
+    current = {}
+    real_pass_fn = bv._pass_fn
+
+    def pass_fn(which, factory, q, k, v, cu):
+        fn = real_pass_fn(which, factory, q, k, v, cu)
+        current[fn] = factory
+        return fn
+
+    monkeypatch.setattr(bv, "_pass_fn", pass_fn)
+    report = bv.run(cfg, timer, device="cpu", passes=("fwd",), rounds=3)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [(r.backend, r.status, r.median_ms) for r in report.results] == [
+        ("a", "ok", 2.0), ("b", "ok", 4.0), ("c", "ok", 1.0)]
+    assert all(r.checked.startswith("out: ok") for r in report.results)
+
+
 def test_bench_cli_varlen_option_errors(capsys):
     pytest.importorskip("rich")  # the bench extra; without it the CLI stops earlier, asking for it
     from hopper_flash.bench import cli

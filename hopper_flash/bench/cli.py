@@ -252,9 +252,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 varlen.parse_range(args.varlen)
                 if args.seqlen or args.config:
                     raise ValueError("--varlen replaces --seqlen/--config")
-                if args.rounds > 1:
-                    raise ValueError("--rounds is not implemented for --varlen (its block times one backend "
-                                     "after the other)")
             except ValueError as e:
                 args.command_parser.error(str(e))
             return varlen.main(args, command)

@@ -178,8 +178,15 @@ def paged_copy(k, v, cu, page_size: int, seed: int = 0):
     return kp, vp, table.to(k.device)
 
 
-def run(cfg: VarlenConfig, timer, *, device: str = "cuda", passes=PASSES) -> VarlenReport:
+def run(cfg: VarlenConfig, timer, *, device: str = "cuda", passes=PASSES, rounds: int = 1) -> VarlenReport:
+    """Each backend's output judged, then each (backend, pass) cell timed.
+    ``rounds`` > 1: the cells that set up are timed in that many rounds,
+    each once per round in a rotating order, each median over all its
+    rounds' calls (as ``runner.run_config``; ``timer`` gets a round's share
+    of the budget); every cell's callable is held until the last round."""
     from hopper_flash.reference import judge, varlen_baseline, varlen_reference
+
+    from .timing import merge_timings
 
     lengths = cfg.lengths()
     report = VarlenReport(asdict(cfg), lengths)
@@ -189,6 +196,7 @@ def run(cfg: VarlenConfig, timer, *, device: str = "cuda", passes=PASSES) -> Var
     fixed_s = total // cfg.batch
     fixed_flops = forward_flops([fixed_s] * cfg.batch, cfg.heads, cfg.headdim, cfg.causal)
     ref = base = None
+    cells = []  # (result, FLOPs, timed callable) waiting for the rounds (rounds > 1)
     for name, factory in _backends(cfg, lengths).items():
         flops = fixed_flops if "fixed" in name else fwd_flops
         checked = ""
@@ -210,15 +218,36 @@ def run(cfg: VarlenConfig, timer, *, device: str = "cuda", passes=PASSES) -> Var
         for which in passes:
             if which != "fwd" and name in FORWARD_ONLY:
                 continue
+            result = VarlenResult(name, which, checked=checked if which == "fwd" else "")
+            report.results.append(result)
             try:
                 timed = _pass_fn(which, factory, q, k, v, cu)
-                t = timer(timed)
-                report.results.append(VarlenResult(name, which, t.median_ms,
-                                                   pass_flops(flops, which) / (t.median_ms * 1e-3) / 1e12,
-                                                   checked=checked if which == "fwd" else ""))
+                if rounds > 1:
+                    cells.append((result, pass_flops(flops, which), timed))
+                    continue
+                _record(result, pass_flops(flops, which), timer(timed))
             except Exception as e:
-                report.results.append(VarlenResult(name, which, status="error", message=f"{type(e).__name__}: {e}"))
+                result.status, result.message = "error", f"{type(e).__name__}: {e}"
+    times = {i: [] for i in range(len(cells))}
+    for n in range(rounds if cells else 0):
+        live = [i for i, ts in times.items() if ts is not None]
+        first = n % max(1, len(live))
+        for i in live[first:] + live[:first]:
+            result = cells[i][0]
+            try:
+                times[i].append(timer(cells[i][2]))
+            except Exception as e:
+                result.status, result.message = "error", f"{type(e).__name__}: {e}"
+                times[i] = None
+    for i, (result, flops, _) in enumerate(cells):
+        if times[i]:
+            _record(result, flops, merge_timings(times[i]))
     return report
+
+
+def _record(result: VarlenResult, flops: float, t) -> None:
+    result.median_ms = t.median_ms
+    result.tflops = flops / (t.median_ms * 1e-3) / 1e12
 
 
 def _pass_fn(which, factory, q, k, v, cu):
@@ -274,7 +303,8 @@ def main(args, command: str) -> int:
     passes = tuple(p for p in PASSES if p in (getattr(args, "passes", None) or ())) or PASSES
     if passes == ("fwd",):
         passes = PASSES
-    report = run(cfg, do_bench_timer(args.warmup_ms, args.rep_ms), passes=passes)
+    rounds = getattr(args, "rounds", 1)
+    report = run(cfg, do_bench_timer(args.warmup_ms / rounds, args.rep_ms / rounds), passes=passes, rounds=rounds)
     print(command)
     print(format_report(report))
     if args.json:
