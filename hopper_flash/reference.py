@@ -53,6 +53,7 @@ __all__ = [
     "judge",
     "judge_lse",
     "max_abs_err",
+    "paged_cache",
     "random_qkv",
     "rel_fro_err",
     "score_scale",
@@ -1006,6 +1007,29 @@ def random_qkv(batch: int, seqlen_q: int, seqlen_k: int, nheads: int, nheads_kv:
         return (torch.randn(batch, seqlen, heads, head_dim, generator=gen, device=device) * magnitude).to(dtype)
 
     return rnd(seqlen_q, nheads), rnd(seqlen_k, nheads_kv), rnd(seqlen_k, nheads_kv)
+
+
+def paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int, *, seed: int = 0,
+                fill: float = float("nan")) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Contiguous caches ``[B, cap, Hkv, D]`` as page pools ``[B * pages,
+    page_size, Hkv, D]`` in a seeded random order, and the int32 page table
+    ``[B, pages]`` that reads each row back: ``(k_pages, v_pages, table)``,
+    for a paged call on the same keys as a contiguous one. Keys past ``cap``
+    in a row's last page hold ``fill`` (NaN: a kernel that reads past a
+    row's length poisons its output)."""
+    batch, cap = k_cache.shape[:2]
+    pages = -(-cap // page_size)
+    gen = torch.Generator(device=k_cache.device).manual_seed(seed)
+    perm = torch.randperm(batch * pages, generator=gen, device=k_cache.device)
+    pools = []
+    for cache in (k_cache, v_cache):
+        rows = torch.full((batch, pages * page_size, *cache.shape[2:]), fill, dtype=cache.dtype,
+                          device=cache.device)
+        rows[:, :cap] = cache
+        pool = torch.empty((batch * pages, page_size, *cache.shape[2:]), dtype=cache.dtype, device=cache.device)
+        pool[perm] = rows.view(batch * pages, page_size, *cache.shape[2:])
+        pools.append(pool)
+    return pools[0], pools[1], perm.view(batch, pages).to(torch.int32)
 
 
 @dataclass(frozen=True)

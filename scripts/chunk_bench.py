@@ -27,7 +27,7 @@ import torch
 import triton
 
 import hopper_flash
-from hopper_flash.reference import attention_baseline, attention_reference, judge
+from hopper_flash.reference import attention_baseline, attention_reference, judge, paged_cache
 
 ROWS = [(1, 32768, 40, 8, 128, 8192), (2, 16384, 40, 8, 128, 8192), (4, 8192, 40, 8, 128, 2048)]
 DECODE_ROWS = [(8, 32768, 40, 8, 128, 8192), (8, 30000, 40, 8, 128, 8192)]
@@ -98,17 +98,9 @@ def decode_row(b, cap, h, hkv, d, chunk):
     calls = {"chunked": lambda: hopper_flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
                                                                        causal=True, attention_chunk=chunk)}
     for page in PAGES:  # the same cache as shuffled pages (read in place: the chunk is a multiple of the page)
-        n_pages = -(-cap // page)
-        perm = torch.randperm(b * n_pages, generator=gen, device="cuda")
-        table = perm.view(b, n_pages).to(torch.int32)
-        pools = [torch.full((b * n_pages, page, hkv, d), float("nan"), dtype=torch.bfloat16, device="cuda")
-                 for _ in "kv"]
-        for pool, cache in zip(pools, (k_cache, v_cache)):  # (NaN past each row's keys in its last page)
-            rows = pool[perm].view(b, n_pages * page, hkv, d)
-            rows[:, :cap] = cache
-            pool[perm] = rows.view(b * n_pages, page, hkv, d)
+        kp, vp, table = paged_cache(k_cache, v_cache, page, seed=page)  # (NaN past each row's keys)
         calls[f"chunked, pages of {page}"] = (lambda kp, vp, t: lambda: hopper_flash.flash_attn_with_kvcache(
-            q, kp, vp, cache_seqlens=lens, page_table=t, causal=True, attention_chunk=chunk))(*pools, table)
+            q, kp, vp, cache_seqlens=lens, page_table=t, causal=True, attention_chunk=chunk))(kp, vp, table)
     if fa3 is not None:
         calls["fa3 chunked"] = lambda: (lambda o: o[0] if isinstance(o, tuple) else o)(
             fa3(q, k_cache, v_cache, cache_seqlens=lens, causal=True, attention_chunk=chunk))

@@ -18,6 +18,7 @@ import triton
 
 import hopper_flash
 from hopper_flash import chunked
+from hopper_flash.reference import paged_cache
 
 
 def main():
@@ -29,13 +30,7 @@ def main():
         lens = torch.full((b,), cap, dtype=torch.int32, device="cuda")
         calls = {"contig": lambda: hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True, attention_chunk=chunk)}
         for page in (64, 256):
-            n_pages = -(-cap // page)
-            perm = torch.randperm(b * n_pages, generator=gen, device="cuda")
-            table = perm.view(b, n_pages).to(torch.int32)
-            pools = [torch.zeros((b * n_pages, page, hkv, d), dtype=torch.bfloat16, device="cuda") for _ in "kv"]
-            for pool, cache in zip(pools, (kc, vc)):
-                rows = pool[perm].view(b, n_pages * page, hkv, d); rows[:, :cap] = cache
-                pool[perm] = rows.view(b * n_pages, page, hkv, d)
+            *pools, table = paged_cache(kc, vc, page, seed=page)
             calls[f"paged{page}"] = (lambda kp, vp, t: lambda: hopper_flash.flash_attn_with_kvcache(
                 q, kp, vp, cache_seqlens=lens, page_table=t, causal=True, attention_chunk=chunk))(*pools, table)
             start = chunked.last_chunk_start(lens, chunk)

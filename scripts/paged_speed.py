@@ -26,7 +26,7 @@ import torch
 
 from hopper_flash import flash_attn_with_kvcache
 from hopper_flash.bench.timing import cuda_graph_timer
-from hopper_flash.reference import check_kvcache, random_qkv
+from hopper_flash.reference import check_kvcache, paged_cache, random_qkv
 
 # (batch, seqlen_q, seqlen_k) of issue 10's table; GQA 32/8, D=128, bf16, causal.
 ROWS = [(8, 1, 4096), (8, 1, 16384), (1, 1, 65536), (64, 1, 2048), (8, 4, 8192), (4, 128, 8192)]
@@ -34,21 +34,7 @@ H, HKV, D = 32, 8, 128
 SCALE = D ** -0.5
 
 
-def paged(k: torch.Tensor, v: torch.Tensor, page_size: int, gen: torch.Generator):
-    """``k`` and ``v`` [B, S, Hkv, D] cut into pages of ``page_size`` keys,
-    scattered over a pool in a random order: ``(k_pages, v_pages, page_table)``."""
-    B, S = k.shape[:2]
-    per_row = S // page_size
-    n = B * per_row
-    perm = torch.randperm(n, generator=gen).to(k.device)
-    k_pages = torch.empty((n, page_size) + k.shape[2:], dtype=k.dtype, device=k.device)
-    v_pages = torch.empty_like(k_pages)
-    k_pages[perm] = k.reshape((n, page_size) + k.shape[2:])
-    v_pages[perm] = v.reshape((n, page_size) + v.shape[2:])
-    return k_pages, v_pages, perm.view(B, per_row).to(torch.int32)
-
-
-def row(timer, gen, B: int, Sq: int, S: int, sizes) -> str:
+def row(timer, B: int, Sq: int, S: int, sizes) -> str:
     """One row: the contiguous call and each page size, judged, then timed."""
     q, k, v = random_qkv(B, Sq, S, H, HKV, D, seed=B * S + Sq)
     lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
@@ -67,7 +53,7 @@ def row(timer, gen, B: int, Sq: int, S: int, sizes) -> str:
     base = timed(k, v, None)
     cells = []
     for ps in sizes:
-        t = timed(*paged(k, v, ps, gen))
+        t = timed(*paged_cache(k, v, ps, seed=ps))
         cells.append(f"{t:7.1f} ({base / t:.2f})")
     return f"{name:>18} {base:10.1f} " + " ".join(f"{c:>14}" for c in cells)
 
@@ -80,12 +66,11 @@ def main() -> None:
     args = p.parse_args()
     sizes = args.sizes or [16, 32, 64, 128, 256] + ([8, 1] if args.small else [])
     timer = cuda_graph_timer(args.rep_ms)
-    gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}; GQA {H}/{HKV}, D {D}, bf16, causal, "
           f"CUDA-graph replay, us (contiguous / paged)")
     print(f"{'row':>18} {'contiguous':>10} " + " ".join(f"{'page ' + str(s):>14}" for s in sizes))
     for B, Sq, S in ROWS:
-        print(row(timer, gen, B, Sq, S, sizes), flush=True)
+        print(row(timer, B, Sq, S, sizes), flush=True)
     print("All outputs matched the float64 reference.")
 
 

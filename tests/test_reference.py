@@ -614,3 +614,17 @@ def test_v_of_its_own_head_dim_is_the_zero_padded_problem_cut_back(causal):
         assert max_abs_err(a, b) < 1e-12
     sq, sk, sv = reference._sampled_reference_grads(q, k, v, dout, causal, None, [0, 8], [1, 12])
     assert sv.shape == (2, 2, 2, 8) and max_abs_err(sv, dv[:, [1, 12]]) < 1e-12
+
+
+@pytest.mark.parametrize("cap,page", [(300, 64), (256, 64), (5, 16)])
+def test_paged_cache_reads_back_the_rows_and_fills_past_them(cap, page):
+    k, v = (torch.randn(3, cap, 2, 8, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in (1, 2))
+    kp, vp, table = reference.paged_cache(k, v, page, seed=4)
+    pages = -(-cap // page)
+    assert table.dtype == torch.int32 and table.shape == (3, pages) and kp.shape == (3 * pages, page, 2, 8)
+    assert sorted(table.flatten().tolist()) == list(range(3 * pages))  # every page once
+    assert table.flatten().tolist() != list(range(3 * pages))  # shuffled
+    for pool, cache in ((kp, k), (vp, v)):
+        rows = pool[table.long()].flatten(1, 2)  # [B, pages * page, Hkv, D]
+        assert torch.equal(rows[:, :cap], cache)
+        assert rows[:, cap:].isnan().all()
