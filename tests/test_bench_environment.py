@@ -143,3 +143,26 @@ def test_header_names_the_imported_package():
     where = str(pathlib.Path(hopper_flash.__file__).resolve().parent)
     assert meta["hopper_flash_path"] == where
     assert any(f"imported from {where}" in line for line in header_lines(meta))
+
+
+def test_header_states_the_measured_hbm_copy_rate(monkeypatch):
+    """Decode's K/V rate is read against this GPU's copy rate, measured with
+    the run's timer (an H100's is not the H200's 4.3 TB/s)."""
+    from hopper_flash.bench import timing
+    from hopper_flash.bench.environment import collect_meta
+    from hopper_flash.bench.report import header_lines
+
+    monkeypatch.setattr(timing, "COPY_BYTES", 1 << 20)
+    copies = []
+
+    def timer(fn):
+        copies.append(fn())
+        return timing.Timing(0.5, 0.5, 0.5, 1)  # 2 MiB moved in 0.5 ms
+
+    rate = timing.hbm_copy_tbs(timer, device="cpu")
+    assert len(copies) == 1 and copies[0].numel() == 1 << 20
+    assert rate == 2 * (1 << 20) / 0.5e-3 / 1e12
+    line = next(x for x in header_lines(collect_meta("c", 700.0, 2.91)) if x.startswith("- K/V TB/s"))
+    assert "this GPU's HBM copy rate" in line and "2.91 TB/s" in line
+    line = next(x for x in header_lines(collect_meta("c")) if x.startswith("- K/V TB/s"))
+    assert "not measured" in line

@@ -149,6 +149,7 @@ def execute(
     device: str = "cuda",
     matmul_tflops: float | None = None,
     memory=None,
+    hbm_copy_tbs: float | None = None,
 ) -> int:
     """Run, report and write files; the exit status. Separate from the GPU
     set-up so tests can call it with fake backends and timer on the CPU."""
@@ -172,7 +173,7 @@ def execute(
         def on_step(cfg: Config, backend: str) -> None:
             progress.update(task, completed=next(done), description=f"{cfg.label} · {backend}")
 
-        meta = collect_meta(command, matmul_tflops)  # once: the run's header, dated at its start
+        meta = collect_meta(command, matmul_tflops, hbm_copy_tbs)  # once: the run's header, dated at its start
         on_config = None
         if args.json:
             # The rows finished so far, marked partial, after each config: a
@@ -210,7 +211,7 @@ def bench(args: argparse.Namespace, configs: list[Config], command: str) -> int:
         return 2
     from . import runner
     from .backends import variant_backend
-    from .timing import cuda_graph_timer, do_bench_timer, matmul_tflops
+    from .timing import cuda_graph_timer, do_bench_timer, hbm_copy_tbs, matmul_tflops
 
     def make_timer(share: int):
         if args.cuda_graph:
@@ -219,7 +220,8 @@ def bench(args: argparse.Namespace, configs: list[Config], command: str) -> int:
 
     backends = select_backends(all_backends(), args.backends) + [variant_backend(v) for v in args.variant]
     return execute(configs, backends, make_timer(args.rounds), args, command, device="cuda",
-                   matmul_tflops=matmul_tflops(make_timer(1)), memory=runner.cuda_peak_memory)
+                   matmul_tflops=matmul_tflops(make_timer(1)), memory=runner.cuda_peak_memory,
+                   hbm_copy_tbs=hbm_copy_tbs(make_timer(1)))
 
 
 def missing_extras(args: argparse.Namespace) -> list[str]:

@@ -214,7 +214,8 @@ def kv_bytes(cfg: Config) -> int:
     """Bytes of K and V one call must read at least once: 2 * B * Hkv * S_k * D
     * element size, S_k counting only the keys a window shows (``window_keys``).
     Decode (small S_q) is bound by reading them, so its speed is this over the
-    time, next to the HBM rate (~4.3 TB/s measured copy rate on the H200)."""
+    time, next to the HBM copy rate (``timing.hbm_copy_tbs``, in the report's
+    header; ~4.3 TB/s on the H200)."""
     keys = cfg.seqlen_kv
     window = cfg.window_bounds
     if window is not None:

@@ -91,7 +91,7 @@ def _package_path() -> str:
     return str(Path(hopper_flash.__file__).resolve().parent)
 
 
-def collect_meta(command: str, matmul_tflops: float | None = None) -> dict:
+def collect_meta(command: str, matmul_tflops: float | None = None, hbm_copy_tbs: float | None = None) -> dict:
     """Facts for the report header and the JSON file."""
     import torch
     import triton
@@ -108,6 +108,7 @@ def collect_meta(command: str, matmul_tflops: float | None = None) -> dict:
         "hopper_flash_commit": _git_commit(),
         "hopper_flash_path": _package_path(),
         "matmul_tflops": matmul_tflops,
+        "hbm_copy_tbs": hbm_copy_tbs,
     }
     if torch.cuda.is_available():
         meta["cudnn"] = torch.backends.cudnn.version()

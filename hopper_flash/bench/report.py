@@ -33,6 +33,7 @@ def _err(x: float | None) -> str:
 
 def header_lines(meta: dict) -> list[str]:
     rate = meta.get("matmul_tflops")
+    copy = meta.get("hbm_copy_tbs")
     lines = [
         f"- date: {meta.get('date', '?')}",
         f"- GPU: {meta.get('gpu', '?')}",
@@ -43,8 +44,10 @@ def header_lines(meta: dict) -> list[str]:
         + (f", imported from {meta['hopper_flash_path']}" if meta.get("hopper_flash_path") else ""),
         f"- bf16 matmul 8192³: {rate:.0f} TFLOP/s" if rate else "- bf16 matmul: not measured",
         f"- command: `{meta.get('command', '?')}`",
-        "- K/V TB/s: 2·B·Hkv·S_k·D·2 bytes of K and V per call over the median time; the H200's HBM "
-        "copy rate is ~4.3 TB/s (decode is bound by it)",
+        "- K/V TB/s: 2·B·Hkv·S_k·D·2 bytes of K and V per call over the median time; "
+        + (f"this GPU's HBM copy rate (1 GiB, read and written, the same timer): {copy:.2f} TB/s"
+           if copy else "the HBM copy rate not measured (the H200's: ~4.3 TB/s)")
+        + " (decode is bound by it)",
     ]
     return lines
 

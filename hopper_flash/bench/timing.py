@@ -85,3 +85,19 @@ def matmul_tflops(timer: Timer, device: str = "cuda") -> float:
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     timing = timer(lambda: torch.matmul(a, b))
     return 2 * n**3 / (timing.median_ms * 1e-3) / 1e12
+
+
+COPY_BYTES = 1 << 30
+
+
+def hbm_copy_tbs(timer: Timer, device: str = "cuda") -> float:
+    """HBM rate of a device-to-device copy of ``COPY_BYTES`` (each byte read
+    and written: 2 x the bytes over the median time), timed with the same
+    timer: the ceiling a decode's K/V read rate is read against (4.3 TB/s
+    on the H200)."""
+    import torch
+
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    timing = timer(lambda: dst.copy_(src))
+    return 2 * COPY_BYTES / (timing.median_ms * 1e-3) / 1e12
