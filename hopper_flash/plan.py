@@ -448,8 +448,9 @@ def deal_split(items: int, cfg: ForwardConfig, device: int | None = None) -> tup
     """``deal`` for the ``items`` of a split-KV run: one CTA per item, dealt
     by the hardware as SMs free up, up to ``SPLIT_GRID_MAX_WAVES`` per SM
     (past that, each CTA's start is a cost, and in the varlen mode most
-    such items have no rows); else ``deal``. The split rule (``choose_num_splits``, FA3's) counts waves of
-    single items; dealt in pairs, 96 packed 128-row items split 4 ways ran
+    such items have no rows); else ``deal``. The split rule
+    (``choose_num_splits``, FA3's) counts waves of single items; dealt in
+    pairs, 96 packed 128-row items split 4 ways ran
     two pairs (64 KV tiles) on 60 of 132 SMs, as long as no split at all
     (H28/4 at 96 queries over 8192 keys: 134.5 us split, 105.6 unsplit on an
     H100, BENCHMARKS.md sixty-third session). In the varlen mode the static
@@ -545,6 +546,9 @@ def packed_q(q: torch.Tensor, group: int) -> torch.Tensor:
     head ``hk * g + j``. At one query per row that is q itself, restrided
     (``(H·D, D, g·D, 1)`` for a contiguous q); longer blocks take a copy."""
     batch, seqlen_q, nheads, head_dim = q.shape
+    if seqlen_q == 1:  # a decode step's: one view op (host time of every step), not three
+        sb, _, sh, sd = q.stride()
+        return q.as_strided((batch, group, nheads // group, head_dim), (sb, sh, group * sh, sd))
     return q.unflatten(2, (nheads // group, group)).transpose(2, 3).reshape(batch, seqlen_q * group, -1, head_dim)
 
 

@@ -161,6 +161,11 @@ def test_packed_q_is_the_kernels_packed_view():
     view = plan.packed_q(one, 7)
     assert view.data_ptr() == one.data_ptr() and view.stride() == (28 * 64, 64, 7 * 64, 1)
     assert torch.equal(view[3, 6, 2], one[3, 0, 2 * 7 + 6])
+    wide = torch.randn(2, 1, 28 + 12, 64)[:, :, 5:33]  # q a slice of a fused projection's heads
+    view = plan.packed_q(wide, 7)
+    assert view.shape == (2, 7, 4, 64) and view.data_ptr() == wide.data_ptr()
+    for b, h in ((0, 0), (1, 27), (1, 9)):
+        assert torch.equal(view[b, h % 7, h // 7], wide[b, 0, h])
     assert plan.kernel_q(q, plan.Mode(pack_g=4)) is q and plan.kernel_q(q, plan.Mode()) is q
     # A packed batch with one query per sequence, by token: [total_q, g, Hkv, D], no copy.
     thd = torch.randn(9, 40, 16)

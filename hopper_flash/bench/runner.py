@@ -16,7 +16,7 @@ from .backends import CUDNN, Backend, Unsupported
 from .configs import Config, attention_flops, kv_bytes
 from .reference import compute_grad_reference, compute_reference, judge_grads, judge_output, make_grad_out
 from .results import ERROR, FAIL, OK, UNAVAILABLE, UNSUPPORTED, Result
-from .timing import Timer, Timing, merge_timings
+from .timing import Timer, Timing, time_in_rounds
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -220,7 +220,7 @@ def run_config(
         _record_timing(r, t, flops, cfg, bench_pass, matmul_tflops)
     for r, t in _time_in_rounds(waiting, timer, rounds, memory):
         _record_timing(r, t, flops, cfg, bench_pass, matmul_tflops)
-    waiting = None
+    waiting = None  # the callables' memory, before empty_cache below
     _add_cudnn_ratio(results)
     del q, k, v, dout, reference, grad_reference
     if device == "cuda" and torch.cuda.is_available():
@@ -234,25 +234,12 @@ def _record_memory(r: Result, memory: MemoryProbe, fn) -> None:
 
 
 def _time_in_rounds(waiting: list, timer: Timer, rounds: int, memory: MemoryProbe | None):
-    """``(result, Timing)`` of each waiting ``(result, callable)``: timed in
-    ``rounds`` rounds, the order rotated by one each round (no backend
-    always first after the set-up or last before the next config). A
-    backend that raises drops out with an ERROR (and no timing)."""
-    times: dict[int, list[Timing]] = {i: [] for i in range(len(waiting))}
-    for n in range(rounds):
-        live = [i for i, ts in times.items() if ts is not None]
-        if not live:
-            break
-        first = n % len(live)
-        for i in live[first:] + live[:first]:
-            r, fn = waiting[i]
-            try:
-                times[i].append(timer(fn))
-            except Exception as e:
-                r.status, r.message = ERROR, _short(e)
-                times[i] = None
-    for i, (r, fn) in enumerate(waiting):
-        if times[i] is None:
+    """``(result, Timing)`` of each waiting ``(result, callable)``, timed by
+    ``timing.time_in_rounds``; a backend that raises drops out with an ERROR
+    (and no timing)."""
+    for (r, fn), t in zip(waiting, time_in_rounds([fn for _, fn in waiting], timer, rounds)):
+        if isinstance(t, Exception):
+            r.status, r.message = ERROR, _short(t)
             continue
         if memory is not None:
             try:
@@ -260,7 +247,7 @@ def _time_in_rounds(waiting: list, timer: Timer, rounds: int, memory: MemoryProb
             except Exception as e:
                 r.status, r.message = ERROR, _short(e)
                 continue
-        yield r, merge_timings(times[i])
+        yield r, t
 
 
 def _record_timing(r: Result, t: Timing, flops: int, cfg: Config, bench_pass: str,

@@ -47,6 +47,26 @@ def merge_timings(timings: list[Timing]) -> Timing:
                   max(t.max_ms for t in timings), sum(t.reps for t in timings))
 
 
+def time_in_rounds(fns: list[Callable[[], object]], timer: Timer, rounds: int) -> list:
+    """Each of ``fns`` timed once per round for ``rounds`` rounds, the order
+    rotated by one each round (none always first or last); per callable its
+    calls merged over the rounds (``merge_timings``), or the exception that
+    dropped it out of the later rounds. For ``--rounds``: a power-capped
+    GPU's clock drift then falls on every callable alike."""
+    times: list = [[] for _ in fns]
+    for n in range(rounds):
+        live = [i for i, ts in enumerate(times) if isinstance(ts, list)]
+        if not live:
+            break
+        first = n % len(live)
+        for i in live[first:] + live[:first]:
+            try:
+                times[i].append(timer(fns[i]))
+            except Exception as e:
+                times[i] = e
+    return [merge_timings(ts) if isinstance(ts, list) else ts for ts in times]
+
+
 def do_bench_timer(warmup_ms: float = 100, rep_ms: float = 500) -> Timer:
     """A Timer built on triton.testing.do_bench; warmup/rep are time budgets
     in milliseconds, as do_bench takes them."""

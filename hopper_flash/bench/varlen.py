@@ -186,7 +186,7 @@ def run(cfg: VarlenConfig, timer, *, device: str = "cuda", passes=PASSES, rounds
     of the budget); every cell's callable is held until the last round."""
     from hopper_flash.reference import judge, varlen_baseline, varlen_reference
 
-    from .timing import merge_timings
+    from .timing import time_in_rounds
 
     lengths = cfg.lengths()
     report = VarlenReport(asdict(cfg), lengths)
@@ -228,20 +228,11 @@ def run(cfg: VarlenConfig, timer, *, device: str = "cuda", passes=PASSES, rounds
                 _record(result, pass_flops(flops, which), timer(timed))
             except Exception as e:
                 result.status, result.message = "error", f"{type(e).__name__}: {e}"
-    times = {i: [] for i in range(len(cells))}
-    for n in range(rounds if cells else 0):
-        live = [i for i, ts in times.items() if ts is not None]
-        first = n % max(1, len(live))
-        for i in live[first:] + live[:first]:
-            result = cells[i][0]
-            try:
-                times[i].append(timer(cells[i][2]))
-            except Exception as e:
-                result.status, result.message = "error", f"{type(e).__name__}: {e}"
-                times[i] = None
-    for i, (result, flops, _) in enumerate(cells):
-        if times[i]:
-            _record(result, flops, merge_timings(times[i]))
+    for (result, flops, _), t in zip(cells, time_in_rounds([fn for _, _, fn in cells], timer, rounds)):
+        if isinstance(t, Exception):
+            result.status, result.message = "error", f"{type(t).__name__}: {t}"
+        else:
+            _record(result, flops, t)
     return report
 
 
