@@ -45,7 +45,7 @@ def header_lines(meta: dict) -> list[str]:
         f"- bf16 matmul 8192³: {rate:.0f} TFLOP/s" if rate else "- bf16 matmul: not measured",
         f"- command: `{meta.get('command', '?')}`",
         "- K/V TB/s: 2·B·Hkv·S_k·D·2 bytes of K and V per call over the median time; "
-        + (f"this GPU's HBM copy rate (1 GiB, read and written, the same timer): {copy:.2f} TB/s"
+        + (f"this GPU's HBM copy rate (1 GiB, read and written, `do_bench`): {copy:.2f} TB/s"
            if copy else "the HBM copy rate not measured (the H200's: ~4.3 TB/s)")
         + " (decode is bound by it)",
     ]

@@ -112,9 +112,10 @@ COPY_BYTES = 1 << 30
 
 def hbm_copy_tbs(timer: Timer, device: str = "cuda") -> float:
     """HBM rate of a device-to-device copy of ``COPY_BYTES`` (each byte read
-    and written: 2 x the bytes over the median time), timed with the same
-    timer: the ceiling a decode's K/V read rate is read against (4.3 TB/s
-    on the H200)."""
+    and written: 2 x the bytes over the median time) under ``timer``: the
+    ceiling a decode's K/V read rate is read against (4.3 TB/s on the H200).
+    The bench times it with ``do_bench`` even in a ``--cuda-graph`` run: a
+    graph's replay of the copy measured 19% slower on an H100."""
     import torch
 
     src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
