@@ -9,6 +9,7 @@ import torch
 import hopper_flash
 from hopper_flash import c_launch, plan
 from hopper_flash.reference import check_kvcache
+from gpu_inputs import capture, nan_tailed_cache, paged_copy, rnd
 
 pytestmark = pytest.mark.gpu
 
@@ -97,7 +98,6 @@ def _kvcache_inputs(layout, lens, seed):
     """Fresh inputs of one signature (new addresses, the given lengths, a new
     page order), every cache NaN past each row's length: ``(kwargs for
     flash_attn_with_kvcache, (q, contiguous k, v, lens) for the judge)``."""
-    from gpu_inputs import nan_tailed_cache, paged_copy, rnd
     nheads, nheads_kv, seqlen_q = (40, 8, 48 if layout == "view5-48" else 1) if layout.startswith("view") else (32, 8, 1)
     batch = len(lens)
     q = rnd(batch, seqlen_q, nheads, 128, seed=seed)
