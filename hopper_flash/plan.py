@@ -1180,12 +1180,8 @@ class _PreparedLaunch:
         if self.q_view:
             q = packed_q(q, lp.mode.pack_g)
         if self.c_state is not None:
-            if cache is None:
-                self.c_launch(self.c_state, stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out_ptr, lse_ptr,
-                              o_part, lse_part, seqlen_k, sched, k.stride(), v.stride())
-            else:
-                self.c_launch(self.c_state, stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out_ptr, lse_ptr,
-                              o_part, lse_part, seqlen_k, sched, k.stride(), v.stride(), cache)
+            self.c_launch(self.c_state, stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out_ptr, lse_ptr, o_part,
+                          lse_part, seqlen_k, sched, k.stride(), v.stride(), *(() if cache is None else (cache,)))
             return
         values = (out_ptr, lse_ptr, o_part, lse_part, seqlen_k, sched, *(cache or (None, None, None)))
         flat = [*kernel._descriptor_args(0, q), *kernel._descriptor_args(1, k), *kernel._descriptor_args(2, v),
@@ -1205,9 +1201,11 @@ class _PreparedLaunch:
 class PreparedForward:
     """Eager ``flash_attn_func`` calls prepared once per argument signature
     (``dispatch.forward``: arguments of this signature, ``checks._signature``,
-    passed ``checks.validate``): per call, allocate the outputs and launch
-    with a plan found before (``_PreparedLaunch``), skipping the checks, the
-    plan lookup and the argument building. A signature leaves the key length
+    passed ``checks.validate``), and ``flash_attn_with_kvcache``'s
+    (``cache``; their signature is ``kvcache.prepared_key``): per call,
+    allocate the outputs and launch with a plan found before
+    (``_PreparedLaunch``), skipping the checks, the plan lookup and the
+    argument building. A signature leaves the key length
     free (a decode step grows the cache by one key), and the plan depends on
     it through the KV tile count only, so the launches are kept by that
     count (``add``, after a direct launch): a call whose count has none
