@@ -15,6 +15,15 @@ Follows flash-attn's semantics and names. One decode step is
 Nothing on this path reads a device value on the host, so a step can be
 captured in a CUDA graph and replayed with new ``cache_seqlens``.
 
+**Prepared calls.** An eager call without an append (no ``k``/``v``, no
+rotary embedding, left pad, packed queries, chunking, sinks or contract
+check) whose arguments have the signature of one that ran before
+(``prepared_key``: every tensor's shape, strides, dtype, device and 16-byte
+alignment, and the Python values) skips the checks and the plan and
+launches the kernels it launched then (``plan.PreparedForward``, from C
+where it can), with this call's addresses: as ``flash_attn_func``'s eager
+calls do. A decode loop without CUDA graphs pays that per layer and step.
+
 **Caller's contract** (as in flash-attn; not checked by default because
 checking needs a host sync): ``cache_seqlens[b] + seqlen_new`` is at most the
 cache's capacity (``S_cache``, or ``max_pages * page_size``),
@@ -321,10 +330,55 @@ def _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rot
     return q_out if q_out is not None else q
 
 
+def prepared_key(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
+                 num_splits, pack_gqa, return_lse, window, softcap) -> tuple | None:
+    """The signature of a call that may take a prepared launch (the module
+    docstring): what ``validate_kvcache`` and the plan read of it, the
+    pointers' 16-byte alignment (the kernels specialise on it) included.
+    None where a tensor is not a plain one (a subclass takes the full path)
+    or has no strides (the checks say what is wrong)."""
+    tensors = (q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table)
+    if any(t is not None and type(t) is not torch.Tensor for t in tensors):
+        return None
+    try:
+        parts = [None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors]
+    except RuntimeError:
+        return None
+    return ("kvcache", *parts, type(softmax_scale), softmax_scale, type(causal), causal, num_splits,
+            type(pack_gqa), pack_gqa, return_lse, window, softcap)
+
+
+def _prepared_layout(lp, cfg, kc, pt, page_table, cache_batch_idx, seqused, cache_seqlens) -> plan.CacheLayout | None:
+    """The ``plan.CacheLayout`` under which the direct launch of ``lp`` (None:
+    it was not direct) can be replayed by a prepared call with another
+    call's addresses, or None where it cannot: the lengths were built or
+    copied for this call, the pages were copied (``pt`` is not the table)
+    or are gathered from per-call pools, or cache rows go with pages."""
+    if lp is None or seqused is not cache_seqlens or pt is not page_table:
+        return None
+    if pt is not None and (cache_batch_idx is not None or plan.gathers(kc.shape[1], cfg.head_dim)):
+        return None
+    return plan.CacheLayout(seqlen_k=pt.shape[1] * kc.shape[1] if pt is not None else kc.shape[1],
+                            kv_batch=lp.mode.kv_batch, paged=pt is not None,
+                            page_stride=pt.stride(0) if pt is not None else 0)
+
+
+def prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v_cache):
+    """The outputs of the call prepared under ``key`` (``prepared_key``), or
+    None where there is none (or it is no longer usable)."""
+    call = plan.prepared(key)
+    if call is None:
+        return None
+    layout = call.cache
+    return call(q, k_cache, v_cache, (cache_seqlens.data_ptr(),
+                                      cache_batch_idx.data_ptr() if layout.kv_batch else None,
+                                      page_table.data_ptr() if layout.paged else None))
+
+
 def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
                     num_splits, pack_gqa, return_lse, check=None, window=None, softcap=0.0, sink=None,
                     rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_leftpad=None,
-                    cu_seqlens_q=None, max_seqlen_q=None, chunk: int = 0):
+                    cu_seqlens_q=None, max_seqlen_q=None, chunk: int = 0, prepare_key=None):
     """Validated append + attention; returns ``(out, lse or None)``
     (``[batch, seqlen_q, nheads, headdim_v]`` and ``[batch, nheads,
     seqlen_q]``, or with packed queries ``[total_q, nheads, headdim_v]`` and
@@ -336,23 +390,29 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, p
     ``cache_leftpad``: int32 ``[batch]``, each row's first live key
     (``cache_layout.varlen_over_cache``); ``cu_seqlens_q``, ``max_seqlen_q``: packed
     queries (``validate_packed_queries``); ``chunk``: FA3's ``attention_chunk``
-    (``cache_layout.varlen_over_cache``), 0 for none."""
+    (``cache_layout.varlen_over_cache``), 0 for none; ``prepare_key``: where
+    the launch is direct and can be replayed, remember it under this key
+    (``prepared_key``)."""
     softmax_scale = validate_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa, rotary_cos, rotary_sin,
                                      rotary_interleaved, cache_leftpad, cu_seqlens_q, max_seqlen_q)
     return kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                                      softmax_scale, causal, num_splits, pack_gqa, return_lse, check, window, softcap,
                                      sink, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, cu_seqlens_q,
-                                     max_seqlen_q, chunk)
+                                     max_seqlen_q, chunk, prepare_key)
 
 
 def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table,
                               softmax_scale: float, causal, num_splits, pack_gqa, return_lse, check=None, window=None,
                               softcap=0.0, sink=None, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                              cache_leftpad=None, cu_seqlens_q=None, max_seqlen_q=None, chunk: int = 0):
+                              cache_leftpad=None, cu_seqlens_q=None, max_seqlen_q=None, chunk: int = 0,
+                              prepare_key=None):
     """``kvcache_forward`` on arguments that passed ``validate_kvcache`` (or,
     for the paged varlen call, ``paged.check_paged_varlen_arguments``), the
     softmax scale resolved: the checks run once per call."""
+    if prepare_key is not None and not all(t is None or t.is_contiguous()
+                                           for t in (cache_seqlens, cache_batch_idx, page_table)):
+        prepare_key = None  # a prepared call passes the caller's tensors' addresses: copies would not be them
     # (A pool without pages holds no live key under the contract: nothing to see, nothing TMA could describe.)
     capacity = cache_capacity(k_cache, page_table) if k_cache.shape[0] else 0
     packed = cu_seqlens_q is not None
@@ -458,7 +518,11 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
                   num_splits=num_splits, pack_gqa=pack_gqa, window=window, softcap=softcap,
                   sink=plan.sink_arg(sink), leftpad=cache_leftpad)
     with plan.on_device(q):
-        plan.launch_forward(*args, **kwargs)
+        lp = plan.launch_forward(*args, **kwargs)
+    if prepare_key is not None and q.device.type == checks._PASSED_DEVICE_TYPE:
+        layout = _prepared_layout(lp, cfg, kc, pt, page_table, cache_batch_idx, seqused, cache_seqlens)
+        if layout is not None:
+            plan.remember_prepared(prepare_key, lp, q, kc, out, lse, softmax_scale, softcap, cache=layout)
     return out, lse
 
 
@@ -650,8 +714,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                                0 if cu_seqlens_q is None else checks.check_max_seqlen("max_seqlen_q", max_seqlen_q),
                                chunk)
         return (out, lse) if return_softmax_lse else out
+    key = None
+    if (k is None and v is None and rotary_cos is None and rotary_sin is None and cache_leftpad is None
+            and cu_seqlens_q is None and not chunk and learnable_sink is None
+            and isinstance(cache_seqlens, torch.Tensor) and not _contract_checked(check_contract)):
+        key = prepared_key(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
+                           num_splits, pack_gqa, bool(return_softmax_lse), window, softcap)
+        if key is not None:
+            result = prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v_cache)
+            if result is not None:
+                return result
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
                                causal, num_splits, pack_gqa, return_softmax_lse, check_contract, window, softcap,
                                learnable_sink, rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad,
-                               cu_seqlens_q, max_seqlen_q, chunk)
+                               cu_seqlens_q, max_seqlen_q, chunk, key)
     return (out, lse) if return_softmax_lse else out
+
+
+def _contract_checked(check_contract) -> bool:
+    """Whether this call checks the caller's contract (a host sync: never prepared)."""
+    if check_contract is None:
+        return os.environ.get("HOPPER_FLASH_CHECK_KVCACHE", "0") not in ("", "0")
+    return bool(check_contract)

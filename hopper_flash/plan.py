@@ -1064,8 +1064,24 @@ class _Slot:
 
 
 # The per-call values a prepared launch patches into its templates, in the
-# order of ``_PreparedLaunch.__call__``'s ``values``.
-_OUT, _LSE, _O_PART, _LSE_PART, _SEQLEN_K, _SCHED = (_Slot(i) for i in range(6))
+# order of ``_PreparedLaunch.__call__``'s ``values`` (the last three: a KV
+# cache call's lengths, cache rows and page table, ``CacheLayout``).
+_OUT, _LSE, _O_PART, _LSE_PART, _SEQLEN_K, _SCHED, _SEQUSED, _KV_BATCH, _PAGES = (_Slot(i) for i in range(9))
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What a prepared ``flash_attn_with_kvcache`` launch fixes of its cache
+    (``kvcache.prepared_call``'s signature holds the shapes it comes from):
+    the kernel's key length (a contiguous cache's capacity, or the page
+    table's width times the page size), whether the cache rows and the page
+    table are read, and the page table's row stride. Per call only the
+    addresses change: the lengths', the rows', the table's."""
+
+    seqlen_k: int
+    kv_batch: bool
+    paged: bool
+    page_stride: int
 
 
 def _slots(template) -> tuple[tuple[int, int], ...]:
@@ -1083,12 +1099,13 @@ class _PreparedLaunch:
     rebuilding the same arguments every call."""
 
     __slots__ = ("lp", "kernel", "combine", "template", "slots", "combine_grid", "combine_template",
-                 "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch", "out_strides", "q_view")
+                 "combine_slots", "n_o", "n_part", "current_stream", "c_state", "c_launch", "out_strides", "q_view",
+                 "cache")
 
     def __init__(self, lp: LaunchPlan, kernel: KernelLaunch, combine: KernelLaunch | None, q, nheads_kv: int,
                  softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None,
-                 head_dim_v: int | None = None):
-        self.lp, self.kernel, self.combine = lp, kernel, combine
+                 head_dim_v: int | None = None, kv_rows: int | None = None, cache: CacheLayout | None = None):
+        self.lp, self.kernel, self.combine, self.cache = lp, kernel, combine, cache
         self.current_stream = driver.active.get_current_stream
         batch, seqlen_q, nheads, head_dim = q.shape
         head_dim_v = head_dim if head_dim_v is None else head_dim_v  # v's and out's
@@ -1096,8 +1113,13 @@ class _PreparedLaunch:
         self.out_strides = (seqlen_q * nheads * head_dim_v, nheads * head_dim_v, head_dim_v, 1)
         lse = _LSE if return_lse else None
         split = lp.mode.split
-        args = _kernel_args(lp, q, _SEQLEN_K, nheads_kv, softmax_scale, _OUT, lse, None, None, None, 0,
-                            _O_PART if split else _OUT, _LSE_PART if split else _OUT,
+        if cache is None:
+            seqlen_k, seqused, kv_batch, pages, page_stride = _SEQLEN_K, None, None, None, 0
+        else:
+            seqlen_k, seqused, page_stride = cache.seqlen_k, _SEQUSED, cache.page_stride
+            kv_batch, pages = _KV_BATCH if cache.kv_batch else None, _PAGES if cache.paged else None
+        args = _kernel_args(lp, q, seqlen_k, nheads_kv, softmax_scale, _OUT, lse, seqused, kv_batch, pages,
+                            page_stride, _O_PART if split else _OUT, _LSE_PART if split else _OUT,
                             _SCHED if lp.mode.dynamic else None, softcap=softcap, sink=sink)
         self.template = [*args, *lp.constexpr_values]
         self.slots = _slots(self.template)
@@ -1109,23 +1131,25 @@ class _PreparedLaunch:
                                      *_combine_constexprs(lp.cfg.head_dim, lp.num_splits, return_lse,
                                                           sink is not None, head_dim_v).values()]
             self.combine_slots = _slots(self.combine_template)
-        self.c_state = self._c_state(q, nheads_kv, head_dim_v) if c_launch.enabled() else None
+        kv_rows = batch if kv_rows is None else kv_rows
+        self.c_state = self._c_state(q, nheads_kv, head_dim_v, kv_rows) if c_launch.enabled() else None
         self.c_launch = c_launch.module().launch if self.c_state is not None else None
         # Whether a call builds q's packed view (kernel_q): the C launch takes
         # q's address alone, which at one query per row is the view's too
         # (packed_q restrides q), so there only a copy is built per call.
         self.q_view = lp.mode.pack_view and (seqlen_q > 1 or self.c_state is None)
 
-    def _c_state(self, q, nheads_kv: int, head_dim_v: int):
+    def _c_state(self, q, nheads_kv: int, head_dim_v: int, kv_rows: int):
         """The templates as ``c_launch``'s state, or None (the Python path).
         The descriptors' tensors: q and out fixed by the signature (out
-        contiguous, ``head_dim_v`` wide), k and v of ``[batch, length, heads,
-        dim]`` with the length and the strides given per call."""
+        contiguous, ``head_dim_v`` wide), k and v of ``[kv_rows, length,
+        heads, dim]`` (a cache's rows or pages, else the batch) with the
+        length and the strides given per call."""
         kernel, lp = self.kernel, self.lp
         if kernel.direct is None or len(kernel.direct.encode) != 4:
             return None
         batch, seqlen_q, nheads, head_dim = q.shape
-        k_shape, v_shape = (batch, 0, nheads_kv, head_dim), (batch, 0, nheads_kv, head_dim_v)
+        k_shape, v_shape = (kv_rows, 0, nheads_kv, head_dim), (kv_rows, 0, nheads_kv, head_dim_v)
         qd = kernel_q(q, lp.mode)
         layouts = ((tuple(qd.shape), tma_strides(qd)), (k_shape, (0,) * 4), (v_shape, (0,) * 4),
                    ((batch, seqlen_q, nheads, head_dim_v), self.out_strides))
@@ -1139,7 +1163,9 @@ class _PreparedLaunch:
                                               self.combine_slots, []))
         return c_launch.prepare(specs)
 
-    def __call__(self, q, k, v, out, lse, seqlen_k: int, device_index: int) -> None:
+    def __call__(self, q, k, v, out, lse, seqlen_k: int, device_index: int, cache=None) -> None:
+        """``cache``: a KV cache call's ``(lengths, rows, pages)`` addresses
+        (None where the layout reads none), with ``seqlen_k`` k's own length."""
         kernel, lp = self.kernel, self.lp
         stream = self.current_stream(device_index)
         out_ptr = out.data_ptr()
@@ -1155,9 +1181,9 @@ class _PreparedLaunch:
             q = packed_q(q, lp.mode.pack_g)
         if self.c_state is not None:
             self.c_launch(self.c_state, stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out_ptr, lse_ptr, o_part,
-                          lse_part, seqlen_k, sched, k.stride(), v.stride())
+                          lse_part, seqlen_k, sched, k.stride(), v.stride(), *(() if cache is None else (cache,)))
             return
-        values = (out_ptr, lse_ptr, o_part, lse_part, seqlen_k, sched)
+        values = (out_ptr, lse_ptr, o_part, lse_part, seqlen_k, sched, *(cache or (None, None, None)))
         flat = [*kernel._descriptor_args(0, q), *kernel._descriptor_args(1, k), *kernel._descriptor_args(2, v),
                 *kernel._descriptor_args(3, out)]
         base = len(flat)
@@ -1175,9 +1201,11 @@ class _PreparedLaunch:
 class PreparedForward:
     """Eager ``flash_attn_func`` calls prepared once per argument signature
     (``dispatch.forward``: arguments of this signature, ``checks._signature``,
-    passed ``checks.validate``): per call, allocate the outputs and launch
-    with a plan found before (``_PreparedLaunch``), skipping the checks, the
-    plan lookup and the argument building. A signature leaves the key length
+    passed ``checks.validate``), and ``flash_attn_with_kvcache``'s
+    (``cache``; their signature is ``kvcache.prepared_key``): per call,
+    allocate the outputs and launch with a plan found before
+    (``_PreparedLaunch``), skipping the checks, the plan lookup and the
+    argument building. A signature leaves the key length
     free (a decode step grows the cache by one key), and the plan depends on
     it through the KV tile count only, so the launches are kept by that
     count (``add``, after a direct launch): a call whose count has none
@@ -1188,11 +1216,12 @@ class PreparedForward:
     kernels' direct launches do."""
 
     __slots__ = ("table", "config", "head_dim", "block_n", "softmax_scale", "softcap", "return_lse", "lse_shape",
-                 "launches", "device_index", "sink", "out_shape")
+                 "launches", "device_index", "sink", "out_shape", "cache")
 
     def __init__(self, q, softmax_scale: float, return_lse: bool, softcap: float = 0.0, sink: int | None = None,
-                 head_dim_v: int | None = None):
+                 head_dim_v: int | None = None, cache: CacheLayout | None = None):
         self.table = _COMPILED
+        self.cache = cache  # a flash_attn_with_kvcache call's (kvcache.prepared_call), else None
         self.device_index = q.device.index  # the signature holds the device
         # v's head dim where it differs from q's (the signature holds both): out's.
         self.out_shape = None if head_dim_v in (None, q.shape[3]) else (*q.shape[:3], head_dim_v)
@@ -1222,17 +1251,18 @@ class PreparedForward:
             self.launches.clear()
         self.launches[triton_cdiv(k.shape[1], self.block_n)] = _PreparedLaunch(
             lp, self.table[lp.key], combine, q, k.shape[2], self.softmax_scale, self.return_lse, self.softcap,
-            self.sink, out.shape[3])
+            self.sink, out.shape[3], k.shape[0], self.cache)
 
     def usable(self) -> bool:
         return (self.table is _COMPILED and FAST_LAUNCH and CONFIGS.get(self.head_dim) is self.config
                 and not _launch_hooked())
 
-    def __call__(self, q, k, v):
+    def __call__(self, q, k, v, cache=None):
         """The outputs, or None where this call cannot serve (not ``usable``,
         or no launch for this key length's KV tile count). Every line is host
         time of every layer of a decode step, run cold between the layer's
-        other code: the fewer Python frames the better."""
+        other code: the fewer Python frames the better. ``cache``: a KV
+        cache call's addresses (``_PreparedLaunch.__call__``)."""
         seqlen_k = k.shape[1]
         launch = self.launches.get(-(-seqlen_k // self.block_n))  # triton_cdiv
         if launch is None or launch.kernel.direct is None or not self.usable():
@@ -1245,10 +1275,10 @@ class PreparedForward:
         lse = None if self.lse_shape is None else q.new_empty(self.lse_shape, dtype=torch.float32)
         device = self.device_index
         if current_device() == device:  # on_device's test, without a guard to enter and leave
-            launch(q, k, v, out, lse, seqlen_k, device)
+            launch(q, k, v, out, lse, seqlen_k, device, cache)
         else:
             with on_device(q):
-                launch(q, k, v, out, lse, seqlen_k, device)
+                launch(q, k, v, out, lse, seqlen_k, device, cache)
         return out if lse is None else (out, lse)
 
 
@@ -1267,17 +1297,18 @@ def prepared(key) -> PreparedForward | None:
 
 
 def remember_prepared(key, lp: LaunchPlan, q, k, out, lse, softmax_scale: float, softcap: float = 0.0,
-                      sink: torch.Tensor | None = None) -> None:
+                      sink: torch.Tensor | None = None, cache: CacheLayout | None = None) -> None:
     """After a direct launch of ``lp`` on arguments of signature ``key``
     (``out`` and ``lse`` allocated for the call; ``sink`` the attention
-    sinks it read in place, whose address the key holds): prepare the
-    signature's calls for this key length's KV tile count."""
+    sinks it read in place, whose address the key holds; ``cache``: a KV
+    cache call's layout): prepare the signature's calls for this key
+    length's KV tile count."""
     call = _PREPARED.get(key)
     if call is None or not call.usable():
         if len(_PREPARED) >= _PREPARED_LIMIT:
             _PREPARED.clear()
         call = _PREPARED[key] = PreparedForward(q, softmax_scale, lse is not None, softcap,
-                                                None if sink is None else sink.data_ptr(), out.shape[3])
+                                                None if sink is None else sink.data_ptr(), out.shape[3], cache)
     call.add(lp, q, k, out, lse)
 
 

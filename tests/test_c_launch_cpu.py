@@ -25,7 +25,7 @@ import pytest
 import torch
 from test_direct_launch_cpu import fakes, remembering  # noqa: F401  (fixtures)
 
-from hopper_flash import c_launch, dispatch, launcher, plan
+from hopper_flash import c_launch, dispatch, kvcache, launcher, plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
@@ -193,6 +193,25 @@ CASES = {
 }
 
 
+def _kv_case(layout, return_lse):
+    """flash_attn_with_kvcache's decode call (prepared, ``kvcache``): lengths
+    per row, and cache rows or pages (their addresses patched in per call)."""
+    def make():
+        q = torch.randn(2, 1, 8, 128).to(torch.bfloat16)
+        kw = dict(cache_seqlens=torch.tensor([5000, 17], dtype=torch.int32))
+        if layout == "pages":
+            k, v = (torch.randn(2 * 64 + 5, 128, 2, 128).to(torch.bfloat16) for _ in "kv")
+            kw["page_table"] = torch.randperm(2 * 64 + 5)[:128].view(2, 64).to(torch.int32)
+        else:
+            k, v = (torch.randn(3, 8190, 2, 128).to(torch.bfloat16) for _ in "kv")
+            kw["cache_batch_idx"] = torch.tensor([2, 0], dtype=torch.int32)
+        return q, k, v, True, return_lse, True, kw
+    return make
+
+
+KV_CASES = {"kvcache-rows": _kv_case("rows", False), "kvcache-pages-lse": _kv_case("pages", True)}
+
+
 def _flat(call, new_convention):
     """The flat argument list of a recorded launcher call: after 13 leading
     arguments in 3.6's convention, the last argument in 3.7's."""
@@ -200,13 +219,24 @@ def _flat(call, new_convention):
 
 
 @pytest.mark.parametrize("convention", ["3.6", "3.7+"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES) + list(KV_CASES))
 def test_the_c_launch_hands_the_driver_what_the_python_path_does(standin, prepared, monkeypatch, case, convention):
     new = convention == "3.7+"
     monkeypatch.setattr(c_launch, "module", lambda libcuda=None: standin.mod)
-    q, k, v, causal, return_lse, split = CASES[case]()
+    if case in KV_CASES:
+        q, k, v, causal, return_lse, split, kv_kw = KV_CASES[case]()
+        monkeypatch.setattr(kvcache, "validate_kvcache", lambda *a, **kw: 0.1)  # (CPU tensors)
+
+        def run():
+            return kvcache.flash_attn_with_kvcache(q, k, v, **kv_kw, softmax_scale=0.1, causal=causal,
+                                                   return_softmax_lse=return_lse)
+    else:
+        q, k, v, causal, return_lse, split = CASES[case]()
+
+        def run():
+            return dispatch.forward(q, k, v, 0.1, causal, return_lse)
     monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", "0")
-    dispatch.forward(q, k, v, 0.1, causal, return_lse)  # compiles (JIT stand-ins)
+    run()  # compiles (JIT stand-ins)
     [key] = plan._COMPILED
     assert key[5].split == split  # the case under test
     if case == "prefill-dynamic":
@@ -217,18 +247,19 @@ def test_the_c_launch_hands_the_driver_what_the_python_path_does(standin, prepar
     if split:
         [c_key] = plan._COMBINE_OF
         plan._COMBINE_OF[c_key] = _kernel_launch(comb, c_calls, [], True, 0, new)
-    res_py = dispatch.forward(q, k, v, 0.1, causal, return_lse)  # direct: the Python path, prepared after it
+    res_py = run()  # direct: the Python path, prepared after it
     assert len(calls) == 1 and len(c_calls) == int(split) and len(fills) == 4
     [call] = plan._PREPARED.values()
     [(tiles, launch)] = call.launches.items()
     assert launch.c_state is None  # prepared while the C path was off
     monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", "1")
     call.launches[tiles] = type(launch)(launch.lp, launch.kernel, launch.combine, q, k.shape[2], 0.1, return_lse,
-                                        head_dim_v=v.shape[3])
+                                        head_dim_v=v.shape[3], kv_rows=k.shape[0], cache=call.cache)
+    assert (call.cache is not None) == (case in KV_CASES)
     state = call.launches[tiles].c_state
     assert state is not None, "no C state"
     standin.lib.standin_reset(0, 0)
-    res_c = dispatch.forward(q, k, v, 0.1, causal, return_lse)  # the prepared call, launched from C
+    res_c = run()  # the prepared call, launched from C
     assert len(calls) == 1 and len(c_calls) == int(split), "the prepared call took the Python path"
     rec = standin.launches()
     assert len(rec) == 1 + int(split)

@@ -9,6 +9,7 @@ import torch
 import hopper_flash
 from hopper_flash import c_launch, plan
 from hopper_flash.reference import check_kvcache
+from gpu_inputs import capture, nan_tailed_cache, paged_copy, rnd
 
 pytestmark = pytest.mark.gpu
 
@@ -91,3 +92,72 @@ def test_c_launch_in_a_replayed_graph_gpu(monkeypatch):
         monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", "1")
         plan._PREPARED.clear()
         assert torch.equal(out, want), length
+
+
+def _kvcache_inputs(layout, lens, seed):
+    """Fresh inputs of one signature (new addresses, the given lengths, a new
+    page order), every cache NaN past each row's length: ``(kwargs for
+    flash_attn_with_kvcache, (q, contiguous k, v, lens) for the judge)``."""
+    nheads, nheads_kv, seqlen_q = (40, 8, 48 if layout == "view5-48" else 1) if layout.startswith("view") else (32, 8, 1)
+    batch = len(lens)
+    q = rnd(batch, seqlen_q, nheads, 128, seed=seed)
+    rows = batch + 2 if layout == "rows" else batch
+    kc, vc = nan_tailed_cache(rows, 4200, nheads_kv, 128, lens + [0] * (rows - batch), seed=seed + 1)
+    cs = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    kw = dict(q=q, k_cache=kc, v_cache=vc, cache_seqlens=cs)
+    if layout == "rows":
+        idx = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))[:batch]
+        kc2, vc2 = torch.full_like(kc, float("nan")), torch.full_like(vc, float("nan"))
+        kc2[idx], vc2[idx] = kc[:batch], vc[:batch]  # row b of the judge's cache is cache row idx[b]
+        kw.update(k_cache=kc2, v_cache=vc2, cache_batch_idx=idx.to(torch.int32).cuda())
+    elif layout.startswith("pages"):
+        kp, vp, pt = paged_copy(kc, vc, int(layout[5:]), lens, seed=seed)
+        kw.update(k_cache=kp, v_cache=vp, page_table=pt)
+    return kw, (q, kc[:batch], vc[:batch])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "rows", "pages64", "pages256", "view5", "view5-48"])
+@pytest.mark.parametrize("c_on", ["0", "1"], ids=["python", "c"])
+def test_kvcache_prepared_calls_gpu(monkeypatch, layout, c_on):
+    """flash_attn_with_kvcache's prepared calls (``kvcache`` docstring): from
+    the third call of a signature on, no checks and no plan, the launch
+    replayed with each call's own q, caches, lengths, rows and pages; every
+    output judged against float64 and bit-equal to the full path's on the
+    same inputs; a captured prepared call replays with new lengths."""
+    monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", c_on)
+    monkeypatch.setattr(plan, "_PREPARED", {})
+    planned = []
+    real = plan.launch_forward
+    monkeypatch.setattr(plan, "launch_forward", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    lse_on = layout in ("pages64", "view5-48")
+    for call, lens in enumerate(([4100, 17, 1, 0], [1, 4096, 300, 2], [4097, 0, 129, 4200], [33, 3001, 4200, 7])):
+        kw, judged = _kvcache_inputs(layout, lens, seed=10 * call)
+        planned.clear()
+        res = hopper_flash.flash_attn_with_kvcache(**kw, causal=True, return_softmax_lse=lse_on)
+        out, lse = res if lse_on else (res, None)
+        # The first call is planned (JIT or direct); the second at the latest prepares the signature.
+        if call == 0:
+            assert planned, "the first call of a signature was not planned"
+        elif call >= 2:
+            assert not planned, f"call {call} was not prepared"
+        bad = [r.message for r in check_kvcache(out, *judged, lens, causal=True, lse=lse) if not r]
+        assert not bad, (call, bad)
+    launches = _prepared_launches()
+    assert len(launches) == 1 and (launches[0].c_state is not None) == (c_on == "1")
+    prepared = plan._PREPARED.copy()
+    plan._PREPARED.clear()
+    full = hopper_flash.flash_attn_with_kvcache(**kw, causal=True, return_softmax_lse=lse_on)
+    for a, b in zip(res if lse_on else (res,), full if lse_on else (full,)):
+        assert torch.equal(a, b)
+    plan._PREPARED.update(prepared)
+    planned.clear()
+    graph, g_res = capture(lambda: hopper_flash.flash_attn_with_kvcache(**kw, causal=True,
+                                                                       return_softmax_lse=lse_on))
+    assert not planned  # captured through the prepared call
+    new_lens = [30, 3000, 4000, 1]  # at most the captured call's, whose caches are NaN past those
+    kw["cache_seqlens"].copy_(torch.tensor(new_lens, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    g_out, g_lse = g_res if lse_on else (g_res, None)
+    bad = [r.message for r in check_kvcache(g_out, *judged, new_lens, causal=True, lse=g_lse) if not r]
+    assert not bad, bad

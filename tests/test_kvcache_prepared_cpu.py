@@ -1,0 +1,186 @@
+"""``flash_attn_with_kvcache``'s prepared calls on the CPU (stand-in kernels,
+``kvcache`` module docstring): a call whose signature launched directly
+before skips the checks and the plan, and must hand the kernels exactly what
+a direct launch of the same arguments hands them, its own lengths, cache
+rows, page table, q and caches included (the prepared launch patches their
+addresses into templates built from another call's). The C launch of the
+same templates is checked against a stand-in libcuda in
+tests/test_c_launch_cpu.py; outputs on the GPU in tests/test_c_launch_gpu.py."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_direct_launch_cpu import META, fakes, remembering  # noqa: F401  (fixtures)
+
+from hopper_flash import kvcache, launcher, plan
+from hopper_flash.kernels import forward
+
+ROWS = 4  # cache rows where cache_batch_idx picks them
+
+
+def _recording_launch(calls: list, descriptors: int) -> launcher.KernelLaunch:
+    """A compiled kernel whose launcher records its flat arguments, each TMA
+    map as ``("map", address)``."""
+    run = SimpleNamespace(launch_cooperative_grid=False, launch_pdl=False)
+    direct = launcher._Direct(lambda *a: calls.append(list(a[13:])), lambda address, *a: ("map", address), {10: 9},
+                              [META] * descriptors, False, run)
+    return launcher.KernelLaunch(SimpleNamespace(function=1, packed_metadata=(4, 1, 1)), direct=direct)
+
+
+def _arguments(layout: str, seed: int, page_size: int = 64) -> dict:
+    """Fresh tensors (new addresses, new lengths and tables) of one signature."""
+    g = torch.Generator().manual_seed(seed)
+    batch, nheads, nheads_kv, seqlen_q = 2, 8, 2, (48 if layout == "view-48" else 1)
+    if layout.startswith("view"):
+        nheads = 10  # a group of 5: PackGQA from a packed view of q (a copy past one query per row)
+    q = torch.randn(batch, seqlen_q, nheads, 128, generator=g).to(torch.bfloat16)
+    args = dict(q=q, cache_seqlens=torch.randint(1, 8000, (batch,), generator=g, dtype=torch.int32))
+    if layout.startswith("pages"):
+        pages = 8192 // page_size
+        args["k_cache"], args["v_cache"] = (torch.randn(batch * pages + 3, page_size, nheads_kv, 128, generator=g)
+                                            .to(torch.bfloat16) for _ in "kv")
+        args["page_table"] = torch.randperm(batch * pages + 3, generator=g)[:batch * pages].view(batch, pages).to(
+            torch.int32)
+        if layout == "pages-rows":
+            args["cache_batch_idx"] = torch.tensor([1, 0], dtype=torch.int32)
+    else:
+        rows = ROWS if layout == "rows" else batch
+        args["k_cache"], args["v_cache"] = (torch.randn(rows, 8192, nheads_kv, 128, generator=g).to(torch.bfloat16)
+                                            for _ in "kv")
+        if layout == "rows":
+            args["cache_batch_idx"] = torch.randperm(ROWS, generator=g)[:batch].to(torch.int32)
+    return args
+
+
+def _direct_from_now_on() -> tuple[list, list]:
+    """After a first (JIT) call: every launch of its kernels is direct, its
+    flat arguments recorded (the forward's, the combine's)."""
+    [key] = plan._COMPILED
+    calls, c_calls = [], []
+    plan._COMPILED[key] = _recording_launch(calls, 4)
+    for c_key in plan._COMBINE_OF:
+        plan._COMBINE_OF[c_key] = _recording_launch(c_calls, 0)
+    return calls, c_calls
+
+
+@pytest.fixture
+def counted(fakes, remembering, monkeypatch):  # noqa: F811
+    """The checks pass for CPU tensors (counted); plan.launch_forward counted."""
+    log = []
+    monkeypatch.setattr(kvcache, "validate_kvcache",
+                        lambda q, *a, **kw: log.append("validate") or q.shape[-1] ** -0.5)
+    real = plan.launch_forward
+    monkeypatch.setattr(plan, "launch_forward", lambda *a, **kw: log.append("plan") or real(*a, **kw))
+    return log
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "rows", "pages", "view-1", "view-48"])
+def test_a_prepared_kvcache_call_launches_what_a_direct_launch_would(counted, layout, return_lse):
+    def call(args):
+        return kvcache.flash_attn_with_kvcache(**args, causal=True, return_softmax_lse=return_lse)
+
+    call(_arguments(layout, 0))  # compiles (JIT stand-ins)
+    [key] = plan._COMPILED
+    assert key[5].seqused and key[5].kv_batch == (layout == "rows") and key[5].page_size == (64 * (layout == "pages"))
+    assert key[5].pack_view == layout.startswith("view")
+    split = key[5].split
+    calls, c_calls = _direct_from_now_on()
+    call(_arguments(layout, 1))  # direct, and prepared after it
+    assert len(plan._PREPARED) == 1 and len(calls) == 1
+    counted.clear()
+
+    args = _arguments(layout, 2)
+    prepared = call(args)  # the prepared call: no checks, no plan
+    assert counted == [] and len(calls) == 2 and len(c_calls) == 2 * split
+    plan._PREPARED.clear()
+    direct = call(args)  # the same arguments, launched directly
+    assert counted == ["validate", "plan"] and len(calls) == 3
+
+    # The direct launch's arguments with its own buffers (out, LSE, partials)
+    # renamed to the prepared call's: every other argument must be the same,
+    # the maps' addresses (q or its packed copy, the caches) included.
+    (out_p, lse_p), (out_d, lse_d) = [r if return_lse else (r, None) for r in (prepared, direct)]
+    rename = {out_d.data_ptr(): out_p.data_ptr()}
+    if lse_d is not None:
+        rename[lse_d.data_ptr()] = lse_p.data_ptr()
+    names = forward.attention_forward_kernel.real.arg_names
+    n_desc = 4 * 9
+    got, want = calls[1], calls[2]
+    assert len(got) == len(want)
+    p_args = dict(zip(names[4:], got[n_desc:]))
+    d_args = dict(zip(names[4:], want[n_desc:]))
+    if split:
+        for name in ("o_part_ptr", "lse_part_ptr"):
+            rename[d_args[name]] = p_args[name]
+    q_map = want[0]
+    if layout == "view-48":  # q's packed copy, a fresh tensor per call
+        rename[q_map[1]] = got[0][1]
+    else:
+        assert q_map == ("map", args["q"].data_ptr())
+    assert want[9] == ("map", args["k_cache"].data_ptr()) and want[18] == ("map", args["v_cache"].data_ptr())
+
+    def renamed(x):
+        return ("map", rename.get(x[1], x[1])) if isinstance(x, tuple) else rename.get(x, x)
+    assert got == [renamed(x) for x in want]
+    assert p_args["seqused_ptr"] == args["cache_seqlens"].data_ptr()
+    if layout == "rows":
+        assert p_args["kv_batch_ptr"] == args["cache_batch_idx"].data_ptr()
+    if layout == "pages":
+        assert p_args["page_table_ptr"] == args["page_table"].data_ptr()
+    if split:
+        c_got, c_want = c_calls[-2], c_calls[-1]
+        assert c_got == [renamed(x) for x in c_want]
+    assert out_p.shape == out_d.shape and out_p.is_contiguous()
+
+
+@pytest.mark.parametrize("change", ["lengths-misaligned", "table-width", "scale", "window", "contract", "append"])
+def test_a_call_unlike_the_prepared_one_takes_the_full_path(counted, change, monkeypatch):
+    """A call that differs from the prepared one in what the checks or the
+    plan read, or that the prepared launch cannot replay, takes the full path."""
+    layout = "pages" if change == "table-width" else "contiguous"
+
+    def call(args, **kw):
+        return kvcache.flash_attn_with_kvcache(**args, causal=True, **kw)
+
+    call(_arguments(layout, 0))
+    _direct_from_now_on()
+    call(_arguments(layout, 1))
+    assert len(plan._PREPARED) == 1
+    args, kw = _arguments(layout, 2), {}
+    if change == "lengths-misaligned":  # the kernels specialise on 16-byte pointers
+        args["cache_seqlens"] = torch.zeros(5, dtype=torch.int32)[1:3].copy_(args["cache_seqlens"])
+    elif change == "table-width":
+        args["page_table"] = torch.cat([args["page_table"], args["page_table"][:, :1]], 1)
+    elif change == "scale":
+        kw["softmax_scale"] = 0.5
+    elif change == "window":
+        kw["window_size"] = (100, 0)
+    elif change == "contract":
+        monkeypatch.setattr(kvcache, "check_contract", lambda *a: counted.append("contract"))
+        kw["check_contract"] = True
+    elif change == "append":
+        kw["k"] = kw["v"] = torch.randn(2, 1, 2, 128).to(torch.bfloat16)
+        monkeypatch.setattr(kvcache, "_append", lambda q, *a: q)
+    counted.clear()
+    call(args, **kw)
+    assert "plan" in counted, "a call the prepared launch cannot serve took it"
+    assert ("contract" in counted) == (change == "contract")
+
+
+@pytest.mark.parametrize("layout", ["lengths-strided", "pages-copied", "pages-gathered", "pages-rows"])
+def test_layouts_a_prepared_launch_cannot_replay_are_never_prepared(counted, layout):
+    """Lengths copied per call (not contiguous), pages copied (a page size
+    TMA cannot read in place) or gathered (the pools are per-call kernel
+    arguments), and cache rows with pages: every call takes the full path."""
+    page_size = {"pages-copied": 48, "pages-gathered": 8}.get(layout, 64)
+    for seed in range(4):
+        args = _arguments("contiguous" if layout == "lengths-strided" else layout, seed, page_size)
+        if layout == "lengths-strided":
+            args["cache_seqlens"] = torch.zeros(4, dtype=torch.int32)[::2].copy_(args["cache_seqlens"])
+        counted.clear()
+        kvcache.flash_attn_with_kvcache(**args, causal=True)
+        assert "plan" in counted, seed
+        if seed == 0:
+            _direct_from_now_on()
+    assert not plan._PREPARED
