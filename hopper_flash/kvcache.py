@@ -348,18 +348,18 @@ def prepared_key(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table
             type(pack_gqa), pack_gqa, return_lse, window, softcap)
 
 
-def _prepared_layout(lp, cfg, kc, pt, page_table, cache_batch_idx, seqused, cache_seqlens) -> plan.CacheLayout | None:
-    """The ``plan.CacheLayout`` under which the direct launch of ``lp`` (None:
-    it was not direct) can be replayed by a prepared call with another
-    call's addresses, or None where it cannot: the lengths were built or
-    copied for this call, the pages were copied (``pt`` is not the table)
-    or are gathered from per-call pools, or cache rows go with pages."""
-    if lp is None or seqused is not cache_seqlens or pt is not page_table:
+def _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqused, cache_seqlens) -> plan.CacheLayout | None:
+    """The ``plan.CacheLayout`` under which this call's launch (on ``kc``,
+    ``pt``) can be replayed by a prepared call with another call's
+    addresses, or None where it cannot: the lengths were built or copied
+    for this call, the pages were copied (``pt`` is not the table) or are
+    gathered from per-call pools, or cache rows go with pages."""
+    if seqused is not cache_seqlens or pt is not page_table:
         return None
     if pt is not None and (cache_batch_idx is not None or plan.gathers(kc.shape[1], cfg.head_dim)):
         return None
     return plan.CacheLayout(seqlen_k=pt.shape[1] * kc.shape[1] if pt is not None else kc.shape[1],
-                            kv_batch=lp.mode.kv_batch, paged=pt is not None,
+                            kv_batch=pt is None and cache_batch_idx is not None, paged=pt is not None,
                             page_stride=pt.stride(0) if pt is not None else 0)
 
 
@@ -520,8 +520,10 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     with plan.on_device(q):
         lp = plan.launch_forward(*args, **kwargs)
     if prepare_key is not None and q.device.type == checks._PASSED_DEVICE_TYPE:
-        layout = _prepared_layout(lp, cfg, kc, pt, page_table, cache_batch_idx, seqused, cache_seqlens)
-        if layout is not None:
+        # Prepared at the signature's second launch (plan.sighted), the first
+        # counting even where it went through the JIT; only after a direct one.
+        layout = _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqused, cache_seqlens)
+        if layout is not None and plan.sighted(prepare_key) and lp is not None:
             plan.remember_prepared(prepare_key, lp, q, kc, out, lse, softmax_scale, softcap, cache=layout)
     return out, lse
 

@@ -1285,6 +1285,22 @@ class PreparedForward:
 # Prepared eager calls by argument signature (``dispatch.forward``'s key).
 _PREPARED: dict[tuple, PreparedForward] = {}
 _PREPARED_LIMIT = 1024
+# KV cache call signatures met once (``sighted``): prepared at the second.
+_SIGHTED: dict[tuple, None] = {}
+
+
+def sighted(key) -> bool:
+    """Whether ``key`` was met before; records it if not. A KV cache call
+    is prepared at its signature's second launch, not its first: a cache
+    passed as a growing view (``k_cache[:, :L]``, a new shape every step)
+    would otherwise build a prepared launch per call that nothing reuses
+    (on the CPU stand-in 81 against 23 us a call)."""
+    if key in _SIGHTED:
+        return True
+    if len(_SIGHTED) >= _PREPARED_LIMIT:
+        _SIGHTED.clear()
+    _SIGHTED[key] = None
+    return False
 
 
 def prepared(key) -> PreparedForward | None:

@@ -216,6 +216,7 @@ def remembering(monkeypatch):
     monkeypatch.setattr(checks, "_PASSED", {})
     monkeypatch.setattr(checks, "_PASSED_DEVICE_TYPE", "cpu")
     monkeypatch.setattr(plan, "_PREPARED", {})
+    monkeypatch.setattr(plan, "_SIGHTED", {})
     monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # a CPU tensor's device index
 

@@ -184,3 +184,30 @@ def test_layouts_a_prepared_launch_cannot_replay_are_never_prepared(counted, lay
         if seed == 0:
             _direct_from_now_on()
     assert not plan._PREPARED
+
+
+def test_a_signature_is_prepared_at_its_second_launch_and_a_growing_view_never(counted):
+    """A signature met once is not prepared (a cache passed as a growing
+    view, ``k_cache[:, :L]``, is a new signature every step: a prepared
+    launch per call would cost more host time than it saves), the second
+    launch prepares it, even after a first through the JIT."""
+    big = _arguments("contiguous", 0)
+    q, lens = big["q"], big["cache_seqlens"]
+    kc, vc = (torch.randn(2, 8300, 2, 128).to(torch.bfloat16) for _ in "kv")
+
+    def call(length):
+        return kvcache.flash_attn_with_kvcache(q, kc[:, :length], vc[:, :length], cache_seqlens=lens, causal=True)
+
+    call(8192)  # the JIT's launch: met once
+    _direct_from_now_on()
+    for length in range(8100, 8192):  # one KV tile count, a new shape each: direct, never prepared
+        call(length)
+    assert not plan._PREPARED
+    call(8192)  # met again: prepared now, for the next
+    assert len(plan._PREPARED) == 1
+    counted.clear()
+    call(8192)
+    assert counted == []
+    counted.clear()
+    call(8191)  # met before too (in the loop): this direct launch prepares it
+    assert counted == ["validate", "plan"] and len(plan._PREPARED) == 2
