@@ -210,6 +210,29 @@ def test_cuda_graph_option_selects_graph_replay_timing(monkeypatch):
     assert (t.median_ms, t.min_ms, t.max_ms, t.reps) == (2.0, 1.0, 3.0, 3)
 
 
+@pytest.mark.parametrize("call_ms,min_calls,expected", [(13.0, 3, 3), (13.0, 1, 1), (2.0, 3, 12)])
+def test_do_bench_timer_times_at_least_min_calls(monkeypatch, call_ms, min_calls, expected):
+    """Under --rounds each round gets a share of the budget: a call longer
+    than the share over ``min_calls`` is timed again, in a second do_bench
+    sized for the calls still missing (do_bench times rep / its estimate)."""
+    import triton.testing
+
+    from hopper_flash.bench import timing
+
+    budgets = []
+
+    def fake_do_bench(fn, warmup, rep, return_mode):
+        budgets.append((warmup, rep))
+        return [call_ms] * max(1, int(rep / call_ms))
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    t = timing.do_bench_timer(10, 25, min_calls)(lambda: None)
+    assert t.reps == expected and t.median_ms == call_ms
+    assert budgets[0] == (10, 25)
+    if len(budgets) > 1:
+        assert budgets[1][0] == 0 and int(budgets[1][1] / call_ms) == expected - 1
+
+
 # ---- FA3 on dtypes its build may lack (bench/backends.fa3_probe) ------------
 
 def _completed(returncode, stderr=""):

@@ -168,11 +168,14 @@ def test_header_states_the_measured_hbm_copy_rate(monkeypatch):
     assert "not measured" in line
 
 
+@pytest.mark.parametrize("rounds", [1, 4])
 @pytest.mark.parametrize("graph", [False, True], ids=["plain", "cuda-graph"])
-def test_copy_rate_is_timed_with_do_bench_under_any_timer(monkeypatch, graph):
+def test_copy_rate_is_timed_with_do_bench_under_any_timer(monkeypatch, graph, rounds):
     """A ``--cuda-graph`` run times the attention calls by graph replay, but
     the header's copy rate is the GPU's: timed with ``do_bench`` (a graph's
-    replay of the copy read 2.45 TB/s against 3.02 on one H100)."""
+    replay of the copy read 2.45 TB/s against 3.02 on one H100). With
+    ``--rounds`` the calls' timer gets each round's share of the budgets and
+    (do_bench) at least ``ROUND_MIN_CALLS`` calls a round."""
     from hopper_flash.bench import cli, environment, timing
 
     made = []
@@ -191,10 +194,16 @@ def test_copy_rate_is_timed_with_do_bench_under_any_timer(monkeypatch, graph):
     copy_timers = []
     monkeypatch.setattr(timing, "hbm_copy_tbs", lambda timer: copy_timers.append(timer) or 3.0)
     seen = {}
-    monkeypatch.setattr(cli, "execute", lambda *a, **kw: seen.update(kw) or 0)
-    argv = ["bench", "--backends", "hopper_flash", "--rep-ms", "40", "--warmup-ms", "8"] + (["--cuda-graph"] if graph else [])
+    monkeypatch.setattr(cli, "execute", lambda configs, backends, timer, *a, **kw: seen.update(kw, timer=timer) or 0)
+    argv = (["bench", "--backends", "hopper_flash", "--rep-ms", "40", "--warmup-ms", "8", "--rounds", str(rounds)]
+            + (["--cuda-graph"] if graph else []))
     args = cli.build_parser().parse_args(argv)
     assert cli.bench(args, [], "cmd") == 0
     assert seen["hbm_copy_tbs"] == 3.0
     kind, budgets, timer = next(m for m in made if m[2] is copy_timers[0])
-    assert kind == "do_bench" and budgets == (8, 40)
+    assert kind == "do_bench" and budgets[:2] == (8, 40)
+    kind, budgets, timer = next(m for m in made if m[2] is seen["timer"])
+    if graph:
+        assert kind == "graph" and budgets == (40 / rounds,)
+    else:
+        assert kind == "do_bench" and budgets == (8 / rounds, 40 / rounds, timing.ROUND_MIN_CALLS if rounds > 1 else 1)

@@ -98,7 +98,8 @@ def _kvcache_inputs(layout, lens, seed):
     """Fresh inputs of one signature (new addresses, the given lengths, a new
     page order), every cache NaN past each row's length: ``(kwargs for
     flash_attn_with_kvcache, (q, contiguous k, v, lens) for the judge)``."""
-    nheads, nheads_kv, seqlen_q = (40, 8, 48 if layout == "view5-48" else 1) if layout.startswith("view") else (32, 8, 1)
+    view = layout.startswith("view")  # a group of 5: PackGQA from a packed view of q
+    nheads, nheads_kv, seqlen_q = (40, 8, 48 if layout == "view5-48" else 1) if view else (32, 8, 1)
     batch = len(lens)
     q = rnd(batch, seqlen_q, nheads, 128, seed=seed)
     rows = batch + 2 if layout == "rows" else batch
