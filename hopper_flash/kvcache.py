@@ -436,8 +436,7 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
         page_table = page_table.contiguous()
     s_new = k.shape[1] if k is not None else 0
     seqused = seqlens + s_new if s_new else seqlens  # int32, contiguous
-    if check is None:
-        check = os.environ.get("HOPPER_FLASH_CHECK_KVCACHE", "0") not in ("", "0")
+    check = _contract_checked(check)
     if cache_leftpad is not None:
         cache_leftpad = cache_leftpad.contiguous()
     if check and not checks.capturing():  # (a host sync: not while a CUDA graph is captured)
@@ -734,7 +733,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
 
 
 def _contract_checked(check_contract) -> bool:
-    """Whether this call checks the caller's contract (a host sync: never prepared)."""
+    """Whether this call checks the caller's contract (``check_contract``;
+    None: ``HOPPER_FLASH_CHECK_KVCACHE``): a host sync, so never a prepared
+    call."""
     if check_contract is None:
         return os.environ.get("HOPPER_FLASH_CHECK_KVCACHE", "0") not in ("", "0")
     return bool(check_contract)

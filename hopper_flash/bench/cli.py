@@ -211,12 +211,12 @@ def bench(args: argparse.Namespace, configs: list[Config], command: str) -> int:
         return 2
     from . import runner
     from .backends import variant_backend
-    from .timing import ROUND_MIN_CALLS, cuda_graph_timer, do_bench_timer, hbm_copy_tbs, matmul_tflops
+    from .timing import cuda_graph_timer, do_bench_timer, hbm_copy_tbs, matmul_tflops, round_timer
 
     def make_timer(share: int):
         if args.cuda_graph:
             return cuda_graph_timer(args.rep_ms / share)
-        return do_bench_timer(args.warmup_ms / share, args.rep_ms / share, ROUND_MIN_CALLS if share > 1 else 1)
+        return round_timer(args.warmup_ms, args.rep_ms, share)
 
     backends = select_backends(all_backends(), args.backends) + [variant_backend(v) for v in args.variant]
     # The copy rate is the GPU's, whatever the run's timer: replayed from a

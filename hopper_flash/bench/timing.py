@@ -90,6 +90,13 @@ def do_bench_timer(warmup_ms: float = 100, rep_ms: float = 500, min_calls: int =
 ROUND_MIN_CALLS = 3  # timed calls per round at least, under --rounds (do_bench_timer's min_calls)
 
 
+def round_timer(warmup_ms: float, rep_ms: float, rounds: int) -> Timer:
+    """``do_bench_timer`` for one of ``rounds`` rounds (``time_in_rounds``):
+    the budgets' share, and at least ``ROUND_MIN_CALLS`` calls where there
+    is more than one round."""
+    return do_bench_timer(warmup_ms / rounds, rep_ms / rounds, ROUND_MIN_CALLS if rounds > 1 else 1)
+
+
 def cuda_graph_timer(rep_ms: float = 500) -> Timer:
     """A Timer that replays ``fn`` from a CUDA graph (triton's
     ``do_bench_cudagraph``): the calls are captured back to back into one

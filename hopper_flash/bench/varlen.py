@@ -276,7 +276,7 @@ def main(args, command: str) -> int:
     import sys
 
     from .environment import hopper_problem
-    from .timing import ROUND_MIN_CALLS, do_bench_timer
+    from .timing import round_timer
 
     problem = hopper_problem()
     if problem:
@@ -295,8 +295,7 @@ def main(args, command: str) -> int:
     if passes == ("fwd",):
         passes = PASSES
     rounds = getattr(args, "rounds", 1)
-    report = run(cfg, do_bench_timer(args.warmup_ms / rounds, args.rep_ms / rounds,
-                                     ROUND_MIN_CALLS if rounds > 1 else 1), passes=passes, rounds=rounds)
+    report = run(cfg, round_timer(args.warmup_ms, args.rep_ms, rounds), passes=passes, rounds=rounds)
     print(command)
     print(format_report(report))
     if args.json:
