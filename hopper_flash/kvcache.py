@@ -15,14 +15,16 @@ Follows flash-attn's semantics and names. One decode step is
 Nothing on this path reads a device value on the host, so a step can be
 captured in a CUDA graph and replayed with new ``cache_seqlens``.
 
-**Prepared calls.** An eager call without an append (no ``k``/``v``, no
-rotary embedding, left pad, packed queries, chunking, sinks or contract
-check) whose arguments have the signature of one that ran before
-(``prepared_key``: every tensor's shape, strides, dtype, device and 16-byte
-alignment, and the Python values) skips the checks and the plan and
-launches the kernels it launched then (``plan.PreparedForward``, from C
-where it can), with this call's addresses: as ``flash_attn_func``'s eager
-calls do. A decode loop without CUDA graphs pays that per layer and step.
+**Prepared calls.** An eager call without rotary embedding, left pad,
+packed queries, chunking, sinks or contract check whose arguments have the
+signature of one that ran before (``prepared_key``: every tensor's shape,
+strides, dtype, device and 16-byte alignment, and the Python values) skips
+the checks and the plan and launches the kernels it launched then
+(``plan.PreparedForward``, from C where it can), with this call's
+addresses: as ``flash_attn_func``'s eager calls do. With ``k``/``v`` the
+append runs first, as on the full path, and the attention reads the
+lengths after it. A decode loop without CUDA graphs pays that per layer
+and step.
 
 **Caller's contract** (as in flash-attn; not checked by default because
 checking needs a host sync): ``cache_seqlens[b] + seqlen_new`` is at most the
@@ -330,14 +332,14 @@ def _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rot
     return q_out if q_out is not None else q
 
 
-def prepared_key(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
+def prepared_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
                  num_splits, pack_gqa, return_lse, window, softcap) -> tuple | None:
     """The signature of a call that may take a prepared launch (the module
     docstring): what ``validate_kvcache`` and the plan read of it, the
     pointers' 16-byte alignment (the kernels specialise on it) included.
     None where a tensor is not a plain one (a subclass takes the full path)
     or has no strides (the checks say what is wrong)."""
-    tensors = (q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table)
+    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)
     if any(t is not None and type(t) is not torch.Tensor for t in tensors):
         return None
     try:
@@ -348,13 +350,21 @@ def prepared_key(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table
             type(pack_gqa), pack_gqa, return_lse, window, softcap)
 
 
-def _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqused, cache_seqlens) -> plan.CacheLayout | None:
+def _lengths_after_append(cache_seqlens, s_new: int):
+    """The live lengths the attention reads: ``cache_seqlens`` itself, or
+    after an append of ``s_new`` keys a fresh int32 vector (a torch op on
+    the device, captured in a graph)."""
+    return cache_seqlens + s_new if s_new else cache_seqlens
+
+
+def _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqlens, cache_seqlens) -> plan.CacheLayout | None:
     """The ``plan.CacheLayout`` under which this call's launch (on ``kc``,
     ``pt``) can be replayed by a prepared call with another call's
     addresses, or None where it cannot: the lengths were built or copied
-    for this call, the pages were copied (``pt`` is not the table) or are
-    gathered from per-call pools, or cache rows go with pages."""
-    if seqused is not cache_seqlens or pt is not page_table:
+    for this call (``seqlens``, the lengths before any append, are not
+    ``cache_seqlens``), the pages were copied (``pt`` is not the table) or
+    are gathered from per-call pools, or cache rows go with pages."""
+    if seqlens is not cache_seqlens or pt is not page_table:
         return None
     if pt is not None and (cache_batch_idx is not None or plan.gathers(kc.shape[1], cfg.head_dim)):
         return None
@@ -363,16 +373,23 @@ def _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqused, cache_se
                             page_stride=pt.stride(0) if pt is not None else 0)
 
 
-def prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v_cache):
+def prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v_cache, k=None, v=None):
     """The outputs of the call prepared under ``key`` (``prepared_key``), or
-    None where there is none (or it is no longer usable)."""
+    None where there is none (or it is no longer usable): with ``k``, ``v``,
+    their append first (launched as the full path launches it), the
+    attention then over the lengths after it."""
     call = plan.prepared(key)
-    if call is None:
-        return None
+    launch = call.launch_for(k_cache) if call is not None else None
+    if launch is None:
+        return None  # (before the append: the full path appends)
+    seqused = cache_seqlens
+    if k is not None:
+        with plan.on_device(q):
+            _append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, None)
+        seqused = _lengths_after_append(cache_seqlens, k.shape[1])
     layout = call.cache
-    return call(q, k_cache, v_cache, (cache_seqlens.data_ptr(),
-                                      cache_batch_idx.data_ptr() if layout.kv_batch else None,
-                                      page_table.data_ptr() if layout.paged else None))
+    return call(q, k_cache, v_cache, (seqused.data_ptr(), cache_batch_idx.data_ptr() if layout.kv_batch else None,
+                                      page_table.data_ptr() if layout.paged else None), launch)
 
 
 def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
@@ -435,7 +452,7 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     if page_table is not None:
         page_table = page_table.contiguous()
     s_new = k.shape[1] if k is not None else 0
-    seqused = seqlens + s_new if s_new else seqlens  # int32, contiguous
+    seqused = _lengths_after_append(seqlens, s_new)  # int32, contiguous
     check = _contract_checked(check)
     if cache_leftpad is not None:
         cache_leftpad = cache_leftpad.contiguous()
@@ -521,7 +538,7 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     if prepare_key is not None and q.device.type == checks._PASSED_DEVICE_TYPE:
         # Prepared at the signature's second launch (plan.sighted), the first
         # counting even where it went through the JIT; only after a direct one.
-        layout = _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqused, cache_seqlens)
+        layout = _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqlens, cache_seqlens)
         if layout is not None and plan.sighted(prepare_key) and lp is not None:
             plan.remember_prepared(prepare_key, lp, q, kc, out, lse, softmax_scale, softcap, cache=layout)
     return out, lse
@@ -716,13 +733,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                                chunk)
         return (out, lse) if return_softmax_lse else out
     key = None
-    if (k is None and v is None and rotary_cos is None and rotary_sin is None and cache_leftpad is None
-            and cu_seqlens_q is None and not chunk and learnable_sink is None
-            and isinstance(cache_seqlens, torch.Tensor) and not _contract_checked(check_contract)):
-        key = prepared_key(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                           num_splits, pack_gqa, bool(return_softmax_lse), window, softcap)
+    if (rotary_cos is None and rotary_sin is None and cache_leftpad is None and cu_seqlens_q is None and not chunk
+            and learnable_sink is None and isinstance(cache_seqlens, torch.Tensor)
+            and not _contract_checked(check_contract)):
+        key = prepared_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
+                           causal, num_splits, pack_gqa, bool(return_softmax_lse), window, softcap)
         if key is not None:
-            result = prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v_cache)
+            result = prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v_cache, k, v)
             if result is not None:
                 return result
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,

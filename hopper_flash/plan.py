@@ -1257,16 +1257,25 @@ class PreparedForward:
         return (self.table is _COMPILED and FAST_LAUNCH and CONFIGS.get(self.head_dim) is self.config
                 and not _launch_hooked())
 
-    def __call__(self, q, k, v, cache=None):
-        """The outputs, or None where this call cannot serve (not ``usable``,
-        or no launch for this key length's KV tile count). Every line is host
-        time of every layer of a decode step, run cold between the layer's
-        other code: the fewer Python frames the better. ``cache``: a KV
-        cache call's addresses (``_PreparedLaunch.__call__``)."""
-        seqlen_k = k.shape[1]
-        launch = self.launches.get(-(-seqlen_k // self.block_n))  # triton_cdiv
+    def launch_for(self, k) -> _PreparedLaunch | None:
+        """The launch prepared for ``k``'s KV tile count, or None where this
+        call cannot serve (not ``usable``, or no launch for that count)."""
+        launch = self.launches.get(-(-k.shape[1] // self.block_n))  # triton_cdiv
         if launch is None or launch.kernel.direct is None or not self.usable():
             return None
+        return launch
+
+    def __call__(self, q, k, v, cache=None, launch=None):
+        """The outputs, or None where this call cannot serve (``launch_for``).
+        Every line is host time of every layer of a decode step, run cold
+        between the layer's other code: the fewer Python frames the better.
+        ``cache``: a KV cache call's addresses (``_PreparedLaunch.__call__``);
+        ``launch``: ``launch_for(k)``, where the caller has it already."""
+        seqlen_k = k.shape[1]
+        if launch is None:
+            launch = self.launch_for(k)
+            if launch is None:
+                return None
         # empty_like: half torch.empty's host time; q's layout is BSHD, not its memory order
         if self.out_shape is None:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)

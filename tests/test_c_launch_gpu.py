@@ -162,3 +162,67 @@ def test_kvcache_prepared_calls_gpu(monkeypatch, layout, c_on):
     g_out, g_lse = g_res if lse_on else (g_res, None)
     bad = [r.message for r in check_kvcache(g_out, *judged, new_lens, causal=True, lse=g_lse) if not r]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "pages64"])
+@pytest.mark.parametrize("c_on", ["0", "1"], ids=["python", "c"])
+def test_kvcache_prepared_calls_with_an_append_gpu(monkeypatch, layout, c_on):
+    """Prepared calls with new keys (flash-attn's decode idiom): each call's
+    two new keys land at its ``cache_seqlens`` (the positions were NaN
+    before) and its attention reads the lengths after them; judged against
+    float64 over the cache as it should be; the last call bit-equal to the
+    full path's on the same inputs; a captured prepared call replayed with
+    new lengths writes the keys there and attends over them."""
+    monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", c_on)
+    monkeypatch.setattr(plan, "_PREPARED", {})
+    planned = []
+    real = plan.launch_forward
+    monkeypatch.setattr(plan, "launch_forward", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    s_new = 2
+
+    def inputs(lens, seed):
+        q = rnd(len(lens), 1, 32, 128, seed=seed)
+        kc, vc = nan_tailed_cache(len(lens), 4200, 8, 128, lens, seed=seed + 1)
+        k_new = torch.stack([kc[b, n - s_new:n] for b, n in enumerate(lens)])
+        v_new = torch.stack([vc[b, n - s_new:n] for b, n in enumerate(lens)])
+        kp, vp = kc.clone(), vc.clone()
+        for b, n in enumerate(lens):
+            kp[b, n - s_new:n] = float("nan")  # the append must write them
+            vp[b, n - s_new:n] = float("nan")
+        kw = dict(q=q, k=k_new, v=v_new, cache_seqlens=torch.tensor([n - s_new for n in lens], dtype=torch.int32,
+                                                                    device="cuda"))
+        if layout == "pages64":
+            kp, vp, pt = paged_copy(kp, vp, 64, lens, seed=seed)
+            kw["page_table"] = pt
+        kw.update(k_cache=kp, v_cache=vp)
+        return kw, (q, kc, vc)
+
+    for call, lens in enumerate(([4100, 17, 2, 3], [2, 4096, 300, 5], [4097, 2, 129, 4200], [33, 3001, 4200, 7])):
+        kw, judged = inputs(lens, seed=10 * call)
+        planned.clear()
+        out = hopper_flash.flash_attn_with_kvcache(**kw, causal=True)
+        if call == 0:
+            assert planned, "the first call of a signature was not planned"
+        elif call >= 2:
+            assert not planned, f"call {call} was not prepared"
+        bad = [r.message for r in check_kvcache(out, *judged, lens, causal=True) if not r]
+        assert not bad, (call, bad)
+    assert (_prepared_launches()[0].c_state is not None) == (c_on == "1")
+    prepared = plan._PREPARED.copy()
+    plan._PREPARED.clear()
+    full = hopper_flash.flash_attn_with_kvcache(**kw, causal=True)  # appends the same keys again, in place
+    assert torch.equal(out, full)
+    plan._PREPARED.update(prepared)
+    planned.clear()
+    graph, g_out = capture(lambda: hopper_flash.flash_attn_with_kvcache(**kw, causal=True))
+    assert not planned  # captured through the prepared call
+    new_cs = [10, 2000, 3000, 0]
+    kw["cache_seqlens"].copy_(torch.tensor(new_cs, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    q, kc, vc = judged
+    kc, vc = kc.clone(), vc.clone()
+    for b, n in enumerate(new_cs):  # the cache as the replay leaves it
+        kc[b, n:n + s_new], vc[b, n:n + s_new] = kw["k"][b], kw["v"][b]
+    bad = [r.message for r in check_kvcache(g_out, q, kc, vc, [n + s_new for n in new_cs], causal=True) if not r]
+    assert not bad, bad

@@ -1,8 +1,9 @@
 """``flash_attn_with_kvcache``'s prepared calls on the CPU (stand-in kernels,
 ``kvcache`` module docstring): a call whose signature launched directly
 before skips the checks and the plan, and must hand the kernels exactly what
-a direct launch of the same arguments hands them, its own lengths, cache
-rows, page table, q and caches included (the prepared launch patches their
+a direct launch of the same arguments hands them, its own lengths (after
+its append, where it has new keys), cache rows, page table, q and caches
+included (the prepared launch patches their
 addresses into templates built from another call's). The C launch of the
 same templates is checked against a stand-in libcuda in
 tests/test_c_launch_cpu.py; outputs on the GPU in tests/test_c_launch_gpu.py."""
@@ -134,6 +135,66 @@ def test_a_prepared_kvcache_call_launches_what_a_direct_launch_would(counted, la
     assert out_p.shape == out_d.shape and out_p.is_contiguous()
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "pages"])
+def test_a_prepared_call_with_an_append_appends_then_attends_over_the_new_lengths(counted, layout, monkeypatch):
+    """With new keys the prepared call launches the append as the full path
+    does (the same arguments), then the attention over the lengths after it:
+    a fresh vector, whose address the prepared launch passes."""
+    appends, lengths = [], []
+    monkeypatch.setattr(kvcache, "_append", lambda q, *a: appends.append(a) or q)
+    real = kvcache._lengths_after_append
+    monkeypatch.setattr(kvcache, "_lengths_after_append",
+                        lambda seqlens, s_new: lengths.append(real(seqlens, s_new)) or lengths[-1])
+
+    def call(args):
+        return kvcache.flash_attn_with_kvcache(**args, causal=True)
+
+    def with_new_keys(seed):
+        args = _arguments(layout, seed)
+        g = torch.Generator().manual_seed(100 + seed)
+        args["k"], args["v"] = (torch.randn(2, 3, 2, 128, generator=g).to(torch.bfloat16) for _ in "kv")
+        return args
+
+    call(with_new_keys(0))
+    calls, _ = _direct_from_now_on()
+    call(with_new_keys(1))
+    assert len(plan._PREPARED) == 1
+    counted.clear()
+    args = with_new_keys(2)
+    call(args)  # prepared
+    assert counted == [] and len(appends) == 3 and len(calls) == 2
+    seqused = lengths[-1]
+    assert torch.equal(seqused, args["cache_seqlens"] + 3)
+    names = forward.attention_forward_kernel.real.arg_names
+    p_args = dict(zip(names[4:], calls[-1][4 * 9:]))
+    assert p_args["seqused_ptr"] == seqused.data_ptr()
+    plan._PREPARED.clear()
+    call(args)  # the full path on the same arguments: the same append
+    assert counted == ["validate", "plan"] and len(appends) == 4
+
+    def same(a, b):
+        return all(torch.equal(x, y) and x.data_ptr() == y.data_ptr() if isinstance(x, torch.Tensor) else x == y
+                   for x, y in zip(a, b))
+    assert same(appends[2], appends[3])
+
+
+def test_a_prepared_call_that_cannot_serve_does_not_append(counted, monkeypatch):
+    """A prepared call whose launch is gone (the compiled-kernel table
+    replaced) returns before the append: the full path appends, once."""
+    appends = []
+    monkeypatch.setattr(kvcache, "_append", lambda q, *a: appends.append(a) or q)
+    args = _arguments("contiguous", 0)
+    args["k"] = args["v"] = torch.randn(2, 1, 2, 128).to(torch.bfloat16)
+    kvcache.flash_attn_with_kvcache(**args, causal=True)
+    _direct_from_now_on()
+    kvcache.flash_attn_with_kvcache(**args, causal=True)
+    assert len(plan._PREPARED) == 1 and len(appends) == 2
+    monkeypatch.setattr(plan, "_COMPILED", dict(plan._COMPILED))  # another table: the prepared call stands down
+    counted.clear()
+    kvcache.flash_attn_with_kvcache(**args, causal=True)
+    assert counted == ["validate", "plan"] and len(appends) == 3
+
+
 @pytest.mark.parametrize("change", ["lengths-misaligned", "table-width", "scale", "window", "contract", "append"])
 def test_a_call_unlike_the_prepared_one_takes_the_full_path(counted, change, monkeypatch):
     """A call that differs from the prepared one in what the checks or the
@@ -159,7 +220,7 @@ def test_a_call_unlike_the_prepared_one_takes_the_full_path(counted, change, mon
     elif change == "contract":
         monkeypatch.setattr(kvcache, "check_contract", lambda *a: counted.append("contract"))
         kw["check_contract"] = True
-    elif change == "append":
+    elif change == "append":  # new keys: another signature
         kw["k"] = kw["v"] = torch.randn(2, 1, 2, 128).to(torch.bfloat16)
         monkeypatch.setattr(kvcache, "_append", lambda q, *a: q)
     counted.clear()
