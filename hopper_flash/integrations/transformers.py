@@ -322,10 +322,10 @@ def _thd(x: torch.Tensor) -> torch.Tensor:
 _PADDING_CACHE: dict = {}
 
 
-def _padding_runs(mask: torch.Tensor, seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's run of tokens in a 2-D padding mask: ``(start, length)``,
-    int32 ``[batch]`` device tensors (no host sync; an empty row gives
-    ``(0, 0)``). Keys past the mask's columns (empty static-cache slots) are
+def _padding_runs(mask: torch.Tensor, seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's run of tokens in a 2-D padding mask: ``(start, length,
+    end)``, int32 ``[batch]`` device tensors (no host sync; an empty row
+    gives ``(0, 0, 0)``). Keys past the mask's columns (empty static-cache slots) are
     never live. Eager calls keep the last mask's runs (by identity and
     version); not under torch.compile, nor while a CUDA graph is captured
     (a run kept from a capture would live in the graph's memory pool)."""
@@ -340,8 +340,9 @@ def _padding_runs(mask: torch.Tensor, seqlen_k: int) -> tuple[torch.Tensor, torc
     live = mask.bool()
     if live.shape[1] > seqlen_k:
         live = live[:, -seqlen_k:]
-    runs = (live.to(torch.int32).argmax(dim=1).to(torch.int32),  # first token (0 for an empty row)
-            live.sum(dim=1, dtype=torch.int32))
+    start = live.to(torch.int32).argmax(dim=1).to(torch.int32)  # first token (0 for an empty row)
+    length = live.sum(dim=1, dtype=torch.int32)
+    runs = (start, length, start + length)
     if cache:
         _PADDING_CACHE["last"] = (weakref.ref(mask), mask._version, seqlen_k, runs)
     return runs
@@ -365,12 +366,12 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
         raise TypeError(f"a 2-D attention_mask must be boolean or integer (1 = keep), got dtype {mask.dtype}")
     if mask.shape[0] != batch:
         raise ValueError(f"2-D attention_mask has batch {mask.shape[0]}, the queries have {batch}")
-    start_k, lens_k = _padding_runs(mask, seqlen_k)
+    start_k, lens_k, end_k = _padding_runs(mask, seqlen_k)
     causal = is_causal and seqlen_q > 1
     if seqlen_q < seqlen_k and not (torch.is_grad_enabled() and any(
             getattr(t, "requires_grad", False) for t in (query, key, value, sink))):
         return hopper_flash.flash_attn_with_kvcache(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=start_k + lens_k,
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=end_k,
             cache_leftpad=start_k, softmax_scale=scaling, causal=causal, window_size=window_size,
             softcap=softcap, learnable_sink=sink)
     rows = torch.arange(batch, dtype=torch.int32, device=query.device)
