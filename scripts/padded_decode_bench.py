@@ -12,11 +12,14 @@ runs, in the padding).
 
 Row ``b`` is left-padded by ``b * SK // (2 * B)`` keys; causal, D128, bf16,
 one query per row; ``do_bench`` medians (us) of plain calls and of CUDA-graph
-replay, and the K/V bytes of the live runs over the replay time."""
+replay, the K/V bytes of the live runs over the replay time, and the CPU
+time to enqueue one call (``host_timing.enqueue_us``)."""
 from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +28,9 @@ import triton
 import hopper_flash
 from hopper_flash.integrations import transformers as hft
 from hopper_flash.reference import check_kvcache
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # host_timing, also under python -P
+from host_timing import enqueue_us  # noqa: E402
 
 
 class _Module(torch.nn.Module):
@@ -84,9 +90,11 @@ def row(b, h, hk, sk, d=128):
                                      v.transpose(1, 2), [sk] * b, starts=starts, causal=True, softmax_scale=scale)
             ok = all(verdicts)
         plain, graph = bench(f)
+        with torch.no_grad():
+            enqueue = enqueue_us(f, 100)
         rate = live_bytes / (graph * 1e-6) / 1e12
         print(f"  {name:30s} {'ok  ' if ok else 'FAIL'} plain {plain:8.1f} us  graph {graph:8.1f} us  "
-              f"live K/V {rate:5.2f} TB/s")
+              f"live K/V {rate:5.2f} TB/s  enqueue {enqueue:6.1f} us")
 
 
 def main() -> None:
