@@ -1185,6 +1185,30 @@ def test_padded_decode_step_reads_the_cache_in_place_gpu(seqlen_q):
 
 
 @pytest.mark.gpu
+def test_padded_decode_step_compiles_fullgraph_gpu():
+    """torch.compile(fullgraph=True) of a padded decode step through the backend: the KV cache call is
+    traced (its custom op), each row judged against the float64 reference over its run."""
+    from hopper_flash.reference import check_kvcache
+
+    torch.manual_seed(1)
+    scale = 128 ** -0.5
+    q = torch.randn(3, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 8, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    runs = [(0, 1000), (999, 1000), (130, 1000)]
+    mask = torch.zeros(3, 1000, dtype=torch.long, device="cuda")
+    for b, (lo, hi) in enumerate(runs):
+        mask[b, lo:hi] = 1
+        k[b, :, :lo] = v[b, :, :lo] = math.nan
+    step = torch.compile(lambda q, k, v, m: hft.hopper_flash_attention_forward(_Module(), q, k, v, m,
+                                                                               scaling=scale)[0], fullgraph=True)
+    with torch.no_grad():
+        out = step(q, k, v, mask)
+    verdicts = check_kvcache(out, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), [hi for _, hi in runs],
+                             starts=[lo for lo, _ in runs], causal=False, softmax_scale=scale)
+    assert all(verdicts), "\n".join(x.message for x in verdicts if not x)
+
+
+@pytest.mark.gpu
 def test_llama_packed_training_step_gradients_match_padded_gpu():
     hft.register()
     seqs = [x.cpu() for x in _gpu_seqs((120, 5, 300, 64), seed=13)]
