@@ -425,6 +425,29 @@ def test_llama_left_padded_greedy_generate_equals_alone_cpu(registered, fake_ker
     assert any(c["q"].shape[:2] == (3, 1) for c in fake_kvcache)
 
 
+def test_inference_mode_calls_match_no_grad_cpu(registered, fake_kernel, fake_varlen, fake_kvcache):
+    """Tensors made under torch.inference_mode carry no version counter (reading it raises), so nothing
+    derived from them is kept by identity: a batch-1 prefill (whose position_ids the backend reads for
+    packed documents), documents packed by restarting position_ids, and a left-padded batch's greedy
+    generation give under inference_mode what they give under no_grad."""
+    model = _set_attn(_llama(), NAME)
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(1, 1000, (1, 12), generator=gen)
+    seqs = [torch.randint(1, 1000, (n,), generator=gen) for n in (7, 3, 5)]
+    packed_ids, position_ids, _ = _packed(seqs)
+    padded_ids, mask = _pad_batch(seqs, "left")
+
+    def run():
+        return (model(ids).logits, model(packed_ids, position_ids=position_ids).logits,
+                model.generate(padded_ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0))
+    with torch.no_grad():
+        want = run()
+    with torch.inference_mode():
+        got = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def _packed(seqs):
     ids = torch.cat(seqs)[None]
     position_ids = torch.cat([torch.arange(len(x)) for x in seqs])[None]

@@ -316,6 +316,14 @@ def _thd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, which in-place writes bump, or None for an
+    inference tensor (made under ``torch.inference_mode``), which has none:
+    what is derived from such a tensor cannot be kept by identity, since
+    nothing tells an in-place change, so it is derived again per call."""
+    return None if t.is_inference() else t._version
+
+
 # One entry: the 2-D padding mask of the current model forward (every layer
 # gets the same object) and the runs it gave, so that the layers after the
 # first launch no kernels to find them again.
@@ -327,15 +335,15 @@ def _padding_runs(mask: torch.Tensor, seqlen_k: int) -> tuple[torch.Tensor, torc
     end)``, int32 ``[batch]`` device tensors (no host sync; an empty row
     gives ``(0, 0, 0)``). Keys past the mask's columns (empty static-cache slots) are
     never live. Eager calls keep the last mask's runs (by identity and
-    version); not under torch.compile, nor while a CUDA graph is captured
-    (a run kept from a capture would live in the graph's memory pool)."""
+    version, ``_version``: not for an inference tensor); not under
+    torch.compile, nor while a CUDA graph is captured (a run kept from a
+    capture would live in the graph's memory pool)."""
     import weakref
 
-    cache = not torch.compiler.is_compiling() and not checks.capturing()
-    if cache:
+    version = None if torch.compiler.is_compiling() or checks.capturing() else _version(mask)
+    if version is not None:
         entry = _PADDING_CACHE.get("last")
-        if (entry is not None and entry[0]() is mask and entry[1] == mask._version
-                and entry[2] == seqlen_k):
+        if entry is not None and entry[0]() is mask and entry[1] == version and entry[2] == seqlen_k:
             return entry[3]
     live = mask.bool()
     if live.shape[1] > seqlen_k:
@@ -343,8 +351,8 @@ def _padding_runs(mask: torch.Tensor, seqlen_k: int) -> tuple[torch.Tensor, torc
     start = live.to(torch.int32).argmax(dim=1).to(torch.int32)  # first token (0 for an empty row)
     length = live.sum(dim=1, dtype=torch.int32)
     runs = (start, length, start + length)
-    if cache:
-        _PADDING_CACHE["last"] = (weakref.ref(mask), mask._version, seqlen_k, runs)
+    if version is not None:
+        _PADDING_CACHE["last"] = (weakref.ref(mask), version, seqlen_k, runs)
     return runs
 
 
@@ -423,8 +431,9 @@ def _packed_from_position_ids(position_ids, query, key):
         return None
     import weakref
 
+    version = _version(position_ids)
     entry = _POSITION_IDS_CACHE.get("last")
-    if entry is not None and entry[0]() is position_ids and entry[1] == position_ids._version:
+    if version is not None and entry is not None and entry[0]() is position_ids and entry[1] == version:
         return entry[2]
     pos = position_ids.reshape(-1)
     starts = (pos == pos.min()).nonzero().flatten().to(torch.int32)  # the one sync
@@ -435,7 +444,8 @@ def _packed_from_position_ids(position_ids, query, key):
         cu = torch.cat([starts, total])
         max_len = int((cu[1:] - cu[:-1]).max())
         result = (cu, cu, max_len, max_len)
-    _POSITION_IDS_CACHE["last"] = (weakref.ref(position_ids), position_ids._version, result)
+    if version is not None:
+        _POSITION_IDS_CACHE["last"] = (weakref.ref(position_ids), version, result)
     return result
 
 
