@@ -15,8 +15,8 @@ Follows flash-attn's semantics and names. One decode step is
 Nothing on this path reads a device value on the host, so a step can be
 captured in a CUDA graph and replayed with new ``cache_seqlens``.
 
-**Prepared calls.** An eager call without rotary embedding, left pad,
-packed queries, chunking, sinks or contract check whose arguments have the
+**Prepared calls.** An eager call without rotary embedding, packed
+queries, chunking, sinks or contract check whose arguments have the
 signature of one that ran before (``prepared_key``: every tensor's shape,
 strides, dtype, device and 16-byte alignment, and the Python values) skips
 the checks and the plan and launches the kernels it launched then
@@ -333,13 +333,13 @@ def _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rot
 
 
 def prepared_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                 num_splits, pack_gqa, return_lse, window, softcap) -> tuple | None:
+                 num_splits, pack_gqa, return_lse, window, softcap, cache_leftpad=None) -> tuple | None:
     """The signature of a call that may take a prepared launch (the module
     docstring): what ``validate_kvcache`` and the plan read of it, the
     pointers' 16-byte alignment (the kernels specialise on it) included.
     None where a tensor is not a plain one (a subclass takes the full path)
     or has no strides (the checks say what is wrong)."""
-    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table)
+    tensors = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
     if any(t is not None and type(t) is not torch.Tensor for t in tensors):
         return None
     try:
@@ -357,23 +357,27 @@ def _lengths_after_append(cache_seqlens, s_new: int):
     return cache_seqlens + s_new if s_new else cache_seqlens
 
 
-def _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqlens, cache_seqlens) -> plan.CacheLayout | None:
+def _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqlens, cache_seqlens, leftpad=None,
+                     cache_leftpad=None) -> plan.CacheLayout | None:
     """The ``plan.CacheLayout`` under which this call's launch (on ``kc``,
-    ``pt``) can be replayed by a prepared call with another call's
-    addresses, or None where it cannot: the lengths were built or copied
-    for this call (``seqlens``, the lengths before any append, are not
-    ``cache_seqlens``), the pages were copied (``pt`` is not the table) or
-    are gathered from per-call pools, or cache rows go with pages."""
-    if seqlens is not cache_seqlens or pt is not page_table:
+    ``pt``, ``leftpad``) can be replayed by a prepared call with another
+    call's addresses, or None where it cannot: the lengths were built or
+    copied for this call (``seqlens``, the lengths before any append, are
+    not ``cache_seqlens``), so were the left pads (``leftpad`` is not the
+    caller's ``cache_leftpad``), the pages were copied (``pt`` is not the
+    table) or are gathered from per-call pools, or cache rows go with
+    pages."""
+    if seqlens is not cache_seqlens or pt is not page_table or leftpad is not cache_leftpad:
         return None
     if pt is not None and (cache_batch_idx is not None or plan.gathers(kc.shape[1], cfg.head_dim)):
         return None
     return plan.CacheLayout(seqlen_k=pt.shape[1] * kc.shape[1] if pt is not None else kc.shape[1],
                             kv_batch=pt is None and cache_batch_idx is not None, paged=pt is not None,
-                            page_stride=pt.stride(0) if pt is not None else 0)
+                            page_stride=pt.stride(0) if pt is not None else 0, leftpad=leftpad is not None)
 
 
-def prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v_cache, k=None, v=None):
+def prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v_cache, k=None, v=None,
+                  cache_leftpad=None):
     """The outputs of the call prepared under ``key`` (``prepared_key``), or
     None where there is none (or it is no longer usable): with ``k``, ``v``,
     their append first (launched as the full path launches it), the
@@ -389,7 +393,8 @@ def prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v
         seqused = _lengths_after_append(cache_seqlens, k.shape[1])
     layout = call.cache
     return call(q, k_cache, v_cache, (seqused.data_ptr(), cache_batch_idx.data_ptr() if layout.kv_batch else None,
-                                      page_table.data_ptr() if layout.paged else None), launch)
+                                      page_table.data_ptr() if layout.paged else None,
+                                      cache_leftpad.data_ptr() if layout.leftpad else None), launch)
 
 
 def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
@@ -428,8 +433,9 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     for the paged varlen call, ``paged.check_paged_varlen_arguments``), the
     softmax scale resolved: the checks run once per call."""
     if prepare_key is not None and not all(t is None or t.is_contiguous()
-                                           for t in (cache_seqlens, cache_batch_idx, page_table)):
+                                           for t in (cache_seqlens, cache_batch_idx, page_table, cache_leftpad)):
         prepare_key = None  # a prepared call passes the caller's tensors' addresses: copies would not be them
+    caller_leftpad = cache_leftpad
     # (A pool without pages holds no live key under the contract: nothing to see, nothing TMA could describe.)
     capacity = cache_capacity(k_cache, page_table) if k_cache.shape[0] else 0
     packed = cu_seqlens_q is not None
@@ -538,7 +544,8 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     if prepare_key is not None and q.device.type == checks._PASSED_DEVICE_TYPE:
         # Prepared at the signature's second launch (plan.sighted), the first
         # counting even where it went through the JIT; only after a direct one.
-        layout = _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqlens, cache_seqlens)
+        layout = _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqlens, cache_seqlens, cache_leftpad,
+                                  caller_leftpad)
         if layout is not None and plan.sighted(prepare_key) and lp is not None:
             plan.remember_prepared(prepare_key, lp, q, kc, out, lse, softmax_scale, softcap, cache=layout)
     return out, lse
@@ -733,13 +740,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                                chunk)
         return (out, lse) if return_softmax_lse else out
     key = None
-    if (rotary_cos is None and rotary_sin is None and cache_leftpad is None and cu_seqlens_q is None and not chunk
+    if (rotary_cos is None and rotary_sin is None and cu_seqlens_q is None and not chunk
             and learnable_sink is None and isinstance(cache_seqlens, torch.Tensor)
             and not _contract_checked(check_contract)):
         key = prepared_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                           causal, num_splits, pack_gqa, bool(return_softmax_lse), window, softcap)
+                           causal, num_splits, pack_gqa, bool(return_softmax_lse), window, softcap, cache_leftpad)
         if key is not None:
-            result = prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v_cache, k, v)
+            result = prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v_cache, k, v,
+                                   cache_leftpad)
             if result is not None:
                 return result
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,

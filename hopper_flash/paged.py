@@ -86,6 +86,33 @@ def check_paged_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen
     return softmax_scale, max_seqlen_q, max_seqlen_k
 
 
+def validate_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                          block_table, softmax_scale, causal) -> tuple:
+    """``check_paged_varlen_arguments``, the device check and TMA's rules
+    for q and the page pools; returns ``(softmax_scale, max_seqlen_q,
+    max_seqlen_k)``. A signature that passed once (``checks._varlen_signature``
+    with the block table's shape, dtype and device) passes again without
+    them, as in ``checks.validate_varlen``: every layer of a continuous
+    batching step meets one."""
+    try:
+        signature = checks._varlen_signature(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             seqused_q, seqused_k, softmax_scale, causal)
+        key = None if signature is None else ("paged", signature, checks._index_signature(block_table))
+    except AttributeError:  # block_table is no tensor: the checks name it
+        key = None
+    key, passed = checks._recall(key)
+    if passed is not None:
+        return passed
+    passed = check_paged_varlen_arguments(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                          seqused_k, block_table, softmax_scale, causal)
+    checks.check_device(q)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.numel():
+            checks.check_tma_addressable(name, t if t.dim() == 4 else t.unsqueeze(0))
+    checks._remember(key, q.device, passed)
+    return passed
+
+
 def check_paged_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                                 block_table) -> None:
     """The opt-in check of the device values (one host sync): the queries'
@@ -120,13 +147,9 @@ def paged_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     """Checked forward; returns ``(out [total_q, H, Dv], lse [H, total_q] or None)``.
     ``window``, ``softcap``, ``sink``, ``num_splits``: as
     ``dispatch.forward_varlen``'s."""
-    softmax_scale, max_seqlen_q, max_seqlen_k = check_paged_varlen_arguments(
+    softmax_scale, max_seqlen_q, max_seqlen_k = validate_paged_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, block_table,
         softmax_scale, causal)
-    checks.check_device(q)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.numel():
-            checks.check_tma_addressable(name, t if t.dim() == 4 else t.unsqueeze(0))
     if dispatch._check_contract_requested(check_contract):
         check_paged_varlen_contract(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                     seqused_k, block_table)

@@ -1064,9 +1064,10 @@ class _Slot:
 
 
 # The per-call values a prepared launch patches into its templates, in the
-# order of ``_PreparedLaunch.__call__``'s ``values`` (the last three: a KV
-# cache call's lengths, cache rows and page table, ``CacheLayout``).
-_OUT, _LSE, _O_PART, _LSE_PART, _SEQLEN_K, _SCHED, _SEQUSED, _KV_BATCH, _PAGES = (_Slot(i) for i in range(9))
+# order of ``_PreparedLaunch.__call__``'s ``values`` (the last four: a KV
+# cache call's lengths, cache rows, page table and left pads, ``CacheLayout``).
+_OUT, _LSE, _O_PART, _LSE_PART, _SEQLEN_K, _SCHED, _SEQUSED, _KV_BATCH, _PAGES, _LEFTPAD = (
+    _Slot(i) for i in range(10))
 
 
 @dataclass(frozen=True)
@@ -1074,14 +1075,16 @@ class CacheLayout:
     """What a prepared ``flash_attn_with_kvcache`` launch fixes of its cache
     (``kvcache.prepared_call``'s signature holds the shapes it comes from):
     the kernel's key length (a contiguous cache's capacity, or the page
-    table's width times the page size), whether the cache rows and the page
-    table are read, and the page table's row stride. Per call only the
-    addresses change: the lengths', the rows', the table's."""
+    table's width times the page size), whether the cache rows, the page
+    table and left pads (``cache_leftpad``) are read, and the page table's
+    row stride. Per call only the addresses change: the lengths', the
+    rows', the table's, the pads'."""
 
     seqlen_k: int
     kv_batch: bool
     paged: bool
     page_stride: int
+    leftpad: bool = False
 
 
 def _slots(template) -> tuple[tuple[int, int], ...]:
@@ -1114,13 +1117,14 @@ class _PreparedLaunch:
         lse = _LSE if return_lse else None
         split = lp.mode.split
         if cache is None:
-            seqlen_k, seqused, kv_batch, pages, page_stride = _SEQLEN_K, None, None, None, 0
+            seqlen_k, seqused, kv_batch, pages, page_stride, leftpad = _SEQLEN_K, None, None, None, 0, None
         else:
             seqlen_k, seqused, page_stride = cache.seqlen_k, _SEQUSED, cache.page_stride
             kv_batch, pages = _KV_BATCH if cache.kv_batch else None, _PAGES if cache.paged else None
+            leftpad = _LEFTPAD if cache.leftpad else None
         args = _kernel_args(lp, q, seqlen_k, nheads_kv, softmax_scale, _OUT, lse, seqused, kv_batch, pages,
                             page_stride, _O_PART if split else _OUT, _LSE_PART if split else _OUT,
-                            _SCHED if lp.mode.dynamic else None, softcap=softcap, sink=sink)
+                            _SCHED if lp.mode.dynamic else None, softcap=softcap, sink=sink, leftpad=leftpad)
         self.template = [*args, *lp.constexpr_values]
         self.slots = _slots(self.template)
         if split:
@@ -1164,8 +1168,9 @@ class _PreparedLaunch:
         return c_launch.prepare(specs)
 
     def __call__(self, q, k, v, out, lse, seqlen_k: int, device_index: int, cache=None) -> None:
-        """``cache``: a KV cache call's ``(lengths, rows, pages)`` addresses
-        (None where the layout reads none), with ``seqlen_k`` k's own length."""
+        """``cache``: a KV cache call's ``(lengths, rows, pages, left pads)``
+        addresses (None where the layout reads none), with ``seqlen_k`` k's
+        own length."""
         kernel, lp = self.kernel, self.lp
         stream = self.current_stream(device_index)
         out_ptr = out.data_ptr()
@@ -1183,7 +1188,7 @@ class _PreparedLaunch:
             self.c_launch(self.c_state, stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out_ptr, lse_ptr, o_part,
                           lse_part, seqlen_k, sched, k.stride(), v.stride(), *(() if cache is None else (cache,)))
             return
-        values = (out_ptr, lse_ptr, o_part, lse_part, seqlen_k, sched, *(cache or (None, None, None)))
+        values = (out_ptr, lse_ptr, o_part, lse_part, seqlen_k, sched, *(cache or (None, None, None, None)))
         flat = [*kernel._descriptor_args(0, q), *kernel._descriptor_args(1, k), *kernel._descriptor_args(2, v),
                 *kernel._descriptor_args(3, out)]
         base = len(flat)

@@ -13,6 +13,9 @@ Random weights, GQA 32/8, head dim 128 (hidden 4096); ``--layers`` sets the
 depth (attention's share of the step time grows with the context).
 ``--backends ... no_attention`` adds a step that computes no attention at all:
 each backend's time above it is what attention costs inside a model step.
+``--pad P`` (with ``--batch`` > 1) left-pads batch row ``b``'s prompt by
+``b * P`` tokens and passes the 2-D attention mask at every step, as a
+padded batched ``generate`` does.
 """
 from __future__ import annotations
 
@@ -36,24 +39,28 @@ def build_model(layers: int, device: str, dtype: torch.dtype):
 
 
 @torch.inference_mode()
-def decode(model, impls, cache, first_token, tokens, sync) -> dict:
+def decode(model, impls, cache, first_token, tokens, sync, prompt_mask=None) -> dict:
     """Feed ``first_token`` then ``tokens`` one by one to every backend in
     ``impls``, each on its own copy of ``cache``, the backends taking turns
     at every step (the host's speed drifts between runs on a shared machine
     by far more than the differences measured here: a backend timed in a
     block of its own measured 3.4 and 6.4 ms per token in two runs of the
-    same code). Returns ``{impl: (logits of every step, median seconds per
-    step after two warm-up steps)}``."""
+    same code). ``prompt_mask``: the prompt's 2-D padding mask, extended by
+    one live column per step and passed with every step (None: no mask).
+    Returns ``{impl: (logits of every step, median seconds per step after
+    two warm-up steps)}``."""
     caches = {impl: copy.deepcopy(cache) for impl in impls}
     feed = [first_token] + [t.view(1, 1).expand(first_token.shape[0], 1) for t in tokens]
     logits = {impl: [] for impl in impls}
     times = {impl: [] for impl in impls}
-    for tok in feed:
+    masks = [None] * len(feed) if prompt_mask is None else [
+        torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], i + 1)], dim=1) for i in range(len(feed))]
+    for tok, mask in zip(feed, masks):
         for impl in impls:
             model.set_attn_implementation(impl)
             sync()
             t0 = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=caches[impl], use_cache=True)
+            out = model(input_ids=tok, past_key_values=caches[impl], use_cache=True, attention_mask=mask)
             sync()
             times[impl].append(time.perf_counter() - t0)
             logits[impl].append(out.logits[:, -1].float())
@@ -106,6 +113,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--pad", type=int, default=0,
+                   help="left-pad batch row b's prompt by b * PAD tokens (a 2-D attention mask at every step)")
     p.add_argument("--backends", nargs="+", default=["sdpa", "eager", "hopper_flash"])
     p.add_argument("--time-calls", action="store_true",
                    help="also the host time of each attention call inside the timed steps (median per backend; "
@@ -128,20 +137,27 @@ def main(argv=None) -> None:
     model = build_model(args.layers, device, dtype)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.context), generator=gen).to(device)
+    prompt_mask = None
+    if args.pad:
+        prompt_mask = torch.ones(args.batch, args.context, dtype=torch.long, device=device)
+        for b in range(args.batch):
+            prompt_mask[b, :min(b * args.pad, args.context - 1)] = 0
 
     with torch.inference_mode():
         model.set_attn_implementation("sdpa")
         cache = transformers.DynamicCache(config=model.config)
-        first = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        first = model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                      attention_mask=prompt_mask).logits[:, -1:].argmax(-1)
     # sdpa's greedy tokens, fed to every backend.
     tokens, step = [], first
     probe = copy.deepcopy(cache)
     first_visit = []
     with torch.inference_mode():
-        for _ in range(args.steps - 1):
+        for i in range(args.steps - 1):
             sync()
             t0 = time.perf_counter()
-            out = model(input_ids=step, past_key_values=probe, use_cache=True)
+            mask = None if prompt_mask is None else torch.cat([prompt_mask, prompt_mask.new_ones(args.batch, i + 1)], 1)
+            out = model(input_ids=step, past_key_values=probe, use_cache=True, attention_mask=mask)
             step = out.logits[:, -1:].argmax(-1)
             sync()
             first_visit.append(time.perf_counter() - t0)
@@ -155,9 +171,10 @@ def main(argv=None) -> None:
     steady_first = sorted(first_visit[2:]) or first_visit
 
     call_times = time_calls(args.backends) if args.time_calls else {}
-    runs = decode(model, args.backends, cache, first, tokens, sync)
+    runs = decode(model, args.backends, cache, first, tokens, sync, prompt_mask)
     ref = runs["sdpa"][0] if "sdpa" in runs else None
     print(f"context {args.context}, batch {args.batch}, {args.layers} layers, {args.steps} steps, "
+          f"{f'rows left-padded by b x {args.pad} tokens, ' if args.pad else ''}"
           f"torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"{'backend':>14} {'ms/token':>9} {'max |logit - sdpa|':>19} {'rel vs sdpa':>12}")
     print(f"{'sdpa, new lengths':>14} {steady_first[len(steady_first) // 2] * 1e3:9.3f} "

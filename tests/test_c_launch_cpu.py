@@ -202,6 +202,9 @@ def _kv_case(layout, return_lse):
         if layout == "pages":
             k, v = (torch.randn(2 * 64 + 5, 128, 2, 128).to(torch.bfloat16) for _ in "kv")
             kw["page_table"] = torch.randperm(2 * 64 + 5)[:128].view(2, 64).to(torch.int32)
+        elif layout == "leftpad":  # flash-attn's cache_leftpad (the backend's padded decode steps)
+            k, v = (torch.randn(2, 8190, 2, 128).to(torch.bfloat16) for _ in "kv")
+            kw["cache_leftpad"] = torch.tensor([1000, 3], dtype=torch.int32)
         else:
             k, v = (torch.randn(3, 8190, 2, 128).to(torch.bfloat16) for _ in "kv")
             kw["cache_batch_idx"] = torch.tensor([2, 0], dtype=torch.int32)
@@ -209,7 +212,8 @@ def _kv_case(layout, return_lse):
     return make
 
 
-KV_CASES = {"kvcache-rows": _kv_case("rows", False), "kvcache-pages-lse": _kv_case("pages", True)}
+KV_CASES = {"kvcache-rows": _kv_case("rows", False), "kvcache-pages-lse": _kv_case("pages", True),
+            "kvcache-leftpad": _kv_case("leftpad", False)}
 
 
 def _flat(call, new_convention):

@@ -114,15 +114,26 @@ def _kvcache_inputs(layout, lens, seed):
     elif layout.startswith("pages"):
         kp, vp, pt = paged_copy(kc, vc, int(layout[5:]), lens, seed=seed)
         kw.update(k_cache=kp, v_cache=vp, page_table=pt)
+    elif layout == "leftpad":  # flash-attn's cache_leftpad: each row's keys from its pad on, NaN before it
+        pads = [n // 3 for n in lens]
+        for b, pad in enumerate(pads):
+            kc[b, :pad] = vc[b, :pad] = float("nan")
+        kw["cache_leftpad"] = torch.tensor(pads, dtype=torch.int32, device="cuda")
     return kw, (q, kc[:batch], vc[:batch])
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "rows", "pages64", "pages256", "view5", "view5-48"])
+def _starts(kw):
+    """The judge's ``starts`` (``check_kvcache``): the left pads, or None."""
+    return kw["cache_leftpad"].tolist() if "cache_leftpad" in kw else None
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "rows", "pages64", "pages256", "view5", "view5-48", "leftpad"])
 @pytest.mark.parametrize("c_on", ["0", "1"], ids=["python", "c"])
 def test_kvcache_prepared_calls_gpu(monkeypatch, layout, c_on):
     """flash_attn_with_kvcache's prepared calls (``kvcache`` docstring): from
     the third call of a signature on, no checks and no plan, the launch
-    replayed with each call's own q, caches, lengths, rows and pages; every
+    replayed with each call's own q, caches, lengths, rows, pages and left
+    pads; every
     output judged against float64 and bit-equal to the full path's on the
     same inputs; a captured prepared call replays with new lengths."""
     monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", c_on)
@@ -141,7 +152,8 @@ def test_kvcache_prepared_calls_gpu(monkeypatch, layout, c_on):
             assert planned, "the first call of a signature was not planned"
         elif call >= 2:
             assert not planned, f"call {call} was not prepared"
-        bad = [r.message for r in check_kvcache(out, *judged, lens, causal=True, lse=lse) if not r]
+        bad = [r.message for r in check_kvcache(out, *judged, lens, causal=True, lse=lse, starts=_starts(kw))
+               if not r]
         assert not bad, (call, bad)
     launches = _prepared_launches()
     assert len(launches) == 1 and (launches[0].c_state is not None) == (c_on == "1")
@@ -155,12 +167,13 @@ def test_kvcache_prepared_calls_gpu(monkeypatch, layout, c_on):
     graph, g_res = capture(lambda: hopper_flash.flash_attn_with_kvcache(**kw, causal=True,
                                                                        return_softmax_lse=lse_on))
     assert not planned  # captured through the prepared call
-    new_lens = [30, 3000, 4000, 1]  # at most the captured call's, whose caches are NaN past those
-    kw["cache_seqlens"].copy_(torch.tensor(new_lens, dtype=torch.int32))
+    new_lens = [30, 3000, 4000, 3]  # at most the captured call's, whose caches are NaN past those (and before
+    kw["cache_seqlens"].copy_(torch.tensor(new_lens, dtype=torch.int32))  # its left pads, at most these)
     graph.replay()
     torch.cuda.synchronize()
     g_out, g_lse = g_res if lse_on else (g_res, None)
-    bad = [r.message for r in check_kvcache(g_out, *judged, new_lens, causal=True, lse=g_lse) if not r]
+    bad = [r.message for r in check_kvcache(g_out, *judged, new_lens, causal=True, lse=g_lse, starts=_starts(kw))
+           if not r]
     assert not bad, bad
 
 

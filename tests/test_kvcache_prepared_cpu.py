@@ -50,6 +50,8 @@ def _arguments(layout: str, seed: int, page_size: int = 64) -> dict:
                                             for _ in "kv")
         if layout == "rows":
             args["cache_batch_idx"] = torch.randperm(ROWS, generator=g)[:batch].to(torch.int32)
+        if layout == "leftpad":  # flash-attn's cache_leftpad: each row's first live key
+            args["cache_leftpad"] = (args["cache_seqlens"] * torch.rand(batch, generator=g)).to(torch.int32)
     return args
 
 
@@ -76,7 +78,7 @@ def counted(fakes, remembering, monkeypatch):  # noqa: F811
 
 
 @pytest.mark.parametrize("return_lse", [False, True])
-@pytest.mark.parametrize("layout", ["contiguous", "rows", "pages", "view-1", "view-48"])
+@pytest.mark.parametrize("layout", ["contiguous", "rows", "pages", "view-1", "view-48", "leftpad"])
 def test_a_prepared_kvcache_call_launches_what_a_direct_launch_would(counted, layout, return_lse):
     def call(args):
         return kvcache.flash_attn_with_kvcache(**args, causal=True, return_softmax_lse=return_lse)
@@ -84,7 +86,7 @@ def test_a_prepared_kvcache_call_launches_what_a_direct_launch_would(counted, la
     call(_arguments(layout, 0))  # compiles (JIT stand-ins)
     [key] = plan._COMPILED
     assert key[5].seqused and key[5].kv_batch == (layout == "rows") and key[5].page_size == (64 * (layout == "pages"))
-    assert key[5].pack_view == layout.startswith("view")
+    assert key[5].pack_view == layout.startswith("view") and key[5].leftpad == (layout == "leftpad")
     split = key[5].split
     calls, c_calls = _direct_from_now_on()
     call(_arguments(layout, 1))  # direct, and prepared after it
@@ -129,6 +131,8 @@ def test_a_prepared_kvcache_call_launches_what_a_direct_launch_would(counted, la
         assert p_args["kv_batch_ptr"] == args["cache_batch_idx"].data_ptr()
     if layout == "pages":
         assert p_args["page_table_ptr"] == args["page_table"].data_ptr()
+    if layout == "leftpad":  # the kernel reads the left pads through cu_k_ptr
+        assert p_args["cu_k_ptr"] == args["cache_leftpad"].data_ptr()
     if split:
         c_got, c_want = c_calls[-2], c_calls[-1]
         assert c_got == [renamed(x) for x in c_want]
@@ -195,11 +199,12 @@ def test_a_prepared_call_that_cannot_serve_does_not_append(counted, monkeypatch)
     assert counted == ["validate", "plan"] and len(appends) == 3
 
 
-@pytest.mark.parametrize("change", ["lengths-misaligned", "table-width", "scale", "window", "contract", "append"])
+@pytest.mark.parametrize("change", ["lengths-misaligned", "table-width", "scale", "window", "contract", "append",
+                                    "leftpad", "leftpad-misaligned"])
 def test_a_call_unlike_the_prepared_one_takes_the_full_path(counted, change, monkeypatch):
     """A call that differs from the prepared one in what the checks or the
     plan read, or that the prepared launch cannot replay, takes the full path."""
-    layout = "pages" if change == "table-width" else "contiguous"
+    layout = {"table-width": "pages", "leftpad-misaligned": "leftpad"}.get(change, "contiguous")
 
     def call(args, **kw):
         return kvcache.flash_attn_with_kvcache(**args, causal=True, **kw)
@@ -220,6 +225,10 @@ def test_a_call_unlike_the_prepared_one_takes_the_full_path(counted, change, mon
     elif change == "contract":
         monkeypatch.setattr(kvcache, "check_contract", lambda *a: counted.append("contract"))
         kw["check_contract"] = True
+    elif change == "leftpad":  # left pads where the prepared call had none: another signature
+        args["cache_leftpad"] = torch.zeros(2, dtype=torch.int32)
+    elif change == "leftpad-misaligned":  # copied per call to align them: never the caller's
+        args["cache_leftpad"] = torch.zeros(5, dtype=torch.int32)[1:3].copy_(args["cache_leftpad"])
     elif change == "append":  # new keys: another signature
         kw["k"] = kw["v"] = torch.randn(2, 1, 2, 128).to(torch.bfloat16)
         monkeypatch.setattr(kvcache, "_append", lambda q, *a: q)
@@ -229,16 +238,23 @@ def test_a_call_unlike_the_prepared_one_takes_the_full_path(counted, change, mon
     assert ("contract" in counted) == (change == "contract")
 
 
-@pytest.mark.parametrize("layout", ["lengths-strided", "pages-copied", "pages-gathered", "pages-rows"])
+@pytest.mark.parametrize("layout", ["lengths-strided", "pages-copied", "pages-gathered", "pages-rows",
+                                    "leftpad-strided", "leftpad-misaligned"])
 def test_layouts_a_prepared_launch_cannot_replay_are_never_prepared(counted, layout):
-    """Lengths copied per call (not contiguous), pages copied (a page size
-    TMA cannot read in place) or gathered (the pools are per-call kernel
-    arguments), and cache rows with pages: every call takes the full path."""
+    """Lengths or left pads copied per call (not contiguous, or not 16-byte
+    aligned), pages copied (a page size TMA cannot read in place) or
+    gathered (the pools are per-call kernel arguments), and cache rows with
+    pages: every call takes the full path."""
     page_size = {"pages-copied": 48, "pages-gathered": 8}.get(layout, 64)
     for seed in range(4):
-        args = _arguments("contiguous" if layout == "lengths-strided" else layout, seed, page_size)
+        args = _arguments({"lengths-strided": "contiguous", "leftpad-strided": "leftpad",
+                           "leftpad-misaligned": "leftpad"}.get(layout, layout), seed, page_size)
         if layout == "lengths-strided":
             args["cache_seqlens"] = torch.zeros(4, dtype=torch.int32)[::2].copy_(args["cache_seqlens"])
+        if layout == "leftpad-strided":
+            args["cache_leftpad"] = torch.zeros(4, dtype=torch.int32)[::2].copy_(args["cache_leftpad"])
+        if layout == "leftpad-misaligned":
+            args["cache_leftpad"] = torch.zeros(5, dtype=torch.int32)[1:3].copy_(args["cache_leftpad"])
         counted.clear()
         kvcache.flash_attn_with_kvcache(**args, causal=True)
         assert "plan" in counted, seed

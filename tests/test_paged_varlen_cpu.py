@@ -270,3 +270,33 @@ def test_the_benchs_paged_copy_holds_each_sequence_in_its_pages():
         assert torch.equal(rows, k[s:s + n]) and torch.equal(vrows, v[s:s + n])
     live = [p for b, n in enumerate(lengths) for p in table[b, :-(-n // 16)].tolist()]
     assert sorted(live) == list(range(kp.shape[0])), "every page used once"
+
+
+def test_a_signature_that_passed_skips_the_checks(monkeypatch, no_device):
+    """Every layer of a continuous batching step makes one call signature: the
+    checks run at its first call only; a call that differs in what they read
+    (the block table's width or dtype) is checked again, and bad arguments
+    still name themselves."""
+    monkeypatch.setattr(paged.checks, "_PASSED", {})
+    monkeypatch.setattr(paged.checks, "_PASSED_DEVICE_TYPE", "cpu")
+    runs = []
+    real = paged.check_paged_varlen_arguments
+    monkeypatch.setattr(paged, "check_paged_varlen_arguments", lambda *a: runs.append(1) or real(*a))
+
+    def launch(q4, k, v, out, lse, *args, **kwargs):
+        out.zero_()
+    monkeypatch.setattr(plan, "launch_forward", launch)
+    lq, lk = [1, 1, 1], [5, 40, 17]
+    q, kp, vp, table, *_ = paged_batch(lq, lk)
+
+    def call(block_table):
+        return hopper_flash.flash_attn_varlen_func(q, kp, vp, cu(lq), None, 1, 40, seqused_k=i32(lk),
+                                                   block_table=block_table, causal=True)
+    for _ in range(3):
+        call(table)
+    assert len(runs) == 1
+    call(torch.cat([table, table[:, :1]], 1))  # one page more per row: checked
+    assert len(runs) == 2
+    with pytest.raises(ValueError, match="block_table must have dtype int32"):
+        call(table.long())
+    assert len(runs) == 3

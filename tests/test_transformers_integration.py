@@ -122,6 +122,37 @@ def fake_varlen(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def fake_kvcache(monkeypatch):
+    """Replace hopper_flash.flash_attn_with_kvcache by the float64 reference over each row's live keys
+    (``cache_leftpad[b] .. cache_seqlens[b] - 1``, bottom-right causal against them); record the calls."""
+    calls = []
+
+    def fake(q, k_cache, v_cache, *, cache_seqlens=None, cache_leftpad=None, softmax_scale=None, causal=False,
+             window_size=(-1, -1), softcap=0.0, learnable_sink=None, **unused):
+        assert not unused, unused
+        calls.append(dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                          cache_leftpad=cache_leftpad, softmax_scale=softmax_scale, causal=causal,
+                          window_size=window_size, softcap=softcap, learnable_sink=learnable_sink))
+        assert cache_seqlens.dtype == cache_leftpad.dtype == torch.int32
+        out = torch.empty(*q.shape[:3], v_cache.shape[3], dtype=q.dtype)
+        for b in range(q.shape[0]):
+            lo, hi = int(cache_leftpad[b]), int(cache_seqlens[b])
+            assert 0 <= lo <= hi <= k_cache.shape[1], "the KV cache contract"
+            if hi == lo:
+                out[b] = 0
+                continue
+            ref, _ = attention_reference(q[b:b + 1], k_cache[b:b + 1, lo:hi], v_cache[b:b + 1, lo:hi],
+                                         causal=causal, softmax_scale=softmax_scale,
+                                         window=window_bounds(window_size, causal), softcap=softcap,
+                                         sink=learnable_sink)
+            out[b] = ref[0].nan_to_num(0.0).to(q.dtype)
+        return out
+
+    monkeypatch.setattr(hopper_flash, "flash_attn_with_kvcache", fake)
+    return calls
+
+
 class _Module(torch.nn.Module):
     def __init__(self, is_causal=True):
         super().__init__()
@@ -283,16 +314,65 @@ def test_padding_mask_2d_takes_the_varlen_path(fake_kernel, fake_varlen):
         assert out[b, :lo].abs().sum() == 0 and out[b, hi:].abs().sum() == 0
 
 
-def test_padding_mask_2d_decode_step(fake_varlen):
-    """One query per row over left-padded keys: every query row is a token, the keys are the mask's run."""
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_padding_mask_2d_decode_step_reads_the_cache_in_place(fake_varlen, fake_kvcache, seqlen_q):
+    """Fewer queries than keys over left-padded keys, no gradient: one KV cache call on views of the
+    batch (no copy), each row's run from its first token (cache_leftpad) to its end (cache_seqlens); a
+    static cache's columns past the mask are never live."""
+    q, k, v = _qkv(batch=3, seqlen_q=seqlen_q, seqlen_k=12)
+    mask = torch.ones(3, 10, dtype=torch.bool)  # two empty static-cache slots past the mask
+    mask[0, :6] = False
+    mask[2, :] = False  # a row with no token: zero output
+    k[0, :, :6] = v[0, :, :6] = math.nan  # padding and empty slots hold anything
+    k[:, :, 10:] = v[:, :, 10:] = math.nan
+    out, _ = hft.hopper_flash_attention_forward(_Module(), q, k, v, mask, scaling=0.1)
+    assert fake_varlen == [] and len(fake_kvcache) == 1
+    call = fake_kvcache[0]
+    for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
+        assert call[name].data_ptr() == t.data_ptr() and call[name].shape == t.transpose(1, 2).shape, name
+    assert call["cache_leftpad"].tolist() == [6, 0, 0] and call["cache_seqlens"].tolist() == [10, 10, 0]
+    assert call["causal"] is (seqlen_q > 1) and call["softmax_scale"] == 0.1
+    assert out.shape == (3, seqlen_q, 4, 128) and torch.isfinite(out).all()
+    for b, (lo, hi) in enumerate([(6, 10), (0, 10)]):
+        ref, _ = attention_reference(q[b:b + 1].transpose(1, 2), k[b:b + 1, :, lo:hi].transpose(1, 2),
+                                     v[b:b + 1, :, lo:hi].transpose(1, 2), causal=seqlen_q > 1,
+                                     softmax_scale=0.1)
+        torch.testing.assert_close(out[b].double(), ref[0], atol=2e-2, rtol=2e-2)
+    assert out[2].abs().sum() == 0
+
+
+def test_padding_mask_2d_decode_step_with_gradients_takes_the_varlen_path(fake_varlen, fake_kvcache):
+    """The KV cache call has no backward: with gradients a decode-shaped call stays on the varlen path,
+    every query row a token and the keys the mask's run."""
     q, k, v = _qkv(batch=2, seqlen_q=1, seqlen_k=10)
+    q.requires_grad_()
     mask = torch.ones(2, 10, dtype=torch.bool)
     mask[0, :6] = False
     hft.hopper_flash_attention_forward(_Module(), q, k, v, mask)
+    assert fake_kvcache == [] and len(fake_varlen) == 1
     call = fake_varlen[0]
     assert call["cu_q"].tolist() == [0, 1, 2] and call["seqused_q"] is None
     assert call["cu_k"].tolist() == [6, 10, 20] and call["seqused_k"].tolist() == [4, 10]
     assert call["causal"] is False  # one query sees every key either way
+
+
+def test_padding_runs_found_once_per_mask(fake_kvcache, monkeypatch):
+    """Every layer of a forward gets the same mask object: its runs are found by the first layer only,
+    and again once the mask changes in place (its version) or a new mask comes."""
+    found = []
+    real = torch.Tensor.argmax
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda self, *a, **kw: found.append(1) or real(self, *a, **kw))
+    q, k, v = _qkv(batch=2, seqlen_q=1, seqlen_k=10)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[0, :3] = False
+    for _ in range(3):
+        hft.hopper_flash_attention_forward(_Module(), q, k, v, mask)
+    assert len(found) == 1 and [c["cache_leftpad"].tolist() for c in fake_kvcache] == [[3, 0]] * 3
+    mask[1, :2] = False  # in place: a new version
+    hft.hopper_flash_attention_forward(_Module(), q, k, v, mask)
+    assert len(found) == 2 and fake_kvcache[-1]["cache_leftpad"].tolist() == [3, 2]
+    hft.hopper_flash_attention_forward(_Module(), q, k, v, mask.clone())
+    assert len(found) == 3
 
 
 def test_padding_mask_with_holes_is_the_callers_contract(fake_varlen):
@@ -329,7 +409,7 @@ def test_llama_padded_batch_rows_equal_running_alone_cpu(registered, fake_kernel
         torch.testing.assert_close(row, alone[0], atol=1e-4, rtol=1e-4)
 
 
-def test_llama_left_padded_greedy_generate_equals_alone_cpu(registered, fake_kernel, fake_varlen):
+def test_llama_left_padded_greedy_generate_equals_alone_cpu(registered, fake_kernel, fake_varlen, fake_kvcache):
     model = _set_attn(_llama(), NAME)
     gen = torch.Generator().manual_seed(6)
     seqs = [torch.randint(1, 1000, (n,), generator=gen) for n in (9, 4, 13)]
@@ -340,7 +420,32 @@ def test_llama_left_padded_greedy_generate_equals_alone_cpu(registered, fake_ker
             alone = model.generate(x[None], attention_mask=torch.ones(1, len(x), dtype=torch.long),
                                    max_new_tokens=6, do_sample=False, pad_token_id=0)
             assert torch.equal(out[b, ids.shape[1]:], alone[0, len(x):]), b
-    assert any(c["q"].shape[0] == 3 for c in fake_varlen)  # decode steps (one query per row) went varlen
+    # The padded prefill went varlen, the decode steps (one query per row) read the cache in place.
+    assert any(c["q"].shape[0] == 3 * ids.shape[1] for c in fake_varlen)
+    assert any(c["q"].shape[:2] == (3, 1) for c in fake_kvcache)
+
+
+def test_inference_mode_calls_match_no_grad_cpu(registered, fake_kernel, fake_varlen, fake_kvcache):
+    """Tensors made under torch.inference_mode carry no version counter (reading it raises), so nothing
+    derived from them is kept by identity: a batch-1 prefill (whose position_ids the backend reads for
+    packed documents), documents packed by restarting position_ids, and a left-padded batch's greedy
+    generation give under inference_mode what they give under no_grad."""
+    model = _set_attn(_llama(), NAME)
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(1, 1000, (1, 12), generator=gen)
+    seqs = [torch.randint(1, 1000, (n,), generator=gen) for n in (7, 3, 5)]
+    packed_ids, position_ids, _ = _packed(seqs)
+    padded_ids, mask = _pad_batch(seqs, "left")
+
+    def run():
+        return (model(ids).logits, model(packed_ids, position_ids=position_ids).logits,
+                model.generate(padded_ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0))
+    with torch.no_grad():
+        want = run()
+    with torch.inference_mode():
+        got = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def _packed(seqs):
@@ -658,7 +763,8 @@ def test_llama_chunked_prefill_matches_sdpa_cpu(registered, fake_kernel):
 
 
 @pytest.mark.parametrize("cache_implementation", [None, "static"])
-def test_llama_greedy_generate_matches_sdpa_cpu(registered, fake_kernel, fake_varlen, cache_implementation):
+def test_llama_greedy_generate_matches_sdpa_cpu(registered, fake_kernel, fake_varlen, fake_kvcache,
+                                               cache_implementation):
     model = _llama()
     ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(3))
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
@@ -667,7 +773,7 @@ def test_llama_greedy_generate_matches_sdpa_cpu(registered, fake_kernel, fake_va
         ref = _set_attn(model, "sdpa").generate(ids, **kwargs)
         out = _set_attn(model, NAME).generate(ids, **kwargs)
     assert torch.equal(out, ref)
-    calls = fake_kernel + fake_varlen
+    calls = fake_kernel + fake_varlen + fake_kvcache
     assert any(c["q"].shape[1] == 1 or c["q"].shape[0] == 2 for c in calls)  # decode steps went through the backend
 
 
@@ -1023,21 +1129,106 @@ def test_llama_padded_batch_rows_equal_running_alone_gpu(side):
 
 @pytest.mark.gpu
 def test_llama_left_padded_greedy_generate_gpu():
+    """Batched greedy generation with left padding (its decode steps read the cache in place, through
+    flash_attn_with_kvcache): each prompt's logits at every step equal its logits generated alone, up to
+    bf16 noise, for as long as the two greedy token streams agree (random weights make near-ties)."""
     hft.register()
     model = _set_attn(_llama(seed=0).to(device="cuda", dtype=torch.bfloat16), NAME)
     seqs = _gpu_seqs((40, 5, 77), seed=12)
     ids, mask = _pad_batch([x.cpu() for x in seqs], "left")
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
-        out = model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=8, do_sample=False,
-                             pad_token_id=0)
-        assert out.shape == (3, ids.shape[1] + 8)
+        out = model.generate(ids.cuda(), attention_mask=mask.cuda(), **kwargs)
+        assert out.sequences.shape == (3, ids.shape[1] + 8)
         for b, x in enumerate(seqs):
             alone = model.generate(x[None], attention_mask=torch.ones(1, len(x), dtype=torch.long, device="cuda"),
-                                   max_new_tokens=8, do_sample=False, pad_token_id=0)
+                                   **kwargs)
             # The first new token comes from the prefill logits (bf16 noise apart, the same computation).
-            assert out[b, ids.shape[1]] == alone[0, len(x)], b
-            agree = (out[b, ids.shape[1]:] == alone[0, len(x):]).float().mean().item()
-            print(f"\nprompt {b}: batched and alone greedy tokens agree on {agree:.0%}")
+            assert out.sequences[b, ids.shape[1]] == alone.sequences[0, len(x)], b
+            steps = 0
+            for step, (batched, single) in enumerate(zip(out.logits, alone.logits)):
+                rel = rel_fro_err(batched[b].float(), single[0].float())
+                assert torch.isfinite(batched[b]).all() and rel < 2e-2, (b, step, rel)
+                steps += 1
+                if out.sequences[b, ids.shape[1] + step] != alone.sequences[0, len(x) + step]:
+                    break
+            print(f"\nprompt {b}: logits of {steps} steps within bf16 noise of generating alone")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_padded_decode_step_reads_the_cache_in_place_gpu(seqlen_q):
+    """A padded batch's decode step through the backend (no gradient; GQA 32/8, 3001 keys of which a
+    static cache's last columns lie past the mask): each row judged against the float64 reference over
+    its own run of keys, NaN everywhere else in k and v; then the step captured in a CUDA graph and
+    replayed after the mask changed in place (the runs are found inside the graph, not kept from an
+    eager call)."""
+    from hopper_flash.reference import check_kvcache
+
+    torch.manual_seed(0)
+    batch, heads, heads_kv, dim, seqlen_k, width = 5, 32, 8, 128, 3001, 2900
+    scale = dim ** -0.5
+    q = torch.randn(batch, heads, seqlen_q, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, heads_kv, seqlen_k, dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    runs = [(0, width), (17, width), (1000, width), (width - seqlen_q, width), (0, 1234)]
+    mask = torch.zeros(batch, width, dtype=torch.long, device="cuda")
+    for b, (lo, hi) in enumerate(runs):
+        mask[b, lo:hi] = 1
+        for t in (k, v):
+            t[b, :, :lo] = math.nan
+            t[b, :, hi:] = math.nan
+
+    def judged(out, runs):
+        assert out.shape == (batch, seqlen_q, heads, dim)
+        verdicts = check_kvcache(out, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 [hi for _, hi in runs], starts=[lo for lo, _ in runs], causal=seqlen_q > 1,
+                                 softmax_scale=scale)
+        assert all(verdicts), "\n".join(x.message for x in verdicts if not x)
+
+    step = lambda m: hft.hopper_flash_attention_forward(_Module(), q, k, v, m, scaling=scale)[0]  # noqa: E731
+    with torch.no_grad():
+        judged(step(mask), runs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(mask)  # warm-up: an eager call keeps the runs of this mask
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(mask)
+        inner = [(100, width), (17, 2500), (2000, width), (width - seqlen_q, width), (3, 1000)]
+        new_mask = torch.zeros_like(mask)
+        for b, (lo, hi) in enumerate(inner):
+            new_mask[b, lo:hi] = 1
+        mask.copy_(new_mask)
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        judged(out, inner)
+
+
+@pytest.mark.gpu
+def test_padded_decode_step_compiles_fullgraph_gpu():
+    """torch.compile(fullgraph=True) of a padded decode step through the backend: the KV cache call is
+    traced (its custom op), each row judged against the float64 reference over its run."""
+    from hopper_flash.reference import check_kvcache
+
+    torch.manual_seed(1)
+    scale = 128 ** -0.5
+    q = torch.randn(3, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 8, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    runs = [(0, 1000), (999, 1000), (130, 1000)]
+    mask = torch.zeros(3, 1000, dtype=torch.long, device="cuda")
+    for b, (lo, hi) in enumerate(runs):
+        mask[b, lo:hi] = 1
+        k[b, :, :lo] = v[b, :, :lo] = math.nan
+    step = torch.compile(lambda q, k, v, m: hft.hopper_flash_attention_forward(_Module(), q, k, v, m,
+                                                                               scaling=scale)[0], fullgraph=True)
+    with torch.no_grad():
+        out = step(q, k, v, mask)
+    verdicts = check_kvcache(out, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), [hi for _, hi in runs],
+                             starts=[lo for lo, _ in runs], causal=False, softmax_scale=scale)
+    assert all(verdicts), "\n".join(x.message for x in verdicts if not x)
 
 
 @pytest.mark.gpu

@@ -40,7 +40,8 @@ static error_string_t error_string_fn;
 
 /* A parameter's kind (``make``'s spec). */
 enum { P_CONST = 0, P_VALUE = 1, P_MAP = 2, P_DIM = 3, P_STRIDE = 4 };
-#define N_VALUES 9  /* plan._Slot order: out, lse, o_part, lse_part, seqlen_k, sched, seqused, kv_batch, pages */
+#define N_VALUES 10  /* plan._Slot order: out, lse, o_part, lse_part, seqlen_k, sched, seqused, kv_batch, pages,
+                        leftpad */
 #define MAX_PARAMS 160
 #define MAX_DESCS 4
 #define RANK 4
@@ -238,8 +239,8 @@ static void set_cuda_error(const char *what, CUresult r) {
 /* launch(state, stream, q, k, v, out, lse, o_part, lse_part, seqlen_k, sched, k_strides, v_strides[, cache]):
    addresses as ints (lse and sched may be None), the strides as tuples; a KV
    cache's call (plan.PreparedForward for flash_attn_with_kvcache) adds the
-   addresses of its lengths, cache rows and page table as a 3-tuple (None
-   where absent). seqlen_k is then the K/V descriptors' length alone (the
+   addresses of its lengths, cache rows, page table and left pads as a
+   4-tuple (None where absent). seqlen_k is then the K/V descriptors' length alone (the
    kernel's key length is a constant of the template). */
 static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 13 && nargs != 14) {
@@ -259,14 +260,14 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   int64_t seqlen_k = PyLong_AsLongLong(args[9]);
   values[4] = (uint64_t)seqlen_k;
   values[5] = args[10] == Py_None ? 0 : PyLong_AsUnsignedLongLong(args[10]);
-  values[6] = values[7] = values[8] = 0;
+  values[6] = values[7] = values[8] = values[9] = 0;
   if (nargs == 14) {
     PyObject *cache = args[13];
-    if (!PyTuple_Check(cache) || PyTuple_GET_SIZE(cache) != 3) {
-      PyErr_SetString(PyExc_TypeError, "the cache addresses must be a 3-tuple");
+    if (!PyTuple_Check(cache) || PyTuple_GET_SIZE(cache) != 4) {
+      PyErr_SetString(PyExc_TypeError, "the cache addresses must be a 4-tuple");
       return NULL;
     }
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 4; ++i) {
       PyObject *a = PyTuple_GET_ITEM(cache, i);
       values[6 + i] = a == Py_None ? 0 : PyLong_AsUnsignedLongLong(a);
     }

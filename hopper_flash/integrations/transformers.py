@@ -46,7 +46,11 @@ The backend computes exactly what SDPA computes, or raises:
   with as many queries as keys the queries are the same run, with fewer
   (decode, chunked prefill) every query row is a token and the queries are
   the sequence's last keys (bottom-right causal). Padded query rows get zero
-  output, as with flash-attn;
+  output, as with flash-attn. Decode steps (fewer queries than keys, no
+  gradient) read the keys where the cache holds them, through
+  :func:`hopper_flash.flash_attn_with_kvcache` with the run's start as
+  ``cache_leftpad``; the other calls run on copies of the batch in the
+  varlen layout (views at batch 1);
 * packed sequences (one row holding several documents): explicit
   ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_length_q``/``max_length_k``
   keyword arguments (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``)
@@ -312,8 +316,56 @@ def _thd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, which in-place writes bump, or None for an
+    inference tensor (made under ``torch.inference_mode``), which has none:
+    what is derived from such a tensor cannot be kept by identity, since
+    nothing tells an in-place change, so it is derived again per call."""
+    return None if t.is_inference() else t._version
+
+
+# One entry: the 2-D padding mask of the current model forward (every layer
+# gets the same object) and the runs it gave, so that the layers after the
+# first launch no kernels to find them again.
+_PADDING_CACHE: dict = {}
+
+
+def _padding_runs(mask: torch.Tensor, seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's run of tokens in a 2-D padding mask: ``(start, length,
+    end)``, int32 ``[batch]`` device tensors (no host sync; an empty row
+    gives ``(0, 0, 0)``). Keys past the mask's columns (empty static-cache slots) are
+    never live. Eager calls keep the last mask's runs (by identity and
+    version, ``_version``: not for an inference tensor); not under
+    torch.compile, nor while a CUDA graph is captured (a run kept from a
+    capture would live in the graph's memory pool)."""
+    import weakref
+
+    version = None if torch.compiler.is_compiling() or checks.capturing() else _version(mask)
+    if version is not None:
+        entry = _PADDING_CACHE.get("last")
+        if entry is not None and entry[0]() is mask and entry[1] == version and entry[2] == seqlen_k:
+            return entry[3]
+    live = mask.bool()
+    if live.shape[1] > seqlen_k:
+        live = live[:, -seqlen_k:]
+    start = live.to(torch.int32).argmax(dim=1).to(torch.int32)  # first token (0 for an empty row)
+    length = live.sum(dim=1, dtype=torch.int32)
+    runs = (start, length, start + length)
+    if version is not None:
+        _PADDING_CACHE["last"] = (weakref.ref(mask), version, seqlen_k, runs)
+    return runs
+
+
 def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1), softcap=0.0, sink=None):
-    """A padded batch as one varlen call, with no host sync (see the module docstring)."""
+    """A padded batch with no host sync (see the module docstring).
+
+    Fewer queries than keys (a decode step, chunked prefill over a cache)
+    without gradients: the queries are each row's last tokens, and the
+    keys are read where the cache holds them, as
+    :func:`hopper_flash.flash_attn_with_kvcache` reads a left-padded cache
+    (``cache_leftpad`` the run's start, ``cache_seqlens`` its end): no copy
+    of the keys. Otherwise one varlen call over THD copies of the batch
+    (q, k and v; views at batch 1)."""
     import hopper_flash
 
     batch, nheads, seqlen_q, _ = query.shape
@@ -322,12 +374,14 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
         raise TypeError(f"a 2-D attention_mask must be boolean or integer (1 = keep), got dtype {mask.dtype}")
     if mask.shape[0] != batch:
         raise ValueError(f"2-D attention_mask has batch {mask.shape[0]}, the queries have {batch}")
-    live = mask.bool()
-    if live.shape[1] > seqlen_k:
-        live = live[:, -seqlen_k:]
-    # Keys past the mask's columns (empty static-cache slots) are never live.
-    lens_k = live.sum(dim=1, dtype=torch.int32)
-    start_k = live.to(torch.int32).argmax(dim=1).to(torch.int32)  # first token (0 for an empty row)
+    start_k, lens_k, end_k = _padding_runs(mask, seqlen_k)
+    causal = is_causal and seqlen_q > 1
+    if seqlen_q < seqlen_k and not (torch.is_grad_enabled() and any(
+            getattr(t, "requires_grad", False) for t in (query, key, value, sink))):
+        return hopper_flash.flash_attn_with_kvcache(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=end_k,
+            cache_leftpad=start_k, softmax_scale=scaling, causal=causal, window_size=window_size,
+            softcap=softcap, learnable_sink=sink)
     rows = torch.arange(batch, dtype=torch.int32, device=query.device)
     end = torch.full((1,), batch * seqlen_k, dtype=torch.int32, device=query.device)
     cu_k = torch.cat([rows * seqlen_k + start_k, end])
@@ -340,7 +394,7 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
         used_q = None
     out = hopper_flash.flash_attn_varlen_func(
         _thd(query), _thd(key), _thd(value), cu_q, cu_k, seqlen_q, seqlen_k, seqused_q=used_q, seqused_k=lens_k,
-        softmax_scale=scaling, causal=is_causal and seqlen_q > 1, window_size=window_size, softcap=softcap,
+        softmax_scale=scaling, causal=causal, window_size=window_size, softcap=softcap,
         learnable_sink=sink)
     return out.view(batch, seqlen_q, nheads, value.shape[-1])
 
@@ -377,8 +431,9 @@ def _packed_from_position_ids(position_ids, query, key):
         return None
     import weakref
 
+    version = _version(position_ids)
     entry = _POSITION_IDS_CACHE.get("last")
-    if entry is not None and entry[0]() is position_ids and entry[1] == position_ids._version:
+    if version is not None and entry is not None and entry[0]() is position_ids and entry[1] == version:
         return entry[2]
     pos = position_ids.reshape(-1)
     starts = (pos == pos.min()).nonzero().flatten().to(torch.int32)  # the one sync
@@ -389,7 +444,8 @@ def _packed_from_position_ids(position_ids, query, key):
         cu = torch.cat([starts, total])
         max_len = int((cu[1:] - cu[:-1]).max())
         result = (cu, cu, max_len, max_len)
-    _POSITION_IDS_CACHE["last"] = (weakref.ref(position_ids), position_ids._version, result)
+    if version is not None:
+        _POSITION_IDS_CACHE["last"] = (weakref.ref(position_ids), version, result)
     return result
 
 
