@@ -375,6 +375,15 @@ def test_padding_runs_found_once_per_mask(fake_kvcache, monkeypatch):
     assert len(found) == 3
 
 
+def test_padding_mask_on_another_device_is_named(fake_varlen, fake_kvcache):
+    """A 2-D mask away from the queries' device: an error naming the mask, not the lengths built from it."""
+    q, k, v = _qkv(batch=2, seqlen_q=1, seqlen_k=10)
+    mask = torch.ones(2, 10, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match="attention_mask must be on the queries' device"):
+        hft.hopper_flash_attention_forward(_Module(), q, k, v, mask)
+    assert fake_varlen == [] and fake_kvcache == []
+
+
 def test_padding_mask_with_holes_is_the_callers_contract(fake_varlen):
     """A 2-D mask row must be one run of tokens; the run's first token and its count are what is used."""
     q, k, v = _qkv(batch=1)

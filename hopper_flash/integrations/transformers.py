@@ -374,6 +374,8 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
         raise TypeError(f"a 2-D attention_mask must be boolean or integer (1 = keep), got dtype {mask.dtype}")
     if mask.shape[0] != batch:
         raise ValueError(f"2-D attention_mask has batch {mask.shape[0]}, the queries have {batch}")
+    if mask.device != query.device:
+        raise ValueError(f"2-D attention_mask must be on the queries' device {query.device}, got {mask.device}")
     start_k, lens_k, end_k = _padding_runs(mask, seqlen_k)
     causal = is_causal and seqlen_q > 1
     if seqlen_q < seqlen_k and not (torch.is_grad_enabled() and any(
