@@ -1515,3 +1515,14 @@ def test_block_table_built_once_per_step_and_again_when_the_index_changes(monkey
     monkeypatch.setattr(hft.checks, "capturing", lambda: True)  # a CUDA graph capture: built every time
     assert hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2] is not hft.paged_cache_view(cache, 0, [index], cu_k,
                                                                                             20)[2]
+
+
+def test_block_table_of_inference_tensors_built_every_time():
+    """Tensors made under torch.inference_mode have no version counter: a block table read from them is
+    never reused (an in-place rewrite of the index could not be told), and it equals a fresh build."""
+    cache = _PagedCache(16)
+    with torch.inference_mode():
+        index, cu_k = cache.read_index([20], [[3, 5]]), torch.tensor([0, 20], dtype=torch.int32)
+        first = hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2]
+        again = hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2]
+    assert again is not first and first.tolist() == again.tolist() == [[3, 5]]

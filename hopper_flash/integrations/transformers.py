@@ -626,9 +626,12 @@ def _block_table(index: torch.Tensor, cu_k: torch.Tensor, max_k: int, page: int)
     version counters (a new step hands a new index view, or rewrites the
     storage, which moves the counter). Not while tracing (torch.compile
     fuses the launches) or capturing a CUDA graph (the graph must build it
-    from the index it replays on)."""
-    reuse = not torch.compiler.is_compiling() and not checks.capturing()
-    key = (index._version, cu_k._version, max_k, page) if reuse else None
+    from the index it replays on), nor for inference tensors (``_version``)."""
+    key = None
+    if not torch.compiler.is_compiling() and not checks.capturing():
+        versions = (_version(index), _version(cu_k))
+        key = None if None in versions else (*versions, max_k, page)
+    reuse = key is not None
     last = _LAST_TABLE[0]
     if reuse and last is not None and last[0] is index and last[1] is cu_k and last[2] == key:
         return last[3]
