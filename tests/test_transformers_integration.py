@@ -375,6 +375,52 @@ def test_padding_runs_found_once_per_mask(fake_kvcache, monkeypatch):
     assert len(found) == 3
 
 
+def _layer(idx):
+    module = _Module()
+    module.layer_idx = idx
+    return module
+
+
+def test_padding_runs_of_an_inference_tensor_found_once_per_forward(fake_kvcache, monkeypatch):
+    """A mask made under torch.inference_mode has no version counter: its runs are kept only while the
+    layers run in order (layer_idx rising), found again at the next forward's first layer, where an
+    in-place change of the same mask object shows; a module without layer_idx finds them every call."""
+    found = []
+    real = torch.Tensor.argmax
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda self, *a, **kw: found.append(1) or real(self, *a, **kw))
+    q, k, v = _qkv(batch=2, seqlen_q=1, seqlen_k=10)
+    with torch.inference_mode():
+        mask = torch.ones(2, 10, dtype=torch.bool)
+        mask[0, :3] = False
+        for layer in range(4):
+            hft.hopper_flash_attention_forward(_layer(layer), q, k, v, mask)
+        assert len(found) == 1
+        mask[1, :2] = False  # in place, between two forwards: no version counter tells it
+        for layer in range(4):
+            hft.hopper_flash_attention_forward(_layer(layer), q, k, v, mask)
+        assert len(found) == 2
+        assert [c["cache_leftpad"].tolist() for c in fake_kvcache] == [[3, 0]] * 4 + [[3, 2]] * 4
+        for _ in range(2):
+            hft.hopper_flash_attention_forward(_Module(), q, k, v, mask)  # no layer_idx
+        assert len(found) == 4
+
+
+def test_position_ids_of_an_inference_tensor_read_once_per_forward(fake_kernel, fake_varlen, monkeypatch):
+    """Packed documents found from position_ids (one host sync) once per forward under inference_mode
+    too: the layers after the first reuse the first's answer; the next forward reads them again."""
+    synced = []
+    real = torch.Tensor.nonzero
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda self, *a, **kw: synced.append(1) or real(self, *a, **kw))
+    q, k, v = _qkv(batch=1, seqlen_q=12, seqlen_k=12)
+    with torch.inference_mode():
+        position_ids = torch.cat([torch.arange(5), torch.arange(7)])[None]
+        for forward in range(2):
+            for layer in range(3):
+                hft.hopper_flash_attention_forward(_layer(layer), q, k, v, None, position_ids=position_ids)
+            assert len(synced) == forward + 1
+    assert len(fake_varlen) == 6 and all(c["cu_q"].tolist() == [0, 5, 12] for c in fake_varlen)
+
+
 def test_padding_mask_on_another_device_is_named(fake_varlen, fake_kvcache):
     """A 2-D mask away from the queries' device: an error naming the mask, not the lengths built from it."""
     q, k, v = _qkv(batch=2, seqlen_q=1, seqlen_k=10)

@@ -247,7 +247,7 @@ def hopper_flash_attention_forward(
     # (Each helper only where it can find something: this runs per layer of every decode step.)
     packed = None if _PACKED_NAMES.isdisjoint(kwargs) else _packed_from_kwargs(kwargs, query, key)
     if packed is None and attention_mask is None and seqlen_q == seqlen_k:
-        packed = _packed_from_position_ids(kwargs.get("position_ids"), query, key)
+        packed = _packed_from_position_ids(kwargs.get("position_ids"), query, key, getattr(module, "layer_idx", None))
     window_size = (-1, -1) if sliding_window is None else _window_size(sliding_window, seqlen_k)
     softcap = 0.0 if softcap is None else checks.check_softcap(softcap)
     sink = None
@@ -258,7 +258,7 @@ def hopper_flash_attention_forward(
             return _run_packed(query, key, value, packed, bool(is_causal), scaling, window_size, softcap,
                                sink), None
         return _run_padded(query, key, value, attention_mask, bool(is_causal), scaling, window_size,
-                           softcap, sink), None
+                           softcap, sink, getattr(module, "layer_idx", None)), None
 
     mask_causal = None
     if attention_mask is not None:
@@ -319,44 +319,78 @@ def _thd(x: torch.Tensor) -> torch.Tensor:
 def _version(t: torch.Tensor) -> int | None:
     """``t``'s version counter, which in-place writes bump, or None for an
     inference tensor (made under ``torch.inference_mode``), which has none:
-    what is derived from such a tensor cannot be kept by identity, since
-    nothing tells an in-place change, so it is derived again per call."""
+    reading it raises, and nothing tells an in-place change."""
     return None if t.is_inference() else t._version
 
 
-# One entry: the 2-D padding mask of the current model forward (every layer
-# gets the same object) and the runs it gave, so that the layers after the
-# first launch no kernels to find them again.
-_PADDING_CACHE: dict = {}
+class _ForwardMemo:
+    """One value derived from a tensor that every layer of a model forward
+    is handed (the 2-D padding mask, ``position_ids``), kept so that the
+    layers after the first skip deriving it again: while the tensor is the
+    same object with the same version counter (in-place writes bump it),
+    under the same ``extra`` (host values the value depends on).
+
+    An inference tensor (made under ``torch.inference_mode``) has no
+    version counter, so nothing tells an in-place change between two
+    forwards; its value is kept only within one forward, recognised by the
+    layers' order: each call must come from a later layer
+    (``module.layer_idx``) than the call before, as a model's layers run.
+    A first layer again, or a module without ``layer_idx``, derives it
+    anew."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self):
+        self.entry = None  # (weakref to the tensor, its version or None, extra, the last layer, value)
+
+    def get(self, t: torch.Tensor, extra, layer):
+        """The value kept for ``t``, or None."""
+        entry = self.entry
+        if entry is None or entry[0]() is not t or entry[2] != extra:
+            return None
+        version = _version(t)
+        if version is not None:
+            return entry[4] if entry[1] == version else None
+        if entry[1] is not None or layer is None or entry[3] is None or layer <= entry[3]:
+            return None
+        self.entry = (*entry[:3], layer, entry[4])
+        return entry[4]
+
+    def put(self, t: torch.Tensor, extra, layer, value) -> None:
+        import weakref
+
+        self.entry = (weakref.ref(t), _version(t), extra, layer, value)
 
 
-def _padding_runs(mask: torch.Tensor, seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+_PADDING_RUNS = _ForwardMemo()
+
+
+def _padding_runs(mask: torch.Tensor, seqlen_k: int, layer=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's run of tokens in a 2-D padding mask: ``(start, length,
     end)``, int32 ``[batch]`` device tensors (no host sync; an empty row
-    gives ``(0, 0, 0)``). Keys past the mask's columns (empty static-cache slots) are
-    never live. Eager calls keep the last mask's runs (by identity and
-    version, ``_version``: not for an inference tensor); not under
-    torch.compile, nor while a CUDA graph is captured (a run kept from a
-    capture would live in the graph's memory pool)."""
-    import weakref
-
-    version = None if torch.compiler.is_compiling() or checks.capturing() else _version(mask)
-    if version is not None:
-        entry = _PADDING_CACHE.get("last")
-        if entry is not None and entry[0]() is mask and entry[1] == version and entry[2] == seqlen_k:
-            return entry[3]
+    gives ``(0, 0, 0)``). Keys past the mask's columns (empty static-cache
+    slots) are never live. Eager calls keep the last mask's runs
+    (``_ForwardMemo``; ``layer``: the calling module's ``layer_idx``); not
+    under torch.compile, nor while a CUDA graph is captured (a run kept from
+    before the capture would not follow the mask's later in-place updates
+    on replay)."""
+    keep = not torch.compiler.is_compiling() and not checks.capturing()
+    runs = _PADDING_RUNS.get(mask, seqlen_k, layer) if keep else None
+    if runs is not None:
+        return runs
     live = mask.bool()
     if live.shape[1] > seqlen_k:
         live = live[:, -seqlen_k:]
     start = live.to(torch.int32).argmax(dim=1).to(torch.int32)  # first token (0 for an empty row)
     length = live.sum(dim=1, dtype=torch.int32)
     runs = (start, length, start + length)
-    if version is not None:
-        _PADDING_CACHE["last"] = (weakref.ref(mask), version, seqlen_k, runs)
+    if keep:
+        _PADDING_RUNS.put(mask, seqlen_k, layer, runs)
     return runs
 
 
-def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1), softcap=0.0, sink=None):
+def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1), softcap=0.0, sink=None,
+                layer=None):
     """A padded batch with no host sync (see the module docstring).
 
     Fewer queries than keys (a decode step, chunked prefill over a cache)
@@ -365,7 +399,8 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
     :func:`hopper_flash.flash_attn_with_kvcache` reads a left-padded cache
     (``cache_leftpad`` the run's start, ``cache_seqlens`` its end): no copy
     of the keys. Otherwise one varlen call over THD copies of the batch
-    (q, k and v; views at batch 1)."""
+    (q, k and v; views at batch 1). ``layer``: the module's ``layer_idx``
+    (``_padding_runs``)."""
     import hopper_flash
 
     batch, nheads, seqlen_q, _ = query.shape
@@ -376,7 +411,7 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
         raise ValueError(f"2-D attention_mask has batch {mask.shape[0]}, the queries have {batch}")
     if mask.device != query.device:
         raise ValueError(f"2-D attention_mask must be on the queries' device {query.device}, got {mask.device}")
-    start_k, lens_k, end_k = _padding_runs(mask, seqlen_k)
+    start_k, lens_k, end_k = _padding_runs(mask, seqlen_k, layer)
     causal = is_causal and seqlen_q > 1
     if seqlen_q < seqlen_k and not (torch.is_grad_enabled() and any(
             getattr(t, "requires_grad", False) for t in (query, key, value, sink))):
@@ -417,26 +452,23 @@ def _packed_from_kwargs(kwargs, query, key):
     return cu_q.to(torch.int32), cu_k.to(torch.int32), max(1, max_q), max(1, max_k)
 
 
-# One entry: the position_ids tensor of the current model forward (every
-# layer gets the same object) and what it gave, so the sync happens once.
-_POSITION_IDS_CACHE: dict = {}
+# The position_ids of the current model forward (every layer gets the same
+# object) and what they gave, so the sync happens once per forward.
+_POSITION_IDS = _ForwardMemo()
 
 
-def _packed_from_position_ids(position_ids, query, key):
+def _packed_from_position_ids(position_ids, query, key, layer=None):
     """Packed documents in one row (batch 1, positions restarting at their
     minimum), as transformers' flash path detects them: ``(cu, cu, max, max)``
-    or None. Needs the values on the host: one sync per forward (cached by
-    tensor identity and version), eager only."""
+    or None. Needs the values on the host: one sync per forward (kept by
+    ``_ForwardMemo``; ``layer``: the module's ``layer_idx``), eager only."""
     if (position_ids is None or query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] < 2
             or position_ids.dim() != 2 or position_ids.shape[-1] != query.shape[2]
             or torch.compiler.is_compiling()):
         return None
-    import weakref
-
-    version = _version(position_ids)
-    entry = _POSITION_IDS_CACHE.get("last")
-    if version is not None and entry is not None and entry[0]() is position_ids and entry[1] == version:
-        return entry[2]
+    kept = _POSITION_IDS.get(position_ids, None, layer)
+    if kept is not None:
+        return kept[0]
     pos = position_ids.reshape(-1)
     starts = (pos == pos.min()).nonzero().flatten().to(torch.int32)  # the one sync
     if starts.numel() <= 1:
@@ -446,8 +478,7 @@ def _packed_from_position_ids(position_ids, query, key):
         cu = torch.cat([starts, total])
         max_len = int((cu[1:] - cu[:-1]).max())
         result = (cu, cu, max_len, max_len)
-    if version is not None:
-        _POSITION_IDS_CACHE["last"] = (weakref.ref(position_ids), version, result)
+    _POSITION_IDS.put(position_ids, None, layer, (result,))  # (a tuple: None is a result too)
     return result
 
 
