@@ -44,12 +44,14 @@ json.dump([c for c in r if c.get('dtype', 'bf16') == 'bf16'], open('$out/prefill
     varlen)  # issue 12's mixed batch: 16 sequences, lengths uniform in 512..8192, causal, GQA 32/8
       bench --varlen 512:8192 --batch 16 --json "$out/varlen.json" ;;
     serving)  # packed serving batches beside FA3 (and FA3's own split heuristic), groups of 5 and 7 too (packed
-      # and fixed-length), then cache_leftpad's route and the chunked decode step (attention_chunk, contiguous and paged)
+      # and fixed-length), then cache_leftpad's route and the chunked decode step (attention_chunk, contiguous and
+      # paged), then the transformers backend's padded decode steps (FA3's cache_leftpad call beside)
       python -P scripts/varlen_pack_bench.py 2>&1 | tee "$out/varlen-pack.txt"
       python -P scripts/varlen_pack_bench.py --groups 2>&1 | tee "$out/varlen-pack-groups.txt"
       python -P scripts/pack_view_bench.py 2>&1 | tee "$out/pack-view.txt"
       python -P scripts/leftpad_bench.py 2>&1 | tee "$out/leftpad.txt"
-      python -P scripts/chunk_decode_probe.py 2>&1 | tee "$out/chunk-decode.txt" ;;
+      python -P scripts/chunk_decode_probe.py 2>&1 | tee "$out/chunk-decode.txt"
+      python -P scripts/padded_decode_bench.py 2>&1 | tee "$out/padded-decode.txt" ;;
     *) echo "unknown block $block" >&2; exit 2 ;;
   esac
 done
