@@ -36,14 +36,18 @@ from torch.autograd.function import once_differentiable
 from . import checks, dispatch, plan, plan_backward, sinks
 
 
-def needs_op(*tensors) -> bool:
-    """Tracing, or autograd would record the call: go through the registered
-    op, which torch.compile can trace and autograd knows about."""
-    if torch.compiler.is_compiling():
-        return True
+def records_grad(*tensors) -> bool:
+    """Whether autograd would record a call on these tensors (``None``
+    allowed): grad mode on and one of them requires grad."""
     if not torch.is_grad_enabled():  # inference: no per-tensor look (host time per call)
         return False
     return any(getattr(t, "requires_grad", False) for t in tensors)
+
+
+def needs_op(*tensors) -> bool:
+    """Tracing, or autograd would record the call: go through the registered
+    op, which torch.compile can trace and autograd knows about."""
+    return torch.compiler.is_compiling() or records_grad(*tensors)
 
 
 @torch.library.custom_op("hopper_flash::fwd", mutates_args=(), device_types="cuda")

@@ -199,7 +199,7 @@ def _varlen_fwd_paged_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, sequs
 def refuse_gradients(q, k, v, sink=None) -> None:
     """Paged varlen attention has no backward (as in flash-attn): say so
     rather than return an output autograd cannot differentiate."""
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, sink)):
+    if ops.records_grad(q, k, v, sink):
         raise NotImplementedError("flash_attn_varlen_func with block_table is forward only (no backward through "
                                   "a paged KV cache, as in flash-attn): call it under torch.no_grad() or on "
                                   "tensors (q, k, v, learnable_sink) that do not require grad")

@@ -38,6 +38,14 @@ def build_model(layers: int, device: str, dtype: torch.dtype):
         return transformers.LlamaForCausalLM(cfg).to(dtype=dtype).eval()
 
 
+def step_mask(prompt_mask, step: int):
+    """The 2-D mask of decode step ``step`` (0: the first new token): the
+    prompt's, one live column per token fed so far; None without a mask."""
+    if prompt_mask is None:
+        return None
+    return torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], step + 1)], dim=1)
+
+
 @torch.inference_mode()
 def decode(model, impls, cache, first_token, tokens, sync, prompt_mask=None) -> dict:
     """Feed ``first_token`` then ``tokens`` one by one to every backend in
@@ -53,9 +61,8 @@ def decode(model, impls, cache, first_token, tokens, sync, prompt_mask=None) -> 
     feed = [first_token] + [t.view(1, 1).expand(first_token.shape[0], 1) for t in tokens]
     logits = {impl: [] for impl in impls}
     times = {impl: [] for impl in impls}
-    masks = [None] * len(feed) if prompt_mask is None else [
-        torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], i + 1)], dim=1) for i in range(len(feed))]
-    for tok, mask in zip(feed, masks):
+    for i, tok in enumerate(feed):
+        mask = step_mask(prompt_mask, i)
         for impl in impls:
             model.set_attn_implementation(impl)
             sync()
@@ -156,8 +163,7 @@ def main(argv=None) -> None:
         for i in range(args.steps - 1):
             sync()
             t0 = time.perf_counter()
-            mask = None if prompt_mask is None else torch.cat([prompt_mask, prompt_mask.new_ones(args.batch, i + 1)], 1)
-            out = model(input_ids=step, past_key_values=probe, use_cache=True, attention_mask=mask)
+            out = model(input_ids=step, past_key_values=probe, use_cache=True, attention_mask=step_mask(prompt_mask, i))
             step = out.logits[:, -1:].argmax(-1)
             sync()
             first_visit.append(time.perf_counter() - t0)

@@ -94,7 +94,7 @@ import functools
 
 import torch
 
-from .. import checks, dispatch, interface, plan
+from .. import checks, dispatch, interface, ops, plan
 
 __all__ = ["NAME", "PAGED_NAME", "register", "is_registered", "hopper_flash_attention_forward",
            "hopper_flash_paged_attention_forward", "padding_mask"]
@@ -413,8 +413,7 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
         raise ValueError(f"2-D attention_mask must be on the queries' device {query.device}, got {mask.device}")
     start_k, lens_k, end_k = _padding_runs(mask, seqlen_k, layer)
     causal = is_causal and seqlen_q > 1
-    if seqlen_q < seqlen_k and not (torch.is_grad_enabled() and any(
-            getattr(t, "requires_grad", False) for t in (query, key, value, sink))):
+    if seqlen_q < seqlen_k and not ops.records_grad(query, key, value, sink):
         return hopper_flash.flash_attn_with_kvcache(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=end_k,
             cache_leftpad=start_k, softmax_scale=scaling, causal=causal, window_size=window_size,
