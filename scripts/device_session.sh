@@ -31,6 +31,8 @@
 #       (vl-TAG-BATCH-ROUND.json: eight files with one NAME and two batch
 #       sizes). VSCREEN_ARGS: more bench arguments (e.g. "--headdim 64"),
 #       VSCREEN_TAG: a word for their JSON names (vl-WORD-TAG-...).
+#   run (carry .wt):   bash scripts/device_session.sh branches .wt/NAME[:FILE,FILE] ...
+#       other branches' GPU tests, each from its own tree (see the case below).
 #   run:               bash scripts/device_session.sh memcheck
 #       compute-sanitizer memcheck on the forward and backward cases.
 #   run:               bash scripts/device_session.sh variant NAME CONFIG.json [BENCH ARGS]
@@ -123,6 +125,21 @@ case "${1:-}" in
     build_variant "$name" || exit 1
     variant_tests "$name" ${VARIANT_TESTS:-tests/test_forward_gpu.py}
     alternate "$config" "$name" -- "${extra[@]}" ;;
+  branches)
+    # Each argument DIR[:FILE,FILE...]: another branch's tree (`git archive
+    # BRANCH hopper_flash tests scripts pyproject.toml benchmarks | tar -x -C
+    # .wt/NAME`, carry .wt) and its GPU test files (default: its whole
+    # suite), run in turn from that tree, BRANCH_TIMEOUT seconds each (then
+    # SIGINT: pytest still reports what ran). Log: $OUT/pytest-NAME.log.
+    out=$(cd "$OUT" && pwd)
+    for spec in "${@:2}"; do
+      dir=${spec%%:*}; files=(tests); [ "$spec" != "$dir" ] && IFS=, read -ra files <<< "${spec#*:}"
+      log="$out/pytest-$(basename "$dir").log"
+      (cd "$dir" && python -c "import hopper_flash; print('package:', hopper_flash.__file__)" &&
+       timeout -s INT "${BRANCH_TIMEOUT:-150}" python -m pytest -m gpu -q -rf -n "${SUITE_WORKERS:-8}" \
+         --timeout 100 -p no:cacheprovider -p no:benchmark -o pythonpath=. "${files[@]}") > "$log" 2>&1
+      echo "$dir: $(grep -E '^package:|passed|failed|skipped|error|Interrupted' "$log" | tail -3 | tr '\n' ' ')"
+    done ;;
   vtests)
     name=${2:?variant name}
     start_fa3  # with .fa3 carried, FA3 builds while the tests run (for a vscreen next)
