@@ -324,42 +324,51 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 class _ForwardMemo:
-    """One value derived from a tensor that every layer of a model forward
-    is handed (the 2-D padding mask, ``position_ids``), kept so that the
-    layers after the first skip deriving it again: while the tensor is the
-    same object with the same version counter (in-place writes bump it),
+    """One value derived from tensors that every layer of a model forward
+    (or of a continuous-batching step) is handed (the 2-D padding mask,
+    ``position_ids``, the paged read index), kept so that the layers after
+    the first skip deriving it again: while the tensors are the same
+    objects with the same version counters (in-place writes bump them),
     under the same ``extra`` (host values the value depends on).
 
     An inference tensor (made under ``torch.inference_mode``) has no
     version counter, so nothing tells an in-place change between two
-    forwards; its value is kept only within one forward, recognised by the
-    layers' order: each call must come from a later layer
-    (``module.layer_idx``) than the call before, as a model's layers run.
-    A first layer again, or a module without ``layer_idx``, derives it
-    anew."""
+    forwards; a value derived from one is kept only within one forward,
+    recognised by the layers' order: each call must come from a later
+    layer (``module.layer_idx``) than the call before, as a model's layers
+    run. A first layer again, or no layer (None), derives it anew."""
 
     __slots__ = ("entry",)
 
     def __init__(self):
-        self.entry = None  # (weakref to the tensor, its version or None, extra, the last layer, value)
+        self.entry = None  # (weakrefs to the tensors, their versions, extra, the last layer, value)
 
-    def get(self, t: torch.Tensor, extra, layer):
-        """The value kept for ``t``, or None."""
+    def get(self, tensors: tuple, extra, layer):
+        """The value kept for ``tensors``, or None."""
         entry = self.entry
-        if entry is None or entry[0]() is not t or entry[2] != extra:
+        if entry is None or entry[2] != extra or len(entry[0]) != len(tensors):
             return None
-        version = _version(t)
-        if version is not None:
-            return entry[4] if entry[1] == version else None
-        if entry[1] is not None or layer is None or entry[3] is None or layer <= entry[3]:
-            return None
-        self.entry = (*entry[:3], layer, entry[4])
+        inference = False
+        for ref, kept, t in zip(entry[0], entry[1], tensors):  # (per layer call: no generator)
+            if ref() is not t:
+                return None
+            if t.is_inference():
+                inference = True
+            elif t._version != kept:
+                return None
+        if inference:
+            if layer is None or entry[3] is None or layer <= entry[3]:
+                return None
+            self.entry = (*entry[:3], layer, entry[4])
         return entry[4]
 
-    def put(self, t: torch.Tensor, extra, layer, value) -> None:
+    def put(self, tensors: tuple, extra, layer, value) -> None:
         import weakref
 
-        self.entry = (weakref.ref(t), _version(t), extra, layer, value)
+        versions = tuple(map(_version, tensors))
+        if layer is None and None in versions:
+            return  # (get could never return it)
+        self.entry = (tuple(weakref.ref(t) for t in tensors), versions, extra, layer, value)
 
 
 _PADDING_RUNS = _ForwardMemo()
@@ -375,7 +384,7 @@ def _padding_runs(mask: torch.Tensor, seqlen_k: int, layer=None) -> tuple[torch.
     before the capture would not follow the mask's later in-place updates
     on replay)."""
     keep = not torch.compiler.is_compiling() and not checks.capturing()
-    runs = _PADDING_RUNS.get(mask, seqlen_k, layer) if keep else None
+    runs = _PADDING_RUNS.get((mask,), seqlen_k, layer) if keep else None
     if runs is not None:
         return runs
     live = mask.bool()
@@ -385,7 +394,7 @@ def _padding_runs(mask: torch.Tensor, seqlen_k: int, layer=None) -> tuple[torch.
     length = live.sum(dim=1, dtype=torch.int32)
     runs = (start, length, start + length)
     if keep:
-        _PADDING_RUNS.put(mask, seqlen_k, layer, runs)
+        _PADDING_RUNS.put((mask,), seqlen_k, layer, runs)
     return runs
 
 
@@ -465,7 +474,7 @@ def _packed_from_position_ids(position_ids, query, key, layer=None):
             or position_ids.dim() != 2 or position_ids.shape[-1] != query.shape[2]
             or torch.compiler.is_compiling()):
         return None
-    kept = _POSITION_IDS.get(position_ids, None, layer)
+    kept = _POSITION_IDS.get((position_ids,), None, layer)
     if kept is not None:
         return kept[0]
     pos = position_ids.reshape(-1)
@@ -477,7 +486,7 @@ def _packed_from_position_ids(position_ids, query, key, layer=None):
         cu = torch.cat([starts, total])
         max_len = int((cu[1:] - cu[:-1]).max())
         result = (cu, cu, max_len, max_len)
-    _POSITION_IDS.put(position_ids, None, layer, (result,))  # (a tuple: None is a result too)
+    _POSITION_IDS.put((position_ids,), None, layer, (result,))  # (a tuple: None is a result too)
     return result
 
 
@@ -638,9 +647,8 @@ def paged_cache_view(cache, layer_idx: int, read_index, cu_k: torch.Tensor, max_
     return k_pool.view(-1, page, *k_pool.shape[1:]), v_pool.view(-1, page, *v_pool.shape[1:]), table
 
 
-# The last block table built (_block_table): the tensors it was read from,
-# their version counters and the host values, then the table.
-_LAST_TABLE: list = [None]
+# The block table of the current continuous-batching step (_block_table).
+_BLOCK_TABLE = _ForwardMemo()
 
 
 def _block_table(index: torch.Tensor, cu_k: torch.Tensor, max_k: int, page: int) -> torch.Tensor:
@@ -656,20 +664,17 @@ def _block_table(index: torch.Tensor, cu_k: torch.Tensor, max_k: int, page: int)
     version counters (a new step hands a new index view, or rewrites the
     storage, which moves the counter). Not while tracing (torch.compile
     fuses the launches) or capturing a CUDA graph (the graph must build it
-    from the index it replays on), nor for inference tensors (``_version``)."""
-    key = None
-    if not torch.compiler.is_compiling() and not checks.capturing():
-        versions = (_version(index), _version(cu_k))
-        key = None if None in versions else (*versions, max_k, page)
-    reuse = key is not None
-    last = _LAST_TABLE[0]
-    if reuse and last is not None and last[0] is index and last[1] is cu_k and last[2] == key:
-        return last[3]
+    from the index it replays on), nor for inference tensors (``_version``;
+    ``_ForwardMemo`` without a layer)."""
+    keep = not torch.compiler.is_compiling() and not checks.capturing()
+    table = _BLOCK_TABLE.get((index, cu_k), (max_k, page), None) if keep else None
+    if table is not None:
+        return table
     offsets = torch.arange(0, -(-max_k // page) * page, page, device=cu_k.device)
     first_keys = (cu_k[:-1, None] + offsets).clamp_max_(index.numel() - 1)
     table = (index[first_keys] // page).to(torch.int32)
-    if reuse:
-        _LAST_TABLE[0] = (index, cu_k, key, table)
+    if keep:
+        _BLOCK_TABLE.put((index, cu_k), (max_k, page), None, table)
     return table
 
 
