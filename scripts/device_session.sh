@@ -31,7 +31,7 @@
 #       (vl-TAG-BATCH-ROUND.json: eight files with one NAME and two batch
 #       sizes). VSCREEN_ARGS: more bench arguments (e.g. "--headdim 64"),
 #       VSCREEN_TAG: a word for their JSON names (vl-WORD-TAG-...).
-#   run (carry .wt):   bash scripts/device_session.sh branches .wt/NAME[:FILE,FILE] ...
+#   run (carry .wt [.fa3]): bash scripts/device_session.sh branches .wt/NAME[:FILE,FILE] ...
 #       other branches' GPU tests, each from its own tree (see the case below).
 #   run:               bash scripts/device_session.sh memcheck
 #       compute-sanitizer memcheck on the forward and backward cases.
@@ -131,6 +131,7 @@ case "${1:-}" in
     # .wt/NAME`, carry .wt) and its GPU test files (default: its whole
     # suite), run in turn from that tree, BRANCH_TIMEOUT seconds each (then
     # SIGINT: pytest still reports what ran). Log: $OUT/pytest-NAME.log.
+    start_fa3  # with .fa3 carried, FA3 builds while the tests run (for a bench next)
     out=$(cd "$OUT" && pwd)
     for spec in "${@:2}"; do
       dir=${spec%%:*}; files=(tests); [ "$spec" != "$dir" ] && IFS=, read -ra files <<< "${spec#*:}"
