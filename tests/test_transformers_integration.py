@@ -390,6 +390,36 @@ def _layer(idx):
     return module
 
 
+def test_padding_runs_kept_within_one_cuda_graph_capture(fake_kvcache, monkeypatch):
+    """While a CUDA graph is captured, the layers after the first reuse the runs the capture found (they
+    replay together, after the capture's own kernels that find them); never runs found outside the capture
+    (they would not follow in-place changes of the mask on replay), nor a capture's runs outside it or in
+    another capture (they exist only in its graph); a capture the driver cannot name finds them every call."""
+    found = []
+    real = torch.Tensor.argmax
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda self, *a, **kw: found.append(1) or real(self, *a, **kw))
+    capture = [0]
+    monkeypatch.setattr(hft.checks, "capture_id", lambda: capture[0])
+    q, k, v = _qkv(batch=2, seqlen_q=1, seqlen_k=10)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[0, :3] = False
+
+    def forward():
+        for layer in range(4):
+            hft.hopper_flash_attention_forward(_layer(layer), q, k, v, mask)
+
+    forward()
+    assert len(found) == 1
+    for ident, finds in ((11, 2), (11, 2), (12, 3), (0, 4), (0, 4), (None, 8)):
+        capture[0] = ident
+        forward()
+        assert len(found) == finds, (ident, found)
+    runs = [c["cache_leftpad"] for c in fake_kvcache]
+    assert all(r.tolist() == [3, 0] for r in runs)
+    assert runs[4] is not runs[0] and all(r is runs[4] for r in runs[4:12])  # capture 11 (twice): its own
+    assert runs[12] is not runs[4] and runs[16] is not runs[12]  # capture 12, then eager again
+
+
 def test_padding_runs_of_an_inference_tensor_found_once_per_forward(fake_kvcache, monkeypatch):
     """A mask made under torch.inference_mode has no version counter: its runs are kept only while the
     layers run in order (layer_idx rising), found again at the next forward's first layer, where an
@@ -1323,9 +1353,9 @@ def test_llama_left_padded_greedy_generate_gpu():
 def test_padded_decode_step_reads_the_cache_in_place_gpu(seqlen_q):
     """A padded batch's decode step through the backend (no gradient; GQA 32/8, 3001 keys of which a
     static cache's last columns lie past the mask): each row judged against the float64 reference over
-    its own run of keys, NaN everywhere else in k and v; then the step captured in a CUDA graph and
-    replayed after the mask changed in place (the runs are found inside the graph, not kept from an
-    eager call)."""
+    its own run of keys, NaN everywhere else in k and v; then three layers of the step captured in a CUDA
+    graph, twice (two graphs), and each graph replayed alone after the mask changed in place (the runs are
+    found inside each graph and shared by its layers, never kept from an eager call or the other graph)."""
     from hopper_flash.reference import check_kvcache
 
     torch.manual_seed(0)
@@ -1348,7 +1378,15 @@ def test_padded_decode_step_reads_the_cache_in_place_gpu(seqlen_q):
                                  softmax_scale=scale)
         assert all(verdicts), "\n".join(x.message for x in verdicts if not x)
 
-    step = lambda m: hft.hopper_flash_attention_forward(_Module(), q, k, v, m, scaling=scale)[0]  # noqa: E731
+    def step(m, layer=0):
+        return hft.hopper_flash_attention_forward(_layer(layer), q, k, v, m, scaling=scale)[0]
+
+    def masked(runs):
+        new_mask = torch.zeros_like(mask)
+        for b, (lo, hi) in enumerate(runs):
+            new_mask[b, lo:hi] = 1
+        return new_mask
+
     with torch.no_grad():
         judged(step(mask), runs)
         stream = torch.cuda.Stream()
@@ -1356,18 +1394,21 @@ def test_padded_decode_step_reads_the_cache_in_place_gpu(seqlen_q):
         with torch.cuda.stream(stream):
             step(mask)  # warm-up: an eager call keeps the runs of this mask
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(mask)
+        graphs, outs = [], []
+        for _ in range(2):
+            graphs.append(torch.cuda.CUDAGraph())
+            with torch.cuda.graph(graphs[-1]):
+                outs.append([step(mask, layer) for layer in range(3)])
         inner = [(100, width), (17, 2500), (2000, width), (width - seqlen_q, width), (3, 1000)]
-        new_mask = torch.zeros_like(mask)
-        for b, (lo, hi) in enumerate(inner):
-            new_mask[b, lo:hi] = 1
-        mask.copy_(new_mask)
-        out.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
-        judged(out, inner)
+        other = [(5, 2000), (17, 2899), (1500, 2600), (width - seqlen_q, width), (7, 1234)]  # (inside the runs)
+        for graph, out, new_runs in ((graphs[1], outs[1], inner), (graphs[0], outs[0], other)):
+            mask.copy_(masked(new_runs))
+            for o in out:
+                o.fill_(math.nan)
+            graph.replay()
+            torch.cuda.synchronize()
+            for o in out:
+                judged(o, new_runs)
 
 
 @pytest.mark.gpu
@@ -1666,9 +1707,18 @@ def test_block_table_built_once_per_step_and_again_when_the_index_changes(monkey
     assert rebuilt is not first and rebuilt.tolist() == [[7, 1]]
     fresh = hft.paged_cache_view(cache, 0, [storage[:20].clone()], cu_k, 20)[2]  # a new index tensor
     assert fresh is not rebuilt and torch.equal(fresh, rebuilt)
-    monkeypatch.setattr(hft.checks, "capturing", lambda: True)  # a CUDA graph capture: built every time
+    capture = [5]  # a CUDA graph capture's id (checks.capture_id): its own table, kept within it
+    monkeypatch.setattr(hft.checks, "capture_id", lambda: capture[0])
+    captured = hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2]
+    assert captured is not rebuilt and hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2] is captured
+    capture[0] = 6  # another capture
+    assert hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2] is not captured
+    capture[0] = None  # capturing, the capture unknown: built every time
     assert hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2] is not hft.paged_cache_view(cache, 0, [index], cu_k,
                                                                                             20)[2]
+    capture[0] = 0  # eager again: not the capture's table
+    eager = hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2]
+    assert eager is not captured and torch.equal(eager, rebuilt)
 
 
 def test_block_table_of_inference_tensors_built_every_time():

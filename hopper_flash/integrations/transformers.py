@@ -379,12 +379,14 @@ def _padding_runs(mask: torch.Tensor, seqlen_k: int, layer=None) -> tuple[torch.
     end)``, int32 ``[batch]`` device tensors (no host sync; an empty row
     gives ``(0, 0, 0)``). Keys past the mask's columns (empty static-cache
     slots) are never live. Eager calls keep the last mask's runs
-    (``_ForwardMemo``; ``layer``: the calling module's ``layer_idx``); not
-    under torch.compile, nor while a CUDA graph is captured (a run kept from
-    before the capture would not follow the mask's later in-place updates
-    on replay)."""
-    keep = not torch.compiler.is_compiling() and not checks.capturing()
-    runs = _PADDING_RUNS.get((mask,), seqlen_k, layer) if keep else None
+    (``_ForwardMemo``; ``layer``: the calling module's ``layer_idx``), and
+    so do the calls of one CUDA graph capture, among themselves
+    (``checks.capture_id``: runs kept from outside the capture would not
+    follow the mask's later in-place updates on replay, and runs a capture
+    found exist only in its graph); not under torch.compile."""
+    scope = None if torch.compiler.is_compiling() else checks.capture_id()
+    keep = scope is not None
+    runs = _PADDING_RUNS.get((mask,), (seqlen_k, scope), layer) if keep else None
     if runs is not None:
         return runs
     live = mask.bool()
@@ -394,7 +396,7 @@ def _padding_runs(mask: torch.Tensor, seqlen_k: int, layer=None) -> tuple[torch.
     length = live.sum(dim=1, dtype=torch.int32)
     runs = (start, length, start + length)
     if keep:
-        _PADDING_RUNS.put((mask,), seqlen_k, layer, runs)
+        _PADDING_RUNS.put((mask,), (seqlen_k, scope), layer, runs)
     return runs
 
 
@@ -662,19 +664,21 @@ def _block_table(index: torch.Tensor, cu_k: torch.Tensor, max_k: int, page: int)
     tensor and ``cu_seq_lens_k`` within a step, so the table is built once
     per step and reused while both are the same objects with the same
     version counters (a new step hands a new index view, or rewrites the
-    storage, which moves the counter). Not while tracing (torch.compile
-    fuses the launches) or capturing a CUDA graph (the graph must build it
-    from the index it replays on), nor for inference tensors (``_version``;
-    ``_ForwardMemo`` without a layer)."""
-    keep = not torch.compiler.is_compiling() and not checks.capturing()
-    table = _BLOCK_TABLE.get((index, cu_k), (max_k, page), None) if keep else None
+    storage, which moves the counter), within one CUDA graph capture or
+    outside any (``checks.capture_id``: the graph must build it from the
+    index it replays on). Not while tracing (torch.compile fuses the
+    launches), nor for inference tensors (``_version``; ``_ForwardMemo``
+    without a layer)."""
+    scope = None if torch.compiler.is_compiling() else checks.capture_id()
+    keep = scope is not None
+    table = _BLOCK_TABLE.get((index, cu_k), (max_k, page, scope), None) if keep else None
     if table is not None:
         return table
     offsets = torch.arange(0, -(-max_k // page) * page, page, device=cu_k.device)
     first_keys = (cu_k[:-1, None] + offsets).clamp_max_(index.numel() - 1)
     table = (index[first_keys] // page).to(torch.int32)
     if keep:
-        _BLOCK_TABLE.put((index, cu_k), (max_k, page), None, table)
+        _BLOCK_TABLE.put((index, cu_k), (max_k, page, scope), None, table)
     return table
 
 
