@@ -87,7 +87,9 @@ def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, seqused_q=None, sequs
                            enumerate(lens)]) for pool in (k, v))
         cu_k = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     cu_q_l, cu_k_l = cu_q.tolist(), cu_k.tolist()
-    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q_l[0] >= 0
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q_l[0] >= 0 and cu_k_l[0] >= 0
+    assert cu_q_l == sorted(cu_q_l) and cu_k_l == sorted(cu_k_l), "cu_seqlens not monotonic"
+    assert cu_q_l[-1] <= q.shape[0] and cu_k_l[-1] <= k.shape[0], "cu_seqlens past the tensors' rows"
     rows, pos = [], 0
     for b in range(len(cu_q_l) - 1):
         qs, ks = cu_q_l[b], cu_k_l[b]
@@ -311,7 +313,10 @@ def test_padding_mask_2d_takes_the_varlen_path(fake_kernel, fake_varlen):
     out, _ = hft.hopper_flash_attention_forward(_Module(), q, k, v, mask, scaling=0.1)
     assert fake_kernel == [] and len(fake_varlen) == 1
     call = fake_varlen[0]
-    assert call["cu_q"].tolist() == [0, 16 + 4, 32, 48] and call["cu_k"].tolist() == [0, 20, 32, 48]
+    # q's rows are compact (copied from the BHSD layout _qkv makes); k and v are read where they are: row b's
+    # keys from row b·(2 heads·16) of a view whose rows step by one token (_thd_rows)
+    assert call["cu_q"].tolist() == [0, 16 + 4, 32, 48] and call["cu_k"].tolist() == [0, 32 + 4, 64, 80]
+    assert call["k"].data_ptr() == k.data_ptr() and call["k"].stride() == (128, 16 * 128, 1)
     assert call["seqused_k"].tolist() == [16, 12, 11] and call["seqused_q"].tolist() == [16, 12, 11]
     assert call["max_q"] == 16 and call["max_k"] == 16 and call["causal"] is True
     assert out.shape == (3, 16, 4, 128)
@@ -319,6 +324,52 @@ def test_padding_mask_2d_takes_the_varlen_path(fake_kernel, fake_varlen):
     for b, (lo, hi) in enumerate([(0, 16), (4, 16), (0, 11)]):
         ref, _ = attention_reference(q[b:b + 1, :, lo:hi].transpose(1, 2), k[b:b + 1, :, lo:hi].transpose(1, 2),
                                      v[b:b + 1, :, lo:hi].transpose(1, 2), causal=True, softmax_scale=0.1)
+        torch.testing.assert_close(out[b, lo:hi].double(), ref[0], atol=2e-2, rtol=2e-2)
+        assert out[b, :lo].abs().sum() == 0 and out[b, hi:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "static cache", "v apart", "gradient"])
+def test_padded_prefill_reads_keys_in_place(fake_varlen, layout):
+    """A padded batch with as many queries as keys: k and v are read where they lie, with no copy, when
+    their layout allows (BSHD as projected, BHSD as a KV cache holds them, a static cache's wider
+    buffer), q's rows stay compact (the output's); with gradients, or k and v laid out differently, the
+    keys come as compact copies. NaN in the padding and past the mask; each row judged against the
+    attention over its run alone."""
+    batch, heads, heads_kv, seqlen, dim = 3, 4, 2, 16, 64
+    width = 24 if layout == "static cache" else seqlen  # (the buffer's keys; the mask covers seqlen)
+    q = torch.randn(batch, seqlen, heads, dim).to(torch.bfloat16).transpose(1, 2)  # BSHD, as projected
+
+    def keys():
+        if layout == "bshd":
+            return torch.randn(batch, seqlen, heads_kv, dim).to(torch.bfloat16).transpose(1, 2)
+        return torch.randn(batch, heads_kv, width, dim).to(torch.bfloat16)[:, :, :seqlen]
+
+    k, v = keys(), keys()
+    if layout == "v apart":
+        v = torch.randn(batch, seqlen, heads_kv, dim).to(torch.bfloat16).transpose(1, 2)
+    if layout == "gradient":
+        q.requires_grad_()
+    runs = [(0, 16), (5, 16), (0, 9)]
+    mask = torch.zeros(batch, seqlen, dtype=torch.long)
+    with torch.no_grad():
+        for b, (lo, hi) in enumerate(runs):
+            mask[b, lo:hi] = 1
+            for t in (k, v):
+                t[b, :, :lo] = t[b, :, hi:] = math.nan
+        if layout == "static cache":
+            for t in (k, v):
+                t.as_strided((batch, heads_kv, width - seqlen, dim), t.stride(), seqlen * dim).fill_(math.nan)
+    out, _ = hft.hopper_flash_attention_forward(_Module(), q, k, v, mask, scaling=0.1)
+    (call,) = fake_varlen
+    in_place = layout in ("bhsd", "bshd", "static cache")
+    rows = {"bhsd": heads_kv * seqlen, "static cache": heads_kv * width}.get(layout, seqlen)
+    assert (call["k"].data_ptr() == k.data_ptr()) is in_place
+    assert call["cu_k"].tolist() == [b * rows + lo for b, (lo, _) in enumerate(runs)] + [call["k"].shape[0]]
+    assert call["cu_q"].tolist() == [b * seqlen + lo for b, (lo, _) in enumerate(runs)] + [batch * seqlen]
+    assert call["q"].data_ptr() == q.data_ptr()  # (BSHD: a view)
+    for b, (lo, hi) in enumerate(runs):
+        ref, _ = attention_reference(*(t[b:b + 1, :, lo:hi].transpose(1, 2).detach() for t in (q, k, v)),
+                                     causal=True, softmax_scale=0.1)
         torch.testing.assert_close(out[b, lo:hi].double(), ref[0], atol=2e-2, rtol=2e-2)
         assert out[b, :lo].abs().sum() == 0 and out[b, hi:].abs().sum() == 0
 
@@ -536,6 +587,43 @@ def test_padded_batches_match_the_masks_definition_gpu(seqlen_q, side, window):
         base = _runs_masked_reference(q, k, v, runs, window, 0.125, dtype=torch.bfloat16)
         verdict = judge(f"seed {seed}", out.reshape(want.shape), want, base)
         assert verdict, verdict.message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [1000, 1129])
+def test_padded_prefill_reads_keys_in_place_gpu(width):
+    """A padded prefill whose keys a KV cache holds (BHSD; width > 1000: a static cache's wider buffer)
+    on the kernels: read in place (no copy), judged against the float64 definition of the mask relative
+    to the bf16 math path's error, NaN outside the runs, and bitwise equal to the same varlen call on
+    compact copies of the keys (the route before the views)."""
+    from hopper_flash.reference import judge
+
+    hft.register()
+    torch.manual_seed(0)
+    batch, heads, heads_kv, seqlen, dim = 4, 16, 4, 1000, 128
+    q = torch.randn(batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(batch, heads_kv, width, dim, device="cuda", dtype=torch.bfloat16)[:, :, :seqlen]
+            for _ in "kv")
+    runs = [(0, 1000), (129, 1000), (0, 127), (999, 1000)]
+    mask = torch.zeros(batch, seqlen, dtype=torch.long, device="cuda")
+    for b, (lo, hi) in enumerate(runs):
+        mask[b, lo:hi] = 1
+        for t in (k, v):
+            t[b, :, :lo] = t[b, :, hi:] = math.nan
+    with torch.no_grad():
+        out, _ = hft.hopper_flash_attention_forward(_Module(), q, k, v, mask, scaling=dim ** -0.5)
+        want = _runs_masked_reference(q, k, v, runs, None, dim ** -0.5)
+        base = _runs_masked_reference(q, k, v, runs, None, dim ** -0.5, dtype=torch.bfloat16)
+        verdict = judge(f"width {width}", out.reshape(want.shape), want, base)
+        assert verdict, verdict.message
+        starts = torch.tensor([lo for lo, _ in runs], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([hi - lo for lo, hi in runs], dtype=torch.int32, device="cuda")
+        rows = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * seqlen
+        cu = torch.cat([rows[:-1] + starts, rows[-1:]])
+        compact = hopper_flash.flash_attn_varlen_func(
+            *(hft._thd(t) for t in (q, k, v)), cu, cu,  # (_thd: compact copies of k and v)
+            seqlen, seqlen, seqused_q=lens, seqused_k=lens, softmax_scale=dim ** -0.5, causal=True)
+    assert torch.equal(out.reshape(compact.shape), compact)
 
 
 def test_padding_mask_with_holes_is_the_callers_contract(fake_varlen):
