@@ -328,15 +328,15 @@ def test_padding_mask_2d_takes_the_varlen_path(fake_kernel, fake_varlen):
         assert out[b, :lo].abs().sum() == 0 and out[b, hi:].abs().sum() == 0
 
 
-@pytest.mark.parametrize("layout", ["bhsd", "bshd", "static cache", "v apart", "gradient"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "wider buffer", "v apart", "gradient"])
 def test_padded_prefill_reads_keys_in_place(fake_varlen, layout):
     """A padded batch with as many queries as keys: k and v are read where they lie, with no copy, when
-    their layout allows (BSHD as projected, BHSD as a KV cache holds them, a static cache's wider
+    their layout allows (BSHD as projected, BHSD as a KV cache holds them, a view of a wider
     buffer), q's rows stay compact (the output's); with gradients, or k and v laid out differently, the
     keys come as compact copies. NaN in the padding and past the mask; each row judged against the
     attention over its run alone."""
     batch, heads, heads_kv, seqlen, dim = 3, 4, 2, 16, 64
-    width = 24 if layout == "static cache" else seqlen  # (the buffer's keys; the mask covers seqlen)
+    width = 24 if layout == "wider buffer" else seqlen  # (the buffer's keys; the mask covers seqlen)
     q = torch.randn(batch, seqlen, heads, dim).to(torch.bfloat16).transpose(1, 2)  # BSHD, as projected
 
     def keys():
@@ -356,13 +356,13 @@ def test_padded_prefill_reads_keys_in_place(fake_varlen, layout):
             mask[b, lo:hi] = 1
             for t in (k, v):
                 t[b, :, :lo] = t[b, :, hi:] = math.nan
-        if layout == "static cache":
+        if layout == "wider buffer":
             for t in (k, v):
                 t.as_strided((batch, heads_kv, width - seqlen, dim), t.stride(), seqlen * dim).fill_(math.nan)
     out, _ = hft.hopper_flash_attention_forward(_Module(), q, k, v, mask, scaling=0.1)
     (call,) = fake_varlen
-    in_place = layout in ("bhsd", "bshd", "static cache")
-    rows = {"bhsd": heads_kv * seqlen, "static cache": heads_kv * width}.get(layout, seqlen)
+    in_place = layout in ("bhsd", "bshd", "wider buffer")
+    rows = {"bhsd": heads_kv * seqlen, "wider buffer": heads_kv * width}.get(layout, seqlen)
     assert (call["k"].data_ptr() == k.data_ptr()) is in_place
     assert call["cu_k"].tolist() == [b * rows + lo for b, (lo, _) in enumerate(runs)] + [call["k"].shape[0]]
     assert call["cu_q"].tolist() == [b * seqlen + lo for b, (lo, _) in enumerate(runs)] + [batch * seqlen]
@@ -592,7 +592,7 @@ def test_padded_batches_match_the_masks_definition_gpu(seqlen_q, side, window):
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [1000, 1129])
 def test_padded_prefill_reads_keys_in_place_gpu(width):
-    """A padded prefill whose keys a KV cache holds (BHSD; width > 1000: a static cache's wider buffer)
+    """A padded prefill whose keys a KV cache holds (BHSD; width > 1000: a view of a wider buffer)
     on the kernels: read in place (no copy), judged against the float64 definition of the mask relative
     to the bf16 math path's error, NaN outside the runs, and bitwise equal to the same varlen call on
     compact copies of the keys (the route before the views)."""
