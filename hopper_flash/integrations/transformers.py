@@ -453,8 +453,11 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
             cache_leftpad=start_k, softmax_scale=scaling, causal=causal, window_size=window_size,
             softcap=softcap, learnable_sink=sink)
     q_thd = _thd(query)  # (compact: the output's rows are q's)
-    if ops.records_grad(query, key, value, sink):
-        # (The backward allocates dk and dv by k's and v's rows: compact.)
+    if ops.records_grad(query, key, value, sink) or torch.compiler.is_compiling():
+        # (The backward allocates dk and dv by k's and v's rows: compact.
+        # Under torch.compile the graph's copies are fused into its kernels,
+        # and an as_strided view past an intermediate's own elements is not
+        # a layout inductor keeps.)
         k_thd, v_thd, k_rows = _thd(key), _thd(value), seqlen_k
     else:
         (k_thd, k_rows), (v_thd, v_rows) = _thd_rows(key), _thd_rows(value)
