@@ -45,6 +45,54 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def capture_id() -> int | None:
+    """Which CUDA graph capture the current stream is in: 0 when it is not
+    capturing, else the capture's id (the driver's, unique per capture in
+    the process), or None when capturing and the driver cannot say.
+
+    What a capture computes exists only in its graph: a value derived by
+    one capture's kernels may be reused by later calls of the same capture
+    (they replay together), never outside it, eagerly or in another one."""
+    if not capturing():
+        return 0
+    return _stream_capture_id(torch.cuda.current_stream().cuda_stream)
+
+
+@lru_cache(maxsize=None)
+def _capture_info_function():
+    """The driver's ``cuStreamGetCaptureInfo`` and how many optional
+    parameters follow its first three (stream, status and id, the same in
+    every version; the optional outputs are passed NULL), or None."""
+    import ctypes
+
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    for name, optional in (("cuStreamGetCaptureInfo_v2", 3), ("cuStreamGetCaptureInfo_v3", 4),
+                           ("cuStreamGetCaptureInfo", 0)):
+        function = getattr(driver, name, None)
+        if function is not None:
+            function.restype = ctypes.c_int
+            function.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint64),
+                                 *[ctypes.c_void_p] * optional]
+            return function, optional
+    return None
+
+
+def _stream_capture_id(stream: int) -> int | None:
+    import ctypes
+
+    found = _capture_info_function()
+    if found is None:
+        return None
+    function, optional = found
+    status, ident = ctypes.c_int(0), ctypes.c_uint64(0)
+    result = function(ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(ident), *[None] * optional)
+    active = 1  # CU_STREAM_CAPTURE_STATUS_ACTIVE
+    return int(ident.value) if result == 0 and status.value == active and ident.value else None
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -18,10 +18,14 @@ captured in a CUDA graph and replayed with new ``cache_seqlens``.
 **Prepared calls.** An eager call without rotary embedding, packed
 queries, chunking, sinks or contract check whose arguments have the
 signature of one that ran before (``prepared_key``: every tensor's shape,
-strides, dtype, device and 16-byte alignment, and the Python values) skips
-the checks and the plan and launches the kernels it launched then
+strides, dtype, device and 16-byte alignment, and the Python values; a
+contiguous cache's length and the strides that follow it left free, as
+``flash_attn_func``'s key leaves k's) skips the checks and the plan and
+launches the kernels it launched then for its KV tile count
 (``plan.PreparedForward``, from C where it can), with this call's
-addresses: as ``flash_attn_func``'s eager calls do. With ``k``/``v`` the
+addresses, cache length and strides: as ``flash_attn_func``'s eager calls
+do. A cache that grows a key per step (a view ``k_cache[:, :L]``, or
+transformers' caches re-made one key longer) keeps its prepared call. With ``k``/``v`` the
 append runs first, as on the full path, and the attention reads the
 lengths after it. A decode loop without CUDA graphs pays that per layer
 and step.
@@ -336,17 +340,34 @@ def prepared_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
                  num_splits, pack_gqa, return_lse, window, softcap, cache_leftpad=None) -> tuple | None:
     """The signature of a call that may take a prepared launch (the module
     docstring): what ``validate_kvcache`` and the plan read of it, the
-    pointers' 16-byte alignment (the kernels specialise on it) included.
-    None where a tensor is not a plain one (a subclass takes the full path)
-    or has no strides (the checks say what is wrong)."""
+    pointers' 16-byte alignment (the kernels specialise on it) included,
+    but a contiguous cache's length (below). None where a tensor is not a
+    plain one (a subclass takes the full path) or has no strides (the
+    checks say what is wrong)."""
     tensors = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, cache_leftpad)
     if any(t is not None and type(t) is not torch.Tensor for t in tensors):
         return None
     try:
+        if page_table is None:
+            # A contiguous cache: its length, and the strides that follow it,
+            # left free (checks._kv_class, as flash_attn_func's key leaves k's):
+            # the plan reads the length by its KV tile count (the prepared
+            # call's launches are kept by it) and the launch reads both per
+            # call, so a cache that grows (a new tensor per step, or a view
+            # k_cache[:, :L]) keeps its prepared call.
+            ks, kst, vs, vst = k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride()
+            k_class = checks._kv_class(ks, kst, k_cache.element_size())
+            same = vs == ks and vst == kst  # (v laid out as k: one class, read once)
+            cache = ((k_class, k_cache.dtype, k_cache.device, k_cache.data_ptr() % 16),
+                     (k_class if same else checks._kv_class(vs, vst, v_cache.element_size()), v_cache.dtype,
+                      v_cache.device, v_cache.data_ptr() % 16), same or ks[1] == vs[1])
+            tensors = (q, k, v, cache_seqlens, cache_batch_idx, cache_leftpad)
+        else:
+            cache = ("paged",)  # (the pool's shape and strides are in parts: its rows are pages)
         parts = [None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors]
-    except RuntimeError:
+    except (RuntimeError, TypeError, ValueError):  # (ValueError: not 4-D, _kv_class; the checks name it)
         return None
-    return ("kvcache", *parts, type(softmax_scale), softmax_scale, type(causal), causal, num_splits,
+    return ("kvcache", *cache, *parts, type(softmax_scale), softmax_scale, type(causal), causal, num_splits,
             type(pack_gqa), pack_gqa, return_lse, window, softcap)
 
 
@@ -371,7 +392,8 @@ def _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqlens, cache_se
         return None
     if pt is not None and (cache_batch_idx is not None or plan.gathers(kc.shape[1], cfg.head_dim)):
         return None
-    return plan.CacheLayout(seqlen_k=pt.shape[1] * kc.shape[1] if pt is not None else kc.shape[1],
+    # (A contiguous cache's length is each call's own: seqlen_k 0, prepared_key.)
+    return plan.CacheLayout(seqlen_k=pt.shape[1] * kc.shape[1] if pt is not None else 0,
                             kv_batch=pt is None and cache_batch_idx is not None, paged=pt is not None,
                             page_stride=pt.stride(0) if pt is not None else 0, leftpad=leftpad is not None)
 

@@ -1074,11 +1074,12 @@ _OUT, _LSE, _O_PART, _LSE_PART, _SEQLEN_K, _SCHED, _SEQUSED, _KV_BATCH, _PAGES, 
 class CacheLayout:
     """What a prepared ``flash_attn_with_kvcache`` launch fixes of its cache
     (``kvcache.prepared_call``'s signature holds the shapes it comes from):
-    the kernel's key length (a contiguous cache's capacity, or the page
-    table's width times the page size), whether the cache rows, the page
-    table and left pads (``cache_leftpad``) are read, and the page table's
-    row stride. Per call only the addresses change: the lengths', the
-    rows', the table's, the pads'."""
+    the kernel's key length (the page table's width times the page size; 0
+    for a contiguous cache, whose capacity each call passes, as
+    ``flash_attn_func``'s prepared calls pass k's length), whether the cache
+    rows, the page table and left pads (``cache_leftpad``) are read, and the
+    page table's row stride. Per call the addresses change: the lengths',
+    the rows', the table's, the pads'."""
 
     seqlen_k: int
     kv_batch: bool
@@ -1119,7 +1120,7 @@ class _PreparedLaunch:
         if cache is None:
             seqlen_k, seqused, kv_batch, pages, page_stride, leftpad = _SEQLEN_K, None, None, None, 0, None
         else:
-            seqlen_k, seqused, page_stride = cache.seqlen_k, _SEQUSED, cache.page_stride
+            seqlen_k, seqused, page_stride = cache.seqlen_k or _SEQLEN_K, _SEQUSED, cache.page_stride
             kv_batch, pages = _KV_BATCH if cache.kv_batch else None, _PAGES if cache.paged else None
             leftpad = _LEFTPAD if cache.leftpad else None
         args = _kernel_args(lp, q, seqlen_k, nheads_kv, softmax_scale, _OUT, lse, seqused, kv_batch, pages,
@@ -1305,10 +1306,11 @@ _SIGHTED: dict[tuple, None] = {}
 
 def sighted(key) -> bool:
     """Whether ``key`` was met before; records it if not. A KV cache call
-    is prepared at its signature's second launch, not its first: a cache
-    passed as a growing view (``k_cache[:, :L]``, a new shape every step)
-    would otherwise build a prepared launch per call that nothing reuses
-    (on the CPU stand-in 81 against 23 us a call)."""
+    is prepared at its signature's second launch, not its first: a
+    signature met once (a page table one page wider each time, say) would
+    otherwise build a prepared launch per call that nothing reuses (on the
+    CPU stand-in 81 against 23 us a call, when growing caches were new
+    signatures; their length is free now, ``kvcache.prepared_key``)."""
     if key in _SIGHTED:
         return True
     if len(_SIGHTED) >= _PREPARED_LIMIT:

@@ -13,7 +13,9 @@ runs, in the padding).
 Row ``b`` is left-padded by ``b * SK // (2 * B)`` keys; causal, D128, bf16,
 one query per row; ``do_bench`` medians (us) of plain calls and of CUDA-graph
 replay, the K/V bytes of the live runs over the replay time, and the CPU
-time to enqueue one call (``host_timing.enqueue_us``)."""
+time to enqueue one call (``host_timing.enqueue_us``). The "N layers" line
+is a model step: N layers' calls on the same mask (``--layers``), its times
+divided by N."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +38,10 @@ from host_timing import enqueue_us  # noqa: E402
 class _Module(torch.nn.Module):
     is_causal = True
 
+    def __init__(self, layer_idx=0):
+        super().__init__()
+        self.layer_idx = layer_idx
+
 
 def bench(f) -> tuple[float, float]:
     with torch.no_grad():
@@ -44,7 +50,7 @@ def bench(f) -> tuple[float, float]:
     return plain, graph
 
 
-def row(b, h, hk, sk, d=128):
+def row(b, h, hk, sk, layers, d=128):
     torch.manual_seed(0)
     q = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16) for _ in "kv")
@@ -62,6 +68,15 @@ def row(b, h, hk, sk, d=128):
         "padded (backend)": lambda: hft.hopper_flash_attention_forward(m, q, k, v, mask, scaling=scale)[0],
         "unpadded (backend, no mask)": lambda: hft.hopper_flash_attention_forward(m, q, k, v, None, scaling=scale)[0],
     }
+    modules = [_Module(i) for i in range(layers)]
+
+    def model_step():  # a model's layers on one mask: the runs are found once (also inside a CUDA graph)
+        for module in modules:
+            out = hft.hopper_flash_attention_forward(module, q, k, v, mask, scaling=scale)[0]
+        return out
+
+    per_layer = {f"padded, {layers} layers / layer": layers}
+    calls[f"padded, {layers} layers / layer"] = model_step
     bool_mask = mask.bool()[:, None, None, :]
     calls["sdpa, boolean mask"] = lambda: F.scaled_dot_product_attention(
         q, k, v, attn_mask=bool_mask, scale=scale, enable_gqa=True).transpose(1, 2)
@@ -92,6 +107,8 @@ def row(b, h, hk, sk, d=128):
         plain, graph = bench(f)
         with torch.no_grad():
             enqueue = enqueue_us(f, 100)
+        n = per_layer.get(name, 1)
+        plain, graph, enqueue = plain / n, graph / n, enqueue / n
         rate = live_bytes / (graph * 1e-6) / 1e12
         print(f"  {name:30s} {'ok  ' if ok else 'FAIL'} plain {plain:8.1f} us  graph {graph:8.1f} us  "
               f"live K/V {rate:5.2f} TB/s  enqueue {enqueue:6.1f} us")
@@ -100,9 +117,10 @@ def row(b, h, hk, sk, d=128):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", nargs="*", default=["8,32,8,4096", "8,32,8,16384", "4,32,8,32768"])
+    p.add_argument("--layers", type=int, default=8, help="layers of the model step line (its times per layer)")
     args = p.parse_args()
     for shape in args.shape:
-        row(*(int(x) for x in shape.split(",")))
+        row(*(int(x) for x in shape.split(",")), args.layers)
 
 
 if __name__ == "__main__":

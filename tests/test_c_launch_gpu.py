@@ -239,3 +239,47 @@ def test_kvcache_prepared_calls_with_an_append_gpu(monkeypatch, layout, c_on):
         kc[b, n:n + s_new], vc[b, n:n + s_new] = kw["k"][b], kw["v"][b]
     bad = [r.message for r in check_kvcache(g_out, q, kc, vc, [n + s_new for n in new_cs], causal=True) if not r]
     assert not bad, bad
+
+
+@pytest.mark.parametrize("growth", ["view", "new-tensor"])
+@pytest.mark.parametrize("c_on", ["0", "1"], ids=["python", "c"])
+def test_kvcache_prepared_calls_of_a_growing_cache_gpu(monkeypatch, growth, c_on):
+    """A contiguous cache that grows by a key per call (a view ``k_cache[:, :L]``
+    of a longer buffer, or a new [B, Hkv, L, D] tensor seen as BSHD, as
+    transformers' caches are) keeps its prepared call: from the third call on
+    no plan but at a new KV tile count, each call's own length and strides
+    launched; every output judged against float64 (NaN outside every row's
+    live keys: lengths per row inside the cache's, left pads too)."""
+    monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", c_on)
+    monkeypatch.setattr(plan, "_PREPARED", {})
+    monkeypatch.setattr(plan, "_SIGHTED", {})
+    planned = []
+    real = plan.launch_forward
+    monkeypatch.setattr(plan, "launch_forward", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    batch, nheads, nheads_kv, capacity = 3, 32, 8, 4400
+    q = rnd(batch, 1, nheads, 128, seed=5)
+    for step, length in enumerate((4000, 4001, 4050, 4095, 4096, 4097, 4200)):
+        # (fresh values each call: the NaN below may not leak into a later call's live keys)
+        if growth == "view":  # [B, S, Hkv, D] buffers of one capacity, seen up to the length
+            kc, vc = (torch.randn(batch, capacity, nheads_kv, 128, device="cuda", generator=gen)
+                      .to(torch.bfloat16)[:, :length] for _ in "kv")
+        else:  # [B, Hkv, L, D], a new tensor per length, seen as BSHD
+            kc, vc = (torch.randn(batch, nheads_kv, length, 128, device="cuda", generator=gen)
+                      .to(torch.bfloat16).transpose(1, 2) for _ in "kv")
+        ends = torch.tensor([length, length - 7, length // 2], dtype=torch.int32, device="cuda")
+        pads = torch.tensor([0, 3, 100], dtype=torch.int32, device="cuda")
+        for t in (kc, vc):  # nothing outside each row's live keys may count
+            t[1, length - 7:] = float("nan")
+            t[2, length // 2:] = float("nan")
+            t[2, :100] = float("nan")
+        planned.clear()
+        out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=ends, cache_leftpad=pads, causal=True)
+        if 2 <= step <= 4:  # 4000-4096 keys: 32 KV tiles of 128, prepared at the second call
+            assert not planned, (step, length)
+        if length == 4097:  # a 33rd tile: planned (and prepared, once its split's combine launches directly)
+            assert planned
+        bad = [r.message for r in check_kvcache(out, q, kc, vc, ends.tolist(), causal=True, starts=pads.tolist())
+               if not r]
+        assert not bad, (length, bad)
+    assert len(plan._PREPARED) == 1

@@ -263,28 +263,63 @@ def test_layouts_a_prepared_launch_cannot_replay_are_never_prepared(counted, lay
     assert not plan._PREPARED
 
 
-def test_a_signature_is_prepared_at_its_second_launch_and_a_growing_view_never(counted):
-    """A signature met once is not prepared (a cache passed as a growing
-    view, ``k_cache[:, :L]``, is a new signature every step: a prepared
-    launch per call would cost more host time than it saves), the second
-    launch prepares it, even after a first through the JIT."""
-    big = _arguments("contiguous", 0)
-    q, lens = big["q"], big["cache_seqlens"]
-    kc, vc = (torch.randn(2, 8300, 2, 128).to(torch.bfloat16) for _ in "kv")
+def test_a_signature_is_prepared_at_its_second_launch(counted):
+    """A signature met once is not prepared (a call made once would pay for
+    a prepared launch nothing reuses); the second launch prepares it, even
+    after a first through the JIT."""
+    def call(seed):
+        return kvcache.flash_attn_with_kvcache(**_arguments("contiguous", seed), causal=True)
 
-    def call(length):
-        return kvcache.flash_attn_with_kvcache(q, kc[:, :length], vc[:, :length], cache_seqlens=lens, causal=True)
-
-    call(8192)  # the JIT's launch: met once
+    call(0)  # the JIT's launch: met once
     _direct_from_now_on()
-    for length in range(8100, 8192):  # one KV tile count, a new shape each: direct, never prepared
-        call(length)
     assert not plan._PREPARED
-    call(8192)  # met again: prepared now, for the next
+    call(1)  # met again: prepared now, for the next
     assert len(plan._PREPARED) == 1
     counted.clear()
-    call(8192)
+    call(2)
     assert counted == []
-    counted.clear()
-    call(8191)  # met before too (in the loop): this direct launch prepares it
-    assert counted == ["validate", "plan"] and len(plan._PREPARED) == 2
+
+
+@pytest.mark.parametrize("growth", ["view", "new-tensor"])
+def test_a_growing_cache_keeps_its_prepared_call(counted, growth):
+    """A contiguous cache's length is not part of the signature (nor the
+    strides that follow it): a cache passed as a growing view
+    (``k_cache[:, :L]``) or re-made one key longer each step (transformers'
+    [B, Hkv, L, D] caches, seen as BSHD) keeps its prepared call, one launch
+    per KV tile count, and each call hands the kernels its own length and
+    strides: what a direct launch of the same arguments hands them."""
+    big = _arguments("contiguous", 0)
+    q, lens = big["q"], big["cache_seqlens"]
+    kc, vc = (torch.randn(2, 8400, 2, 128).to(torch.bfloat16) for _ in "kv")
+    heads_first = [x.transpose(1, 2).contiguous() for x in (kc, vc)]  # [B, Hkv, S, D]
+
+    def caches(length):
+        if growth == "view":
+            return kc[:, :length], vc[:, :length]
+        return tuple(x[:, :, :length].contiguous().transpose(1, 2) for x in heads_first)
+
+    def call(k_cache, v_cache):
+        return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, causal=True)
+
+    call(*caches(8100))  # the JIT's
+    calls, _ = _direct_from_now_on()
+    call(*caches(8101))  # direct, prepared after it
+    assert len(plan._PREPARED) == 1
+    names = forward.attention_forward_kernel.real.arg_names
+    for length, planned in ((8150, False), (8192, False), (8193, True), (8300, False)):
+        k_now, v_now = caches(length)
+        counted.clear()
+        prepared = call(k_now, v_now)
+        assert ("plan" in counted) == planned, (length, counted)  # a new KV tile count at 8193: planned once
+        assert len(plan._PREPARED) == 1
+        kept = dict(plan._PREPARED)
+        plan._PREPARED.clear()
+        direct = call(k_now, v_now)
+        plan._PREPARED.clear()
+        plan._PREPARED.update(kept)
+        got, want = dict(zip(names[4:], calls[-2][4 * 9:])), dict(zip(names[4:], calls[-1][4 * 9:]))
+        want = {n: prepared.data_ptr() if x == direct.data_ptr() else x for n, x in want.items()}
+        if want["o_part_ptr"] != prepared.data_ptr():  # split: each call's own partials
+            want.update(o_part_ptr=got["o_part_ptr"], lse_part_ptr=got["lse_part_ptr"])
+        assert got == want and got["seqlen_k"] == length, length
+        assert calls[-2][:27] == calls[-1][:27], length  # q's, k's and v's maps: each call's length and strides

@@ -87,7 +87,9 @@ def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, seqused_q=None, sequs
                            enumerate(lens)]) for pool in (k, v))
         cu_k = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     cu_q_l, cu_k_l = cu_q.tolist(), cu_k.tolist()
-    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q_l[0] >= 0
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q_l[0] >= 0 and cu_k_l[0] >= 0
+    assert cu_q_l == sorted(cu_q_l) and cu_k_l == sorted(cu_k_l), "cu_seqlens not monotonic"
+    assert cu_q_l[-1] <= q.shape[0] and cu_k_l[-1] <= k.shape[0], "cu_seqlens past the tensors' rows"
     rows, pos = [], 0
     for b in range(len(cu_q_l) - 1):
         qs, ks = cu_q_l[b], cu_k_l[b]
@@ -311,7 +313,10 @@ def test_padding_mask_2d_takes_the_varlen_path(fake_kernel, fake_varlen):
     out, _ = hft.hopper_flash_attention_forward(_Module(), q, k, v, mask, scaling=0.1)
     assert fake_kernel == [] and len(fake_varlen) == 1
     call = fake_varlen[0]
-    assert call["cu_q"].tolist() == [0, 16 + 4, 32, 48] and call["cu_k"].tolist() == [0, 20, 32, 48]
+    # q's rows are compact (copied from the BHSD layout _qkv makes); k and v are read where they are: row b's
+    # keys from row b·(2 heads·16) of a view whose rows step by one token (_thd_rows)
+    assert call["cu_q"].tolist() == [0, 16 + 4, 32, 48] and call["cu_k"].tolist() == [0, 32 + 4, 64, 80]
+    assert call["k"].data_ptr() == k.data_ptr() and call["k"].stride() == (128, 16 * 128, 1)
     assert call["seqused_k"].tolist() == [16, 12, 11] and call["seqused_q"].tolist() == [16, 12, 11]
     assert call["max_q"] == 16 and call["max_k"] == 16 and call["causal"] is True
     assert out.shape == (3, 16, 4, 128)
@@ -319,6 +324,52 @@ def test_padding_mask_2d_takes_the_varlen_path(fake_kernel, fake_varlen):
     for b, (lo, hi) in enumerate([(0, 16), (4, 16), (0, 11)]):
         ref, _ = attention_reference(q[b:b + 1, :, lo:hi].transpose(1, 2), k[b:b + 1, :, lo:hi].transpose(1, 2),
                                      v[b:b + 1, :, lo:hi].transpose(1, 2), causal=True, softmax_scale=0.1)
+        torch.testing.assert_close(out[b, lo:hi].double(), ref[0], atol=2e-2, rtol=2e-2)
+        assert out[b, :lo].abs().sum() == 0 and out[b, hi:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "wider buffer", "v apart", "gradient"])
+def test_padded_prefill_reads_keys_in_place(fake_varlen, layout):
+    """A padded batch with as many queries as keys: k and v are read where they lie, with no copy, when
+    their layout allows (BSHD as projected, BHSD as a KV cache holds them, a view of a wider
+    buffer), q's rows stay compact (the output's); with gradients, or k and v laid out differently, the
+    keys come as compact copies. NaN in the padding and past the mask; each row judged against the
+    attention over its run alone."""
+    batch, heads, heads_kv, seqlen, dim = 3, 4, 2, 16, 64
+    width = 24 if layout == "wider buffer" else seqlen  # (the buffer's keys; the mask covers seqlen)
+    q = torch.randn(batch, seqlen, heads, dim).to(torch.bfloat16).transpose(1, 2)  # BSHD, as projected
+
+    def keys():
+        if layout == "bshd":
+            return torch.randn(batch, seqlen, heads_kv, dim).to(torch.bfloat16).transpose(1, 2)
+        return torch.randn(batch, heads_kv, width, dim).to(torch.bfloat16)[:, :, :seqlen]
+
+    k, v = keys(), keys()
+    if layout == "v apart":
+        v = torch.randn(batch, seqlen, heads_kv, dim).to(torch.bfloat16).transpose(1, 2)
+    if layout == "gradient":
+        q.requires_grad_()
+    runs = [(0, 16), (5, 16), (0, 9)]
+    mask = torch.zeros(batch, seqlen, dtype=torch.long)
+    with torch.no_grad():
+        for b, (lo, hi) in enumerate(runs):
+            mask[b, lo:hi] = 1
+            for t in (k, v):
+                t[b, :, :lo] = t[b, :, hi:] = math.nan
+        if layout == "wider buffer":
+            for t in (k, v):
+                t.as_strided((batch, heads_kv, width - seqlen, dim), t.stride(), seqlen * dim).fill_(math.nan)
+    out, _ = hft.hopper_flash_attention_forward(_Module(), q, k, v, mask, scaling=0.1)
+    (call,) = fake_varlen
+    in_place = layout in ("bhsd", "bshd", "wider buffer")
+    rows = {"bhsd": heads_kv * seqlen, "wider buffer": heads_kv * width}.get(layout, seqlen)
+    assert (call["k"].data_ptr() == k.data_ptr()) is in_place
+    assert call["cu_k"].tolist() == [b * rows + lo for b, (lo, _) in enumerate(runs)] + [call["k"].shape[0]]
+    assert call["cu_q"].tolist() == [b * seqlen + lo for b, (lo, _) in enumerate(runs)] + [batch * seqlen]
+    assert call["q"].data_ptr() == q.data_ptr()  # (BSHD: a view)
+    for b, (lo, hi) in enumerate(runs):
+        ref, _ = attention_reference(*(t[b:b + 1, :, lo:hi].transpose(1, 2).detach() for t in (q, k, v)),
+                                     causal=True, softmax_scale=0.1)
         torch.testing.assert_close(out[b, lo:hi].double(), ref[0], atol=2e-2, rtol=2e-2)
         assert out[b, :lo].abs().sum() == 0 and out[b, hi:].abs().sum() == 0
 
@@ -388,6 +439,36 @@ def _layer(idx):
     module = _Module()
     module.layer_idx = idx
     return module
+
+
+def test_padding_runs_kept_within_one_cuda_graph_capture(fake_kvcache, monkeypatch):
+    """While a CUDA graph is captured, the layers after the first reuse the runs the capture found (they
+    replay together, after the capture's own kernels that find them); never runs found outside the capture
+    (they would not follow in-place changes of the mask on replay), nor a capture's runs outside it or in
+    another capture (they exist only in its graph); a capture the driver cannot name finds them every call."""
+    found = []
+    real = torch.Tensor.argmax
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda self, *a, **kw: found.append(1) or real(self, *a, **kw))
+    capture = [0]
+    monkeypatch.setattr(hft.checks, "capture_id", lambda: capture[0])
+    q, k, v = _qkv(batch=2, seqlen_q=1, seqlen_k=10)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[0, :3] = False
+
+    def forward():
+        for layer in range(4):
+            hft.hopper_flash_attention_forward(_layer(layer), q, k, v, mask)
+
+    forward()
+    assert len(found) == 1
+    for ident, finds in ((11, 2), (11, 2), (12, 3), (0, 4), (0, 4), (None, 8)):
+        capture[0] = ident
+        forward()
+        assert len(found) == finds, (ident, found)
+    runs = [c["cache_leftpad"] for c in fake_kvcache]
+    assert all(r.tolist() == [3, 0] for r in runs)
+    assert runs[4] is not runs[0] and all(r is runs[4] for r in runs[4:12])  # capture 11 (twice): its own
+    assert runs[12] is not runs[4] and runs[16] is not runs[12]  # capture 12, then eager again
 
 
 def test_padding_runs_of_an_inference_tensor_found_once_per_forward(fake_kvcache, monkeypatch):
@@ -536,6 +617,43 @@ def test_padded_batches_match_the_masks_definition_gpu(seqlen_q, side, window):
         base = _runs_masked_reference(q, k, v, runs, window, 0.125, dtype=torch.bfloat16)
         verdict = judge(f"seed {seed}", out.reshape(want.shape), want, base)
         assert verdict, verdict.message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [1000, 1129])
+def test_padded_prefill_reads_keys_in_place_gpu(width):
+    """A padded prefill whose keys a KV cache holds (BHSD; width > 1000: a view of a wider buffer)
+    on the kernels: read in place (no copy), judged against the float64 definition of the mask relative
+    to the bf16 math path's error, NaN outside the runs, and bitwise equal to the same varlen call on
+    compact copies of the keys (the route before the views)."""
+    from hopper_flash.reference import judge
+
+    hft.register()
+    torch.manual_seed(0)
+    batch, heads, heads_kv, seqlen, dim = 4, 16, 4, 1000, 128
+    q = torch.randn(batch, seqlen, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(batch, heads_kv, width, dim, device="cuda", dtype=torch.bfloat16)[:, :, :seqlen]
+            for _ in "kv")
+    runs = [(0, 1000), (129, 1000), (0, 127), (999, 1000)]
+    mask = torch.zeros(batch, seqlen, dtype=torch.long, device="cuda")
+    for b, (lo, hi) in enumerate(runs):
+        mask[b, lo:hi] = 1
+        for t in (k, v):
+            t[b, :, :lo] = t[b, :, hi:] = math.nan
+    with torch.no_grad():
+        out, _ = hft.hopper_flash_attention_forward(_Module(), q, k, v, mask, scaling=dim ** -0.5)
+        want = _runs_masked_reference(q, k, v, runs, None, dim ** -0.5)
+        base = _runs_masked_reference(q, k, v, runs, None, dim ** -0.5, dtype=torch.bfloat16)
+        verdict = judge(f"width {width}", out.reshape(want.shape), want, base)
+        assert verdict, verdict.message
+        starts = torch.tensor([lo for lo, _ in runs], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([hi - lo for lo, hi in runs], dtype=torch.int32, device="cuda")
+        rows = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * seqlen
+        cu = torch.cat([rows[:-1] + starts, rows[-1:]])
+        compact = hopper_flash.flash_attn_varlen_func(
+            *(hft._thd(t) for t in (q, k, v)), cu, cu,  # (_thd: compact copies of k and v)
+            seqlen, seqlen, seqused_q=lens, seqused_k=lens, softmax_scale=dim ** -0.5, causal=True)
+    assert torch.equal(out.reshape(compact.shape), compact)
 
 
 def test_padding_mask_with_holes_is_the_callers_contract(fake_varlen):
@@ -1323,9 +1441,9 @@ def test_llama_left_padded_greedy_generate_gpu():
 def test_padded_decode_step_reads_the_cache_in_place_gpu(seqlen_q):
     """A padded batch's decode step through the backend (no gradient; GQA 32/8, 3001 keys of which a
     static cache's last columns lie past the mask): each row judged against the float64 reference over
-    its own run of keys, NaN everywhere else in k and v; then the step captured in a CUDA graph and
-    replayed after the mask changed in place (the runs are found inside the graph, not kept from an
-    eager call)."""
+    its own run of keys, NaN everywhere else in k and v; then three layers of the step captured in a CUDA
+    graph, twice (two graphs), and each graph replayed alone after the mask changed in place (the runs are
+    found inside each graph and shared by its layers, never kept from an eager call or the other graph)."""
     from hopper_flash.reference import check_kvcache
 
     torch.manual_seed(0)
@@ -1348,7 +1466,15 @@ def test_padded_decode_step_reads_the_cache_in_place_gpu(seqlen_q):
                                  softmax_scale=scale)
         assert all(verdicts), "\n".join(x.message for x in verdicts if not x)
 
-    step = lambda m: hft.hopper_flash_attention_forward(_Module(), q, k, v, m, scaling=scale)[0]  # noqa: E731
+    def step(m, layer=0):
+        return hft.hopper_flash_attention_forward(_layer(layer), q, k, v, m, scaling=scale)[0]
+
+    def masked(runs):
+        new_mask = torch.zeros_like(mask)
+        for b, (lo, hi) in enumerate(runs):
+            new_mask[b, lo:hi] = 1
+        return new_mask
+
     with torch.no_grad():
         judged(step(mask), runs)
         stream = torch.cuda.Stream()
@@ -1356,18 +1482,21 @@ def test_padded_decode_step_reads_the_cache_in_place_gpu(seqlen_q):
         with torch.cuda.stream(stream):
             step(mask)  # warm-up: an eager call keeps the runs of this mask
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(mask)
+        graphs, outs = [], []
+        for _ in range(2):
+            graphs.append(torch.cuda.CUDAGraph())
+            with torch.cuda.graph(graphs[-1]):
+                outs.append([step(mask, layer) for layer in range(3)])
         inner = [(100, width), (17, 2500), (2000, width), (width - seqlen_q, width), (3, 1000)]
-        new_mask = torch.zeros_like(mask)
-        for b, (lo, hi) in enumerate(inner):
-            new_mask[b, lo:hi] = 1
-        mask.copy_(new_mask)
-        out.fill_(math.nan)
-        graph.replay()
-        torch.cuda.synchronize()
-        judged(out, inner)
+        other = [(5, 2000), (17, 2899), (1500, 2600), (width - seqlen_q, width), (7, 1234)]  # (inside the runs)
+        for graph, out, new_runs in ((graphs[1], outs[1], inner), (graphs[0], outs[0], other)):
+            mask.copy_(masked(new_runs))
+            for o in out:
+                o.fill_(math.nan)
+            graph.replay()
+            torch.cuda.synchronize()
+            for o in out:
+                judged(o, new_runs)
 
 
 @pytest.mark.gpu
@@ -1439,10 +1568,14 @@ def test_llama_compiled_forward_with_padding_gpu():
 @pytest.fixture
 def varlen_op_on_cpu(monkeypatch):
     """A CPU kernel for hopper_flash::varlen_fwd (the float32 stand-in), scoped to the test, and the
-    device checks relaxed: lets torch.compile trace and run the whole varlen path on this machine."""
+    device checks relaxed: lets torch.compile trace and run the whole varlen path on this machine.
+    Yields the rows of k of each call."""
     from hopper_flash import checks
 
+    k_rows = []
+
     def cpu_impl(q, k, v, cq, ck, uq, uk, mq, mk, scale, causal, deterministic=False):
+        k_rows.append(k.shape[0])
         out = _varlen_stand_in(q, k, v, cq, ck, mq, mk, seqused_q=uq, seqused_k=uk, softmax_scale=scale,
                                causal=causal)
         return out, torch.zeros(q.shape[1], q.shape[0])
@@ -1451,7 +1584,7 @@ def varlen_op_on_cpu(monkeypatch):
     monkeypatch.setattr(checks, "check_device", lambda t, name="q": None)
     with torch.library._scoped_library("hopper_flash", "IMPL") as lib:
         lib.impl("varlen_fwd", cpu_impl, "CPU")
-        yield
+        yield k_rows
 
 
 @pytest.mark.parametrize("how", ["padded", "packed"])
@@ -1478,6 +1611,10 @@ def test_llama_compiled_fullgraph_varlen_cpu(registered, varlen_op_on_cpu, how):
         explained = torch._dynamo.explain(model)(ids, **kwargs)
     assert explained.graph_break_count == 0, explained.break_reasons
     torch.testing.assert_close(out[live], ref[live])
+    # Compiled, the keys go compact (one row per token): inductor does not
+    # keep the layout an as_strided view of an intermediate past its own
+    # elements assumes (on the GPU such views gave wrong logits).
+    assert varlen_op_on_cpu and set(varlen_op_on_cpu) == {ids.numel()}, varlen_op_on_cpu
 
 
 @pytest.mark.gpu
@@ -1666,9 +1803,18 @@ def test_block_table_built_once_per_step_and_again_when_the_index_changes(monkey
     assert rebuilt is not first and rebuilt.tolist() == [[7, 1]]
     fresh = hft.paged_cache_view(cache, 0, [storage[:20].clone()], cu_k, 20)[2]  # a new index tensor
     assert fresh is not rebuilt and torch.equal(fresh, rebuilt)
-    monkeypatch.setattr(hft.checks, "capturing", lambda: True)  # a CUDA graph capture: built every time
+    capture = [5]  # a CUDA graph capture's id (checks.capture_id): its own table, kept within it
+    monkeypatch.setattr(hft.checks, "capture_id", lambda: capture[0])
+    captured = hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2]
+    assert captured is not rebuilt and hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2] is captured
+    capture[0] = 6  # another capture
+    assert hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2] is not captured
+    capture[0] = None  # capturing, the capture unknown: built every time
     assert hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2] is not hft.paged_cache_view(cache, 0, [index], cu_k,
                                                                                             20)[2]
+    capture[0] = 0  # eager again: not the capture's table
+    eager = hft.paged_cache_view(cache, 0, [index], cu_k, 20)[2]
+    assert eager is not captured and torch.equal(eager, rebuilt)
 
 
 def test_block_table_of_inference_tensors_built_every_time():

@@ -240,8 +240,10 @@ static void set_cuda_error(const char *what, CUresult r) {
    addresses as ints (lse and sched may be None), the strides as tuples; a KV
    cache's call (plan.PreparedForward for flash_attn_with_kvcache) adds the
    addresses of its lengths, cache rows, page table and left pads as a
-   4-tuple (None where absent). seqlen_k is then the K/V descriptors' length alone (the
-   kernel's key length is a constant of the template). */
+   4-tuple (None where absent). seqlen_k is the K/V descriptors' length and,
+   where the template has its slot, the kernel's key length (a paged cache's
+   key length, the table's extent, is a constant of the template; a
+   contiguous cache's is its length, as for flash_attn_func). */
 static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 13 && nargs != 14) {
     PyErr_SetString(PyExc_TypeError, "launch takes 13 or 14 arguments");

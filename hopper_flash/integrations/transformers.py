@@ -49,8 +49,9 @@ The backend computes exactly what SDPA computes, or raises:
   output, as with flash-attn. Decode steps (fewer queries than keys, no
   gradient) read the keys where the cache holds them, through
   :func:`hopper_flash.flash_attn_with_kvcache` with the run's start as
-  ``cache_leftpad``; the other calls run on copies of the batch in the
-  varlen layout (views at batch 1);
+  ``cache_leftpad``; the other calls read the batch through THD views
+  where its layout allows (q as projected; k and v also as a KV cache
+  holds them, when no gradient is recorded), else copies;
 * packed sequences (one row holding several documents): explicit
   ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_length_q``/``max_length_k``
   keyword arguments (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``)
@@ -316,6 +317,29 @@ def _thd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
+def _thd_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``[batch, heads, seq, head_dim]`` as a THD view ``[rows', heads,
+    head_dim]`` and ``rows``, the view's rows per batch row: token ``t`` of
+    batch row ``b`` is the view's row ``b * rows + t``, so a varlen call
+    takes ``cu_seqlens[b] = b * rows + start`` and the run's length as
+    ``seqused``. Any layout whose batch stride is a multiple of its token
+    stride has one: BSHD as projected (``rows = seq``, compact) and BHSD as
+    a KV cache holds it (the view's rows step by one token of every head at
+    once; ``rows`` is the batch stride in tokens, so a slot spans the row's
+    other heads too, which never count: what the kernels read past a
+    sequence's used rows they mask, keys to -inf and V's rows to 0). Else a copy
+    (``_thd``, compact). A BHSD view has more rows than tokens: not for q,
+    nor with gradients (the output, dq, dk and dv are allocated by rows)."""
+    batch, heads, seq, dim = x.shape
+    sb, sh, st, sd = x.stride()
+    if batch == 1:
+        return _thd(x), seq  # (a view)
+    if sd == 1 and sh > 0 and st > 0 and sb % st == 0 and sb // st >= seq:
+        rows = sb // st
+        return x.as_strided(((batch - 1) * rows + seq, heads, dim), (st, sh, 1)), rows
+    return _thd(x), seq
+
+
 def _version(t: torch.Tensor) -> int | None:
     """``t``'s version counter, which in-place writes bump, or None for an
     inference tensor (made under ``torch.inference_mode``), which has none:
@@ -379,12 +403,14 @@ def _padding_runs(mask: torch.Tensor, seqlen_k: int, layer=None) -> tuple[torch.
     end)``, int32 ``[batch]`` device tensors (no host sync; an empty row
     gives ``(0, 0, 0)``). Keys past the mask's columns (empty static-cache
     slots) are never live. Eager calls keep the last mask's runs
-    (``_ForwardMemo``; ``layer``: the calling module's ``layer_idx``); not
-    under torch.compile, nor while a CUDA graph is captured (a run kept from
-    before the capture would not follow the mask's later in-place updates
-    on replay)."""
-    keep = not torch.compiler.is_compiling() and not checks.capturing()
-    runs = _PADDING_RUNS.get((mask,), seqlen_k, layer) if keep else None
+    (``_ForwardMemo``; ``layer``: the calling module's ``layer_idx``), and
+    so do the calls of one CUDA graph capture, among themselves
+    (``checks.capture_id``: runs kept from outside the capture would not
+    follow the mask's later in-place updates on replay, and runs a capture
+    found exist only in its graph); not under torch.compile."""
+    scope = None if torch.compiler.is_compiling() else checks.capture_id()
+    keep = scope is not None
+    runs = _PADDING_RUNS.get((mask,), (seqlen_k, scope), layer) if keep else None
     if runs is not None:
         return runs
     live = mask.bool()
@@ -394,7 +420,7 @@ def _padding_runs(mask: torch.Tensor, seqlen_k: int, layer=None) -> tuple[torch.
     length = live.sum(dim=1, dtype=torch.int32)
     runs = (start, length, start + length)
     if keep:
-        _PADDING_RUNS.put((mask,), seqlen_k, layer, runs)
+        _PADDING_RUNS.put((mask,), (seqlen_k, scope), layer, runs)
     return runs
 
 
@@ -407,9 +433,10 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
     keys are read where the cache holds them, as
     :func:`hopper_flash.flash_attn_with_kvcache` reads a left-padded cache
     (``cache_leftpad`` the run's start, ``cache_seqlens`` its end): no copy
-    of the keys. Otherwise one varlen call over THD copies of the batch
-    (q, k and v; views at batch 1). ``layer``: the module's ``layer_idx``
-    (``_padding_runs``)."""
+    of the keys. Otherwise one varlen call over THD views of the batch
+    where the layouts allow (``_thd_rows``; without gradients k and v also
+    in the BHSD layout a KV cache holds them in), copies where not.
+    ``layer``: the module's ``layer_idx`` (``_padding_runs``)."""
     import hopper_flash
 
     batch, nheads, seqlen_q, _ = query.shape
@@ -427,18 +454,34 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=end_k,
             cache_leftpad=start_k, softmax_scale=scaling, causal=causal, window_size=window_size,
             softcap=softcap, learnable_sink=sink)
+    q_thd = _thd(query)  # (compact: the output's rows are q's)
+    if ops.records_grad(query, key, value, sink) or torch.compiler.is_compiling():
+        # (The backward allocates dk and dv by k's and v's rows: compact.
+        # Under torch.compile the graph's copies are fused into its kernels,
+        # and an as_strided view past an intermediate's own elements is not
+        # a layout inductor keeps.)
+        k_thd, v_thd, k_rows = _thd(key), _thd(value), seqlen_k
+    else:
+        (k_thd, k_rows), (v_thd, v_rows) = _thd_rows(key), _thd_rows(value)
+        if v_rows != k_rows:  # one cu_seqlens_k for both: the compact layout
+            k_thd, v_thd, k_rows = (k_thd if k_rows == seqlen_k else _thd(key),
+                                    v_thd if v_rows == seqlen_k else _thd(value), seqlen_k)
     rows = torch.arange(batch, dtype=torch.int32, device=query.device)
-    end = torch.full((1,), batch * seqlen_k, dtype=torch.int32, device=query.device)
-    cu_k = torch.cat([rows * seqlen_k + start_k, end])
+
+    def cu_seqlens(step, total):  # sequence b from row b·step + its run's start; the view's rows in all
+        return torch.cat([rows * step + start_k, torch.full((1,), total, dtype=torch.int32, device=query.device)])
+
+    cu_k = cu_seqlens(k_rows, k_thd.shape[0])
     if seqlen_q == seqlen_k:
-        cu_q, used_q = cu_k, lens_k
+        cu_q = cu_k if k_rows == seqlen_q else cu_seqlens(seqlen_q, q_thd.shape[0])
+        used_q = lens_k
     else:
         # Fewer queries than keys: every query row is a token, the queries are
         # each sequence's last keys (left padding, decode, chunked prefill).
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=query.device) * seqlen_q
         used_q = None
     out = hopper_flash.flash_attn_varlen_func(
-        _thd(query), _thd(key), _thd(value), cu_q, cu_k, seqlen_q, seqlen_k, seqused_q=used_q, seqused_k=lens_k,
+        q_thd, k_thd, v_thd, cu_q, cu_k, seqlen_q, seqlen_k, seqused_q=used_q, seqused_k=lens_k,
         softmax_scale=scaling, causal=causal, window_size=window_size, softcap=softcap,
         learnable_sink=sink)
     return out.view(batch, seqlen_q, nheads, value.shape[-1])
@@ -662,19 +705,21 @@ def _block_table(index: torch.Tensor, cu_k: torch.Tensor, max_k: int, page: int)
     tensor and ``cu_seq_lens_k`` within a step, so the table is built once
     per step and reused while both are the same objects with the same
     version counters (a new step hands a new index view, or rewrites the
-    storage, which moves the counter). Not while tracing (torch.compile
-    fuses the launches) or capturing a CUDA graph (the graph must build it
-    from the index it replays on), nor for inference tensors (``_version``;
-    ``_ForwardMemo`` without a layer)."""
-    keep = not torch.compiler.is_compiling() and not checks.capturing()
-    table = _BLOCK_TABLE.get((index, cu_k), (max_k, page), None) if keep else None
+    storage, which moves the counter), within one CUDA graph capture or
+    outside any (``checks.capture_id``: the graph must build it from the
+    index it replays on). Not while tracing (torch.compile fuses the
+    launches), nor for inference tensors (``_version``; ``_ForwardMemo``
+    without a layer)."""
+    scope = None if torch.compiler.is_compiling() else checks.capture_id()
+    keep = scope is not None
+    table = _BLOCK_TABLE.get((index, cu_k), (max_k, page, scope), None) if keep else None
     if table is not None:
         return table
     offsets = torch.arange(0, -(-max_k // page) * page, page, device=cu_k.device)
     first_keys = (cu_k[:-1, None] + offsets).clamp_max_(index.numel() - 1)
     table = (index[first_keys] // page).to(torch.int32)
     if keep:
-        _BLOCK_TABLE.put((index, cu_k), (max_k, page), None, table)
+        _BLOCK_TABLE.put((index, cu_k), (max_k, page, scope), None, table)
     return table
 
 
