@@ -329,11 +329,14 @@ def _thd_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     other heads too, which never count: what the kernels read past a
     sequence's used rows they mask, keys to -inf and V's rows to 0). Else a copy
     (``_thd``, compact). A BHSD view has more rows than tokens: not for q,
-    nor with gradients (the output, dq, dk and dv are allocated by rows)."""
+    nor with gradients (the output, dq, dk and dv are allocated by rows).
+    Under torch.compile always ``_thd``: an as_strided view past an
+    intermediate's own elements is not a layout inductor keeps (it gave
+    wrong logits), and the graph fuses the copy into its kernels."""
     batch, heads, seq, dim = x.shape
     sb, sh, st, sd = x.stride()
-    if batch == 1:
-        return _thd(x), seq  # (a view)
+    if batch == 1 or torch.compiler.is_compiling():
+        return _thd(x), seq  # (at batch 1 a view)
     if sd == 1 and sh > 0 and st > 0 and sb % st == 0 and sb // st >= seq:
         rows = sb // st
         return x.as_strided(((batch - 1) * rows + seq, heads, dim), (st, sh, 1)), rows
@@ -395,6 +398,16 @@ class _ForwardMemo:
         self.entry = (tuple(weakref.ref(t) for t in tensors), versions, extra, layer, value)
 
 
+def _memo_scope() -> int | None:
+    """Where a value kept by a ``_ForwardMemo`` may be reused, as part of its
+    ``extra``: 0 for eager calls, a capture's id among the calls of that
+    CUDA graph capture (what it derived exists only in its graph, and a
+    value kept from before it would not follow in-place updates on replay;
+    ``checks.capture_id``); None, keep nothing, while tracing
+    (torch.compile fuses the launches) or where the driver cannot say."""
+    return None if torch.compiler.is_compiling() else checks.capture_id()
+
+
 _PADDING_RUNS = _ForwardMemo()
 
 
@@ -404,11 +417,9 @@ def _padding_runs(mask: torch.Tensor, seqlen_k: int, layer=None) -> tuple[torch.
     gives ``(0, 0, 0)``). Keys past the mask's columns (empty static-cache
     slots) are never live. Eager calls keep the last mask's runs
     (``_ForwardMemo``; ``layer``: the calling module's ``layer_idx``), and
-    so do the calls of one CUDA graph capture, among themselves
-    (``checks.capture_id``: runs kept from outside the capture would not
-    follow the mask's later in-place updates on replay, and runs a capture
-    found exist only in its graph); not under torch.compile."""
-    scope = None if torch.compiler.is_compiling() else checks.capture_id()
+    so do the calls of one CUDA graph capture, among themselves; not under
+    torch.compile (``_memo_scope``)."""
+    scope = _memo_scope()
     keep = scope is not None
     runs = _PADDING_RUNS.get((mask,), (seqlen_k, scope), layer) if keep else None
     if runs is not None:
@@ -455,11 +466,8 @@ def _run_padded(query, key, value, mask, is_causal, scaling, window_size=(-1, -1
             cache_leftpad=start_k, softmax_scale=scaling, causal=causal, window_size=window_size,
             softcap=softcap, learnable_sink=sink)
     q_thd = _thd(query)  # (compact: the output's rows are q's)
-    if ops.records_grad(query, key, value, sink) or torch.compiler.is_compiling():
-        # (The backward allocates dk and dv by k's and v's rows: compact.
-        # Under torch.compile the graph's copies are fused into its kernels,
-        # and an as_strided view past an intermediate's own elements is not
-        # a layout inductor keeps.)
+    if ops.records_grad(query, key, value, sink):
+        # (The backward allocates dk and dv by k's and v's rows: compact.)
         k_thd, v_thd, k_rows = _thd(key), _thd(value), seqlen_k
     else:
         (k_thd, k_rows), (v_thd, v_rows) = _thd_rows(key), _thd_rows(value)
@@ -706,11 +714,9 @@ def _block_table(index: torch.Tensor, cu_k: torch.Tensor, max_k: int, page: int)
     per step and reused while both are the same objects with the same
     version counters (a new step hands a new index view, or rewrites the
     storage, which moves the counter), within one CUDA graph capture or
-    outside any (``checks.capture_id``: the graph must build it from the
-    index it replays on). Not while tracing (torch.compile fuses the
-    launches), nor for inference tensors (``_version``; ``_ForwardMemo``
-    without a layer)."""
-    scope = None if torch.compiler.is_compiling() else checks.capture_id()
+    outside any, not while tracing (``_memo_scope``), nor for inference
+    tensors (``_version``; ``_ForwardMemo`` without a layer)."""
+    scope = _memo_scope()
     keep = scope is not None
     table = _BLOCK_TABLE.get((index, cu_k), (max_k, page, scope), None) if keep else None
     if table is not None:
