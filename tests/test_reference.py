@@ -603,7 +603,8 @@ def test_v_of_its_own_head_dim_is_the_zero_padded_problem_cut_back(causal):
     wide = torch.nn.functional.pad(v, (0, 8))
     out, lse = attention_reference(q, k, v, causal=causal)
     out_w, lse_w = attention_reference(q, k, wide, causal=causal)
-    assert out.shape == (2, 9, 4, 8) and torch.equal(out, out_w[..., :8]) and torch.equal(lse, lse_w)
+    # (Not bitwise: float64 matmuls of v's width and the padded width may sum in another order, by BLAS kernel.)
+    assert out.shape == (2, 9, 4, 8) and max_abs_err(out, out_w[..., :8]) < 1e-12 and max_abs_err(lse, lse_w) < 1e-12
     base = attention_baseline(q, k, v, causal=causal)
     assert base.shape == out.shape and max_abs_err(base.double(), out) < 0.05
     dq, dk, dv = reference.attention_reference_grads(q, k, v, dout, causal=causal)
