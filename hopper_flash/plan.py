@@ -1488,14 +1488,19 @@ def varlen_split_table(total_k: int, batch: int, max_seqlen_k: int, num_splits: 
     than ``t_b / blocks + 1``, and the ``t_b`` sum to less than ``total_k /
     block_n + batch`` (``total_k``: k's rows, which the lengths' sum does
     not pass, flash-attn's contract): so at most ``batch + (total_k /
-    block_n + batch) / blocks`` entries. The kernel runs nothing for the
-    ones past the last (kernels/split_table.py)."""
+    block_n + batch) / blocks`` entries, rounded up to a multiple of at
+    least 16 and at most an eighth of it, so that a serving loop's totals
+    share a few plans (``_plan_varlen`` keys on the count; a new one costs
+    about 10 us of host time). The kernel runs nothing for the entries past
+    the last (kernels/split_table.py)."""
     from .kernels.split_table import MAX_BATCH, MAX_SPLITS
 
     if num_splits <= 1 or num_splits > MAX_SPLITS or batch >= MAX_BATCH:
         return 0
     blocks = split_table_blocks(max_seqlen_k, num_splits, cfg)
-    return batch + (total_k // cfg.block_n + batch) // blocks + 1
+    entries = batch + (total_k // cfg.block_n + batch) // blocks + 1
+    grain = max(16, 1 << (entries.bit_length() - 4))
+    return triton_cdiv(entries, grain) * grain
 
 
 @lru_cache(maxsize=4096)

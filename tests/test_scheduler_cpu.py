@@ -497,11 +497,12 @@ def test_varlen_splits_skewed_keys_the_item_count_hides():
 
     # A split count per sequence (varlen_split_table): the long decode's 512
     # tiles in 8 pieces of 64, each short one whole; 64 + 8 entries fit the
-    # bound's 65 + (1024 + 65) // 64 + 1 = 83, one CTA per (entry, KV head).
+    # bound's 65 + (1024 + 65) // 64 + 1 = 83, rounded up to 96 (a multiple of
+    # 16), one CTA per (entry, KV head).
     entries = plan.varlen_split_table(64 * 1024 + 65536, 65, 65536, 8, cfg)
-    assert plan.split_table_blocks(65536, 8, cfg) == 64 and entries == 83
+    assert plan.split_table_blocks(65536, 8, cfg) == 64 and entries == 96
     table = varlen_plan(8, split_entries=entries)
     assert table.mode.split and table.mode.split_table and table.num_splits == 8
-    assert table.split_entries == 83 and (table.n_ctas, table.pair) == (83 * 8, 1)
+    assert table.split_entries == 96 and (table.n_ctas, table.pair) == (96 * 8, 1)
     # Only the skew rule's split takes a table: an explicit count splits every sequence alike.
     assert not varlen_plan(8, num_splits=4, split_entries=entries).mode.split_table
