@@ -1499,7 +1499,7 @@ def varlen_split_table(total_k: int, batch: int, max_seqlen_k: int, num_splits: 
         return 0
     blocks = split_table_blocks(max_seqlen_k, num_splits, cfg)
     entries = batch + (total_k // cfg.block_n + batch) // blocks + 1
-    grain = max(16, 1 << (entries.bit_length() - 4))
+    grain = max(16, 1 << max(0, entries.bit_length() - 4))
     return triton_cdiv(entries, grain) * grain
 
 
