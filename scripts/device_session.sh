@@ -33,6 +33,9 @@
 #       VSCREEN_TAG: a word for their JSON names (vl-WORD-TAG-...).
 #   run (carry .wt [.fa3]): bash scripts/device_session.sh branches .wt/NAME[:FILE,FILE] ...
 #       other branches' GPU tests, each from its own tree (see the case below).
+#   run (carry .fa3 .wt): bash scripts/device_session.sh pscreen SCRIPT [ARGS] -- NAME...
+#       a timing script (its own judge, FA3 beside) for the checked-out tree
+#       and each package copy NAME, alternating processes, two rounds.
 #   run:               bash scripts/device_session.sh memcheck
 #       compute-sanitizer memcheck on the forward and backward cases.
 #   run:               bash scripts/device_session.sh variant NAME CONFIG.json [BENCH ARGS]
@@ -173,9 +176,29 @@ case "${1:-}" in
         done
       done
     done ;;
+  pscreen)
+    # A timing script with its own judge and FA3 column (e.g.
+    # scripts/varlen_pack_bench.py --skew) for the checked-out tree and each
+    # package copy NAME (a folder, e.g. .wt/main: `git archive main
+    # hopper_flash | tar -x -C .wt/main`, carry .wt), alternating processes,
+    # PSCREEN_ROUNDS rounds (2), after FA3's build; each process's output in
+    # $OUT/ps-TAG-ROUND.txt, its last PSCREEN_TAIL lines printed.
+    script=${2:?timing script}; shift 2
+    args=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do args+=("$1"); shift; done
+    [ "${1:-}" = -- ] && shift
+    wait_fa3 > /dev/null
+    for round in $(seq "${PSCREEN_ROUNDS:-2}"); do
+      for label in shipped "$@"; do
+        read -r pkg tag < <(package_of "$label")
+        PYTHONPATH=$pkg:/tmp/fa3pkg timeout "${PSCREEN_TIMEOUT:-150}" python -P "$script" "${args[@]}" \
+          > "$OUT/ps-$tag-$round.txt" 2>&1
+        echo "== $tag, round $round"; tail -n "${PSCREEN_TAIL:-8}" "$OUT/ps-$tag-$round.txt"
+      done
+    done ;;
   memcheck)
     TOOLS=memcheck bash scripts/sanitize.sh 2>&1 | quiet | tail -20
     TOOLS=memcheck bash scripts/sanitize.sh --backward 2>&1 | quiet | tail -20 ;;
   *) echo "usage: $0 tests [pytest args] | bench [block ...] | memcheck | variant NAME CONFIG [args]" \
-          "| vtests NAME [paths] | screen CONFIG NAME... [-- args] | vscreen NAME... [-- batches]" >&2; exit 2 ;;
+          "| vtests NAME [paths] | screen CONFIG NAME... [-- args] | vscreen NAME... [-- batches]" \
+          "| pscreen SCRIPT [args] -- NAME..." >&2; exit 2 ;;
 esac
