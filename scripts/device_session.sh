@@ -72,6 +72,16 @@ variant_tests() {
     --timeout 100 -p no:cacheprovider -p no:benchmark -o pythonpath="/tmp/variant-$name" \
     "${@:-tests}" 2>&1 | tee "$OUT/pytest-$name.log" | quiet | grep -E "imported from|passed|failed|error|skipped" | tail -8
 }
+# each_package ROUNDS LABEL...: the processes of an alternating screen, one
+# line "ROUND LABEL PKG TAG" each: ROUNDS rounds, in each the shipped tree,
+# then every label (package_of). Read on fd 3, so that what the loop runs
+# cannot take the lines from its stdin.
+each_package() {
+  local rounds=$1; shift
+  for round in $(seq "$rounds"); do
+    for label in shipped "$@"; do echo "$round $label $(package_of "$label")"; done
+  done
+}
 # alternate CONFIG NAME... [-- BENCH ARGS]: two rounds of one process for the
 # shipped package, then one per variant, FA3 beside them when this machine
 # built it (the tests call starts the build).
@@ -80,16 +90,13 @@ alternate() {
   local names=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do names+=("$1"); shift; done
   [ "${1:-}" = -- ] && shift
   local backends=${VARIANT_BACKENDS:-hopper_flash sdpa-cudnn$([ -d /tmp/fa3pkg ] && echo " fa3")}
-  local pkg tag
-  for round in 1 2; do
-    for label in shipped "${names[@]}"; do
-      read -r pkg tag < <(package_of "$label")
-      echo "== $label, round $round"
-      PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 100 --warmup-ms 30 \
-        --config "$config" --backends $backends "$@" --json "$OUT/ab-$tag-$round.json" \
-        2>&1 | quiet | tail -12
-    done
-  done
+  local round label pkg tag
+  while read -r -u 3 round label pkg tag; do
+    echo "== $label, round $round"
+    PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 100 --warmup-ms 30 \
+      --config "$config" --backends $backends "$@" --json "$OUT/ab-$tag-$round.json" \
+      2>&1 | quiet | tail -12
+  done 3< <(each_package 2 "${names[@]}")
 }
 # FA3's build on this machine, in the background (its own process session,
 # so it outlives the call), unless a call on this machine started it.
@@ -165,17 +172,14 @@ case "${1:-}" in
     batches=("$@"); [ ${#batches[@]} -eq 0 ] && batches=(16 32)
     build_variants "${names[@]}" || exit 1
     wait_fa3 > /dev/null
-    for round in 1 2; do
-      for label in shipped "${names[@]}"; do
-        read -r pkg tag < <(package_of "$label")
-        for b in "${batches[@]}"; do
-          echo "== $label, round $round, $b sequences"
-          PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 150 --warmup-ms 30 \
-            --varlen 512:8192 --batch "$b" ${VSCREEN_ARGS:-} --json "$OUT/vl${VSCREEN_TAG:+-$VSCREEN_TAG}-$tag-$b-$round.json" \
-            2>&1 | quiet | grep -E "varlen|imported" | tail -8
-        done
+    while read -r -u 3 round label pkg tag; do
+      for b in "${batches[@]}"; do
+        echo "== $label, round $round, $b sequences"
+        PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 150 --warmup-ms 30 \
+          --varlen 512:8192 --batch "$b" ${VSCREEN_ARGS:-} --json "$OUT/vl${VSCREEN_TAG:+-$VSCREEN_TAG}-$tag-$b-$round.json" \
+          2>&1 | quiet | grep -E "varlen|imported" | tail -8
       done
-    done ;;
+    done 3< <(each_package 2 "${names[@]}") ;;
   pscreen)
     # A timing script with its own judge and FA3 column (e.g.
     # scripts/varlen_pack_bench.py --skew) for the checked-out tree and each
@@ -187,14 +191,11 @@ case "${1:-}" in
     args=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do args+=("$1"); shift; done
     [ "${1:-}" = -- ] && shift
     wait_fa3 > /dev/null
-    for round in $(seq "${PSCREEN_ROUNDS:-2}"); do
-      for label in shipped "$@"; do
-        read -r pkg tag < <(package_of "$label")
-        PYTHONPATH=$pkg:/tmp/fa3pkg timeout "${PSCREEN_TIMEOUT:-150}" python -P "$script" "${args[@]}" \
-          > "$OUT/ps-$tag-$round.txt" 2>&1
-        echo "== $tag, round $round"; tail -n "${PSCREEN_TAIL:-8}" "$OUT/ps-$tag-$round.txt"
-      done
-    done ;;
+    while read -r -u 3 round label pkg tag; do
+      PYTHONPATH=$pkg:/tmp/fa3pkg timeout "${PSCREEN_TIMEOUT:-150}" python -P "$script" "${args[@]}" \
+        > "$OUT/ps-$tag-$round.txt" 2>&1
+      echo "== $tag, round $round"; tail -n "${PSCREEN_TAIL:-8}" "$OUT/ps-$tag-$round.txt"
+    done 3< <(each_package "${PSCREEN_ROUNDS:-2}" "$@") ;;
   memcheck)
     TOOLS=memcheck bash scripts/sanitize.sh 2>&1 | quiet | tail -20
     TOOLS=memcheck bash scripts/sanitize.sh --backward 2>&1 | quiet | tail -20 ;;
