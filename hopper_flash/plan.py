@@ -235,6 +235,9 @@ class Mode:
     q_tokens: bool = False
     # Split-KV: fp32 partials merged by kernels/combine.py.
     split: bool = False
+    # A split count per sequence (varlen, skewed keys): the items run over a
+    # device-written table (kernels/split_table.py, varlen_split_table).
+    split_table: bool = False
     # Per-batch key lengths from an int32 device tensor; K/V a cache whose
     # tail past the live length is never trusted.
     seqused: bool = False
@@ -375,6 +378,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         LEFTPAD=mode.leftpad,
         PACK_VIEW=mode.pack_view,
         Q_TOKENS=mode.q_tokens,
+        SPLIT_TABLE=mode.split_table,
     )
 
 
@@ -783,6 +787,9 @@ class LaunchPlan:
     key: tuple
     constexprs: dict
     constexpr_values: tuple
+    # mode.split_table: the table's entries (the kernel's num_splits; num_splits
+    # above is the largest count, the partials' and the combine's).
+    split_entries: int = 0
 
 
 def takes_one_item(cfg: ForwardConfig) -> bool:
@@ -1465,10 +1472,41 @@ def varlen_skew_splits(total_k: int, batch: int, max_seqlen_q: int, max_seqlen_k
     return max(1, min(math.ceil(n_blocks / share), n_blocks // SKEW_MIN_TILES, SKEW_MAX_SPLITS))
 
 
+def split_table_blocks(max_seqlen_k: int, num_splits: int, cfg: ForwardConfig) -> int:
+    """The KV tiles per split of a split table (``Mode.split_table``): the
+    longest sequence's tiles over the launch's split count, so that it gets
+    that count and a sequence of ``t`` tiles ``ceil(t / blocks)``."""
+    return triton_cdiv(triton_cdiv(max(1, max_seqlen_k), cfg.block_n), num_splits)
+
+
+def varlen_split_table(total_k: int, batch: int, max_seqlen_k: int, num_splits: int, cfg: ForwardConfig) -> int:
+    """The entries of a split table for a skewed packed batch split at most
+    ``num_splits`` ways (``varlen_skew_splits``), or 0 for a uniform split
+    (a batch or a count the table's encoding cannot hold). Host values
+    only: sequence ``b``'s ``t_b = ceil(len_b / block_n)`` KV tiles give
+    ``max(1, ceil(t_b / blocks))`` entries (``split_table_blocks``), fewer
+    than ``t_b / blocks + 1``, and the ``t_b`` sum to less than ``total_k /
+    block_n + batch`` (``total_k``: k's rows, which the lengths' sum does
+    not pass, flash-attn's contract): so at most ``batch + (total_k /
+    block_n + batch) / blocks`` entries, rounded up to a multiple of at
+    least 16 and at most an eighth of it, so that a serving loop's totals
+    share a few plans (``_plan_varlen`` keys on the count; a new one costs
+    about 10 us of host time). The kernel runs nothing for the entries past
+    the last (kernels/split_table.py)."""
+    from .kernels.split_table import MAX_BATCH, MAX_SPLITS
+
+    if num_splits <= 1 or num_splits > MAX_SPLITS or batch >= MAX_BATCH:
+        return 0
+    blocks = split_table_blocks(max_seqlen_k, num_splits, cfg)
+    entries = batch + (total_k // cfg.block_n + batch) // blocks + 1
+    grain = max(16, 1 << max(0, entries.bit_length() - 4))
+    return triton_cdiv(entries, grain) * grain
+
+
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
                  write_lse, window=None, softcap=False, sink="", o_dim=0, page_size=0, pack_gqa=None,
-                 num_splits=1, total_q=0, skew_splits=1) -> LaunchPlan:
+                 num_splits=1, total_q=0, skew_splits=1, split_entries=0) -> LaunchPlan:
     """``_plan_launch`` for a packed batch: the grid covers ``max_seqlen_q``
     for every sequence (items past a sequence's rows exit at once).
     ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V (``Mode.page_size``,
@@ -1479,7 +1517,10 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     with ``total_q`` (q's rows, ``varlen_total_q_key``) a bound on the
     live items that FA3's rule lacks: a few long decodes beside a prefill
     chunk look like ``batch`` chunks to ``max_seqlen_q`` alone), and
-    ``skew_splits`` (``varlen_skew_splits``) where that rule does not split."""
+    ``skew_splits`` (``varlen_skew_splits``) where that rule does not split,
+    each sequence then split into its own count by a table of
+    ``split_entries`` entries where that is not 0 (``varlen_split_table``,
+    ``Mode.split_table``)."""
     sms = sm_count(device)
     pack_g, pack_view = pack_layout(pack_gqa, group, max_seqlen_q, cfg, varlen=True)
     pack = Mode(pack_g=pack_g)
@@ -1497,8 +1538,13 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
         num_splits = choose_num_splits(live, read, sms)
         if num_splits == 1:
             num_splits = skew_splits
+        else:
+            split_entries = 0  # FA3's rule splits every sequence alike
+    else:
+        split_entries = 0
     num_splits = max(1, min(num_splits, n_blocks))
     split = num_splits > 1
+    table = split and split_entries > 0
     # Head dim 64's 192-row tiles (three consumers, WIDE_CONFIGS) for
     # unpaged, unsplit launches without a window whose longest query reaches
     # WIDE_MIN_ROWS, the fixed-length rule's row bound (a host bound; the
@@ -1523,14 +1569,16 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     # One query per sequence: q by token, no copy (the host's bound; a
     # longer sequence breaks flash-attn's contract on max_seqlen_q anyway).
     mode = Mode(pack_g=pack_g, pack_view=pack_view, q_tokens=pack_view and max_seqlen_q == 1, split=split,
-                seqused=seqused_k, varlen=True,
+                split_table=table, seqused=seqused_k, varlen=True,
                 seqused_q=seqused_q, dynamic=dynamic, window_left=window_left, window_right=window_right,
                 softcap=bool(softcap), sink=sink, o_dim=o_dim, page_size=page_size)
     if dynamic:
         n_ctas, pair = min(sms, items), 1
     else:
-        # Split: items past a sequence's rows exit at once (deal_split).
-        n_ctas, pair = (deal_split if split else deal)(items * num_splits, cfg, device)
+        # Split: items past a sequence's rows exit at once (deal_split). A
+        # split table's entries take the place of the batch and the split.
+        n_ctas, pair = (deal_split if split else deal)(
+            work_items(split_entries, nheads, max_seqlen_q, cfg, pack) if table else items * num_splits, cfg, device)
     # No more heads to a section than a sequence has: most sections then lie
     # inside one sequence, whose dead items (query tiles past its rows) run
     # contiguously there and are skipped with one atomic
@@ -1541,7 +1589,27 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     kernel_lse = write_lse and not split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
     return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section, (device, dtype, causal, kernel_lse, cfg, mode),
-                      constexprs, tuple(constexprs.values()))
+                      constexprs, tuple(constexprs.values()), split_entries if table else 0)
+
+
+def _split_table(lp: LaunchPlan, cfg: ForwardConfig, batch: int, max_seqlen_k: int, cu_k, seqused_k,
+                 lse_part) -> torch.Tensor:
+    """A split table's launch (``Mode.split_table``): the table of
+    ``lp.split_entries`` int32 entries, written on the device by
+    ``kernels/split_table.py`` from the key lengths (``seqused_k``, else
+    ``cu_k``'s differences; contiguous int32), which also fills
+    ``lse_part`` (contiguous) with -inf; stream-ordered before the forward
+    kernel that reads both."""
+    from .kernels.split_table import FILL_BLOCK, split_table_kernel
+
+    table = torch.empty(lp.split_entries, dtype=torch.int32, device=lse_part.device)
+    n_lse = lse_part.numel()
+    launch_triton(split_table_kernel, (1 + triton_cdiv(n_lse, FILL_BLOCK), 1, 1),
+                  (cu_k, seqused_k if seqused_k is not None else cu_k, table, lse_part, batch, lp.split_entries,
+                   split_table_blocks(max_seqlen_k, lp.num_splits, cfg), lp.num_splits, n_lse),
+                  dict(BLOCK_N=cfg.block_n, SEQUSED=seqused_k is not None, BLOCK_B=128,
+                       S_MAX=max(2, 1 << (lp.num_splits - 1).bit_length()), FILL=FILL_BLOCK), num_warps=4)
+    return table
 
 
 def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q: int,
@@ -1581,13 +1649,13 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
         # (Resolved here, before the cached plan: its key has no room for q's rows.)
         pack_gqa = choose_varlen_view(total_q, batch, int(max_seqlen_q), int(max_seqlen_k),
                                       0 if paged else k.shape[0], group)
+    skew = varlen_skew_splits(k.shape[0], batch, int(max_seqlen_q), int(max_seqlen_k), nheads, group, cfg, pack_gqa,
+                              window, device) if num_splits == 0 and not paged else 1
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, group, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
                       sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size, pack_gqa,
                       int(num_splits), varlen_total_q_key(total_q, nheads, cfg, device) if num_splits == 0 else 0,
-                      varlen_skew_splits(k.shape[0], batch, int(max_seqlen_q), int(max_seqlen_k), nheads,
-                                         group, cfg, pack_gqa, window, device)
-                      if num_splits == 0 and not paged else 1)
+                      skew, varlen_split_table(k.shape[0], batch, int(max_seqlen_k), skew, cfg) if skew > 1 else 0)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cfg = lp.cfg  # the plan may widen the tiles (head dim 64's WIDE_CONFIGS)
     split = lp.mode.split
@@ -1599,7 +1667,9 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
         # none from the kernel: O 0 and LSE -inf there, which the combine
         # turns into 0 and -inf.
         o_part, lse_part = _partial_views(*_partials(lp, q4), lp, q4)
-        if seqused_q is not None:
+        # A split table's launch fills the partial LSEs (below); so do these
+        # two for rows in no sequence, which get nothing from the kernel.
+        if seqused_q is not None and not lp.mode.split_table:
             o_part.zero_()
             lse_part.fill_(-math.inf)
         o_ptr, lse_part_ptr, kernel_lse = o_part, lse_part, out
@@ -1609,12 +1679,18 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     cu_k = cu_seqlens_k.contiguous() if cu_seqlens_k is not None else cu_q  # (paged: unread)
     used_q = seqused_q.contiguous() if seqused_q is not None else cu_q
     used_k = seqused_k.contiguous() if seqused_k is not None else cu_k
+    # A split table and the partial LSEs -inf: a sequence with fewer splits
+    # leaves slots unwritten (rows past seqused_q none at all), whose outputs
+    # the combine then never reads.
+    table = _split_table(lp, cfg, batch, int(max_seqlen_k), cu_k, used_k if seqused_k is not None else None,
+                         lse_part) if lp.mode.split_table else None
     # o_part_ptr carries O itself (row-predicated stores, not a TMA box), or the split partials.
+    sched = _item_counter(q.device) if lp.mode.dynamic else table if lp.mode.split_table else out
     ptrs = (kernel_lse, used_k, out, page_table if paged else out, o_ptr, lse_part_ptr, cu_q, cu_k, used_q,
-            _item_counter(q.device) if lp.mode.dynamic else out, k_pool, v_pool, sink if sink is not None else out)
+            sched, k_pool, v_pool, sink if sink is not None else out)
     scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, group, batch,
-               *kernel_scales(softmax_scale, softcap), lp.num_splits, lp.pair, page_table.stride(0) if paged else 0,
-               total_q, lp.section)
+               *kernel_scales(softmax_scale, softcap), lp.split_entries or lp.num_splits, lp.pair,
+               page_table.stride(0) if paged else 0, total_q, lp.section)
     k4, v4 = (k, v) if k.dim() == 4 else (k.unsqueeze(0), v.unsqueeze(0))
     qd = kernel_q(q4, lp.mode)  # (q4 keeps the partials' shape)
     # Triton specialises pointer arguments on 16-byte alignment: a cu_seqlens

@@ -10,6 +10,8 @@ overhead without device time; the GPU machine's figures come from
     python scripts/host_standin.py --varlen [-p]        one continuous-batching step's flash_attn_varlen_func
                                                         call (64 decodes + a 512-query chunk), split heuristic
                                                         on and off
+    python scripts/host_standin.py --skew [-p]          a skewed packed decode (64 over 1024 keys, 1 over
+                                                        65536): unsplit, uniform 8 splits, split table
     python scripts/host_standin.py --backward [-p]      a B1 H1 S128 D128 causal backward through
                                                         autograd (torch.autograd.grad; on the CPU the
                                                         engine runs on the calling thread, on the GPU
@@ -86,6 +88,22 @@ if "--backward" in sys.argv:
     g = torch.randn_like(out)
     f = lambda: torch.autograd.grad(out, (qb, kb, vb), g, retain_graph=True)
     print(f"backward call through autograd, CPU stand-in: {timed(f, 2000):.1f} us")
+    profile_if_asked(f, 2000)
+    sys.exit(0)
+
+if "--skew" in sys.argv:
+    # The skewed packed decode (varlen_pack_bench's row): 64 decodes over
+    # 1024 keys beside one over 65536, GQA 32/8; the default call splits
+    # each sequence by its own count (a split table, one launch more).
+    lq, lk = [1] * 65, [1024] * 64 + [65536]
+    cq = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
+    ck = torch.tensor([0] + lk).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lq), 32, 128).to(torch.bfloat16)
+    k = torch.randn(sum(lk), 8, 128).to(torch.bfloat16); v = torch.randn_like(k)
+    import hopper_flash
+    for splits in (1, 8, 0):
+        f = lambda: hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, 1, 65536, causal=True, num_splits=splits)
+        print(f"skewed varlen call (num_splits={splits}), CPU stand-in: {timed(f, 2000):.1f} us")
     profile_if_asked(f, 2000)
     sys.exit(0)
 

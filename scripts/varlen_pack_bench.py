@@ -26,7 +26,10 @@ default (``pack_gqa=None, num_splits=0``: packed where the decodes' K/V
 reads outweigh the copy, ``plan.choose_varlen_view``). Running them on
 another tree (``PYTHONPATH=.wt/main``) times that tree's packing.
 
-    PYTHONPATH=.:/tmp/fa3pkg python scripts/varlen_pack_bench.py [--quick | --groups]
+``--skew``: skewed keys only (the long sequence last and first, random
+short lengths, drafts beside a long decode).
+
+    PYTHONPATH=.:/tmp/fa3pkg python scripts/varlen_pack_bench.py [--quick | --groups | --skew]
 """
 import argparse
 import importlib
@@ -71,6 +74,24 @@ def batches(quick):
     return out
 
 
+def skew_batches():
+    """Skewed keys (``--skew``): short decodes beside one long one, the
+    long one last or first (plan.varlen_skew_splits; kernels/split_table.py)."""
+    gen = torch.Generator().manual_seed(4)
+    out = []
+    for n, short, long in ((64, 1024, 65536), (32, 2048, 32768), (128, 512, 131072)):
+        out.append((f"skewed {n} decodes over {short} keys + 1 over {long} H32/8 D128", [1] * (n + 1),
+                    [short] * n + [long], 32, 8, 128))
+    out.append(("skewed, the long one first: 1 over 65536 + 64 over 1024 H32/8 D128", [1] * 65, [65536] + [1024] * 64,
+                32, 8, 128))
+    lk = torch.randint(500, 4000, (96,), generator=gen).tolist() + [100000]
+    out.append(("skewed 96 decodes over 500..4000 keys + 1 over 100000 H32/8 D128", [1] * 97, lk, 32, 8, 128))
+    drafts = torch.randint(1, 5, (48,), generator=gen).tolist() + [1]
+    out.append(("skewed 48 drafts of 1..4 over 1000..3000 + 1 over 60000 H32/8 D128", drafts,
+                torch.randint(1000, 3000, (48,), generator=gen).tolist() + [60000], 32, 8, 128))
+    return out
+
+
 def group_batches():
     """Decode batches, drafts and a mix at groups of 5 and 7 (``--groups``)."""
     gen = torch.Generator().manual_seed(2)
@@ -96,13 +117,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--groups", action="store_true")
+    ap.add_argument("--skew", action="store_true")
     args = ap.parse_args()
     try:
         fa3 = importlib.import_module("flash_attn_interface").flash_attn_varlen_func
     except Exception:
         fa3 = None
-    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
-    for label, lq, lk, h, hkv, d in group_batches() if args.groups else batches(args.quick):
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}; {dispatch.__file__}")
+    for label, lq, lk, h, hkv, d in (group_batches() if args.groups else skew_batches() if args.skew
+                                     else batches(args.quick)):
         gen = torch.Generator(device="cuda").manual_seed(1)
         q = torch.randn(sum(lq), h, d, generator=gen, device="cuda").to(torch.bfloat16)
         k = torch.randn(sum(lk), hkv, d, generator=gen, device="cuda").to(torch.bfloat16)

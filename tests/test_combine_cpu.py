@@ -4,8 +4,9 @@ be set before the kernel's module is imported), against a float64 merge of
 the same partials computed here.
 
 The partials are random, with an empty split inside a row (``lse = -inf``,
-``O = 0``, as the split kernel writes it) and a row whose every split is
-empty (the result is 0 and its LSE -inf); the outputs are poisoned with NaN
+``O = 0``, as the split kernel writes it), a split slot no item wrote
+(``lse = -inf`` from the split table's fill, ``O`` NaN: never read), and a
+row whose every split is empty (the result is 0 and its LSE -inf); the outputs are poisoned with NaN
 first. Split counts cover one chunk and several, split counts that are not a
 multiple of the chunk, and up to 128 (B=1 decode with one KV head). Every
 case runs again with attention sinks (fp32 or bf16, read in their dtype):
@@ -63,6 +64,11 @@ def _partials(n_splits, batch, seqlen_q, heads, head_dim, gen):
     lse[0, 0, 0, 0], o[0, 0, 0, 0] = -math.inf, 0.0
     if batch * seqlen_q * heads > 1:
         lse[:, -1, -1, -1], o[:, -1, -1, -1] = -math.inf, 0.0
+    if n_splits > 2:
+        # A split slot no item wrote (a sequence with fewer splits than the
+        # launch, kernels/split_table.py): LSE -inf from the fill, O whatever
+        # the buffer held; it must not be read.
+        lse[-1, 0, 0, 0], o[-1, 0, 0, 0] = -math.inf, math.nan
     return o, lse
 
 
@@ -83,7 +89,8 @@ def test_combine_merges_the_splits_by_lse(tmp_path, sink_dtype):
             o = torch.cat([o, torch.zeros_like(o[:1])])
         ref_lse = torch.logsumexp(l64, dim=0)  # [B, H, Sq]
         weights = torch.exp(l64 - ref_lse).nan_to_num(0.0)  # an all-empty row: 0, not NaN
-        ref = (weights.permute(0, 1, 3, 2)[..., None] * o.double()).sum(0)  # [B, Sq, H, D]
+        # (The unwritten slot's NaN has weight 0: its contribution is 0.)
+        ref = (weights.permute(0, 1, 3, 2)[..., None] * o.double().nan_to_num(0.0)).sum(0)  # [B, Sq, H, D]
         assert not out.isnan().any(), shape
         # The merge in fp32, then one conversion to bf16 (the interpreter's
         # truncates where the GPU's rounds): within one bf16 ulp of the float64 merge.

@@ -175,8 +175,13 @@ def test_forward_varlen_split(spec):
     """Split varlen kernels: the same GEMMs, no TMA store (partials from
     registers), no spills at head dims 64 and 128 (triton 3.6)."""
     d, causal, group, page = spec
-    r = compile_check.census(CONFIGS[d], "bfloat16", causal, False,
-                             Mode(varlen=True, split=True, pack_g=group, seqused=bool(page), page_size=page))
+    _assert_split_census(d, causal, Mode(varlen=True, split=True, pack_g=group, seqused=bool(page), page_size=page))
+
+
+def _assert_split_census(d, causal, mode):
+    """A split varlen kernel's census: the prefill's GEMMs, no TMA store, no
+    spills but those measured."""
+    r = compile_check.census(CONFIGS[d], "bfloat16", causal, False, mode)
     assert r.sass_counts["HGMMA"] == _fwd_prefill_hgmma(d)
     assert r.sass_counts["UTMASTG"] == 0 and r.sass_counts["UTMALDG"] > 0
     spills = r.stack_bytes or r.local_bytes or r.sass_counts["LDL"] or r.sass_counts["STL"]
@@ -187,6 +192,19 @@ def test_forward_varlen_split(spec):
     if spills and _triton_at_least(3, 7):
         pytest.xfail("triton 3.7+ spills around the V-tail zeroing (as the varlen and decode modes do)")
     assert not spills, (r.stack_bytes, r.local_bytes, r.sass_counts)
+
+
+# Split tables (skewed keys, plan.varlen_split_table): unpaged, PackGQA or not.
+TABLE_SPECS = [(64, True, 4), (128, True, 4), (128, True, 1), (128, False, 4), (256, True, 4)]
+
+
+@pytest.mark.parametrize("spec", TABLE_SPECS, ids=lambda s: f"d{s[0]}-{'causal' if s[1] else 'full'}-g{s[2]}")
+def test_forward_varlen_split_table(spec):
+    """A split count per sequence (``SPLIT_TABLE``): the uniform split's
+    GEMMs and stores, the item's coordinates from the table; no spills
+    where the uniform split has none."""
+    d, causal, group = spec
+    _assert_split_census(d, causal, Mode(varlen=True, split=True, split_table=True, pack_g=group))
 
 
 # Packed queries over a paged cache (flash_attn_varlen_func's block_table):

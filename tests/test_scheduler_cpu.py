@@ -485,11 +485,24 @@ def test_varlen_splits_skewed_keys_the_item_count_hides():
     assert skew([1024] * 64 + [65536], total_k=0) == 1  # paged: total unknown
     assert skew([100] * 2 + [2000]) == 1  # 16 KV tiles: too few to split past SKEW_MIN_TILES
 
-    def varlen_plan(skew_splits, num_splits=0):
+    def varlen_plan(skew_splits, num_splits=0, split_entries=0):
         return plan._plan_varlen.__wrapped__(0, torch.bfloat16, 65, 1, 65536, 32, 4, cfg, False, False, True,
-                                             False, num_splits=num_splits, total_q=65, skew_splits=skew_splits)
+                                             False, num_splits=num_splits, total_q=65, skew_splits=skew_splits,
+                                             split_entries=split_entries)
 
     assert not varlen_plan(1).mode.split  # 520 items: FA3's rule leaves the keys whole
     skewed = varlen_plan(8)
-    assert skewed.mode.split and skewed.num_splits == 8
+    assert skewed.mode.split and skewed.num_splits == 8 and not skewed.mode.split_table
     assert varlen_plan(8, num_splits=1).num_splits == 1  # an explicit count is honoured
+
+    # A split count per sequence (varlen_split_table): the long decode's 512
+    # tiles in 8 pieces of 64, each short one whole; 64 + 8 entries fit the
+    # bound's 65 + (1024 + 65) // 64 + 1 = 83, rounded up to 96 (a multiple of
+    # 16), one CTA per (entry, KV head).
+    entries = plan.varlen_split_table(64 * 1024 + 65536, 65, 65536, 8, cfg)
+    assert plan.split_table_blocks(65536, 8, cfg) == 64 and entries == 96
+    table = varlen_plan(8, split_entries=entries)
+    assert table.mode.split and table.mode.split_table and table.num_splits == 8
+    assert table.split_entries == 96 and (table.n_ctas, table.pair) == (96 * 8, 1)
+    # Only the skew rule's split takes a table: an explicit count splits every sequence alike.
+    assert not varlen_plan(8, num_splits=4, split_entries=entries).mode.split_table

@@ -38,6 +38,12 @@ def ran_split() -> bool:
                for key in plan._COMPILED if isinstance(key, tuple) and len(key) > 5)
 
 
+def ran_split_table() -> bool:
+    """Whether a split-table VARLEN kernel was launched (kernels/split_table.py)."""
+    return any(isinstance(key[5], plan.Mode) and key[5].split_table
+               for key in plan._COMPILED if isinstance(key, tuple) and len(key) > 5)
+
+
 def check_splits(lq, lk, h, hkv, d, causal, splits=(2, 3, 7), *, used_q=None, used_k=None, pack_gqa=None,
                  window_size=(-1, -1), softcap=0.0, dtype=torch.bfloat16, seed=0):
     q, k, v, cq, ck, uq, uk = varlen_batch(lq, lk, h, hkv, d, used_q=used_q, used_k=used_k, dtype=dtype, seed=seed)
@@ -195,3 +201,83 @@ def test_skewed_keys_split_by_default(monkeypatch):
     out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, 1, max(lk), seqused_k=uk, causal=True)
     assert combines, "the default call did not split"
     assert_judged("out", out, ref, base)
+
+
+def _skewed(n_short, seed):
+    """A skewed mix: ``n_short`` decodes and drafts (1-4 queries, one with
+    none) over 300-1800 keys, an empty and a one-key sequence, and one
+    long decode over 50001 keys, last (the table puts it first)."""
+    gen = torch.Generator().manual_seed(seed)
+    lk = torch.randint(300, 1800, (n_short,), generator=gen).tolist() + [0, 1, 50001]
+    lq = torch.randint(1, 5, (n_short,), generator=gen).tolist() + [1, 1, 1]
+    lq[3] = 0
+    return lq, lk
+
+
+def _assert_skewed(total_k, lq, lk, h, hkv, d=128, pack_gqa=None):
+    """Precondition of the split-table tests: the skew rule splits this mix."""
+    assert plan.varlen_skew_splits(total_k, len(lk), max(lq), max(lk), h, h // hkv, plan.CONFIGS[d], pack_gqa,
+                                   None, torch.cuda.current_device()) > 1, "not a skewed mix on this GPU"
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("pack_gqa", [None, False], ids=["default", "unpacked"])
+def test_split_table_per_sequence_counts(d, causal, pack_gqa):
+    """A skewed mix at the default split (``num_splits=0``): each sequence
+    split into its own count by the device-written table (``Mode.split_table``),
+    the long one first; empty sequences, drafts of several queries and one
+    of none; judged against the float64 reference, NaN past every live row,
+    outputs poisoned."""
+    lq, lk = _skewed(48, seed=d)
+    _assert_skewed(sum(lk), lq, lk, 16, 4, d, pack_gqa)
+    plan._COMPILED.clear()
+    check_splits(lq, lk, 16, 4, d, causal, splits=(0,), pack_gqa=pack_gqa, seed=30 + d)
+    assert ran_split_table()
+
+
+def test_split_table_seqused_gaps_and_lse():
+    """seqused_q and seqused_k shorter than their slots (NaN in the gaps,
+    a sequence with no live key), the LSE asked for."""
+    lq, lk = _skewed(40, seed=7)
+    used_q = [max(0, n - (i % 2)) for i, n in enumerate(lq)]
+    used_k = [max(0, n - 3 * (i % 3)) for i, n in enumerate(lk)]
+    used_k[5] = 0
+    _assert_skewed(sum(lk), lq, lk, 32, 8)
+    plan._COMPILED.clear()
+    check_splits(lq, lk, 32, 8, 128, True, splits=(0,), used_q=used_q, used_k=used_k, seed=40)
+    assert ran_split_table()
+
+
+def test_split_table_cuda_graph_replay_with_new_lengths():
+    """A captured split-table call (the table written and the partials
+    filled inside the capture) replayed with new cu_seqlens_k and
+    seqused_q of the same batch: the table follows the device's lengths,
+    the long sequence moving between slots."""
+    h, hkv, d, slots, rows_k = 32, 8, 128, 50, 150000
+    q = rnd(slots * 2, h, d, seed=50)
+    k, v = rnd(rows_k, hkv, d, seed=51), rnd(rows_k, hkv, d, seed=52)
+    cq, ck = cu([2] * slots), torch.zeros(slots + 1, dtype=torch.int32, device=DEV)
+    uq = torch.zeros(slots, dtype=torch.int32, device=DEV)
+    max_k = 60000  # the host's bound, as a serving loop gives it
+    gen = torch.Generator().manual_seed(53)
+    lens = [torch.randint(100, 1800, (slots,), generator=gen).tolist() for _ in range(3)]
+    lens[0][-1], lens[1][7], lens[2][0] = 59999, 45000, 60000
+    assert all(sum(lk) <= rows_k for lk in lens)
+    _assert_skewed(rows_k, [2] * slots, lens[0], h, hkv)
+
+    def step():
+        return dispatch.forward_varlen(q, k, v, cq, ck, 2, max_k, uq, None, None, True, False, num_splits=0)[0]
+
+    uq.copy_(i32([1] * slots))
+    ck.copy_(cu(lens[0]))
+    plan._COMPILED.clear()
+    graph, out = capture(step)
+    assert ran_split_table()
+    for seed, lk in enumerate(lens):
+        uq.copy_(i32([1 + (i + seed) % 2 for i in range(slots)]))
+        ck.copy_(cu(lk))
+        graph.replay()
+        ref, _ = varlen_reference(q, k, v, cq, ck, seqused_q=uq, causal=True)
+        base = varlen_baseline(q, k, v, cq, ck, seqused_q=uq, causal=True)
+        assert_judged(f"replay {seed}", out, ref, base)

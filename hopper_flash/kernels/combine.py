@@ -3,8 +3,10 @@
 Split ``s`` of a row wrote its normalised output ``O_s`` and natural-log
 ``lse_s`` (``kernels/forward.py``, ``SPLIT``). The row's result is
 ``sum_s exp(lse_s - lse) * O_s`` with ``lse = log(sum_s exp(lse_s))``. A split
-that saw no key wrote ``O_s = 0`` and ``lse_s = -inf`` (weight 0); a row whose
-splits are all ``-inf`` saw no key at all and gets ``O = 0``, ``LSE = -inf``.
+that saw no key wrote ``O_s = 0`` and ``lse_s = -inf`` (weight 0), and a
+split slot that no item wrote (``split_table.py``) holds ``lse_s = -inf``
+and an output never read; a row whose splits are all ``-inf`` saw no key at
+all and gets ``O = 0``, ``LSE = -inf``.
 
 Attention sinks (``SINK``, ``sinks.py``): the row's head's logit joins the
 merge as one more split with no output, ``lse_s = sink`` and ``O_s = 0``: it
@@ -57,8 +59,11 @@ def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, sink_ptr, n_split
     for s in range(n_splits):
         l_s = tl.load(lse_part_ptr + ((s * batch + b) * num_heads + h).to(tl.int64) * seqlen_q + q)
         w = tl.exp(l_s - m) * inv
-        o_s = tl.load(o_part_ptr + (s * rows_per_split + row).to(tl.int64) * HEAD_DIM + d)
-        # An empty split's O_s is 0, so w = 0 never meets a NaN here.
+        # A split of weight 0 is not read: an empty split wrote O_s = 0, and
+        # a split that never ran (a sequence with fewer splits than the
+        # launch, split_table.py) wrote nothing, its LSE -inf from the fill.
+        o_s = tl.load(o_part_ptr + (s * rows_per_split + row).to(tl.int64) * HEAD_DIM + d,
+                      mask=l_s > -float("inf"), other=0.0)
         acc += w * o_s
     out_off = b.to(tl.int64) * stride_ob + q.to(tl.int64) * stride_oq + h.to(tl.int64) * stride_oh
     if OUT_DIM > 0:

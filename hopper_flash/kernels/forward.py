@@ -106,7 +106,11 @@ Decode and chunked prefill run the same kernel in other *modes*
 * ``SPLIT``: the KV tiles of an item are split across ``num_splits`` items;
   each writes a normalised fp32 partial O and its LSE straight from
   registers, and ``combine.py`` merges them (``VARLEN``: over the packed
-  rows, which the combine takes as one sequence).
+  rows, which the combine takes as one sequence). With ``SPLIT_TABLE``
+  (``VARLEN``, skewed keys; ``split_table.py``) each sequence has its own
+  split count: the items run over a table of (sequence, split) entries,
+  longest first, that a small kernel writes on the device before the
+  launch (``sched_ptr``; ``num_splits`` is then the table's length).
 * ``VARLEN``: q, k, v and O are packed (THD) tensors viewed as
   ``[1, total, H, D]``; sequence ``b`` starts at row ``cu_q[b]`` / ``cu_k[b]``
   and lives for ``seqused_q[b]`` (``SEQUSED_Q``) or ``cu_q[b+1] - cu_q[b]``
@@ -156,6 +160,7 @@ from .mask import apply_mask, kv_split_range, kv_tile_count, kv_window_tiles, ti
 from .pipeline import release, release_read, ring_slot, wait_empty, wait_full, wait_landed
 from .scheduler import (SCHED_FIELDS, SCHED_STAGES, draw_item, first_item, publish_item, receive_item,
                         section_coords, work_coords)
+from .split_table import BATCH_SHIFT, SPLIT_BITS
 from .softmax import LOG2E, softcap, softmax_exp, softmax_finish, softmax_first, softmax_max, softmax_step
 
 # Rows of the query tile owned by one consumer warpgroup (wgmma's M).
@@ -260,6 +265,10 @@ class Mode:
     # plain causal prefill (windows, soft-capping and sinks included), none
     # of the decode modes.
     PLAIN_COORDS: gl.constexpr
+    # SPLIT with a split count per sequence (VARLEN; split_table.py): an
+    # item's split coordinate is its table entry's count and index
+    # (_split_count, _split_index), its batch the entry's sequence.
+    SPLIT_TABLE: gl.constexpr
     # Three consumers under a causal mask or a right-bounded window: a
     # warpgroup whose own 64 rows end before the tile's last row passes the
     # KV tiles past its own diagonal without computing them (_own_kv_end).
@@ -268,7 +277,7 @@ class Mode:
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
                  PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT,
-                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS):
+                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, SPLIT_TABLE):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -295,7 +304,7 @@ class Problem:
     num_heads: gl.tensor
     kv_group: gl.tensor  # query heads per KV head
     batch: gl.tensor
-    num_splits: gl.tensor
+    num_splits: gl.tensor  # SPLIT_TABLE: the table's entries
     pair: gl.tensor  # static deal: items per CTA turn (scheduler.work_coords)
     section: gl.tensor  # dynamic order: heads per L2 section (scheduler.section_coords)
     total_tiles: gl.tensor  # work items
@@ -314,7 +323,7 @@ class Problem:
     cu_q_ptr: gl.tensor
     cu_k_ptr: gl.tensor
     used_q_ptr: gl.tensor
-    sched_ptr: gl.tensor
+    sched_ptr: gl.tensor  # DYNAMIC: the item counter; SPLIT_TABLE: the table
     k_ptr: gl.tensor  # GATHER: the page pools, [num_pages, PAGE_SIZE, Hkv, D] contiguous
     v_ptr: gl.tensor
     sink_ptr: gl.tensor  # SINK: [H], one logit per query head (fp32, bf16 or fp16)
@@ -366,9 +375,9 @@ def _item_kv(b, bm, split, seqlen_q, seqlen_k, k_start, prob: Problem, mode: Mod
         kb = gl.load(prob.kv_batch_ptr + b)
     else:
         kb = b
-    n_lo, n_hi, seqlen_k = kv_split_range(bm, split, _num_splits(prob, mode), seqlen_q, seqlen_k, mode.BLOCK_M,
-                                          mode.BLOCK_N, mode.IS_CAUSAL, mode.PACK_G, mode.WINDOW_LEFT,
-                                          mode.WINDOW_RIGHT)
+    n_lo, n_hi, seqlen_k = kv_split_range(bm, _split_index(split, mode), _split_count(split, prob, mode), seqlen_q,
+                                          seqlen_k, mode.BLOCK_M, mode.BLOCK_N, mode.IS_CAUSAL, mode.PACK_G,
+                                          mode.WINDOW_LEFT, mode.WINDOW_RIGHT)
     return kb, n_lo, n_hi, seqlen_k
 
 
@@ -423,7 +432,44 @@ def _item_at(i, item, n_tiles, prob: Problem, mode: Mode):
     else:
         bm, split, h, b = work_coords(i, n_tiles, _num_splits(prob, mode), _item_head_count(prob, mode),
                                       prob.pair, mode.PERSISTENT, mode.PLAIN_COORDS)
+        if mode.SPLIT_TABLE:
+            bm, split, b = _table_item(bm, b, n_tiles, prob)
     return bm, split, h, b
+
+
+@gluon.jit
+def _table_item(bm, entry, n_tiles, prob: Problem):
+    """SPLIT_TABLE: the item of query tile ``bm`` at table entry ``entry``
+    (work_coords' batch coordinate: the items run over the entries, head
+    fastest after the tile) as ``(bm, split, b)``; ``split`` holds the
+    sequence's split count and the item's split (_split_count,
+    _split_index). An entry past the table's last (-1) becomes a tile past
+    every sequence's rows, which no partition runs."""
+    code = gl.load(prob.sched_ptr + entry)
+    dead = code < 0
+    b = gl.where(dead, 0, code >> BATCH_SHIFT)
+    split = gl.where(dead, 1 << SPLIT_BITS, code & ((1 << BATCH_SHIFT) - 1))
+    return gl.where(dead, n_tiles, bm), split, b
+
+
+@gluon.jit
+def _split_index(split, mode: Mode):
+    """The KV split an item's ``split`` coordinate names."""
+    if mode.SPLIT_TABLE:
+        s = split & ((1 << SPLIT_BITS) - 1)
+    else:
+        s = split
+    return s
+
+
+@gluon.jit
+def _split_count(split, prob: Problem, mode: Mode):
+    """The split count of the item's sequence: the launch's, or (SPLIT_TABLE) its own."""
+    if mode.SPLIT_TABLE:
+        n = split >> SPLIT_BITS
+    else:
+        n = _num_splits(prob, mode)
+    return n
 
 
 @gluon.jit
@@ -450,8 +496,9 @@ def _num_splits(prob: Problem, mode: Mode):
     prefill) it changed the steady loop and timed 2-4% slower at D=128, and
     under triton 3.6 it left two paged decode specialisations 8 bytes of
     stack, while the decode rows timed unchanged; their SASS stays as it
-    was."""
-    if mode.DYNAMIC or mode.PLAIN_COORDS:
+    was. SPLIT_TABLE's coordinates have no split either: the table entry
+    takes the batch coordinate's place (_table_item)."""
+    if mode.DYNAMIC or mode.PLAIN_COORDS or mode.SPLIT_TABLE:
         n = 1
     else:
         n = prob.num_splits
@@ -975,8 +1022,8 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
         o_rows = row0 + gl.arange(0, WG_M, layout=o_row_layout)
         o_q = o_rows // mode.PACK_G
         if mode.VARLEN:
-            o_row0 = split * prob.total_q + q_start
-            lse_row0 = split * prob.num_heads
+            o_row0 = _split_index(split, mode) * prob.total_q + q_start
+            lse_row0 = _split_index(split, mode) * prob.num_heads
             lse_len = prob.total_q
             lse_q0 = q_start
         else:
@@ -1133,7 +1180,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False,
                              RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False, O_DIM: gl.constexpr = 0,
                              LEFTPAD: gl.constexpr = False, PACK_VIEW: gl.constexpr = False,
-                             Q_TOKENS: gl.constexpr = False):
+                             Q_TOKENS: gl.constexpr = False, SPLIT_TABLE: gl.constexpr = False):
     # RING_PTX: which form of ``hopper_flash.ptx_rings`` compiled this
     # specialisation (0: triton's named barriers around the K/V ring kept);
     # unused here, it keys the compiled kernel.
@@ -1150,6 +1197,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(PACK_VIEW or WG_M % PACK_G == 0, "a packed box's group must not straddle two warpgroups")
     gl.static_assert(not PACK_VIEW or PACK_G > 1, "a packed view packs")
     gl.static_assert(not Q_TOKENS or (VARLEN and PACK_VIEW), "q by token: a packed batch's packed view")
+    gl.static_assert(not SPLIT_TABLE or (SPLIT and VARLEN and not DYNAMIC), "a split table: a split packed batch")
     gl.static_assert(not (0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE) or (HEAD_DIM <= 128 and BLOCK_M == 128),
                      "pages are gathered at head dims 64 and 128, two consumers (plan.gathers)")
     gl.static_assert(PAGE_SIZE % BLOCK_N == 0 or (BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE >= GATHER_MIN_PAGE
@@ -1160,7 +1208,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS)
+                SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, SPLIT_TABLE)
     if SPLIT:
         # The combine follows this grid by programmatic dependent launch
         # (plan.launch_combine) and may be scheduled from now on: its
@@ -1174,7 +1222,10 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     # fastest: the seed's 3-D grid order without the 65535 limit of grid axes
     # y and z. Which CTA runs which item is scheduler.py's business; every
     # partition walks the same items in the same order.
-    total_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M) * num_splits * _item_head_count_of(num_heads, PACK_G) * batch
+    # SPLIT_TABLE: the table's entries take the place of split and batch.
+    total_tiles = gl.cdiv(seqlen_q * PACK_G, BLOCK_M) * num_splits * _item_head_count_of(num_heads, PACK_G)
+    if not SPLIT_TABLE:
+        total_tiles *= batch
 
     # Q as NC [1, 64, 1, D] parts (packed: [1, 64 / G, G, D], or the plain box over the packed view), one per
     # consumer warpgroup, for Q_STAGES items: part c of the item in slot j is
