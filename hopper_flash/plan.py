@@ -1574,11 +1574,19 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
                 softcap=bool(softcap), sink=sink, o_dim=o_dim, page_size=page_size)
     if dynamic:
         n_ctas, pair = min(sms, items), 1
+    elif table:
+        # A split table's entries take the place of the batch and the split,
+        # one CTA per item whatever the waves: the table puts the longest
+        # items first and the hardware deals the rest as SMs free up. The
+        # static deal past deal_split's waves gave the long sequence's CTAs
+        # their share of the short items too: 128 decodes over 512 keys
+        # beside one over 131072, 1280 items, 363 -> 291 us; 1024 over 256
+        # beside one over 65536, 9216 items (70 waves), 850 -> 546 us (H100,
+        # BENCHMARKS.md, seventieth session).
+        n_ctas, pair = work_items(split_entries, nheads, max_seqlen_q, cfg, pack), 1
     else:
-        # Split: items past a sequence's rows exit at once (deal_split). A
-        # split table's entries take the place of the batch and the split.
-        n_ctas, pair = (deal_split if split else deal)(
-            work_items(split_entries, nheads, max_seqlen_q, cfg, pack) if table else items * num_splits, cfg, device)
+        # Split: items past a sequence's rows exit at once (deal_split).
+        n_ctas, pair = (deal_split if split else deal)(items * num_splits, cfg, device)
     # No more heads to a section than a sequence has: most sections then lie
     # inside one sequence, whose dead items (query tiles past its rows) run
     # contiguously there and are skipped with one atomic

@@ -79,7 +79,8 @@ def skew_batches():
     long one last or first (plan.varlen_skew_splits; kernels/split_table.py)."""
     gen = torch.Generator().manual_seed(4)
     out = []
-    for n, short, long in ((64, 1024, 65536), (32, 2048, 32768), (128, 512, 131072)):
+    for n, short, long in ((64, 1024, 65536), (32, 2048, 32768), (128, 512, 131072), (512, 512, 131072),
+                           (1024, 256, 65536)):
         out.append((f"skewed {n} decodes over {short} keys + 1 over {long} H32/8 D128", [1] * (n + 1),
                     [short] * n + [long], 32, 8, 128))
     out.append(("skewed, the long one first: 1 over 65536 + 64 over 1024 H32/8 D128", [1] * 65, [65536] + [1024] * 64,

@@ -506,3 +506,14 @@ def test_varlen_splits_skewed_keys_the_item_count_hides():
     assert table.split_entries == 96 and (table.n_ctas, table.pair) == (96 * 8, 1)
     # Only the skew rule's split takes a table: an explicit count splits every sequence alike.
     assert not varlen_plan(8, num_splits=4, split_entries=entries).mode.split_table
+
+    # Past deal_split's waves a table still runs one CTA per item, not the
+    # persistent static deal: 128 decodes over 512 keys beside one over
+    # 131072 (11 splits, 160 entries x 8 KV heads = 1280 items, 9.7 waves).
+    entries = plan.varlen_split_table(128 * 512 + 131072, 129, 131072, 11, cfg)
+    assert entries == 160 and entries * 8 > plan.SPLIT_GRID_MAX_WAVES * SMS
+    wide = plan._plan_varlen.__wrapped__(0, torch.bfloat16, 129, 1, 131072, 32, 4, cfg, False, False, True, False,
+                                         num_splits=0, total_q=129, skew_splits=11, split_entries=entries)
+    assert wide.mode.split_table and (wide.n_ctas, wide.pair) == (160 * 8, 1)
+    # A uniform split of as many items takes the static deal (deal_split).
+    assert plan.deal_split(160 * 8, cfg) == (SMS, 2)

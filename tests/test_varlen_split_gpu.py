@@ -236,6 +236,24 @@ def test_split_table_per_sequence_counts(d, causal, pack_gqa):
     assert ran_split_table()
 
 
+def test_split_table_past_the_static_deal_waves():
+    """300 short decodes beside one long one: the table's items (entries x
+    KV heads) pass ``deal_split``'s waves, and still run one CTA per item
+    (the long sequence's pieces first, the rest as SMs free up)."""
+    gen = torch.Generator().manual_seed(60)
+    lk = torch.randint(100, 700, (300,), generator=gen).tolist() + [40001]
+    lq = [1] * len(lk)
+    _assert_skewed(sum(lk), lq, lk, 32, 8)
+    sms = plan.sm_count(torch.cuda.current_device())
+    skew = plan.varlen_skew_splits(sum(lk), len(lk), 1, max(lk), 32, 4, plan.CONFIGS[128], None, None,
+                                   torch.cuda.current_device())
+    entries = plan.varlen_split_table(sum(lk), len(lk), max(lk), skew, plan.CONFIGS[128])
+    assert entries * 8 > plan.SPLIT_GRID_MAX_WAVES * sms, "too few items to pass the waves on this GPU"
+    plan._COMPILED.clear()
+    check_splits(lq, lk, 32, 8, 128, True, splits=(0,), seed=61)
+    assert ran_split_table()
+
+
 def test_split_table_seqused_gaps_and_lse():
     """seqused_q and seqused_k shorter than their slots (NaN in the gaps,
     a sequence with no live key), the LSE asked for."""
