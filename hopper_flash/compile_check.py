@@ -55,6 +55,19 @@ def _bindir() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
+def compile_triton(kernel, signature: dict, constexprs: dict, num_warps: int, attrs=None, **options):
+    """A plain Triton kernel (the combine, the append, the split table, the
+    sinks' gradient) compiled for sm_90a on any machine, no GPU needed:
+    ``signature`` names every argument's type ("constexpr" for those in
+    ``constexprs``); ``options`` go to the compiler beside ``num_warps``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})
+
+
 def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = True, write_lse: bool = False,
                     mode: Mode = PREFILL):
     """Return the compiled kernel object for sm_90a (no GPU needed)."""

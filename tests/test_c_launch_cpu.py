@@ -65,10 +65,6 @@ def _compiled(key):
     signature is the same for every split count)."""
     if key in _KERNELS:
         return _KERNELS[key]
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from hopper_flash import compile_check
     from hopper_flash.kernels import combine, forward
 
@@ -89,8 +85,7 @@ def _compiled(key):
                "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr", "DEPENDENT": "constexpr",
                "SINK": "constexpr", "OUT_DIM": "constexpr"}
         constexprs = plan._combine_constexprs(cfg.head_dim, 16, write_lse)
-        comb = triton.compile(ASTSource(real, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 1 if cfg.head_dim <= 128 else 2})
+        comb = compile_check.compile_triton(real, sig, constexprs, num_warps=1 if cfg.head_dim <= 128 else 2)
     _KERNELS[key] = fwd, comb
     return fwd, comb
 

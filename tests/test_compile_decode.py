@@ -252,10 +252,6 @@ def test_shared_memory_fits(spec):
 
 
 def test_combine_kernel_compiles():
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from hopper_flash.kernels.combine import combine_kernel
 
     sig = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
@@ -264,9 +260,9 @@ def test_combine_kernel_compiles():
            "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr", "DEPENDENT": "constexpr",
            "SINK": "constexpr", "OUT_DIM": "constexpr"}
     for sink, out_dim in ((False, 0), (True, 0), (False, 96)):
-        src = ASTSource(combine_kernel, sig, constexprs={"HEAD_DIM": 128, "S_MAX": 16, "WRITE_LSE": True,
-                                                         "DEPENDENT": True, "SINK": sink, "OUT_DIM": out_dim})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+        k = compile_check.compile_triton(combine_kernel, sig, {"HEAD_DIM": 128, "S_MAX": 16, "WRITE_LSE": True,
+                                                               "DEPENDENT": True, "SINK": sink, "OUT_DIM": out_dim},
+                                         num_warps=1)
         assert "ex2.approx" in k.asm["ptx"] or "ex2" in k.asm["ptx"]
         # Launched dependent on the split grid: it must wait for that grid's partials.
         assert "griddepcontrol.wait" in k.asm["ptx"]
@@ -279,10 +275,6 @@ def test_append_kernel_compiles(head_dim, dtype):
     rotary embedding either pairing and either query position rule, its
     tables in the queries' dtype or float32. No local memory."""
     import itertools
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from hopper_flash.kernels.append import append_kernel
 
@@ -298,7 +290,7 @@ def test_append_kernel_compiles(head_dim, dtype):
         consts = dict(zip(flags, (paged, batch_idx, rotary, interleaved, step)),
                       HEAD_DIM=head_dim, BLOCK_H=max(1, 2048 // head_dim))
         sig.update({n: "constexpr" for n in consts})
-        k = triton.compile(ASTSource(append_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4, "enable_fp_fusion": True})  # as plan.launch_triton
+        k = compile_check.compile_triton(append_kernel, sig, consts, num_warps=4,
+                                         enable_fp_fusion=True)  # as plan.launch_triton
         assert ".local" not in k.asm["ptx"], (consts, table)
         assert ("fma.rn.f32" in k.asm["ptx"] or "mul.f32" in k.asm["ptx"]) == rotary, consts

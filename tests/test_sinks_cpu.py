@@ -245,11 +245,7 @@ def test_sink_gradient_kernel_compiles_for_sm90_with_vector_loads(head_dim, dtyp
     import subprocess
     import tempfile
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from hopper_flash.compile_check import _bindir
+    from hopper_flash.compile_check import _bindir, compile_triton
     from hopper_flash.kernels.sink import _INTS, _sink_grad_kernel
 
     from hopper_flash import plan
@@ -259,8 +255,7 @@ def test_sink_gradient_kernel_compiles_for_sm90_with_vector_loads(head_dim, dtyp
     grad = {"o_ptr": f"*{dtype}", "do_ptr": f"*{dtype}", "lse_ptr": "*fp32", "sink_ptr": "*fp32",
             "part_ptr": "*fp32", **ints, **{n: "constexpr" for n in consts}}
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}  # the five pointers
-    compiled = triton.compile(ASTSource(_sink_grad_kernel, grad, constexprs=consts, attrs=aligned),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    compiled = compile_triton(_sink_grad_kernel, grad, consts, num_warps=4, attrs=aligned)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     try:

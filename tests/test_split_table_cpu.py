@@ -124,17 +124,13 @@ def test_split_table_kernel_compiles(seqused):
     """The table kernel for sm_90a, as the forward's varlen launch runs it
     (plan._split_table: 128 sequences a block, up to 32 splits): no local
     memory."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from hopper_flash.compile_check import compile_triton
     from hopper_flash.kernels.split_table import FILL_BLOCK, split_table_kernel
 
     sig = {"cu_k_ptr": "*i32", "used_k_ptr": "*i32", "table_ptr": "*i32", "lse_part_ptr": "*fp32", "batch": "i32",
            "n_items": "i32", "blocks_per_split": "i32", "max_splits": "i32", "n_lse": "i32",
            "BLOCK_N": "constexpr", "SEQUSED": "constexpr", "BLOCK_B": "constexpr", "S_MAX": "constexpr",
            "FILL": "constexpr"}
-    src = ASTSource(split_table_kernel, sig, constexprs={"BLOCK_N": 128, "SEQUSED": seqused, "BLOCK_B": 128,
-                                                         "S_MAX": 32, "FILL": FILL_BLOCK})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    k = compile_triton(split_table_kernel, sig, {"BLOCK_N": 128, "SEQUSED": seqused, "BLOCK_B": 128, "S_MAX": 32,
+                                                 "FILL": FILL_BLOCK}, num_warps=4)
     assert ".local" not in k.asm["ptx"]

@@ -214,10 +214,13 @@ def _skewed(n_short, seed):
     return lq, lk
 
 
-def _assert_skewed(total_k, lq, lk, h, hkv, d=128, pack_gqa=None):
-    """Precondition of the split-table tests: the skew rule splits this mix."""
-    assert plan.varlen_skew_splits(total_k, len(lk), max(lq), max(lk), h, h // hkv, plan.CONFIGS[d], pack_gqa,
-                                   None, torch.cuda.current_device()) > 1, "not a skewed mix on this GPU"
+def _assert_skewed(total_k, lq, lk, h, hkv, d=128, pack_gqa=None) -> int:
+    """Precondition of the split-table tests: the skew rule splits this mix.
+    Returns its split count."""
+    skew = plan.varlen_skew_splits(total_k, len(lk), max(lq), max(lk), h, h // hkv, plan.CONFIGS[d], pack_gqa,
+                                   None, torch.cuda.current_device())
+    assert skew > 1, "not a skewed mix on this GPU"
+    return skew
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -243,10 +246,8 @@ def test_split_table_past_the_static_deal_waves():
     gen = torch.Generator().manual_seed(60)
     lk = torch.randint(100, 700, (300,), generator=gen).tolist() + [40001]
     lq = [1] * len(lk)
-    _assert_skewed(sum(lk), lq, lk, 32, 8)
+    skew = _assert_skewed(sum(lk), lq, lk, 32, 8)
     sms = plan.sm_count(torch.cuda.current_device())
-    skew = plan.varlen_skew_splits(sum(lk), len(lk), 1, max(lk), 32, 4, plan.CONFIGS[128], None, None,
-                                   torch.cuda.current_device())
     entries = plan.varlen_split_table(sum(lk), len(lk), max(lk), skew, plan.CONFIGS[128])
     assert entries * 8 > plan.SPLIT_GRID_MAX_WAVES * sms, "too few items to pass the waves on this GPU"
     plan._COMPILED.clear()
