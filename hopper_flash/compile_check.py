@@ -68,6 +68,20 @@ def compile_triton(kernel, signature: dict, constexprs: dict, num_warps: int, at
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})
 
 
+def compile_combine(constexprs: dict, out_dtype: str = "bfloat16", num_warps: int = 1):
+    """The split-KV combine kernel compiled for sm_90a (no GPU needed);
+    ``constexprs`` as ``plan._combine_constexprs`` gives them."""
+    from .kernels.combine import combine_kernel
+
+    real = getattr(combine_kernel, "real", combine_kernel)  # a test may have patched the launch out
+    out = "*bf16" if out_dtype == "bfloat16" else "*fp16"
+    sig = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": out, "lse_ptr": "*fp32", "sink_ptr": "*fp32",
+           "n_splits": "i32", "batch": "i32", "seqlen_q": "i32", "num_heads": "i32",
+           "stride_ob": "i32", "stride_oq": "i32", "stride_oh": "i32",
+           **{name: "constexpr" for name in ("HEAD_DIM", "S_MAX", "WRITE_LSE", "DEPENDENT", "SINK", "OUT_DIM")}}
+    return compile_triton(real, sig, constexprs, num_warps=num_warps)
+
+
 def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = True, write_lse: bool = False,
                     mode: Mode = PREFILL):
     """Return the compiled kernel object for sm_90a (no GPU needed)."""

@@ -66,7 +66,7 @@ def _compiled(key):
     if key in _KERNELS:
         return _KERNELS[key]
     from hopper_flash import compile_check
-    from hopper_flash.kernels import combine, forward
+    from hopper_flash.kernels import forward
 
     _, dtype, causal, write_lse, cfg, mode = key
     name = str(dtype).removeprefix("torch.")
@@ -78,14 +78,8 @@ def _compiled(key):
         forward.attention_forward_kernel = patched
     comb = None
     if mode.split:
-        real = getattr(combine.combine_kernel, "real", combine.combine_kernel)
-        sig = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16" if name == "bfloat16" else "*fp16",
-               "lse_ptr": "*fp32", "sink_ptr": "*fp32", "n_splits": "i32", "batch": "i32", "seqlen_q": "i32", "num_heads": "i32",
-               "stride_ob": "i32", "stride_oq": "i32", "stride_oh": "i32",
-               "HEAD_DIM": "constexpr", "S_MAX": "constexpr", "WRITE_LSE": "constexpr", "DEPENDENT": "constexpr",
-               "SINK": "constexpr", "OUT_DIM": "constexpr"}
         constexprs = plan._combine_constexprs(cfg.head_dim, 16, write_lse)
-        comb = compile_check.compile_triton(real, sig, constexprs, num_warps=1 if cfg.head_dim <= 128 else 2)
+        comb = compile_check.compile_combine(constexprs, name, num_warps=1 if cfg.head_dim <= 128 else 2)
     _KERNELS[key] = fwd, comb
     return fwd, comb
 
