@@ -102,7 +102,10 @@ Decode and chunked prefill run the same kernel in other *modes*
   plain box ``[1, 64, 1, D]`` at packed row ``bm * BLOCK_M`` of KV head
   ``hk``, and O goes by address, as in ``VARLEN``. A packed batch with one
   query per sequence (``Q_TOKENS``) needs no copy either: q restrided to
-  ``[total_q, G, Hkv, D]``, loaded at its token's batch coordinate.
+  ``[total_q, G, Hkv, D]``, loaded at its token's batch coordinate; nor
+  does any other packed batch whose q is contiguous (``Q_ROWS``): the
+  producer copies each Q part's rows from q with ``cp.async``, as
+  ``GATHER`` copies K/V rows (``_copy_q_rows``).
 * ``SPLIT``: the KV tiles of an item are split across ``num_splits`` items;
   each writes a normalised fp32 partial O and its LSE straight from
   registers, and ``combine.py`` merges them (``VARLEN``: over the packed
@@ -633,24 +636,29 @@ def _copy_q_rows(buf, bar, row0, q_first, q_end, hk, prob: Problem, mode: Mode):
     past ``q_end`` (the sequence's end) are zero-filled, never read.
 
     A step copies eight rows per producer warp in GATHER's layout (the
-    swizzle's period: a slice of fewer rows is refused), in a loop the
-    compiler does not unroll, so the one-warp producer keeps one step's
-    addresses live in its 24 registers."""
+    swizzle's period: a slice of fewer rows is refused), four 16-byte copies
+    a thread at head dim 128, and computes its addresses only when it comes
+    (``_opaque``), so the one-warp producer keeps one step's addresses live
+    in its 24 registers."""
     layout: gl.constexpr = _gather_layout(mode.PRODUCER_WARPS)
     ROWS: gl.constexpr = 8 * mode.PRODUCER_WARPS
     part = buf.reshape([WG_M, mode.HEAD_DIM])
-    # The part's rows as int32 offsets from its first query's row of q.
-    base = prob.q_ptr + (q_first.to(gl.int64) * prob.num_heads + hk * mode.PACK_G) * mode.HEAD_DIM
+    # Rows as int32 offsets from the part's first query's row of head
+    # hk * G (``base``, in 64 bits): packed row p is row p - first * G from
+    # there (a multiple of G subtracted, so p % G is unchanged).
+    first = row0 // mode.PACK_G
+    base = prob.q_ptr + ((q_first + first).to(gl.int64) * prob.num_heads + hk * mode.PACK_G) * mode.HEAD_DIM
+    live = q_end - q_first - first  # queries of the sequence from the part's first on
     cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, layout))
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     for s in gl.static_range(WG_M // ROWS):
-        # The step's first row through an opaque move in program order, so
-        # the compiler cannot compute every step's addresses up front (all
-        # eight spilled the producer's 24 registers).
-        p = _opaque(row0 + s * ROWS) + rows
-        offs = ((p // mode.PACK_G) * prob.num_heads + p % mode.PACK_G) * mode.HEAD_DIM
+        # The step's first row through an opaque move in program order: the
+        # compiler cannot compute every step's addresses up front (all eight
+        # steps' spilled the producer's 24 registers).
+        r = _opaque(row0 - first * mode.PACK_G + s * ROWS) + rows
+        offs = ((r // mode.PACK_G) * prob.num_heads + r % mode.PACK_G) * mode.HEAD_DIM
         cp_async_load(part.slice(s * ROWS, ROWS, dim=0), base + offs[:, None] + cols[None, :],
-                      mask=(q_first + p // mode.PACK_G < q_end)[:, None])
+                      mask=(r // mode.PACK_G < live)[:, None])
     async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
