@@ -527,6 +527,17 @@ def choose_varlen_view(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k
     return decodes * decode_keys * (group - 1) / group > (total_q if copies else 0)
 
 
+# The head dim at which a causal packed batch whose q the kernel reads by
+# rows (Mode.q_rows) packs a group that is not a power of two whatever its
+# lengths, as FA3 packs every varlen batch: a tile of 128 / g queries of g
+# heads wastes less of the causal diagonal than 128 queries of one head.
+# On an H100, 16 prefill sequences of 512..8192 tokens (no decode) at 40/8
+# and 28/4 ran packed 1.06x and 1.05x faster than unpacked, 6916 / 5891 us
+# against 7390 / 6200 (seventy-first session, BENCHMARKS.md); head dim 64
+# (whose long unpacked batches run wide tiles) and non-causal batches were
+# not measured and keep choose_varlen_view.
+VIEW_ROWS_ALWAYS = 128
+
 # Head dims whose kernels take a packed view without spilling (the compile
 # census, triton 3.6: head dim 256's varlen kernel with a group of 5, the LSE
 # and the dynamic order spilled 16 B; its groups that are not powers of two
@@ -1680,8 +1691,9 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     q_rows = rows_of_q(q, cfg)
     if pack_gqa is None and group > 1 and not packable(group):
         # (Resolved here, before the cached plan: its key has no room for q's rows.)
-        pack_gqa = choose_varlen_view(total_q, batch, int(max_seqlen_q), int(max_seqlen_k),
-                                      0 if paged else k.shape[0], group, copies=not q_rows)
+        pack_gqa = (q_rows and causal and cfg.head_dim == VIEW_ROWS_ALWAYS) or choose_varlen_view(
+            total_q, batch, int(max_seqlen_q), int(max_seqlen_k), 0 if paged else k.shape[0], group,
+            copies=not q_rows)
     skew = varlen_skew_splits(k.shape[0], batch, int(max_seqlen_q), int(max_seqlen_k), nheads, group, cfg, pack_gqa,
                               window, device) if num_splits == 0 and not paged else 1
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, group, cfg,

@@ -225,20 +225,25 @@ def test_varlen_launch_resolves_the_packed_view_from_q_rows(monkeypatch):
     monkeypatch.setattr(plan, "varlen_skew_splits", lambda *a, **k: 1)
     monkeypatch.setattr(plan, "varlen_total_q_key", lambda *a, **k: 0)
 
-    def launch(lq, lk, h, hkv, strided=False):
-        q = torch.zeros(sum(lq), h, 128, dtype=torch.bfloat16)
+    def launch(lq, lk, h, hkv, strided=False, causal=True, d=128):
+        q = torch.zeros(sum(lq), h, d, dtype=torch.bfloat16)
         if strided:  # q of a qkv-packed tensor: the kernel cannot read its rows, the packed view copies it
-            q = torch.zeros(sum(lq), 3, h, 128, dtype=torch.bfloat16)[:, 0]
-        k = torch.zeros(sum(lk), hkv, 128, dtype=torch.bfloat16)
+            q = torch.zeros(sum(lq), 3, h, d, dtype=torch.bfloat16)[:, 0]
+        k = torch.zeros(sum(lk), hkv, d, dtype=torch.bfloat16)
         cq = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
         ck = torch.tensor([0] + lk).cumsum(0).to(torch.int32)
         with pytest.raises(Stop):
             plan.launch_forward_varlen(q, k, k, torch.empty_like(q), None, cq, ck, None, None, max(lq), max(lk),
-                                       0.1, True, num_splits=0)
+                                       0.1, causal, num_splits=0)
         return seen.pop()
 
     assert launch([1] * 64 + [512], [4500] * 64 + [1536], 40, 8) == (True, True)
-    assert launch([4096] * 16, [5120] * 16, 40, 8) == (False, True)
+    # Prefill alone: packed by rows at head dim 128 under a causal mask (VIEW_ROWS_ALWAYS), else as
+    # choose_varlen_view weighs a copy of q (none of it here).
+    assert launch([4096] * 16, [5120] * 16, 40, 8) == (True, True)
+    assert launch([4096] * 16, [5120] * 16, 40, 8, strided=True) == (False, False)
+    assert launch([4096] * 16, [5120] * 16, 40, 8, causal=False) == (False, True)
+    assert launch([4096] * 16, [5120] * 16, 40, 8, d=64) == (False, True)
     assert launch([1] * 64 + [512], [4500] * 64 + [1536], 32, 8) == (None, True)
     # A few decodes beside a long chunk: packed when the kernel reads q's rows, not worth a copy of q.
     assert launch([1] * 4 + [8000], [900] * 4 + [8000], 40, 8) == (True, True)
