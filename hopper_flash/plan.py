@@ -529,11 +529,13 @@ def choose_varlen_view(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k
 
 # The head dim at which a causal packed batch whose q the kernel reads by
 # rows (Mode.q_rows) packs a group that is not a power of two whatever its
-# lengths, as FA3 packs every varlen batch: a tile of 128 / g queries of g
-# heads wastes less of the causal diagonal than 128 queries of one head.
+# lengths, as FA3 packs every varlen batch (presumably since a tile of
+# 128 / g queries of g heads wastes less of the causal diagonal than 128
+# queries of one head; not traced).
 # On an H100, 16 prefill sequences of 512..8192 tokens (no decode) at 40/8
-# and 28/4 ran packed 1.06x and 1.05x faster than unpacked, 6916 / 5891 us
-# against 7390 / 6200 (seventy-first session, BENCHMARKS.md); head dim 64
+# and 28/4 ran packed 1.07x and 1.04x faster than the default unpacked,
+# 6914 / 5887 us against 7385 / 6120 (seventy-first session, BENCHMARKS.md:
+# the packed column, not this rule's default call); head dim 64
 # (whose long unpacked batches run wide tiles) and non-causal batches were
 # not measured and keep choose_varlen_view.
 VIEW_ROWS_ALWAYS = 128
