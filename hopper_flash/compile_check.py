@@ -116,6 +116,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "cu_k_ptr": "*i32",
         "used_q_ptr": "*i32",
         "sched_ptr": "*i32",
+        "q_ptr": f"*{sig_dtype}",
         "k_ptr": f"*{sig_dtype}",
         "v_ptr": f"*{sig_dtype}",
         "sink_ptr": f"*{_TORCH_TO_SIG[mode.sink]}" if mode.sink else "*fp32",
@@ -134,10 +135,10 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
     }
     signature.update({name: "constexpr" for name in constexprs})
     # The JIT specialises pointers on 16-byte alignment; the page pools'
-    # (k_ptr, v_ptr: a gathered tile's cp.async width) are always aligned, as
-    # TMA requires of them too.
+    # (k_ptr, v_ptr: a gathered tile's cp.async width) and q's (q_ptr: Q_ROWS's)
+    # are always aligned, as TMA requires of them too.
     names = attention_forward_kernel.arg_names
-    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("k_ptr", "v_ptr")}
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("q_ptr", "k_ptr", "v_ptr")}
     src = GluonASTSource(attention_forward_kernel, signature, constexprs=constexprs, attrs=attrs)
     with ptx_rings.compiling(constexprs["RING_PTX"]):  # as the launches compile it
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(cfg))

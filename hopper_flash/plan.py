@@ -233,6 +233,10 @@ class Mode:
     # (``max_seqlen_q`` 1): q restrided by token, ``[total_q, g, Hkv, D]``,
     # no copy (``kernel_q``; kernels/forward.py, ``Q_TOKENS``).
     q_tokens: bool = False
+    # A packed view of a packed batch copied by the kernel, row by row from
+    # q itself (contiguous, of the kernel's head dim; kernels/forward.py,
+    # ``Q_ROWS``): no packed copy of q, at any query length.
+    q_rows: bool = False
     # Split-KV: fp32 partials merged by kernels/combine.py.
     split: bool = False
     # A split count per sequence (varlen, skewed keys): the items run over a
@@ -378,6 +382,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         LEFTPAD=mode.leftpad,
         PACK_VIEW=mode.pack_view,
         Q_TOKENS=mode.q_tokens,
+        Q_ROWS=mode.q_rows,
         SPLIT_TABLE=mode.split_table,
     )
 
@@ -498,7 +503,7 @@ def choose_varlen_pack_gqa(group: int) -> bool:
 
 
 def choose_varlen_view(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k: int, total_k: int,
-                       group: int) -> bool:
+                       group: int, copies: bool = True) -> bool:
     """Whether a packed batch (host values only) packs a group that is not
     a power of two, whose pack reads a packed copy of q (``packed_q``):
     where the K/V bytes the pack saves on the batch's decode steps exceed
@@ -510,14 +515,30 @@ def choose_varlen_view(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k
     its keys' K and V row, packed ``1/g`` of them; the copy reads and
     writes each query row of q once. A chunk's K/V reads hide under its
     tensor work packed or not (FA3 packs every varlen batch). One query
-    per sequence needs no copy (``Mode.q_tokens``): always."""
+    per sequence needs no copy (``Mode.q_tokens``), nor does a q the kernel
+    copies row by row itself (``copies`` False, ``Mode.q_rows``): then
+    wherever the batch has decode steps to save K/V reads on (a batch of
+    chunks alone keeps its unpacked tiles, head dim 64's wide ones)."""
     if max_seqlen_q <= 1:
         return True
     chunks = min(batch, max(0, total_q - batch) // max(1, max_seqlen_q - 1))
     decodes = batch - chunks
     decode_keys = total_k / batch if total_k else max_seqlen_k / 2
-    return decodes * decode_keys * (group - 1) / group > total_q
+    return decodes * decode_keys * (group - 1) / group > (total_q if copies else 0)
 
+
+# The head dim at which a causal packed batch whose q the kernel reads by
+# rows (Mode.q_rows) packs a group that is not a power of two whatever its
+# lengths, as FA3 packs every varlen batch (presumably since a tile of
+# 128 / g queries of g heads wastes less of the causal diagonal than 128
+# queries of one head; not traced).
+# On an H100, 16 prefill sequences of 512..8192 tokens (no decode) at 40/8
+# and 28/4 ran packed 1.07x and 1.04x faster than the default unpacked,
+# 6914 / 5887 us against 7385 / 6120 (seventy-first session, BENCHMARKS.md:
+# the packed column, not this rule's default call); head dim 64
+# (whose long unpacked batches run wide tiles) and non-causal batches were
+# not measured and keep choose_varlen_view.
+VIEW_ROWS_ALWAYS = 128
 
 # Head dims whose kernels take a packed view without spilling (the compile
 # census, triton 3.6: head dim 256's varlen kernel with a group of 5, the LSE
@@ -559,10 +580,23 @@ def packed_q(q: torch.Tensor, group: int) -> torch.Tensor:
 def kernel_q(q: torch.Tensor, mode: Mode) -> torch.Tensor:
     """The tensor of the kernel's Q descriptor: q, or its packed view (a
     packed batch's ``[1, total_q, H, D]`` by token with ``Mode.q_tokens``:
-    ``[total_q, g, Hkv, D]``, no copy)."""
+    ``[total_q, g, Hkv, D]``, no copy; with ``Mode.q_rows`` q itself, the
+    kernel reading the packed rows from it)."""
     if mode.q_tokens:
         return packed_q(q.transpose(0, 1), mode.pack_g)
+    if mode.q_rows:  # the kernel copies the packed rows; the descriptor only lays out its parts
+        return q
     return packed_q(q, mode.pack_g) if mode.pack_view else q
+
+
+def rows_of_q(q: torch.Tensor, cfg: ForwardConfig) -> bool:
+    """Whether a packed batch's kernel can copy a packed view's rows from q
+    itself (``Mode.q_rows``): q ``[total_q, H, D]`` contiguous, of the
+    kernel's head dim, 16-byte aligned (its cp.async width). Others take
+    the packed copy (``packed_q``)."""
+    total_q, nheads, head_dim = q.shape
+    return (head_dim == cfg.head_dim and q.stride() == (nheads * head_dim, head_dim, 1)
+            and q.data_ptr() % 16 == 0)
 
 
 def choose_dynamic(items: int, n_tiles: int, causal: bool, varlen: bool, sms: int) -> bool:
@@ -998,7 +1032,7 @@ def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale
     return (lse if lse is not None else out, seqused_k if seqused_k is not None else out,
             kv_batch if kv_batch is not None else out, page_table if page_table is not None else out,
             o_part, lse_part, out, leftpad if leftpad is not None else out, out,  # cu_q, cu_k (or leftpad), used_q
-            sched if sched is not None else out, k_pool, v_pool, sink if sink is not None else out,
+            sched if sched is not None else out, out, k_pool, v_pool, sink if sink is not None else out,  # (q: Q_ROWS)
             seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, *kernel_scales(softmax_scale, softcap),
             lp.num_splits, lp.pair, page_stride, 0, lp.section)
 
@@ -1506,7 +1540,7 @@ def varlen_split_table(total_k: int, batch: int, max_seqlen_k: int, num_splits: 
 @lru_cache(maxsize=4096)
 def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group, cfg, seqused_q, seqused_k, causal,
                  write_lse, window=None, softcap=False, sink="", o_dim=0, page_size=0, pack_gqa=None,
-                 num_splits=1, total_q=0, skew_splits=1, split_entries=0) -> LaunchPlan:
+                 num_splits=1, total_q=0, skew_splits=1, split_entries=0, q_rows=False) -> LaunchPlan:
     """``_plan_launch`` for a packed batch: the grid covers ``max_seqlen_q``
     for every sequence (items past a sequence's rows exit at once).
     ``o_dim``: ``Mode.o_dim``; ``page_size``: paged K/V (``Mode.page_size``,
@@ -1520,7 +1554,8 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     ``skew_splits`` (``varlen_skew_splits``) where that rule does not split,
     each sequence then split into its own count by a table of
     ``split_entries`` entries where that is not 0 (``varlen_split_table``,
-    ``Mode.split_table``)."""
+    ``Mode.split_table``); ``q_rows``: a packed view may be copied by the
+    kernel from q itself (``Mode.q_rows``; ``rows_of_q``)."""
     sms = sm_count(device)
     pack_g, pack_view = pack_layout(pack_gqa, group, max_seqlen_q, cfg, varlen=True)
     pack = Mode(pack_g=pack_g)
@@ -1568,7 +1603,9 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     window_left, window_right = window or (-1, -1)
     # One query per sequence: q by token, no copy (the host's bound; a
     # longer sequence breaks flash-attn's contract on max_seqlen_q anyway).
-    mode = Mode(pack_g=pack_g, pack_view=pack_view, q_tokens=pack_view and max_seqlen_q == 1, split=split,
+    q_tokens = pack_view and max_seqlen_q == 1
+    mode = Mode(pack_g=pack_g, pack_view=pack_view, q_tokens=q_tokens, q_rows=pack_view and not q_tokens and q_rows,
+                split=split,
                 split_table=table, seqused=seqused_k, varlen=True,
                 seqused_q=seqused_q, dynamic=dynamic, window_left=window_left, window_right=window_right,
                 softcap=bool(softcap), sink=sink, o_dim=o_dim, page_size=page_size)
@@ -1653,17 +1690,20 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     k_pool, v_pool = gather if gather is not None else (out, out)  # (out: no page pools to gather)
     nheads_kv = k.shape[-2]
     group = nheads // nheads_kv
+    q_rows = rows_of_q(q, cfg)
     if pack_gqa is None and group > 1 and not packable(group):
         # (Resolved here, before the cached plan: its key has no room for q's rows.)
-        pack_gqa = choose_varlen_view(total_q, batch, int(max_seqlen_q), int(max_seqlen_k),
-                                      0 if paged else k.shape[0], group)
+        pack_gqa = (q_rows and causal and cfg.head_dim == VIEW_ROWS_ALWAYS) or choose_varlen_view(
+            total_q, batch, int(max_seqlen_q), int(max_seqlen_k), 0 if paged else k.shape[0], group,
+            copies=not q_rows)
     skew = varlen_skew_splits(k.shape[0], batch, int(max_seqlen_q), int(max_seqlen_k), nheads, group, cfg, pack_gqa,
                               window, device) if num_splits == 0 and not paged else 1
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, group, cfg,
                       seqused_q is not None, seqused_k is not None, bool(causal), write_lse, window, softcap > 0,
                       sink_mode(sink), narrower_width(out.shape[2], cfg.head_dim), page_size, pack_gqa,
                       int(num_splits), varlen_total_q_key(total_q, nheads, cfg, device) if num_splits == 0 else 0,
-                      skew, varlen_split_table(k.shape[0], batch, int(max_seqlen_k), skew, cfg) if skew > 1 else 0)
+                      skew, varlen_split_table(k.shape[0], batch, int(max_seqlen_k), skew, cfg) if skew > 1 else 0,
+                      q_rows)
     assert out.is_contiguous() and (lse is None or lse.is_contiguous())
     cfg = lp.cfg  # the plan may widen the tiles (head dim 64's WIDE_CONFIGS)
     split = lp.mode.split
@@ -1695,7 +1735,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     # o_part_ptr carries O itself (row-predicated stores, not a TMA box), or the split partials.
     sched = _item_counter(q.device) if lp.mode.dynamic else table if lp.mode.split_table else out
     ptrs = (kernel_lse, used_k, out, page_table if paged else out, o_ptr, lse_part_ptr, cu_q, cu_k, used_q,
-            sched, k_pool, v_pool, sink if sink is not None else out)
+            sched, q if lp.mode.q_rows else out, k_pool, v_pool, sink if sink is not None else out)
     scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, group, batch,
                *kernel_scales(softmax_scale, softcap), lp.split_entries or lp.num_splits, lp.pair,
                page_table.stride(0) if paged else 0, total_q, lp.section)

@@ -26,10 +26,14 @@ default (``pack_gqa=None, num_splits=0``: packed where the decodes' K/V
 reads outweigh the copy, ``plan.choose_varlen_view``). Running them on
 another tree (``PYTHONPATH=.wt/main``) times that tree's packing.
 
+``--prefill-groups``: prefill batches alone (16 sequences of 512..8192
+tokens) at groups of 5 and 7, head dims 64 and 128, causal and not: whether
+packing them pays without any decode beside them.
+
 ``--skew``: skewed keys only (the long sequence last and first, random
 short lengths, drafts beside a long decode).
 
-    PYTHONPATH=.:/tmp/fa3pkg python scripts/varlen_pack_bench.py [--quick | --groups | --skew]
+    PYTHONPATH=.:/tmp/fa3pkg python scripts/varlen_pack_bench.py [--quick | --groups | --prefill-groups | --skew]
 """
 import argparse
 import importlib
@@ -114,19 +118,36 @@ def group_batches():
     return out
 
 
+def prefill_group_batches():
+    """Prefill batches alone at groups of 5 and 7 (``--prefill-groups``), the
+    last field whether causal."""
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for d in (128, 64):
+        for h, hkv in ((40, 8), (28, 4)):
+            lens = torch.randint(512, 8193, (16,), generator=gen).tolist()
+            for causal in (True, False):
+                out.append((f"prefill B16 512..8192 H{h}/{hkv} D{d} {'causal' if causal else 'full'}", lens, lens,
+                            h, hkv, d, causal))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--groups", action="store_true")
     ap.add_argument("--skew", action="store_true")
+    ap.add_argument("--prefill-groups", action="store_true")
     args = ap.parse_args()
     try:
         fa3 = importlib.import_module("flash_attn_interface").flash_attn_varlen_func
     except Exception:
         fa3 = None
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}; {dispatch.__file__}")
-    for label, lq, lk, h, hkv, d in (group_batches() if args.groups else skew_batches() if args.skew
-                                     else batches(args.quick)):
+    rows = (group_batches() if args.groups else skew_batches() if args.skew
+            else prefill_group_batches() if args.prefill_groups else batches(args.quick))
+    for label, lq, lk, h, hkv, d, *flags in rows:
+        causal = flags[0] if flags else True
         gen = torch.Generator(device="cuda").manual_seed(1)
         q = torch.randn(sum(lq), h, d, generator=gen, device="cuda").to(torch.bfloat16)
         k = torch.randn(sum(lk), hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
@@ -134,29 +155,29 @@ def main():
         cq, ck = cu(lq), cu(lk)
         mq, mk = max(lq), max(lk)
         fns = {
-            "packed": lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, True, False,
+            "packed": lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, causal, False,
                                                       pack_gqa=True)[0],
-            "unpacked": lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, True, False,
+            "unpacked": lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, causal, False,
                                                         pack_gqa=False)[0],
             # PackGQA and split-KV as the KV cache's mixed route runs them (num_splits=0: the heuristic).
-            "packed+split": lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, True, False,
+            "packed+split": lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, causal, False,
                                                             pack_gqa=True, num_splits=0)[0],
         }
-        if args.groups:
-            fns["default"] = lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, True, False,
+        if args.groups or args.prefill_groups:
+            fns["default"] = lambda: dispatch.forward_varlen(q, k, v, cq, ck, mq, mk, None, None, None, causal, False,
                                                              pack_gqa=None, num_splits=0)[0]
         if fa3 is not None:
             def fa3_fn():
-                o = fa3(q, k, v, cq, ck, mq, mk, causal=True)
+                o = fa3(q, k, v, cq, ck, mq, mk, causal=causal)
                 return o[0] if isinstance(o, tuple) else o
             fns["fa3"] = fa3_fn
             if not label.startswith("issue12"):
                 def fa3_split_fn():  # FA3's own split heuristic (its default for this call is num_splits=1)
-                    o = fa3(q, k, v, cq, ck, mq, mk, causal=True, num_splits=0)
+                    o = fa3(q, k, v, cq, ck, mq, mk, causal=causal, num_splits=0)
                     return o[0] if isinstance(o, tuple) else o
                 fns["fa3 split0"] = fa3_split_fn
-        ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
-        base = varlen_baseline(q, k, v, cq, ck, causal=True)
+        ref, _ = varlen_reference(q, k, v, cq, ck, causal=causal)
+        base = varlen_baseline(q, k, v, cq, ck, causal=causal)
         kv_bytes = 2 * sum(lk) * hkv * d * 2
         times = {}
         for name, fn in fns.items():

@@ -184,6 +184,27 @@ def test_varlen_view_where_the_decodes_reads_outweigh_the_copy():
     assert not plan.choose_varlen_view(16 * 4300, 16, 8192, 8192, 16 * 4300, 7)
 
 
+def test_varlen_view_without_a_copy_wherever_there_are_decodes():
+    """Where the kernel copies the packed rows from q itself (Mode.q_rows,
+    copies=False) no copy weighs against the decodes' savings: any decode
+    beside any chunk packs; a batch of chunks alone still does not."""
+    for group in (3, 5, 7):
+        assert plan.choose_varlen_view(4 + 8000, 5, 8000, 8000, 4 * 900 + 8000, group, copies=False)
+        assert not plan.choose_varlen_view(4 + 8000, 5, 8000, 8000, 4 * 900 + 8000, group)
+        assert not plan.choose_varlen_view(16 * 4300, 16, 4300, 4300, 16 * 4300, group, copies=False)
+
+
+def test_rows_of_q_needs_a_contiguous_q_of_the_kernels_head_dim():
+    cfg = plan.CONFIGS[128]
+    q = torch.zeros(40, 12, 128, dtype=torch.bfloat16)
+    assert plan.rows_of_q(q, cfg)
+    qkv = torch.zeros(40, 3, 12, 128, dtype=torch.bfloat16)
+    assert not plan.rows_of_q(qkv[:, 0], cfg)  # flash_attn_varlen_qkvpacked_func's q: strided tokens
+    assert not plan.rows_of_q(torch.zeros(40, 12, 96, dtype=torch.bfloat16), cfg)  # a narrower head dim
+    assert plan.rows_of_q(q[1:], cfg)  # a view at a 16-byte multiple
+    assert not plan.rows_of_q(q.view(-1)[4:4 + 39 * 12 * 128].view(39, 12, 128), cfg)  # 8 bytes off: cp.async's 16
+
+
 def test_varlen_launch_resolves_the_packed_view_from_q_rows(monkeypatch):
     """launch_forward_varlen resolves pack_gqa=None for a group that is not
     a power of two before the cached plan (whose key lacks q's rows), and
@@ -196,26 +217,37 @@ def test_varlen_launch_resolves_the_packed_view_from_q_rows(monkeypatch):
     signature = inspect.signature(plan._plan_varlen.__wrapped__)
 
     def fake_plan(*args, **kwargs):
-        seen.append(signature.bind(*args, **kwargs).arguments["pack_gqa"])
+        bound = signature.bind(*args, **kwargs).arguments
+        seen.append((bound["pack_gqa"], bound.get("q_rows", False)))
         raise Stop
 
     monkeypatch.setattr(plan, "_plan_varlen", fake_plan)
     monkeypatch.setattr(plan, "varlen_skew_splits", lambda *a, **k: 1)
     monkeypatch.setattr(plan, "varlen_total_q_key", lambda *a, **k: 0)
 
-    def launch(lq, lk, h, hkv):
-        q = torch.zeros(sum(lq), h, 128, dtype=torch.bfloat16)
-        k = torch.zeros(sum(lk), hkv, 128, dtype=torch.bfloat16)
+    def launch(lq, lk, h, hkv, strided=False, causal=True, d=128):
+        q = torch.zeros(sum(lq), h, d, dtype=torch.bfloat16)
+        if strided:  # q of a qkv-packed tensor: the kernel cannot read its rows, the packed view copies it
+            q = torch.zeros(sum(lq), 3, h, d, dtype=torch.bfloat16)[:, 0]
+        k = torch.zeros(sum(lk), hkv, d, dtype=torch.bfloat16)
         cq = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
         ck = torch.tensor([0] + lk).cumsum(0).to(torch.int32)
         with pytest.raises(Stop):
             plan.launch_forward_varlen(q, k, k, torch.empty_like(q), None, cq, ck, None, None, max(lq), max(lk),
-                                       0.1, True, num_splits=0)
+                                       0.1, causal, num_splits=0)
         return seen.pop()
 
-    assert launch([1] * 64 + [512], [4500] * 64 + [1536], 40, 8) is True
-    assert launch([4096] * 16, [5120] * 16, 40, 8) is False
-    assert launch([1] * 64 + [512], [4500] * 64 + [1536], 32, 8) is None
+    assert launch([1] * 64 + [512], [4500] * 64 + [1536], 40, 8) == (True, True)
+    # Prefill alone: packed by rows at head dim 128 under a causal mask (VIEW_ROWS_ALWAYS), else as
+    # choose_varlen_view weighs a copy of q (none of it here).
+    assert launch([4096] * 16, [5120] * 16, 40, 8) == (True, True)
+    assert launch([4096] * 16, [5120] * 16, 40, 8, strided=True) == (False, False)
+    assert launch([4096] * 16, [5120] * 16, 40, 8, causal=False) == (False, True)
+    assert launch([4096] * 16, [5120] * 16, 40, 8, d=64) == (False, True)
+    assert launch([1] * 64 + [512], [4500] * 64 + [1536], 32, 8) == (None, True)
+    # A few decodes beside a long chunk: packed when the kernel reads q's rows, not worth a copy of q.
+    assert launch([1] * 4 + [8000], [900] * 4 + [8000], 40, 8) == (True, True)
+    assert launch([1] * 4 + [8000], [900] * 4 + [8000], 40, 8, strided=True) == (False, False)
 
 
 def test_l2_section_holds_32_mb_of_kv_per_section():

@@ -42,6 +42,12 @@ def _record_launches(planned_launches):
     _THIS_TEST["launches"] = planned_launches
 
 
+def ran_rows(group: int) -> bool:
+    """Whether this test launched a packed view whose rows the kernel copied
+    from q itself (``plan.Mode.q_rows``: no packed copy of q)."""
+    return any(lp.mode.varlen and lp.mode.q_rows and lp.mode.pack_g == group for lp in _THIS_TEST["launches"])
+
+
 def ran_packed(group: int, view: bool = False) -> bool:
     """Whether this test launched the VARLEN mode packed by ``group``;
     ``view``: from a packed view of q (``plan.Mode.pack_view``)."""
@@ -195,9 +201,10 @@ def test_cuda_graph_replay_with_new_lengths():
 
 
 # ---- Groups that are not powers of two (Llama 4's 40/8, Qwen2.5-7B's 28/4,
-# 12/4, 12/2): packed from a packed copy of q (plan.packed_q, plan.pack_layout),
-# by default where the decodes' K/V reads outweigh the copy
-# (plan.choose_varlen_view). A tile's 128 rows hold 128 / g queries, so a
+# 12/4, 12/2): packed from a packed view of q, whose rows the kernel copies
+# from a contiguous q itself (plan.Mode.q_rows) and the host from any other
+# (plan.packed_q), by default where the batch has decodes to save K/V reads
+# on, and from a host copy only where they outweigh it (plan.choose_varlen_view). A tile's 128 rows hold 128 / g queries, so a
 # group straddles tiles and warpgroups, and a tile's last query is partial.
 PAD_MIX = dict(lq=[1, 1, 3, 16, 0, 1, 7, 1, 2], lk=[4097, 1, 129, 1000, 5, 0, 3001, 127, 65])
 
@@ -207,6 +214,28 @@ PAD_MIX = dict(lq=[1, 1, 3, 16, 0, 1, 7, 1, 2], lk=[4097, 1, 129, 1000, 5, 0, 30
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_packed_view_decode_mix(h, hkv, d, causal):
     check_both(PAD_MIX["lq"], PAD_MIX["lk"], h, hkv, d, causal, seed=h + d, view=True)
+    assert ran_rows(h // hkv)  # a contiguous q: its rows copied by the kernel
+
+
+@pytest.mark.parametrize("h,hkv", [(40, 8), (28, 4)], ids=["g5", "g7"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_view_from_a_copy_of_a_strided_q(h, hkv, d):
+    """A q whose rows the kernel cannot copy itself (its tokens strided, as
+    a slice of a wider tensor: plan.rows_of_q) packs from the host's packed
+    copy, the same results; and a q of the same values contiguous from its
+    rows. NaN in the wider tensor's other half, which neither may read."""
+    q, k, v, cq, ck, _, _ = varlen_batch(PAD_MIX["lq"], PAD_MIX["lk"], h, hkv, d, seed=h + d + 7)
+    wide = torch.full((q.shape[0], 2, h, d), math.nan, dtype=q.dtype, device=DEV)
+    wide[:, 0] = q
+    mq, mk = max(PAD_MIX["lq"]), max(PAD_MIX["lk"])
+    expected = varlen_expected(q, k, v, cq, ck, None, None, True, None, 0.0)
+    for name, qq in (("strided", wide[:, 0]), ("contiguous", q)):
+        _THIS_TEST["launches"].clear()
+        out = torch.full(plan.out_shape(q, v), math.nan, dtype=q.dtype, device=DEV)
+        results = dispatch.forward_varlen(qq, k, v, cq, ck, mq, mk, None, None, None, True, True, out=out,
+                                          pack_gqa=True)
+        assert_varlen_forward(name, *results, expected)
+        assert ran_packed(h // hkv, view=True) and ran_rows(h // hkv) == (name == "contiguous")
 
 
 def ran_tokens(group: int) -> bool:
@@ -299,8 +328,8 @@ def test_packed_view_paged_and_split(page, num_splits):
 
 def test_packed_view_kvcache_packed_queries_and_graph_replay():
     """flash_attn_with_kvcache with packed decode queries at 28/4 packs from
-    a packed view by default, and a captured step (the copy of q in it)
-    replays with new lengths and new queries."""
+    a packed view by default (q's rows copied by the kernel), and a captured
+    step replays with new lengths and new queries."""
     lq, lens = [1, 5, 1, 16], [4000, 9, 1, 700]
     q, kc, vc, cq, ref, base = packed_queries_over_cache(lq, lens, 28, 4, 128, 4096, seed=26)
     cs = i32(lens)
@@ -308,12 +337,12 @@ def test_packed_view_kvcache_packed_queries_and_graph_replay():
         out = hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True, cu_seqlens_q=cq,
                                                    max_seqlen_q=max(lq), pack_gqa=pack)
         assert_judged(f"out (pack_gqa={pack})", out, ref, base)
-    assert ran_packed(7, view=True)
+    assert ran_packed(7, view=True) and ran_rows(7)
     graph, g_out = capture(lambda: hopper_flash.flash_attn_with_kvcache(
         q, kc, vc, cache_seqlens=cs, causal=True, cu_seqlens_q=cq, max_seqlen_q=max(lq)))
     new = [3999, 7, 1, 64]  # (at most the live keys: NaN past them)
     cs.copy_(i32(new))
-    q.copy_(rnd(*q.shape, dtype=q.dtype, seed=29))  # new queries: the replayed copy must read them
+    q.copy_(rnd(*q.shape, dtype=q.dtype, seed=29))  # new queries: the replayed step must read them
     graph.replay()
     torch.cuda.synchronize()
     k, v = (torch.cat([c[b, :n] for b, n in enumerate(new)]) for c in (kc, vc))
@@ -324,9 +353,10 @@ def test_packed_view_kvcache_packed_queries_and_graph_replay():
 
 def test_packed_view_by_default_beside_a_prefill_chunk():
     """flash_attn_varlen_func's default packs a 40/8 batch of decodes beside a
-    512-query chunk from a packed view (plan.choose_varlen_view: the
-    decodes' K/V reads outweigh the copy of q) and not one whose chunk
-    dominates."""
+    512-query chunk from a packed view, and one whose chunk dominates too
+    where the kernel copies q's rows itself (plan.choose_varlen_view: no copy
+    of q to outweigh the decodes' K/V reads), but not from a strided q,
+    which would take a copy."""
     lq = [1] * 40 + [512]
     lk = [1000 + 97 * i for i in range(40)] + [1536]
     q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 40, 8, 128, seed=27)
@@ -335,10 +365,17 @@ def test_packed_view_by_default_beside_a_prefill_chunk():
     ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
     assert_judged("out", out, ref, varlen_baseline(q, k, v, cq, ck, causal=True))
     assert ran_packed(5, view=True)
+    assert ran_rows(5)
     lq, lk = [1] * 4 + [8000], [900] * 4 + [8000]
     q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 40, 8, 128, seed=28)
+    ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
+    base = varlen_baseline(q, k, v, cq, ck, causal=True)
     _THIS_TEST["launches"].clear()
     out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True)
-    ref, _ = varlen_reference(q, k, v, cq, ck, causal=True)
-    assert_judged("out", out, ref, varlen_baseline(q, k, v, cq, ck, causal=True))
+    assert_judged("out", out, ref, base)
+    assert ran_rows(5)
+    strided = torch.stack([q, q], dim=1)[:, 0]
+    _THIS_TEST["launches"].clear()
+    out = hopper_flash.flash_attn_varlen_func(strided, k, v, cq, ck, max(lq), max(lk), causal=True)
+    assert_judged("out (strided q)", out, ref, base)
     assert not ran_packed(5, view=True)

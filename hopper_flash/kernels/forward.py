@@ -102,7 +102,10 @@ Decode and chunked prefill run the same kernel in other *modes*
   plain box ``[1, 64, 1, D]`` at packed row ``bm * BLOCK_M`` of KV head
   ``hk``, and O goes by address, as in ``VARLEN``. A packed batch with one
   query per sequence (``Q_TOKENS``) needs no copy either: q restrided to
-  ``[total_q, G, Hkv, D]``, loaded at its token's batch coordinate.
+  ``[total_q, G, Hkv, D]``, loaded at its token's batch coordinate; nor
+  does any other packed batch whose q is contiguous (``Q_ROWS``): the
+  producer copies each Q part's rows from q with ``cp.async``, as
+  ``GATHER`` copies K/V rows (``_copy_q_rows``).
 * ``SPLIT``: the KV tiles of an item are split across ``num_splits`` items;
   each writes a normalised fp32 partial O and its LSE straight from
   registers, and ``combine.py`` merges them (``VARLEN``: over the packed
@@ -208,6 +211,11 @@ class Mode:
     # q_desc is q restrided, [total_q, PACK_G, Hkv, D], the token its batch
     # coordinate (no copy of q).
     Q_TOKENS: gl.constexpr
+    # PACK_VIEW in VARLEN without a packed copy (plan.Mode.q_rows): the
+    # producer copies each Q part row by row from q itself (contiguous
+    # [total_q, H, D]) with cp.async (_copy_q_rows); q_desc only lays out
+    # the parts in shared memory.
+    Q_ROWS: gl.constexpr
     SPLIT: gl.constexpr
     SEQUSED: gl.constexpr
     KV_BATCH: gl.constexpr
@@ -277,7 +285,7 @@ class Mode:
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
                  PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT,
-                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, SPLIT_TABLE):
+                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, Q_ROWS, SPLIT_TABLE):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -324,6 +332,7 @@ class Problem:
     cu_k_ptr: gl.tensor
     used_q_ptr: gl.tensor
     sched_ptr: gl.tensor  # DYNAMIC: the item counter; SPLIT_TABLE: the table
+    q_ptr: gl.tensor  # Q_ROWS: q, [total_q, H, D] contiguous
     k_ptr: gl.tensor  # GATHER: the page pools, [num_pages, PAGE_SIZE, Hkv, D] contiguous
     v_ptr: gl.tensor
     sink_ptr: gl.tensor  # SINK: [H], one logit per query head (fp32, bf16 or fp16)
@@ -331,7 +340,7 @@ class Problem:
     @gluon.constexpr_function
     def __init__(self, seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, pair, section, total_tiles,
                  page_stride, total_q, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr, page_table_ptr,
-                 o_part_ptr, lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, k_ptr, v_ptr, sink_ptr):
+                 o_part_ptr, lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, q_ptr, k_ptr, v_ptr, sink_ptr):
         init_fields(self, locals())
 
 
@@ -611,6 +620,49 @@ def _gather_kv_tile(base, row, live, bar, buf, mode: Mode):
 
 
 @gluon.jit
+def _opaque(x):
+    """``x``, produced by a move the compiler keeps in program order among
+    the side effects around it (a scalar int32)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _copy_q_rows(buf, bar, row0, q_first, q_end, hk, prob: Problem, mode: Mode):
+    """Q_ROWS: copy Q part ``buf`` (the item's packed rows ``row0 ..
+    row0 + 64``) from q with cp.async, and arrive on ``bar`` once this
+    thread's copies have landed (Q_ROWS's full barriers count one arrive per
+    producer thread, as GATHER's K/V ones do). Packed row ``p`` is query
+    ``q_first + p // G`` of head ``hk * G + p % G``; rows of queries at or
+    past ``q_end`` (the sequence's end) are zero-filled, never read.
+
+    A step copies eight rows per producer warp in GATHER's layout (the
+    swizzle's period: a slice of fewer rows is refused), four 16-byte copies
+    a thread at head dim 128, and computes its addresses only when it comes
+    (``_opaque``), so the one-warp producer keeps one step's addresses live
+    in its 24 registers."""
+    layout: gl.constexpr = _gather_layout(mode.PRODUCER_WARPS)
+    ROWS: gl.constexpr = 8 * mode.PRODUCER_WARPS
+    part = buf.reshape([WG_M, mode.HEAD_DIM])
+    # Rows as int32 offsets from the part's first query's row of head
+    # hk * G (``base``, in 64 bits): packed row p is row p - first * G from
+    # there (a multiple of G subtracted, so p % G is unchanged).
+    first = row0 // mode.PACK_G
+    base = prob.q_ptr + ((q_first + first).to(gl.int64) * prob.num_heads + hk * mode.PACK_G) * mode.HEAD_DIM
+    live = q_end - q_first - first  # queries of the sequence from the part's first on
+    cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    for s in gl.static_range(WG_M // ROWS):
+        # The step's first row through an opaque move in program order: the
+        # compiler cannot compute every step's addresses up front (all eight
+        # steps' spilled the producer's 24 registers).
+        r = _opaque(row0 - first * mode.PACK_G + s * ROWS) + rows
+        offs = ((r // mode.PACK_G) * prob.num_heads + r % mode.PACK_G) * mode.HEAD_DIM
+        cp_async_load(part.slice(s * ROWS, ROWS, dim=0), base + offs[:, None] + cols[None, :],
+                      mask=(r // mode.PACK_G < live)[:, None])
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
 def _issue_kv_tile(desc, pool, where, bar, buf, b, bn, seqlen_k, prob: Problem, mode: Mode):
     """Producer: the loads of one K or V tile into slot ``buf``, landing on
     ``bar``: by TMA (``desc`` at coordinates ``where``; one box, or one per
@@ -685,14 +737,18 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
             q_idx = _q_slot(rings.q_full, qi, c, mode.NC)
             # Passes on the fresh barriers for the first pass through the Q ring.
             mbarrier.wait(rings.q_empty.index(q_idx), _q_phase(rings.q_full, qi, mode.NC) ^ 1)
-            mbarrier.expect(rings.q_full.index(q_idx), q_desc.block_type.nbytes)
-            if mode.Q_TOKENS:  # one query per sequence: its token's rows of q restrided
-                q_coords = [q_start, bm * mode.BLOCK_M + c * WG_M, hk, 0]
-            elif mode.PACK_VIEW:  # the packed view's rows, undivided
-                q_coords = [tb, q_start * mode.PACK_G + bm * mode.BLOCK_M + c * WG_M, hk, 0]
+            if mode.Q_ROWS:  # the packed view's rows, copied from q itself
+                _copy_q_rows(rings.q_smem.index(q_idx), rings.q_full.index(q_idx), bm * mode.BLOCK_M + c * WG_M,
+                             q_start, q_start + lq, hk, prob, mode)
             else:
-                q_coords = [tb, q_start + (bm * mode.BLOCK_M + c * WG_M) // mode.PACK_G, q_head0, 0]
-            tma_load(q_desc, q_coords, rings.q_full.index(q_idx), rings.q_smem.index(q_idx))
+                mbarrier.expect(rings.q_full.index(q_idx), q_desc.block_type.nbytes)
+                if mode.Q_TOKENS:  # one query per sequence: its token's rows of q restrided
+                    q_coords = [q_start, bm * mode.BLOCK_M + c * WG_M, hk, 0]
+                elif mode.PACK_VIEW:  # the packed view's rows, undivided
+                    q_coords = [tb, q_start * mode.PACK_G + bm * mode.BLOCK_M + c * WG_M, hk, 0]
+                else:
+                    q_coords = [tb, q_start + (bm * mode.BLOCK_M + c * WG_M) // mode.PACK_G, q_head0, 0]
+                tma_load(q_desc, q_coords, rings.q_full.index(q_idx), rings.q_smem.index(q_idx))
 
         # K and V in separate rings: QK of tile `it` may start while V of tile
         # `it` is still in flight, since PV of `it` only runs one step later.
@@ -889,6 +945,8 @@ def _consumer_tile(rings: Rings, prob: Problem, o_desc, b, q_head0, bm, split, n
     s_zero = gl.zeros([WG_M, mode.BLOCK_N], gl.float32, s_layout)
 
     mbarrier.wait(rings.q_full.index(q_idx), _q_phase(rings.q_full, i, mode.NC))
+    if mode.Q_ROWS:
+        fence_async_shared()  # cp.async's rows (generic proxy) before the wgmma reads them (async proxy)
 
     # ---- QK prologue: the first tile visited (the diagonal; non-causal: the
     # tail tile), always masked. ----
@@ -1164,7 +1222,7 @@ def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode
                               "page_stride", "total_q", "section"])
 def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              seqused_ptr, kv_batch_ptr, page_table_ptr, o_part_ptr, lse_part_ptr,
-                             cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, k_ptr, v_ptr, sink_ptr,
+                             cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, q_ptr, k_ptr, v_ptr, sink_ptr,
                              seqlen_q, seqlen_k, num_heads, kv_group, batch, qk_scale, softmax_scale,
                              num_splits, pair, page_stride, total_q, section,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -1180,7 +1238,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              SOFTCAP: gl.constexpr = False, SINK: gl.constexpr = False,
                              RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False, O_DIM: gl.constexpr = 0,
                              LEFTPAD: gl.constexpr = False, PACK_VIEW: gl.constexpr = False,
-                             Q_TOKENS: gl.constexpr = False, SPLIT_TABLE: gl.constexpr = False):
+                             Q_TOKENS: gl.constexpr = False, Q_ROWS: gl.constexpr = False,
+                             SPLIT_TABLE: gl.constexpr = False):
     # RING_PTX: which form of ``hopper_flash.ptx_rings`` compiled this
     # specialisation (0: triton's named barriers around the K/V ring kept);
     # unused here, it keys the compiled kernel.
@@ -1197,6 +1256,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(PACK_VIEW or WG_M % PACK_G == 0, "a packed box's group must not straddle two warpgroups")
     gl.static_assert(not PACK_VIEW or PACK_G > 1, "a packed view packs")
     gl.static_assert(not Q_TOKENS or (VARLEN and PACK_VIEW), "q by token: a packed batch's packed view")
+    gl.static_assert(not Q_ROWS or (VARLEN and PACK_VIEW and not Q_TOKENS), "q by rows: a packed batch's packed view")
     gl.static_assert(not SPLIT_TABLE or (SPLIT and VARLEN and not DYNAMIC), "a split table: a split packed batch")
     gl.static_assert(not (0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE) or (HEAD_DIM <= 128 and BLOCK_M == 128),
                      "pages are gathered at head dims 64 and 128, two consumers (plan.gathers)")
@@ -1208,7 +1268,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, SPLIT_TABLE)
+                SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, Q_ROWS, SPLIT_TABLE)
     if SPLIT:
         # The combine follows this grid by programmatic dependent launch
         # (plan.launch_combine) and may be scheduled from now on: its
@@ -1246,11 +1306,12 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(NC * Q_STAGES):
-        mbarrier.init(q_full.index(c), count=1)  # the producer's expect-tx arrive
-        mbarrier.init(q_empty.index(c), count=1)  # the consumer's arrive
-    # Full: the producer's expect-tx arrive, or (GATHER) one cp.async arrive per producer thread.
+    # Full: the producer's expect-tx arrive, or (GATHER, and Q_ROWS for Q) one cp.async arrive per producer thread.
     kv_arrivals: gl.constexpr = 32 * mode.PRODUCER_WARPS if mode.GATHER else 1
+    q_arrivals: gl.constexpr = 32 * mode.PRODUCER_WARPS if Q_ROWS else 1
+    for c in gl.static_range(NC * Q_STAGES):
+        mbarrier.init(q_full.index(c), count=q_arrivals)
+        mbarrier.init(q_empty.index(c), count=1)  # the consumer's arrive
     for i in gl.static_range(K_STAGES):
         mbarrier.init(k_full.index(i), count=kv_arrivals)
         mbarrier.init(k_empty.index(i), count=NC)  # one arrive per consumer warpgroup
@@ -1281,7 +1342,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                   sched_full, sched_empty, turn_full, turn_empty)
     prob = Problem(seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, pair, section, total_tiles, page_stride,
                    total_q, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr, page_table_ptr, o_part_ptr,
-                   lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, k_ptr, v_ptr, sink_ptr)
+                   lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, q_ptr, k_ptr, v_ptr, sink_ptr)
     # The default partition is consumer 0 (the launch's num_warps = 4).
     if NC == 2:
         gl.warp_specialize(
