@@ -653,8 +653,8 @@ def _copy_q_rows(buf, bar, row0, q_first, q_end, hk, prob: Problem, mode: Mode):
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     for s in gl.static_range(WG_M // ROWS):
         # The step's first row through an opaque move in program order: the
-        # compiler cannot compute every step's addresses up front (all eight
-        # steps' spilled the producer's 24 registers).
+        # compiler cannot compute every step's addresses up front (the eight
+        # steps' addresses at once spilled the producer's 24 registers).
         r = _opaque(row0 - first * mode.PACK_G + s * ROWS) + rows
         offs = ((r // mode.PACK_G) * prob.num_heads + r % mode.PACK_G) * mode.HEAD_DIM
         cp_async_load(part.slice(s * ROWS, ROWS, dim=0), base + offs[:, None] + cols[None, :],
