@@ -503,7 +503,7 @@ def choose_varlen_pack_gqa(group: int) -> bool:
 
 
 def choose_varlen_view(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k: int, total_k: int,
-                       group: int, copies: bool = True) -> bool:
+                       group: int) -> bool:
     """Whether a packed batch (host values only) packs a group that is not
     a power of two, whose pack reads a packed copy of q (``packed_q``):
     where the K/V bytes the pack saves on the batch's decode steps exceed
@@ -515,16 +515,18 @@ def choose_varlen_view(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k
     its keys' K and V row, packed ``1/g`` of them; the copy reads and
     writes each query row of q once. A chunk's K/V reads hide under its
     tensor work packed or not (FA3 packs every varlen batch). One query
-    per sequence needs no copy (``Mode.q_tokens``), nor does a q the kernel
-    copies row by row itself (``copies`` False, ``Mode.q_rows``): then
-    wherever the batch has decode steps to save K/V reads on (a batch of
-    chunks alone keeps its unpacked tiles, head dim 64's wide ones)."""
+    per sequence needs no copy (``Mode.q_tokens``): always. A q the kernel
+    reads row by row (``Mode.q_rows``) needs none either, but the rule
+    still weighs the copy there (``VIEW_ROWS_ALWAYS`` aside): the model
+    takes a prefill batch of varied lengths for chunks beside decodes, and
+    such batches ran 5-12% slower packed at head dim 64 (seventy-first
+    session)."""
     if max_seqlen_q <= 1:
         return True
     chunks = min(batch, max(0, total_q - batch) // max(1, max_seqlen_q - 1))
     decodes = batch - chunks
     decode_keys = total_k / batch if total_k else max_seqlen_k / 2
-    return decodes * decode_keys * (group - 1) / group > (total_q if copies else 0)
+    return decodes * decode_keys * (group - 1) / group > total_q
 
 
 # The head dim at which a causal packed batch whose q the kernel reads by
@@ -533,11 +535,12 @@ def choose_varlen_view(total_q: int, batch: int, max_seqlen_q: int, max_seqlen_k
 # 128 / g queries of g heads wastes less of the causal diagonal than 128
 # queries of one head; not traced).
 # On an H100, 16 prefill sequences of 512..8192 tokens (no decode) at 40/8
-# and 28/4 ran packed 1.07x and 1.04x faster than the default unpacked,
-# 6914 / 5887 us against 7385 / 6120 (seventy-first session, BENCHMARKS.md:
-# the packed column, not this rule's default call); head dim 64
-# (whose long unpacked batches run wide tiles) and non-causal batches were
-# not measured and keep choose_varlen_view.
+# and 28/4 ran packed 1.07x and 1.04x faster than the default unpacked
+# (6914 / 5887 us against 7385 / 6120, three processes each), and on
+# another such batch 0.995x and 1.047x (one process; seventy-first
+# session, BENCHMARKS.md). Head dim 64 ran 0.88-0.95x packed (its long
+# unpacked batches take the 192-row wide tiles, a packed view does not),
+# non-causal head dim 128 1.00x and 1.07x: both keep choose_varlen_view.
 VIEW_ROWS_ALWAYS = 128
 
 # Head dims whose kernels take a packed view without spilling (the compile
@@ -1694,8 +1697,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     if pack_gqa is None and group > 1 and not packable(group):
         # (Resolved here, before the cached plan: its key has no room for q's rows.)
         pack_gqa = (q_rows and causal and cfg.head_dim == VIEW_ROWS_ALWAYS) or choose_varlen_view(
-            total_q, batch, int(max_seqlen_q), int(max_seqlen_k), 0 if paged else k.shape[0], group,
-            copies=not q_rows)
+            total_q, batch, int(max_seqlen_q), int(max_seqlen_k), 0 if paged else k.shape[0], group)
     skew = varlen_skew_splits(k.shape[0], batch, int(max_seqlen_q), int(max_seqlen_k), nheads, group, cfg, pack_gqa,
                               window, device) if num_splits == 0 and not paged else 1
     lp = _plan_varlen(device, q.dtype, batch, int(max_seqlen_q), int(max_seqlen_k), nheads, group, cfg,

@@ -184,16 +184,6 @@ def test_varlen_view_where_the_decodes_reads_outweigh_the_copy():
     assert not plan.choose_varlen_view(16 * 4300, 16, 8192, 8192, 16 * 4300, 7)
 
 
-def test_varlen_view_without_a_copy_wherever_there_are_decodes():
-    """Where the kernel copies the packed rows from q itself (Mode.q_rows,
-    copies=False) no copy weighs against the decodes' savings: any decode
-    beside any chunk packs; a batch of chunks alone still does not."""
-    for group in (3, 5, 7):
-        assert plan.choose_varlen_view(4 + 8000, 5, 8000, 8000, 4 * 900 + 8000, group, copies=False)
-        assert not plan.choose_varlen_view(4 + 8000, 5, 8000, 8000, 4 * 900 + 8000, group)
-        assert not plan.choose_varlen_view(16 * 4300, 16, 4300, 4300, 16 * 4300, group, copies=False)
-
-
 def test_rows_of_q_needs_a_contiguous_q_of_the_kernels_head_dim():
     cfg = plan.CONFIGS[128]
     q = torch.zeros(40, 12, 128, dtype=torch.bfloat16)
@@ -239,15 +229,21 @@ def test_varlen_launch_resolves_the_packed_view_from_q_rows(monkeypatch):
 
     assert launch([1] * 64 + [512], [4500] * 64 + [1536], 40, 8) == (True, True)
     # Prefill alone: packed by rows at head dim 128 under a causal mask (VIEW_ROWS_ALWAYS), else as
-    # choose_varlen_view weighs a copy of q (none of it here).
+    # choose_varlen_view weighs a copy of q, read by rows or not.
     assert launch([4096] * 16, [5120] * 16, 40, 8) == (True, True)
     assert launch([4096] * 16, [5120] * 16, 40, 8, strided=True) == (False, False)
     assert launch([4096] * 16, [5120] * 16, 40, 8, causal=False) == (False, True)
     assert launch([4096] * 16, [5120] * 16, 40, 8, d=64) == (False, True)
     assert launch([1] * 64 + [512], [4500] * 64 + [1536], 32, 8) == (None, True)
-    # A few decodes beside a long chunk: packed when the kernel reads q's rows, not worth a copy of q.
+    # A few decodes beside a long chunk: packed at head dim 128 under a causal mask when the kernel reads
+    # q's rows; not worth a copy of q, nor (the same rule) at head dim 64.
     assert launch([1] * 4 + [8000], [900] * 4 + [8000], 40, 8) == (True, True)
     assert launch([1] * 4 + [8000], [900] * 4 + [8000], 40, 8, strided=True) == (False, False)
+    assert launch([1] * 4 + [8000], [900] * 4 + [8000], 40, 8, d=64) == (False, True)
+    # A prefill batch of varied lengths, which choose_varlen_view's model takes for chunks beside decodes.
+    lens = [512 + 480 * i for i in range(16)]
+    assert launch(lens, lens, 40, 8, d=64) == (False, True)
+    assert launch(lens, lens, 40, 8) == (True, True)
 
 
 def test_l2_section_holds_32_mb_of_kv_per_section():
