@@ -1693,8 +1693,9 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     k_pool, v_pool = gather if gather is not None else (out, out)  # (out: no page pools to gather)
     nheads_kv = k.shape[-2]
     group = nheads // nheads_kv
-    q_rows = rows_of_q(q, cfg)
-    if pack_gqa is None and group > 1 and not packable(group):
+    viewed = group > 1 and not packable(group)  # a group only a packed view packs (pack_layout)
+    q_rows = viewed and rows_of_q(q, cfg)
+    if pack_gqa is None and viewed:
         # (Resolved here, before the cached plan: its key has no room for q's rows.)
         pack_gqa = (q_rows and causal and cfg.head_dim == VIEW_ROWS_ALWAYS) or choose_varlen_view(
             total_q, batch, int(max_seqlen_q), int(max_seqlen_k), 0 if paged else k.shape[0], group)
