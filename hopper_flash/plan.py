@@ -593,13 +593,12 @@ def kernel_q(q: torch.Tensor, mode: Mode) -> torch.Tensor:
 
 
 def rows_of_q(q: torch.Tensor, cfg: ForwardConfig) -> bool:
-    """Whether a packed batch's kernel can copy a packed view's rows from q
-    itself (``Mode.q_rows``): q ``[total_q, H, D]`` contiguous, of the
-    kernel's head dim, 16-byte aligned (its cp.async width). Others take
-    the packed copy (``packed_q``)."""
-    total_q, nheads, head_dim = q.shape
-    return (head_dim == cfg.head_dim and q.stride() == (nheads * head_dim, head_dim, 1)
-            and q.data_ptr() % 16 == 0)
+    """Whether a kernel can copy a packed view's rows from q itself
+    (``Mode.q_rows``): q ``[total_q, H, D]`` (a packed batch) or ``[B, Sq,
+    H, D]`` contiguous (its tokens' rows one after another, as the kernel
+    addresses them), of the kernel's head dim, 16-byte aligned (its
+    cp.async width). Others take the packed copy (``packed_q``)."""
+    return q.shape[-1] == cfg.head_dim and q.is_contiguous() and q.data_ptr() % 16 == 0
 
 
 def choose_dynamic(items: int, n_tiles: int, causal: bool, varlen: bool, sms: int) -> bool:
@@ -847,7 +846,7 @@ ONE_ITEM_MAX_KV_TILES = 128
 @lru_cache(maxsize=4096)
 def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cfg, page_size, seqused, kv_batch,
                  num_splits, pack_gqa, causal, write_lse, window=None, softcap=False, sink="",
-                 leftpad=False, by_address=False) -> LaunchPlan:
+                 leftpad=False, by_address=False, q_rows=False) -> LaunchPlan:
     """Mode, split count and grid for a launch. Cached, and keyed by the KV
     tile count rather than the key length: a decode loop grows the cache by
     one key per step, and this is host time on every step. ``window``:
@@ -855,7 +854,9 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     ``softcap``: whether scores are soft-capped (``Mode.softcap``); ``sink``:
     the attention sinks' dtype, "" for none (``Mode.sink``); ``leftpad``:
     ``Mode.leftpad``; ``by_address``: whether O can take a packed view's
-    stores by address (contiguous, the kernel's head dim; ``launch_forward``)."""
+    stores by address (contiguous, the kernel's head dim; ``launch_forward``);
+    ``q_rows``: whether a packed view may be copied by the kernel from q
+    itself (``Mode.q_rows``: more than one query per row, ``rows_of_q``)."""
     group = nheads // nheads_kv
     pack_g, pack_view = pack_layout(pack_gqa, group, seqlen_q, cfg, by_address)
     tiles = work_items(batch, nheads, seqlen_q, cfg, Mode(pack_g=pack_g))
@@ -885,7 +886,8 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
         n_ctas, pair = (deal_split if num_splits > 1 else deal)(tiles * num_splits, cfg, device)
     one_item = (plain and not dynamic and tiles <= n_ctas and takes_one_item(cfg)
                 and n_blocks <= ONE_ITEM_MAX_KV_TILES)
-    mode = Mode(pack_g=pack_g, pack_view=pack_view, split=num_splits > 1, seqused=seqused, kv_batch=kv_batch,
+    mode = Mode(pack_g=pack_g, pack_view=pack_view, q_rows=pack_view and q_rows, split=num_splits > 1,
+                seqused=seqused, kv_batch=kv_batch,
                 page_size=page_size, dynamic=dynamic, window_left=window_left, window_right=window_right,
                 softcap=bool(softcap), sink=sink, one_item=one_item, leftpad=leftpad)
     section = l2_section(n_blocks * cfg.block_n, cfg.head_dim, dtype.itemsize, group)
@@ -962,10 +964,12 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     cfg = cfg or CONFIGS[kernel_head_dim(head_dim, v.shape[3])]
     k, v, gather = gathered_pools(k, v, page_size, cfg, "launch_forward")
     write_lse = lse is not None
+    # At one query per row the packed view is q restrided (packed_q), no copy to spare.
+    q_rows = seqlen_q > 1 and not packable(nheads // k.shape[2]) and rows_of_q(q, cfg)
     lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
                       page_size, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
                       bool(causal), write_lse, window, softcap > 0, sink_mode(sink), leftpad is not None,
-                      out.shape[3] == cfg.head_dim and out.is_contiguous())
+                      out.shape[3] == cfg.head_dim and out.is_contiguous(), q_rows)
     cfg, mode, num_splits = lp.cfg, lp.mode, lp.num_splits
     qd = kernel_q(q, mode)  # the Q descriptor's tensor (q keeps the kernel's scalars)
     kernel = _COMPILED.get(lp.key)
@@ -981,7 +985,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
         o_part = lse_part = out
     args = _kernel_args(lp, q, seqlen_k, k.shape[2], softmax_scale, out, lse, seqused_k, kv_batch, page_table,
                         page_stride, o_part, lse_part, _item_counter(q.device) if mode.dynamic else None, gather,
-                        softcap, sink, leftpad)
+                        softcap, sink, leftpad, q)
     if kernel is None or not FAST_LAUNCH or _launch_hooked():
         # First launch, an unchecked triton, or a profiler hook is installed
         # (it wants the JIT's launch metadata): take Triton's regular path.
@@ -1023,20 +1027,21 @@ def _partial_views(part: torch.Tensor, n_o: int, lp: LaunchPlan, q) -> tuple[tor
 
 def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale: float, out, lse, seqused_k,
                  kv_batch, page_table, page_stride: int, o_part, lse_part, sched, gather=None,
-                 softcap: float = 0.0, sink=None, leftpad=None) -> tuple:
+                 softcap: float = 0.0, sink=None, leftpad=None, q_ptr=None) -> tuple:
     """``attention_forward_kernel``'s arguments after its descriptors and
     before its constexprs, for the fixed-length modes: the pointers (tensors,
     or addresses on the direct path; ``out`` stands in for those the mode
     does not read, None marking them; ``gather``: the page pools a gathering
-    launch copies from), then the scalars. The one statement of that order
-    for ``launch_forward``'s two paths."""
+    launch copies from; ``q_ptr``: q, which ``Mode.q_rows`` reads, where
+    ``q`` may be its shape's stand-in), then the scalars. The one statement
+    of that order for ``launch_forward``'s two paths."""
     batch, seqlen_q, nheads, _ = q.shape
     k_pool, v_pool = gather if gather is not None else (out, out)
     return (lse if lse is not None else out, seqused_k if seqused_k is not None else out,
             kv_batch if kv_batch is not None else out, page_table if page_table is not None else out,
             o_part, lse_part, out, leftpad if leftpad is not None else out, out,  # cu_q, cu_k (or leftpad), used_q
-            sched if sched is not None else out, out, k_pool, v_pool, sink if sink is not None else out,  # (q: Q_ROWS)
-            seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, *kernel_scales(softmax_scale, softcap),
+            sched if sched is not None else out, q_ptr if lp.mode.q_rows else out, k_pool, v_pool,
+            sink if sink is not None else out, seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, *kernel_scales(softmax_scale, softcap),
             lp.num_splits, lp.pair, page_stride, 0, lp.section)
 
 
@@ -1080,7 +1085,7 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, qd, k, v, ou
                         page_table.data_ptr() if page_table is not None else None, page_stride, o_part, lse_part,
                         _item_counter(q.device).data_ptr() if lp.mode.dynamic else None,
                         None if gather is None else (gather[0].data_ptr(), gather[1].data_ptr()), softcap, sink_ptr,
-                        leftpad.data_ptr() if leftpad is not None else None)
+                        leftpad.data_ptr() if leftpad is not None else None, q.data_ptr())
     kernel.launch_addresses((lp.n_ctas, 1, 1), stream, (qd, k, v, out), (*args, *lp.constexpr_values))
     if not split:
         return
@@ -1108,10 +1113,11 @@ class _Slot:
 
 
 # The per-call values a prepared launch patches into its templates, in the
-# order of ``_PreparedLaunch.__call__``'s ``values`` (the last four: a KV
-# cache call's lengths, cache rows, page table and left pads, ``CacheLayout``).
-_OUT, _LSE, _O_PART, _LSE_PART, _SEQLEN_K, _SCHED, _SEQUSED, _KV_BATCH, _PAGES, _LEFTPAD = (
-    _Slot(i) for i in range(10))
+# order of ``_PreparedLaunch.__call__``'s ``values`` (then a KV cache call's
+# lengths, cache rows, page table and left pads, ``CacheLayout``; last q's
+# address, which ``Mode.q_rows`` reads as a pointer too).
+_OUT, _LSE, _O_PART, _LSE_PART, _SEQLEN_K, _SCHED, _SEQUSED, _KV_BATCH, _PAGES, _LEFTPAD, _Q = (
+    _Slot(i) for i in range(11))
 
 
 @dataclass(frozen=True)
@@ -1169,7 +1175,8 @@ class _PreparedLaunch:
             leftpad = _LEFTPAD if cache.leftpad else None
         args = _kernel_args(lp, q, seqlen_k, nheads_kv, softmax_scale, _OUT, lse, seqused, kv_batch, pages,
                             page_stride, _O_PART if split else _OUT, _LSE_PART if split else _OUT,
-                            _SCHED if lp.mode.dynamic else None, softcap=softcap, sink=sink, leftpad=leftpad)
+                            _SCHED if lp.mode.dynamic else None, softcap=softcap, sink=sink, leftpad=leftpad,
+                            q_ptr=_Q)
         self.template = [*args, *lp.constexpr_values]
         self.slots = _slots(self.template)
         if split:
@@ -1185,8 +1192,9 @@ class _PreparedLaunch:
         self.c_launch = c_launch.module().launch if self.c_state is not None else None
         # Whether a call builds q's packed view (kernel_q): the C launch takes
         # q's address alone, which at one query per row is the view's too
-        # (packed_q restrides q), so there only a copy is built per call.
-        self.q_view = lp.mode.pack_view and (seqlen_q > 1 or self.c_state is None)
+        # (packed_q restrides q), so there only a copy is built per call;
+        # with Mode.q_rows the kernel reads q itself.
+        self.q_view = lp.mode.pack_view and not lp.mode.q_rows and (seqlen_q > 1 or self.c_state is None)
 
     def _c_state(self, q, nheads_kv: int, head_dim_v: int, kv_rows: int):
         """The templates as ``c_launch``'s state, or None (the Python path).
@@ -1233,7 +1241,8 @@ class _PreparedLaunch:
             self.c_launch(self.c_state, stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), out_ptr, lse_ptr, o_part,
                           lse_part, seqlen_k, sched, k.stride(), v.stride(), *(() if cache is None else (cache,)))
             return
-        values = (out_ptr, lse_ptr, o_part, lse_part, seqlen_k, sched, *(cache or (None, None, None, None)))
+        values = (out_ptr, lse_ptr, o_part, lse_part, seqlen_k, sched, *(cache or (None, None, None, None)),
+                  q.data_ptr())
         flat = [*kernel._descriptor_args(0, q), *kernel._descriptor_args(1, k), *kernel._descriptor_args(2, v),
                 *kernel._descriptor_args(3, out)]
         base = len(flat)

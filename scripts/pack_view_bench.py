@@ -1,7 +1,8 @@
 """Decode steps and short query blocks at GQA groups that are not powers of
 two (PackGQA from a packed view of q, ``plan.Mode.pack_view``) beside a
 power-of-two group: one query per row (the view is q itself), then query
-blocks of 48-130 rows (a copy of q; FA3 packs them too), contiguous
+blocks of 4-4096 rows (a copy of q, or read by rows from q itself,
+``plan.Mode.q_rows``; FA3 packs them too), contiguous
 caches, ``do_bench`` medians and K/V TB/s, each output judged against the
 float64 reference first (``reference.check_kvcache``). Run it for this tree
 and for main's package in the same machine:
@@ -34,6 +35,10 @@ def main():
     # Query blocks of several packed tiles (BENCHMARKS.md, sixty-second session: padded, branch pad-tiles,
     # they never won; FA3 packs them without padding, 2x at 48 queries of 40/8).
     rows += [(40, 8, 4, 48, 8192), (28, 4, 4, 130, 8192), (28, 4, 4, 96, 8192), (32, 8, 4, 48, 8192)]
+    # Drafts of 4 queries and a 4096-query chunk over a cache (seventy-second session: past one query
+    # per row the kernel reads a contiguous q's rows itself, plan.Mode.q_rows, instead of a copy).
+    rows += [(h, hkv, 8, 4, 16384) for h, hkv in ((40, 8), (28, 4))]
+    rows += [(h, hkv, 1, 4096, 8192) for h, hkv in ((40, 8), (28, 4), (32, 8))]
     for h, hkv, b, sq, s in rows:
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, sq, h, 128, device="cuda", generator=g).to(torch.bfloat16)

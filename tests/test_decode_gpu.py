@@ -59,9 +59,16 @@ def ran_view(launches, group: int) -> bool:
     return any(lp.mode.pack_view and lp.mode.pack_g == group for lp in launches)
 
 
+def ran_rows(launches, group: int) -> bool:
+    """Whether one of ``launches`` copied its packed view's rows from q
+    itself (plan.Mode.q_rows: no packed copy of q)."""
+    return any(lp.mode.q_rows and lp.mode.pack_g == group for lp in launches)
+
+
 # Groups that are not powers of two (Llama 4's 40/8, Qwen2.5-7B's 28/4, 24/8, 12/2): PackGQA from q
-# packed by the host (plan.Mode.pack_view; a copy past one query per row), O by address. A tile's
-# 128 rows hold 128 / g queries: groups straddle warpgroups and tiles (48 queries of 5 heads: 2 tiles).
+# packed into a view (plan.Mode.pack_view: q restrided at one query per row, past it copied from q
+# row by row by the kernel, plan.Mode.q_rows), O by address. A tile's 128 rows hold 128 / g
+# queries: groups straddle warpgroups and tiles (48 queries of 5 heads: 2 tiles).
 @pytest.mark.parametrize("nheads,nheads_kv", [(40, 8), (28, 4), (24, 8), (12, 2)], ids=["g5", "g7", "g3", "g6"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("seqlen_q,num_splits", [(1, 0), (1, 1), (3, 4), (16, 1), (48, 0)])
@@ -78,22 +85,34 @@ def test_kvcache_groups_not_powers_of_two(planned_launches, nheads, nheads_kv, h
                                                  num_splits=num_splits)
     assert_close(paged, q, kc, vc, lens, True)
     assert ran_view(planned_launches, nheads // nheads_kv)
+    assert ran_rows(planned_launches, nheads // nheads_kv) == (seqlen_q > 1)
 
 
+@pytest.mark.parametrize("strided", [True, False], ids=["strided-q", "contiguous-q"])
 @pytest.mark.parametrize("seqlen_q", [1, 48, 100])
-def test_flash_attn_func_packed_view_every_launch_path(planned_launches, seqlen_q):
+def test_flash_attn_func_packed_view_every_launch_path(planned_launches, seqlen_q, strided):
     """flash_attn_func over a group of 5 (the fill rule packs 1-100 queries):
     the JIT's first launch, the direct launch and the prepared call
     (plan.PreparedForward, the C launch) each pass the packed view as Q's
-    descriptor; q a strided slice of a wider tensor (a fused QKV projection's)."""
+    descriptor, for q a strided slice of a wider tensor (a fused QKV
+    projection's: a packed copy past one query per row), and for a
+    contiguous q, whose rows the kernel copies itself past one query (each
+    call's q address in the pointer the kernel reads: three new tensors)."""
     wide = rnd(2, seqlen_q, 40 + 16, 128, seed=seqlen_q)
     q = wide[:, :, :40]
+    if not strided:
+        q = torch.empty(2, seqlen_q, 40, 128, device=DEV, dtype=wide.dtype)
+    held = []
     for call in range(3):
+        if not strided:
+            held.append(q)  # (held: the next tensor gets a new address)
+            q = torch.empty_like(q)
         k, v = rnd(2, 3001, 8, 128, seed=10 * call + 1), rnd(2, 3001, 8, 128, seed=10 * call + 2)
         q.copy_(rnd(2, seqlen_q, 40, 128, seed=10 * call + 3))
         out, lse = hopper_flash.flash_attn_func(q, k, v, causal=True, return_lse=True)
         assert_close(out, q, k, v, [3001] * 2, True, lse=lse)
     assert ran_view(planned_launches, 5)
+    assert ran_rows(planned_launches, 5) == (not strided and seqlen_q > 1)
 
 
 def test_packed_view_with_sinks_and_graph_replay():
@@ -116,6 +135,27 @@ def test_packed_view_with_sinks_and_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert_close(g_out, q, kc, vc, [17, 2999], True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_q_rows_under_graph_replay(planned_launches, num_splits):
+    """Drafts of 4 queries at a group of 7, q read by rows (plan.Mode.q_rows),
+    captured once and replayed with new queries and lengths: the graph
+    keeps q's address, the kernel reads the new rows."""
+    lens = [3000, 5, 700]
+    kc, vc = nan_tailed_cache(3, 3100, 4, 128, lens, seed=17)
+    q = rnd(3, 4, 28, 128, seed=18)
+    cs = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    call = lambda: hopper_flash.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cs, causal=True,  # noqa: E731
+                                                        num_splits=num_splits)
+    assert_close(call(), q, kc, vc, lens, True)
+    graph, g_out = capture(call)
+    q.copy_(rnd(3, 4, 28, 128, seed=19))
+    cs.copy_(torch.tensor([17, 3001, 64], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(g_out, q, kc, vc, [17, 3001, 64], True)
+    assert ran_rows(planned_launches, 7)
 
 
 @pytest.mark.parametrize("num_splits,pack_gqa", [(1, False), (1, True), (3, False), (3, True), (7, None), (0, None)])

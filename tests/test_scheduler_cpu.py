@@ -195,6 +195,48 @@ def test_rows_of_q_needs_a_contiguous_q_of_the_kernels_head_dim():
     assert not plan.rows_of_q(q.view(-1)[4:4 + 39 * 12 * 128].view(39, 12, 128), cfg)  # 8 bytes off: cp.async's 16
 
 
+def test_rows_of_q_takes_a_contiguous_fixed_length_q():
+    cfg = plan.CONFIGS[128]
+    q = torch.zeros(3, 17, 40, 128, dtype=torch.bfloat16)
+    assert plan.rows_of_q(q, cfg)
+    assert not plan.rows_of_q(torch.zeros(3, 40, 17, 128, dtype=torch.bfloat16).transpose(1, 2), cfg)  # BHSD
+    assert not plan.rows_of_q(torch.zeros(3, 17, 3, 40, 128, dtype=torch.bfloat16)[:, :, 0], cfg)  # qkv-packed
+
+
+def test_fixed_length_launch_reads_q_by_rows_past_one_query(monkeypatch):
+    """launch_forward asks for Q by rows (``Mode.q_rows``) where a packed
+    view would copy q: more than one query per row, a group that is not a
+    power of two, q contiguous. At one query per row the view is q itself
+    (``packed_q`` restrides it), and a power of two needs no view."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    signature = inspect.signature(plan._plan_launch.__wrapped__)
+
+    def fake_plan(*args, **kwargs):
+        seen.append(signature.bind(*args, **kwargs).arguments.get("q_rows", False))
+        raise Stop
+
+    monkeypatch.setattr(plan, "_plan_launch", fake_plan)
+
+    def launch(sq, h, hkv, strided=False):
+        q = torch.zeros(2, sq, h, 128, dtype=torch.bfloat16)
+        if strided:
+            q = torch.zeros(2, sq, 3, h, 128, dtype=torch.bfloat16)[:, :, 0]
+        k = torch.zeros(2, 1000, hkv, 128, dtype=torch.bfloat16)
+        with pytest.raises(Stop):
+            plan.launch_forward(q, k, k, torch.empty(2, sq, h, 128, dtype=torch.bfloat16), None, 0.1, True,
+                                pack_gqa=True)
+        return seen.pop()
+
+    assert launch(4, 40, 8) and launch(300, 28, 4)
+    assert not launch(1, 40, 8)  # one query per row: q restrided, no copy
+    assert not launch(4, 32, 8)  # a power of two: Q's box packs it
+    assert not launch(4, 40, 8, strided=True)  # the kernel addresses q's rows as contiguous: a copy
+
+
 def test_varlen_launch_resolves_the_packed_view_from_q_rows(monkeypatch):
     """launch_forward_varlen resolves pack_gqa=None for a group that is not
     a power of two before the cached plan (whose key lacks q's rows), and

@@ -40,8 +40,8 @@ static error_string_t error_string_fn;
 
 /* A parameter's kind (``make``'s spec). */
 enum { P_CONST = 0, P_VALUE = 1, P_MAP = 2, P_DIM = 3, P_STRIDE = 4 };
-#define N_VALUES 10  /* plan._Slot order: out, lse, o_part, lse_part, seqlen_k, sched, seqused, kv_batch, pages,
-                        leftpad */
+#define N_VALUES 11  /* plan._Slot order: out, lse, o_part, lse_part, seqlen_k, sched, seqused, kv_batch, pages,
+                        leftpad, q (the address of the Q descriptor's tensor, which Q_ROWS reads as a pointer) */
 #define MAX_PARAMS 160
 #define MAX_DESCS 4
 #define RANK 4
@@ -263,6 +263,7 @@ static PyObject *launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
   values[4] = (uint64_t)seqlen_k;
   values[5] = args[10] == Py_None ? 0 : PyLong_AsUnsignedLongLong(args[10]);
   values[6] = values[7] = values[8] = values[9] = 0;
+  values[10] = addr[0];
   if (nargs == 14) {
     PyObject *cache = args[13];
     if (!PyTuple_Check(cache) || PyTuple_GET_SIZE(cache) != 4) {

@@ -103,9 +103,9 @@ Decode and chunked prefill run the same kernel in other *modes*
   ``hk``, and O goes by address, as in ``VARLEN``. A packed batch with one
   query per sequence (``Q_TOKENS``) needs no copy either: q restrided to
   ``[total_q, G, Hkv, D]``, loaded at its token's batch coordinate; nor
-  does any other packed batch whose q is contiguous (``Q_ROWS``): the
-  producer copies each Q part's rows from q with ``cp.async``, as
-  ``GATHER`` copies K/V rows (``_copy_q_rows``).
+  does any other packed batch or fixed-length batch whose q is contiguous
+  (``Q_ROWS``): the producer copies each Q part's rows from q with
+  ``cp.async``, as ``GATHER`` copies K/V rows (``_copy_q_rows``).
 * ``SPLIT``: the KV tiles of an item are split across ``num_splits`` items;
   each writes a normalised fp32 partial O and its LSE straight from
   registers, and ``combine.py`` merges them (``VARLEN``: over the packed
@@ -211,10 +211,10 @@ class Mode:
     # q_desc is q restrided, [total_q, PACK_G, Hkv, D], the token its batch
     # coordinate (no copy of q).
     Q_TOKENS: gl.constexpr
-    # PACK_VIEW in VARLEN without a packed copy (plan.Mode.q_rows): the
-    # producer copies each Q part row by row from q itself (contiguous
-    # [total_q, H, D]) with cp.async (_copy_q_rows); q_desc only lays out
-    # the parts in shared memory.
+    # PACK_VIEW without a packed copy (plan.Mode.q_rows): the producer
+    # copies each Q part row by row from q itself (contiguous [total_q, H,
+    # D], or [B, Sq, H, D] outside VARLEN) with cp.async (_copy_q_rows);
+    # q_desc only lays out the parts in shared memory.
     Q_ROWS: gl.constexpr
     SPLIT: gl.constexpr
     SEQUSED: gl.constexpr
@@ -332,7 +332,7 @@ class Problem:
     cu_k_ptr: gl.tensor
     used_q_ptr: gl.tensor
     sched_ptr: gl.tensor  # DYNAMIC: the item counter; SPLIT_TABLE: the table
-    q_ptr: gl.tensor  # Q_ROWS: q, [total_q, H, D] contiguous
+    q_ptr: gl.tensor  # Q_ROWS: q, [total_q, H, D] (or [B, Sq, H, D]) contiguous
     k_ptr: gl.tensor  # GATHER: the page pools, [num_pages, PAGE_SIZE, Hkv, D] contiguous
     v_ptr: gl.tensor
     sink_ptr: gl.tensor  # SINK: [H], one logit per query head (fp32, bf16 or fp16)
@@ -738,8 +738,13 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
             # Passes on the fresh barriers for the first pass through the Q ring.
             mbarrier.wait(rings.q_empty.index(q_idx), _q_phase(rings.q_full, qi, mode.NC) ^ 1)
             if mode.Q_ROWS:  # the packed view's rows, copied from q itself
+                # The item's first query as a row of q seen as [tokens, H, D]: batch b's rows follow batch b - 1's.
+                if mode.VARLEN:
+                    q_first = q_start
+                else:
+                    q_first = tb * lq
                 _copy_q_rows(rings.q_smem.index(q_idx), rings.q_full.index(q_idx), bm * mode.BLOCK_M + c * WG_M,
-                             q_start, q_start + lq, hk, prob, mode)
+                             q_first, q_first + lq, hk, prob, mode)
             else:
                 mbarrier.expect(rings.q_full.index(q_idx), q_desc.block_type.nbytes)
                 if mode.Q_TOKENS:  # one query per sequence: its token's rows of q restrided
@@ -1256,7 +1261,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     gl.static_assert(PACK_VIEW or WG_M % PACK_G == 0, "a packed box's group must not straddle two warpgroups")
     gl.static_assert(not PACK_VIEW or PACK_G > 1, "a packed view packs")
     gl.static_assert(not Q_TOKENS or (VARLEN and PACK_VIEW), "q by token: a packed batch's packed view")
-    gl.static_assert(not Q_ROWS or (VARLEN and PACK_VIEW and not Q_TOKENS), "q by rows: a packed batch's packed view")
+    gl.static_assert(not Q_ROWS or (PACK_VIEW and not Q_TOKENS), "q by rows: a packed view")
     gl.static_assert(not SPLIT_TABLE or (SPLIT and VARLEN and not DYNAMIC), "a split table: a split packed batch")
     gl.static_assert(not (0 < PAGE_SIZE and PAGE_SIZE < GATHER_MIN_PAGE) or (HEAD_DIM <= 128 and BLOCK_M == 128),
                      "pages are gathered at head dims 64 and 128, two consumers (plan.gathers)")
