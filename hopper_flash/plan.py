@@ -233,9 +233,10 @@ class Mode:
     # (``max_seqlen_q`` 1): q restrided by token, ``[total_q, g, Hkv, D]``,
     # no copy (``kernel_q``; kernels/forward.py, ``Q_TOKENS``).
     q_tokens: bool = False
-    # A packed view of a packed batch copied by the kernel, row by row from
-    # q itself (contiguous, of the kernel's head dim; kernels/forward.py,
-    # ``Q_ROWS``): no packed copy of q, at any query length.
+    # A packed view copied by the kernel, row by row from q itself
+    # (contiguous, of the kernel's head dim; kernels/forward.py, ``Q_ROWS``):
+    # no packed copy of q, at any query length of a packed batch, past one
+    # query per row of a fixed-length one.
     q_rows: bool = False
     # Split-KV: fp32 partials merged by kernels/combine.py.
     split: bool = False
@@ -1085,7 +1086,8 @@ def _launch_forward_direct(kernel: KernelLaunch, lp: LaunchPlan, q, qd, k, v, ou
                         page_table.data_ptr() if page_table is not None else None, page_stride, o_part, lse_part,
                         _item_counter(q.device).data_ptr() if lp.mode.dynamic else None,
                         None if gather is None else (gather[0].data_ptr(), gather[1].data_ptr()), softcap, sink_ptr,
-                        leftpad.data_ptr() if leftpad is not None else None, q.data_ptr())
+                        leftpad.data_ptr() if leftpad is not None else None,
+                        q.data_ptr() if lp.mode.q_rows else None)
     kernel.launch_addresses((lp.n_ctas, 1, 1), stream, (qd, k, v, out), (*args, *lp.constexpr_values))
     if not split:
         return
