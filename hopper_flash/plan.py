@@ -1042,7 +1042,8 @@ def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale
             kv_batch if kv_batch is not None else out, page_table if page_table is not None else out,
             o_part, lse_part, out, leftpad if leftpad is not None else out, out,  # cu_q, cu_k (or leftpad), used_q
             sched if sched is not None else out, q_ptr if lp.mode.q_rows else out, k_pool, v_pool,
-            sink if sink is not None else out, seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, *kernel_scales(softmax_scale, softcap),
+            sink if sink is not None else out,
+            seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, *kernel_scales(softmax_scale, softcap),
             lp.num_splits, lp.pair, page_stride, 0, lp.section)
 
 
