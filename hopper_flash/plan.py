@@ -481,6 +481,13 @@ def packable(group: int) -> bool:
     return 1 < group <= 64 and not group & (group - 1)
 
 
+def packs_by_view(group: int) -> bool:
+    """Whether a group packs only from a packed view of q (``pack_layout``):
+    more than one head, no TMA box over it (``packable``). The launchers ask
+    it before reading q's layout (``rows_of_q``): host time per call."""
+    return group > 1 and not packable(group)
+
+
 def choose_pack_gqa(seqlen_q: int, group: int, block_m: int = 128) -> bool:
     """Pack when the query tiles fill better packed: fill(Sq) < 0.9 fill(Sq * g)
     (FA3's rule), for any group g > 1."""
@@ -966,7 +973,7 @@ def launch_forward(q, k, v, out, lse, softmax_scale: float, causal: bool, cfg: F
     k, v, gather = gathered_pools(k, v, page_size, cfg, "launch_forward")
     write_lse = lse is not None
     # At one query per row the packed view is q restrided (packed_q), no copy to spare.
-    q_rows = seqlen_q > 1 and not packable(nheads // k.shape[2]) and rows_of_q(q, cfg)
+    q_rows = seqlen_q > 1 and packs_by_view(nheads // k.shape[2]) and rows_of_q(q, cfg)
     lp = _plan_launch(device, q.dtype, batch, seqlen_q, nheads, k.shape[2], triton_cdiv(seqlen_k, cfg.block_n), cfg,
                       page_size, seqused_k is not None, kv_batch is not None, num_splits, pack_gqa,
                       bool(causal), write_lse, window, softcap > 0, sink_mode(sink), leftpad is not None,
@@ -1033,9 +1040,10 @@ def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale
     before its constexprs, for the fixed-length modes: the pointers (tensors,
     or addresses on the direct path; ``out`` stands in for those the mode
     does not read, None marking them; ``gather``: the page pools a gathering
-    launch copies from; ``q_ptr``: q, which ``Mode.q_rows`` reads, where
-    ``q`` may be its shape's stand-in), then the scalars. The one statement
-    of that order for ``launch_forward``'s two paths."""
+    launch copies from; ``q_ptr``: what the kernel's q pointer takes under
+    ``Mode.q_rows``: q, its address, or a prepared launch's slot), then the
+    scalars. The one statement of that order for ``launch_forward``'s two
+    paths."""
     batch, seqlen_q, nheads, _ = q.shape
     k_pool, v_pool = gather if gather is not None else (out, out)
     return (lse if lse is not None else out, seqused_k if seqused_k is not None else out,
@@ -1245,7 +1253,7 @@ class _PreparedLaunch:
                           lse_part, seqlen_k, sched, k.stride(), v.stride(), *(() if cache is None else (cache,)))
             return
         values = (out_ptr, lse_ptr, o_part, lse_part, seqlen_k, sched, *(cache or (None, None, None, None)),
-                  q.data_ptr())
+                  q.data_ptr() if lp.mode.q_rows else None)
         flat = [*kernel._descriptor_args(0, q), *kernel._descriptor_args(1, k), *kernel._descriptor_args(2, v),
                 *kernel._descriptor_args(3, out)]
         base = len(flat)
@@ -1705,7 +1713,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     k_pool, v_pool = gather if gather is not None else (out, out)  # (out: no page pools to gather)
     nheads_kv = k.shape[-2]
     group = nheads // nheads_kv
-    viewed = group > 1 and not packable(group)  # a group only a packed view packs (pack_layout)
+    viewed = packs_by_view(group)
     q_rows = viewed and rows_of_q(q, cfg)
     if pack_gqa is None and viewed:
         # (Resolved here, before the cached plan: its key has no room for q's rows.)
