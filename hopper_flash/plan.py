@@ -612,7 +612,7 @@ def rows_of_q(q: torch.Tensor, cfg: ForwardConfig) -> bool:
     head_dim = q.shape[-1]
     if head_dim != cfg.head_dim or q.stride(-1) != 1 or q.stride(-2) != head_dim or q.data_ptr() % 16:
         return False
-    if q.stride(-3) % head_dim:
+    if q.stride(-3) % head_dim or q.stride(-3) >= 1 << 24:  # (a part's row offsets are int32: 65 tokens' worth)
         return False
     return q.dim() == 3 or q.shape[0] == 1 or q.stride(0) == q.shape[1] * q.stride(1)
 
