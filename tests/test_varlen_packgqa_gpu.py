@@ -360,8 +360,9 @@ def test_packed_view_by_default_beside_a_prefill_chunk():
     """flash_attn_varlen_func's default packs a 40/8 batch of decodes beside a
     512-query chunk from a packed view, and one whose chunk dominates too
     where the kernel copies q's rows itself (plan.choose_varlen_view: no copy
-    of q to outweigh the decodes' K/V reads), but not from a strided q,
-    which would take a copy."""
+    of q to outweigh the decodes' K/V reads): from a contiguous q and from
+    a strided one whose token's heads are adjacent, but not from a q whose
+    heads are interleaved with other features, which would take a copy."""
     lq = [1] * 40 + [512]
     lk = [1000 + 97 * i for i in range(40)] + [1536]
     q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 40, 8, 128, seed=27)
@@ -379,8 +380,13 @@ def test_packed_view_by_default_beside_a_prefill_chunk():
     out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True)
     assert_judged("out", out, ref, base)
     assert ran_rows(5)
-    strided = torch.stack([q, q], dim=1)[:, 0]
+    tokens = torch.stack([q, torch.full_like(q, math.nan)], dim=1)[:, 0]
     _THIS_TEST["launches"].clear()
-    out = hopper_flash.flash_attn_varlen_func(strided, k, v, cq, ck, max(lq), max(lk), causal=True)
-    assert_judged("out (strided q)", out, ref, base)
+    out = hopper_flash.flash_attn_varlen_func(tokens, k, v, cq, ck, max(lq), max(lk), causal=True)
+    assert_judged("out (strided tokens)", out, ref, base)
+    assert ran_packed(5, view=True) and ran_rows(5)
+    heads = torch.stack([q, torch.full_like(q, math.nan)], dim=2)[:, :, 0]
+    _THIS_TEST["launches"].clear()
+    out = hopper_flash.flash_attn_varlen_func(heads, k, v, cq, ck, max(lq), max(lk), causal=True)
+    assert_judged("out (interleaved heads)", out, ref, base)
     assert not ran_packed(5, view=True)
