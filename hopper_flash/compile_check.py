@@ -132,6 +132,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
         "page_stride": "i32",
         "total_q": "i32",
         "section": "i32",
+        "q_heads": "i32",
     }
     signature.update({name: "constexpr" for name in constexprs})
     # The JIT specialises pointers on 16-byte alignment; the page pools'

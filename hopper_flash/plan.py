@@ -603,10 +603,24 @@ def kernel_q(q: torch.Tensor, mode: Mode) -> torch.Tensor:
 def rows_of_q(q: torch.Tensor, cfg: ForwardConfig) -> bool:
     """Whether a kernel can copy a packed view's rows from q itself
     (``Mode.q_rows``): q ``[total_q, H, D]`` (a packed batch) or ``[B, Sq,
-    H, D]`` contiguous (its tokens' rows one after another, as the kernel
-    addresses them), of the kernel's head dim, 16-byte aligned (its
-    cp.async width). Others take the packed copy (``packed_q``)."""
-    return q.shape[-1] == cfg.head_dim and q.is_contiguous() and q.data_ptr() % 16 == 0
+    H, D]`` of the kernel's head dim, 16-byte aligned (its cp.async width),
+    a token's heads adjacent and its tokens a whole number of head dims
+    apart (``q_row_heads``; a fixed-length batch's rows one after another):
+    contiguous, or a slice of a fused QKV projection's output. Others (heads
+    interleaved with something else, a transposed layout) take the packed
+    copy (``packed_q``)."""
+    head_dim = q.shape[-1]
+    if head_dim != cfg.head_dim or q.stride(-1) != 1 or q.stride(-2) != head_dim or q.data_ptr() % 16:
+        return False
+    if q.stride(-3) % head_dim or q.stride(-3) >= 1 << 24:  # (a part's row offsets are int32: 65 tokens' worth)
+        return False
+    return q.dim() == 3 or q.shape[0] == 1 or q.stride(0) == q.shape[1] * q.stride(1)
+
+
+def q_row_heads(q: torch.Tensor) -> int:
+    """The kernel's ``q_heads`` for ``Mode.q_rows``: q's token stride in head
+    dims (its head count where contiguous; ``rows_of_q``)."""
+    return q.stride(-3) // q.shape[-1]
 
 
 def choose_dynamic(items: int, n_tiles: int, causal: bool, varlen: bool, sms: int) -> bool:
@@ -1052,7 +1066,7 @@ def _kernel_args(lp: LaunchPlan, q, seqlen_k: int, nheads_kv: int, softmax_scale
             sched if sched is not None else out, q_ptr if lp.mode.q_rows else out, k_pool, v_pool,
             sink if sink is not None else out,
             seqlen_q, seqlen_k, nheads, nheads // nheads_kv, batch, *kernel_scales(softmax_scale, softcap),
-            lp.num_splits, lp.pair, page_stride, 0, lp.section)
+            lp.num_splits, lp.pair, page_stride, 0, lp.section, q_row_heads(q) if lp.mode.q_rows else 0)
 
 
 # The split-KV combine's compiled launch per forward plan, for the direct
@@ -1761,7 +1775,7 @@ def launch_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
             sched, q if lp.mode.q_rows else out, k_pool, v_pool, sink if sink is not None else out)
     scalars = (int(max_seqlen_q), int(max_seqlen_k), nheads, group, batch,
                *kernel_scales(softmax_scale, softcap), lp.split_entries or lp.num_splits, lp.pair,
-               page_table.stride(0) if paged else 0, total_q, lp.section)
+               page_table.stride(0) if paged else 0, total_q, lp.section, q_row_heads(q) if lp.mode.q_rows else 0)
     k4, v4 = (k, v) if k.dim() == 4 else (k.unsqueeze(0), v.unsqueeze(0))
     qd = kernel_q(q4, lp.mode)  # (q4 keeps the partials' shape)
     # Triton specialises pointer arguments on 16-byte alignment: a cu_seqlens

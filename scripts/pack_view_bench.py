@@ -11,7 +11,13 @@ and for main's package in the same machine:
     PYTHONPATH=.wt/main:/tmp/fa3pkg python -P scripts/pack_view_bench.py   (git archive main hopper_flash | tar -x -C .wt/main)
 
 FA3's ``flash_attn_with_kvcache`` (its own split and pack heuristics) is
-timed beside on the same inputs when ``flash_attn_interface`` imports."""
+timed beside on the same inputs when ``flash_attn_interface`` imports.
+
+``--fused-q``: q a slice of a fused QKV projection's output, ``[B, Sq, H +
+2 Hkv, D]`` (its tokens strided): read by rows since the seventy-second
+session's branch ``q-rows-strided``, copied before."""
+import argparse
+
 import torch
 import triton
 
@@ -28,9 +34,12 @@ def _fa3():
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fused-q", action="store_true")
+    args = ap.parse_args()
     fa3 = _fa3()
     print(hopper_flash.__file__, torch.cuda.get_device_name(),
-          f"FA3 {'beside' if fa3 else 'absent'}", flush=True)
+          f"FA3 {'beside' if fa3 else 'absent'}", "q fused" if args.fused_q else "q contiguous", flush=True)
     rows = [(h, hkv, b, 1, s) for h, hkv in ((40, 8), (28, 4), (32, 8)) for b, s in ((8, 8192), (1, 65536), (64, 2048))]
     # Query blocks of several packed tiles (BENCHMARKS.md, sixty-second session: padded, branch pad-tiles,
     # they never won; FA3 packs them without padding, 2x at 48 queries of 40/8).
@@ -43,6 +52,10 @@ def main():
     for h, hkv, b, sq, s in rows:
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, sq, h, 128, device="cuda", generator=g).to(torch.bfloat16)
+        if args.fused_q:
+            fused = torch.randn(b, sq, h + 2 * hkv, 128, device="cuda", generator=g).to(torch.bfloat16)
+            fused[:, :, :h] = q
+            q = fused[:, :, :h]
         kc, vc = (torch.randn(b, s, hkv, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in "kv")
         lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
         calls = {"ours": lambda: hopper_flash.flash_attn_with_kvcache(

@@ -7,6 +7,8 @@ by ``hopper_flash.reference.check_kvcache``: within twice the error SDPA makes
 on the same inputs, LSE to 2e-5 relative.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -88,31 +90,32 @@ def test_kvcache_groups_not_powers_of_two(planned_launches, nheads, nheads_kv, h
     assert ran_rows(planned_launches, nheads // nheads_kv) == (seqlen_q > 1)
 
 
-@pytest.mark.parametrize("strided", [True, False], ids=["strided-q", "contiguous-q"])
+@pytest.mark.parametrize("layout", ["fused", "contiguous", "interleaved"])
 @pytest.mark.parametrize("seqlen_q", [1, 48, 100])
-def test_flash_attn_func_packed_view_every_launch_path(planned_launches, seqlen_q, strided):
+def test_flash_attn_func_packed_view_every_launch_path(planned_launches, seqlen_q, layout):
     """flash_attn_func over a group of 5 (the fill rule packs 1-100 queries):
     the JIT's first launch, the direct launch and the prepared call
     (plan.PreparedForward, the C launch) each pass the packed view as Q's
-    descriptor, for q a strided slice of a wider tensor (a fused QKV
-    projection's: a packed copy past one query per row), and for a
-    contiguous q, whose rows the kernel copies itself past one query (each
-    call's q address in the pointer the kernel reads: three new tensors)."""
-    wide = rnd(2, seqlen_q, 40 + 16, 128, seed=seqlen_q)
-    q = wide[:, :, :40]
-    if not strided:
-        q = torch.empty(2, seqlen_q, 40, 128, device=DEV, dtype=wide.dtype)
+    descriptor (q itself, restrided, at one query per row), for q a slice
+    of a fused QKV projection's output (tokens 56 heads apart) or
+    contiguous, whose rows past one query the kernel copies itself
+    (plan.Mode.q_rows), and for q's heads interleaved with other features
+    (a packed copy past one query). Each call's q is a new tensor (its
+    address the kernel's pointer); NaN in the wider tensors' other parts."""
+    shapes = {"fused": (2, seqlen_q, 40 + 16, 128), "contiguous": (2, seqlen_q, 40, 128),
+              "interleaved": (2, seqlen_q, 40, 2, 128)}
     held = []
     for call in range(3):
-        if not strided:
-            held.append(q)  # (held: the next tensor gets a new address)
-            q = torch.empty_like(q)
+        wide = torch.full(shapes[layout], math.nan, device=DEV, dtype=torch.bfloat16)
+        held.append(wide)  # (held: the next tensor gets a new address)
+        q = {"fused": lambda: wide[:, :, :40], "contiguous": lambda: wide,
+             "interleaved": lambda: wide[:, :, :, 0]}[layout]()
         k, v = rnd(2, 3001, 8, 128, seed=10 * call + 1), rnd(2, 3001, 8, 128, seed=10 * call + 2)
         q.copy_(rnd(2, seqlen_q, 40, 128, seed=10 * call + 3))
         out, lse = hopper_flash.flash_attn_func(q, k, v, causal=True, return_lse=True)
         assert_close(out, q, k, v, [3001] * 2, True, lse=lse)
     assert ran_view(planned_launches, 5)
-    assert ran_rows(planned_launches, 5) == (not strided and seqlen_q > 1)
+    assert ran_rows(planned_launches, 5) == (layout != "interleaved" and seqlen_q > 1)
 
 
 def test_packed_view_with_sinks_and_graph_replay():

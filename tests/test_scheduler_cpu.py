@@ -184,23 +184,35 @@ def test_varlen_view_where_the_decodes_reads_outweigh_the_copy():
     assert not plan.choose_varlen_view(16 * 4300, 16, 8192, 8192, 16 * 4300, 7)
 
 
-def test_rows_of_q_needs_a_contiguous_q_of_the_kernels_head_dim():
+def test_rows_of_q_needs_adjacent_heads_of_the_kernels_head_dim():
     cfg = plan.CONFIGS[128]
     q = torch.zeros(40, 12, 128, dtype=torch.bfloat16)
-    assert plan.rows_of_q(q, cfg)
+    assert plan.rows_of_q(q, cfg) and plan.q_row_heads(q) == 12
     qkv = torch.zeros(40, 3, 12, 128, dtype=torch.bfloat16)
-    assert not plan.rows_of_q(qkv[:, 0], cfg)  # flash_attn_varlen_qkvpacked_func's q: strided tokens
+    assert plan.rows_of_q(qkv[:, 0], cfg)  # flash_attn_varlen_qkvpacked_func's q: tokens 36 heads apart
+    assert plan.q_row_heads(qkv[:, 0]) == 36
+    fused = torch.zeros(40, (12 + 2 * 4) * 128, dtype=torch.bfloat16)  # a fused QKV projection's output
+    assert plan.rows_of_q(fused[:, :12 * 128].view(40, 12, 128), cfg)
+    assert plan.q_row_heads(fused[:, :12 * 128].view(40, 12, 128)) == 20
+    # Heads interleaved with something else, or tokens not a whole number of head dims apart: the copy.
+    assert not plan.rows_of_q(torch.zeros(40, 12, 2, 128, dtype=torch.bfloat16)[:, :, 0], cfg)
+    assert not plan.rows_of_q(torch.zeros(40, 12 * 128 + 8, dtype=torch.bfloat16)[:, :12 * 128].view(40, 12, 128),
+                              cfg)
     assert not plan.rows_of_q(torch.zeros(40, 12, 96, dtype=torch.bfloat16), cfg)  # a narrower head dim
     assert plan.rows_of_q(q[1:], cfg)  # a view at a 16-byte multiple
     assert not plan.rows_of_q(q.view(-1)[4:4 + 39 * 12 * 128].view(39, 12, 128), cfg)  # 8 bytes off: cp.async's 16
 
 
-def test_rows_of_q_takes_a_contiguous_fixed_length_q():
+def test_rows_of_q_takes_a_fixed_length_q_of_evenly_spaced_tokens():
     cfg = plan.CONFIGS[128]
     q = torch.zeros(3, 17, 40, 128, dtype=torch.bfloat16)
     assert plan.rows_of_q(q, cfg)
     assert not plan.rows_of_q(torch.zeros(3, 40, 17, 128, dtype=torch.bfloat16).transpose(1, 2), cfg)  # BHSD
-    assert not plan.rows_of_q(torch.zeros(3, 17, 3, 40, 128, dtype=torch.bfloat16)[:, :, 0], cfg)  # qkv-packed
+    qkv = torch.zeros(3, 17, 3, 40, 128, dtype=torch.bfloat16)[:, :, 0]  # qkv-packed: tokens 120 heads apart
+    assert plan.rows_of_q(qkv, cfg) and plan.q_row_heads(qkv) == 120
+    # The kernel takes batch b's tokens to follow batch b - 1's: a batch stride of its own is copied.
+    assert not plan.rows_of_q(torch.zeros(3, 20, 40, 128, dtype=torch.bfloat16)[:, :17], cfg)
+    assert plan.rows_of_q(torch.zeros(1, 20, 40, 128, dtype=torch.bfloat16)[:, :17], cfg)  # (one batch)
 
 
 def test_fixed_length_launch_reads_q_by_rows_past_one_query(monkeypatch):
@@ -223,8 +235,8 @@ def test_fixed_length_launch_reads_q_by_rows_past_one_query(monkeypatch):
 
     def launch(sq, h, hkv, strided=False):
         q = torch.zeros(2, sq, h, 128, dtype=torch.bfloat16)
-        if strided:
-            q = torch.zeros(2, sq, 3, h, 128, dtype=torch.bfloat16)[:, :, 0]
+        if strided:  # heads interleaved with other features: a copy
+            q = torch.zeros(2, sq, h, 2, 128, dtype=torch.bfloat16)[:, :, :, 0]
         k = torch.zeros(2, 1000, hkv, 128, dtype=torch.bfloat16)
         with pytest.raises(Stop):
             plan.launch_forward(q, k, k, torch.empty(2, sq, h, 128, dtype=torch.bfloat16), None, 0.1, True,
@@ -234,7 +246,7 @@ def test_fixed_length_launch_reads_q_by_rows_past_one_query(monkeypatch):
     assert launch(4, 40, 8) and launch(300, 28, 4)
     assert not launch(1, 40, 8)  # one query per row: q restrided, no copy
     assert not launch(4, 32, 8)  # a power of two: Q's box packs it
-    assert not launch(4, 40, 8, strided=True)  # the kernel addresses q's rows as contiguous: a copy
+    assert not launch(4, 40, 8, strided=True)  # the kernel needs a token's heads adjacent: a copy
 
 
 def test_varlen_launch_resolves_the_packed_view_from_q_rows(monkeypatch):
@@ -259,8 +271,8 @@ def test_varlen_launch_resolves_the_packed_view_from_q_rows(monkeypatch):
 
     def launch(lq, lk, h, hkv, strided=False, causal=True, d=128):
         q = torch.zeros(sum(lq), h, d, dtype=torch.bfloat16)
-        if strided:  # q of a qkv-packed tensor: the kernel cannot read its rows, the packed view copies it
-            q = torch.zeros(sum(lq), 3, h, d, dtype=torch.bfloat16)[:, 0]
+        if strided:  # heads interleaved with other features: the kernel cannot read its rows, the view copies it
+            q = torch.zeros(sum(lq), h, 2, d, dtype=torch.bfloat16)[:, :, 0]
         k = torch.zeros(sum(lk), hkv, d, dtype=torch.bfloat16)
         cq = torch.tensor([0] + lq).cumsum(0).to(torch.int32)
         ck = torch.tensor([0] + lk).cumsum(0).to(torch.int32)

@@ -202,7 +202,7 @@ def test_cuda_graph_replay_with_new_lengths():
 
 # ---- Groups that are not powers of two (Llama 4's 40/8, Qwen2.5-7B's 28/4,
 # 12/4, 12/2): packed from a packed view of q, whose rows the kernel copies
-# from a contiguous q itself (plan.Mode.q_rows) and the host from any other
+# from q itself where a token's heads are adjacent (plan.Mode.q_rows) and the host from any other
 # (plan.packed_q), by default where the batch has decodes to save K/V reads
 # on, and from a host copy only where they outweigh it (plan.choose_varlen_view). A tile's 128 rows hold 128 / g queries, so a
 # group straddles tiles and warpgroups, and a tile's last query is partial.
@@ -219,23 +219,28 @@ def test_packed_view_decode_mix(h, hkv, d, causal):
 
 @pytest.mark.parametrize("h,hkv", [(40, 8), (28, 4)], ids=["g5", "g7"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_packed_view_from_a_copy_of_a_strided_q(h, hkv, d):
-    """A q whose rows the kernel cannot copy itself (its tokens strided, as
-    a slice of a wider tensor: plan.rows_of_q) packs from the host's packed
-    copy, the same results; and a q of the same values contiguous from its
-    rows. NaN in the wider tensor's other half, which neither may read."""
+def test_packed_view_of_a_strided_q(h, hkv, d):
+    """q as a slice of a wider tensor: its tokens strided (a fused QKV
+    projection's q), read by the kernel row by row all the same
+    (plan.rows_of_q: a token's heads adjacent); its heads interleaved with
+    other features, packed from the host's copy (plan.packed_q); and the
+    same values contiguous. The same results; NaN in the wider tensors'
+    other parts, which no path may read."""
     q, k, v, cq, ck, _, _ = varlen_batch(PAD_MIX["lq"], PAD_MIX["lk"], h, hkv, d, seed=h + d + 7)
-    wide = torch.full((q.shape[0], 2, h, d), math.nan, dtype=q.dtype, device=DEV)
-    wide[:, 0] = q
+    tokens = torch.full((q.shape[0], 2, h, d), math.nan, dtype=q.dtype, device=DEV)
+    tokens[:, 0] = q
+    heads = torch.full((q.shape[0], h, 2, d), math.nan, dtype=q.dtype, device=DEV)
+    heads[:, :, 0] = q
     mq, mk = max(PAD_MIX["lq"]), max(PAD_MIX["lk"])
     expected = varlen_expected(q, k, v, cq, ck, None, None, True, None, 0.0)
-    for name, qq in (("strided", wide[:, 0]), ("contiguous", q)):
+    for name, qq, rows in (("strided tokens", tokens[:, 0], True), ("interleaved heads", heads[:, :, 0], False),
+                           ("contiguous", q, True)):
         _THIS_TEST["launches"].clear()
         out = torch.full(plan.out_shape(q, v), math.nan, dtype=q.dtype, device=DEV)
         results = dispatch.forward_varlen(qq, k, v, cq, ck, mq, mk, None, None, None, True, True, out=out,
                                           pack_gqa=True)
         assert_varlen_forward(name, *results, expected)
-        assert ran_packed(h // hkv, view=True) and ran_rows(h // hkv) == (name == "contiguous")
+        assert ran_packed(h // hkv, view=True) and ran_rows(h // hkv) == rows, name
 
 
 def ran_tokens(group: int) -> bool:
@@ -355,8 +360,9 @@ def test_packed_view_by_default_beside_a_prefill_chunk():
     """flash_attn_varlen_func's default packs a 40/8 batch of decodes beside a
     512-query chunk from a packed view, and one whose chunk dominates too
     where the kernel copies q's rows itself (plan.choose_varlen_view: no copy
-    of q to outweigh the decodes' K/V reads), but not from a strided q,
-    which would take a copy."""
+    of q to outweigh the decodes' K/V reads): from a contiguous q and from
+    a strided one whose token's heads are adjacent, but not from a q whose
+    heads are interleaved with other features, which would take a copy."""
     lq = [1] * 40 + [512]
     lk = [1000 + 97 * i for i in range(40)] + [1536]
     q, k, v, cq, ck, _, _ = varlen_batch(lq, lk, 40, 8, 128, seed=27)
@@ -374,8 +380,13 @@ def test_packed_view_by_default_beside_a_prefill_chunk():
     out = hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True)
     assert_judged("out", out, ref, base)
     assert ran_rows(5)
-    strided = torch.stack([q, q], dim=1)[:, 0]
+    tokens = torch.stack([q, torch.full_like(q, math.nan)], dim=1)[:, 0]
     _THIS_TEST["launches"].clear()
-    out = hopper_flash.flash_attn_varlen_func(strided, k, v, cq, ck, max(lq), max(lk), causal=True)
-    assert_judged("out (strided q)", out, ref, base)
+    out = hopper_flash.flash_attn_varlen_func(tokens, k, v, cq, ck, max(lq), max(lk), causal=True)
+    assert_judged("out (strided tokens)", out, ref, base)
+    assert ran_packed(5, view=True) and ran_rows(5)
+    heads = torch.stack([q, torch.full_like(q, math.nan)], dim=2)[:, :, 0]
+    _THIS_TEST["launches"].clear()
+    out = hopper_flash.flash_attn_varlen_func(heads, k, v, cq, ck, max(lq), max(lk), causal=True)
+    assert_judged("out (interleaved heads)", out, ref, base)
     assert not ran_packed(5, view=True)

@@ -103,9 +103,11 @@ Decode and chunked prefill run the same kernel in other *modes*
   ``hk``, and O goes by address, as in ``VARLEN``. A packed batch with one
   query per sequence (``Q_TOKENS``) needs no copy either: q restrided to
   ``[total_q, G, Hkv, D]``, loaded at its token's batch coordinate; nor
-  does any other packed batch or fixed-length batch whose q is contiguous
-  (``Q_ROWS``): the producer copies each Q part's rows from q with
-  ``cp.async``, as ``GATHER`` copies K/V rows (``_copy_q_rows``).
+  does any other packed batch or fixed-length batch whose q has its heads
+  adjacent (``Q_ROWS``: contiguous, or a slice of a fused QKV projection,
+  its tokens ``q_heads`` head dims apart): the producer copies each Q
+  part's rows from q with ``cp.async``, as ``GATHER`` copies K/V rows
+  (``_copy_q_rows``).
 * ``SPLIT``: the KV tiles of an item are split across ``num_splits`` items;
   each writes a normalised fp32 partial O and its LSE straight from
   registers, and ``combine.py`` merges them (``VARLEN``: over the packed
@@ -212,9 +214,10 @@ class Mode:
     # coordinate (no copy of q).
     Q_TOKENS: gl.constexpr
     # PACK_VIEW without a packed copy (plan.Mode.q_rows): the producer
-    # copies each Q part row by row from q itself (contiguous [total_q, H,
-    # D], or [B, Sq, H, D] outside VARLEN) with cp.async (_copy_q_rows);
-    # q_desc only lays out the parts in shared memory.
+    # copies each Q part row by row from q itself ([total_q, H, D], or [B,
+    # Sq, H, D] outside VARLEN; heads adjacent, tokens q_heads head dims
+    # apart) with cp.async (_copy_q_rows); q_desc only lays out the parts in
+    # shared memory.
     Q_ROWS: gl.constexpr
     SPLIT: gl.constexpr
     SEQUSED: gl.constexpr
@@ -318,6 +321,7 @@ class Problem:
     total_tiles: gl.tensor  # work items
     page_stride: gl.tensor
     total_q: gl.tensor  # varlen: rows of the packed Q (the LSE's row stride)
+    q_heads: gl.tensor  # Q_ROWS: q's token stride in head dims (num_heads if contiguous; plan.rows_of_q)
     # softmax_scale * log2(e) and softmax_scale; under SOFTCAP softmax_scale / cap
     # (tanh's argument scale) and cap (plan.kernel_scales).
     qk_scale: gl.tensor
@@ -332,15 +336,16 @@ class Problem:
     cu_k_ptr: gl.tensor
     used_q_ptr: gl.tensor
     sched_ptr: gl.tensor  # DYNAMIC: the item counter; SPLIT_TABLE: the table
-    q_ptr: gl.tensor  # Q_ROWS: q, [total_q, H, D] (or [B, Sq, H, D]) contiguous
+    q_ptr: gl.tensor  # Q_ROWS: q, [total_q, H, D] (or [B, Sq, H, D]), heads adjacent, tokens q_heads heads apart
     k_ptr: gl.tensor  # GATHER: the page pools, [num_pages, PAGE_SIZE, Hkv, D] contiguous
     v_ptr: gl.tensor
     sink_ptr: gl.tensor  # SINK: [H], one logit per query head (fp32, bf16 or fp16)
 
     @gluon.constexpr_function
     def __init__(self, seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, pair, section, total_tiles,
-                 page_stride, total_q, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr, page_table_ptr,
-                 o_part_ptr, lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, q_ptr, k_ptr, v_ptr, sink_ptr):
+                 page_stride, total_q, q_heads, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr,
+                 page_table_ptr, o_part_ptr, lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, q_ptr, k_ptr,
+                 v_ptr, sink_ptr):
         init_fields(self, locals())
 
 
@@ -627,13 +632,15 @@ def _opaque(x):
 
 
 @gluon.jit
-def _copy_q_rows(buf, bar, row0, q_first, q_end, hk, prob: Problem, mode: Mode):
+def _copy_q_rows(buf, bar, row0, q_seq, q_first, q_end, hk, q_heads, mode: Mode):
     """Q_ROWS: copy Q part ``buf`` (the item's packed rows ``row0 ..
     row0 + 64``) from q with cp.async, and arrive on ``bar`` once this
     thread's copies have landed (Q_ROWS's full barriers count one arrive per
     producer thread, as GATHER's K/V ones do). Packed row ``p`` is query
-    ``q_first + p // G`` of head ``hk * G + p % G``; rows of queries at or
-    past ``q_end`` (the sequence's end) are zero-filled, never read.
+    ``q_first + p // G`` of head ``hk * G + p % G`` of ``q_seq`` (the item's
+    sequence of q: a token's heads ``HEAD_DIM`` apart, tokens ``q_heads``
+    heads apart); rows of queries at or past ``q_end`` (the sequence's end)
+    are zero-filled, never read.
 
     A step copies eight rows per producer warp in GATHER's layout (the
     swizzle's period: a slice of fewer rows is refused), four 16-byte copies
@@ -647,7 +654,7 @@ def _copy_q_rows(buf, bar, row0, q_first, q_end, hk, prob: Problem, mode: Mode):
     # hk * G (``base``, in 64 bits): packed row p is row p - first * G from
     # there (a multiple of G subtracted, so p % G is unchanged).
     first = row0 // mode.PACK_G
-    base = prob.q_ptr + ((q_first + first).to(gl.int64) * prob.num_heads + hk * mode.PACK_G) * mode.HEAD_DIM
+    base = q_seq + ((q_first + first).to(gl.int64) * q_heads + hk * mode.PACK_G) * mode.HEAD_DIM
     live = q_end - q_first - first  # queries of the sequence from the part's first on
     cols = gl.arange(0, mode.HEAD_DIM, layout=gl.SliceLayout(0, layout))
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
@@ -656,7 +663,7 @@ def _copy_q_rows(buf, bar, row0, q_first, q_end, hk, prob: Problem, mode: Mode):
         # compiler cannot compute every step's addresses up front (the eight
         # steps' addresses at once spilled the producer's 24 registers).
         r = _opaque(row0 - first * mode.PACK_G + s * ROWS) + rows
-        offs = ((r // mode.PACK_G) * prob.num_heads + r % mode.PACK_G) * mode.HEAD_DIM
+        offs = ((r // mode.PACK_G) * q_heads + r % mode.PACK_G) * mode.HEAD_DIM
         cp_async_load(part.slice(s * ROWS, ROWS, dim=0), base + offs[:, None] + cols[None, :],
                       mask=(r // mode.PACK_G < live)[:, None])
     async_copy.mbarrier_arrive(bar, increment_count=False)
@@ -738,13 +745,15 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
             # Passes on the fresh barriers for the first pass through the Q ring.
             mbarrier.wait(rings.q_empty.index(q_idx), _q_phase(rings.q_full, qi, mode.NC) ^ 1)
             if mode.Q_ROWS:  # the packed view's rows, copied from q itself
-                # The item's first query as a row of q seen as [tokens, H, D]: batch b's rows follow batch b - 1's.
+                # q's tokens prob.q_heads heads apart, batch b's tokens (fixed lengths) after batch b - 1's.
+                # q_heads through an opaque move where it is used: kept live from the kernel's entry it cost
+                # a consumer 32 bytes of spills (head dim 128, non-causal, pages of 16 keys, triton 3.6).
                 if mode.VARLEN:
                     q_first = q_start
                 else:
                     q_first = tb * lq
                 _copy_q_rows(rings.q_smem.index(q_idx), rings.q_full.index(q_idx), bm * mode.BLOCK_M + c * WG_M,
-                             q_first, q_first + lq, hk, prob, mode)
+                             prob.q_ptr, q_first, q_first + lq, hk, _opaque(prob.q_heads), mode)
             else:
                 mbarrier.expect(rings.q_full.index(q_idx), q_desc.block_type.nbytes)
                 if mode.Q_TOKENS:  # one query per sequence: its token's rows of q restrided
@@ -1224,12 +1233,12 @@ def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode
 # (dtype, head dim, causal, lse, mode) serves every shape, which lets the host
 # cache it and skip Triton's per-call specialisation (see plan.launch_forward).
 @gluon.jit(do_not_specialize=["seqlen_q", "seqlen_k", "num_heads", "kv_group", "batch", "num_splits", "pair",
-                              "page_stride", "total_q", "section"])
+                              "page_stride", "total_q", "section", "q_heads"])
 def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              seqused_ptr, kv_batch_ptr, page_table_ptr, o_part_ptr, lse_part_ptr,
                              cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, q_ptr, k_ptr, v_ptr, sink_ptr,
                              seqlen_q, seqlen_k, num_heads, kv_group, batch, qk_scale, softmax_scale,
-                             num_splits, pair, page_stride, total_q, section,
+                             num_splits, pair, page_stride, total_q, section, q_heads,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                              K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
                              IS_CAUSAL: gl.constexpr, WRITE_LSE: gl.constexpr,
@@ -1346,8 +1355,8 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     rings = Rings(q_smem, o_smem, k_bufs, v_bufs, q_full, q_empty, k_full, k_empty, v_full, v_empty, sched_smem,
                   sched_full, sched_empty, turn_full, turn_empty)
     prob = Problem(seqlen_q, seqlen_k, num_heads, kv_group, batch, num_splits, pair, section, total_tiles, page_stride,
-                   total_q, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr, page_table_ptr, o_part_ptr,
-                   lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, q_ptr, k_ptr, v_ptr, sink_ptr)
+                   total_q, q_heads, qk_scale, softmax_scale, lse_ptr, seqused_ptr, kv_batch_ptr, page_table_ptr,
+                   o_part_ptr, lse_part_ptr, cu_q_ptr, cu_k_ptr, used_q_ptr, sched_ptr, q_ptr, k_ptr, v_ptr, sink_ptr)
     # The default partition is consumer 0 (the launch's num_warps = 4).
     if NC == 2:
         gl.warp_specialize(
