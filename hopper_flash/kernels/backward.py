@@ -111,6 +111,7 @@ from .compat import (aggregate, init_fields, smem_reinterpret, thread_barrier, t
                      tma_store_wait_complete)
 from .scheduler import SCHED_FIELDS, SCHED_STAGES, draw_item, publish_item, receive_item, section_coords
 from .mask import apply_mask_keys_by_queries, tile_needs_mask
+from .opaque import opaque_zero
 from .pipeline import release, release_each, ring_slot, wait_empty, wait_full
 from .softmax import LOG2E, softcap, softcap_grad
 
@@ -189,15 +190,6 @@ def bwd_sequence(b, cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, seqlen_q, seqlen
         tb = b
         stat0 = (b * num_heads).to(gl.int64) * seqlen_q_rounded
     return tb, q_start, k_start, lq, lk, stat0
-
-
-@gluon.jit
-def _opaque_zero():
-    """0, as a value the compiler cannot see through. K and V indexed with it
-    inside the step loop get their wgmma descriptors built in the loop
-    instead of hoisted out of it and kept live across it, where they cost
-    the registers the D = 256 step needs (ptxas spills them)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -802,7 +794,7 @@ def _bwd_consumer_split_d(prob: BwdProblem, rings: BwdRings, tile: KvTile, mode:
                        is_async=True)
     st = warpgroup_mma_wait(0, deps=[st])
     for step in range(total):
-        z = _opaque_zero()
+        z = opaque_zero()  # (K's and V's descriptors built in the loop: kept live across it they spill at D=256)
         k_t = rings.k_bufs.index(z).reshape([mode.BLOCK_N, mode.HEAD_DIM])
         v_t = rings.v_bufs.index(z).reshape([mode.BLOCK_N, mode.HEAD_DIM])
         g = step // n_m

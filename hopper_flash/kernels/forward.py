@@ -162,6 +162,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .compat import aggregate, cp_async_load, init_fields, thread_barrier, tma_load, tma_store
 from .mask import apply_mask, kv_split_range, kv_tile_count, kv_window_tiles, tile_needs_mask
+from .opaque import opaque
 from .pipeline import release, release_read, ring_slot, wait_empty, wait_full, wait_landed
 from .scheduler import (SCHED_FIELDS, SCHED_STAGES, draw_item, first_item, publish_item, receive_item,
                         section_coords, work_coords)
@@ -625,13 +626,6 @@ def _gather_kv_tile(base, row, live, bar, buf, mode: Mode):
 
 
 @gluon.jit
-def _opaque(x):
-    """``x``, produced by a move the compiler keeps in program order among
-    the side effects around it (a scalar int32)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _copy_q_rows(buf, bar, row0, q_seq, q_first, q_end, hk, q_heads, mode: Mode):
     """Q_ROWS: copy Q part ``buf`` (the item's packed rows ``row0 ..
     row0 + 64``) from q with cp.async, and arrive on ``bar`` once this
@@ -645,7 +639,7 @@ def _copy_q_rows(buf, bar, row0, q_seq, q_first, q_end, hk, q_heads, mode: Mode)
     A step copies eight rows per producer warp in GATHER's layout (the
     swizzle's period: a slice of fewer rows is refused), four 16-byte copies
     a thread at head dim 128, and computes its addresses only when it comes
-    (``_opaque``), so the one-warp producer keeps one step's addresses live
+    (``opaque``), so the one-warp producer keeps one step's addresses live
     in its 24 registers."""
     layout: gl.constexpr = _gather_layout(mode.PRODUCER_WARPS)
     ROWS: gl.constexpr = 8 * mode.PRODUCER_WARPS
@@ -662,7 +656,7 @@ def _copy_q_rows(buf, bar, row0, q_seq, q_first, q_end, hk, q_heads, mode: Mode)
         # The step's first row through an opaque move in program order: the
         # compiler cannot compute every step's addresses up front (the eight
         # steps' addresses at once spilled the producer's 24 registers).
-        r = _opaque(row0 - first * mode.PACK_G + s * ROWS) + rows
+        r = opaque(row0 - first * mode.PACK_G + s * ROWS) + rows
         offs = ((r // mode.PACK_G) * q_heads + r % mode.PACK_G) * mode.HEAD_DIM
         cp_async_load(part.slice(s * ROWS, ROWS, dim=0), base + offs[:, None] + cols[None, :],
                       mask=(r // mode.PACK_G < live)[:, None])
@@ -753,7 +747,7 @@ def _producer_item(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, bm, spli
                 else:
                     q_first = tb * lq
                 _copy_q_rows(rings.q_smem.index(q_idx), rings.q_full.index(q_idx), bm * mode.BLOCK_M + c * WG_M,
-                             prob.q_ptr, q_first, q_first + lq, hk, _opaque(prob.q_heads), mode)
+                             prob.q_ptr, q_first, q_first + lq, hk, opaque(prob.q_heads), mode)
             else:
                 mbarrier.expect(rings.q_full.index(q_idx), q_desc.block_type.nbytes)
                 if mode.Q_TOKENS:  # one query per sequence: its token's rows of q restrided
