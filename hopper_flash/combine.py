@@ -17,7 +17,10 @@ This is a handful of torch ops on the partials (they are small next to the
 attention that wrote them), so it runs on any device, is traced by
 ``torch.compile``, captured in CUDA graphs (no host sync) and differentiable
 by autograd. hopper_flash's own split-KV launches merge inside
-``kernels/combine.py`` and do not come here.
+``kernels/combine.py`` and do not come here: that kernel reads only the
+partials its launches lay out (contiguous, a kernel head dim, launched
+dependent on the split grid), this takes FA3's (any strides, any head
+dim).
 """
 from __future__ import annotations
 

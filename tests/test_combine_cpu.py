@@ -1,162 +1,107 @@
-"""``flash_attn_combine`` (FA3's merge of partial attention outputs by their
-LSEs) on the CPU: torch ops, so the same code as on the GPU. Judged against
-float64 references written out here (a row-by-row merge, and attention over
-all the keys against attention over parts of them), never against the
-function's own formula."""
+"""The split-KV combine (``kernels/combine.py``) on the CPU, through Triton's
+interpreter (``TRITON_INTERPRET=1``, in a child process: the variable must
+be set before the kernel's module is imported), against a float64 merge of
+the same partials computed here.
+
+The partials are random, with an empty split inside a row (``lse = -inf``,
+``O = 0``, as the split kernel writes it), a split slot no item wrote
+(``lse = -inf`` from the split table's fill, ``O`` NaN: never read), and a
+row whose every split is empty (the result is 0 and its LSE -inf); the outputs are poisoned with NaN
+first. Split counts cover one chunk and several, split counts that are not a
+multiple of the chunk, and up to 128 (B=1 decode with one KV head). Every
+case runs again with attention sinks (fp32 or bf16, read in their dtype):
+the merge then counts the sink as one more split with no output, and the
+all-empty row gives 0 with the sink as its LSE."""
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
-import hopper_flash
-from hopper_flash.reference import attention_reference
+from hopper_flash import _triton_support
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(
+    _triton_support.parse_minor(_triton_support.installed_version()) < (3, 7),
+    reason="triton 3.6's interpreter cannot use a scalar kernel argument as a loop bound under numpy 2")
+
+CASES = [  # (splits, batch, seqlen_q, heads, head dim, write_lse)
+    (1, 2, 1, 3, 128, True), (2, 2, 1, 3, 128, True), (15, 2, 1, 3, 128, True), (16, 2, 1, 3, 128, False),
+    (17, 2, 1, 3, 128, True), (70, 1, 2, 2, 128, True), (109, 1, 1, 8, 128, True), (128, 1, 1, 2, 128, False),
+    (33, 1, 3, 2, 256, True), (5, 1, 1, 4, 64, True),
+]
+
+CHILD = textwrap.dedent("""
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from hopper_flash.kernels.combine import combine_kernel
+    from hopper_flash.plan import _combine_constexprs
+    cases = torch.load(sys.argv[2])
+    results = []
+    for o, lse, write_lse, sink in cases:
+        n_splits, batch, seqlen_q, heads, head_dim = o.shape
+        out = torch.full((batch, seqlen_q, heads, head_dim), float("nan"), dtype=torch.bfloat16)
+        lse_out = torch.full((batch, heads, seqlen_q), float("nan")) if write_lse else lse  # as plan.launch_combine
+        combine_kernel[(batch * seqlen_q * heads,)](
+            o, lse, out, lse_out, lse if sink is None else sink, n_splits, batch, seqlen_q, heads, out.stride(0),
+            out.stride(1), out.stride(2),
+            **{**_combine_constexprs(head_dim, n_splits, write_lse, sink is not None), "DEPENDENT": False})
+        results.append((out, lse_out if write_lse else None))
+    torch.save(results, sys.argv[3])
+""")
 
 
-def _partials(splits, batch, seqlen, nheads, d, seed=0):
-    """FA3's test layout: non-contiguous partials (a transposed O, an LSE
-    read from a wider tensor), some rows' later splits empty (-inf) with
-    NaN outputs, which must not be read."""
-    g = torch.Generator().manual_seed(seed)
-    out_partial = torch.randn(splits * 2, batch, nheads, seqlen, d, generator=g).transpose(2, 3)[:splits]
-    lse_partial = torch.randn(splits, batch, nheads * 2, seqlen, generator=g).transpose(-1, -2)[:, :, :, :nheads]
-    lse_partial[splits // 2:, :max(1, batch // 3)] = -math.inf
-    out_partial[splits // 2:, :max(1, batch // 3)] = math.nan
-    return out_partial, lse_partial
+def _partials(n_splits, batch, seqlen_q, heads, head_dim, gen):
+    o = torch.randn(n_splits, batch, seqlen_q, heads, head_dim, generator=gen)
+    lse = torch.randn(n_splits, batch, heads, seqlen_q, generator=gen) * 3
+    # An empty split inside row (0, 0, 0) and, with more than one row, every split of the last row empty.
+    lse[0, 0, 0, 0], o[0, 0, 0, 0] = -math.inf, 0.0
+    if batch * seqlen_q * heads > 1:
+        lse[:, -1, -1, -1], o[:, -1, -1, -1] = -math.inf, 0.0
+    if n_splits > 2:
+        # A split slot no item wrote (a sequence with fewer splits than the
+        # launch, kernels/split_table.py): LSE -inf from the fill, O whatever
+        # the buffer held; it must not be read.
+        lse[-1, 0, 0, 0], o[-1, 0, 0, 0] = -math.inf, math.nan
+    return o, lse
 
 
-def _merged_by_rows(out_partial, lse_partial):
-    """The merge row by row in float64 (math.fsum over the parts that saw keys)."""
-    splits, batch, seqlen, nheads, d = out_partial.shape
-    out = torch.zeros(batch, seqlen, nheads, d, dtype=torch.float64)
-    lse = torch.full((batch, seqlen, nheads), -math.inf, dtype=torch.float64)
-    for b in range(batch):
-        for t in range(seqlen):
-            for h in range(nheads):
-                parts = [(float(lse_partial[s, b, t, h]), out_partial[s, b, t, h].double()) for s in range(splits)
-                         if lse_partial[s, b, t, h] > -math.inf]
-                if not parts:
-                    continue
-                top = max(x for x, _ in parts)
-                row_lse = top + math.log(math.fsum(math.exp(x - top) for x, _ in parts))
-                lse[b, t, h] = row_lse
-                for x, o in parts:
-                    out[b, t, h] += math.exp(x - row_lse) * o
-    return out, lse
-
-
-@pytest.mark.parametrize("splits,seqlen,d", [(1, 5, 64), (3, 7, 128), (8, 1, 80), (17, 3, 256)])
-def test_combine_matches_a_row_by_row_merge(splits, seqlen, d):
-    out_partial, lse_partial = _partials(splits, 3, seqlen, 4, d, seed=splits)
-    out, lse = hopper_flash.flash_attn_combine(out_partial, lse_partial)
-    ref_out, ref_lse = _merged_by_rows(out_partial, lse_partial)
-    assert out.dtype == torch.float32 and out.shape == (3, seqlen, 4, d)
-    assert lse.dtype == torch.float32 and lse.shape == (3, seqlen, 4)
-    assert lse.transpose(1, 2).is_contiguous()  # FA3's layout: [batch, nheads, seqlen] transposed
-    assert torch.isfinite(out).all()  # the empty splits' NaN outputs were not read
-    assert torch.allclose(out.double(), ref_out, rtol=1e-5, atol=1e-6)
-    finite = ref_lse > -math.inf
-    assert torch.equal(lse.isfinite(), finite) and torch.allclose(lse.double()[finite], ref_lse[finite], rtol=1e-6)
-
-
-def test_rows_whose_parts_all_saw_no_key_are_zero_with_lse_minus_inf():
-    out_partial, lse_partial = _partials(4, 2, 3, 2, 64)
-    lse_partial[:, 1, 2, 0] = -math.inf
-    out_partial[:, 1, 2, 0] = math.nan
-    out, lse = hopper_flash.flash_attn_combine(out_partial, lse_partial)
-    assert (out[1, 2, 0] == 0).all() and lse[1, 2, 0] == -math.inf
-    assert torch.isfinite(out).all()
-
-
-def test_attention_over_parts_of_the_keys_merges_to_attention_over_all_of_them():
-    """The use it is for (split-KV, ring attention): each part's output and
-    LSE from attention over its keys alone; merged, attention over all keys
-    (float64 references throughout; the partials rounded to float32)."""
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 9, 4, 64, generator=g)
-    k, v = (torch.randn(2, 300, 2, 64, generator=g) for _ in "kv")
-    bounds = [0, 37, 38, 200, 300]  # parts of 37, 1, 162 and 100 keys
-    parts = [attention_reference(q, k[:, a:b], v[:, a:b]) for a, b in zip(bounds, bounds[1:])]
-    out_partial = torch.stack([o for o, _ in parts]).float()
-    lse_partial = torch.stack([lse for _, lse in parts]).float().transpose(-1, -2)  # [splits, B, Sq, H]
-    out, lse = hopper_flash.flash_attn_combine(out_partial, lse_partial, out_dtype=torch.bfloat16)
-    full_out, full_lse = attention_reference(q, k, v)
-    assert out.dtype == torch.bfloat16
-    assert (out.double() - full_out).abs().max() <= 2 ** -8 * full_out.abs().max()  # bf16's rounding of the result
-    assert torch.allclose(lse.double(), full_lse.transpose(1, 2), rtol=1e-6, atol=1e-6)
-
-
-def test_it_is_differentiable_as_attention_over_all_keys_is():
-    """Gradients through the merge of two parts' attention (float32 torch
-    attention, autograd) equal those of attention over all the keys."""
-    g = torch.Generator().manual_seed(4)
-    q, k, v = (torch.randn(1, 6, 2, 32, generator=g, dtype=torch.float64).float().requires_grad_()
-               for _ in range(3))
-    dout = torch.randn(1, 6, 2, 32, generator=g)
-
-    def attention(k_part, v_part):
-        s = torch.einsum("bqhd,bkhd->bhqk", q, k_part) / math.sqrt(32)
-        return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v_part), s.logsumexp(-1)
-
-    parts = [attention(k[:, :2], v[:, :2]), attention(k[:, 2:], v[:, 2:])]
-    merged, _ = hopper_flash.flash_attn_combine(torch.stack([o for o, _ in parts]),
-                                                torch.stack([lse for _, lse in parts]).transpose(-1, -2))
-    grads = torch.autograd.grad((merged * dout).sum(), (q, k, v))
-    full, _ = attention(k, v)
-    full_grads = torch.autograd.grad((full * dout).sum(), (q, k, v))
-    for got, want in zip(grads, full_grads):
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_out_is_written_in_place_and_returned(dtype):
-    out_partial, lse_partial = _partials(3, 2, 4, 2, 64)
-    out = torch.full((2, 4, 2, 64), math.nan, dtype=dtype)
-    got, _ = hopper_flash.flash_attn_combine(out_partial, lse_partial, out=out)
-    ref, _ = _merged_by_rows(out_partial, lse_partial)
-    assert got is out and torch.allclose(out.double(), ref, rtol=1e-2 if dtype != torch.float32 else 1e-5,
-                                         atol=1e-2 if dtype != torch.float32 else 1e-6)
-
-
-def test_it_traces_whole_under_torch_compile():
-    out_partial, lse_partial = _partials(3, 2, 4, 2, 64)
-    compiled = torch.compile(hopper_flash.flash_attn_combine, fullgraph=True, backend="aot_eager")
-    out, lse = compiled(out_partial, lse_partial)
-    ref_out, ref_lse = hopper_flash.flash_attn_combine(out_partial, lse_partial)
-    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
-
-
-def _bad(case):
-    out_partial, lse_partial = _partials(3, 2, 4, 2, 64)
-    kw = {}
-    if case == "partial-dtype":
-        out_partial = out_partial.bfloat16()
-    elif case == "lse-dtype":
-        lse_partial = lse_partial.double()
-    elif case == "partial-rank":
-        out_partial = out_partial[0]
-    elif case == "lse-shape":
-        lse_partial = lse_partial[:, :, :3]
-    elif case == "no-splits":
-        out_partial, lse_partial = out_partial[:0], lse_partial[:0]
-    elif case == "lse-device":
-        lse_partial = lse_partial.to("meta")
-    elif case == "out-dtype":
-        kw["out_dtype"] = torch.int8
-    elif case == "out-shape":
-        kw["out"] = torch.empty(2, 4, 2, 32)
-    elif case == "out-mismatch":
-        kw.update(out=torch.empty(2, 4, 2, 64), out_dtype=torch.bfloat16)
-    elif case == "out-type":
-        kw["out"] = [0.0]
-    return out_partial, lse_partial, kw
-
-
-@pytest.mark.parametrize("case,name", [("partial-dtype", "out_partial"), ("lse-dtype", "lse_partial"),
-                                       ("partial-rank", "out_partial"), ("lse-shape", "lse_partial"),
-                                       ("no-splits", "out_partial"), ("lse-device", "lse_partial"),
-                                       ("out-dtype", "out_dtype"), ("out-shape", "out"), ("out-mismatch", "out"),
-                                       ("out-type", "out")])
-def test_bad_arguments_are_refused_by_name(case, name):
-    out_partial, lse_partial, kw = _bad(case)
-    with pytest.raises((TypeError, ValueError), match=name):
-        hopper_flash.flash_attn_combine(out_partial, lse_partial, **kw)
+@pytest.mark.parametrize("sink_dtype", [None, torch.float32, torch.bfloat16], ids=["no-sink", "sink-fp32", "sink-bf16"])
+def test_combine_merges_the_splits_by_lse(tmp_path, sink_dtype):
+    gen = torch.Generator().manual_seed(0)
+    cases = [(*_partials(*shape[:5], gen), shape[5],
+              None if sink_dtype is None else (torch.randn(shape[3], generator=gen) * 3).to(sink_dtype))
+             for shape in CASES]
+    torch.save(cases, tmp_path / "cases.pt")
+    subprocess.run([sys.executable, "-c", CHILD, ROOT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+                   check=True, capture_output=True, text=True, timeout=600)
+    results = torch.load(tmp_path / "out.pt")
+    for (o, lse, write_lse, sink), (out, lse_out), shape in zip(cases, results, CASES):
+        l64 = lse.double()
+        if sink is not None:  # the sink: one more split, with no output
+            l64 = torch.cat([l64, sink.double().view(1, 1, -1, 1).expand(1, *l64.shape[1:])])
+            o = torch.cat([o, torch.zeros_like(o[:1])])
+        ref_lse = torch.logsumexp(l64, dim=0)  # [B, H, Sq]
+        weights = torch.exp(l64 - ref_lse).nan_to_num(0.0)  # an all-empty row: 0, not NaN
+        # (The unwritten slot's NaN has weight 0: its contribution is 0.)
+        ref = (weights.permute(0, 1, 3, 2)[..., None] * o.double().nan_to_num(0.0)).sum(0)  # [B, Sq, H, D]
+        assert not out.isnan().any(), shape
+        # The merge in fp32, then one conversion to bf16 (the interpreter's
+        # truncates where the GPU's rounds): within one bf16 ulp of the float64 merge.
+        assert ((out.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-6).all(), shape
+        several_rows = shape[1] * shape[2] * shape[3] > 1  # then the last row is all-empty (_partials)
+        if several_rows:
+            assert (out[-1, -1, -1] == 0).all(), shape
+        if write_lse:
+            live = torch.isfinite(ref_lse)
+            assert torch.allclose(lse_out.double()[live], ref_lse[live], rtol=0, atol=1e-5), shape
+            assert (lse_out[~live] == -math.inf).all() and (several_rows or live.all()), shape
+            assert sink is None or live.all(), "with sinks every row has an LSE (the all-empty row's: the sink)"
+        else:
+            assert lse_out is None

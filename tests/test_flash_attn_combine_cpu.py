@@ -1,0 +1,162 @@
+"""``flash_attn_combine`` (FA3's merge of partial attention outputs by their
+LSEs) on the CPU: torch ops, so the same code as on the GPU. Judged against
+float64 references written out here (a row-by-row merge, and attention over
+all the keys against attention over parts of them), never against the
+function's own formula."""
+import math
+
+import pytest
+import torch
+
+import hopper_flash
+from hopper_flash.reference import attention_reference
+
+
+def _partials(splits, batch, seqlen, nheads, d, seed=0):
+    """FA3's test layout: non-contiguous partials (a transposed O, an LSE
+    read from a wider tensor), some rows' later splits empty (-inf) with
+    NaN outputs, which must not be read."""
+    g = torch.Generator().manual_seed(seed)
+    out_partial = torch.randn(splits * 2, batch, nheads, seqlen, d, generator=g).transpose(2, 3)[:splits]
+    lse_partial = torch.randn(splits, batch, nheads * 2, seqlen, generator=g).transpose(-1, -2)[:, :, :, :nheads]
+    lse_partial[splits // 2:, :max(1, batch // 3)] = -math.inf
+    out_partial[splits // 2:, :max(1, batch // 3)] = math.nan
+    return out_partial, lse_partial
+
+
+def _merged_by_rows(out_partial, lse_partial):
+    """The merge row by row in float64 (math.fsum over the parts that saw keys)."""
+    splits, batch, seqlen, nheads, d = out_partial.shape
+    out = torch.zeros(batch, seqlen, nheads, d, dtype=torch.float64)
+    lse = torch.full((batch, seqlen, nheads), -math.inf, dtype=torch.float64)
+    for b in range(batch):
+        for t in range(seqlen):
+            for h in range(nheads):
+                parts = [(float(lse_partial[s, b, t, h]), out_partial[s, b, t, h].double()) for s in range(splits)
+                         if lse_partial[s, b, t, h] > -math.inf]
+                if not parts:
+                    continue
+                top = max(x for x, _ in parts)
+                row_lse = top + math.log(math.fsum(math.exp(x - top) for x, _ in parts))
+                lse[b, t, h] = row_lse
+                for x, o in parts:
+                    out[b, t, h] += math.exp(x - row_lse) * o
+    return out, lse
+
+
+@pytest.mark.parametrize("splits,seqlen,d", [(1, 5, 64), (3, 7, 128), (8, 1, 80), (17, 3, 256)])
+def test_combine_matches_a_row_by_row_merge(splits, seqlen, d):
+    out_partial, lse_partial = _partials(splits, 3, seqlen, 4, d, seed=splits)
+    out, lse = hopper_flash.flash_attn_combine(out_partial, lse_partial)
+    ref_out, ref_lse = _merged_by_rows(out_partial, lse_partial)
+    assert out.dtype == torch.float32 and out.shape == (3, seqlen, 4, d)
+    assert lse.dtype == torch.float32 and lse.shape == (3, seqlen, 4)
+    assert lse.transpose(1, 2).is_contiguous()  # FA3's layout: [batch, nheads, seqlen] transposed
+    assert torch.isfinite(out).all()  # the empty splits' NaN outputs were not read
+    assert torch.allclose(out.double(), ref_out, rtol=1e-5, atol=1e-6)
+    finite = ref_lse > -math.inf
+    assert torch.equal(lse.isfinite(), finite) and torch.allclose(lse.double()[finite], ref_lse[finite], rtol=1e-6)
+
+
+def test_rows_whose_parts_all_saw_no_key_are_zero_with_lse_minus_inf():
+    out_partial, lse_partial = _partials(4, 2, 3, 2, 64)
+    lse_partial[:, 1, 2, 0] = -math.inf
+    out_partial[:, 1, 2, 0] = math.nan
+    out, lse = hopper_flash.flash_attn_combine(out_partial, lse_partial)
+    assert (out[1, 2, 0] == 0).all() and lse[1, 2, 0] == -math.inf
+    assert torch.isfinite(out).all()
+
+
+def test_attention_over_parts_of_the_keys_merges_to_attention_over_all_of_them():
+    """The use it is for (split-KV, ring attention): each part's output and
+    LSE from attention over its keys alone; merged, attention over all keys
+    (float64 references throughout; the partials rounded to float32)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 9, 4, 64, generator=g)
+    k, v = (torch.randn(2, 300, 2, 64, generator=g) for _ in "kv")
+    bounds = [0, 37, 38, 200, 300]  # parts of 37, 1, 162 and 100 keys
+    parts = [attention_reference(q, k[:, a:b], v[:, a:b]) for a, b in zip(bounds, bounds[1:])]
+    out_partial = torch.stack([o for o, _ in parts]).float()
+    lse_partial = torch.stack([lse for _, lse in parts]).float().transpose(-1, -2)  # [splits, B, Sq, H]
+    out, lse = hopper_flash.flash_attn_combine(out_partial, lse_partial, out_dtype=torch.bfloat16)
+    full_out, full_lse = attention_reference(q, k, v)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - full_out).abs().max() <= 2 ** -8 * full_out.abs().max()  # bf16's rounding of the result
+    assert torch.allclose(lse.double(), full_lse.transpose(1, 2), rtol=1e-6, atol=1e-6)
+
+
+def test_it_is_differentiable_as_attention_over_all_keys_is():
+    """Gradients through the merge of two parts' attention (float32 torch
+    attention, autograd) equal those of attention over all the keys."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 6, 2, 32, generator=g, dtype=torch.float64).float().requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(1, 6, 2, 32, generator=g)
+
+    def attention(k_part, v_part):
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k_part) / math.sqrt(32)
+        return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v_part), s.logsumexp(-1)
+
+    parts = [attention(k[:, :2], v[:, :2]), attention(k[:, 2:], v[:, 2:])]
+    merged, _ = hopper_flash.flash_attn_combine(torch.stack([o for o, _ in parts]),
+                                                torch.stack([lse for _, lse in parts]).transpose(-1, -2))
+    grads = torch.autograd.grad((merged * dout).sum(), (q, k, v))
+    full, _ = attention(k, v)
+    full_grads = torch.autograd.grad((full * dout).sum(), (q, k, v))
+    for got, want in zip(grads, full_grads):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_out_is_written_in_place_and_returned(dtype):
+    out_partial, lse_partial = _partials(3, 2, 4, 2, 64)
+    out = torch.full((2, 4, 2, 64), math.nan, dtype=dtype)
+    got, _ = hopper_flash.flash_attn_combine(out_partial, lse_partial, out=out)
+    ref, _ = _merged_by_rows(out_partial, lse_partial)
+    assert got is out and torch.allclose(out.double(), ref, rtol=1e-2 if dtype != torch.float32 else 1e-5,
+                                         atol=1e-2 if dtype != torch.float32 else 1e-6)
+
+
+def test_it_traces_whole_under_torch_compile():
+    out_partial, lse_partial = _partials(3, 2, 4, 2, 64)
+    compiled = torch.compile(hopper_flash.flash_attn_combine, fullgraph=True, backend="aot_eager")
+    out, lse = compiled(out_partial, lse_partial)
+    ref_out, ref_lse = hopper_flash.flash_attn_combine(out_partial, lse_partial)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def _bad(case):
+    out_partial, lse_partial = _partials(3, 2, 4, 2, 64)
+    kw = {}
+    if case == "partial-dtype":
+        out_partial = out_partial.bfloat16()
+    elif case == "lse-dtype":
+        lse_partial = lse_partial.double()
+    elif case == "partial-rank":
+        out_partial = out_partial[0]
+    elif case == "lse-shape":
+        lse_partial = lse_partial[:, :, :3]
+    elif case == "no-splits":
+        out_partial, lse_partial = out_partial[:0], lse_partial[:0]
+    elif case == "lse-device":
+        lse_partial = lse_partial.to("meta")
+    elif case == "out-dtype":
+        kw["out_dtype"] = torch.int8
+    elif case == "out-shape":
+        kw["out"] = torch.empty(2, 4, 2, 32)
+    elif case == "out-mismatch":
+        kw.update(out=torch.empty(2, 4, 2, 64), out_dtype=torch.bfloat16)
+    elif case == "out-type":
+        kw["out"] = [0.0]
+    return out_partial, lse_partial, kw
+
+
+@pytest.mark.parametrize("case,name", [("partial-dtype", "out_partial"), ("lse-dtype", "lse_partial"),
+                                       ("partial-rank", "out_partial"), ("lse-shape", "lse_partial"),
+                                       ("no-splits", "out_partial"), ("lse-device", "lse_partial"),
+                                       ("out-dtype", "out_dtype"), ("out-shape", "out"), ("out-mismatch", "out"),
+                                       ("out-type", "out")])
+def test_bad_arguments_are_refused_by_name(case, name):
+    out_partial, lse_partial, kw = _bad(case)
+    with pytest.raises((TypeError, ValueError), match=name):
+        hopper_flash.flash_attn_combine(out_partial, lse_partial, **kw)
