@@ -140,6 +140,20 @@ def check_fa3_options(*, qv=None, q_descale=None, k_descale=None, v_descale=None
         raise TypeError(f"pack_gqa must be None or a bool, got {type(pack_gqa).__name__}")
 
 
+def check_scheduler_metadata(scheduler_metadata) -> None:
+    """FA3's ``scheduler_metadata`` (``get_scheduler_metadata``'s precomputed
+    schedule): None, or an int32 tensor, accepted and not read. It only
+    tells FA3 how to split the work, never what the attention is, and
+    hopper_flash plans each call itself; so code written for FA3's
+    schedules (vLLM, SGLang) runs unchanged."""
+    if scheduler_metadata is None:
+        return
+    if not isinstance(scheduler_metadata, torch.Tensor) or scheduler_metadata.dtype != torch.int32:
+        got = scheduler_metadata.dtype if isinstance(scheduler_metadata, torch.Tensor) else \
+            type(scheduler_metadata).__name__
+        raise TypeError(f"scheduler_metadata must be None or an int32 tensor (get_scheduler_metadata's), got {got}")
+
+
 # FA3's options (qv, the three descales, attention_chunk, sm_margin) as the common call leaves
 # them: one tuple comparison passes it.
 FA3_DEFAULTS = (None, None, None, None, 0, 0)

@@ -258,7 +258,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            check_contract=None, dropout_p=0.0, window_size=(-1, -1), softcap=0.0,
                            alibi_slopes=None, return_attn_probs=False, block_table=None, learnable_sink=None,
                            num_splits=0, qv=None, q_descale=None, k_descale=None, v_descale=None, attention_chunk=0,
-                           pack_gqa=None, sm_margin=0):
+                           pack_gqa=None, sm_margin=0, scheduler_metadata=None):
     """Exact attention over a packed batch of sequences of different lengths,
     flash-attn compatible (``flash_attn_varlen_func``).
 
@@ -325,6 +325,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             (None, 0) only. ``pack_gqa``: FA3's hint, checked (None or a
             bool) but not honoured: the varlen mode packs a GQA group's
             queries by FA3's own rule (every power-of-two group).
+            ``scheduler_metadata``: FA3's precomputed schedule
+            (``get_scheduler_metadata``), None or an int32 tensor, accepted
+            and not read (each call is planned here; the schedule never
+            changes the result).
 
     **Caller's contract** (as in flash-attn, unchecked by default since only
     the device knows the values): ``cu_seqlens_*`` start at 0, never
@@ -348,6 +352,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         chunk = chunked.check_attention_chunk(attention_chunk)
         checks.check_fa3_options(qv=qv, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
                                  sm_margin=sm_margin, pack_gqa=pack_gqa)
+    if scheduler_metadata is not None:
+        checks.check_scheduler_metadata(scheduler_metadata)  # (accepted, not read: each call is planned here)
     if chunk:
         return _chunked_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, chunk,
                                seqused_q=seqused_q, seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
@@ -483,3 +489,22 @@ def _chunked_paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     cu_k = torch.arange(block_table.shape[0] + 1, dtype=torch.int32, device=q.device) * rows
     return _chunked_varlen(q, k_rows, v_rows, cu_seqlens_q, cu_k, max_seqlen_q, min(max_seqlen_k, rows), chunk,
                            seqused_q=seqused_q, seqused_k=lens, deterministic=False, block_table=None, **common)
+
+
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                           cache_seqlens: torch.Tensor, qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None,
+                           cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0,
+                           causal=False, window_size=(-1, -1), attention_chunk=0, has_softcap=False, num_splits=0,
+                           pack_gqa=None, sm_margin=0) -> torch.Tensor:
+    """FlashAttention-3's ``get_scheduler_metadata``, the same arguments:
+    FA3 precomputes a call's schedule (its split counts) once per step and
+    passes it to every layer's ``flash_attn_with_kvcache`` /
+    ``flash_attn_varlen_func`` as ``scheduler_metadata``. hopper_flash plans
+    each call itself, from host values and without a sync, so there is
+    nothing to precompute: this returns an empty int32 tensor on
+    ``cache_seqlens``' device, which both functions accept and do not read
+    (code written for FA3, vLLM's and SGLang's, runs unchanged; a copy into
+    a persistent buffer of any length works)."""
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be a torch.Tensor (int32 [batch]), got {type(cache_seqlens).__name__}")
+    return torch.empty(0, dtype=torch.int32, device=cache_seqlens.device)

@@ -703,10 +703,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
             chunk then starts at a page); otherwise each row's pages are
             copied into a contiguous row first (correct, not at memory
             speed).
-        qv, rotary_seqlens, q_descale, k_descale, v_descale,
-            scheduler_metadata, sm_margin:
+        qv, rotary_seqlens, q_descale, k_descale, v_descale, sm_margin:
             FlashAttention-3's options, accepted at their no-op values (None,
             0) only; other values raise ``NotImplementedError``.
+        scheduler_metadata: FA3's precomputed schedule
+            (``get_scheduler_metadata``): None or an int32 tensor, accepted
+            and not read (every call is planned here; the schedule never
+            changes the result).
         num_splits: KV splits (0: heuristic); pack_gqa: None = heuristic.
         return_softmax_lse: also return the LSE ``[batch, nheads, seqlen_q]``
             (packed queries: ``[nheads, total_q]``).
@@ -728,9 +731,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                                  sm_margin=sm_margin)
     if rotary_seqlens is not None:
         raise NotImplementedError("rotary_seqlens must be None (the rotary embedding starts at cache_seqlens)")
-    if scheduler_metadata is not None:
-        raise NotImplementedError("scheduler_metadata must be None (FA3's precomputed schedule: hopper_flash "
-                                  "plans each call itself)")
+    checks.check_scheduler_metadata(scheduler_metadata)  # (accepted, not read: each call is planned here)
     if cu_seqlens_k_new is not None and k is not None:
         raise NotImplementedError("cu_seqlens_k_new (packed new keys) is not supported: pass k and v as "
                                   "[batch, seqlen_new, nheads_kv, headdim], or write them into the cache first")

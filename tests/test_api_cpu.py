@@ -736,9 +736,27 @@ def test_fa3_options_at_their_no_op_values_pass():
             call(pack_gqa=1)
 
 
-def test_kvcache_refuses_fa3_schedule_and_rotary_positions_by_name():
+def test_kvcache_refuses_rotary_positions_by_name():
     q, k, v = qkv()
-    with pytest.raises(NotImplementedError, match=r"scheduler_metadata must be None"):
-        hopper_flash.flash_attn_with_kvcache(q, k, v, scheduler_metadata=torch.zeros(4, dtype=torch.int32))
     with pytest.raises(NotImplementedError, match=r"rotary_seqlens must be None"):
         hopper_flash.flash_attn_with_kvcache(q, k, v, rotary_seqlens=torch.zeros(1, dtype=torch.int32))
+
+
+def test_fa3_schedules_are_accepted_and_not_read():
+    """FA3's ``scheduler_metadata`` (an int32 tensor from its
+    ``get_scheduler_metadata``; hopper_flash's returns an empty one) passes
+    on the functions FA3 gives it to, and the call goes on to its next
+    check; anything but None or an int32 tensor is refused by name."""
+    q, k, v = qkv()
+    empty = hopper_flash.get_scheduler_metadata(B, S, S, H, H, D, torch.full((B,), S, dtype=torch.int32))
+    assert empty.dtype == torch.int32 and empty.numel() == 0 and empty.device == q.device
+    calls = [call for name, call in _fa3_calls() if name != "flash_attn_func"]  # (FA3's flash_attn_func has none)
+    for call in calls:
+        for metadata in (empty, torch.arange(9, dtype=torch.int32)):
+            with pytest.raises(ValueError, match="q must be a CUDA tensor"):
+                call(scheduler_metadata=metadata)
+        for bad in (torch.zeros(4), [0, 1]):
+            with pytest.raises(TypeError, match="scheduler_metadata must be None or an int32 tensor"):
+                call(scheduler_metadata=bad)
+    with pytest.raises(TypeError, match="cache_seqlens must be a torch.Tensor"):
+        hopper_flash.get_scheduler_metadata(B, 1, S, H, H, D, [S] * B)
