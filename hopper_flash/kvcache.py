@@ -731,7 +731,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                                  sm_margin=sm_margin)
     if rotary_seqlens is not None:
         raise NotImplementedError("rotary_seqlens must be None (the rotary embedding starts at cache_seqlens)")
-    checks.check_scheduler_metadata(scheduler_metadata)  # (accepted, not read: each call is planned here)
+    if scheduler_metadata is not None:
+        checks.check_scheduler_metadata(scheduler_metadata)  # (accepted, not read: each call is planned here)
     if cu_seqlens_k_new is not None and k is not None:
         raise NotImplementedError("cu_seqlens_k_new (packed new keys) is not supported: pass k and v as "
                                   "[batch, seqlen_new, nheads_kv, headdim], or write them into the cache first")
