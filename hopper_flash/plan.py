@@ -233,9 +233,10 @@ class Mode:
     # (``max_seqlen_q`` 1): q restrided by token, ``[total_q, g, Hkv, D]``,
     # no copy (``kernel_q``; kernels/forward.py, ``Q_TOKENS``).
     q_tokens: bool = False
-    # A packed view copied by the kernel, row by row from q itself
-    # (contiguous, of the kernel's head dim; kernels/forward.py, ``Q_ROWS``):
-    # no packed copy of q, at any query length of a packed batch, past one
+    # A packed view copied by the kernel, row by row from q itself (of the
+    # kernel's head dim, a token's heads adjacent, its tokens a whole number
+    # of head dims apart: ``rows_of_q``; kernels/forward.py, ``Q_ROWS``): no
+    # packed copy of q, at any query length of a packed batch, past one
     # query per row of a fixed-length one.
     q_rows: bool = False
     # Split-KV: fp32 partials merged by kernels/combine.py.
