@@ -190,15 +190,18 @@ def test_kvcache_prepared_calls_gpu(monkeypatch, layout, c_on, chunk):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("chunk", [0, 1024], ids=["plain", "chunk1024"])
 @pytest.mark.parametrize("layout", ["contiguous", "pages64"])
 @pytest.mark.parametrize("c_on", ["0", "1"], ids=["python", "c"])
-def test_kvcache_prepared_calls_with_an_append_gpu(monkeypatch, layout, c_on):
+def test_kvcache_prepared_calls_with_an_append_gpu(monkeypatch, layout, c_on, chunk):
     """Prepared calls with new keys (flash-attn's decode idiom): each call's
     two new keys land at its ``cache_seqlens`` (the positions were NaN
     before) and its attention reads the lengths after them; judged against
     float64 over the cache as it should be; the last call bit-equal to the
     full path's on the same inputs; a captured prepared call replayed with
-    new lengths writes the keys there and attends over them."""
+    new lengths writes the keys there and attends over them. With
+    ``chunk``, chunked decode steps (``attention_chunk``): each row's last
+    chunk counted from the lengths after the append."""
     monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", c_on)
     monkeypatch.setattr(plan, "_PREPARED", {})
     planned = []
@@ -226,21 +229,22 @@ def test_kvcache_prepared_calls_with_an_append_gpu(monkeypatch, layout, c_on):
     for call, lens in enumerate(([4100, 17, 2, 3], [2, 4096, 300, 5], [4097, 2, 129, 4200], [33, 3001, 4200, 7])):
         kw, judged = inputs(lens, seed=10 * call)
         planned.clear()
-        out = hopper_flash.flash_attn_with_kvcache(**kw, causal=True)
+        out = hopper_flash.flash_attn_with_kvcache(**kw, causal=True, attention_chunk=chunk)
         if call == 0:
             assert planned, "the first call of a signature was not planned"
         elif call >= 2:
             assert not planned, f"call {call} was not prepared"
-        bad = [r.message for r in check_kvcache(out, *judged, lens, causal=True) if not r]
+        bad = [r.message for r in check_kvcache(out, *judged, lens, causal=True, starts=_starts(kw, lens, chunk))
+               if not r]
         assert not bad, (call, bad)
     assert (_prepared_launches()[0].c_state is not None) == (c_on == "1")
     prepared = plan._PREPARED.copy()
     plan._PREPARED.clear()
-    full = hopper_flash.flash_attn_with_kvcache(**kw, causal=True)  # appends the same keys again, in place
+    full = hopper_flash.flash_attn_with_kvcache(**kw, causal=True, attention_chunk=chunk)  # the same keys, in place
     assert torch.equal(out, full)
     plan._PREPARED.update(prepared)
     planned.clear()
-    graph, g_out = capture(lambda: hopper_flash.flash_attn_with_kvcache(**kw, causal=True))
+    graph, g_out = capture(lambda: hopper_flash.flash_attn_with_kvcache(**kw, causal=True, attention_chunk=chunk))
     assert not planned  # captured through the prepared call
     new_cs = [10, 2000, 3000, 0]
     kw["cache_seqlens"].copy_(torch.tensor(new_cs, dtype=torch.int32))
@@ -250,7 +254,9 @@ def test_kvcache_prepared_calls_with_an_append_gpu(monkeypatch, layout, c_on):
     kc, vc = kc.clone(), vc.clone()
     for b, n in enumerate(new_cs):  # the cache as the replay leaves it
         kc[b, n:n + s_new], vc[b, n:n + s_new] = kw["k"][b], kw["v"][b]
-    bad = [r.message for r in check_kvcache(g_out, q, kc, vc, [n + s_new for n in new_cs], causal=True) if not r]
+    new_lens = [n + s_new for n in new_cs]
+    bad = [r.message for r in check_kvcache(g_out, q, kc, vc, new_lens, causal=True,
+                                            starts=_starts(kw, new_lens, chunk)) if not r]
     assert not bad, bad
 
 
