@@ -16,18 +16,22 @@ Nothing on this path reads a device value on the host, so a step can be
 captured in a CUDA graph and replayed with new ``cache_seqlens``.
 
 **Prepared calls.** An eager call without rotary embedding, packed
-queries, chunking, sinks or contract check whose arguments have the
-signature of one that ran before (``prepared_key``: every tensor's shape,
-strides, dtype, device and 16-byte alignment, and the Python values; a
-contiguous cache's length and the strides that follow it left free, as
-``flash_attn_func``'s key leaves k's) skips the checks and the plan and
-launches the kernels it launched then for its KV tile count
-(``plan.PreparedForward``, from C where it can), with this call's
-addresses, cache length and strides: as ``flash_attn_func``'s eager calls
-do. A cache that grows a key per step (a view ``k_cache[:, :L]``, or
-transformers' caches re-made one key longer) keeps its prepared call. With ``k``/``v`` the
-append runs first, as on the full path, and the attention reads the
-lengths after it. A decode loop without CUDA graphs pays that per layer
+queries, chunking (but for a decode step: below), sinks or contract check
+whose arguments have the signature of one that ran before
+(``prepared_key``: every tensor's shape, strides, dtype, device and
+16-byte alignment, and the Python values; a contiguous cache's length and
+the strides that follow it left free, as ``flash_attn_func``'s key leaves
+k's) skips the checks and the plan and launches the kernels it launched
+then for its KV tile count (``plan.PreparedForward``, from C where it
+can), with this call's addresses, cache length and strides: as
+``flash_attn_func``'s eager calls do. A cache that grows a key per step (a
+view ``k_cache[:, :L]``, or transformers' caches re-made one key longer)
+keeps its prepared call. With ``k``/``v`` the append runs first, as on the
+full path, and the attention reads the lengths after it. A chunked decode
+step (``attention_chunk``, one query per row: the decode route over each
+row's last chunk, ``kvcache_forward_validated``) derives that chunk from
+its own lengths first, in one small launch (``kernels/last_chunk.py``), as
+the full path does. A decode loop without CUDA graphs pays that per layer
 and step.
 
 **Caller's contract** (as in flash-attn; not checked by default because
@@ -40,6 +44,7 @@ covers a live key is a valid page index. Pass ``check_contract=True`` (or set
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -337,7 +342,7 @@ def _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rot
 
 
 def prepared_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
-                 num_splits, pack_gqa, return_lse, window, softcap, cache_leftpad=None) -> tuple | None:
+                 num_splits, pack_gqa, return_lse, window, softcap, cache_leftpad=None, chunk: int = 0) -> tuple | None:
     """The signature of a call that may take a prepared launch (the module
     docstring): what ``validate_kvcache`` and the plan read of it, the
     pointers' 16-byte alignment (the kernels specialise on it) included,
@@ -368,7 +373,7 @@ def prepared_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
     except (RuntimeError, TypeError, ValueError):  # (ValueError: not 4-D, _kv_class; the checks name it)
         return None
     return ("kvcache", *cache, *parts, type(softmax_scale), softmax_scale, type(causal), causal, num_splits,
-            type(pack_gqa), pack_gqa, return_lse, window, softcap)
+            type(pack_gqa), pack_gqa, return_lse, window, softcap, chunk)
 
 
 def _lengths_after_append(cache_seqlens, s_new: int):
@@ -414,6 +419,13 @@ def prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v
             _append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, None)
         seqused = _lengths_after_append(cache_seqlens, k.shape[1])
     layout = call.cache
+    if layout.chunk:  # a chunked decode step: its rows' last chunks, from this call's lengths (the full path's way)
+        with plan.on_device(q):
+            if layout.paged:
+                seqused, page_table = chunked.last_chunk_pages(seqused, layout.chunk, page_table, k_cache.shape[1],
+                                                               layout.chunk_width)
+            else:
+                cache_leftpad = chunked.last_chunk_leftpad(seqused, layout.chunk, cache_leftpad)
     return call(q, k_cache, v_cache, (seqused.data_ptr(), cache_batch_idx.data_ptr() if layout.kv_batch else None,
                                       page_table.data_ptr() if layout.paged else None,
                                       cache_leftpad.data_ptr() if layout.leftpad else None), launch)
@@ -508,14 +520,17 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     if s_new or rotary is not None:
         with plan.on_device(q):
             q = _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary)
+    last_chunk = None  # (chunk, the shifted table's width): the decode route over each row's last chunk
     if chunk and capacity and seqlen_q == 1 and not packed:
         # One query per row sees its row's last chunk alone: the decode route
         # over the keys from that chunk's start (a left pad; pages: the
         # table shifted by it, where every chunk starts at a page).
         if page_table is None:
+            last_chunk = (chunk, 0)
             cache_leftpad, chunk = chunked.last_chunk_leftpad(seqused, chunk, cache_leftpad), 0
         elif chunk % k_cache.shape[1] == 0 and page_plan(k_cache.shape[1], head_dim, k_cache, v_cache):
             width = min(page_table.shape[1], chunk // k_cache.shape[1])
+            last_chunk = (chunk, width)
             seqused, page_table = chunked.last_chunk_pages(seqused, chunk, page_table, k_cache.shape[1], width)
             chunk = 0
     if chunk and capacity:
@@ -566,8 +581,14 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     if prepare_key is not None and q.device.type == checks._PASSED_DEVICE_TYPE:
         # Prepared at the signature's second launch (plan.sighted), the first
         # counting even where it went through the JIT; only after a direct one.
-        layout = _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqlens, cache_seqlens, cache_leftpad,
-                                  caller_leftpad)
+        if last_chunk is None:
+            layout = _prepared_layout(cfg, kc, pt, page_table, cache_batch_idx, seqlens, cache_seqlens, cache_leftpad,
+                                      caller_leftpad)
+        else:  # (the last chunks' lengths, table and pads are derived per call: prepared_call derives its own)
+            layout = _prepared_layout(cfg, kc, pt, pt, cache_batch_idx, seqlens, cache_seqlens, cache_leftpad,
+                                      cache_leftpad)
+            if layout is not None:
+                layout = dataclasses.replace(layout, chunk=last_chunk[0], chunk_width=last_chunk[1])
         if layout is not None and plan.sighted(prepare_key) and lp is not None:
             plan.remember_prepared(prepare_key, lp, q, kc, out, lse, softmax_scale, softcap, cache=layout)
     return out, lse
@@ -764,11 +785,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
                                chunk)
         return (out, lse) if return_softmax_lse else out
     key = None
-    if (rotary_cos is None and rotary_sin is None and cu_seqlens_q is None and not chunk
+    if (rotary_cos is None and rotary_sin is None and cu_seqlens_q is None
+            and (not chunk or isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] == 1)
             and learnable_sink is None and isinstance(cache_seqlens, torch.Tensor)
             and not _contract_checked(check_contract)):
+        # (A chunked call is prepared only as a decode step: one query per row.)
         key = prepared_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale,
-                           causal, num_splits, pack_gqa, bool(return_softmax_lse), window, softcap, cache_leftpad)
+                           causal, num_splits, pack_gqa, bool(return_softmax_lse), window, softcap, cache_leftpad,
+                           chunk)
         if key is not None:
             result = prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v_cache, k, v,
                                    cache_leftpad)

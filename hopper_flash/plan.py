@@ -1155,13 +1155,22 @@ class CacheLayout:
     ``flash_attn_func``'s prepared calls pass k's length), whether the cache
     rows, the page table and left pads (``cache_leftpad``) are read, and the
     page table's row stride. Per call the addresses change: the lengths',
-    the rows', the table's, the pads'."""
+    the rows', the table's, the pads'.
+
+    ``chunk``: a chunked decode step's (FA3's ``attention_chunk``, one query
+    per row; ``kvcache.kvcache_forward_validated``): each call first derives
+    its rows' last chunks from its own lengths (``chunked.last_chunk_leftpad``,
+    a contiguous cache's left pads; ``chunked.last_chunk_pages``, a paged
+    cache's lengths and a table ``chunk_width`` pages wide) and the launch
+    reads those. 0: none."""
 
     seqlen_k: int
     kv_batch: bool
     paged: bool
     page_stride: int
     leftpad: bool = False
+    chunk: int = 0
+    chunk_width: int = 0
 
 
 def _slots(template) -> tuple[tuple[int, int], ...]:

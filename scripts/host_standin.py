@@ -10,6 +10,8 @@ overhead without device time; the GPU machine's figures come from
     python scripts/host_standin.py --varlen [-p]        one continuous-batching step's flash_attn_varlen_func
                                                         call (64 decodes + a 512-query chunk), split heuristic
                                                         on and off
+    python scripts/host_standin.py --chunk [-p]         a chunked decode step's flash_attn_with_kvcache call
+                                                        (attention_chunk): prepared, and the full path
     python scripts/host_standin.py --skew [-p]          a skewed packed decode (64 over 1024 keys, 1 over
                                                         65536): unsplit, uniform 8 splits, split table
     python scripts/host_standin.py --backward [-p]      a B1 H1 S128 D128 causal backward through
@@ -104,6 +106,39 @@ if "--skew" in sys.argv:
     for splits in (1, 8, 0):
         f = lambda: hopper_flash.flash_attn_varlen_func(q, k, v, cq, ck, 1, 65536, causal=True, num_splits=splits)
         print(f"skewed varlen call (num_splits={splits}), CPU stand-in: {timed(f, 2000):.1f} us")
+    profile_if_asked(f, 2000)
+    sys.exit(0)
+
+if "--chunk" in sys.argv:
+    # A chunked decode step (flash_attn_with_kvcache(attention_chunk=8192),
+    # chunk_decode_probe's row): B8 H40/8 D128 over 32768 keys, contiguous
+    # and in pages of 64 and 256; prepared (this tree) and the full path
+    # every call (what a tree without prepared chunked calls runs). On the
+    # CPU each row's last chunk is a few torch ops, on the GPU one launch;
+    # the argument checks are stubbed (they refuse CPU tensors), so the full
+    # path's figure lacks their cost.
+    import hopper_flash
+    from hopper_flash import kvcache
+    kvcache.validate_kvcache = lambda q, *a, **kw: q.shape[-1] ** -0.5
+    from hopper_flash.reference import paged_cache
+    b, cap, chunk = 8, 32768, 8192
+    q = torch.randn(b, 1, 40, 128).to(torch.bfloat16)
+    kc = torch.randn(b, cap, 8, 128).to(torch.bfloat16); vc = torch.randn_like(kc)
+    lens = torch.full((b,), cap, dtype=torch.int32)
+    layouts = {"contiguous": dict(k_cache=kc, v_cache=vc)}
+    for page in (64, 256):
+        kp, vp, pt = paged_cache(kc, vc, page)
+        layouts[f"pages of {page}"] = dict(k_cache=kp, v_cache=vp, page_table=pt)
+    real = kvcache.prepared_call
+    for name, kw in layouts.items():
+        f = lambda: hopper_flash.flash_attn_with_kvcache(q, **kw, cache_seqlens=lens, causal=True,
+                                                         attention_chunk=chunk)
+        kvcache.prepared_call = real
+        prepared = timed(f, 2000)
+        kvcache.prepared_call = lambda *a, **k: None
+        full = timed(f, 2000)
+        print(f"chunked decode step, {name}, CPU stand-in: prepared {prepared:.1f} us, full path {full:.1f} us")
+    kvcache.prepared_call = real
     profile_if_asked(f, 2000)
     sys.exit(0)
 

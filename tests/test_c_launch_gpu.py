@@ -122,20 +122,32 @@ def _kvcache_inputs(layout, lens, seed):
     return kw, (q, kc[:batch], vc[:batch])
 
 
-def _starts(kw):
-    """The judge's ``starts`` (``check_kvcache``): the left pads, or None."""
-    return kw["cache_leftpad"].tolist() if "cache_leftpad" in kw else None
+def _starts(kw, lens=None, chunk: int = 0):
+    """The judge's ``starts`` (``check_kvcache``): the left pads, or None;
+    under chunked attention (``attention_chunk``, one query per row) each
+    row's keys from its last chunk's start on, counted from its pad."""
+    pads = kw["cache_leftpad"].tolist() if "cache_leftpad" in kw else None
+    if not chunk:
+        return pads
+    return [p + max(n - p - 1, 0) // chunk * chunk for p, n in zip(pads or [0] * len(lens), lens)]
 
 
+@pytest.mark.parametrize("chunk", [0, 1024], ids=["plain", "chunk1024"])
 @pytest.mark.parametrize("layout", ["contiguous", "rows", "pages64", "pages256", "view5", "view5-48", "leftpad"])
 @pytest.mark.parametrize("c_on", ["0", "1"], ids=["python", "c"])
-def test_kvcache_prepared_calls_gpu(monkeypatch, layout, c_on):
+def test_kvcache_prepared_calls_gpu(monkeypatch, layout, c_on, chunk):
     """flash_attn_with_kvcache's prepared calls (``kvcache`` docstring): from
     the third call of a signature on, no checks and no plan, the launch
     replayed with each call's own q, caches, lengths, rows, pages and left
     pads; every
     output judged against float64 and bit-equal to the full path's on the
-    same inputs; a captured prepared call replays with new lengths."""
+    same inputs; a captured prepared call replays with new lengths. With
+    ``chunk``, chunked decode steps (``attention_chunk``), whose prepared
+    calls derive each row's last chunk per call: the lengths cross chunk
+    boundaries, and the judge reads each row's keys from its last chunk's
+    start (the keys before it are live, and must not be seen)."""
+    if chunk and layout == "view5-48":
+        pytest.skip("48 queries per row: chunked attention over the varlen mode, never prepared")
     monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", c_on)
     monkeypatch.setattr(plan, "_PREPARED", {})
     planned = []
@@ -145,47 +157,51 @@ def test_kvcache_prepared_calls_gpu(monkeypatch, layout, c_on):
     for call, lens in enumerate(([4100, 17, 1, 0], [1, 4096, 300, 2], [4097, 0, 129, 4200], [33, 3001, 4200, 7])):
         kw, judged = _kvcache_inputs(layout, lens, seed=10 * call)
         planned.clear()
-        res = hopper_flash.flash_attn_with_kvcache(**kw, causal=True, return_softmax_lse=lse_on)
+        res = hopper_flash.flash_attn_with_kvcache(**kw, causal=True, return_softmax_lse=lse_on,
+                                                   attention_chunk=chunk)
         out, lse = res if lse_on else (res, None)
         # The first call is planned (JIT or direct); the second at the latest prepares the signature.
         if call == 0:
             assert planned, "the first call of a signature was not planned"
         elif call >= 2:
             assert not planned, f"call {call} was not prepared"
-        bad = [r.message for r in check_kvcache(out, *judged, lens, causal=True, lse=lse, starts=_starts(kw))
-               if not r]
+        bad = [r.message for r in check_kvcache(out, *judged, lens, causal=True, lse=lse,
+                                                starts=_starts(kw, lens, chunk)) if not r]
         assert not bad, (call, bad)
     launches = _prepared_launches()
     assert len(launches) == 1 and (launches[0].c_state is not None) == (c_on == "1")
     prepared = plan._PREPARED.copy()
     plan._PREPARED.clear()
-    full = hopper_flash.flash_attn_with_kvcache(**kw, causal=True, return_softmax_lse=lse_on)
+    full = hopper_flash.flash_attn_with_kvcache(**kw, causal=True, return_softmax_lse=lse_on, attention_chunk=chunk)
     for a, b in zip(res if lse_on else (res,), full if lse_on else (full,)):
         assert torch.equal(a, b)
     plan._PREPARED.update(prepared)
     planned.clear()
-    graph, g_res = capture(lambda: hopper_flash.flash_attn_with_kvcache(**kw, causal=True,
-                                                                       return_softmax_lse=lse_on))
+    graph, g_res = capture(lambda: hopper_flash.flash_attn_with_kvcache(**kw, causal=True, return_softmax_lse=lse_on,
+                                                                       attention_chunk=chunk))
     assert not planned  # captured through the prepared call
     new_lens = [30, 3000, 4000, 3]  # at most the captured call's, whose caches are NaN past those (and before
     kw["cache_seqlens"].copy_(torch.tensor(new_lens, dtype=torch.int32))  # its left pads, at most these)
     graph.replay()
     torch.cuda.synchronize()
     g_out, g_lse = g_res if lse_on else (g_res, None)
-    bad = [r.message for r in check_kvcache(g_out, *judged, new_lens, causal=True, lse=g_lse, starts=_starts(kw))
-           if not r]
+    bad = [r.message for r in check_kvcache(g_out, *judged, new_lens, causal=True, lse=g_lse,
+                                            starts=_starts(kw, new_lens, chunk)) if not r]
     assert not bad, bad
 
 
+@pytest.mark.parametrize("chunk", [0, 1024], ids=["plain", "chunk1024"])
 @pytest.mark.parametrize("layout", ["contiguous", "pages64"])
 @pytest.mark.parametrize("c_on", ["0", "1"], ids=["python", "c"])
-def test_kvcache_prepared_calls_with_an_append_gpu(monkeypatch, layout, c_on):
+def test_kvcache_prepared_calls_with_an_append_gpu(monkeypatch, layout, c_on, chunk):
     """Prepared calls with new keys (flash-attn's decode idiom): each call's
     two new keys land at its ``cache_seqlens`` (the positions were NaN
     before) and its attention reads the lengths after them; judged against
     float64 over the cache as it should be; the last call bit-equal to the
     full path's on the same inputs; a captured prepared call replayed with
-    new lengths writes the keys there and attends over them."""
+    new lengths writes the keys there and attends over them. With
+    ``chunk``, chunked decode steps (``attention_chunk``): each row's last
+    chunk counted from the lengths after the append."""
     monkeypatch.setenv("HOPPER_FLASH_C_LAUNCH", c_on)
     monkeypatch.setattr(plan, "_PREPARED", {})
     planned = []
@@ -213,21 +229,22 @@ def test_kvcache_prepared_calls_with_an_append_gpu(monkeypatch, layout, c_on):
     for call, lens in enumerate(([4100, 17, 2, 3], [2, 4096, 300, 5], [4097, 2, 129, 4200], [33, 3001, 4200, 7])):
         kw, judged = inputs(lens, seed=10 * call)
         planned.clear()
-        out = hopper_flash.flash_attn_with_kvcache(**kw, causal=True)
+        out = hopper_flash.flash_attn_with_kvcache(**kw, causal=True, attention_chunk=chunk)
         if call == 0:
             assert planned, "the first call of a signature was not planned"
         elif call >= 2:
             assert not planned, f"call {call} was not prepared"
-        bad = [r.message for r in check_kvcache(out, *judged, lens, causal=True) if not r]
+        bad = [r.message for r in check_kvcache(out, *judged, lens, causal=True, starts=_starts(kw, lens, chunk))
+               if not r]
         assert not bad, (call, bad)
     assert (_prepared_launches()[0].c_state is not None) == (c_on == "1")
     prepared = plan._PREPARED.copy()
     plan._PREPARED.clear()
-    full = hopper_flash.flash_attn_with_kvcache(**kw, causal=True)  # appends the same keys again, in place
+    full = hopper_flash.flash_attn_with_kvcache(**kw, causal=True, attention_chunk=chunk)  # the same keys, in place
     assert torch.equal(out, full)
     plan._PREPARED.update(prepared)
     planned.clear()
-    graph, g_out = capture(lambda: hopper_flash.flash_attn_with_kvcache(**kw, causal=True))
+    graph, g_out = capture(lambda: hopper_flash.flash_attn_with_kvcache(**kw, causal=True, attention_chunk=chunk))
     assert not planned  # captured through the prepared call
     new_cs = [10, 2000, 3000, 0]
     kw["cache_seqlens"].copy_(torch.tensor(new_cs, dtype=torch.int32))
@@ -237,7 +254,9 @@ def test_kvcache_prepared_calls_with_an_append_gpu(monkeypatch, layout, c_on):
     kc, vc = kc.clone(), vc.clone()
     for b, n in enumerate(new_cs):  # the cache as the replay leaves it
         kc[b, n:n + s_new], vc[b, n:n + s_new] = kw["k"][b], kw["v"][b]
-    bad = [r.message for r in check_kvcache(g_out, q, kc, vc, [n + s_new for n in new_cs], causal=True) if not r]
+    new_lens = [n + s_new for n in new_cs]
+    bad = [r.message for r in check_kvcache(g_out, q, kc, vc, new_lens, causal=True,
+                                            starts=_starts(kw, new_lens, chunk)) if not r]
     assert not bad, bad
 
 

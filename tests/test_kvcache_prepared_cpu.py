@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_direct_launch_cpu import META, fakes, remembering  # noqa: F401  (fixtures)
 
-from hopper_flash import kvcache, launcher, plan
+from hopper_flash import chunked, kvcache, launcher, plan
 from hopper_flash.kernels import forward
 
 ROWS = 4  # cache rows where cache_batch_idx picks them
@@ -200,7 +200,7 @@ def test_a_prepared_call_that_cannot_serve_does_not_append(counted, monkeypatch)
 
 
 @pytest.mark.parametrize("change", ["lengths-misaligned", "table-width", "scale", "window", "contract", "append",
-                                    "leftpad", "leftpad-misaligned"])
+                                    "leftpad", "leftpad-misaligned", "chunk"])
 def test_a_call_unlike_the_prepared_one_takes_the_full_path(counted, change, monkeypatch):
     """A call that differs from the prepared one in what the checks or the
     plan read, or that the prepared launch cannot replay, takes the full path."""
@@ -229,6 +229,8 @@ def test_a_call_unlike_the_prepared_one_takes_the_full_path(counted, change, mon
         args["cache_leftpad"] = torch.zeros(2, dtype=torch.int32)
     elif change == "leftpad-misaligned":  # copied per call to align them: never the caller's
         args["cache_leftpad"] = torch.zeros(5, dtype=torch.int32)[1:3].copy_(args["cache_leftpad"])
+    elif change == "chunk":  # chunked attention: another signature (its own prepared call, derived per call)
+        kw["attention_chunk"] = 1024
     elif change == "append":  # new keys: another signature
         kw["k"] = kw["v"] = torch.randn(2, 1, 2, 128).to(torch.bfloat16)
         monkeypatch.setattr(kvcache, "_append", lambda q, *a: q)
@@ -323,3 +325,83 @@ def test_a_growing_cache_keeps_its_prepared_call(counted, growth):
             want.update(o_part_ptr=got["o_part_ptr"], lse_part_ptr=got["lse_part_ptr"])
         assert got == want and got["seqlen_k"] == length, length
         assert calls[-2][:27] == calls[-1][:27], length  # q's, k's and v's maps: each call's length and strides
+
+
+@pytest.mark.parametrize("layout,s_new", [("contiguous", 0), ("rows", 0), ("leftpad", 0), ("pages", 0),
+                                          ("contiguous", 3), ("pages", 3)])
+def test_a_prepared_chunked_decode_step_derives_its_own_last_chunks(counted, layout, s_new, monkeypatch):
+    """A chunked decode step (``attention_chunk``, one query per row: the
+    decode route over each row's last chunk) is prepared as a plain decode
+    step is, and each call derives its rows' last chunks from its own
+    lengths (after its append of ``s_new`` keys, if any; and its left pads,
+    or page table): the kernels get what a direct launch of the same
+    arguments hands them, the derived left pads, or lengths and shifted
+    table, rebuilt for the call and equal to the torch reference's
+    (``chunked.last_chunk_start``, ``shifted_pages``)."""
+    chunk = 1024  # (16 pages of 64)
+    derived = []
+    for name in ("last_chunk_leftpad", "last_chunk_pages"):
+        real = getattr(chunked, name)
+        monkeypatch.setattr(chunked, name, lambda *a, _real=real: derived.append(_real(*a)) or derived[-1])
+    monkeypatch.setattr(kvcache, "_append", lambda q, *a: q)  # (the CPU stand-in: no append kernel)
+    after = []  # the lengths after each call's append
+    real_after = kvcache._lengths_after_append
+    monkeypatch.setattr(kvcache, "_lengths_after_append",
+                        lambda seqlens, n: after.append(real_after(seqlens, n)) or after[-1])
+
+    def call(args):
+        return kvcache.flash_attn_with_kvcache(**args, causal=True, attention_chunk=chunk)
+
+    def arguments(seed):
+        args = _arguments(layout, seed)
+        if s_new:
+            args["k"], args["v"] = (torch.randn(2, s_new, 2, 128).to(torch.bfloat16) for _ in "kv")
+        return args
+
+    call(arguments(0))  # compiles (JIT stand-ins)
+    [key] = plan._COMPILED
+    assert key[5].leftpad == (layout != "pages") and key[5].page_size == 64 * (layout == "pages")
+    calls, _ = _direct_from_now_on()
+    call(arguments(1))  # direct, and prepared after it
+    assert len(plan._PREPARED) == 1 and next(iter(plan._PREPARED.values())).cache.chunk == chunk
+    counted.clear()
+    args = arguments(2)
+    prepared = call(args)  # the prepared call: no checks, no plan, its own last chunks
+    assert counted == [] and len(calls) == 2
+    mine = derived[-1]
+    plan._PREPARED.clear()
+    direct = call(args)
+    assert counted == ["validate", "plan"] and len(calls) == 3
+    theirs = derived[-1]
+
+    lens = args["cache_seqlens"] + s_new
+    if layout == "pages":
+        start = chunked.last_chunk_start(lens, chunk)
+        expected = (lens - start, chunked.shifted_pages(args["page_table"], start, 64, chunk // 64))
+        mine_t, theirs_t = mine, theirs
+    else:
+        pad = args.get("cache_leftpad", 0)
+        expected = ((pad + chunked.last_chunk_start(lens - pad, chunk)).to(torch.int32),)
+        mine_t, theirs_t = (mine,), (theirs,)
+    for m, t, e in zip(mine_t, theirs_t, expected):
+        assert m.data_ptr() != t.data_ptr() and torch.equal(m, e) and torch.equal(t, e)
+
+    names = forward.attention_forward_kernel.real.arg_names
+    got, want = dict(zip(names[4:], calls[-2][4 * 9:])), dict(zip(names[4:], calls[-1][4 * 9:]))
+    rename = {direct.data_ptr(): prepared.data_ptr(), **{t.data_ptr(): m.data_ptr() for m, t in zip(mine_t, theirs_t)}}
+    if s_new:  # each call's lengths after its append: a fresh vector, the same values
+        assert torch.equal(after[-2], lens) and torch.equal(after[-1], lens)
+        rename[after[-1].data_ptr()] = after[-2].data_ptr()
+    if got["o_part_ptr"] != prepared.data_ptr():  # split: each call's own partials
+        rename.update({want["o_part_ptr"]: got["o_part_ptr"], want["lse_part_ptr"]: got["lse_part_ptr"]})
+    assert got == {n: rename.get(x, x) for n, x in want.items()}
+    # q's and the caches' maps the same; out's the same but for its address
+    assert calls[-2][:27] == calls[-1][:27] and calls[-2][28:36] == calls[-1][28:36]
+    assert calls[-2][27] == ("map", prepared.data_ptr()) and calls[-1][27] == ("map", direct.data_ptr())
+    if layout == "pages":
+        assert got["seqused_ptr"] == mine[0].data_ptr() and got["page_table_ptr"] == mine[1].data_ptr()
+    else:  # the kernel reads the left pads through cu_k_ptr
+        assert got["cu_k_ptr"] == mine.data_ptr()
+        assert got["seqused_ptr"] == (after[-2] if s_new else args["cache_seqlens"]).data_ptr()
+    if layout == "rows":
+        assert got["kv_batch_ptr"] == args["cache_batch_idx"].data_ptr()
