@@ -13,14 +13,16 @@ A part that saw no key has ``lse_s = -inf`` and weight 0: its ``O_s`` is
 never read (0 * NaN would be NaN), as FA3's kernel skips it; a row whose
 parts all saw no key gets ``O = 0`` and ``lse = -inf``.
 
-This is a handful of torch ops on the partials (they are small next to the
-attention that wrote them), so it runs on any device, is traced by
-``torch.compile``, captured in CUDA graphs (no host sync) and differentiable
-by autograd. hopper_flash's own split-KV launches merge inside
-``kernels/combine.py`` and do not come here: that kernel reads only the
-partials its launches lay out (contiguous, a kernel head dim, launched
-dependent on the split grid), this takes FA3's (any strides, any head
-dim).
+On a CUDA device, with no gradient to record and outside torch.compile's
+tracing, one Triton kernel merges the partials in a single pass
+(``kernels/combine.py``'s ``combine_strided_kernel``: rows in tiles, any
+strides with a contiguous head dim). Everywhere else a handful of torch ops
+compute the same (any device, traced by ``torch.compile``, differentiable
+by autograd); they also take partials whose head dim is strided. Neither
+syncs the host, so both are captured by CUDA graphs. hopper_flash's own
+split-KV launches merge in ``kernels/combine.py``'s ``combine_kernel``
+(their own partials' layout, launched dependent on the split grid) and do
+not come here.
 """
 from __future__ import annotations
 
@@ -92,6 +94,8 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out
         parts all saw no key gets 0 and ``-inf``.
     """
     dtype = _check(out_partial, lse_partial, out, out_dtype)
+    if _kernel_route(out_partial, lse_partial, out):
+        return _combine_on_the_gpu(out_partial, lse_partial, out, dtype)
     lse_max = lse_partial.amax(dim=0)
     # Rows whose parts all saw no key: every weight exp(-inf - 0) = 0.
     shift = torch.where(lse_max == float("-inf"), torch.zeros_like(lse_max), lse_max)
@@ -107,4 +111,43 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out
     if out is None:
         return merged.to(dtype), lse
     out.copy_(merged)
+    return out, lse
+
+
+def _kernel_route(out_partial, lse_partial, out) -> bool:
+    """Whether the Triton kernel merges: CUDA tensors, nothing for autograd
+    to record, not while torch.compile traces (its graph takes the torch
+    ops), head dims contiguous, row counts within int32."""
+    if not out_partial.is_cuda or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and (out_partial.requires_grad or lse_partial.requires_grad):
+        return False
+    if out_partial.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
+        return False
+    return out_partial[0].numel() < 2**31
+
+
+def _combine_on_the_gpu(out_partial, lse_partial, out, dtype):
+    import triton
+
+    from . import plan
+    from .kernels.combine import combine_strided_kernel
+
+    splits, batch, seqlen, nheads, head_dim = out_partial.shape
+    if out is None:
+        out = torch.empty((batch, seqlen, nheads, head_dim), dtype=dtype, device=out_partial.device)
+    lse = torch.empty((batch, nheads, seqlen), dtype=torch.float32, device=out_partial.device).transpose(1, 2)
+    rows = batch * seqlen * nheads
+    if rows == 0:
+        return out, lse
+    d_pow2 = max(16, triton.next_power_of_2(head_dim))
+    block_m = max(1, min(64, 2048 // d_pow2))
+    vec = 4 if all(st % 4 == 0 for st in out_partial.stride()[:4]) else 1  # 16 bytes of fp32
+    out_vec = 16 // out.element_size()
+    out_vec = out_vec if all(st % out_vec == 0 for st in out.stride()[:3]) else 1
+    args = (out_partial, lse_partial, out, lse, splits, rows, seqlen, nheads, *out_partial.stride()[:4],
+            *lse_partial.stride(), *out.stride()[:3], *lse.stride())
+    plan.launch_triton(combine_strided_kernel, ((rows + block_m - 1) // block_m, 1, 1), args,
+                       {"HEAD_DIM": head_dim, "D_POW2": d_pow2, "BLOCK_M": block_m, "VEC": vec,
+                        "OUT_VEC": out_vec}, num_warps=4)
     return out, lse

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hopper_flash
+from hopper_flash import _triton_support
 from hopper_flash.reference import attention_reference
 
 
@@ -160,3 +161,80 @@ def test_bad_arguments_are_refused_by_name(case, name):
     out_partial, lse_partial, kw = _bad(case)
     with pytest.raises((TypeError, ValueError), match=name):
         hopper_flash.flash_attn_combine(out_partial, lse_partial, **kw)
+
+
+# The Triton kernel the CUDA route takes (kernels/combine.py's
+# combine_strided_kernel): compiled for sm_90a here, and run through Triton's
+# interpreter on FA3's layout (a child process: TRITON_INTERPRET must be set
+# before the kernel's module is imported). Its GPU runs are in
+# tests/test_flash_attn_combine_gpu.py.
+
+@pytest.mark.parametrize("head_dim,out", [(64, "bf16"), (80, "fp16"), (128, "bf16"), (128, "fp32"), (256, "bf16")])
+def test_strided_combine_kernel_compiles_for_sm90_with_vector_loads(head_dim, out):
+    import triton
+
+    from hopper_flash.compile_check import compile_triton, read_census
+    from hopper_flash.kernels.combine import combine_strided_kernel
+
+    names = combine_strided_kernel.arg_names
+    pointers = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": f"*{out}", "lse_ptr": "*fp32"}
+    d_pow2 = max(16, triton.next_power_of_2(head_dim))
+    consts = {"HEAD_DIM": head_dim, "D_POW2": d_pow2, "BLOCK_M": max(1, min(64, 2048 // d_pow2)), "VEC": 4,
+              "OUT_VEC": 4 if out == "fp32" else 8}
+    sig = {n: pointers.get(n, "constexpr" if n in consts else "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # the JIT's 16-byte pointer specialisation
+    compiled = compile_triton(combine_strided_kernel, sig, consts, num_warps=4, attrs=aligned)
+    report = read_census(compiled, ("LDG.E.128",), head_dim=head_dim, block_m=consts["BLOCK_M"], dtype=out,
+                         causal=False, write_lse=True)
+    assert not report.spills
+    sass = report.sass
+    # The partials' rows in 128-bit loads (with the offsets' hint; element by element without it).
+    assert "LDG.E.128" in sass
+
+
+_STRIDED_CHILD = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, sys.argv[1])
+import torch, triton
+from hopper_flash.kernels.combine import combine_strided_kernel
+cases = torch.load(sys.argv[2])
+results = []
+for o, lse, out_dtype in cases:
+    splits, b, l, h, d = o.shape
+    out = torch.full((b, l, h, d), float("nan"), dtype=out_dtype)
+    lse_out = torch.full((b, h, l), float("nan")).transpose(1, 2)
+    d_pow2 = max(16, triton.next_power_of_2(d)); block_m = max(1, min(64, 2048 // d_pow2))
+    rows = b * l * h
+    combine_strided_kernel[(triton.cdiv(rows, block_m),)](
+        o, lse, out, lse_out, splits, rows, l, h, *o.stride()[:4], *lse.stride(), *out.stride()[:3],
+        *lse_out.stride(), HEAD_DIM=d, D_POW2=d_pow2, BLOCK_M=block_m, VEC=1, OUT_VEC=1)
+    results.append((out, lse_out))
+torch.save(results, sys.argv[3])
+"""
+
+
+@pytest.mark.skipif(_triton_support.parse_minor(_triton_support.installed_version()) < (3, 7),
+                    reason="triton 3.6's interpreter cannot use a scalar kernel argument as a loop bound under numpy 2")
+def test_strided_combine_kernel_in_the_interpreter(tmp_path):
+    import subprocess
+    import sys
+
+    shapes = [(1, 2, 3, 4, 64), (2, 3, 129, 4, 128), (5, 2, 7, 3, 80), (37, 1, 3, 2, 256)]
+    cases = [(*_partials(*shape, seed=i), dtype) for i, (shape, dtype) in
+             enumerate(zip(shapes, (torch.float32, torch.bfloat16, torch.float16, torch.float32)))]
+    torch.save(cases, tmp_path / "cases.pt")
+    root = __file__.rsplit("/tests/", 1)[0]
+    subprocess.run([sys.executable, "-c", _STRIDED_CHILD, root, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
+                   check=True, capture_output=True, text=True, timeout=600)
+    for (o, lse, dtype), (out, lse_out) in zip(cases, torch.load(tmp_path / "out.pt")):
+        want, want_lse = _merged_by_rows(o, lse)
+        size, _ = _merged_by_rows(o.abs(), lse)  # an fp32 sum's error bound scales with this
+        assert out.dtype == dtype and not out.isnan().any()
+        ulp = 2.0 ** -24 if dtype == torch.float32 else 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+        # The fp32 merge, then one conversion (the interpreter truncates where the GPU rounds: two units).
+        bound = want.abs() * 2 * ulp + size * (o.shape[0] + 8) * 2.0 ** -24 + 1e-7
+        assert ((out.double() - want).abs() <= bound).all()
+        live = torch.isfinite(want_lse)
+        assert torch.allclose(lse_out.double()[live], want_lse[live], rtol=0, atol=1e-5)
+        assert (lse_out[~live] == -math.inf).all()

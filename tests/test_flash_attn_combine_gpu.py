@@ -54,3 +54,61 @@ def test_merge_under_graph_replay():
     torch.cuda.synchronize()
     bad = [r.message for r in check_attention(out, q, k, v, causal=False, lse=lse.transpose(1, 2)) if not r]
     assert not bad, bad
+
+
+# The CUDA route's kernel (kernels/combine.py's combine_strided_kernel) on
+# FA3's test layout, against the float64 merge row by row: the fp32 merge
+# within the standard bound of an fp32 sum of `splits` terms, then one
+# rounding to the output's dtype.
+_UNIT = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+@pytest.mark.parametrize("splits,d", [(1, 64), (2, 128), (3, 80), (17, 256), (133, 128)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_the_kernel_route_matches_a_row_by_row_merge(splits, d, out_dtype):
+    from hopper_flash import combine
+    from test_flash_attn_combine_cpu import _merged_by_rows, _partials
+
+    out_partial, lse_partial = _partials(splits, 3, 37, 4, d, seed=splits + d)
+    want, want_lse = _merged_by_rows(out_partial, lse_partial)
+    # The sum's magnitude: the standard bound on an fp32 sum of `splits` terms scales with it.
+    size, _ = _merged_by_rows(out_partial.abs(), lse_partial)
+    o, lse = (torch.empty_strided(t.shape, t.stride(), device="cuda").copy_(t) for t in (out_partial, lse_partial))
+    assert combine._kernel_route(o, lse, None)
+    out, got_lse = hopper_flash.flash_attn_combine(o, lse, out_dtype=out_dtype)
+    assert out.dtype == out_dtype and got_lse.transpose(1, 2).is_contiguous()
+    err = (out.double().cpu() - want).abs()
+    assert (err <= want.abs() * _UNIT[out_dtype] + size * (splits + 8) * 2.0 ** -24 + 1e-7).all(), float(err.max())
+    live = want_lse > -math.inf
+    assert torch.equal(got_lse.isfinite().cpu(), live)
+    assert ((got_lse.double().cpu()[live] - want_lse[live]).abs() <= 1e-5).all()
+    assert (out.cpu()[~live] == 0).all()
+
+
+def test_the_kernel_route_writes_into_a_strided_out():
+    from test_flash_attn_combine_cpu import _merged_by_rows, _partials
+
+    out_partial, lse_partial = _partials(4, 2, 9, 3, 128, seed=3)
+    want, _ = _merged_by_rows(out_partial, lse_partial)
+    wide = torch.full((2, 9, 3, 256), math.nan, dtype=torch.bfloat16, device="cuda")
+    out = wide[..., 64:192]  # rows 512 bytes apart: a slice of a wider tensor
+    got, _ = hopper_flash.flash_attn_combine(out_partial.cuda(), lse_partial.cuda(), out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert ((got.double().cpu() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-6).all()
+    assert wide[..., :64].isnan().all() and wide[..., 192:].isnan().all()  # nothing written outside it
+
+
+def test_gradients_take_the_torch_route_on_the_gpu():
+    from hopper_flash import combine
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    o = torch.randn(3, 2, 5, 4, 64, generator=g, device="cuda", requires_grad=True)
+    lse = torch.randn(3, 2, 5, 4, generator=g, device="cuda", requires_grad=True)
+    assert not combine._kernel_route(o, lse, None)
+    out, out_lse = hopper_flash.flash_attn_combine(o, lse)
+    (out.sum() + out_lse.sum()).backward()
+    with torch.no_grad():
+        again, again_lse = hopper_flash.flash_attn_combine(o, lse)  # the kernel's
+    assert torch.allclose(again, out, rtol=1e-6, atol=1e-6) and torch.allclose(again_lse, out_lse, rtol=1e-6)
+    # d(sum lse)/d lse_s is each part's weight: the weights of a row sum to 1.
+    assert torch.allclose(lse.grad.sum(0), torch.ones_like(lse.grad[0]), rtol=1e-6)

@@ -74,3 +74,54 @@ def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, sink_ptr, n_split
     if WRITE_LSE:
         lse = tl.where(total == 0.0, -float("inf"), m + tl.log(total))
         tl.store(lse_ptr + (b * num_heads + h).to(tl.int64) * seqlen_q + q, lse)
+
+
+@triton.jit(do_not_specialize=["n_splits", "rows", "seqlen", "nheads", "so_s", "so_b", "so_l", "so_h", "sl_s",
+                               "sl_b", "sl_l", "sl_h", "sout_b", "sout_l", "sout_h", "slo_b", "slo_l", "slo_h"])
+def combine_strided_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_splits, rows, seqlen, nheads,
+                           so_s, so_b, so_l, so_h, sl_s, sl_b, sl_l, sl_h, sout_b, sout_l, sout_h,
+                           slo_b, slo_l, slo_h,
+                           HEAD_DIM: tl.constexpr, D_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                           VEC: tl.constexpr, OUT_VEC: tl.constexpr):
+    """``flash_attn_combine``'s merge (``hopper_flash/combine.py``), FA3's
+    layout: ``o_part`` [splits, B, L, H, HEAD_DIM] and ``lse_part`` [splits,
+    B, L, H] with any strides but a contiguous head dim, ``out`` [B, L, H,
+    HEAD_DIM] and ``lse`` [B, L, H] likewise. BLOCK_M rows (b, l, h) a
+    program, rows in that order; the same merge as ``combine_kernel`` above,
+    with the splits' maximum taken in a first pass over their LSEs (their
+    count is not bounded here). ``VEC`` / ``OUT_VEC``: every stride of
+    ``o_part`` / ``out`` but the head dim's a multiple of it (the caller
+    checks), so rows move in vectors (a hint on the offsets themselves: on
+    the strides alone it does not reach the loads)."""
+    r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    live = r < rows
+    h = (r % nheads).to(tl.int64)
+    bl = r // nheads
+    l = (bl % seqlen).to(tl.int64)
+    b = (bl // seqlen).to(tl.int64)
+    o_row = b * so_b + l * so_l + h * so_h
+    lse_row = b * sl_b + l * sl_l + h * sl_h
+
+    m = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    for s in range(n_splits):
+        m = tl.maximum(m, tl.load(lse_part_ptr + s * sl_s + lse_row, mask=live, other=-float("inf")))
+    m = tl.where(m == -float("inf"), 0.0, m)  # a row whose splits are all empty: every weight 0
+
+    d = tl.arange(0, D_POW2)
+    d_ok = d < HEAD_DIM
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_POW2], tl.float32)
+    for s in range(n_splits):
+        w = tl.exp(tl.load(lse_part_ptr + s * sl_s + lse_row, mask=live, other=-float("inf")) - m)
+        total += w
+        # A split of weight 0 is not read (it saw no key; its O may be NaN).
+        o_off = tl.multiple_of(s * so_s + o_row, VEC)
+        o_s = tl.load(o_part_ptr + o_off[:, None] + d[None, :],
+                      mask=((w > 0.0) & live)[:, None] & d_ok[None, :], other=0.0)
+        acc += w[:, None] * o_s
+    inv = tl.where(total == 0.0, 0.0, 1.0 / total)
+    out_row = tl.multiple_of(b * sout_b + l * sout_l + h * sout_h, OUT_VEC)
+    tl.store(out_ptr + out_row[:, None] + d[None, :], (acc * inv[:, None]).to(out_ptr.dtype.element_ty),
+             mask=live[:, None] & d_ok[None, :])
+    lse = tl.where(total == 0.0, -float("inf"), m + tl.log(total))
+    tl.store(lse_ptr + b * slo_b + l * slo_l + h * slo_h, lse, mask=live)
