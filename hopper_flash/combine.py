@@ -26,6 +26,8 @@ not come here.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["flash_attn_combine"]
@@ -141,7 +143,11 @@ def _combine_on_the_gpu(out_partial, lse_partial, out, dtype):
     if rows == 0:
         return out, lse
     d_pow2 = max(16, triton.next_power_of_2(head_dim))
+    # Rows in tiles of up to 2048 elements, smaller where that leaves SMs
+    # idle (a decode step's few rows wait on one split's loads after another).
     block_m = max(1, min(64, 2048 // d_pow2))
+    while block_m > 1 and (rows + block_m - 1) // block_m < 2 * _sm_count(out_partial.device):
+        block_m //= 2
     vec = 4 if all(st % 4 == 0 for st in out_partial.stride()[:4]) else 1  # 16 bytes of fp32
     out_vec = 16 // out.element_size()
     out_vec = out_vec if all(st % out_vec == 0 for st in out.stride()[:3]) else 1
@@ -149,5 +155,10 @@ def _combine_on_the_gpu(out_partial, lse_partial, out, dtype):
             *lse_partial.stride(), *out.stride()[:3], *lse.stride())
     plan.launch_triton(combine_strided_kernel, ((rows + block_m - 1) // block_m, 1, 1), args,
                        {"HEAD_DIM": head_dim, "D_POW2": d_pow2, "BLOCK_M": block_m, "VEC": vec,
-                        "OUT_VEC": out_vec}, num_warps=4)
+                        "OUT_VEC": out_vec}, num_warps=max(1, min(4, block_m * d_pow2 // 512)))
     return out, lse
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
