@@ -29,6 +29,15 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   whose offset start conflicted with it. Its last text: ``git show
   d0b8571:scripts/variants/fa3-pingpong.patch``. ``fwd-pingpong-overlap``
   below is its named-barrier form on the current kernel.)
+* ``combine-one-shot`` (seventy-fourth session): the split-KV combine loads
+  every split's O at once beside the LSEs when there are at most 16 splits,
+  instead of split by split after them. Refused: on an H100 under graph
+  replay (``scripts/decode_splits.py --combine-cost``, alternating with
+  main) the whole B8 decode calls ran 1.6-1.8 us slower (51.4 against
+  49.8 us over 4096 keys) with the combine alone level (1.7 against 1.6),
+  and as written it dropped a split whose LSE is NaN (``w > 0`` selects it
+  away), where the reference and main give NaN: two graph-replay tests
+  whose new lengths reach NaN keys failed on it.
 * ``timeline``: the consumers write the SM's clock at seven points of each
   work item into a buffer (plan.TRACE); ``scripts/timeline.py`` runs it and
   prints where an item's time goes (waiting for Q or the first K, the
