@@ -11,7 +11,9 @@ functions). The attention over all the keys is
 
 A part that saw no key has ``lse_s = -inf`` and weight 0: its ``O_s`` is
 never read (0 * NaN would be NaN), as FA3's kernel skips it; a row whose
-parts all saw no key gets ``O = 0`` and ``lse = -inf``.
+parts all saw no key gets ``O = 0`` and ``lse = -inf``. A part that saw
+a NaN (a NaN LSE, or NaN in its output) makes its row NaN, as attention
+over all the keys would be.
 
 On a CUDA device, with no gradient to record and outside torch.compile's
 tracing, one Triton kernel merges the partials in a single pass

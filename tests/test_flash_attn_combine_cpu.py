@@ -223,11 +223,24 @@ def test_strided_combine_kernel_in_the_interpreter(tmp_path):
     shapes = [(1, 2, 3, 4, 64), (2, 3, 129, 4, 128), (5, 2, 7, 3, 80), (37, 1, 3, 2, 256)]
     cases = [(*_partials(*shape, seed=i), dtype) for i, (shape, dtype) in
              enumerate(zip(shapes, (torch.float32, torch.bfloat16, torch.float16, torch.float32)))]
+    # A live part that attended a NaN: its row must come out NaN (LSE too), as the reference's.
+    nan_o, nan_lse = _partials(3, 2, 5, 2, 64, seed=9)
+    nan_lse[0, 1, 2, 1] = math.nan
+    cases.append((nan_o, nan_lse, torch.float32))
     torch.save(cases, tmp_path / "cases.pt")
     root = __file__.rsplit("/tests/", 1)[0]
     subprocess.run([sys.executable, "-c", _STRIDED_CHILD, root, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
                    check=True, capture_output=True, text=True, timeout=600)
-    for (o, lse, dtype), (out, lse_out) in zip(cases, torch.load(tmp_path / "out.pt")):
+    results = torch.load(tmp_path / "out.pt")
+    nan_out, nan_lse_out = results.pop()
+    nan_case = cases.pop()
+    assert nan_out[1, 2, 1].isnan().all() and nan_lse_out[1, 2, 1].isnan()
+    others = torch.ones(2, 5, 2, dtype=torch.bool)
+    others[1, 2, 1] = False
+    want, want_lse = _merged_by_rows(*nan_case[:2])  # (its NaN part skipped: only the other rows are compared)
+    assert torch.allclose(nan_out[others].double(), want[others], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(nan_lse_out[others].double(), want_lse[others], rtol=0, atol=1e-5)
+    for (o, lse, dtype), (out, lse_out) in zip(cases, results):
         want, want_lse = _merged_by_rows(o, lse)
         size, _ = _merged_by_rows(o.abs(), lse)  # an fp32 sum's error bound scales with this
         assert out.dtype == dtype and not out.isnan().any()
@@ -238,3 +251,17 @@ def test_strided_combine_kernel_in_the_interpreter(tmp_path):
         live = torch.isfinite(want_lse)
         assert torch.allclose(lse_out.double()[live], want_lse[live], rtol=0, atol=1e-5)
         assert (lse_out[~live] == -math.inf).all()
+
+
+def test_nan_in_a_live_part_reaches_the_result():
+    """A part that attended a NaN (its LSE or its output NaN, the LSE not
+    -inf) makes its row NaN, as attention over all the keys would be; other
+    rows are untouched. (Only a part that saw no key, LSE -inf, is skipped.)"""
+    g = torch.Generator().manual_seed(11)
+    o, lse = torch.randn(3, 1, 2, 2, 8, generator=g), torch.randn(3, 1, 2, 2, generator=g)
+    lse[1, 0, 0, 0] = math.nan
+    o[2, 0, 1, 1, 3] = math.nan
+    out, out_lse = hopper_flash.flash_attn_combine(o, lse)
+    assert out[0, 0, 0].isnan().all() and out_lse[0, 0, 0].isnan()
+    assert out[0, 1, 1, 3].isnan() and torch.isfinite(out[0, 1, 1, [0, 1, 2, 4, 5, 6, 7]]).all()
+    assert torch.isfinite(out[0, 0, 1]).all() and torch.isfinite(out[0, 1, 0]).all()
