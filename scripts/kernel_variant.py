@@ -38,6 +38,13 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   and as written it dropped a split whose LSE is NaN (``w > 0`` selects it
   away), where the reference and main give NaN: two graph-replay tests
   whose new lengths reach NaN keys failed on it.
+* ``combine-rows`` (seventy-fourth session): the split-KV combine with 2
+  or 4 output rows a program (``plan.COMBINE_ROWS``; 4 with twice the
+  warps), so that fewer combine CTAs wait on the split grid's free SMs
+  (PDL). Refused: on an H100 (``decode_splits.py --combine-cost``) the
+  combine alone went from 1.6 to 1.8 / 2.1 us at B8 and from 2.3 to 4.9 /
+  5.2 us at B1 over 65536 keys (15 splits), the whole calls 0.3-3.2 us
+  slower: one row a program is the fastest of the three.
 * ``timeline``: the consumers write the SM's clock at seven points of each
   work item into a buffer (plan.TRACE); ``scripts/timeline.py`` runs it and
   prints where an item's time goes (waiting for Q or the first K, the
