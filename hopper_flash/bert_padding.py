@@ -49,7 +49,8 @@ def _check_indices(indices, rows: int | None, device: torch.device) -> None:
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor {what}, got {type(indices).__name__}")
     if indices.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"indices must have dtype int64 or int32 {what}, got {str(indices.dtype).removeprefix('torch.')}")
+        dtype = str(indices.dtype).removeprefix("torch.")
+        raise ValueError(f"indices must have dtype int64 or int32 {what}, got {dtype}")
     if indices.dim() != 1:
         raise ValueError(f"indices must be 1-D {what}, got shape {tuple(indices.shape)}")
     if rows is not None and indices.shape[0] != rows:

@@ -104,7 +104,8 @@ def combine_strided_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_splits,
 
     m = tl.full([BLOCK_M], -float("inf"), tl.float32)
     for s in range(n_splits):
-        m = tl.maximum(m, tl.load(lse_part_ptr + s * sl_s + lse_row, mask=live, other=-float("inf")))
+        s_off = tl.cast(s, tl.int64) * sl_s  # (a split's stride times its index can pass 2**31)
+        m = tl.maximum(m, tl.load(lse_part_ptr + s_off + lse_row, mask=live, other=-float("inf")))
     m = tl.where(m == -float("inf"), 0.0, m)  # a row whose splits are all empty: every weight 0
 
     d = tl.arange(0, D_POW2)
@@ -112,10 +113,10 @@ def combine_strided_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, n_splits,
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_POW2], tl.float32)
     for s in range(n_splits):
-        w = tl.exp(tl.load(lse_part_ptr + s * sl_s + lse_row, mask=live, other=-float("inf")) - m)
+        w = tl.exp(tl.load(lse_part_ptr + tl.cast(s, tl.int64) * sl_s + lse_row, mask=live, other=-float("inf")) - m)
         total += w
         # A split of weight 0 is not read (it saw no key; its O may be NaN).
-        o_off = tl.multiple_of(s * so_s + o_row, VEC)
+        o_off = tl.multiple_of(tl.cast(s, tl.int64) * so_s + o_row, VEC)
         o_s = tl.load(o_part_ptr + o_off[:, None] + d[None, :],
                       mask=((w > 0.0) & live)[:, None] & d_ok[None, :], other=0.0)
         acc += w[:, None] * o_s
