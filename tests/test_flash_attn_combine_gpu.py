@@ -112,3 +112,23 @@ def test_gradients_take_the_torch_route_on_the_gpu():
     assert torch.allclose(again, out, rtol=1e-6, atol=1e-6) and torch.allclose(again_lse, out_lse, rtol=1e-6)
     # d(sum lse)/d lse_s is each part's weight: the weights of a row sum to 1.
     assert torch.allclose(lse.grad.sum(0), torch.ones_like(lse.grad[0]), rtol=1e-6)
+
+
+def test_the_kernel_route_past_two_to_the_31_elements():
+    """Partials of 3 x 2**30 elements (12 GiB): the last split's offset is
+    past 2**31, so an int32 offset would read the wrong rows. Rows at both
+    ends judged against a float64 merge of their own parts."""
+    splits, seqlen, heads, d = 3, 65536, 128, 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    o = torch.randn(splits, 1, seqlen, heads, d, generator=g, device="cuda")
+    lse = torch.randn(splits, 1, seqlen, heads, generator=g, device="cuda")
+    assert o.stride(0) * (splits - 1) >= 2**31
+    out, got_lse = hopper_flash.flash_attn_combine(o, lse)
+    for l in (0, seqlen - 1):
+        parts = lse[:, 0, l].double()  # [splits, heads]
+        want_lse = torch.logsumexp(parts, dim=0)
+        want = (torch.exp(parts - want_lse)[..., None] * o[:, 0, l].double()).sum(0)
+        assert torch.allclose(out[0, l].double(), want, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(got_lse[0, l].double(), want_lse, rtol=0, atol=1e-5)
+    del o, lse, out
+    torch.cuda.empty_cache()
