@@ -132,3 +132,26 @@ def test_the_kernel_route_past_two_to_the_31_elements():
         assert torch.allclose(got_lse[0, l].double(), want_lse, rtol=0, atol=1e-5)
     del o, lse, out
     torch.cuda.empty_cache()
+
+
+def test_compiled_calls_take_the_torch_route_and_agree():
+    """Under torch.compile (fullgraph) the merge is traced as torch ops (the
+    kernel route is for eager calls); both are judged against the float64
+    merge by the bound the kernel route's own test uses."""
+    from hopper_flash import combine
+    from test_flash_attn_combine_cpu import _merged_by_rows, _partials
+
+    splits = 5
+    out_partial, lse_partial = _partials(splits, 2, 33, 4, 128, seed=21)
+    want, want_lse = _merged_by_rows(out_partial, lse_partial)
+    size, _ = _merged_by_rows(out_partial.abs(), lse_partial)
+    o, lse = out_partial.cuda(), lse_partial.cuda()
+    assert combine._kernel_route(o, lse, None)
+    compiled = torch.compile(lambda a, b: hopper_flash.flash_attn_combine(a, b, out_dtype=torch.bfloat16),
+                             fullgraph=True)
+    for out, got_lse in (hopper_flash.flash_attn_combine(o, lse, out_dtype=torch.bfloat16), compiled(o, lse)):
+        err = (out.double().cpu() - want).abs()
+        assert (err <= want.abs() * 2.0 ** -8 + size * (splits + 8) * 2.0 ** -24 + 1e-7).all(), float(err.max())
+        live = want_lse > -math.inf
+        assert torch.equal(got_lse.isfinite().cpu(), live)
+        assert ((got_lse.double().cpu()[live] - want_lse[live]).abs() <= 1e-5).all()
