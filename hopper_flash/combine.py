@@ -28,8 +28,6 @@ not come here.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 __all__ = ["flash_attn_combine"]
@@ -148,7 +146,7 @@ def _combine_on_the_gpu(out_partial, lse_partial, out, dtype):
     # Rows in tiles of up to 2048 elements, smaller where that leaves SMs
     # idle (a decode step's few rows wait on one split's loads after another).
     block_m = max(1, min(64, 2048 // d_pow2))
-    while block_m > 1 and (rows + block_m - 1) // block_m < 2 * _sm_count(out_partial.device):
+    while block_m > 1 and (rows + block_m - 1) // block_m < 2 * plan.sm_count(out_partial.device.index):
         block_m //= 2
     vec = 4 if all(st % 4 == 0 for st in out_partial.stride()[:4]) else 1  # 16 bytes of fp32
     out_vec = 16 // out.element_size()
@@ -159,8 +157,3 @@ def _combine_on_the_gpu(out_partial, lse_partial, out, dtype):
                        {"HEAD_DIM": head_dim, "D_POW2": d_pow2, "BLOCK_M": block_m, "VEC": vec,
                         "OUT_VEC": out_vec}, num_warps=max(1, min(4, block_m * d_pow2 // 512)))
     return out, lse
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
