@@ -812,8 +812,16 @@ def compile_options(cfg) -> dict:
 
     ``enable_fp_fusion`` is spelled out: triton 3.6-3.9 fuse multiply-adds by
     default (what the kernels were tuned and checked with), 3.9 warns that the
-    default turns to off in 3.10 unless it is given."""
-    return dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, enable_fp_fusion=True)
+    default turns to off in 3.10 unless it is given.
+
+    ``launch_pdl``: the forward kernel is launched by programmatic dependent
+    launch (every path keeps the compiled kernel's flag: Triton's launcher,
+    ``launcher.KernelLaunch``, the C launch): its CTAs may start while the
+    kernel before it still runs, and wait for it (``griddepcontrol.wait``)
+    before their first global access (``kernels/forward.py``,
+    ``_wait_prior_grid``). The backward's kernels have no such wait."""
+    return dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, enable_fp_fusion=True,
+                launch_pdl=isinstance(cfg, ForwardConfig))
 
 
 # Compiled kernels by (device, dtype, head dim, causal, lse, config). The

@@ -242,9 +242,13 @@ def test_instructions(spec):
         assert counts["UTMASTG"] == 0, "a packed view's O goes out by address (no box is its tile)"
     else:
         assert counts["UTMASTG"] > 0, "O goes out through a TMA store"
-    # The combine follows a split grid by programmatic dependent launch; the
-    # split kernel lets it be scheduled from its start (plan.launch_combine).
-    assert ("griddepcontrol.launch_dependents" in _census(spec).ptx) == mode.split
+    # Programmatic dependent launch both ways (plan.compile_options): every
+    # partition waits for the grid before it (one wait each: the consumers
+    # and the producer), and the grid lets the one after it (the combine, the
+    # next call) be scheduled from its start.
+    ptx = _census(spec).ptx
+    assert "griddepcontrol.launch_dependents" in ptx
+    assert ptx.count("griddepcontrol.wait") >= 2, "each partition waits for the prior grid"
 
 
 def test_shared_memory_fits(spec):

@@ -831,7 +831,18 @@ def _skip_dead_run(item, n_tiles, prob: Problem, mode: Mode):
 
 
 @gluon.jit
+def _wait_prior_grid():
+    """``griddepcontrol.wait``: block until the grid this one was launched
+    dependent on has finished and its writes are visible (a no-op when the
+    launch was not programmatic). Every partition runs it before its first
+    global access, read or write: nothing before it may touch memory that
+    kernel writes or reads."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, mode: Mode):
+    _wait_prior_grid()
     n_tiles = gl.cdiv(prob.seqlen_q * mode.PACK_G, mode.BLOCK_M)
     kv0 = 0  # K/V loads issued for earlier work items: the rings' running order
     qi = 0  # work items run so far (VARLEN skips items past their sequence): the Q barriers' phase
@@ -1202,6 +1213,7 @@ def _consumer_item(rings: Rings, prob: Problem, o_desc, bm, split, h, b, kv0, qi
 
 @gluon.jit
 def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode):
+    _wait_prior_grid()
     n_tiles = gl.cdiv(prob.seqlen_q * mode.PACK_G, mode.BLOCK_M)
     kv0 = 0
     qi = 0  # items run (see _producer)
@@ -1277,14 +1289,18 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                 SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, Q_ROWS, SPLIT_TABLE)
-    if SPLIT:
-        # The combine follows this grid by programmatic dependent launch
-        # (plan.launch_combine) and may be scheduled from now on: its
-        # griddepcontrol.wait holds it until this grid is done and its
-        # writes visible. Hides the combine's launch, 0.8 us of a B=1 decode
-        # call (BENCHMARKS.md, twenty-fourth session).
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+    # Programmatic dependent launch, both ways. This grid is launched
+    # dependent on the kernel before it (plan.compile_options' launch_pdl):
+    # its CTAs may be scheduled, and run up to the partitions' first
+    # griddepcontrol.wait (_wait_prior_grid), while that kernel is still
+    # running. And the kernel after it, if launched so (the split-KV combine,
+    # plan.launch_combine; the next forward call), may be scheduled from now
+    # on; its own wait holds it until this grid is done and its writes
+    # visible. Hides the combine's launch, 0.8 us of a B=1 decode call
+    # (BENCHMARKS.md, twenty-fourth session), and a decode call's launch
+    # behind the append or the call before it.
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
     # Work items are (query tile, split, head, batch), flattened with the tile
     # fastest: the seed's 3-D grid order without the 65535 limit of grid axes
