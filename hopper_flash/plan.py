@@ -806,7 +806,7 @@ def _launch_hooked() -> bool:
 FAST_LAUNCH = _triton_support.fast_launch_supported()
 
 
-def compile_options(cfg) -> dict:
+def compile_options(cfg, launch_pdl: bool = False) -> dict:
     """Triton compile options of a config (forward, or the backward's
     ``plan_backward.BackwardConfig``), for the launches and the compile checks.
 
@@ -814,14 +814,12 @@ def compile_options(cfg) -> dict:
     default (what the kernels were tuned and checked with), 3.9 warns that the
     default turns to off in 3.10 unless it is given.
 
-    ``launch_pdl``: the forward kernel is launched by programmatic dependent
-    launch (every path keeps the compiled kernel's flag: Triton's launcher,
-    ``launcher.KernelLaunch``, the C launch): its CTAs may start while the
-    kernel before it still runs, and wait for it (``griddepcontrol.wait``)
-    before their first global access (``kernels/forward.py``,
-    ``_wait_prior_grid``). The backward's kernels have no such wait."""
-    return dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, enable_fp_fusion=True,
-                launch_pdl=isinstance(cfg, ForwardConfig))
+    ``launch_pdl``: launch by programmatic dependent launch; every path keeps
+    the compiled kernel's flag (Triton's launcher, ``launcher.KernelLaunch``,
+    the C launch). Only for a kernel that waits for the grid before it
+    (``griddepcontrol.wait``) before its first global access: the forward's
+    split runs (``kernels/forward.py``, ``_wait_prior_grid``)."""
+    return dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, enable_fp_fusion=True, launch_pdl=launch_pdl)
 
 
 # Compiled kernels by (device, dtype, head dim, causal, lse, config). The
@@ -837,8 +835,8 @@ def _jit_launch(lp: LaunchPlan, cfg: ForwardConfig, args: tuple) -> KernelLaunch
     from .kernels.forward import attention_forward_kernel
 
     with ptx_rings.compiling(lp.constexprs["RING_PTX"]):
-        return KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](*args, **lp.constexprs,
-                                                                       **compile_options(cfg)))
+        return KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
+            *args, **lp.constexprs, **compile_options(cfg, launch_pdl=lp.mode.split)))
 
 
 @dataclass(frozen=True)

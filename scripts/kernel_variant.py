@@ -45,6 +45,20 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   combine alone went from 1.6 to 1.8 / 2.1 us at B8 and from 2.3 to 4.9 /
   5.2 us at B1 over 65536 keys (15 splits), the whole calls 0.3-3.2 us
   slower: one row a program is the fastest of the three.
+* ``fwd-pdl-all`` (seventy-fifth session): every forward run launched by
+  programmatic dependent launch, not only split runs (the shipped form):
+  every partition waits for the prior grid, and a run without a split lets
+  the next grid launch once its consumers are past their last item (the
+  shipped split runs do so at their start, for the combine). Not timed in
+  this form. Its first form (the trigger at every run's start) gave, on an
+  H100 under graph replay: one-query decode 0.4-1.3 us faster per call
+  (the split rows are the shipped form's), B64 over 2048 keys (no split)
+  1-2 us faster, B16 H16 S512 prefill 58 -> 56 us, but 128- and 512-query
+  chunk rows 2.6-3% slower, three rounds each. The question this form
+  asks: whether a late trigger keeps the gains without the chunk rows'
+  loss. ``VARIANT_BACKENDS="hopper_flash hopper_flash-kvcache sdpa-cudnn"
+  bash scripts/device_session.sh variant fwd-pdl-all benchmarks/decode.json
+  --cuda-graph``, and ``pscreen scripts/decode_splits.py --combine-cost``.
 * ``timeline``: the consumers write the SM's clock at seven points of each
   work item into a buffer (plan.TRACE); ``scripts/timeline.py`` runs it and
   prints where an item's time goes (waiting for Q or the first K, the

@@ -834,15 +834,26 @@ def _skip_dead_run(item, n_tiles, prob: Problem, mode: Mode):
 def _wait_prior_grid():
     """``griddepcontrol.wait``: block until the grid this one was launched
     dependent on has finished and its writes are visible (a no-op when the
-    launch was not programmatic). Every partition runs it before its first
-    global access, read or write: nothing before it may touch memory that
-    kernel writes or reads."""
+    launch was not programmatic). In a run so launched (a split run) every
+    partition runs it before its first global access, read or write: nothing
+    before it may touch memory that kernel writes or reads."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
+def _let_next_grid_launch():
+    """``griddepcontrol.launch_dependents``: the grid launched dependent on
+    this one may be scheduled once every CTA of this one has run this or
+    exited. Where it runs is a schedule, not a guarantee: the dependent's
+    own wait still waits for this whole grid."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, mode: Mode):
-    _wait_prior_grid()
+    if mode.SPLIT:
+        _wait_prior_grid()  # launched dependent on the kernel before (attention_forward_kernel)
     n_tiles = gl.cdiv(prob.seqlen_q * mode.PACK_G, mode.BLOCK_M)
     kv0 = 0  # K/V loads issued for earlier work items: the rings' running order
     qi = 0  # work items run so far (VARLEN skips items past their sequence): the Q barriers' phase
@@ -1213,7 +1224,8 @@ def _consumer_item(rings: Rings, prob: Problem, o_desc, bm, split, h, b, kv0, qi
 
 @gluon.jit
 def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode):
-    _wait_prior_grid()
+    if mode.SPLIT:
+        _wait_prior_grid()  # launched dependent on the kernel before (attention_forward_kernel)
     n_tiles = gl.cdiv(prob.seqlen_q * mode.PACK_G, mode.BLOCK_M)
     kv0 = 0
     qi = 0  # items run (see _producer)
@@ -1289,18 +1301,22 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                 SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, Q_ROWS, SPLIT_TABLE)
-    # Programmatic dependent launch, both ways. This grid is launched
-    # dependent on the kernel before it (plan.compile_options' launch_pdl):
-    # its CTAs may be scheduled, and run up to the partitions' first
-    # griddepcontrol.wait (_wait_prior_grid), while that kernel is still
-    # running. And the kernel after it, if launched so (the split-KV combine,
-    # plan.launch_combine; the next forward call), may be scheduled from now
-    # on; its own wait holds it until this grid is done and its writes
-    # visible. Hides the combine's launch, 0.8 us of a B=1 decode call
-    # (BENCHMARKS.md, twenty-fourth session), and a decode call's launch
-    # behind the append or the call before it.
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
+    if SPLIT:
+        # Programmatic dependent launch, both ways (split runs only; plan.
+        # compile_options' launch_pdl): this grid is launched dependent on the
+        # kernel before it, so its CTAs may be scheduled, and run up to the
+        # partitions' griddepcontrol.wait (_wait_prior_grid), while that one
+        # still runs; and its combine (plan.launch_combine), launched so too,
+        # may be scheduled from now on, its own wait holding it until this
+        # grid is done and its writes visible. The combine's launch is hidden
+        # (0.8 us of a B=1 decode call, BENCHMARKS.md, twenty-fourth session),
+        # and so is this grid's behind the combine of the call before it,
+        # which lets it launch once its own wait is past (1.0-1.3 us of a
+        # one-query decode call, H100, seventy-fifth session). Runs without a
+        # split are launched as before: launched so too, with this trigger
+        # in every run, 128- and 512-query chunk rows (128 CTAs on 132 SMs)
+        # measured 2.6-3% slower under graph replay (the same session).
+        _let_next_grid_launch()
 
     # Work items are (query tile, split, head, batch), flattened with the tile
     # fastest: the seed's 3-D grid order without the 65535 limit of grid axes
