@@ -51,10 +51,10 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   the next grid launch once its consumers are past their last item (the
   shipped split runs do so at their start, for the combine). Not timed in
   this form. Its first form (the trigger at every run's start) gave, on an
-  H100 under graph replay: one-query decode 0.4-1.3 us faster per call
+  H100 under graph replay: one-query decode 0.4-1.2 us faster per call
   (the split rows are the shipped form's), B64 over 2048 keys (no split)
   1-2 us faster, B16 H16 S512 prefill 58 -> 56 us, but 128- and 512-query
-  chunk rows 2.6-3% slower, three rounds each. The question this form
+  chunk rows 2.6-3.3% slower, three rounds each. The question this form
   asks: whether a late trigger keeps the gains without the chunk rows'
   loss. ``VARIANT_BACKENDS="hopper_flash hopper_flash-kvcache sdpa-cudnn"
   bash scripts/device_session.sh variant fwd-pdl-all benchmarks/decode.json

@@ -4,7 +4,7 @@ A split run's kernel is launched dependent on the kernel before it (its
 partitions wait with ``griddepcontrol.wait`` before any global access:
 ``tests/test_compile_decode.py`` checks the PTX), so the previous call's
 combine lets it be scheduled early. Every other run is launched plainly:
-launched so, chunked-prefill rows measured 2.6-3% slower (BENCHMARKS.md,
+launched so, chunked-prefill rows measured 2.6-3.3% slower (BENCHMARKS.md,
 seventy-fifth session), and their kernels have no wait, so a programmatic
 launch of one would race the kernel before it.
 """

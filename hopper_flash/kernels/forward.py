@@ -1311,11 +1311,11 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
         # grid is done and its writes visible. The combine's launch is hidden
         # (0.8 us of a B=1 decode call, BENCHMARKS.md, twenty-fourth session),
         # and so is this grid's behind the combine of the call before it,
-        # which lets it launch once its own wait is past (1.0-1.3 us of a
+        # which lets it launch once its own wait is past (0.7-1.2 us of a
         # one-query decode call, H100, seventy-fifth session). Runs without a
         # split are launched as before: launched so too, with this trigger
         # in every run, 128- and 512-query chunk rows (128 CTAs on 132 SMs)
-        # measured 2.6-3% slower under graph replay (the same session).
+        # measured 2.6-3.3% slower under graph replay (the same session).
         _let_next_grid_launch()
 
     # Work items are (query tile, split, head, batch), flattened with the tile
