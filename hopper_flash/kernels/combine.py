@@ -32,9 +32,9 @@ def combine_kernel(o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, sink_ptr, n_split
         # finish, its partials written and visible, before reading them.
         # (False only where nothing can launch it so: Triton's interpreter.)
         tl.extra.cuda.gdc_wait()
-        # And the kernel after this one (the next call's forward, launched so
-        # too) may be scheduled from now on; its own wait holds it until
-        # this grid is done.
+        # And the kernel after this one, where launched dependent on it (the
+        # next decode call's split kernel), may be scheduled from now on; its
+        # own wait holds it until this grid is done.
         tl.extra.cuda.gdc_launch_dependents()
     # One program per output row (b, q, h), in the partials' [B, Sq, H] order.
     row = tl.program_id(0)
