@@ -20,6 +20,11 @@ call's partials (BENCHMARKS.md, twenty-first session).
 query head, each re-reading its KV head's keys (from L2 where the heads of
 a group run together), as cuDNN's decode does.
 
+``--append``: each call appends one new token per row first (``k``,
+``v`` of one token at ``cache_seqlens = seqlen_k - 1``), as a decode step of
+a serving loop does: the append kernel, then the attention (cuDNN's row has
+no append). Each replay appends at the same place.
+
 ``--blocks``: query blocks of 48-130 rows (drafts, short chunks; B4 over
 8192 keys) instead, whose packed items are whole 128-row tiles: the split
 rule gave H28/4 at 96 queries 4 splits, 134.5 us against 105.6 unsplit on
@@ -28,7 +33,8 @@ is timed as shipped (``plan.deal_split``: one CTA per split item) and
 again dealt as before (``pairs``: ``plan.deal``, pairs past one wave of
 items). With ``--no-pack-gqa`` the unpacked plan's counts.
 
-    PYTHONPATH=. python -P scripts/decode_splits.py [--rep-ms 300] [--combine-cost] [--no-pack-gqa] [--fill | --blocks]
+    PYTHONPATH=. python -P scripts/decode_splits.py [--rep-ms 300] [--combine-cost] [--no-pack-gqa] [--append]
+                                                    [--fill | --blocks]
 """
 from __future__ import annotations
 
@@ -128,10 +134,11 @@ def main() -> None:
     p.add_argument("--fill", action="store_true", help="the single-wave rows (FILL_ROWS) instead")
     p.add_argument("--blocks", action="store_true", help="query blocks of 48-130 rows (BLOCK_ROWS) instead")
     p.add_argument("--no-pack-gqa", action="store_true", help="PackGQA off (pack_gqa=False)")
+    p.add_argument("--append", action="store_true", help="each call appends one token per row first")
     args = p.parse_args()
     timer = cuda_graph_timer(args.rep_ms)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, SMs {plan.sm_count()}"
-          f"{', PackGQA off' if args.no_pack_gqa else ''}")
+          f"{', PackGQA off' if args.no_pack_gqa else ''}{', one-token append' if args.append else ''}")
     if args.combine_cost:
         print(f"{'row':>16} {'full':>8} {'split only':>11} {'combine only':>13}  judged (us; cuDNN below)")
     else:
@@ -143,8 +150,13 @@ def main() -> None:
         kv_bytes = 2 * k.numel() * k.element_size()
         name = f"B{B} Sk{S}" + (f" {H}/{HKV}" if args.fill or args.blocks else "") + (f" Sq{SQ}" if SQ > 1 else "")
 
+        new = ()
+        if args.append:  # the last cache position is written by each call
+            new = tuple(torch.randn_like(k[:, :1]) for _ in "kv")
+            lens = lens - 1
+
         def call(s):
-            return flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, softmax_scale=SCALE, causal=True,
+            return flash_attn_with_kvcache(q, k, v, *new, cache_seqlens=lens, softmax_scale=SCALE, causal=True,
                                            num_splits=s, pack_gqa=False if args.no_pack_gqa else None)
 
         def judge(out):

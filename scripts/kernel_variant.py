@@ -59,6 +59,16 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   loss. ``VARIANT_BACKENDS="hopper_flash hopper_flash-kvcache sdpa-cudnn"
   bash scripts/device_session.sh variant fwd-pdl-all benchmarks/decode.json
   --cuda-graph``, and ``pscreen scripts/decode_splits.py --combine-cost``.
+* ``append-pdl`` (seventy-fifth session, not yet timed): the KV cache's
+  append kernel lets the attention after it be scheduled from its start
+  (``griddepcontrol.launch_dependents``), so a decode step's split run,
+  launched dependent on the append since that session, gets its CTAs
+  resident and its prologue done while the append runs. Times a decode
+  step with a one-token append: ``pscreen scripts/decode_splits.py
+  --combine-cost --append`` against the shipped package (the
+  ``--combine-cost`` split figures are then the append's and the split
+  kernel's). Shipping it needs a constexpr off in the interpreter tests
+  (``tests/test_append_cpu.py``: no inline assembly there).
 * ``timeline``: the consumers write the SM's clock at seven points of each
   work item into a buffer (plan.TRACE); ``scripts/timeline.py`` runs it and
   prints where an item's time goes (waiting for Q or the first K, the
