@@ -39,34 +39,41 @@ SCALE = D ** -0.5
 
 def kernels_per_call(fn, calls: int):
     """[(name, grid, block, regs, smem, start_us, dur_us)] for each of ``calls``
-    calls, each call issued on an idle GPU."""
+    calls, each call issued on an idle GPU (a sync before each)."""
     fn()
     torch.cuda.synchronize()
-    marks = []
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for i in range(calls):
             with torch.profiler.record_function(f"call{i}"):
                 fn()
             torch.cuda.synchronize()
-            marks.append(i)
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    # Split into calls by the idle gaps (each call starts after a sync).
-    out, cur, last_end = [], [], None
-    for e in kernels:
-        if last_end is not None and e["ts"] - last_end > 50:
-            out.append(cur)
-            cur = []
+    return group_by_call(events)
+
+
+def group_by_call(events):
+    """The trace's kernels grouped by call, each in start order."""
+    # Each kernel belongs to the call whose host range (record_function
+    # "callN") issued its launch: the runtime or driver API event of the
+    # same correlation id (Triton and the C path launch through the driver).
+    calls_at = sorted((e["ts"], e["ts"] + e["dur"], int(e["name"][4:])) for e in events
+                      if e.get("cat") == "user_annotation" and e.get("name", "")[:4] == "call"
+                      and e["name"][4:].isdigit())
+    launched_at = {e["args"]["correlation"]: e["ts"] for e in events
+                   if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    out = [[] for _ in calls_at]
+    for e in sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"]):
+        t = launched_at.get(e.get("args", {}).get("correlation"))
+        call = next((n for lo, hi, n in calls_at if t is not None and lo <= t <= hi), None)
+        if call is None:
+            continue
         a = e.get("args", {})
-        cur.append((e["name"], tuple(a.get("grid", ())), tuple(a.get("block", ())),
-                    a.get("registers per thread"), a.get("shared memory"), e["ts"], e["dur"]))
-        last_end = e["ts"] + e["dur"]
-    if cur:
-        out.append(cur)
-    return out
+        out[call].append((e["name"], tuple(a.get("grid", ())), tuple(a.get("block", ())),
+                          a.get("registers per thread"), a.get("shared memory"), e["ts"], e["dur"]))
+    return [c for c in out if c]
 
 
 def report(label: str, calls) -> None:
