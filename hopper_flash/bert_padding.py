@@ -13,11 +13,11 @@ torch indexing, so autograd, ``torch.compile`` and any device work as for
 any torch op; the backward of a gather writes each index once, so it is
 deterministic.
 
-Host synchronisation: ``unpad_input`` and
-``unpad_input_for_concatenated_sequences`` read the mask's nonzero positions
+Host synchronisation: ``unpad_input`` reads the mask's nonzero positions
 and the longest length back to the host (two syncs, as in flash-attn;
 ``max_seqlen_in_batch`` is a Python int because ``flash_attn_varlen_func``
-needs one). Unpad once per batch, before the model's layers, not per layer;
+needs one); ``unpad_input_for_concatenated_sequences`` also reads which
+length slots are used (three, as in flash-attn). Unpad once per batch, before the model's layers, not per layer;
 ``index_first_axis`` and ``pad_input`` on already known indices do not sync.
 
 Masks are read as booleans (nonzero = selected); flash-attn sums them, which
@@ -140,7 +140,7 @@ def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor, attentio
     only within itself once given to ``flash_attn_varlen_func``.
 
     Returns ``(hidden_states [total, ...], indices [total] int64, cu_seqlens
-    [num_sequences + 1] int32, max_seqlen_in_batch: int)``. Two host syncs."""
+    [num_sequences + 1] int32, max_seqlen_in_batch: int)``. Three host syncs."""
     _check_tensor("hidden_states", hidden_states, 2, "[batch, seqlen, ...]")
     _check_mask("attention_mask_in_length", attention_mask_in_length, hidden_states)
     if attention_mask_in_length.dtype == torch.bool:

@@ -141,8 +141,9 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
     names = attention_forward_kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in ("q_ptr", "k_ptr", "v_ptr")}
     src = GluonASTSource(attention_forward_kernel, signature, constexprs=constexprs, attrs=attrs)
-    with ptx_rings.compiling(constexprs["RING_PTX"]):  # as the launches compile it
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=compile_options(cfg))
+    with ptx_rings.compiling(constexprs["RING_PTX"]):  # as the launches compile it (plan._jit_launch)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=compile_options(cfg, launch_pdl=mode.split))
 
 
 # --------------------------------------------------------------------------
