@@ -17,8 +17,9 @@ Host synchronisation: ``unpad_input`` reads the mask's nonzero positions
 and the longest length back to the host (two syncs, as in flash-attn;
 ``max_seqlen_in_batch`` is a Python int because ``flash_attn_varlen_func``
 needs one); ``unpad_input_for_concatenated_sequences`` also reads which
-length slots are used (three, as in flash-attn). Unpad once per batch, before the model's layers, not per layer;
-``index_first_axis`` and ``pad_input`` on already known indices do not sync.
+length slots are used (three, as in flash-attn). Unpad once per batch,
+before the model's layers, not per layer; ``index_first_axis`` and
+``pad_input`` on already known indices do not sync.
 
 Masks are read as booleans (nonzero = selected); flash-attn sums them, which
 agrees on 0/1 masks. With ``unused_mask`` (FA3's ``seqused``: slots whose

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from . import ptx_rings
-from .plan import (CONFIGS, PREFILL, WIDE_CONFIGS, ForwardConfig, Mode, block_shapes, compile_options,
+from .plan import (CONFIGS, PREFILL, WIDE_CONFIGS, ForwardConfig, Mode, block_shapes, forward_compile_options,
                    kernel_constexprs, smem_layout, takes_one_item)
 
 # Hopper's per-block shared-memory limit with the opt-in carve-out.
@@ -143,7 +143,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
     src = GluonASTSource(attention_forward_kernel, signature, constexprs=constexprs, attrs=attrs)
     with ptx_rings.compiling(constexprs["RING_PTX"]):  # as the launches compile it (plan._jit_launch)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=compile_options(cfg, launch_pdl=mode.split))
+                              options=forward_compile_options(cfg, mode))
 
 
 # --------------------------------------------------------------------------

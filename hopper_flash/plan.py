@@ -822,6 +822,15 @@ def compile_options(cfg, launch_pdl: bool = False) -> dict:
     return dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, enable_fp_fusion=True, launch_pdl=launch_pdl)
 
 
+def forward_compile_options(cfg: "ForwardConfig", mode: "Mode") -> dict:
+    """The forward kernel's compile options for a run in ``mode``, for its
+    launches (``_jit_launch``) and the compile checks alike: a split run is
+    launched by programmatic dependent launch, every other run plainly
+    (``kernels/forward.py``: only a split run's partitions wait for the grid
+    before it)."""
+    return compile_options(cfg, launch_pdl=mode.split)
+
+
 # Compiled kernels by (device, dtype, head dim, causal, lse, config). The
 # kernel's run-time arguments are never value-specialised (see
 # ``attention_forward_kernel``), so one entry serves every shape.
@@ -836,7 +845,7 @@ def _jit_launch(lp: LaunchPlan, cfg: ForwardConfig, args: tuple) -> KernelLaunch
 
     with ptx_rings.compiling(lp.constexprs["RING_PTX"]):
         return KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
-            *args, **lp.constexprs, **compile_options(cfg, launch_pdl=lp.mode.split)))
+            *args, **lp.constexprs, **forward_compile_options(cfg, lp.mode)))
 
 
 @dataclass(frozen=True)
