@@ -54,8 +54,9 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   B64 over 2048 keys 1.4 us faster (179.9, 180.7 -> 178.9, 178.8 us),
   the split rows level, and the chunk rows not slower in those two
   rounds (128 x 8192: 110.6, 114.0 -> 110.6, 111.2). Its first form (the
-  trigger at every run's start) gave, on an H100 under graph replay: one-query decode 0.4-1.2 us faster per call
-  (the split rows are the shipped form's), B64 over 2048 keys (no split)
+  trigger at every run's start) gave, on an H100 under graph replay:
+  one-query decode 0.4-1.2 us faster per call (the split rows are the
+  shipped form's), B64 over 2048 keys (no split)
   1-2 us faster, B16 H16 S512 prefill 58 -> 56 us, but 128- and 512-query
   chunk rows 2.6-3.3% slower, three rounds each. The question this form
   asks: whether a late trigger keeps the gains without the chunk rows'
