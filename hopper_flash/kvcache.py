@@ -281,13 +281,16 @@ def _rows_last_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, q=None, q_out=None, rotary=None):
+def append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, q=None, q_out=None, rotary=None,
+                  seqused=None):
     """The append kernel's launch (``kernels/append.py``) as ``(grid, args,
     constexprs)``: ``k``, ``v`` [B, S_new, Hkv, D] into the caches at
     ``seqlens[b] + j``. ``rotary``: None, or ``(cos, sin, interleaved,
     q_pos_step)``, with which the new keys are rotated on the way and ``q``
-    is rotated into ``q_out`` (both [B, Sq, H, D]). Tensors' head dims are
-    contiguous (``_rows_last_contiguous``); strides are in elements."""
+    is rotated into ``q_out`` (both [B, Sq, H, D]). ``seqused``: None, or
+    an int32 vector [B] the kernel fills with ``seqlens + S_new``. Tensors'
+    head dims are contiguous (``_rows_last_contiguous``); strides are in
+    elements."""
     batch, s_new, nheads_kv, head_dim = k.shape
     head_dim_v = v.shape[3]
     # A power of two: the kernel's rows, masked at head_dim (k, q) and head_dim_v (v).
@@ -304,7 +307,7 @@ def append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, 
     # constexprs never dereference it), so every launch has one signature.
     args = (k, v, k_cache, v_cache, seqlens,
             cache_batch_idx if cache_batch_idx is not None else seqlens,
-            page_table if paged else seqlens, q_in, q_o, cos, sin,
+            page_table if paged else seqlens, seqused if seqused is not None else seqlens, q_in, q_o, cos, sin,
             batch, s_new, q_in.shape[1], nheads_kv, nheads, head_dim, head_dim_v,
             *k.stride()[:3], *v.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
             page_table.stride(0) if paged else 0, k_cache.shape[1] if paged else 1,
@@ -312,16 +315,21 @@ def append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, 
             cos.stride(0) if rotary is not None else 0, cos.shape[0] if rotary is not None else 1,
             cos.shape[1] if rotary is not None else 0)
     constexprs = dict(HEAD_DIM=width, BLOCK_H=block_h, PAGED=paged, BATCH_IDX=cache_batch_idx is not None,
-                      ROTARY=rotary is not None, INTERLEAVED=bool(interleaved), Q_POS_STEP=bool(q_pos_step))
+                      ROTARY=rotary is not None, INTERLEAVED=bool(interleaved), Q_POS_STEP=bool(q_pos_step),
+                      SEQUSED_OUT=seqused is not None)
     return grid, args, constexprs
 
 
 def _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary):
-    """Launch the append (and the rotation); returns the queries the
-    attention reads: ``q`` itself, or its rotated copy."""
+    """Launch the append (and the rotation); returns what the attention
+    reads: the queries (``q`` itself, or its rotated copy) and the lengths
+    after the append (a fresh int32 vector the append kernel writes, or
+    ``seqlens`` itself where nothing is appended): one kernel, where a torch
+    add for the lengths would be a second launch on every decode step."""
     from .kernels.append import append_kernel
 
     k, v = _rows_last_contiguous(k), _rows_last_contiguous(v)
+    seqused = torch.empty_like(seqlens) if k.shape[1] else None
     q_out = None
     if rotary is not None:
         cos, sin = rotary[:2]
@@ -331,14 +339,15 @@ def _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rot
         q = _rows_last_contiguous(q)
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     grid, args, constexprs = append_launch(k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, q, q_out,
-                                           rotary)
-    if grid[0] == 0:
-        return q
+                                           rotary, seqused)
+    seqused = seqlens if seqused is None else seqused
+    if grid[0] == 0:  # (no new token and no query: seqused is an empty batch's)
+        return q, seqused
     if all(-2 ** 31 <= a < 2 ** 31 for a in args if type(a) is int):
         plan.launch_triton(append_kernel, grid, args, constexprs, num_warps=4)
     else:  # strides past int32: Triton's JIT types them as 64-bit (the cached fast launch would not)
         append_kernel[grid](*args, **constexprs, num_warps=4)
-    return q_out if q_out is not None else q
+    return (q_out if q_out is not None else q), seqused
 
 
 def prepared_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, softmax_scale, causal,
@@ -377,9 +386,9 @@ def prepared_key(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page
 
 
 def _lengths_after_append(cache_seqlens, s_new: int):
-    """The live lengths the attention reads: ``cache_seqlens`` itself, or
-    after an append of ``s_new`` keys a fresh int32 vector (a torch op on
-    the device, captured in a graph)."""
+    """The live lengths after an append of ``s_new`` keys, as a torch op:
+    for the opt-in contract check, which reads them before the append runs
+    (the attention reads the vector the append kernel writes, ``_append``)."""
     return cache_seqlens + s_new if s_new else cache_seqlens
 
 
@@ -416,8 +425,7 @@ def prepared_call(key, cache_seqlens, cache_batch_idx, page_table, q, k_cache, v
     seqused = cache_seqlens
     if k is not None:
         with plan.on_device(q):
-            _append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, None)
-        seqused = _lengths_after_append(cache_seqlens, k.shape[1])
+            _, seqused = _append(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, page_table, None)
     layout = call.cache
     if layout.chunk:  # a chunked decode step: its rows' last chunks, from this call's lengths (the full path's way)
         with plan.on_device(q):
@@ -492,13 +500,15 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
     if page_table is not None:
         page_table = page_table.contiguous()
     s_new = k.shape[1] if k is not None else 0
-    seqused = _lengths_after_append(seqlens, s_new)  # int32, contiguous
+    # The lengths the attention reads (int32, contiguous): with new keys the
+    # append kernel's, below (packed queries take no new keys, validate_kvcache).
+    seqused = seqlens
     check = _contract_checked(check)
     if cache_leftpad is not None:
         cache_leftpad = cache_leftpad.contiguous()
     if check and not checks.capturing():  # (a host sync: not while a CUDA graph is captured)
-        check_contract(k_cache, seqused, cache_batch_idx, page_table, cache_leftpad, seqlens,
-                       (q.shape[0], cu_seqlens_q, seqlen_q) if packed else None)
+        check_contract(k_cache, _lengths_after_append(seqlens, s_new), cache_batch_idx, page_table, cache_leftpad,
+                       seqlens, (q.shape[0], cu_seqlens_q, seqlen_q) if packed else None)
     if packed and seqlen_q and q.shape[0] == batch * seqlen_q:
         # Every sequence has max_seqlen_q queries (lengths of at most that
         # summing to batch times it, the contract): a decode step (SGLang's
@@ -519,7 +529,7 @@ def kvcache_forward_validated(q, k_cache, v_cache, k, v, cache_seqlens, cache_ba
         rotary = (rotary_cos, rotary_sin, rotary_interleaved, bool(causal) or local)
     if s_new or rotary is not None:
         with plan.on_device(q):
-            q = _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary)
+            q, seqused = _append(q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, page_table, rotary)
     last_chunk = None  # (chunk, the shifted table's width): the decode route over each row's last chunk
     if chunk and capacity and seqlen_q == 1 and not packed:
         # One query per row sees its row's last chunk alone: the decode route

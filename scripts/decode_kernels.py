@@ -15,7 +15,12 @@ them, but a gap between two kernels of one call can hold launch latency
 that a graph replay would hide (``decode_splits.py --combine-cost`` times
 replays).
 
-    PYTHONPATH=. python -P scripts/decode_kernels.py [--calls 20]
+``--append``: our calls append one new token per row first (``k``, ``v``
+of one token at ``cache_seqlens = seqlen_k - 1``), as a serving loop's
+decode step does, so the trace shows what the append adds to a call
+(cuDNN's calls have no append).
+
+    PYTHONPATH=. python -P scripts/decode_kernels.py [--calls 20] [--append]
 """
 from __future__ import annotations
 
@@ -100,6 +105,7 @@ def report(label: str, calls) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--append", action="store_true", help="our calls append one token per row first")
     args = p.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, SMs {plan.sm_count()}, "
           f"cuDNN {torch.backends.cudnn.version()}")
@@ -107,10 +113,15 @@ def main() -> None:
     for B, S, H, HKV in ROWS:
         q, k, v = random_qkv(B, 1, S, H, HKV, D, seed=B * S + 1)
         lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
-        print(f"B{B} Sk{S} H{H}/{HKV} D{D}, K/V {2 * k.numel() * k.element_size() / 1e6:.1f} MB")
+        print(f"B{B} Sk{S} H{H}/{HKV} D{D}, K/V {2 * k.numel() * k.element_size() / 1e6:.1f} MB"
+              f"{', our calls append one token' if args.append else ''}")
+        new = ()
+        if args.append:  # each call writes the cache's last position (the same values every call)
+            new = tuple(x[:, -1:].clone() for x in (k, v))
+            lens = lens - 1
 
         def ours():
-            return flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, softmax_scale=SCALE, causal=True)
+            return flash_attn_with_kvcache(q, k, v, *new, cache_seqlens=lens, softmax_scale=SCALE, causal=True)
 
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 

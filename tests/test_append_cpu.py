@@ -12,7 +12,9 @@ table), every other cache entry is unchanged, values and unrotated features
 are copied bit for bit, rotated features are within one bf16 rounding of the
 float64 rotation, and q is rotated into a new tensor at flash-attn's
 positions (``cache_seqlens + i`` under a causal or local mask, else
-``cache_seqlens``) while q itself is untouched."""
+``cache_seqlens``) while q itself is untouched; the kernel writes the
+lengths after the append, ``cache_seqlens + S_new``, into a vector of its
+own."""
 import os
 import subprocess
 import sys
@@ -61,8 +63,8 @@ CHILD = textwrap.dedent("""
         kernel[grid](*args, **constexprs, num_warps=num_warps)
     results = []
     for q, kc, vc, k, v, seqlens, bidx, pt, rotary in torch.load(sys.argv[2]):
-        q_used = kvcache._append(q, kc, vc, k, v, seqlens, bidx, pt, rotary)
-        results.append((kc, vc, q_used, q))
+        q_used, seqused = kvcache._append(q, kc, vc, k, v, seqlens, bidx, pt, rotary)
+        results.append((kc, vc, q_used, q, seqused, seqlens))
     torch.save(results, sys.argv[3])
 """)
 
@@ -130,10 +132,13 @@ def test_append_and_rotary_match_indexed_writes(tmp_path):
     subprocess.run([sys.executable, "-c", CHILD, ROOT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
                    check=True, capture_output=True, text=True, timeout=900)
     results = torch.load(tmp_path / "out.pt")
-    for spec, case, (kc, vc, q_used, q_after) in zip(CASES, cases, results):
+    for spec, case, (kc, vc, q_used, q_after, seqused, seqlens_after) in zip(CASES, cases, results):
         name, rotary = spec[0], spec[-1]
-        q, kc0, vc0, k, v = case[:5]
+        q, kc0, vc0, k, v, seqlens = case[:6]
         assert torch.equal(q_after, q), name  # the caller's q is never written
+        # The lengths the attention reads: the kernel's own vector, each row's length plus the new tokens.
+        assert torch.equal(seqlens_after, seqlens), name  # the caller's lengths are never written
+        assert seqused.dtype == torch.int32 and torch.equal(seqused.long(), seqlens.long() + k.shape[1]), name
         ref_k, ref_v, ref_q, written = _expected(*case)
         # Untouched entries and the values: bit for bit.
         assert torch.equal(kc[~written], kc0[~written]), name

@@ -284,8 +284,9 @@ def test_append_kernel_compiles(head_dim, dtype):
             continue  # never launched so
         sig = {n: (f"*{dtype}" if n in pointers else f"*{table}" if n in ("cos_ptr", "sin_ptr")
                    else "*i32" if n.endswith("_ptr") else "i32") for n in names}
+        # SEQUSED_OUT: launched on whenever a token is appended (off only for none: one store fewer).
         consts = dict(zip(flags, (paged, batch_idx, rotary, interleaved, step)),
-                      HEAD_DIM=head_dim, BLOCK_H=max(1, 2048 // head_dim))
+                      HEAD_DIM=head_dim, BLOCK_H=max(1, 2048 // head_dim), SEQUSED_OUT=True)
         sig.update({n: "constexpr" for n in consts})
         k = compile_check.compile_triton(append_kernel, sig, consts, num_warps=4,
                                          enable_fp_fusion=True)  # as plan.launch_triton

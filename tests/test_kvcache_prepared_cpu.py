@@ -55,6 +55,14 @@ def _arguments(layout: str, seed: int, page_size: int = 64) -> dict:
     return args
 
 
+def _after(append_args):
+    """The CPU stand-in for the append kernel's lengths (``kvcache._append``'s
+    second result): ``cache_seqlens + S_new``, a fresh vector, from the
+    stubbed ``_append``'s arguments after q (``k_cache, v_cache, k, v,
+    seqlens, ...``)."""
+    return append_args[4] + append_args[2].shape[1]
+
+
 def _direct_from_now_on() -> tuple[list, list]:
     """After a first (JIT) call: every launch of its kernels is direct, its
     flat arguments recorded (the forward's, the combine's)."""
@@ -144,11 +152,9 @@ def test_a_prepared_call_with_an_append_appends_then_attends_over_the_new_length
     """With new keys the prepared call launches the append as the full path
     does (the same arguments), then the attention over the lengths after it:
     a fresh vector, whose address the prepared launch passes."""
-    appends, lengths = [], []
-    monkeypatch.setattr(kvcache, "_append", lambda q, *a: appends.append(a) or q)
-    real = kvcache._lengths_after_append
-    monkeypatch.setattr(kvcache, "_lengths_after_append",
-                        lambda seqlens, s_new: lengths.append(real(seqlens, s_new)) or lengths[-1])
+    appends, lengths = [], []  # (the CPU stand-in returns the lengths the append kernel writes)
+    monkeypatch.setattr(kvcache, "_append", lambda q, *a: appends.append(a) or lengths.append(_after(a)) or
+                        (q, lengths[-1]))
 
     def call(args):
         return kvcache.flash_attn_with_kvcache(**args, causal=True)
@@ -186,7 +192,7 @@ def test_a_prepared_call_that_cannot_serve_does_not_append(counted, monkeypatch)
     """A prepared call whose launch is gone (the compiled-kernel table
     replaced) returns before the append: the full path appends, once."""
     appends = []
-    monkeypatch.setattr(kvcache, "_append", lambda q, *a: appends.append(a) or q)
+    monkeypatch.setattr(kvcache, "_append", lambda q, *a: appends.append(a) or (q, _after(a)))
     args = _arguments("contiguous", 0)
     args["k"] = args["v"] = torch.randn(2, 1, 2, 128).to(torch.bfloat16)
     kvcache.flash_attn_with_kvcache(**args, causal=True)
@@ -233,7 +239,7 @@ def test_a_call_unlike_the_prepared_one_takes_the_full_path(counted, change, mon
         kw["attention_chunk"] = 1024
     elif change == "append":  # new keys: another signature
         kw["k"] = kw["v"] = torch.randn(2, 1, 2, 128).to(torch.bfloat16)
-        monkeypatch.setattr(kvcache, "_append", lambda q, *a: q)
+        monkeypatch.setattr(kvcache, "_append", lambda q, *a: (q, _after(a)))
     counted.clear()
     call(args, **kw)
     assert "plan" in counted, "a call the prepared launch cannot serve took it"
@@ -343,11 +349,8 @@ def test_a_prepared_chunked_decode_step_derives_its_own_last_chunks(counted, lay
     for name in ("last_chunk_leftpad", "last_chunk_pages"):
         real = getattr(chunked, name)
         monkeypatch.setattr(chunked, name, lambda *a, _real=real: derived.append(_real(*a)) or derived[-1])
-    monkeypatch.setattr(kvcache, "_append", lambda q, *a: q)  # (the CPU stand-in: no append kernel)
-    after = []  # the lengths after each call's append
-    real_after = kvcache._lengths_after_append
-    monkeypatch.setattr(kvcache, "_lengths_after_append",
-                        lambda seqlens, n: after.append(real_after(seqlens, n)) or after[-1])
+    after = []  # the lengths after each call's append (the CPU stand-in's: no append kernel)
+    monkeypatch.setattr(kvcache, "_append", lambda q, *a: after.append(_after(a)) or (q, after[-1]))
 
     def call(args):
         return kvcache.flash_attn_with_kvcache(**args, causal=True, attention_chunk=chunk)

@@ -138,7 +138,7 @@ def test_the_call_reads_each_row_from_its_pad_in_the_decode_launch(monkeypatch):
     monkeypatch.setattr(plan, "on_device", lambda t: contextlib.nullcontext())
     monkeypatch.setattr(kvcache, "validate_kvcache", lambda *a: 0.125)  # (its checks: the tests below)
     monkeypatch.setattr(kvcache, "_append", lambda q, kc, vc, k, v, lens, *rest: _append_by_hand(kc, vc, k, v, lens)
-                        or q)
+                        or (q, lens + k.shape[1]))
     out, lse = kvcache.kvcache_forward(q, kc, vc, kn, vn, _i32(seqlens), None, None, 0.125, True, 0, None, True,
                                        cache_leftpad=_i32(pads))
     assert seen["leftpad"].tolist() == pads and seen["seqused_k"].tolist() == ends

@@ -26,6 +26,12 @@ in float32, then one rounding to the tensor's dtype. Features from
 ``rotary_dim`` on are copied as they are. The programs past the keys' rows
 (``ROTARY`` only) each rotate one query token's heads.
 
+The lengths after the append (``SEQUSED_OUT``): the program of each batch
+entry's first new token writes ``cache_seqlens[b] + S_new`` to
+``seqused_ptr``, the vector the attention then reads, so a decode step with
+an append runs two kernels of its own (this one and the attention's) rather
+than three (a torch add between them).
+
 Plain Triton: a decode step appends a handful of tokens, so the kernel is
 one launch in place of the indexed writes' several and need only be simple
 and correct. Positions, pages and rows are the caller's contract
@@ -72,7 +78,7 @@ def _rotated(row_ptr, live, x, pos, cos_ptr, sin_ptr, stride_ro, seqlen_ro, rota
                                "stride_qb", "stride_qs", "stride_qh", "stride_ob", "stride_os", "stride_oh",
                                "stride_ro", "seqlen_ro", "rotary_half"])
 def append_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, batch_idx_ptr, page_table_ptr,
-                  q_ptr, q_out_ptr, cos_ptr, sin_ptr,
+                  seqused_ptr, q_ptr, q_out_ptr, cos_ptr, sin_ptr,
                   batch, s_new, seqlen_q, n_kv_heads, n_heads, head_dim, head_dim_v,
                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
@@ -80,7 +86,8 @@ def append_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, batch_idx
                   stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh,
                   stride_ro, seqlen_ro, rotary_half,
                   HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, PAGED: tl.constexpr, BATCH_IDX: tl.constexpr,
-                  ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, Q_POS_STEP: tl.constexpr):
+                  ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, Q_POS_STEP: tl.constexpr,
+                  SEQUSED_OUT: tl.constexpr = False):
     # Strides are in elements, the head dim's is 1. k/v: the new tokens;
     # cache (c: k_cache, d: v_cache): rows (or pages), positions (or rows of
     # a page), heads; q/out: the queries and their rotated copy. HEAD_DIM:
@@ -94,6 +101,8 @@ def append_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, batch_idx
         b = pid // s_new
         j = pid - b * s_new
         pos = tl.load(seqlens_ptr + b) + j
+        if SEQUSED_OUT:  # once per batch entry: its first token's first block of heads
+            tl.store(seqused_ptr + b, pos + s_new, mask=(j == 0) & (tl.program_id(1) == 0))
         if PAGED:
             row = tl.load(page_table_ptr + b.to(tl.int64) * stride_pt + pos // page_size)
             pos_in = pos % page_size
