@@ -370,6 +370,36 @@ def test_rotary_under_torch_compile_and_cuda_graphs():
             assert torch.equal(k3[b, L], k4[b, L]) and torch.equal(v3[b, L], v4[b, L])
 
 
+@pytest.mark.parametrize("num_splits", [0, 1], ids=["split-heuristic", "no-split"])
+def test_cuda_graph_replay_with_an_append_and_changing_lengths(num_splits):
+    """A decode step with an append of two tokens captured in a CUDA graph
+    and replayed with new ``cache_seqlens``: the attention reads the lengths
+    after the append from the vector the append kernel writes on each replay
+    (``kvcache._append``), so every replay attends over ``cache_seqlens + 2``
+    keys, judged against the float64 reference, and writes the new tokens
+    there. The caches hold NaN past the live keys."""
+    B, cap, s_new = 3, 8192, 2
+    k0, v0 = rnd(B, cap, 8, 128, seed=71), rnd(B, cap, 8, 128, seed=70)
+    kc, vc = k0.clone(), v0.clone()
+    q, kn, vn = rnd(B, 1, 32, 128, seed=72), rnd(B, s_new, 8, 128, seed=73), rnd(B, s_new, 8, 128, seed=74)
+    cs = torch.tensor([100, 5000, 0], dtype=torch.int32, device=DEV)
+    graph, out = capture(lambda: hopper_flash.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=cs,
+                                                                      causal=True, num_splits=num_splits))
+    for lens in ([1, 8190, 4095], [7000, 0, 129], [0, 3, 2]):
+        kc.copy_(k0)
+        vc.copy_(v0)
+        for b, L in enumerate(lens):  # the rows past this replay's live keys hold NaN
+            kc[b, L:] = float("nan")
+            vc[b, L:] = float("nan")
+        cs.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        for b, L in enumerate(lens):
+            assert torch.equal(kc[b, L:L + s_new], kn[b]) and torch.equal(vc[b, L:L + s_new], vn[b])
+            assert torch.isnan(kc[b, L + s_new:]).all(), "the append wrote past its rows"
+        assert_close(out, q, kc, vc, [L + s_new for L in lens], True)
+
+
 def test_cache_batch_idx():
     lens, rows = [900, 5, 2000], [4, 0, 2]
     kc, vc = nan_tailed_cache(5, 2100, 8, 128, [2100] * 5, seed=21)
