@@ -16,7 +16,7 @@
 #       with .fa3 carried FA3's build starts in the background first, as in
 #       tests, so that a screen right after it finds FA3 built.
 #   run (carry .fa3):  bash scripts/device_session.sh screen CONFIG.json NAME... [-- BENCH ARGS]
-#       several variants timed without their tests: two rounds, each a
+#       several variants timed without their tests: two rounds (SCREEN_ROUNDS), each a
 #       process for the shipped package and then one per variant, FA3 and
 #       SDPA cuDNN beside (waits for FA3's build, as bench does, unless
 #       SCREEN_FA3=0); JSON per process. At most 8
@@ -82,8 +82,8 @@ each_package() {
     for label in shipped "$@"; do echo "$round $label $(package_of "$label")"; done
   done
 }
-# alternate CONFIG NAME... [-- BENCH ARGS]: two rounds of one process for the
-# shipped package, then one per variant, FA3 beside them when this machine
+# alternate CONFIG NAME... [-- BENCH ARGS]: SCREEN_ROUNDS rounds (2) of one
+# process for the shipped package, then one per variant, FA3 beside them when this machine
 # built it (the tests call starts the build).
 alternate() {
   local config=$1; shift
@@ -96,7 +96,7 @@ alternate() {
     PYTHONPATH=$pkg:/tmp/fa3pkg timeout 150 python -P -m hopper_flash.bench --quiet --rep-ms 100 --warmup-ms 30 \
       --config "$config" --backends $backends "$@" --json "$OUT/ab-$tag-$round.json" \
       2>&1 | quiet | tail -12
-  done 3< <(each_package 2 "${names[@]}")
+  done 3< <(each_package "${SCREEN_ROUNDS:-2}" "${names[@]}")
 }
 # FA3's build on this machine, in the background (its own process session,
 # so it outlives the call), unless a call on this machine started it.
@@ -179,7 +179,7 @@ case "${1:-}" in
           --varlen 512:8192 --batch "$b" ${VSCREEN_ARGS:-} --json "$OUT/vl${VSCREEN_TAG:+-$VSCREEN_TAG}-$tag-$b-$round.json" \
           2>&1 | quiet | grep -E "varlen|imported" | tail -8
       done
-    done 3< <(each_package 2 "${names[@]}") ;;
+    done 3< <(each_package "${SCREEN_ROUNDS:-2}" "${names[@]}") ;;
   pscreen)
     # A timing script with its own judge and FA3 column (e.g.
     # scripts/varlen_pack_bench.py --skew) for the checked-out tree and each
