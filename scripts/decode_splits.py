@@ -23,7 +23,9 @@ a group run together), as cuDNN's decode does.
 ``--append``: each call appends one new token per row first (``k``,
 ``v`` of one token at ``cache_seqlens = seqlen_k - 1``), as a decode step of
 a serving loop does: the append kernel, then the attention (cuDNN's row has
-no append). Each replay appends at the same place.
+no append). Each replay appends at the same place. Where FA3 imports
+(``flash_attn_interface``), its ``flash_attn_with_kvcache`` with the same
+append (its kernel writes the new keys itself) is judged and timed beside.
 
 ``--blocks``: query blocks of 48-130 rows (drafts, short chunks; B4 over
 8192 keys) instead, whose packed items are whole 128-row tiles: the split
@@ -176,6 +178,26 @@ def main() -> None:
         cudnn()
         t = timer(cudnn).median_ms * 1e-3
         print(f"{name:>16} {'cuDNN':>7} {t * 1e6:8.1f} {kv_bytes / t / 1e12:9.2f}", flush=True)
+        if args.append:
+            fa3_with_append(timer, name, q, k, v, new, lens, judge, kv_bytes)
+
+
+def fa3_with_append(timer, name, q, k, v, new, lens, judge, kv_bytes) -> None:
+    """FA3's ``flash_attn_with_kvcache`` with the same one-token append (its
+    own heuristics), judged, then timed; nothing where FA3 does not import."""
+    try:
+        from flash_attn_interface import flash_attn_with_kvcache as fa3_kvcache
+    except ImportError:
+        return
+
+    def fa3():
+        out = fa3_kvcache(q, k, v, *new, cache_seqlens=lens, softmax_scale=SCALE, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    bad = [x.message for x in judge(fa3()) if not x]
+    t = timer(fa3).median_ms * 1e-3
+    print(f"{name:>16} {'FA3':>7} {t * 1e6:8.1f} {kv_bytes / t / 1e12:9.2f}  {'ok' if not bad else 'FAIL ' + bad[0]}",
+          flush=True)
 
 
 if __name__ == "__main__":
