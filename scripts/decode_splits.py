@@ -23,9 +23,11 @@ a group run together), as cuDNN's decode does.
 ``--append``: each call appends one new token per row first (``k``,
 ``v`` of one token at ``cache_seqlens = seqlen_k - 1``), as a decode step of
 a serving loop does: the append kernel, then the attention (cuDNN's row has
-no append). Each replay appends at the same place. Where FA3 imports
-(``flash_attn_interface``), its ``flash_attn_with_kvcache`` with the same
-append (its kernel writes the new keys itself) is judged and timed beside.
+no append). Each replay appends at the same place. With ``--fa3-append``
+FA3's ``flash_attn_with_kvcache`` with the same append (its kernel writes
+the new keys itself) is judged and timed beside: a build with its append
+kernels (``scripts/fa3_extra_build.sh append``, ``PYTHONPATH=/tmp/fa3append``;
+the stock build has none and crashes the process on an append).
 
 ``--blocks``: query blocks of 48-130 rows (drafts, short chunks; B4 over
 8192 keys) instead, whose packed items are whole 128-row tiles: the split
@@ -35,8 +37,8 @@ is timed as shipped (``plan.deal_split``: one CTA per split item) and
 again dealt as before (``pairs``: ``plan.deal``, pairs past one wave of
 items). With ``--no-pack-gqa`` the unpacked plan's counts.
 
-    PYTHONPATH=. python -P scripts/decode_splits.py [--rep-ms 300] [--combine-cost] [--no-pack-gqa] [--append]
-                                                    [--fill | --blocks]
+    PYTHONPATH=. python -P scripts/decode_splits.py [--rep-ms 300] [--combine-cost] [--no-pack-gqa]
+                                                    [--append [--fa3-append]] [--fill | --blocks]
 """
 from __future__ import annotations
 
@@ -137,6 +139,8 @@ def main() -> None:
     p.add_argument("--blocks", action="store_true", help="query blocks of 48-130 rows (BLOCK_ROWS) instead")
     p.add_argument("--no-pack-gqa", action="store_true", help="PackGQA off (pack_gqa=False)")
     p.add_argument("--append", action="store_true", help="each call appends one token per row first")
+    p.add_argument("--fa3-append", action="store_true",
+                   help="with --append: FA3's call with the same append beside (a build with APPENDKV)")
     args = p.parse_args()
     timer = cuda_graph_timer(args.rep_ms)
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, SMs {plan.sm_count()}"
@@ -178,17 +182,14 @@ def main() -> None:
         cudnn()
         t = timer(cudnn).median_ms * 1e-3
         print(f"{name:>16} {'cuDNN':>7} {t * 1e6:8.1f} {kv_bytes / t / 1e12:9.2f}", flush=True)
-        if args.append:
+        if args.append and args.fa3_append:
             fa3_with_append(timer, name, q, k, v, new, lens, judge, kv_bytes)
 
 
 def fa3_with_append(timer, name, q, k, v, new, lens, judge, kv_bytes) -> None:
     """FA3's ``flash_attn_with_kvcache`` with the same one-token append (its
-    own heuristics), judged, then timed; nothing where FA3 does not import."""
-    try:
-        from flash_attn_interface import flash_attn_with_kvcache as fa3_kvcache
-    except ImportError:
-        return
+    own heuristics), judged, then timed."""
+    from flash_attn_interface import flash_attn_with_kvcache as fa3_kvcache
 
     def fa3():
         out = fa3_kvcache(q, k, v, *new, cache_seqlens=lens, softmax_scale=SCALE, causal=True)

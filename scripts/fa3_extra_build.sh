@@ -15,12 +15,17 @@
 #          256 its wider tile is (1.8-3.3% at S=8192, BENCHMARKS.md,
 #          forty-ninth section). Install to /tmp/fa3d256, /tmp/fa3d256n64;
 #          both builds at once take the 16 cores, ~95 s.
+#   append: the bf16 forward with FA3's in-kernel append (APPENDKV, which the
+#          stock build leaves out: its flash_attn_with_kvcache with k, v then
+#          crashes the process, seventy-seventh session), for
+#          `scripts/decode_splits.py --append --fa3-append`; installs to
+#          /tmp/fa3append.
 # Then PYTHONPATH=/tmp/fa3local:. (or /tmp/fa3pkg16) for the bench's fa3
 # columns. Start it in the background the way scripts/device_session.sh
 # starts the stock build:
 #   (setsid nohup bash scripts/fa3_extra_build.sh fp16 > /tmp/fa3fp16.out 2>&1 < /dev/null &)
 set -u
-kind=${1:?usage: fa3_extra_build.sh local|fp16|d256|d256n64}
+kind=${1:?usage: fa3_extra_build.sh local|fp16|d256|d256n64|append}
 export GIT_DIR=/nonexistent FLASH_ATTENTION_DISABLE_PAGEDKV=TRUE \
   FLASH_ATTENTION_DISABLE_APPENDKV=TRUE FLASH_ATTENTION_DISABLE_SOFTCAP=TRUE \
   FLASH_ATTENTION_DISABLE_FP8=TRUE FLASH_ATTENTION_DISABLE_CLUSTER=TRUE \
@@ -35,7 +40,9 @@ case $kind in
   d256|d256n64) dest=/tmp/fa3$kind; export FLASH_ATTENTION_DISABLE_HDIM128=TRUE FLASH_ATTENTION_DISABLE_HDIM256=FALSE \
           FLASH_ATTENTION_DISABLE_FP16=TRUE FLASH_ATTENTION_DISABLE_LOCAL=TRUE FLASH_ATTENTION_DISABLE_BACKWARD=TRUE \
           FLASH_ATTENTION_DISABLE_SPLIT=TRUE FLASH_ATTENTION_DISABLE_PACKGQA=TRUE FLASH_ATTENTION_DISABLE_VARLEN=TRUE ;;
-  *) echo "unknown kind $kind (local, fp16, d256 or d256n64)"; exit 2 ;;
+  append) dest=/tmp/fa3append; export FLASH_ATTENTION_DISABLE_APPENDKV=FALSE FLASH_ATTENTION_DISABLE_FP16=TRUE \
+          FLASH_ATTENTION_DISABLE_LOCAL=TRUE FLASH_ATTENTION_DISABLE_BACKWARD=TRUE ;;
+  *) echo "unknown kind $kind (local, fp16, d256, d256n64 or append)"; exit 2 ;;
 esac
 src=/tmp/fa3${kind}src
 rm -rf "$src" && cp -r .fa3 "$src" && cd "$src/hopper" || exit 1
