@@ -26,7 +26,7 @@
 #   run (carry .fa3 .wt): bash scripts/device_session.sh vscreen NAME... [-- BATCHES]
 #       the varlen block (`--varlen 512:8192`) for the checked-out tree and
 #       each NAME (a package copy folder or a variant), alternating processes,
-#       two rounds, per batch size (default 16 32), FA3's varlen beside
+#       two rounds (SCREEN_ROUNDS), per batch size (default 16 32), FA3's varlen beside
 #       (waits for its build, as bench does); JSON per process
 #       (vl-TAG-BATCH-ROUND.json: eight files with one NAME and two batch
 #       sizes). VSCREEN_ARGS: more bench arguments (e.g. "--headdim 64"),
