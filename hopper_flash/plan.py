@@ -824,11 +824,10 @@ def compile_options(cfg, launch_pdl: bool = False) -> dict:
 
 def forward_compile_options(cfg: "ForwardConfig", mode: "Mode") -> dict:
     """The forward kernel's compile options for a run in ``mode``, for its
-    launches (``_jit_launch``) and the compile checks alike: a split run is
-    launched by programmatic dependent launch, every other run plainly
-    (``kernels/forward.py``: only a split run's partitions wait for the grid
-    before it)."""
-    return compile_options(cfg, launch_pdl=mode.split)
+    launches (``_jit_launch``) and the compile checks alike: every run is
+    launched by programmatic dependent launch (``kernels/forward.py``: every
+    partition waits for the grid before it; ``mode`` does not change that)."""
+    return compile_options(cfg, launch_pdl=True)
 
 
 # Compiled kernels by (device, dtype, head dim, causal, lse, config). The

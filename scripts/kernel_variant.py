@@ -45,24 +45,9 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   combine alone went from 1.6 to 1.8 / 2.1 us at B8 and from 2.3 to 4.9 /
   5.2 us at B1 over 65536 keys (15 splits), the whole calls 0.3-3.2 us
   slower: one row a program is the fastest of the three.
-* ``fwd-pdl-all`` (seventy-fifth session): every forward run launched by
-  programmatic dependent launch, not only split runs (the shipped form):
-  every partition waits for the prior grid, and a run without a split lets
-  the next grid launch once its consumers are past their last item (the
-  shipped split runs do so at their start, for the combine). Screened in
-  the seventy-sixth session (H100, two rounds, graph replay, no GPU tests):
-  B64 over 2048 keys 1.4 us faster (179.9, 180.7 -> 178.9, 178.8 us),
-  the split rows level, and the chunk rows not slower in those two
-  rounds (128 x 8192: 110.6, 114.0 -> 110.6, 111.2). Its first form (the
-  trigger at every run's start) gave, on an H100 under graph replay:
-  one-query decode 0.4-1.2 us faster per call (the split rows are the
-  shipped form's), B64 over 2048 keys (no split)
-  1-2 us faster, B16 H16 S512 prefill 58 -> 56 us, but 128- and 512-query
-  chunk rows 2.6-3.3% slower, three rounds each. The question this form
-  asks: whether a late trigger keeps the gains without the chunk rows'
-  loss. ``VARIANT_BACKENDS="hopper_flash hopper_flash-kvcache sdpa-cudnn"
-  bash scripts/device_session.sh variant fwd-pdl-all benchmarks/decode.json
-  --cuda-graph``, and ``pscreen scripts/decode_splits.py --combine-cost``.
+* ``fwd-pdl-all`` (seventy-fifth session): made the shipped code by branch
+  ``pdl-late`` (seventy-sixth session; every forward run launched
+  dependent, the late trigger), where the patch is gone.
 * ``append-pdl`` (seventy-fifth session; refused in the seventy-sixth:
   the whole call level with the shipped one, 54.1-54.2 against 54.0-54.1
   us at B8 over 4096 keys, H100, BENCHMARKS.md): the KV cache's

@@ -81,6 +81,15 @@ def test_ptx_register_reallocation_and_wgmma(report):
     assert "wgmma.mma_async" in report.ptx
 
 
+def test_launched_dependent_runs_wait_for_the_grid_before(report):
+    """Every forward run is launched by programmatic dependent launch
+    (``plan.compile_options``): every partition must wait for the grid
+    before it (``griddepcontrol.wait``) before touching memory, and the run
+    lets the grid after it be scheduled once its consumers are done."""
+    assert report.ptx.count("griddepcontrol.wait") >= 2
+    assert "griddepcontrol.launch_dependents" in report.ptx
+
+
 def test_tma_copies_are_rank_4(report):
     """The rank-4 [B, S, H, D] descriptor keeps tail tiles inside their batch
     (TMA clips and zero-fills at the sequence end); a flattened 2-D/3-D

@@ -1,12 +1,11 @@
-"""Which forward launches are programmatic dependent launches (no GPU).
+"""Which launches are programmatic dependent launches (no GPU).
 
-A split run's kernel is launched dependent on the kernel before it (its
-partitions wait with ``griddepcontrol.wait`` before any global access:
-``tests/test_compile_decode.py`` checks the PTX), so the previous call's
-combine lets it be scheduled early. Every other run is launched plainly:
-launched so, chunked-prefill rows measured 2.6-3.3% slower (BENCHMARKS.md,
-seventy-fifth session), and their kernels have no wait, so a programmatic
-launch of one would race the kernel before it.
+Every forward run's kernel is launched dependent on the kernel before it
+(its partitions wait with ``griddepcontrol.wait`` before any global
+access: ``tests/test_compile_decode.py`` and ``test_compile_sm90.py``
+check the PTX), so the kernel before lets it be scheduled early. The
+backward's kernels have no wait, so a programmatic launch of one would
+race the kernel before it: they are launched plainly.
 """
 from types import SimpleNamespace
 from unittest import mock
@@ -40,21 +39,15 @@ def _launch_flags(batch, seqlen_q, seqlen_k, heads, heads_kv, seqused):
     return lp.mode.split, seen["launch_pdl"]
 
 
-@pytest.mark.parametrize("shape", [
-    (8, 1, 4096, 32, 8, True),     # one-query decode: split
-    (1, 1, 65536, 32, 8, False),   # split, fixed lengths
+@pytest.mark.parametrize("shape,split", [
+    ((8, 1, 4096, 32, 8, True), True),      # one-query decode: split
+    ((1, 1, 65536, 32, 8, False), True),    # split, fixed lengths
+    ((64, 1, 2048, 32, 8, True), False),    # decode with enough items: no split
+    ((4, 128, 8192, 32, 8, False), False),  # a chunk on a long cache (one item per CTA)
+    ((4, 2048, 2048, 32, 32, False), False),  # prefill
 ])
-def test_split_runs_are_launched_dependent(shape):
-    assert _launch_flags(*shape) == (True, True)
-
-
-@pytest.mark.parametrize("shape", [
-    (64, 1, 2048, 32, 8, True),     # decode with enough items: no split
-    (4, 128, 8192, 32, 8, False),   # a chunk on a long cache (one item per CTA)
-    (4, 2048, 2048, 32, 32, False),  # prefill
-])
-def test_other_runs_are_launched_plainly(shape):
-    assert _launch_flags(*shape) == (False, False)
+def test_every_forward_run_is_launched_dependent(shape, split):
+    assert _launch_flags(*shape) == (split, True)
 
 
 def test_backward_options_are_never_dependent():

@@ -834,7 +834,7 @@ def _skip_dead_run(item, n_tiles, prob: Problem, mode: Mode):
 def _wait_prior_grid():
     """``griddepcontrol.wait``: block until the grid this one was launched
     dependent on has finished and its writes are visible (a no-op when the
-    launch was not programmatic). In a run so launched (a split run) every
+    launch was not programmatic). Every run is launched so, and every
     partition runs it before its first global access, read or write: nothing
     before it may touch memory that kernel writes or reads."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
@@ -852,8 +852,7 @@ def _let_next_grid_launch():
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, mode: Mode):
-    if mode.SPLIT:
-        _wait_prior_grid()  # launched dependent on the kernel before (attention_forward_kernel)
+    _wait_prior_grid()  # every run is launched dependent on the kernel before (attention_forward_kernel)
     n_tiles = gl.cdiv(prob.seqlen_q * mode.PACK_G, mode.BLOCK_M)
     kv0 = 0  # K/V loads issued for earlier work items: the rings' running order
     qi = 0  # work items run so far (VARLEN skips items past their sequence): the Q barriers' phase
@@ -1224,8 +1223,7 @@ def _consumer_item(rings: Rings, prob: Problem, o_desc, bm, split, h, b, kv0, qi
 
 @gluon.jit
 def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode):
-    if mode.SPLIT:
-        _wait_prior_grid()  # launched dependent on the kernel before (attention_forward_kernel)
+    _wait_prior_grid()  # every run is launched dependent on the kernel before (attention_forward_kernel)
     n_tiles = gl.cdiv(prob.seqlen_q * mode.PACK_G, mode.BLOCK_M)
     kv0 = 0
     qi = 0  # items run (see _producer)
@@ -1244,6 +1242,13 @@ def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode
         else:
             item = i + 1
         i += 1
+    if not mode.SPLIT:
+        # The kernel after this one, where launched dependent on it (the
+        # next call's forward), may be scheduled as this CTA's last O store
+        # drains: its CTAs take the SMs ours leave, rather than after this
+        # whole grid's completion (a split run triggers at its start, for
+        # its combine: attention_forward_kernel).
+        _let_next_grid_launch()
     tma.store_wait(0)
 
 
@@ -1301,21 +1306,24 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
                 SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, Q_ROWS, SPLIT_TABLE)
+    # Programmatic dependent launch, both ways (plan.compile_options'
+    # launch_pdl): every run is launched dependent on the kernel before it,
+    # so its CTAs may be scheduled, and run up to the partitions'
+    # griddepcontrol.wait (_wait_prior_grid), while that one still runs.
+    # A split run's combine (plan.launch_combine), launched so too, may be
+    # scheduled from its start, its own wait holding it until this grid is
+    # done and its writes visible: the combine's launch is hidden (0.8 us of
+    # a B=1 decode call, BENCHMARKS.md, twenty-fourth session), and so is
+    # the next call's split grid behind that combine, which lets it launch
+    # once its own wait is past (0.7-1.2 us of a one-query decode call,
+    # H100, seventy-fifth session). A run without a split lets the next
+    # grid launch only once its consumers are past their last item
+    # (_consumer): with this trigger at every run's start, 128- and
+    # 512-query chunk rows (128 CTAs on 132 SMs) measured 2.6-3.3% slower
+    # under graph replay (the same session); triggered late, they were
+    # level and B64 one-query decode (no split) 1.4 us faster (H100,
+    # seventy-sixth session).
     if SPLIT:
-        # Programmatic dependent launch, both ways (split runs only; plan.
-        # compile_options' launch_pdl): this grid is launched dependent on the
-        # kernel before it, so its CTAs may be scheduled, and run up to the
-        # partitions' griddepcontrol.wait (_wait_prior_grid), while that one
-        # still runs; and its combine (plan.launch_combine), launched so too,
-        # may be scheduled from now on, its own wait holding it until this
-        # grid is done and its writes visible. The combine's launch is hidden
-        # (0.8 us of a B=1 decode call, BENCHMARKS.md, twenty-fourth session),
-        # and so is this grid's behind the combine of the call before it,
-        # which lets it launch once its own wait is past (0.7-1.2 us of a
-        # one-query decode call, H100, seventy-fifth session). Runs without a
-        # split are launched as before: launched so too, with this trigger
-        # in every run, 128- and 512-query chunk rows (128 CTAs on 132 SMs)
-        # measured 2.6-3.3% slower under graph replay (the same session).
         _let_next_grid_launch()
 
     # Work items are (query tile, split, head, batch), flattened with the tile
