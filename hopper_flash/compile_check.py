@@ -143,7 +143,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
     src = GluonASTSource(attention_forward_kernel, signature, constexprs=constexprs, attrs=attrs)
     with ptx_rings.compiling(constexprs["RING_PTX"]):  # as the launches compile it (plan._jit_launch)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=forward_compile_options(cfg, mode))
+                              options=forward_compile_options(cfg))
 
 
 # --------------------------------------------------------------------------

@@ -822,12 +822,26 @@ def compile_options(cfg, launch_pdl: bool = False) -> dict:
     return dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, enable_fp_fusion=True, launch_pdl=launch_pdl)
 
 
-def forward_compile_options(cfg: "ForwardConfig", mode: "Mode") -> dict:
-    """The forward kernel's compile options for a run in ``mode``, for its
-    launches (``_jit_launch``) and the compile checks alike: every run is
-    launched by programmatic dependent launch (``kernels/forward.py``: every
-    partition waits for the grid before it; ``mode`` does not change that)."""
-    return compile_options(cfg, launch_pdl=True)
+def forward_compile_options(cfg: "ForwardConfig", pdl: bool = True) -> dict:
+    """The forward kernel's compile options, for its launches
+    (``_jit_launch``, with ``LaunchPlan.pdl``) and the compile checks alike
+    (launched dependent: the kernel's code is the same either way, every
+    partition waiting for the grid before it, ``kernels/forward.py``)."""
+    return compile_options(cfg, launch_pdl=pdl)
+
+
+def launched_dependent(split: bool, n_ctas: int, sms: int) -> bool:
+    """Whether a forward run is launched by programmatic dependent launch
+    (``LaunchPlan.pdl``): a split run always (its combine, and the next
+    call's split grid behind that combine, are launched early: 0.7-1.2 us of
+    a one-query decode call, H100, seventy-fifth session), any other run
+    where its grid has a CTA on every SM. Measured on an H100 under graph
+    replay, four alternating rounds (seventy-seventh session): grids of 132
+    CTAs gained (B64 one-query decode 175.3 -> 173.8 us, B16 H16 S512
+    prefill 58.4 -> 57.2), grids of 128 CTAs on 132 SMs lost (128 queries
+    over 8192 keys, one item a CTA: 111.0 -> 112.0, 112.6 -> 114.4 through
+    ``flash_attn_with_kvcache``; 512 over 32768 level to 0.8% slower)."""
+    return split or n_ctas >= sms
 
 
 # Compiled kernels by (device, dtype, head dim, causal, lse, config). The
@@ -844,7 +858,7 @@ def _jit_launch(lp: LaunchPlan, cfg: ForwardConfig, args: tuple) -> KernelLaunch
 
     with ptx_rings.compiling(lp.constexprs["RING_PTX"]):
         return KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
-            *args, **lp.constexprs, **forward_compile_options(cfg, lp.mode)))
+            *args, **lp.constexprs, **forward_compile_options(cfg, lp.pdl)))
 
 
 @dataclass(frozen=True)
@@ -863,6 +877,8 @@ class LaunchPlan:
     # mode.split_table: the table's entries (the kernel's num_splits; num_splits
     # above is the largest count, the partials' and the combine's).
     split_entries: int = 0
+    # Launched by programmatic dependent launch (launched_dependent; part of key).
+    pdl: bool = True
 
 
 def takes_one_item(cfg: ForwardConfig) -> bool:
@@ -930,8 +946,10 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     section = l2_section(n_blocks * cfg.block_n, cfg.head_dim, dtype.itemsize, group)
     kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
-    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section, (device, dtype, causal, kernel_lse, cfg, mode),
-                      constexprs, tuple(constexprs.values()))
+    pdl = launched_dependent(mode.split, n_ctas, sms)
+    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section,
+                      (device, dtype, causal, kernel_lse, cfg, mode, pdl), constexprs, tuple(constexprs.values()),
+                      pdl=pdl)
 
 
 def gathered_pools(k, v, page_size: int, cfg: ForwardConfig, caller: str):
@@ -1694,8 +1712,10 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group // pack_g), item_heads)
     kernel_lse = write_lse and not split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
-    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section, (device, dtype, causal, kernel_lse, cfg, mode),
-                      constexprs, tuple(constexprs.values()), split_entries if table else 0)
+    pdl = launched_dependent(split, n_ctas, sm_count(device))
+    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section,
+                      (device, dtype, causal, kernel_lse, cfg, mode, pdl), constexprs, tuple(constexprs.values()),
+                      split_entries if table else 0, pdl)
 
 
 def _split_table(lp: LaunchPlan, cfg: ForwardConfig, batch: int, max_seqlen_k: int, cu_k, seqused_k,

@@ -46,8 +46,9 @@ the ratios to cuDNN. Variants (``scripts/variants/``):
   5.2 us at B1 over 65536 keys (15 splits), the whole calls 0.3-3.2 us
   slower: one row a program is the fastest of the three.
 * ``fwd-pdl-all`` (seventy-fifth session): made the shipped code by branch
-  ``pdl-late`` (seventy-sixth session; every forward run launched
-  dependent, the late trigger), where the patch is gone.
+  ``pdl-late`` (seventy-sixth session: the late trigger; seventy-seventh:
+  only runs whose grid fills every SM launched dependent, besides split
+  runs, ``plan.launched_dependent``), where the patch is gone.
 * ``append-pdl`` (seventy-fifth session; refused in the seventy-sixth:
   the whole call level with the shipped one, 54.1-54.2 against 54.0-54.1
   us at B8 over 4096 keys, H100, BENCHMARKS.md): the KV cache's

@@ -242,11 +242,11 @@ def test_instructions(spec):
         assert counts["UTMASTG"] == 0, "a packed view's O goes out by address (no box is its tile)"
     else:
         assert counts["UTMASTG"] > 0, "O goes out through a TMA store"
-    # Every run is launched by programmatic dependent launch (plan.
-    # compile_options): every partition waits for the grid before it (one
-    # wait each: the consumers and the producer), and every run lets the
-    # grid after it be scheduled (a split run at its start, for its combine;
-    # another once its consumers are past their last item).
+    # Any run may be launched by programmatic dependent launch
+    # (plan.launched_dependent): every partition waits for the grid before
+    # it (one wait each: the consumers and the producer), and every run lets
+    # the grid after it be scheduled (a split run at its start, for its
+    # combine; another once its consumers are past their last item).
     ptx = _census(spec).ptx
     assert "griddepcontrol.launch_dependents" in ptx
     assert ptx.count("griddepcontrol.wait") >= 2, "every partition waits for the prior grid"

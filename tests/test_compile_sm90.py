@@ -82,8 +82,8 @@ def test_ptx_register_reallocation_and_wgmma(report):
 
 
 def test_launched_dependent_runs_wait_for_the_grid_before(report):
-    """Every forward run is launched by programmatic dependent launch
-    (``plan.compile_options``): every partition must wait for the grid
+    """Any forward run may be launched by programmatic dependent launch
+    (``plan.launched_dependent``): every partition must wait for the grid
     before it (``griddepcontrol.wait``) before touching memory, and the run
     lets the grid after it be scheduled once its consumers are done."""
     assert report.ptx.count("griddepcontrol.wait") >= 2
