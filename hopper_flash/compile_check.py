@@ -143,7 +143,7 @@ def compile_forward(cfg: ForwardConfig, dtype: str = "bfloat16", causal: bool = 
     src = GluonASTSource(attention_forward_kernel, signature, constexprs=constexprs, attrs=attrs)
     with ptx_rings.compiling(constexprs["RING_PTX"]):  # as the launches compile it (plan._jit_launch)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options=forward_compile_options(cfg))
+                              options=forward_compile_options(cfg, mode))
 
 
 # --------------------------------------------------------------------------
@@ -258,11 +258,16 @@ def read_census(compiled, sass_ops, **fields) -> CompileReport:
     )
 
 
-# Causal prefill long enough for the dynamic order (plan.choose_dynamic).
-DYNAMIC_PREFILL = Mode(dynamic=True)
+# Causal prefill long enough for the dynamic order (plan.choose_dynamic):
+# more items than SMs, so a grid on every SM, launched dependent.
+DYNAMIC_PREFILL = Mode(dynamic=True, dependent=True)
 # At most one work item per SM, dealt statically (plan.Mode.one_item), for the
-# configs whose kernel reads it (plan.takes_one_item).
+# configs whose kernel reads it (plan.takes_one_item); launched dependent
+# where the items are exactly the SMs.
 ONE_ITEM_PREFILL = Mode(one_item=True)
+ONE_ITEM_DEPENDENT = Mode(one_item=True, dependent=True)
+# Plain prefill launched dependent (its grid on every SM).
+PREFILL_DEPENDENT = Mode(dependent=True)
 
 
 def shipped_specialisations():
@@ -270,15 +275,17 @@ def shipped_specialisations():
     the public API can launch: causal ones with the static deal and the
     dynamic order (plan.choose_dynamic picks by shape), on the shipped
     configs and their wide forms (plan.choose_wide), and head dim 128's
-    one-item launches (plan.Mode.one_item)."""
+    one-item launches (plan.Mode.one_item); each launched plainly and by
+    programmatic dependent launch (plan.launched_dependent: a grid on every
+    SM), but the dynamic order, whose fixed-length grid always is."""
     from .plan import SUPPORTED_DTYPES
 
     for cfg in (*CONFIGS.values(), *WIDE_CONFIGS.values()):
-        one_item = (ONE_ITEM_PREFILL,) if takes_one_item(cfg) else ()
+        one_item = (ONE_ITEM_PREFILL, ONE_ITEM_DEPENDENT) if takes_one_item(cfg) else ()
         for tdtype in SUPPORTED_DTYPES:
             for causal in SUPPORTED_CAUSAL:
                 for write_lse in (False, True):
-                    for mode in ((PREFILL, DYNAMIC_PREFILL) if causal else (PREFILL,)) + one_item:
+                    for mode in ((PREFILL, PREFILL_DEPENDENT) + (DYNAMIC_PREFILL,) * causal + one_item):
                         yield cfg, str(tdtype).removeprefix("torch."), causal, write_lse, mode
 
 

@@ -283,6 +283,16 @@ class Mode:
     # flash-attn's cache_leftpad (with seqused, no pages): batch b's keys
     # start at row leftpad[b] of its cache row (the kernel's cu_k_ptr).
     leftpad: bool = False
+    # Launched by programmatic dependent launch though not split
+    # (launched_dependent; a split run always is, ``pdl``).
+    dependent: bool = False
+
+    @property
+    def pdl(self) -> bool:
+        """Launched by programmatic dependent launch: the kernel's
+        ``DEPENDENT`` (its partitions wait for the grid before it) and the
+        launch's ``launch_pdl`` (forward_compile_options)."""
+        return self.split or self.dependent
 
     @property
     def box_g(self) -> int:
@@ -386,6 +396,7 @@ def kernel_constexprs(cfg: ForwardConfig, causal: bool, write_lse: bool, mode: M
         Q_TOKENS=mode.q_tokens,
         Q_ROWS=mode.q_rows,
         SPLIT_TABLE=mode.split_table,
+        DEPENDENT=mode.pdl,
     )
 
 
@@ -822,17 +833,18 @@ def compile_options(cfg, launch_pdl: bool = False) -> dict:
     return dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, enable_fp_fusion=True, launch_pdl=launch_pdl)
 
 
-def forward_compile_options(cfg: "ForwardConfig", pdl: bool = True) -> dict:
-    """The forward kernel's compile options, for its launches
-    (``_jit_launch``, with ``LaunchPlan.pdl``) and the compile checks alike
-    (launched dependent: the kernel's code is the same either way, every
-    partition waiting for the grid before it, ``kernels/forward.py``)."""
-    return compile_options(cfg, launch_pdl=pdl)
+def forward_compile_options(cfg: "ForwardConfig", mode: "Mode") -> dict:
+    """The forward kernel's compile options for a run in ``mode``, for its
+    launches (``_jit_launch``) and the compile checks alike: launched by
+    programmatic dependent launch where ``mode.pdl`` (its kernel's
+    ``DEPENDENT``: every partition waits for the grid before it,
+    ``kernels/forward.py``), plainly otherwise."""
+    return compile_options(cfg, launch_pdl=mode.pdl)
 
 
 def launched_dependent(split: bool, n_ctas: int, sms: int) -> bool:
     """Whether a forward run is launched by programmatic dependent launch
-    (``LaunchPlan.pdl``): a split run always (its combine, and the next
+    (``Mode.pdl``): a split run always (its combine, and the next
     call's split grid behind that combine, are launched early: 0.7-1.2 us of
     a one-query decode call, H100, seventy-fifth session), any other run
     where its grid has a CTA on every SM. Measured on an H100 under graph
@@ -840,7 +852,11 @@ def launched_dependent(split: bool, n_ctas: int, sms: int) -> bool:
     CTAs gained (B64 one-query decode 175.3 -> 173.8 us, B16 H16 S512
     prefill 58.4 -> 57.2), grids of 128 CTAs on 132 SMs lost (128 queries
     over 8192 keys, one item a CTA: 111.0 -> 112.0, 112.6 -> 114.4 through
-    ``flash_attn_with_kvcache``; 512 over 32768 level to 0.8% slower)."""
+    ``flash_attn_with_kvcache``; 512 over 32768 level to 0.8% slower).
+    Launched plainly, the 128-CTA grids of that kernel (its waits in every
+    partition, no-ops then) measured as slow in one round, so a run
+    launched plainly compiles without them (``DEPENDENT``): the shipped
+    kernel before this rule, instruction for instruction."""
     return split or n_ctas >= sms
 
 
@@ -858,7 +874,7 @@ def _jit_launch(lp: LaunchPlan, cfg: ForwardConfig, args: tuple) -> KernelLaunch
 
     with ptx_rings.compiling(lp.constexprs["RING_PTX"]):
         return KernelLaunch(attention_forward_kernel[(lp.n_ctas, 1, 1)](
-            *args, **lp.constexprs, **forward_compile_options(cfg, lp.pdl)))
+            *args, **lp.constexprs, **forward_compile_options(cfg, lp.mode)))
 
 
 @dataclass(frozen=True)
@@ -877,8 +893,6 @@ class LaunchPlan:
     # mode.split_table: the table's entries (the kernel's num_splits; num_splits
     # above is the largest count, the partials' and the combine's).
     split_entries: int = 0
-    # Launched by programmatic dependent launch (launched_dependent; part of key).
-    pdl: bool = True
 
 
 def takes_one_item(cfg: ForwardConfig) -> bool:
@@ -942,14 +956,13 @@ def _plan_launch(device, dtype, batch, seqlen_q, nheads, nheads_kv, n_blocks, cf
     mode = Mode(pack_g=pack_g, pack_view=pack_view, q_rows=pack_view and q_rows, split=num_splits > 1,
                 seqused=seqused, kv_batch=kv_batch,
                 page_size=page_size, dynamic=dynamic, window_left=window_left, window_right=window_right,
-                softcap=bool(softcap), sink=sink, one_item=one_item, leftpad=leftpad)
+                softcap=bool(softcap), sink=sink, one_item=one_item, leftpad=leftpad,
+                dependent=launched_dependent(num_splits > 1, n_ctas, sms))
     section = l2_section(n_blocks * cfg.block_n, cfg.head_dim, dtype.itemsize, group)
     kernel_lse = write_lse and not mode.split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
-    pdl = launched_dependent(mode.split, n_ctas, sms)
-    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section,
-                      (device, dtype, causal, kernel_lse, cfg, mode, pdl), constexprs, tuple(constexprs.values()),
-                      pdl=pdl)
+    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section, (device, dtype, causal, kernel_lse, cfg, mode),
+                      constexprs, tuple(constexprs.values()))
 
 
 def gathered_pools(k, v, page_size: int, cfg: ForwardConfig, caller: str):
@@ -1703,6 +1716,7 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     else:
         # Split: items past a sequence's rows exit at once (deal_split).
         n_ctas, pair = (deal_split if split else deal)(items * num_splits, cfg, device)
+    mode = replace(mode, dependent=launched_dependent(split, n_ctas, sms))
     # No more heads to a section than a sequence has: most sections then lie
     # inside one sequence, whose dead items (query tiles past its rows) run
     # contiguously there and are skipped with one atomic
@@ -1712,10 +1726,8 @@ def _plan_varlen(device, dtype, batch, max_seqlen_q, max_seqlen_k, nheads, group
     section = min(l2_section(max_seqlen_k, cfg.head_dim, dtype.itemsize, group // pack_g), item_heads)
     kernel_lse = write_lse and not split  # the combine writes the LSE of a split run
     constexprs = kernel_constexprs(cfg, causal, kernel_lse, mode)
-    pdl = launched_dependent(split, n_ctas, sm_count(device))
-    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section,
-                      (device, dtype, causal, kernel_lse, cfg, mode, pdl), constexprs, tuple(constexprs.values()),
-                      split_entries if table else 0, pdl)
+    return LaunchPlan(cfg, mode, num_splits, n_ctas, pair, section, (device, dtype, causal, kernel_lse, cfg, mode),
+                      constexprs, tuple(constexprs.values()), split_entries if table else 0)
 
 
 def _split_table(lp: LaunchPlan, cfg: ForwardConfig, batch: int, max_seqlen_k: int, cu_k, seqused_k,

@@ -16,7 +16,10 @@ from hopper_flash.plan import Mode
 
 C = plan.CONFIGS
 
-# (config, dtype, causal, write_lse, mode)
+# (config, dtype, causal, write_lse, mode). A run without a split compiles
+# one kernel launched plainly and another launched dependent
+# (plan.launched_dependent: its grid on every SM; Mode.dependent, the
+# kernel's DEPENDENT); about half of those here are the dependent form.
 SPECS = [
     # flash_attn_func, seqlen_q small next to seqlen_k: PackGQA + split, MHA split.
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True)),
@@ -24,40 +27,40 @@ SPECS = [
     # KV cache: per-batch lengths, PackGQA, split, cache_batch_idx.
     (C[128], "bfloat16", True, False, Mode(seqused=True)),
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True)),
-    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, kv_batch=True)),
+    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, kv_batch=True, dependent=True)),
     (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True)),
-    (C[256], "bfloat16", True, True, Mode(pack_g=2, seqused=True)),
+    (C[256], "bfloat16", True, True, Mode(pack_g=2, seqused=True, dependent=True)),
     (C[256], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True)),
     # Paged K/V through TMA (the page is the batch coordinate).
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=128)),
-    (C[128], "bfloat16", False, False, Mode(pack_g=4, seqused=True, page_size=256)),
+    (C[128], "bfloat16", False, False, Mode(pack_g=4, seqused=True, page_size=256, dependent=True)),
     (C[256], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
     # Pages shorter than a tile: one TMA box per page (cache_layout.MIN_TMA_PAGE up).
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=64)),
-    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, page_size=32)),
+    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, page_size=32, dependent=True)),
     (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=32)),
     (C[256], "bfloat16", True, False, Mode(pack_g=4, seqused=True, page_size=32)),
     # Pages of 16 keys: eight boxes per 128-key tile (four per 64), the producer with 40 registers.
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=16)),
-    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, page_size=16)),
+    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, page_size=16, dependent=True)),
     (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=16)),
     (C[256], "bfloat16", True, True, Mode(pack_g=4, seqused=True, page_size=16)),
     # Pages under 16 keys gathered row by row (a four-warp producer, cp.async).
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=1)),
-    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, page_size=8)),
+    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, page_size=8, dependent=True)),
     (C[64], "bfloat16", True, True, Mode(pack_g=4, split=True, seqused=True, page_size=4)),
     # (MHA decode, no PackGQA: where gathering at D=256 spilled its consumers; scripts/gather_census.py)
     (C[128], "bfloat16", False, True, Mode(pack_g=1, split=True, seqused=True, page_size=2)),
     # Sliding windows (window_size): decode with a split cache, and prefill both ways.
     (C[128], "bfloat16", True, True, Mode(pack_g=4, split=True, seqused=True, window_left=4095, window_right=0)),
-    (C[128], "bfloat16", True, False, Mode(window_left=1023, window_right=0)),
+    (C[128], "bfloat16", True, False, Mode(window_left=1023, window_right=0, dependent=True)),
     (C[128], "float16", False, True, Mode(window_left=100, window_right=37)),
     (C[64], "bfloat16", True, False, Mode(window_left=511, window_right=0)),
     # (the wide D=64 tiles' window: appended below where this triton has them)
     (C[256], "bfloat16", False, False, Mode(window_left=-1, window_right=5)),
-    (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, dynamic=True, window_left=255, window_right=0)),
+    (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, dynamic=True, window_left=255, window_right=0, dependent=True)),
     # Logit soft-capping (softcap): prefill, decode, paged, gathered and varlen modes.
-    (C[128], "bfloat16", True, False, Mode(softcap=True)),
+    (C[128], "bfloat16", True, False, Mode(softcap=True, dependent=True)),
     (C[128], "float16", False, True, Mode(softcap=True)),
     (C[64], "bfloat16", True, False, Mode(softcap=True)),
     (C[256], "bfloat16", True, False, Mode(softcap=True)),
@@ -66,41 +69,41 @@ SPECS = [
     (C[256], "bfloat16", False, True, Mode(pack_g=2, split=True, seqused=True, softcap=True)),
     (C[128], "bfloat16", True, False, Mode(pack_g=4, seqused=True, page_size=16, softcap=True)),
     (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, page_size=4, softcap=True)),
-    (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, dynamic=True, softcap=True)),
+    (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, dynamic=True, softcap=True, dependent=True)),
     # Attention sinks (the kernel's normaliser; a split run leaves them to the combine).
     (C[128], "bfloat16", True, True, Mode(sink="bfloat16")),
     (C[128], "float16", False, False, Mode(sink="float32")),
-    (C[64], "bfloat16", True, True, Mode(sink="float32", dynamic=True)),
+    (C[64], "bfloat16", True, True, Mode(sink="float32", dynamic=True, dependent=True)),
     (C[256], "bfloat16", True, True, Mode(sink="float32")),
     (C[256], "bfloat16", False, True, Mode(sink="float32", softcap=True)),
     (C[128], "bfloat16", True, True, Mode(pack_g=4, seqused=True, sink="bfloat16")),
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, sink="float32")),
-    (C[64], "bfloat16", True, True, Mode(pack_g=4, seqused=True, page_size=4, sink="float32")),
+    (C[64], "bfloat16", True, True, Mode(pack_g=4, seqused=True, page_size=4, sink="float32", dependent=True)),
     (C[128], "bfloat16", True, True, Mode(varlen=True, seqused=True, seqused_q=True, dynamic=True, sink="float16")),
-    (C[256], "bfloat16", True, True, Mode(varlen=True, sink="float32")),
+    (C[256], "bfloat16", True, True, Mode(varlen=True, sink="float32", dependent=True)),
     # cache_leftpad: each row's keys from its pad on (LEFTPAD), with split-KV, PackGQA, cache_batch_idx.
     (C[128], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, leftpad=True)),
-    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, kv_batch=True, leftpad=True)),
+    (C[128], "float16", True, True, Mode(pack_g=8, seqused=True, kv_batch=True, leftpad=True, dependent=True)),
     (C[64], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, leftpad=True)),
     (C[256], "bfloat16", True, False, Mode(pack_g=4, split=True, seqused=True, leftpad=True)),
     (C[128], "bfloat16", True, True, Mode(pack_g=4, split=True, seqused=True, window_left=4095, window_right=0,
                                           leftpad=True)),
     # PackGQA over groups that are not powers of two (PACK_VIEW: Q packed by the host), O by address; head
     # dims 64 and 128 (plan.VIEW_HEAD_DIMS: at 256 one varlen kernel spilled 16 B).
-    (C[128], "bfloat16", True, True, Mode(pack_g=5, pack_view=True, seqused=True)),
+    (C[128], "bfloat16", True, True, Mode(pack_g=5, pack_view=True, seqused=True, dependent=True)),
     (C[128], "bfloat16", True, False, Mode(pack_g=5, pack_view=True, split=True, seqused=True)),
     (C[128], "float16", True, True, Mode(pack_g=7, pack_view=True, seqused=True, page_size=64)),
-    (C[64], "bfloat16", True, True, Mode(pack_g=3, pack_view=True, seqused=True, kv_batch=True)),
+    (C[64], "bfloat16", True, True, Mode(pack_g=3, pack_view=True, seqused=True, kv_batch=True, dependent=True)),
     (C[64], "bfloat16", True, True, Mode(pack_g=5, pack_view=True, seqused=True, sink="float32")),
     (C[128], "bfloat16", True, True, Mode(pack_g=5, pack_view=True, seqused=True, leftpad=True)),
     (C[128], "bfloat16", True, True, Mode(pack_g=5, pack_view=True, seqused=True, window_left=4095, window_right=0)),
     (C[128], "bfloat16", True, False, Mode(pack_g=7, pack_view=True, seqused=True, softcap=True, split=True)),
-    (C[128], "bfloat16", False, True, Mode(pack_g=12, pack_view=True)),
+    (C[128], "bfloat16", False, True, Mode(pack_g=12, pack_view=True, dependent=True)),
     (C[64], "bfloat16", True, False, Mode(pack_g=128, pack_view=True, split=True, seqused=True, page_size=16)),
     # One item per CTA (chunked prefill, V_AT_ISSUE) with soft-capping and sinks.
     (C[128], "bfloat16", True, False, Mode(one_item=True, softcap=True)),
     (C[128], "float16", False, True, Mode(one_item=True, softcap=True)),
-    (C[128], "bfloat16", True, True, Mode(one_item=True, sink="bfloat16")),
+    (C[128], "bfloat16", True, True, Mode(one_item=True, sink="bfloat16", dependent=True)),
     (C[128], "bfloat16", False, True, Mode(one_item=True, sink="float32", softcap=True)),
 ]
 if 64 in plan.WIDE_CONFIGS:  # none under triton 3.9 (plan.wide_configs)
@@ -128,6 +131,8 @@ def spec_id(spec):
         parts.append("one_item")
     if m.leftpad:
         parts.append("leftpad")
+    if m.dependent:
+        parts.append("dependent")
     if cfg.consumers == 3:
         parts.append("wide")
     return "-".join(parts)
@@ -242,14 +247,18 @@ def test_instructions(spec):
         assert counts["UTMASTG"] == 0, "a packed view's O goes out by address (no box is its tile)"
     else:
         assert counts["UTMASTG"] > 0, "O goes out through a TMA store"
-    # Any run may be launched by programmatic dependent launch
-    # (plan.launched_dependent): every partition waits for the grid before
-    # it (one wait each: the consumers and the producer), and every run lets
-    # the grid after it be scheduled (a split run at its start, for its
-    # combine; another once its consumers are past their last item).
+    # A run launched by programmatic dependent launch (Mode.pdl: every split
+    # run, others where plan.launched_dependent says) waits for the grid
+    # before it in every partition (one wait each: the consumers and the
+    # producer), and lets the grid after it be scheduled (a split run at
+    # its start, for its combine; another once its consumers are past their
+    # last item). A run launched plainly has neither.
     ptx = _census(spec).ptx
-    assert "griddepcontrol.launch_dependents" in ptx
-    assert ptx.count("griddepcontrol.wait") >= 2, "every partition waits for the prior grid"
+    if mode.pdl:
+        assert "griddepcontrol.launch_dependents" in ptx
+        assert ptx.count("griddepcontrol.wait") >= 2, "every partition waits for the prior grid"
+    else:
+        assert "griddepcontrol" not in ptx, "a run launched plainly is the kernel without the waits"
 
 
 def test_shared_memory_fits(spec):

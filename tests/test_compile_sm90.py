@@ -20,7 +20,8 @@ def spec_id(spec):
     cfg, dtype, causal, write_lse, mode = spec
     wide = "-wide" if cfg.consumers == 3 else ""
     return (f"d{cfg.head_dim}{wide}-{dtype}-{'causal' if causal else 'full'}-{'lse' if write_lse else 'nolse'}"
-            f"{'-dynamic' if mode.dynamic else ''}{'-one-item' if mode.one_item else ''}")
+            f"{'-dynamic' if mode.dynamic else ''}{'-one-item' if mode.one_item else ''}"
+            f"{'-dependent' if mode.dependent else ''}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,15 +37,18 @@ def report(request):
 def test_specialisations_cover_the_api():
     from hopper_flash import plan
 
-    keys = {(cfg.head_dim, cfg.block_m, dtype, causal, lse, mode.dynamic, mode.one_item)
+    keys = {(cfg.head_dim, cfg.block_m, dtype, causal, lse, mode.dynamic, mode.one_item, mode.dependent)
             for cfg, dtype, causal, lse, mode in SPECS}
     assert len(keys) == len(SPECS)
     shapes = {(d, plan.CONFIGS[d].block_m) for d in plan.SUPPORTED_HEAD_DIMS}
     shapes |= {(d, cfg.block_m) for d, cfg in plan.WIDE_CONFIGS.items()}
-    # The deal: static, the dynamic order (causal), one item per CTA (head dim 128, two consumers).
-    assert keys == {(d, m, str(t).removeprefix("torch."), c, l, dyn, one) for d, m in shapes
+    # The deal: static, the dynamic order (causal), one item per CTA (head dim 128, two consumers); each
+    # launched plainly and dependent (plan.launched_dependent), but the dynamic order (always dependent).
+    one_item = [(False, True, False), (False, True, True)]
+    assert keys == {(d, m, str(t).removeprefix("torch."), c, l, dyn, one, dep) for d, m in shapes
                     for t in plan.SUPPORTED_DTYPES for c in (False, True) for l in (False, True)
-                    for dyn, one in ([(False, False)] + [(True, False)] * c + [(False, True)] * (d == 128 and m == 128))}
+                    for dyn, one, dep in ([(False, False, False), (False, False, True)] + [(True, False, True)] * c
+                                          + one_item * (d == 128 and m == 128))}
 
 
 def test_no_spills(report):
@@ -81,13 +85,19 @@ def test_ptx_register_reallocation_and_wgmma(report):
     assert "wgmma.mma_async" in report.ptx
 
 
-def test_launched_dependent_runs_wait_for_the_grid_before(report):
-    """Any forward run may be launched by programmatic dependent launch
-    (``plan.launched_dependent``): every partition must wait for the grid
+@pytest.mark.parametrize("spec", SPECS, ids=spec_id)
+def test_launched_dependent_runs_wait_for_the_grid_before(spec):
+    """A run launched by programmatic dependent launch (``Mode.pdl``,
+    ``plan.launched_dependent``): every partition must wait for the grid
     before it (``griddepcontrol.wait``) before touching memory, and the run
-    lets the grid after it be scheduled once its consumers are done."""
-    assert report.ptx.count("griddepcontrol.wait") >= 2
-    assert "griddepcontrol.launch_dependents" in report.ptx
+    lets the grid after it be scheduled once its consumers are done. A run
+    launched plainly is the kernel without either."""
+    ptx = _census(spec).ptx
+    if spec[4].pdl:
+        assert ptx.count("griddepcontrol.wait") >= 2
+        assert "griddepcontrol.launch_dependents" in ptx
+    else:
+        assert "griddepcontrol" not in ptx
 
 
 def test_tma_copies_are_rank_4(report):

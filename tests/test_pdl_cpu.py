@@ -1,11 +1,12 @@
 """Which launches are programmatic dependent launches (no GPU).
 
-Every forward kernel waits with ``griddepcontrol.wait`` before any global
-access (``tests/test_compile_decode.py`` and ``test_compile_sm90.py`` check
-the PTX), so any run may be launched dependent on the kernel before it: a
-split run always, any other run where its grid has a CTA on every SM
+A split run, and any other forward run whose grid has a CTA on every SM
 (``plan.launched_dependent``; a grid that leaves SMs idle measured slower
-so). The backward's kernels have no wait, so a programmatic launch of one
+so), is launched dependent on the kernel before it. Its kernel is compiled
+with ``DEPENDENT``, so that every partition waits with
+``griddepcontrol.wait`` before any global access
+(``tests/test_compile_decode.py`` and ``test_compile_sm90.py`` check the
+PTX). The backward's kernels have no wait, so a programmatic launch of one
 would race the kernel before it: they are launched plainly.
 """
 from types import SimpleNamespace
@@ -19,7 +20,8 @@ from hopper_flash.kernels import forward
 
 
 def _launch_flags(batch, seqlen_q, seqlen_k, heads, heads_kv, seqused):
-    """(mode.split, CTAs, the launch_pdl the forward's JIT launch passes) for a plan on a 132-SM GPU."""
+    """(mode.split, CTAs, the launch_pdl the forward's JIT launch passes) for a plan on a 132-SM GPU;
+    the kernel's DEPENDENT constexpr must agree with the launch."""
     cfg = plan.CONFIGS[128]
     with mock.patch.object(plan, "sm_count", lambda device=None: 132):
         lp = plan._plan_launch.__wrapped__(0, torch.bfloat16, batch, seqlen_q, heads, heads_kv,
@@ -37,6 +39,7 @@ def _launch_flags(batch, seqlen_q, seqlen_k, heads, heads_kv, seqused):
     with mock.patch.object(forward, "attention_forward_kernel", FakeKernel()), \
             mock.patch.object(plan, "KernelLaunch", lambda run: run):
         plan._jit_launch(lp, lp.cfg, ())
+    assert seen["DEPENDENT"] == seen["launch_pdl"], "a kernel launched dependent waits for the grid before it"
     return lp.mode.split, lp.n_ctas, seen["launch_pdl"]
 
 

@@ -285,11 +285,16 @@ class Mode:
     # warpgroup whose own 64 rows end before the tile's last row passes the
     # KV tiles past its own diagonal without computing them (_own_kv_end).
     OWN_DIAGONAL: gl.constexpr
+    # Launched by programmatic dependent launch (plan.Mode.pdl: every split
+    # run, and others whose grid has a CTA on every SM): every partition
+    # waits for the grid before it (_wait_prior_grid), and the run lets the
+    # grid after it be scheduled (attention_forward_kernel).
+    DEPENDENT: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q,
                  PACK_G, SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT,
-                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, Q_ROWS, SPLIT_TABLE):
+                 SOFTCAP, SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, Q_ROWS, SPLIT_TABLE, DEPENDENT):
         init_fields(self, locals(), constexpr=True)
         self.NC = gl.constexpr(BLOCK_M // 64)
         self.SKIP_IDLE = gl.constexpr(PACK_G > 1 or SPLIT or SEQUSED or VARLEN)
@@ -834,9 +839,9 @@ def _skip_dead_run(item, n_tiles, prob: Problem, mode: Mode):
 def _wait_prior_grid():
     """``griddepcontrol.wait``: block until the grid this one was launched
     dependent on has finished and its writes are visible (a no-op when the
-    launch was not programmatic). Every partition of every run runs it
-    before its first global access, read or write: nothing before it may
-    touch memory that kernel writes or reads."""
+    launch was not programmatic). In a run so launched (``DEPENDENT``)
+    every partition runs it before its first global access, read or write:
+    nothing before it may touch memory that kernel writes or reads."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
@@ -852,7 +857,8 @@ def _let_next_grid_launch():
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, rings: Rings, prob: Problem, mode: Mode):
-    _wait_prior_grid()  # a run may be launched dependent on the kernel before (attention_forward_kernel)
+    if mode.DEPENDENT:
+        _wait_prior_grid()  # launched dependent on the kernel before (attention_forward_kernel)
     n_tiles = gl.cdiv(prob.seqlen_q * mode.PACK_G, mode.BLOCK_M)
     kv0 = 0  # K/V loads issued for earlier work items: the rings' running order
     qi = 0  # work items run so far (VARLEN skips items past their sequence): the Q barriers' phase
@@ -1223,7 +1229,8 @@ def _consumer_item(rings: Rings, prob: Problem, o_desc, bm, split, h, b, kv0, qi
 
 @gluon.jit
 def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode):
-    _wait_prior_grid()  # a run may be launched dependent on the kernel before (attention_forward_kernel)
+    if mode.DEPENDENT:
+        _wait_prior_grid()  # launched dependent on the kernel before (attention_forward_kernel)
     n_tiles = gl.cdiv(prob.seqlen_q * mode.PACK_G, mode.BLOCK_M)
     kv0 = 0
     qi = 0  # items run (see _producer)
@@ -1242,7 +1249,7 @@ def _consumer(rings: Rings, prob: Problem, o_desc, CID: gl.constexpr, mode: Mode
         else:
             item = i + 1
         i += 1
-    if not mode.SPLIT:
+    if mode.DEPENDENT and not mode.SPLIT:
         # The kernel after this one, where launched dependent on it (the
         # next call's forward), may be scheduled as this CTA's last O store
         # drains: its CTAs take the SMs ours leave, rather than after this
@@ -1276,7 +1283,7 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
                              RING_PTX: gl.constexpr = 0, ONE_ITEM: gl.constexpr = False, O_DIM: gl.constexpr = 0,
                              LEFTPAD: gl.constexpr = False, PACK_VIEW: gl.constexpr = False,
                              Q_TOKENS: gl.constexpr = False, Q_ROWS: gl.constexpr = False,
-                             SPLIT_TABLE: gl.constexpr = False):
+                             SPLIT_TABLE: gl.constexpr = False, DEPENDENT: gl.constexpr = False):
     # RING_PTX: which form of ``hopper_flash.ptx_rings`` compiled this
     # specialisation (0: triton's named barriers around the K/V ring kept);
     # unused here, it keys the compiled kernel.
@@ -1305,24 +1312,25 @@ def attention_forward_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr,
     dtype: gl.constexpr = q_desc.dtype
     mode = Mode(BLOCK_M, BLOCK_N, HEAD_DIM, K_STAGES, V_STAGES, IS_CAUSAL, WRITE_LSE, PERSISTENT, O_IN_Q, PACK_G,
                 SPLIT, SEQUSED, KV_BATCH, PAGE_SIZE, VARLEN, SEQUSED_Q, DYNAMIC, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, Q_ROWS, SPLIT_TABLE)
-    # Programmatic dependent launch, both ways. Every run may be launched
-    # dependent on the kernel before it (plan.launched_dependent: a split
-    # run, or one whose grid has a CTA on every SM), so every partition
-    # waits for that grid (_wait_prior_grid; a no-op in a run launched
-    # plainly), while its CTAs may be scheduled early. A split run's combine
-    # (plan.launch_combine), launched so too, may be scheduled from the
-    # split grid's start, its own wait holding it until this grid is done
-    # and its writes visible: the combine's launch is hidden (0.8 us of a
-    # B=1 decode call, BENCHMARKS.md, twenty-fourth session), and so is the
-    # next call's split grid behind that combine (0.7-1.2 us of a one-query
-    # decode call, H100, seventy-fifth session). A run without a split lets
-    # the next grid launch only once its consumers are past their last item
-    # (_consumer): with this trigger at every run's start, 128- and
-    # 512-query chunk rows (128 CTAs on 132 SMs) measured 2.6-3.3% slower
-    # under graph replay (the same session); triggered late, grids on every
-    # SM gained 0.9-2% and those chunk rows still lost up to 1.6% (H100,
-    # seventy-seventh session), so those runs are launched plainly.
+                SINK, ONE_ITEM, O_DIM, LEFTPAD, PACK_VIEW, Q_TOKENS, Q_ROWS, SPLIT_TABLE, DEPENDENT or SPLIT)
+    # Programmatic dependent launch, both ways, where DEPENDENT (plan.
+    # launched_dependent: a split run, or one whose grid has a CTA on every
+    # SM): the run is launched dependent on the kernel before it, so its
+    # CTAs may be scheduled, and run up to the partitions' griddepcontrol.
+    # wait (_wait_prior_grid), while that one still runs. A split run's
+    # combine (plan.launch_combine), launched so too, may be scheduled from
+    # the split grid's start, its own wait holding it until this grid is
+    # done and its writes visible: the combine's launch is hidden (0.8 us of
+    # a B=1 decode call, BENCHMARKS.md, twenty-fourth session), and so is
+    # the next call's split grid behind that combine (0.7-1.2 us of a
+    # one-query decode call, H100, seventy-fifth session). A run without a
+    # split lets the next grid launch only once its consumers are past their
+    # last item (_consumer): with this trigger at every run's start, 128-
+    # and 512-query chunk rows (128 CTAs on 132 SMs) measured 2.6-3.3%
+    # slower under graph replay (the same session); triggered late, grids on
+    # every SM gained 0.9-2% and those chunk rows still lost up to 1.6%,
+    # and (one round) as much launched plainly with the waits in (H100,
+    # seventy-seventh session), so runs launched plainly have neither.
     if SPLIT:
         _let_next_grid_launch()
 
