@@ -283,8 +283,8 @@ class Mode:
     # flash-attn's cache_leftpad (with seqused, no pages): batch b's keys
     # start at row leftpad[b] of its cache row (the kernel's cu_k_ptr).
     leftpad: bool = False
-    # Launched by programmatic dependent launch though not split
-    # (launched_dependent; a split run always is, ``pdl``).
+    # Launched by programmatic dependent launch (launched_dependent). A
+    # split run is launched so whether or not this is set (``pdl``).
     dependent: bool = False
 
     @property
@@ -844,19 +844,15 @@ def forward_compile_options(cfg: "ForwardConfig", mode: "Mode") -> dict:
 
 def launched_dependent(split: bool, n_ctas: int, sms: int) -> bool:
     """Whether a forward run is launched by programmatic dependent launch
-    (``Mode.pdl``): a split run always (its combine, and the next
-    call's split grid behind that combine, are launched early: 0.7-1.2 us of
-    a one-query decode call, H100, seventy-fifth session), any other run
-    where its grid has a CTA on every SM. Measured on an H100 under graph
-    replay, four alternating rounds (seventy-seventh session): grids of 132
-    CTAs gained (B64 one-query decode 175.3 -> 173.8 us, B16 H16 S512
-    prefill 58.4 -> 57.2), grids of 128 CTAs on 132 SMs lost (128 queries
-    over 8192 keys, one item a CTA: 111.0 -> 112.0, 112.6 -> 114.4 through
-    ``flash_attn_with_kvcache``; 512 over 32768 level to 0.8% slower).
-    Launched plainly, the 128-CTA grids of that kernel (its waits in every
-    partition, no-ops then) measured as slow in one round, so a run
-    launched plainly compiles without them (``DEPENDENT``): the shipped
-    kernel before this rule, instruction for instruction."""
+    (``Mode.pdl``): a split run always (its combine, and the next call's
+    split grid behind that combine, launch early: 0.7-1.2 us of a one-query
+    decode call, H100, seventy-fifth session), any other run where its grid
+    has a CTA on every SM. Under graph replay on H100s such grids gained
+    (B64 one-query decode -0.8 to -0.9%, B16 H16 S512 prefill -2 to -3%),
+    while grids of 128 CTAs on 132 SMs (the 128- and 512-query chunk rows)
+    lost up to 1.6% launched so (seventy-seventh and seventy-eighth
+    sessions, BENCHMARKS.md). A run launched plainly compiles without the
+    waits (``DEPENDENT``): the kernel it was before this rule."""
     return split or n_ctas >= sms
 
 
