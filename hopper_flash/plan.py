@@ -850,9 +850,10 @@ def launched_dependent(split: bool, n_ctas: int, sms: int) -> bool:
     has a CTA on every SM. Under graph replay on H100s such grids gained
     (B64 one-query decode -0.8 to -0.9%, B16 H16 S512 prefill -2 to -3%),
     while grids of 128 CTAs on 132 SMs (the 128- and 512-query chunk rows)
-    lost up to 1.6% launched so (seventy-seventh and seventy-eighth
-    sessions, BENCHMARKS.md). A run launched plainly compiles without the
-    waits (``DEPENDENT``): the kernel it was before this rule."""
+    lost up to 1.6% launched so (seventy-seventh session) and are launched
+    plainly (level with the kernel before this rule, seventy-eighth;
+    BENCHMARKS.md). A run launched plainly compiles without the waits
+    (``DEPENDENT``): that kernel, instruction for instruction."""
     return split or n_ctas >= sms
 
 
