@@ -38,11 +38,35 @@ def _llama(seed=0, **overrides):
     return transformers.LlamaForCausalLM(_llama_config(**overrides)).eval()
 
 
+def _cb_era() -> str:
+    """How this transformers' continuous batching reaches the attention
+    function (hopper_flash/integrations/transformers.py): "paged" up to 5.18
+    (the "paged|" name), "cache" in 5.19-5.23 (the function gets the cache
+    and writes the new keys), "layer" from 5.24 (the model's layer updates
+    the cache before the call)."""
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version("5.19.0.dev0"):
+        return "paged"
+    from transformers.models.llama import modeling_llama
+    import inspect
+
+    return "layer" if "cache" in inspect.signature(modeling_llama.LlamaAttention.forward).parameters else "cache"
+
+
+def _impl_name(impl: str) -> str:
+    """``impl`` as the model's config names it once set: transformers 5.19 on
+    drops the ``paged|`` of every name but ``paged|eager``."""
+    if impl.startswith("paged|") and impl != "paged|eager" and _cb_era() != "paged":
+        return impl.removeprefix("paged|")
+    return impl
+
+
 def _set_attn(model, impl):
     """Switch the attention implementation; returns the model to run."""
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(impl)
-        assert model.config._attn_implementation == impl
+        assert model.config._attn_implementation == _impl_name(impl)
         return model
     # Older transformers: a second model with the same weights.
     other = type(model)._from_config(model.config, attn_implementation=impl)
@@ -1104,7 +1128,8 @@ def test_register_registers_the_paged_name(registered):
 
     assert ALL_ATTENTION_FUNCTIONS.get(hft.PAGED_NAME) is hft.hopper_flash_paged_attention_forward
     model = _set_attn(_llama(), hft.PAGED_NAME)  # no FlashAttention kernel looked up for the name
-    assert model.config._attn_implementation == hft.PAGED_NAME
+    # (transformers 5.19 on runs continuous batching under the plain name: it drops "paged|")
+    assert model.config._attn_implementation == (hft.PAGED_NAME if _cb_era() == "paged" else NAME)
 
 
 def test_paged_call_without_a_cache_or_with_a_block_table_raises():
@@ -1182,6 +1207,68 @@ def test_check_paged_cache_view_refuses_keys_that_are_not_whole_blocks():
         hft.check_paged_cache_view(index, cu_k, table, 16)
 
 
+class _Allocator:
+    """transformers 5.19+'s FullAttentionCacheAllocator as allocator_pages
+    reads it: one tensor for a group of ``layers`` layers, each page of
+    ``tokens`` rows holding [L0 keys | L0 values | L1 keys | ...] in turn,
+    one page a block (a block's rows ``2 * layers * tokens`` apart)."""
+
+    supports_block_table = True
+    index = 0
+
+    def __init__(self, tokens, num_blocks=12, layers=2, heads_kv=2, dim=8):
+        self.tokens_per_page = tokens
+        self.stride = 2 * layers * tokens
+        self.rows = torch.randn(num_blocks * self.stride, heads_kv, dim)
+        self.views = {i: (self.rows[2 * i * tokens:], self.rows[(2 * i + 1) * tokens:]) for i in range(layers)}
+
+    def get_cache_for_block_table(self, layer):
+        k, v = (x.view(-1, self.tokens_per_page, *x.shape[1:]) for x in self.views[layer])
+        n = min(k.shape[0], v.shape[0])
+        return k[:n], v[:n]
+
+    def read_index(self, lengths, blocks):
+        """get_read_indices: request b's key j at blocks[b][j // tokens] * stride + j % tokens."""
+        t = self.tokens_per_page
+        return torch.tensor([blocks[b][j // t] * self.stride + j % t for b, n in enumerate(lengths) for j in range(n)])
+
+
+@pytest.mark.parametrize("tokens,page", [(16, 16), (12, 4), (6, 2), (2048, 1024)])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_allocator_pages_read_each_request_where_transformers_put_it(tokens, page, layer):
+    """transformers 5.19-5.23's cache (the continuous-batching route of
+    _paged_step): the pools and the block table built from the read index
+    name every key's row in the layer's own view, for either layer of an
+    interleaved group; the opt-in check agrees."""
+    alloc = _Allocator(tokens, num_blocks=12 if tokens < 2048 else 3)
+    per_block = min(tokens, 40)
+    lengths = [3 * per_block - 1, 1, per_block, 0] if tokens < 2048 else [2049, 1, 0, 5]
+    blocks = [[7, 2, 9], [4], [0, 11], []] if tokens < 2048 else [[2, 0], [1], [], [0]]
+    index = alloc.read_index(lengths, blocks)
+    cu_k = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    k, v, got_page = hft.allocator_pages(alloc, layer, index)
+    assert got_page == page and k.shape[1:] == (page, 2, 8) and v.shape == k.shape
+    table = hft._block_table(index, cu_k, max(lengths), page)
+    assert table.dtype == torch.int32 and table.shape == (4, -(-max(lengths) // page))
+    k_rows, v_rows = alloc.views[layer]
+    for b, n in enumerate(lengths):  # every live key is the row transformers' read names
+        start = int(cu_k[b])
+        pages = table[b, :-(-n // page)].long()
+        torch.testing.assert_close(k[pages].flatten(0, 1)[:n], k_rows[index[start:start + n]], rtol=0, atol=0)
+        torch.testing.assert_close(v[pages].flatten(0, 1)[:n], v_rows[index[start:start + n]], rtol=0, atol=0)
+    hft.check_paged_cache_view(index, cu_k, table, page)
+
+
+def test_allocator_pages_fall_back_where_they_cannot_read_in_place():
+    alloc = _Allocator(16)
+    index = alloc.read_index([20], [[3, 5]])
+    assert hft.allocator_pages(alloc, 0, index[:0]) is None  # nothing cached: the update's write-only case
+    sliding = _Allocator(16)
+    sliding.supports_block_table = False  # a sliding group's ring
+    assert hft.allocator_pages(sliding, 0, index) is None
+    assert hft.allocator_pages(object(), 0, index) is None
+
+
 @pytest.fixture
 def checked_cb(registered, fake_varlen, monkeypatch):
     """Continuous batching on the CPU with the float32 stand-in: each varlen
@@ -1235,10 +1322,15 @@ def test_continuous_batching_matches_paged_sdpa_cpu(checked_cb, fake_varlen, blo
     assert any(cu_q[-1] > len(cu_q) - 1 and cu_k[-1] > cu_q[-1] for cu_q, cu_k, _, _ in checked_cb), \
         "a prefill chunk beside cached keys"
     assert all(call["causal"] and call["window_size"] == (-1, -1) for call in fake_varlen)
+    cached = [k_dim for cu_q, cu_k, k_dim, _ in checked_cb if cu_k[-1] > cu_q[-1]]
+    if _cb_era() == "layer":
+        # transformers 5.24 on reads every cached key back before the call: none is read in place.
+        assert cached and all(k_dim == 3 for k_dim in cached)
+        return
     in_place = [call for call in fake_varlen if call.get("block_table") is not None]
     assert in_place and all(call["k"].shape[1] == page for call in in_place)
     # Steps with cached keys read them in place; only prefills with nothing cached pass k itself.
-    assert all(k_dim == 4 for cu_q, cu_k, k_dim, _ in checked_cb if cu_k[-1] > cu_q[-1])
+    assert all(k_dim == 4 for k_dim in cached)
 
 
 def test_continuous_batching_sliding_layers_and_shared_prefixes_cpu(checked_cb):
@@ -1264,6 +1356,11 @@ def test_continuous_batching_sliding_layers_and_shared_prefixes_cpu(checked_cb):
     out = _generate_batch(_set_attn(model, NAME), prompts)
     assert out == ref and all(len(t) == 6 for t in out.values())
     cached = [(k_dim, window) for cu_q, cu_k, k_dim, window in checked_cb if cu_k[-1] > cu_q[-1]]
+    if _cb_era() == "layer":
+        # transformers 5.24 on reads every cached key back before the call (a window wider than
+        # every request's keys is then no window: _window_size).
+        assert cached and all(k_dim == 3 and window == (-1, -1) for k_dim, window in cached)
+        return
     assert (4, (-1, -1)) in cached, "the full attention layer read in place"
     assert (3, (4095, 0)) in cached, "the sliding layer read back packed"
     assert all(window == (4095, 0) for k_dim, window in cached if k_dim == 3)

@@ -76,13 +76,16 @@ The backend computes exactly what SDPA computes, or raises:
 * attention sinks (gpt-oss's ``s_aux``) become flash-attn's
   ``learnable_sink``, forward and backward (the sink's gradient included);
 * dropout > 0 and position biases raise ``NotImplementedError``;
-* continuous batching (``generate_batch``): transformers runs the model
-  under ``"paged|hopper_flash"`` (registered too,
-  :func:`hopper_flash_paged_attention_forward`): the paged cache's
-  ``update`` writes the new keys, and one varlen call per layer runs prefill
-  chunks and decodes together, reading a full attention layer's keys in
-  place through a block table (sliding-window layers: read back packed
-  by ``update`` first);
+* continuous batching (``generate_batch``): one varlen call per layer runs
+  prefill chunks and decodes together. transformers up to 5.18 runs the
+  model under ``"paged|hopper_flash"`` (registered too,
+  :func:`hopper_flash_paged_attention_forward`), 5.19-5.23 under
+  ``"hopper_flash"`` with the paged cache in the call: the cache's
+  ``update`` writes the new keys and a full attention layer's keys are read
+  in place through a block table (sliding-window layers: read back packed
+  by ``update`` first). From 5.24 the model's layer updates the cache
+  before the call, which then gets every cached key read back packed (the
+  section "Continuous batching" below);
 * ``query``/``key``/``value`` arrive as ``[batch, heads, seq, head_dim]`` and
   are handed to :func:`hopper_flash.flash_attn_func` as BSHD views
   (``.transpose(1, 2)``, no copy); k/v keep their own number of heads (GQA is
@@ -240,6 +243,11 @@ def hopper_flash_attention_forward(
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError("query, key and value must be 4-D [batch, heads, seq, head_dim], got shapes "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+
+    cache = kwargs.get("cache")
+    if cache is not None and hasattr(cache, "layer_to_allocator"):
+        # transformers 5.19-5.23's continuous batching: the keys are ours to write (_paged_step).
+        return _paged_step(module, query, key, value, cache, scaling, sliding_window, softcap, kwargs), None
 
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     # As transformers' sdpa/flash backends: the call's is_causal wins over the module's.
@@ -553,8 +561,129 @@ def _run_packed(query, key, value, packed, is_causal, scaling, window_size=(-1, 
 
 
 # --------------------------------------------------------------------------
-# Continuous batching: the paged form of the name
+# Continuous batching (generate_batch)
 # --------------------------------------------------------------------------
+# transformers has handed a step's paged cache to the attention function in
+# three ways. Every request's new tokens come packed in one row (query
+# [1, heads, total_q, head_dim]) with cu_seq_lens_q / cu_seq_lens_k (per
+# layer type where a model mixes sliding and full layers) and the cache's
+# read_index / write_index, and each way ends in one varlen call per layer,
+# bottom-right causal per request, prefill chunks and decodes together, no
+# host sync:
+# - up to 5.18 the model runs under "paged|hopper_flash"
+#   (hopper_flash_paged_attention_forward), which gets ``cache`` and writes
+#   the new keys itself (``cache.update(key_states, value_states, layer_idx,
+#   read_index, write_index)``);
+# - 5.19-5.23 drop "paged|" from the name: hopper_flash_attention_forward
+#   gets ``cache`` and writes them (``cache.update(..., kwargs=kwargs)``,
+#   which also picks the layer's cu_seq_lens_k and max_length_k):
+#   _paged_step;
+# - from 5.24 the model's layer calls ``cache.update`` before attention, so
+#   hopper_flash_attention_forward gets every request's keys read back
+#   packed and the layer's cu_seq_lens_k: the packed path
+#   (_packed_from_kwargs).
+# In the first two a full attention layer's keys are read where the cache
+# keeps them, through a block table built on the device from the read index
+# (the update only writes); in the third transformers has read them back (a
+# copy of every cached key, per layer and step) before the call.
+def _cb_varlen(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling, window_size, softcap, sink,
+               block_table=None, index=None) -> torch.Tensor:
+    """A continuous-batching step's varlen call: ``query`` [1, heads,
+    total_q, head_dim]; ``key``/``value`` THD [total_k, heads_kv, head_dim],
+    or page pools [pages, page, heads_kv, head_dim] with ``block_table``,
+    which was built from ``index`` (the read index: the table is checked
+    against it under ``HOPPER_FLASH_CHECK_VARLEN=1``, and the split count
+    read from it). Returns [total_q, heads, head_dim_v]."""
+    num_splits = 0
+    if block_table is not None:
+        if dispatch._check_contract_requested(None):
+            check_paged_cache_view(index, cu_k, block_table, key.shape[1])
+        num_splits = skew_splits(query, key, value, index, cu_k, max_q, max_k)
+    import hopper_flash  # attribute looked up per call: the public entry point
+
+    return hopper_flash.flash_attn_varlen_func(
+        query[0].transpose(0, 1), key, value, cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=True,
+        window_size=window_size, softcap=0.0 if softcap is None else softcap, learnable_sink=sink,
+        block_table=block_table, num_splits=num_splits)
+
+
+def _paged_step(module, query, key, value, cache, scaling, sliding_window, softcap, kwargs) -> torch.Tensor:
+    """A continuous-batching call under transformers 5.19-5.23 (above).
+    ``cache`` is its ``PagedAttentionCache``, whose allocator for this layer
+    (``cache.layer_to_allocator``) keeps a full attention group's keys in
+    pages and a sliding group's in a ring. A full attention layer with keys
+    cached has the update write the new keys only (its read index emptied,
+    in a copy of the kwargs) and reads every key in place
+    (:func:`allocator_pages`); any other layer has the update read each
+    request's keys back packed, as transformers' own paths do. Returns
+    [1, total_q, heads, head_dim_v]."""
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise ValueError("continuous batching passes its packed batch as query [1, heads, total_q, head_dim], "
+                         f"got shape {tuple(query.shape)}")
+    if kwargs.get("block_table") is not None:
+        # transformers builds block tables only for FlashAttention 2/3 names
+        # (its flash_attn_with_kvcache decode path), never for this one.
+        raise NotImplementedError(f"`{NAME}` reads the paged cache through its own block table, built from the "
+                                  "step's read index; transformers' decode fast path (a block table for "
+                                  "FlashAttention's flash_attn_with_kvcache) is not its route: set the continuous "
+                                  "batching config's max_blocks_per_request to 0")
+    layer = module.layer_idx
+    allocator = cache.layer_to_allocator[layer]
+    kw = dict(kwargs)  # cache.update picks this layer's entries in place
+    read_index = kw["read_index"]
+    index = read_index[allocator.index]
+    pages = allocator_pages(allocator, layer, index)
+    if pages is not None:
+        kw["read_index"] = [r[:0] if i == allocator.index else r for i, r in enumerate(read_index)]
+    key, value = cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=kw)
+    cu_k, max_k = kw["cu_seq_lens_k"].to(torch.int32), int(kw["max_length_k"])
+    cu_q, max_q = kw["cu_seq_lens_q"].to(torch.int32), int(kw["max_length_q"])
+    if sliding_window is None:
+        sliding_window = getattr(module, "sliding_window", None)
+    window_size = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+    sink = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    if pages is None:
+        out = _cb_varlen(query, key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k, max_q, max_k,
+                         scaling, window_size, softcap, sink)
+    else:
+        k_pages, v_pages, page = pages
+        out = _cb_varlen(query, k_pages, v_pages, cu_q, cu_k, max_q, max_k, scaling, window_size, softcap, sink,
+                         block_table=_block_table(index, cu_k, max_k, page), index=index)
+    return out.unsqueeze(0)
+
+
+def allocator_pages(allocator, layer_idx: int, index: torch.Tensor):
+    """A full attention layer's page pools in the paged cache of
+    transformers 5.19 and later: ``(k_pages, v_pages, page)``, pools
+    ``[pages, page, heads_kv, head_dim]`` for
+    ``flash_attn_varlen_func(block_table=...)``, or None where the layer is
+    not read in place (a sliding group's ring, nothing cached yet, another
+    layout).
+
+    The allocator's ``get_cache_for_block_table`` views the layer's keys as
+    pages of ``tokens_per_page`` tokens (the cache interleaves a group's
+    layers page by page), and the read index holds each key's row in that
+    view; a request's keys fill whole pages in order, so key ``j``'s row is
+    its page's first row plus ``j % tokens_per_page``. Viewed as pages of
+    ``page`` keys (the largest power of two dividing ``tokens_per_page``,
+    at most ``MAX_PAGE``), request ``b``'s page ``p`` is ``index[cu_k[b] + p
+    * page] // page`` (:func:`_block_table`)."""
+    if not getattr(allocator, "supports_block_table", False) or index.numel() == 0:
+        return None
+    get_pages = getattr(allocator, "get_cache_for_block_table", None)
+    tokens = getattr(allocator, "tokens_per_page", None)
+    if get_pages is None or not isinstance(tokens, int) or tokens <= 0:
+        return None
+    k_pages, v_pages = get_pages(layer_idx)
+    if (k_pages.dim() != 4 or k_pages.shape != v_pages.shape or k_pages.shape[1] != tokens
+            or not k_pages.is_contiguous() or not v_pages.is_contiguous()):
+        return None
+    page = min(tokens & -tokens, MAX_PAGE)
+    if page != tokens:
+        k_pages, v_pages = (x.view(-1, page, *x.shape[2:]) for x in (k_pages, v_pages))
+    return k_pages, v_pages, page
+
+
 def hopper_flash_paged_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -614,33 +743,23 @@ def hopper_flash_paged_attention_forward(
         cu_k, max_k = cu_k[layer_type], max_k[layer_type]
     cu_k, max_k = cu_k.to(torch.int32), int(max_k)
     read_index, write_index = kwargs["read_index"], kwargs["write_index"]
-    num_splits = 0
     view = None if sliding else paged_cache_view(cache, module.layer_idx, read_index, cu_k, max_k)
+    sink = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    cu_q, max_q = kwargs["cu_seq_lens_q"].to(torch.int32), int(kwargs["max_seqlen_q"])
     if view is None:
         # The new keys into the cache, and each request's keys back, packed [total_k, heads_kv, head_dim].
         key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                                   read_index=read_index, write_index=write_index)
-        block_table = None
-    else:
-        # The new keys into the cache only (update's write-only case: an empty read index), then
-        # the requests' keys read in place from the page pools.
-        group = cache.layer_index_to_group_indices[module.layer_idx][0]
-        write_only = [r[:0] if i == group else r for i, r in enumerate(read_index)]
-        cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=write_only,
-                     write_index=write_index)
-        key, value, block_table = view
-        if dispatch._check_contract_requested(None):
-            check_paged_cache_view(read_index[group], cu_k, block_table, key.shape[1])
-        num_splits = skew_splits(query, key, value, read_index[group], cu_k, int(kwargs["max_seqlen_q"]), max_k)
-    sink = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
-    import hopper_flash  # attribute looked up per call: the public entry point
-
-    out = hopper_flash.flash_attn_varlen_func(
-        query[0].transpose(0, 1), key, value, kwargs["cu_seq_lens_q"].to(torch.int32), cu_k,
-        int(kwargs["max_seqlen_q"]), max_k, softmax_scale=scaling, causal=True, window_size=window_size,
-        softcap=0.0 if softcap is None else softcap, learnable_sink=sink, block_table=block_table,
-        num_splits=num_splits)
-    return out, None
+        return _cb_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, window_size, softcap, sink), None
+    # The new keys into the cache only (update's write-only case: an empty read index), then
+    # the requests' keys read in place from the page pools.
+    group = cache.layer_index_to_group_indices[module.layer_idx][0]
+    write_only = [r[:0] if i == group else r for i, r in enumerate(read_index)]
+    cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=write_only,
+                 write_index=write_index)
+    k_pages, v_pages, block_table = view
+    return _cb_varlen(query, k_pages, v_pages, cu_q, cu_k, max_q, max_k, scaling, window_size, softcap, sink,
+                      block_table=block_table, index=read_index[group]), None
 
 
 def skew_splits(query, k_pages, v_pages, index, cu_k, max_q: int, max_k: int) -> int:
