@@ -1169,12 +1169,20 @@ class _PagedCache:
         return torch.tensor([blocks[b][j // bs] * bs + j % bs for b, n in enumerate(lengths) for j in range(n)])
 
 
+def _requests(block_size):
+    """Four requests for a cache of ``block_size``-key blocks: ``(num_blocks,
+    key counts, each request's blocks in order)``, one request empty, one
+    ending inside a block."""
+    if block_size < 2048:
+        per_block = min(block_size, 40)
+        return 12, [3 * per_block - 1, 1, per_block, 0], [[7, 2, 9], [4], [0, 11], []]
+    return 3, [2049, 1, 0, 5], [[2, 0], [1], [], [0]]
+
+
 @pytest.mark.parametrize("block_size,page", [(16, 16), (12, 4), (6, 2), (2048, 1024)])
 def test_paged_cache_view_reads_each_request_where_transformers_put_it(block_size, page):
-    cache = _PagedCache(block_size, num_blocks=12 if block_size < 2048 else 3)
-    per_block = min(block_size, 40)
-    lengths = [3 * per_block - 1, 1, per_block, 0] if block_size < 2048 else [2049, 1, 0, 5]
-    blocks = [[7, 2, 9], [4], [0, 11], []] if block_size < 2048 else [[2, 0], [1], [], [0]]
+    num_blocks, lengths, blocks = _requests(block_size)
+    cache = _PagedCache(block_size, num_blocks=num_blocks)
     index = cache.read_index(lengths, blocks)
     cu_k = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     k, v, table = hft.paged_cache_view(cache, 0, [index], cu_k, max(lengths))
@@ -1240,10 +1248,8 @@ def test_allocator_pages_read_each_request_where_transformers_put_it(tokens, pag
     _paged_step): the pools and the block table built from the read index
     name every key's row in the layer's own view, for either layer of an
     interleaved group; the opt-in check agrees."""
-    alloc = _Allocator(tokens, num_blocks=12 if tokens < 2048 else 3)
-    per_block = min(tokens, 40)
-    lengths = [3 * per_block - 1, 1, per_block, 0] if tokens < 2048 else [2049, 1, 0, 5]
-    blocks = [[7, 2, 9], [4], [0, 11], []] if tokens < 2048 else [[2, 0], [1], [], [0]]
+    num_blocks, lengths, blocks = _requests(tokens)
+    alloc = _Allocator(tokens, num_blocks=num_blocks)
     index = alloc.read_index(lengths, blocks)
     cu_k = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     k, v, got_page = hft.allocator_pages(alloc, layer, index)
