@@ -857,9 +857,9 @@ def check_paged_cache_view(index: torch.Tensor, cu_k: torch.Tensor, block_table:
         j = torch.arange(n, device=index.device)
         placed = block_table[b].long()[j // page] * page + j % page
         if not torch.equal(placed, index[bounds[b]:bounds[b + 1]]):
-            raise ValueError(f"`{PAGED_NAME}`: request {b}'s keys are not whole blocks of the paged cache in "
-                             f"order (read_index disagrees with the block table built from it): this "
-                             f"transformers' cache layout is not the one hopper_flash reads in place")
+            raise ValueError(f"{NAME} (continuous batching): request {b}'s keys are not whole blocks of the paged "
+                             "cache in order (read_index disagrees with the block table built from it): this "
+                             "transformers' cache layout is not the one hopper_flash reads in place")
 
 
 # --------------------------------------------------------------------------
