@@ -1,5 +1,6 @@
 """transformers continuous batching (``generate_batch``) end to end with
-"paged|hopper_flash" against "paged|sdpa" on the same random Llama-shaped
+"hopper_flash" against "paged|sdpa" ("sdpa" from transformers 5.19, which
+dropped the "paged|" names) on the same random Llama-shaped
 model (bf16, GQA 32/8, D=128): wall time per batch and tokens per second,
 after one warm-up batch each. Random weights leave the logits nearly tied, so
 greedy tokens differ between backends (and bf16 runs); each backend's last
@@ -14,6 +15,7 @@ import time
 
 import torch
 import transformers
+from packaging.version import Version
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from hopper_flash.integrations import transformers as hft
@@ -42,7 +44,8 @@ def main():
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}; "
           f"{args.layers} layers, {args.requests} requests of {min(lengths)}..{max(lengths)} prompt tokens, "
           f"{args.new} new")
-    for impl in ("paged|sdpa", hft.NAME, "paged|sdpa", hft.NAME):
+    sdpa = "paged|sdpa" if Version(transformers.__version__) < Version("5.19.0.dev0") else "sdpa"
+    for impl in (sdpa, hft.NAME, sdpa, hft.NAME):
         model.set_attn_implementation(impl)
         cb = ContinuousBatchingConfig(block_size=256, num_blocks=2048, max_batch_tokens=4096)
         torch.cuda.synchronize()
