@@ -10,6 +10,7 @@ causal alignment and the mask handling of cached calls.
 GPU tests (``gpu`` marker): the same model in bf16 on a Hopper GPU with the
 real kernel, against "sdpa".
 """
+import functools
 import math
 import sys
 
@@ -38,6 +39,7 @@ def _llama(seed=0, **overrides):
     return transformers.LlamaForCausalLM(_llama_config(**overrides)).eval()
 
 
+@functools.lru_cache(maxsize=None)
 def _cb_era() -> str:
     """How this transformers' continuous batching reaches the attention
     function (hopper_flash/integrations/transformers.py): "paged" up to 5.18

@@ -132,6 +132,13 @@ _SINK_NAMES = frozenset(("s_aux", "sinks"))
 _PACKED_NAMES = frozenset(("cu_seq_lens_q", "cu_seq_lens_k"))
 
 
+def _sink(kwargs) -> torch.Tensor | None:
+    """The attention sinks of a call (gpt-oss's ``s_aux``, or ``sinks``), or None."""
+    if _SINK_NAMES.isdisjoint(kwargs):
+        return None
+    return kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+
+
 def _import_transformers():
     try:
         import transformers
@@ -259,9 +266,7 @@ def hopper_flash_attention_forward(
         packed = _packed_from_position_ids(kwargs.get("position_ids"), query, key, getattr(module, "layer_idx", None))
     window_size = (-1, -1) if sliding_window is None else _window_size(sliding_window, seqlen_k)
     softcap = 0.0 if softcap is None else checks.check_softcap(softcap)
-    sink = None
-    if not _SINK_NAMES.isdisjoint(kwargs):
-        sink = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    sink = _sink(kwargs)
     if packed is not None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
         if packed is not None:
             return _run_packed(query, key, value, packed, bool(is_causal), scaling, window_size, softcap,
@@ -586,14 +591,17 @@ def _run_packed(query, key, value, packed, is_causal, scaling, window_size=(-1, 
 # keeps them, through a block table built on the device from the read index
 # (the update only writes); in the third transformers has read them back (a
 # copy of every cached key, per layer and step) before the call.
-def _cb_varlen(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling, window_size, softcap, sink,
+def _cb_varlen(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling, sliding_window, softcap, kwargs,
                block_table=None, index=None) -> torch.Tensor:
     """A continuous-batching step's varlen call: ``query`` [1, heads,
     total_q, head_dim]; ``key``/``value`` THD [total_k, heads_kv, head_dim],
     or page pools [pages, page, heads_kv, head_dim] with ``block_table``,
     which was built from ``index`` (the read index: the table is checked
     against it under ``HOPPER_FLASH_CHECK_VARLEN=1``, and the split count
-    read from it). Returns [total_q, heads, head_dim_v]."""
+    read from it). A layer's ``sliding_window`` is flash-attn's ``(w - 1,
+    0)``; sinks come from the call's ``kwargs``. Returns [total_q, heads,
+    head_dim_v]."""
+    window_size = (sliding_window - 1, 0) if sliding_window else (-1, -1)
     num_splits = 0
     if block_table is not None:
         if dispatch._check_contract_requested(None):
@@ -603,7 +611,7 @@ def _cb_varlen(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling, w
 
     return hopper_flash.flash_attn_varlen_func(
         query[0].transpose(0, 1), key, value, cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=True,
-        window_size=window_size, softcap=0.0 if softcap is None else softcap, learnable_sink=sink,
+        window_size=window_size, softcap=0.0 if softcap is None else softcap, learnable_sink=_sink(kwargs),
         block_table=block_table, num_splits=num_splits)
 
 
@@ -617,7 +625,7 @@ def _paged_step(module, query, key, value, cache, scaling, sliding_window, softc
     (:func:`allocator_pages`); any other layer has the update read each
     request's keys back packed, as transformers' own paths do. Returns
     [1, total_q, heads, head_dim_v]."""
-    if query.dim() != 4 or query.shape[0] != 1:
+    if query.shape[0] != 1:  # (4-D: checked by the caller)
         raise ValueError("continuous batching passes its packed batch as query [1, heads, total_q, head_dim], "
                          f"got shape {tuple(query.shape)}")
     if kwargs.get("block_table") is not None:
@@ -634,22 +642,27 @@ def _paged_step(module, query, key, value, cache, scaling, sliding_window, softc
     index = read_index[allocator.index]
     pages = allocator_pages(allocator, layer, index)
     if pages is not None:
-        kw["read_index"] = [r[:0] if i == allocator.index else r for i, r in enumerate(read_index)]
+        kw["read_index"] = _write_only(read_index, allocator.index)
     key, value = cache.update(key_states=key, value_states=value, layer_idx=layer, kwargs=kw)
     cu_k, max_k = kw["cu_seq_lens_k"].to(torch.int32), int(kw["max_length_k"])
     cu_q, max_q = kw["cu_seq_lens_q"].to(torch.int32), int(kw["max_length_q"])
     if sliding_window is None:
         sliding_window = getattr(module, "sliding_window", None)
-    window_size = (sliding_window - 1, 0) if sliding_window else (-1, -1)
-    sink = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
     if pages is None:
         out = _cb_varlen(query, key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k, max_q, max_k,
-                         scaling, window_size, softcap, sink)
+                         scaling, sliding_window, softcap, kwargs)
     else:
         k_pages, v_pages, page = pages
-        out = _cb_varlen(query, k_pages, v_pages, cu_q, cu_k, max_q, max_k, scaling, window_size, softcap, sink,
-                         block_table=_block_table(index, cu_k, max_k, page), index=index)
+        out = _cb_varlen(query, k_pages, v_pages, cu_q, cu_k, max_q, max_k, scaling, sliding_window, softcap,
+                         kwargs, block_table=_block_table(index, cu_k, max_k, page), index=index)
     return out.unsqueeze(0)
+
+
+def _write_only(read_index: list, group: int) -> list:
+    """The step's read indices with ``group``'s emptied: ``cache.update``
+    then only writes that group's new keys (its no-read case) and returns
+    them, which the in-place routes do not use."""
+    return [r[:0] if i == group else r for i, r in enumerate(read_index)]
 
 
 def allocator_pages(allocator, layer_idx: int, index: torch.Tensor):
@@ -736,7 +749,6 @@ def hopper_flash_paged_attention_forward(
         raise ValueError(f"`{PAGED_NAME}` takes the packed batch as query [1, heads, total_q, head_dim], got "
                          f"shape {tuple(query.shape)}")
     sliding = getattr(module, "sliding_window", None)
-    window_size = (sliding - 1, 0) if sliding else (-1, -1)
     cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_k"]
     if isinstance(cu_k, dict):  # per layer type, for models mixing sliding and full layers
         layer_type = "sliding_attention" if sliding else "full_attention"
@@ -744,21 +756,19 @@ def hopper_flash_paged_attention_forward(
     cu_k, max_k = cu_k.to(torch.int32), int(max_k)
     read_index, write_index = kwargs["read_index"], kwargs["write_index"]
     view = None if sliding else paged_cache_view(cache, module.layer_idx, read_index, cu_k, max_k)
-    sink = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
     cu_q, max_q = kwargs["cu_seq_lens_q"].to(torch.int32), int(kwargs["max_seqlen_q"])
     if view is None:
         # The new keys into the cache, and each request's keys back, packed [total_k, heads_kv, head_dim].
         key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
                                   read_index=read_index, write_index=write_index)
-        return _cb_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, window_size, softcap, sink), None
+        return _cb_varlen(query, key, value, cu_q, cu_k, max_q, max_k, scaling, sliding, softcap, kwargs), None
     # The new keys into the cache only (update's write-only case: an empty read index), then
     # the requests' keys read in place from the page pools.
     group = cache.layer_index_to_group_indices[module.layer_idx][0]
-    write_only = [r[:0] if i == group else r for i, r in enumerate(read_index)]
-    cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, read_index=write_only,
-                 write_index=write_index)
+    cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                 read_index=_write_only(read_index, group), write_index=write_index)
     k_pages, v_pages, block_table = view
-    return _cb_varlen(query, k_pages, v_pages, cu_q, cu_k, max_q, max_k, scaling, window_size, softcap, sink,
+    return _cb_varlen(query, k_pages, v_pages, cu_q, cu_k, max_q, max_k, scaling, sliding, softcap, kwargs,
                       block_table=block_table, index=read_index[group]), None
 
 
