@@ -24,11 +24,11 @@ for round in $(seq "${AB_ROUNDS:-2}"); do
   for cfg in "${configs[@]}"; do
     tag=$(basename "$cfg" .json)
     for side in "$image" "$version"; do
-      if [ "$side" = "$image" ]; then path=.; else path=$site:.; fi
+      # -P: the checkout's package through PYTHONPATH only; TRITON_BACKENDS_IN_TREE
+      # for the tarball's triton, which has no AMD backend (triton_gpu_tarball.sh).
+      if [ "$side" = "$image" ]; then env=(PYTHONPATH=.); else env=(PYTHONPATH="$site:." TRITON_BACKENDS_IN_TREE=1); fi
       echo "== $tag, triton $side, round $round"
-      # -P: the checkout's package through PYTHONPATH only; TRITON_BACKENDS_IN_TREE:
-      # the tarball has no AMD backend (triton_gpu_tarball.sh).
-      TRITON_BACKENDS_IN_TREE=1 PYTHONPATH=$path timeout "${AB_TIMEOUT:-240}" python -P -m hopper_flash.bench \
+      env "${env[@]}" timeout "${AB_TIMEOUT:-240}" python -P -m hopper_flash.bench \
         --quiet --rep-ms "${REP_MS:-100}" --warmup-ms 30 --config "$cfg" --backends hopper_flash sdpa-cudnn "$@" \
         --json "$OUT/ab-$tag-$side-$round.json" 2>&1 | grep -v -E '^(nanobind| - leaked| - \.\.\. skipped|See https://nanobind)' | tail -14
     done
